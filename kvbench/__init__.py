@@ -1,0 +1,20 @@
+"""kvbench: a benchmark suite for KV-cache quantization in LLM inference.
+
+Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.method.Method`,
+:class:`~kvbench.layer.LayerCache`.
+"""
+
+from .method import Capabilities, CacheConfig, Method, MethodConfig
+from .registry import get_method, get_method_class, list_methods
+
+__version__ = "0.1.0"
+__all__ = [
+    "CacheConfig",
+    "Capabilities",
+    "Method",
+    "MethodConfig",
+    "get_method",
+    "get_method_class",
+    "list_methods",
+    "__version__",
+]

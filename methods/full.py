@@ -1,0 +1,39 @@
+"""``full``: the unquantized baseline (design.md §2).
+
+Keys and values are stored in the model's dtype, exactly as transformers' ``DynamicCache``;
+key MSE, attention KL and next-token KL against it are 0 by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.layer import LayerCache
+from kvbench.method import Capabilities, Method, MethodConfig
+
+
+@dataclass(frozen=True)
+class FullConfig(MethodConfig):
+    """No fields: nothing is quantized."""
+
+
+class FullPrecision(Method):
+    """Full-precision KV cache: ``[B, H_kv, T, D]`` keys and values in the model dtype."""
+
+    Config = FullConfig
+    description = "unquantized baseline: K/V in the model's dtype"
+    source = "design.md §2 (baseline)"
+    capabilities = Capabilities(cuda_graphs=False)
+
+    def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                  ) -> LayerCache:
+        return LayerCache(None, None)
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
+
+    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
+        return self.key_bit_terms(head_dim)

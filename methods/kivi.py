@@ -1,0 +1,50 @@
+"""``kivi``: KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache",
+ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI at 876b4d2).
+
+Keys per-channel (one fp16 (scale, min) per channel per ``group_size`` tokens, §3.2), values
+per-token (groups of ``value_group_size`` channels).  Flush rules exactly as spec §3
+(``models/llama_kivi.py``): at prefill the keys quantize ``T - T mod R`` tokens (all of them when
+``T % R == 0``), the values all but the newest ``R``; while decoding the key residual cycles
+0..R-1 (a full residual of R keys is quantized as R/G groups after the step's attention) and the
+values keep a sliding window of exactly ``R`` tokens.
+
+Defaults are the PN-Mix Table 10 key configuration (2 bits, G = R = 128, no sinks) with
+``value_bits=16`` (the paper's main b_V = 16 setting); ``value_bits=2`` is KIVI-2.
+Nominal key bits ``bits + 32 / G`` (2.25 / 2.50 / 3.00 for G = 128 / 64 / 32; Table 14).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.blocks import Codec, PerChannelCodec
+from kvbench.method import CacheConfig, Capabilities, Method
+from kvbench.quant import check_bits
+
+
+@dataclass(frozen=True)
+class KIVIConfig(CacheConfig):
+    """``bits``: key code width (1..8); other fields: :class:`kvbench.method.CacheConfig`."""
+
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bits(self.bits, "bits")
+
+
+class KIVI(Method):
+    """KIVI: per-channel keys, per-token values, full-precision residual of R tokens."""
+
+    Config = KIVIConfig
+    description = "KIVI: per-channel keys (G tokens), per-token values, fp residual R"
+    source = "Liu et al., ICML'24, arXiv 2402.02750, §3.2-3.3; spec §3"
+    capabilities = Capabilities()
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> Codec:
+        c = self.config
+        return PerChannelCodec(c.bits, c.torch_scale_dtype, group_size=c.group_size)
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        c = self.config
+        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.group_size, "m_sal": 0}
