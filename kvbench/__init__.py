@@ -4,7 +4,7 @@ Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.method.Me
 :class:`~kvbench.layer.LayerCache`.
 """
 
-from .method import Capabilities, CacheConfig, Method, MethodConfig
+from .method import CacheConfig, Capabilities, Method, MethodConfig
 from .registry import get_method, get_method_class, list_methods
 
 __version__ = "0.1.0"

@@ -115,7 +115,10 @@ class AffineBlock:
 
     def cat(self, other: AffineBlock) -> AffineBlock:
         if (other.bits, other.symmetric, other.midpoint, other.scale.shape[-1]) != (
-            self.bits, self.symmetric, self.midpoint, self.scale.shape[-1]
+            self.bits,
+            self.symmetric,
+            self.midpoint,
+            self.scale.shape[-1],
         ):
             raise ValueError("cannot concatenate blocks of different quantizer settings")
         return replace(
@@ -150,8 +153,12 @@ class AffineBlock:
                 return t
             return t.index_select(0, idx.to(t.device))
 
-        return replace(self, codes=self.codes.index_select(0, idx.to(self.codes.device)),
-                       scale=sel(self.scale), zero=sel(self.zero))
+        return replace(
+            self,
+            codes=self.codes.index_select(0, idx.to(self.codes.device)),
+            scale=sel(self.scale),
+            zero=sel(self.zero),
+        )
 
 
 def cat_blocks(a: Block | None, b: Block | None) -> Block | None:
@@ -201,14 +208,25 @@ class AffineCodec:
         return None
 
     def _quantize(self, groups: torch.Tensor):
-        return quantize_groups(groups, self.bits, symmetric=self.symmetric,
-                               midpoint=self.midpoint and self.bits == 1,
-                               scale_dtype=self.scale_dtype)
+        return quantize_groups(
+            groups,
+            self.bits,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+            scale_dtype=self.scale_dtype,
+        )
 
     def _block(self, codes, q, group_len, head_dim) -> AffineBlock:
-        return AffineBlock(pack_bits(codes, self.bits), q.scale, q.zero, group_len, self.bits,
-                           head_dim, symmetric=self.symmetric,
-                           midpoint=self.midpoint and self.bits == 1)
+        return AffineBlock(
+            pack_bits(codes, self.bits),
+            q.scale,
+            q.zero,
+            group_len,
+            self.bits,
+            head_dim,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+        )
 
 
 @dataclass
@@ -228,7 +246,9 @@ class PerChannelCodec(AffineCodec):
         b, h, n, d = x.shape
         g = self.group_size
         if n % g:
-            raise ValueError(f"per-channel groups need a multiple of group_size={g} tokens, got {n}")
+            raise ValueError(
+                f"per-channel groups need a multiple of group_size={g} tokens, got {n}"
+            )
         xg = x.reshape(b, h, n // g, g, d).transpose(-1, -2)  # [B, H, NP, D, G]
         q = self._quantize(xg)
         codes = q.codes.transpose(-1, -2).reshape(b, h, n, d)

@@ -65,8 +65,11 @@ class Side:
             self.residual = None
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
-        parts = [self.sinks, None if self.block is None else self.block.dequantize(dtype),
-                 self.residual]
+        parts = [
+            self.sinks,
+            None if self.block is None else self.block.dequantize(dtype),
+            self.residual,
+        ]
         parts = [p.to(dtype) for p in parts if p is not None and p.shape[2] > 0]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
@@ -277,8 +280,11 @@ class LayerCache:
     # ---------------------------------------------------------------- accounting
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
-        return [(name, cat, t) for name, side in (("key", self.k), ("value", self.v))
-                for cat, t in side.tensors()]
+        return [
+            (name, cat, t)
+            for name, side in (("key", self.k), ("value", self.v))
+            for cat, t in side.tensors()
+        ]
 
     def nbytes(self) -> dict[str, int]:
         """Bytes actually held, by category (``codes, scales, metadata, residual, sinks``), per

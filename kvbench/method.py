@@ -129,8 +129,9 @@ class CacheConfig(MethodConfig):
         return cg
 
 
-def average_bits(b_eff: float, m_q: float, group: float, n_sink: int, tokens: int,
-                 m_sal: float = 0.0) -> float:
+def average_bits(
+    b_eff: float, m_q: float, group: float, n_sink: int, tokens: int, m_sal: float = 0.0
+) -> float:
     """Nominal average bits per element (spec §12, PN-Mix Table 10 [RECON])::
 
         (N_s * 16 + T_q * (b_eff + m_q / G + m_sal)) / (T_q + N_s)
@@ -164,7 +165,9 @@ class Method:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.Config):
-            raise ValueError(f"config must be a {self.Config.__name__}, got {type(config).__name__}")
+            raise ValueError(
+                f"config must be a {self.Config.__name__}, got {type(config).__name__}"
+            )
         self.config = config
 
     def __repr__(self) -> str:
@@ -183,23 +186,33 @@ class Method:
         c = self.config
         if c.value_bits == 16:
             return None
-        return PerTokenCodec(c.value_bits, c.torch_scale_dtype,
-                             channel_group=c.channel_group(head_dim))
+        return PerTokenCodec(
+            c.value_bits, c.torch_scale_dtype, channel_group=c.channel_group(head_dim)
+        )
 
     def value_schedule(self) -> object:
         c = self.config
         return NeverSchedule() if c.value_bits == 16 else SlidingSchedule(c.residual_length)
 
-    def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                  ) -> LayerCache:
+    def new_layer(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> LayerCache:
         """One empty :class:`LayerCache` for layer ``layer_idx`` with ``num_kv_heads`` heads of
         ``head_dim`` channels.  Raises ``ValueError`` if the config does not fit ``head_dim``."""
         c = self.config
-        return LayerCache(self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim),
-                          self.key_schedule(), self.value_schedule(),
-                          num_sink_tokens=getattr(c, "num_sink_tokens", 0),
-                          needs_queries=self.capabilities.needs_queries)
+        return LayerCache(
+            self.key_codec(layer_idx, head_dim),
+            self.value_codec(layer_idx, head_dim),
+            self.key_schedule(),
+            self.value_schedule(),
+            num_sink_tokens=getattr(c, "num_sink_tokens", 0),
+            needs_queries=self.capabilities.needs_queries,
+        )
 
     # ----------------------------------------------------------- bit budget
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
@@ -210,8 +223,12 @@ class Method:
         c = self.config
         if c.value_bits == 16:
             return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
-        return {"b_eff": c.value_bits, "m_q": c.pair_bits, "group": c.channel_group(head_dim),
-                "m_sal": 0}
+        return {
+            "b_eff": c.value_bits,
+            "m_q": c.pair_bits,
+            "group": c.channel_group(head_dim),
+            "m_sal": 0,
+        }
 
     def average_bits(self, head_dim: int = 128, tokens: int = 32768) -> dict[str, Any]:
         """Nominal bits per key and value element (spec §12) for ``tokens`` quantized tokens.
@@ -223,8 +240,12 @@ class Method:
         kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
         return {
             "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
-            "value_bits": average_bits(vt["b_eff"], vt["m_q"], vt["group"], ns, tokens,
-                                       vt["m_sal"]),
-            "key_terms": kt, "value_terms": vt, "num_sink_tokens": ns, "tokens": tokens,
+            "value_bits": average_bits(
+                vt["b_eff"], vt["m_q"], vt["group"], ns, tokens, vt["m_sal"]
+            ),
+            "key_terms": kt,
+            "value_terms": vt,
+            "num_sink_tokens": ns,
+            "tokens": tokens,
             "head_dim": head_dim,
         }

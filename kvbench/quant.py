@@ -89,8 +89,15 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.to(torch.uint8)
     *lead, n = codes.shape
-    n_pad = (-n) % 8
     c = codes.to(torch.uint8)
+    if bits in (1, 2, 4):  # fast path, same layout: 8/b codes per byte, LSB first
+        per = 8 // bits
+        if n % per:
+            c = torch.nn.functional.pad(c, (0, (-n) % per))
+        c = c.reshape(*lead, -1, per)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
+        return (c << shifts).sum(-1, dtype=torch.uint8)
+    n_pad = (-n) % 8
     if n_pad:
         c = torch.nn.functional.pad(c, (0, n_pad))
     c = c.reshape(*lead, -1, 8)  # [..., n8, 8 codes] -> 8*bits bits = bits bytes
@@ -111,6 +118,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed[..., :n]
     *lead, nbytes = packed.shape
+    if bits in (1, 2, 4):  # fast path of the same layout
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*lead, -1)[..., :n]
     full = (n + 7) // 8 * bits  # bytes covering whole 8-code blocks
     p = packed
     if full > nbytes:

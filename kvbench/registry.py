@@ -142,8 +142,14 @@ def list_methods() -> list[dict[str, Any]]:
     """
     out = []
     for name, entry in sorted(discover().items()):
-        row: dict[str, Any] = {"name": name, "distribution": entry.dist, "entry_point": entry.value,
-                               "description": "", "capabilities": {}, "error": None}
+        row: dict[str, Any] = {
+            "name": name,
+            "distribution": entry.dist,
+            "entry_point": entry.value,
+            "description": "",
+            "capabilities": {},
+            "error": None,
+        }
         try:
             cls = entry.load()
             row["description"] = cls.description

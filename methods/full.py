@@ -27,9 +27,14 @@ class FullPrecision(Method):
     source = "design.md §2 (baseline)"
     capabilities = Capabilities(cuda_graphs=False)
 
-    def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                  ) -> LayerCache:
+    def new_layer(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> LayerCache:
         return LayerCache(None, None)
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:

@@ -43,5 +43,4 @@ class PerToken(Method):
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         c = self.config
-        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.channel_group(head_dim),
-                "m_sal": 0}
+        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.channel_group(head_dim), "m_sal": 0}

@@ -57,12 +57,20 @@ class Uniform(Method):
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         c = self.config
-        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": self._flush_elements(head_dim),
-                "m_sal": 0}
+        return {
+            "b_eff": c.bits,
+            "m_q": c.pair_bits,
+            "group": self._flush_elements(head_dim),
+            "m_sal": 0,
+        }
 
     def value_bit_terms(self, head_dim: int) -> dict[str, float]:
         c = self.config
         if c.value_bits == 16:
             return super().value_bit_terms(head_dim)
-        return {"b_eff": c.value_bits, "m_q": c.pair_bits,
-                "group": self._flush_elements(head_dim), "m_sal": 0}
+        return {
+            "b_eff": c.value_bits,
+            "m_q": c.pair_bits,
+            "group": self._flush_elements(head_dim),
+            "m_sal": 0,
+        }

@@ -200,8 +200,7 @@ def gsm8k_is_correct(completion: str, gold: str, mode: str = "flexible-extract")
 def ascii_digits(text: str) -> str:
     """Map every Unicode decimal digit (full-width, Bengali, Thai, Telugu...) to ASCII."""
     return "".join(
-        str(unicodedata.decimal(ch)) if not ch.isascii() and ch.isdecimal() else ch
-        for ch in text
+        str(unicodedata.decimal(ch)) if not ch.isascii() and ch.isdecimal() else ch for ch in text
     )
 
 

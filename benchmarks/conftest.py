@@ -1,0 +1,1 @@
+"""Benchmarks are not part of ``make test``; ``make bench-micro`` runs them."""

