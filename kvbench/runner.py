@@ -1,0 +1,161 @@
+"""``kvbench run SUITE [--set key=value ...] [--out DIR]``: execute a suite.
+
+One JSON record per (model, method config, workload) run, written atomically; a run whose
+record exists is skipped, so an interrupted sweep resumes where it stopped.  The ``full``
+baseline (if in the suite) runs first in each workload so every other run gets ``*_ratio``
+metrics against it.  A summary table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .cli import parse_set
+from .manifest import base_manifest
+from .records import load_record, make_run_id, new_record, record_path, write_atomic
+from .registry import get_method
+from .suite import MethodSpec, Suite, load_suite
+from .workloads import Result, Workload, workload_class
+
+BASELINE = "full"
+
+
+@dataclass
+class RunContext:
+    """What workloads share on one model: the model, tokenizer, info and a scratch cache."""
+
+    model: Any = None
+    tokenizer: Any = None
+    model_spec: dict[str, Any] | None = None
+    model_info: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    limit: int | None = None
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_model(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    from .models import load_model
+
+    return load_model(spec["id"], dtype=spec["dtype"], device=spec["device"])
+
+
+def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
+    if not base:
+        return {}
+    out = {}
+    for k, v in metrics.items():
+        b = base.get(k)
+        if b not in (None, 0) and not k.endswith("_ratio") and "_ci_" not in k:
+            out[f"{k}_ratio"] = v / b
+    return out
+
+
+def _ordered(methods: list[MethodSpec]) -> list[MethodSpec]:
+    return sorted(methods, key=lambda m: m.name != BASELINE)
+
+
+def run_suite(
+    suite: Suite,
+    out_dir: str | Path,
+    limit: int | None = None,
+    force: bool = False,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Run every (model, workload, method) of ``suite``; returns the records (new and skipped)."""
+    out_dir = Path(out_dir)
+    torch.manual_seed(suite.seed)
+    if suite.threads:
+        torch.set_num_threads(int(suite.threads))
+    records = []
+    total = len(suite.models) * len(suite.workloads) * len(suite.methods)
+    bar = tqdm(total=total, desc=suite.name, disable=quiet, file=sys.stderr)
+    for model_spec in suite.models:
+        ctx = RunContext(model_spec=model_spec, seed=suite.seed, limit=limit)
+        for wspec in suite.workloads:
+            workload: Workload = workload_class(wspec["type"])(wspec)
+            wl_key = dict(wspec, limit=limit) if limit else wspec
+            baseline: dict[str, float] | None = None
+            prepared = False
+            for mspec in _ordered(suite.methods):
+                method = get_method(mspec.name, **mspec.config)
+                config = method.config.to_dict()
+                rid = make_run_id(model_spec or {}, mspec.name, config, wl_key)
+                path = record_path(out_dir, rid)
+                bar.set_postfix_str(f"{mspec.label} / {wspec['type']}")
+                if path.exists() and not force:
+                    rec = load_record(path)
+                    records.append(rec)
+                    if mspec.name == BASELINE:
+                        baseline = rec["metrics"]
+                    bar.update(1)
+                    continue
+                if model_spec is not None and ctx.model is None:
+                    ctx.model, ctx.tokenizer, ctx.model_info = _load_model(model_spec)
+                if not prepared:
+                    workload.prepare(ctx)
+                    prepared = True
+                t0 = time.perf_counter()
+                result: Result = workload.run(ctx, method)
+                wall = time.perf_counter() - t0
+                metrics = dict(result.metrics)
+                if mspec.name == BASELINE:
+                    baseline = metrics
+                else:
+                    metrics.update(_ratios(metrics, baseline))
+                manifest = base_manifest(model_spec["device"] if model_spec else "cpu", suite.seed)
+                manifest.update(
+                    {
+                        "model": ctx.model_info,
+                        "suite": suite.path,
+                        "label": mspec.label,
+                        "wall_s": round(wall, 3),
+                        **result.info,
+                    }
+                )
+                rec = new_record(
+                    method=mspec.name,
+                    config=config,
+                    model=model_spec or {},
+                    workload=wl_key,
+                    metrics=metrics,
+                    manifest=manifest,
+                    per_layer=result.per_layer,
+                )
+                write_atomic(path, rec)
+                records.append(rec)
+                bar.update(1)
+    bar.close()
+    return records
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", help="suite YAML file")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a suite field by dotted path (seed=1, model.dtype=bfloat16)",
+    )
+    p.add_argument("--out", default=None, help="result folder (default results/<suite name>)")
+    p.add_argument("--limit", type=int, default=None, help="examples/windows per task subset")
+    p.add_argument("--force", action="store_true", help="rerun runs whose record exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    suite = load_suite(args.suite, parse_set(args.set))
+    out = args.out or f"results/{suite.name}"
+    records = run_suite(suite, out, limit=args.limit, force=args.force, quiet=args.quiet)
+    from .report import summary_table
+
+    print(summary_table(records, suite=suite))
+    print(f"\n{len(records)} record(s) in {out}")
+    return 0
