@@ -42,9 +42,16 @@ class RunContext:
 
 
 def _load_model(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    from .models import load_model
+    """Load with kvbench's registered attention function (sdpa numerics; it hands post-RoPE
+    queries to methods that need them and refuses padded batches)."""
+    from .hf_attention import register
+    from .models import load_model, model_info
 
-    return load_model(spec["id"], dtype=spec["dtype"], device=spec["device"])
+    model, tokenizer, info = load_model(
+        spec["id"], dtype=spec["dtype"], device=spec["device"], attn_implementation=register()
+    )
+    model.eval()
+    return model, tokenizer, {**info, **model_info(model)}
 
 
 def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:

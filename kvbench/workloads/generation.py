@@ -1,0 +1,141 @@
+"""``generation``: greedy long-generation agreement and drift against the full-precision cache.
+
+For each fixed prompt (chat template applied when the tokenizer has one), the ``full`` cache
+generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, per method:
+
+* free-running greedy generation with the method's cache: ``gen_first_divergence`` (tokens
+  generated before the first token that differs from the reference; ``new_tokens`` if none)
+  and ``gen_match_rate`` (share of positions equal to the reference);
+* drift: the reference continuation is fed one token at a time (C = 1, exact decode) through
+  the method's cache and its next-token distributions are compared with the reference run's:
+  next-token KL and top-1 agreement per bucket of ``bucket`` decode steps
+  (``drift_kl_b<i>``, ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
+
+Bootstrap intervals over prompts for the first divergence and match rate.
+Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_tokens`` (128),
+``bucket`` (32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..method import Method
+from ..metrics import bootstrap_ci
+from . import Result, Workload
+
+DEFAULT_PROMPTS = [
+    "Explain step by step how a refrigerator keeps food cold, and why it needs electricity.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "A train leaves at 3 pm travelling 60 km/h; a second leaves at 4 pm at 90 km/h on the same "
+    "track. When does the second catch up? Reason carefully.",
+]
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
+    """``[1, n]`` ids of ``prompt`` with the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
+        return ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+@torch.no_grad()
+def greedy(model: Any, ids: torch.Tensor, method: Method, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache."""
+    from ..cache import QuantizedKVCache, cache_kwarg
+
+    cache = QuantizedKVCache(method, model)
+    out = model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        **cache_kwarg(cache, model),
+    )
+    return out[0, ids.shape[1] :].cpu()
+
+
+@torch.no_grad()
+def forced_logprobs(
+    model: Any, ids: torch.Tensor, cont: torch.Tensor, method: Method
+) -> torch.Tensor:
+    """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
+    token at a time through the method's cache after prefilling ``ids``."""
+    from ..cache import QuantizedKVCache, cache_kwarg
+
+    cache = QuantizedKVCache(method, model)
+    kw = cache_kwarg(cache, model)
+    out = model(input_ids=ids, use_cache=True, **kw)
+    rows = [out.logits[0, -1].float()]
+    for tok in cont[:-1]:
+        out = model(input_ids=tok.view(1, 1).to(ids.device), use_cache=True, **kw)
+        rows.append(out.logits[0, -1].float())
+    return torch.log_softmax(torch.stack(rows), dim=-1)
+
+
+class Generation(Workload):
+    type = "generation"
+    PARAMS = {"prompts": None, "new_tokens": 128, "bucket": 32}
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        n, b = spec["new_tokens"], spec["bucket"]
+        if not (isinstance(n, int) and isinstance(b, int) and n >= 1 and b >= 1):
+            raise ValueError(f"{pre}new_tokens and bucket must be positive integers")
+        if spec["prompts"] is not None and not (
+            isinstance(spec["prompts"], list) and all(isinstance(p, str) for p in spec["prompts"])
+        ):
+            raise ValueError(f"{pre}prompts must be a list of strings")
+
+    def prepare(self, ctx: Any) -> None:
+        from ..registry import get_method
+
+        prompts = self.spec["prompts"] or DEFAULT_PROMPTS
+        if ctx.limit is not None:
+            prompts = prompts[: ctx.limit]
+        key = ("generation", tuple(prompts), self.spec["new_tokens"])
+        if key in ctx.shared:
+            self.items = ctx.shared[key]
+            return
+        full = get_method("full")
+        self.items = []
+        for p in prompts:
+            ids = encode_prompt(ctx.tokenizer, p)
+            ref = greedy(ctx.model, ids, full, self.spec["new_tokens"])
+            ref_lp = forced_logprobs(ctx.model, ids, ref, full).to(torch.bfloat16)
+            self.items.append((ids, ref, ref_lp))
+        ctx.shared[key] = self.items
+
+    def run(self, ctx: Any, method: Method) -> Result:
+        n, bucket = self.spec["new_tokens"], self.spec["bucket"]
+        first, match, kl_steps, top1_steps = [], [], [], []
+        for ids, ref, ref_lp in self.items:
+            gen = greedy(ctx.model, ids, method, n)
+            same = (gen == ref).tolist()
+            first.append(same.index(False) if False in same else n)
+            match.append(sum(same) / n)
+            lp = forced_logprobs(ctx.model, ids, ref, method)
+            r = ref_lp.float()
+            kl_steps.append((r.exp() * (r - lp)).sum(-1))
+            top1_steps.append((r.argmax(-1) == lp.argmax(-1)).float())
+        kl, top1 = torch.stack(kl_steps).mean(0), torch.stack(top1_steps).mean(0)
+        metrics = {
+            "gen_first_divergence": sum(first) / len(first),
+            "gen_match_rate": sum(match) / len(match),
+            "next_token_kl": kl.mean().item(),
+            "top1_agreement": top1.mean().item(),
+        }
+        for name, vals in (("gen_first_divergence", first), ("gen_match_rate", match)):
+            metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = bootstrap_ci(
+                vals, seed=ctx.seed
+            )
+        for i in range(0, n, bucket):
+            metrics[f"drift_kl_b{i // bucket}"] = kl[i : i + bucket].mean().item()
+            metrics[f"drift_top1_b{i // bucket}"] = top1[i : i + bucket].mean().item()
+        per = {"first_divergence": first, "match_rate": match}
+        return Result(metrics, per, {"prompts": len(self.items), "bucket": bucket})

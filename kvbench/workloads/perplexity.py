@@ -1,0 +1,130 @@
+"""``perplexity``: perplexity, next-token KL and top-1 agreement while attending to the
+*quantized* past (design.md §2).
+
+Protocol per window of ``tokens`` (T) tokens: prefill ``prefill`` (P) tokens into the method's
+cache, then feed the rest in chunks of ``chunk`` (C) tokens; each chunk attends to the cache's
+quantized past plus full precision within the chunk (C = 1 is exact decode).  Predictions of
+tokens P..T-1 are scored.  The ``full`` cache under the identical schedule is the reference
+(computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
+``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref.
+Bootstrap 95% intervals over windows for the deltas (``*_ci_low``/``*_ci_high``).
+
+Parameters: ``text`` (default ``wikitext2``), ``tokens`` (2048), ``prefill`` (1024), ``chunk``
+(64), ``windows`` (2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..method import Method
+from ..metrics import bootstrap_ci
+from . import Result, Workload
+
+
+@torch.no_grad()
+def chunked_logits(
+    model: Any, ids: torch.Tensor, method: Method, prefill: int, chunk: int
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Log-probabilities ``[T - P, V]`` (float32) predicting tokens ``P..T-1`` of ``ids [1, T]``
+    under the schedule above, and the cache's bytes at the end."""
+    from ..cache import QuantizedKVCache, cache_kwarg
+
+    cache = QuantizedKVCache(method, model)
+    kw = cache_kwarg(cache, model)
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    t = ids.shape[1]
+    out = model(input_ids=ids[:, :prefill], use_cache=True, **kw)
+    logits = [out.logits[:, -1:].float()]
+    for s in range(prefill, t - 1, chunk):
+        e = min(s + chunk, t - 1)
+        out = model(input_ids=ids[:, s:e], use_cache=True, **kw)
+        logits.append(out.logits.float())
+    lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
+    return lp, cache.nbytes()
+
+
+class Perplexity(Workload):
+    type = "perplexity"
+    PARAMS = {"text": "wikitext2", "tokens": 2048, "prefill": 1024, "chunk": 64, "windows": 2}
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        t, p, c, w = spec["tokens"], spec["prefill"], spec["chunk"], spec["windows"]
+        if not all(isinstance(x, int) for x in (t, p, c, w)) or not (0 < p < t) or c < 1 or w < 1:
+            raise ValueError(
+                f"{pre}need integers 0 < prefill < tokens, chunk >= 1, windows >= 1;"
+                f" got tokens={t!r}, prefill={p!r}, chunk={c!r}, windows={w!r}"
+            )
+
+    def prepare(self, ctx: Any) -> None:
+        from ..data import load_text, token_windows
+        from ..registry import get_method
+
+        key = (
+            "perplexity",
+            *(self.spec[k] for k in ("text", "tokens", "prefill", "chunk", "windows")),
+        )
+        if key in ctx.shared:
+            self.windows, self.ref, self.info = ctx.shared[key]
+            return
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if self.spec["tokens"] > max_pos:
+            raise ValueError(
+                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
+            )
+        text, tinfo = load_text(self.spec["text"])
+        n = self.spec["windows"] if ctx.limit is None else min(ctx.limit, self.spec["windows"])
+        self.windows, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], n)
+        full = get_method("full")
+        # reference log-probs kept in bfloat16 to bound memory (T-P x vocab per window)
+        self.ref = [
+            chunked_logits(ctx.model, w[None], full, self.spec["prefill"], self.spec["chunk"])[
+                0
+            ].to(torch.bfloat16)
+            for w in self.windows
+        ]
+        self.info = {"dataset": tinfo, "windows": winfo}
+        ctx.shared[key] = (self.windows, self.ref, self.info)
+
+    def run(self, ctx: Any, method: Method) -> Result:
+        p = self.spec["prefill"]
+        nll, nll_ref, kls, agree = [], [], [], []
+        nbytes: dict[str, int] = {}
+        for w, ref in zip(self.windows, self.ref):
+            lp, nbytes = chunked_logits(ctx.model, w[None], method, p, self.spec["chunk"])
+            ref = ref.float()
+            target = w[p:].to(lp.device)
+            nll.append(-lp.gather(1, target[:, None]).mean().item())
+            nll_ref.append(-ref.gather(1, target[:, None]).mean().item())
+            kl = (ref.exp() * (ref - lp)).sum(-1)
+            kls.append(kl.mean().item())
+            agree.append((ref.argmax(-1) == lp.argmax(-1)).float().mean().item())
+        ppl, ppl_ref = math.exp(sum(nll) / len(nll)), math.exp(sum(nll_ref) / len(nll_ref))
+        deltas = [math.exp(a) - math.exp(b) for a, b in zip(nll, nll_ref)]
+        metrics = {
+            "ppl": ppl,
+            "ppl_ref": ppl_ref,
+            "ppl_delta": ppl - ppl_ref,
+            "next_token_kl": sum(kls) / len(kls),
+            "top1_agreement": sum(agree) / len(agree),
+        }
+        for name, vals in (
+            ("ppl_delta", deltas),
+            ("next_token_kl", kls),
+            ("top1_agreement", agree),
+        ):
+            metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = bootstrap_ci(
+                vals, seed=ctx.seed
+            )
+        if nbytes:
+            metrics["bytes_total"] = nbytes["total"]
+        bits = method.average_bits(head_dim=ctx.model_info.get("head_dim", 128))
+        metrics["nominal_key_bits"] = bits["key_bits"]
+        metrics["nominal_value_bits"] = bits["value_bits"]
+        per = {"window_nll": nll, "window_nll_ref": nll_ref, "window_kl": kls, "window_top1": agree}
+        return Result(metrics, per, self.info)
