@@ -44,9 +44,8 @@ DEFAULT_CONFIG = {"model_type": "llama", "num_hidden_layers": 30, "num_attention
 DEFAULT_EOS = "<|im_end|>"
 META_FILE = "kvbench_meta.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-ROTATE_HALF_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-    "gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo", "olmo2", "granite", "smollm3"})
+ROTATE_HALF_TYPES = frozenset("llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 "
+                              "gemma3_text phi3 gpt_neox olmo olmo2 granite smollm3".split())
 INTERLEAVED_TYPES = frozenset({"gptj", "codegen"})
 
 
@@ -63,16 +62,19 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvbench"
 
 
+def _env_true(*names: str) -> bool:
+    return any(os.environ.get(n, "").strip().lower() in {"1", "true", "yes", "on"} for n in names)
+
+
 def offline_requested() -> bool:
     """True when ``KVBENCH_OFFLINE`` is set to 1/true/yes: skip every hub attempt."""
-    return os.environ.get("KVBENCH_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    return _env_true("KVBENCH_OFFLINE")
 
 
 def hf_offline_env() -> bool:
-    """True when the Hugging Face offline switches (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE,
-    TRANSFORMERS_OFFLINE) are set: the hub libraries then read only their local cache, fast."""
-    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-    return any(os.environ.get(n, "").strip().lower() in {"1", "true", "yes", "on"} for n in names)
+    """True when HF_HUB_OFFLINE / HF_DATASETS_OFFLINE / TRANSFORMERS_OFFLINE is set: the hub
+    libraries then read only their local cache, which fails fast when nothing is cached."""
+    return _env_true("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @functools.lru_cache(maxsize=4)
@@ -135,13 +137,10 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def verify_sha256(path: str | os.PathLike, expected: str, record: Path | None = None) -> str:
-    """Check a file's sha256 against ``expected``; the result is cached in ``record`` (a JSON file,
-    keyed by path, size and mtime) so an unchanged file is hashed once.
+    """Check a file's sha256 against ``expected`` and return it. The digest is cached in
+    ``record`` (JSON keyed by path, size, mtime), so an unchanged file is hashed once.
 
-    Raises
-    ------
-    ValueError
-        The file's digest differs from ``expected``.
+    Raises ValueError when the digest differs from ``expected``.
     """
     path = Path(path).resolve()
     key, stamp = str(path), _stamp(path)
@@ -250,8 +249,9 @@ def convert_default_model(force: bool = False) -> Path:
                 "wheel": WHEEL_PIN, "convert_seconds": round(time.perf_counter() - t0, 2)}
         _write_json(tmp / META_FILE, meta)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is a normal user folder
+        old = target.with_name(f".old-{target.name}-{os.getpid()}")
         if force and target.exists():
-            shutil.rmtree(target)
+            os.rename(target, old)  # swap, so readers never see a missing folder for long
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first: keep its folder
@@ -259,6 +259,7 @@ def convert_default_model(force: bool = False) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(target.with_name(f".old-{target.name}-{os.getpid()}"), ignore_errors=True)
     return target
 
 
@@ -272,17 +273,11 @@ def _not_found_message(spec: str, attempts: list[str]) -> str:
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16"}.get(
-        str(dtype), str(dtype)).removeprefix("torch.")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
+    name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(str(dtype), str(dtype))
+    out = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name.split(".")[-1], None)
+    if not isinstance(out, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16")
-    return getattr(torch, name)
-
-
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(spec))
+    return out
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -318,7 +313,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
     model = tok = path = source = None
-    if _looks_like_path(spec):
+    if spec.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(spec)):
         folder = Path(spec).expanduser()
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(_not_found_message(
