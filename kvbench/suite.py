@@ -80,9 +80,10 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
         cur[last] = value
 
 
-def _expand(config: dict[str, Any]) -> list[dict[str, Any]]:
+def _expand(config: dict[str, Any], keep: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """Cartesian product over list values (keys in ``keep`` hold lists as plain values)."""
     keys = list(config)
-    values = [v if isinstance(v, list) else [v] for v in config.values()]
+    values = [v if isinstance(v, list) and k not in keep else [v] for k, v in config.items()]
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
@@ -154,7 +155,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         if not isinstance(w, dict) or "type" not in w:
             raise ValueError(f"{where}: a workload is a mapping with 'type'")
         cls = workload_class(w["type"], where)
-        for params in _expand({k: v for k, v in w.items() if k != "type"}):
+        for params in _expand({k: v for k, v in w.items() if k != "type"}, cls.LIST_PARAMS):
             workloads.append(cls.validate({"type": w["type"], **params}, where))
     if not workloads:
         raise ValueError(f"{path}: 'workloads' is empty")

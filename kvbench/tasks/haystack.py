@@ -6,7 +6,7 @@ in sorted file order) and the word lists of ``wonderwords`` (``assets/*list.txt`
 removed). Sentences are split with a regular expression (no nltk data).
 
 Token positions are indices into ``encode(prompt)`` *without* special tokens (a tokenizer that
-prepends a BOS shifts every position by one; add it yourself).
+prepends a BOS shifts every position by one; add it yourself); see :mod:`kvbench.tasks.tokens`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+
+from .tokens import TokenizerLike, count_many, count_tokens, token_spans
 
 __all__ = [
-    "TokenizerLike",
-    "encode",
-    "count_tokens",
     "split_sentences",
     "haystack_sentences",
     "word_list",
@@ -40,30 +38,6 @@ NOISE_SENTENCES = (
 )
 #: Sentence boundaries are used when one lies within this fraction of ``length`` of the target.
 SENTENCE_TOLERANCE = 0.005
-
-
-class TokenizerLike(Protocol):
-    """Anything with ``encode(text)`` returning token ids (or an object with ``.ids``)."""
-
-    def encode(self, text: str) -> Any: ...
-
-
-def encode(tokenizer: TokenizerLike, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens.
-
-    Works with Hugging Face tokenizers (``add_special_tokens=False``), ``tokenizers.Tokenizer``
-    (``Encoding.ids``) and any object whose ``encode(text)`` returns a list of ints.
-    """
-    try:
-        out = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
-    except TypeError:
-        out = tokenizer.encode(text)
-    return list(getattr(out, "ids", out))
-
-
-def count_tokens(tokenizer: TokenizerLike, text: str) -> int:
-    """Number of tokens of ``text`` (see :func:`encode`)."""
-    return len(encode(tokenizer, text))
 
 
 def _package_dir(name: str) -> Path:
@@ -139,36 +113,27 @@ def _fill(tok: TokenizerLike, sents: Sequence[str], budget: int) -> tuple[list[s
     body: list[str] = []
     counts: list[int] = []
     used = 0
-    for i in range(10**7):
-        s = sents[i % len(sents)]
-        sep = " " if body else ""
-        c = count_tokens(tok, sep + s)
-        if used + c > budget:
-            words = s.split(" ")
-            lo, hi = 0, len(words) - 1  # largest k with words[:k] fitting
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if count_tokens(tok, sep + " ".join(words[:mid])) <= budget - used:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            if lo > 0:
-                body.append(" ".join(words[:lo]))
-                counts.append(count_tokens(tok, sep + body[-1]))
-            break
-        body.append(s)
-        counts.append(c)
-        used += c
-    return body, counts
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    while True:
+        batch = [sents[(len(body) + j) % len(sents)] for j in range(256)]
+        texts = [(" " if body or j else "") + x for j, x in enumerate(batch)]
+        for x, c in zip(batch, count_many(tok, texts)):
+            if used + c > budget:
+                sep = " " if body else ""
+                words = x.split(" ")
+                lo, hi = 0, len(words) - 1  # largest k with words[:k] fitting
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if count_tokens(tok, sep + " ".join(words[:mid])) <= budget - used:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                if lo > 0:
+                    body.append(" ".join(words[:lo]))
+                    counts.append(count_tokens(tok, sep + body[-1]))
+                return body, counts
+            body.append(x)
+            counts.append(c)
+            used += c
 
 
 def build_haystack_prompt(
@@ -196,7 +161,7 @@ def build_haystack_prompt(
     Parameters
     ----------
     tokenizer : TokenizerLike
-        See :func:`encode`.
+        See :mod:`kvbench.tasks.tokens`.
     length : int
         Maximum prompt length in tokens; the haystack fills it up to the last word that fits.
     head, tail : str
@@ -225,68 +190,81 @@ def build_haystack_prompt(
         raise ValueError("protect_prefix and protect_suffix must be >= 0")
     sents = haystack_sentences(haystack)
     pre, post = wrap[0] + head, tail + wrap[1]
-    n_fixed = count_tokens(tokenizer, pre) + count_tokens(tokenizer, post)
+    first, last = sents[0], sents[-1]  # joins can merge tokens (e.g. "\n\n" + word)
+    n_pre = count_tokens(tokenizer, pre + first) - count_tokens(tokenizer, first)
+    n_post = count_tokens(tokenizer, last + post) - count_tokens(tokenizer, last)
     n_nd = [count_tokens(tokenizer, " " + nd) for nd in needles]
-    tol = max(1.0, SENTENCE_TOLERANCE * length)
     order = sorted(range(len(needles)), key=lambda k: (depths[k], k))
     shrink, margin_lo, margin_hi = 0, 0, 0
     for _ in range(8):
-        budget = length - n_fixed - sum(n_nd) - shrink
+        budget = length - n_pre - n_post - sum(n_nd) - shrink
         if budget <= 0:
             raise ValueError(f"length={length} leaves no room for a haystack around the needles")
         body, counts = _fill(tokenizer, sents, budget)
-        starts = [n_fixed - count_tokens(tokenizer, post)]
+        starts = [n_pre]
         for c in counts:
             starts.append(starts[-1] + c)
-        total = starts[-1] + sum(n_nd) + count_tokens(tokenizer, post)
-        points: dict[int, tuple[int, int]] = {}
-        prev, offset = (0, 0), 0
-        for k in order:
-            lo = protect_prefix + margin_lo
-            hi = total - protect_suffix - margin_hi - n_nd[k]
-            if lo > hi:
-                raise ValueError(
-                    f"protect_prefix={protect_prefix} and protect_suffix={protect_suffix} leave "
-                    f"no room for a {n_nd[k]}-token needle in {total} tokens"
-                )
-            tau = min(max(depths[k] * total, lo), hi)
-            cands = [
-                (abs(starts[j] + offset - tau), (j, 0))
-                for j in range(prev[0] + (prev[1] > 0), len(starts))
-                if lo <= starts[j] + offset <= hi
-            ]
-            best = min(cands, default=None)
-            if best is None or best[0] > tol:
-                i = max(j for j in range(len(body)) if starts[j] + offset <= tau or j == 0)
-                i = max(i, prev[0])
-                words = body[i].split(" ") if i < len(body) else []
-                sep = " " if i > 0 else ""
-                for w in range(1, len(words)):
-                    p = starts[i] + offset + count_tokens(tokenizer, sep + " ".join(words[:w]))
-                    if lo <= p <= hi and (i, w) >= prev:
-                        cands.append((abs(p - tau), (i, w)))
-                best = min(cands, default=None)
-            if best is None:
-                raise ValueError(f"cannot place needle {k} inside [{lo}, {hi}]")
-            points[k] = prev = best[1]
-            offset += n_nd[k]
+        total = starts[-1] + sum(n_nd) + n_post
+        window = (protect_prefix + margin_lo, total - protect_suffix - margin_hi)
+        tol = max(1.0, SENTENCE_TOLERANCE * length)
+        points = _choose_points(tokenizer, body, starts, n_nd, depths, order, total, window, tol)
         prompt, char_spans = _assemble(pre, post, body, needles, order, points)
-        ids = encode(tokenizer, prompt)
-        spans = []
-        for a, b in char_spans:
-            start = _lcp(ids, encode(tokenizer, prompt[:a]))
-            end_ids = encode(tokenizer, prompt[:b])
-            end = _lcp(ids, end_ids)
-            spans.append((start, end if end == len(end_ids) else end + 1))
+        ids, spans = token_spans(tokenizer, prompt, char_spans)
         over = len(ids) - length
-        bad_lo = max(protect_prefix - s for s, _ in spans)
-        bad_hi = max(e - (len(ids) - protect_suffix) for _, e in spans)
+        bad_lo = max((protect_prefix - s for s, _ in spans), default=0)
+        bad_hi = max((e - (len(ids) - protect_suffix) for _, e in spans), default=0)
         if over <= 0 and bad_lo <= 0 and bad_hi <= 0:
             return Placement(prompt, spans, len(ids))
         shrink += max(over, 0)
         margin_lo += max(bad_lo, 0)
         margin_hi += max(bad_hi, 0)
     raise RuntimeError("could not fit the needles inside the protected window; tokenizer drift")
+
+
+def _choose_points(
+    tokenizer: TokenizerLike,
+    body: list[str],
+    starts: list[int],
+    n_nd: list[int],
+    depths: Sequence[float],
+    order: list[int],
+    total: int,
+    window: tuple[int, int],
+    tol: float,
+) -> dict[int, tuple[int, int]]:
+    """Insertion point ``(sentence, word)`` of each needle (word 0: before the sentence)."""
+    points: dict[int, tuple[int, int]] = {}
+    prev, offset = (0, 0), 0
+    for rank, k in enumerate(order):
+        lo = window[0]
+        hi = window[1] - sum(n_nd[m] for m in order[rank:])  # room for this and later needles
+        if lo > hi:
+            raise ValueError(
+                f"the protected regions leave no room for the needles (window {list(window)}, "
+                f"{sum(n_nd)} needle tokens, {total} tokens in all)"
+            )
+        tau = min(max(depths[k] * total, lo), hi)
+        cands = [
+            (abs(starts[j] + offset - tau), (j, 0))
+            for j in range(prev[0] + (prev[1] > 0), len(starts))
+            if lo <= starts[j] + offset <= hi
+        ]
+        best = min(cands, default=None)
+        if best is None or best[0] > tol:  # no sentence boundary close enough: try words
+            i = max((j for j in range(len(body)) if starts[j] + offset <= tau), default=0)
+            i = max(i, prev[0])
+            words = body[i].split(" ") if i < len(body) else []
+            sep = " " if i > 0 else ""
+            for w in range(1, len(words)):
+                p = starts[i] + offset + count_tokens(tokenizer, sep + " ".join(words[:w]))
+                if lo <= p <= hi and (i, w) >= prev:
+                    cands.append((abs(p - tau), (i, w)))
+            best = min(cands, default=None)
+        if best is None:
+            raise ValueError(f"cannot place needle {k} inside token window [{lo}, {hi}]")
+        points[k] = prev = best[1]
+        offset += n_nd[k]
+    return points
 
 
 def _assemble(

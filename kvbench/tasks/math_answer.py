@@ -92,11 +92,12 @@ def _unwrap_text(s: str) -> str:
 def strip_math(answer: str) -> str:
     """Normalize a MATH-style answer string, as MATH's ``strip_string`` does.
 
-    Removes line breaks, ``\\!``, ``\\left``/``\\right``, degree marks (``^\\circ``), ``\\$``,
-    ``\\%``, units written as ``\\text{ unit}``, spaces and a trailing ``.``; maps
-    ``\\dfrac``/``\\tfrac`` to ``\\frac``; fixes ``\\frac12`` and ``\\sqrt3``; turns ``x = 3`` into
-    ``3`` (left side of at most two characters or a single variable); writes ``.5`` as ``0.5``;
-    turns ``0.5`` and integer ``a/b`` into ``\\frac`` form (as MATH does).
+    Takes the content of a ``\\boxed{}`` if there is one; removes line breaks, ``\\!``,
+    ``\\left``/``\\right``, degree marks (``^\\circ``), ``\\$``, ``\\%``,
+    units written as ``\\text{ unit}``, spaces and a trailing ``.``; unwraps ``\\text{}``; maps
+    ``\\dfrac``/``\\tfrac`` to ``\\frac``; fixes ``\\frac12`` and ``\\sqrt3``; turns ``x = 3``
+    into ``3`` (left side of at most two characters or a single variable); writes ``.5`` as
+    ``0.5``; turns ``0.5`` and integer ``a/b`` into ``\\frac`` form (as MATH does).
 
     Parameters
     ----------
@@ -108,7 +109,10 @@ def strip_math(answer: str) -> str:
     str
         The normalized string (possibly empty).
     """
-    s = answer.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = answer
+    if "\\boxed" in s or "\\fbox" in s:
+        s = last_boxed(s) or s
+    s = s.replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("\\degree", "")
@@ -244,7 +248,10 @@ def aime_answer(completion: str) -> int | None:
         ``None`` when no answer is found or it is not an integer in 0..999 (``033`` -> 33).
     """
     ans = extract_math_answer(completion)
-    value = None if ans is None else to_fraction(ans)
+    if ans is None:
+        return None
+    m = re.fullmatch(r"\((\d+)\)", strip_math(ans))  # "\textbf{(113) }", as in AoPS solutions
+    value = to_fraction(m.group(1) if m else ans)
     if value is None or value.denominator != 1 or not 0 <= value <= 999:
         return None
     return int(value)

@@ -11,7 +11,7 @@ Tasks (Hsieh et al., 2024, "RULER"; passkey retrieval from Mohtashami & Jaggi, 2
 - ``cwe`` (common words extraction) and ``fwe`` (frequent words extraction): word-frequency
   tasks over wonderwords lists; they have no needles.
 
-Every generator takes a tokenizer (see :class:`kvbench.tasks.haystack.TokenizerLike`), a target
+Every generator takes a tokenizer (see :class:`kvbench.tasks.tokens.TokenizerLike`), a target
 ``length`` in tokens (the prompt never exceeds it) and a ``seed``, and returns a dict with
 ``task``, ``prompt``, ``answers``, ``needle_token_positions`` (first token of each needle in
 ``encode(prompt)`` without special tokens; the asked needle first), ``needle_token_spans``,
@@ -28,7 +28,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .haystack import TokenizerLike, build_haystack_prompt, count_tokens, word_list
+from .haystack import Placement, build_haystack_prompt, word_list
+from .tokens import TokenizerLike
+from .words import common_words, frequent_words
 
 __all__ = [
     "TASKS",
@@ -70,24 +72,16 @@ def _depths(rng: random.Random, depth: float | None, n: int) -> tuple[float, lis
 
 
 def _example(
-    task: str,
-    seed: int,
-    depth: float | None,
-    answers: list[str],
-    needles: list[str],
-    placement: Any = None,
-    prompt: str = "",
-    n_tokens: int = 0,
+    task: str, seed: int, depth: float, answers: list[str], needles: list[str], p: Placement
 ) -> dict[str, Any]:
-    spans = placement.spans if placement is not None else []
     return {
         "task": task,
-        "prompt": placement.prompt if placement is not None else prompt,
+        "prompt": p.prompt,
         "answers": answers,
-        "needle_token_positions": [s for s, _ in spans],
-        "needle_token_spans": [list(s) for s in spans],
+        "needle_token_positions": [s for s, _ in p.spans],
+        "needle_token_spans": [list(s) for s in p.spans],
         "needles": needles,
-        "context_tokens": placement.n_tokens if placement is not None else n_tokens,
+        "context_tokens": p.n_tokens,
         "depth": depth,
         "seed": seed,
     }
@@ -271,7 +265,9 @@ def variable_tracking(
         needles += [f"VAR {chain[h]} = VAR {chain[h - 1]}" for h in range(1, num_hops + 1)]
         depths += ds
     answers = pool[: num_hops + 1]
-    head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+    head = (
+        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    )
     tail = (
         f"\nQuestion: Find all variables that are assigned the value {values[0]} in the text "
         "above. Answer: According to the chain(s) of variable assignment in the text above, "
@@ -279,112 +275,6 @@ def variable_tracking(
     )
     p = build_haystack_prompt(tokenizer, length, head, tail, needles, depths, **kw)
     return _example("vt", seed, d, answers, needles, p)
-
-
-def _fit(
-    build: Callable[[int], str], tokenizer: TokenizerLike, length: int, hi: int
-) -> tuple[int, str]:
-    """The largest ``n`` in [0, hi] whose prompt fits ``length`` tokens, and that prompt."""
-    lo = 0
-    if count_tokens(tokenizer, build(0)) > length:
-        raise ValueError(f"length={length} is too small for this task's fixed part")
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if count_tokens(tokenizer, build(mid)) <= length:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo, build(lo)
-
-
-def common_words(
-    tokenizer: TokenizerLike,
-    length: int,
-    *,
-    seed: int = 0,
-    num_common: int = 10,
-    freq_common: int = 30,
-    freq_uncommon: int = 3,
-    wrap: tuple[str, str] = ("", ""),
-) -> dict[str, Any]:
-    """RULER common words extraction: a numbered word list; the ``num_common`` words repeated
-    ``freq_common`` times are the answers; as many words repeated ``freq_uncommon`` times as
-    fit in ``length`` fill the rest."""
-    if freq_common <= freq_uncommon:
-        raise ValueError("freq_common must exceed freq_uncommon")
-    rng = random.Random(seed)
-    vocab = list(word_list("noun") + word_list("adjective") + word_list("verb"))
-    vocab = list(dict.fromkeys(vocab))
-    rng.shuffle(vocab)
-    common, rare = vocab[:num_common], vocab[num_common:]
-    head = (
-        "Below is a numbered list of words. In these words, some appear more often than "
-        "others. Memorize the ones that appear most often.\n"
-    )
-    tail = (
-        f"\nQuestion: What are the {num_common} most common words in the above list? "
-        f"Answer: The top {num_common} words that appear most often in the list are:"
-    )
-
-    def build(n: int) -> str:
-        words = common * freq_common + rare[:n] * freq_uncommon
-        random.Random(seed + 1).shuffle(words)
-        listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-        return wrap[0] + head + listing + tail + wrap[1]
-
-    _, prompt = _fit(build, tokenizer, length, len(rare))
-    return _example(
-        "cwe", seed, None, common, [], prompt=prompt, n_tokens=count_tokens(tokenizer, prompt)
-    )
-
-
-def frequent_words(
-    tokenizer: TokenizerLike,
-    length: int,
-    *,
-    seed: int = 0,
-    num_answers: int = 3,
-    alpha: float = 2.0,
-    vocab_size: int = 2000,
-    wrap: tuple[str, str] = ("", ""),
-) -> dict[str, Any]:
-    """RULER frequent words extraction: words with Zipf counts ``floor(C / rank**alpha)``; the
-    ``num_answers`` most frequent are the answers; ``C`` is the largest that fits ``length``."""
-    rng = random.Random(seed)
-    vocab = list(word_list("noun"))
-    rng.shuffle(vocab)
-    vocab = vocab[:vocab_size]
-    head = (
-        "Read the following coded text and track the frequency of each coded word. Find the "
-        f"{num_answers} most frequently appeared coded words.\n"
-    )
-    tail = (
-        f"\nQuestion: What are the {num_answers} most frequently appeared words in the above "
-        f"coded text? Answer: According to the coded text above, the {num_answers} most "
-        "frequently appeared words are:"
-    )
-
-    def counts(c: int) -> list[int]:
-        return [int(c / (r + 1) ** alpha) for r in range(len(vocab))]
-
-    def build(c: int) -> str:
-        words = [w for w, n in zip(vocab, counts(c)) for _ in range(n)]
-        random.Random(seed + 1).shuffle(words)
-        return wrap[0] + head + " ".join(words) + tail + wrap[1]
-
-    scale, prompt = _fit(build, tokenizer, length, 4 * length)
-    cnt = counts(scale)
-    if len(cnt) <= num_answers or not all(cnt[i] > cnt[i + 1] for i in range(num_answers)):
-        raise ValueError(f"length={length} is too small for {num_answers} distinct top counts")
-    return _example(
-        "fwe",
-        seed,
-        None,
-        vocab[:num_answers],
-        [],
-        prompt=prompt,
-        n_tokens=count_tokens(tokenizer, prompt),
-    )
 
 
 TASKS: dict[str, Callable[..., dict[str, Any]]] = {

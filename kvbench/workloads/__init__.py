@@ -47,6 +47,8 @@ class Workload:
     type: ClassVar[str] = ""
     needs_model: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
+    #: parameters whose value is a list by nature (not expanded into a sweep)
+    LIST_PARAMS: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def validate(cls, spec: dict[str, Any], where: str = "") -> dict[str, Any]:

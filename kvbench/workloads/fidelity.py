@@ -69,6 +69,7 @@ def layer_fidelity(
 
 class Fidelity(Workload):
     type = "fidelity"
+    LIST_PARAMS = frozenset({"layers"})
     PARAMS = {"text": "essays", "tokens": 2048, "prefill": 1024, "layers": "all", "window": 0}
 
     @classmethod
@@ -107,20 +108,13 @@ class Fidelity(Workload):
         layers = range(len(self.captured)) if self.spec["layers"] == "all" else self.spec["layers"]
         per: dict[str, list[float]] = {}
         for i in layers:
-            cap = self.captured[i]
-            m = layer_fidelity(
-                method,
-                i,
-                cap["query"],
-                cap["key"],
-                cap["value"],
-                self.spec["prefill"],
-                cap.get("scaling"),
-            )
+            c = self.captured
+            m = layer_fidelity(method, c.layer_ids[i], c.queries[i], c.keys[i], c.values[i],
+                               self.spec["prefill"], c.scaling[i])
             for k, v in m.items():
                 per.setdefault(k, []).append(v)
         metrics = {k: sum(v) / len(v) for k, v in per.items()}
-        bits = method.average_bits(head_dim=self.captured[0]["key"].shape[-1])
+        bits = method.average_bits(head_dim=self.captured.keys[0].shape[-1])
         metrics["nominal_key_bits"] = bits["key_bits"]
         metrics["nominal_value_bits"] = bits["value_bits"]
         per_layer = {"layers": list(layers), **per}

@@ -80,6 +80,7 @@ def forced_logprobs(
 
 class Generation(Workload):
     type = "generation"
+    LIST_PARAMS = frozenset({"prompts"})
     PARAMS = {"prompts": None, "new_tokens": 128, "bucket": 32}
 
     @classmethod
@@ -107,7 +108,7 @@ class Generation(Workload):
         for p in prompts:
             ids = encode_prompt(ctx.tokenizer, p)
             ref = greedy(ctx.model, ids, full, self.spec["new_tokens"])
-            ref_lp = forced_logprobs(ctx.model, ids, ref, full).to(torch.bfloat16)
+            ref_lp = forced_logprobs(ctx.model, ids, ref, full)
             self.items.append((ids, ref, ref_lp))
         ctx.shared[key] = self.items
 

@@ -81,7 +81,7 @@ class Perplexity(Workload):
         n = self.spec["windows"] if ctx.limit is None else min(ctx.limit, self.spec["windows"])
         self.windows, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], n)
         full = get_method("full")
-        # reference log-probs kept in bfloat16 to bound memory (T-P x vocab per window)
+        # float32 reference log-probs (T-P x vocab per window): `full` must score exactly 0 KL
         self.ref = [
             chunked_logits(ctx.model, w[None], full, self.spec["prefill"], self.spec["chunk"])[
                 0
