@@ -29,6 +29,18 @@ import torch
 from .quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it spans its whole allocation, else a compact copy.
+
+    A stored slice must not be a view into a larger tensor (a prompt, a cropped block): the view
+    would keep the rest allocated (a full-precision copy of quantized tokens) while
+    :func:`tensor_bytes` counts only the slice.
+    """
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by the given tensors (``numel * element_size``; ``None`` counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -68,6 +80,9 @@ class AffineBlock:
     scale, zero : ``[B|1, H_kv|1, NG, Dg]`` in the scale dtype; ``zero`` (the group min) is
         ``None`` for symmetric codes.
     group_len : tokens covered by each of the NG token groups (sums to ``n``).
+    batch_shared : ``scale``/``zero`` are shared by every batch row (per-tensor); otherwise a
+        metadata tensor whose batch dim equals the codes' is per row and follows
+        :meth:`index_batch` (also when ``B == 1``).
     """
 
     codes: torch.Tensor
@@ -78,6 +93,7 @@ class AffineBlock:
     head_dim: int
     symmetric: bool = False
     midpoint: bool = False
+    batch_shared: bool = False
 
     @property
     def ntokens(self) -> int:
@@ -141,15 +157,17 @@ class AffineBlock:
             kept += 1
         return replace(
             self,
-            codes=self.codes[:, :, :n].contiguous(),
-            scale=self.scale[:, :, :kept].contiguous(),
-            zero=None if self.zero is None else self.zero[:, :, :kept].contiguous(),
+            codes=own_storage(self.codes[:, :, :n]),
+            scale=own_storage(self.scale[:, :, :kept]),
+            zero=None if self.zero is None else own_storage(self.zero[:, :, :kept]),
             group_len=lens,
         )
 
     def index_batch(self, idx: torch.Tensor) -> AffineBlock:
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.shape[0] == 1:
+            # per-row metadata follows the codes, a B == 1 cache included (repeat_batch);
+            # metadata broadcast over the batch ([1, ...] with B > 1, or shared) stays
+            if t is None or self.batch_shared or t.shape[0] != self.codes.shape[0]:
                 return t
             return t.index_select(0, idx.to(t.device))
 
@@ -304,4 +322,4 @@ class PerTensorCodec(AffineCodec):
         b, h, n, d = x.shape
         q = self._quantize(x.reshape(1, 1, 1, b * h * n * d))
         codes = q.codes.reshape(b, h, n, d)
-        return self._block(codes, q, [n], d)
+        return replace(self._block(codes, q, [n], d), batch_shared=True)

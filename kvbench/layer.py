@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import reference_attention
-from .blocks import Block, Codec, cat_blocks, tensor_bytes
+from .blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from .schedule import NeverSchedule
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -59,7 +59,7 @@ class Side:
         tg = self.codec.token_group
         if tg > 1 and n % tg:
             raise RuntimeError(f"schedule asked to flush {n} tokens, not a multiple of {tg}")
-        head, self.residual = self.residual[:, :, :n], self.residual[:, :, n:]
+        head, self.residual = self.residual[:, :, :n], own_storage(self.residual[:, :, n:])
         self.block = cat_blocks(self.block, self.codec.encode(head))
         if self.residual.shape[2] == 0:
             self.residual = None
@@ -95,6 +95,9 @@ class LayerCache:
         sink slots to the first decode tokens.
     needs_queries : the key codec selects with post-RoPE queries at prefill (PN-Mix); a prefill
         without queries stays pending until :meth:`provide_queries`.
+    num_kv_heads, head_dim : when given (``Method.new_layer`` does), K/V must have
+        ``H_kv == num_kv_heads`` and ``D == head_dim``, so a wrong layout (e.g. ``[B, T, H, D]``)
+        raises ``ValueError`` instead of being stored.
     """
 
     def __init__(
@@ -105,6 +108,8 @@ class LayerCache:
         value_schedule: object | None = None,
         num_sink_tokens: int = 0,
         needs_queries: bool = False,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
         self.k = Side(key_codec, key_schedule or NeverSchedule())
         self.v = Side(value_codec, value_schedule or NeverSchedule())
@@ -114,6 +119,7 @@ class LayerCache:
         self._awaiting_queries = False
         self.dtype: torch.dtype | None = None
         self._bhd: tuple[int, int, int] | None = None
+        self._hd = (num_kv_heads, head_dim)
 
     # ---------------------------------------------------------------- inputs
     def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -131,6 +137,12 @@ class LayerCache:
                 f"dtype {keys.dtype}/{values.dtype} is not supported; allowed: one of "
                 f"{[str(d) for d in CACHE_DTYPES]} for both keys and values"
             )
+        h, d = self._hd
+        if (h is not None and keys.shape[1] != h) or (d is not None and keys.shape[3] != d):
+            raise ValueError(
+                f"keys/values {tuple(keys.shape)} are not laid out [B, H_kv, T, D] with "
+                f"H_kv={h} and D={d} (this layer's num_kv_heads and head_dim)"
+            )
         bhd = (keys.shape[0], keys.shape[1], keys.shape[3])
         if self._bhd is not None and bhd != self._bhd:
             raise ValueError(
@@ -144,8 +156,8 @@ class LayerCache:
         if room <= 0:
             return keys, values
         n = min(room, keys.shape[2])
-        self.k.sinks = _cat(self.k.sinks, keys[:, :, :n])
-        self.v.sinks = _cat(self.v.sinks, values[:, :, :n])
+        self.k.sinks = own_storage(_cat(self.k.sinks, keys[:, :, :n]))
+        self.v.sinks = own_storage(_cat(self.v.sinks, values[:, :, :n]))
         return keys[:, :, n:], values[:, :, n:]
 
     # ---------------------------------------------------------------- operations
@@ -166,7 +178,7 @@ class LayerCache:
             raise ValueError("prefill() needs an empty cache; use append() for later tokens")
         self.dtype = keys.dtype
         k, v = self._take_sinks(keys, values)
-        self.k.residual, self.v.residual = k, v
+        self.k.residual, self.v.residual = own_storage(k), own_storage(v)
         if self.needs_queries and queries is None:
             self._awaiting_queries = True
             return
@@ -200,7 +212,8 @@ class LayerCache:
         if self.dtype is None:
             self.dtype = keys.dtype
         k, v = self._take_sinks(keys, values)
-        self.k.residual, self.v.residual = _cat(self.k.residual, k), _cat(self.v.residual, v)
+        self.k.residual = own_storage(_cat(self.k.residual, k))
+        self.v.residual = own_storage(_cat(self.v.residual, v))
         self._pending = True
 
     def end_step(self) -> None:
@@ -240,13 +253,13 @@ class LayerCache:
         for side in (self.k, self.v):
             ns, nb = _len(side.sinks), _len(side.block)
             if side.sinks is not None:
-                side.sinks = side.sinks[:, :, : max(0, min(n, ns))]
+                side.sinks = own_storage(side.sinks[:, :, : max(0, min(n, ns))])
             m = n - ns
             if side.block is not None:
                 side.block = side.block.crop(m) if 0 < m < nb else (side.block if m >= nb else None)
             if side.residual is not None:
                 r = m - nb
-                side.residual = side.residual[:, :, : max(0, r)] if r > 0 else None
+                side.residual = own_storage(side.residual[:, :, :r]) if r > 0 else None
 
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
@@ -258,6 +271,8 @@ class LayerCache:
                 side.residual = side.residual.index_select(0, idx.to(side.residual.device))
             if side.block is not None:
                 side.block = side.block.index_batch(idx)
+            if hasattr(side.codec, "index_batch"):  # per-sequence codec state (a selection)
+                side.codec.index_batch(idx)
         if self._bhd is not None:
             self._bhd = (len(idx), *self._bhd[1:])
 

@@ -101,6 +101,10 @@ class CacheConfig(MethodConfig):
         check_bits(self.value_bits, "value_bits")
         if self.value_group_size is not None:
             _int(self.value_group_size, "value_group_size", 1)
+        if not isinstance(self.scale_dtype, str):  # a torch.dtype would break pair_bits/to_dict
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r} must be a name; allowed: {sorted(PAIR_BITS)}"
+            )
         resolve_scale_dtype(self.scale_dtype)
         if self.token_axis_keys and (
             self.residual_length == 0 or self.residual_length % self.group_size
@@ -163,6 +167,10 @@ class Method:
         if config is None:
             config = self.Config.from_dict(overrides)
         elif overrides:
+            allowed = [f.name for f in fields(config)]
+            unknown = sorted(set(overrides) - set(allowed))
+            if unknown:  # dataclasses.replace would raise a bare TypeError
+                raise ValueError(f"unknown config field(s) {unknown}; allowed: {allowed}")
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.Config):
             raise ValueError(
@@ -172,6 +180,15 @@ class Method:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether this configured method needs post-RoPE queries at prefill.
+
+        Defaults to ``capabilities.needs_queries``; a method whose need depends on its config
+        (PN-Mix: query scores vs key-only scores) overrides it.  Runners and :meth:`new_layer`
+        read this property, not the class capability."""
+        return self.capabilities.needs_queries
 
     # ----------------------------------------------------------- layer construction
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
@@ -211,7 +228,9 @@ class Method:
             self.key_schedule(),
             self.value_schedule(),
             num_sink_tokens=getattr(c, "num_sink_tokens", 0),
-            needs_queries=self.capabilities.needs_queries,
+            needs_queries=self.needs_queries,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
 
     # ----------------------------------------------------------- bit budget

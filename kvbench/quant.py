@@ -89,6 +89,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.to(torch.uint8)
     *lead, n = codes.shape
+    if codes.numel() == 0:  # e.g. no rows: reshape(..., -1, ...) below would be ambiguous
+        return torch.zeros(*lead, packed_size(n, bits), dtype=torch.uint8, device=codes.device)
     c = codes.to(torch.uint8)
     if bits in (1, 2, 4):  # fast path, same layout: 8/b codes per byte, LSB first
         per = 8 // bits
@@ -118,6 +120,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed[..., :n]
     *lead, nbytes = packed.shape
+    if packed.numel() == 0:  # e.g. no rows: reshape(..., -1) below would be ambiguous
+        return torch.zeros(*lead, n, dtype=torch.uint8, device=packed.device)
     if bits in (1, 2, 4):  # fast path of the same layout
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
@@ -165,8 +169,9 @@ def _round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     st = s.to(dtype)
     if dtype == torch.float32:
         return st
-    itype = torch.int16
-    low = (st.float() < s) & torch.isfinite(st)
+    # 2-byte (float16/bfloat16) or 1-byte (float8) storage: step to the next code upwards
+    itype = torch.int16 if dtype.itemsize == 2 else torch.int8
+    low = (st.float() < s) & torch.isfinite(st.float())
     if bool(low.any()):
         bumped = (st.view(itype) + 1).view(dtype)
         st = torch.where(low, bumped, st)
@@ -223,7 +228,7 @@ def quantize_groups(
     mn = xs.amin(dim=-1, keepdim=True)
     mx = xs.amax(dim=-1, keepdim=True)
     mn_st = mn.to(scale_dtype)
-    _check_storable(mn_st, finite, "zero (group min)", scale_dtype)
+    _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
     mnf = mn_st.float()
     # range measured from the *stored* min so that the max stays covered
     scale_st = _round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
@@ -241,8 +246,16 @@ def quantize_groups(
     return GroupQuant(codes, scale_st, mn_st, bits, midpoint=midpoint)
 
 
-def _check_storable(v: torch.Tensor, finite: torch.Tensor, what: str, dtype: torch.dtype) -> None:
-    bad = finite & ~torch.isfinite(v)
+def _check_storable(
+    v: torch.Tensor,
+    finite: torch.Tensor,
+    what: str,
+    dtype: torch.dtype,
+    exact: torch.Tensor | None = None,
+) -> None:
+    bad = finite & ~torch.isfinite(v.float())  # float8 has no isfinite of its own
+    if exact is not None and dtype.itemsize == 1:  # float8 casts saturate instead of overflowing
+        bad = bad | (finite & (exact.abs() > torch.finfo(dtype).max))
     if bool(bad.any()):
         raise ValueError(
             f"the group {what} overflows scale_dtype={dtype}; "

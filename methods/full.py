@@ -35,7 +35,7 @@ class FullPrecision(Method):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> LayerCache:
-        return LayerCache(None, None)
+        return LayerCache(None, None, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}

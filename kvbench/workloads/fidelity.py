@@ -109,8 +109,15 @@ class Fidelity(Workload):
         per: dict[str, list[float]] = {}
         for i in layers:
             c = self.captured
-            m = layer_fidelity(method, c.layer_ids[i], c.queries[i], c.keys[i], c.values[i],
-                               self.spec["prefill"], c.scaling[i])
+            m = layer_fidelity(
+                method,
+                c.layer_ids[i],
+                c.queries[i],
+                c.keys[i],
+                c.values[i],
+                self.spec["prefill"],
+                c.scaling[i],
+            )
             for k, v in m.items():
                 per.setdefault(k, []).append(v)
         metrics = {k: sum(v) / len(v) for k, v in per.items()}

@@ -83,9 +83,7 @@ class Perplexity(Workload):
         full = get_method("full")
         # float32 reference log-probs (T-P x vocab per window): `full` must score exactly 0 KL
         self.ref = [
-            chunked_logits(ctx.model, w[None], full, self.spec["prefill"], self.spec["chunk"])[
-                0
-            ].to(torch.bfloat16)
+            chunked_logits(ctx.model, w[None], full, self.spec["prefill"], self.spec["chunk"])[0]
             for w in self.windows
         ]
         self.info = {"dataset": tinfo, "windows": winfo}
