@@ -1,0 +1,299 @@
+"""``pm-kvq``: PM-KVQ (Liu et al., "PM-KVQ: Progressive Mixed-precision KV Cache Quantization for
+Long-CoT LLMs", arXiv 2505.18610, ICLR'26), spec §8.  The paper text was not readable offline;
+sources are its abstract and the code (thu-nics/PM-KVQ at c8a2bff, files named below) [SRC].
+
+Progressive cache (``progressive/progressive_quantized_cache.py``): keys and values per token,
+asymmetric min-max over ``channel_group_size`` channels (original 128; ``None`` = min(128, D)).
+The first ``num_sink_tokens`` (1) tokens and a window of ``residual_length`` (128) stay out of
+the main cache; the window is flushed whole when full (cycles 0..R-1).  Flushed tokens get
+``init_bits`` = 16-bit integer codes, shifted down to the layer's width; when the layer exceeds
+its budget the whole main cache (K and V) shrinks 16 -> 8 -> 4 -> 2 by the equivalent right
+shift (:func:`shrink_codes`; scale x (2^c + 1), zero unchanged).
+
+Choices made here:
+* Sinks and window are kept in the model dtype (bit-exact; fp16/bf16 = 2 bytes per element like
+  the original's 16-bit codes, without their scales).  The original stores them through its
+  16-bit integer quantizer, so they are not bit-exact there.
+* The budget is checked after each step's flush (design.md §2) and the main cache shrinks until
+  it fits (the original shrinks one step per update, reaching the same widths a few tokens
+  later).  Over budget at 2 bits: ``on_overflow="raise"`` raises ``MemoryError`` like the
+  original, ``"allow"`` continues.  A ``budget_bits`` below 2 is a ``ValueError`` at config time.
+* Scales default to float16 (design.md); the 16-bit stage's range/65535 is then subnormal for
+  ranges below ~4: measured 2-bit RMS error +4% for 128-channel groups of range ~0.05, +13% at
+  ~0.016, none at range >= 0.5; ``scale_dtype="bfloat16"`` (the original's) avoids that.
+* ``budget_scope="codes"`` counts what the original counts (codes; sinks and window at their
+  stored bytes); ``"all"`` adds scales and zeros.
+* Budgets are per layer and sequence (a batch of B holds B times it).  ``budget_bits`` b means
+  ``b / 8 * 2 * H_kv * D * budget_tokens`` bytes, the original allocation's ``kv_mem``, so set
+  ``budget_tokens`` (default 32768, its ``max_len``) to the workload's length; ``budget_bytes``
+  gives bytes.  Either may be a per-layer list (e.g. from :func:`allocate_bits`); neither = 2.0.
+
+Nominal bits (spec §12): b_eff = the widest width whose main cache of ``budget_tokens`` tokens
+fits ``budget_bits`` (mean over a per-layer list) + one (scale, zero) per channel group; sinks
+at 16 bits.  Defaults, D = 128: 2 + 32/128 = 2.25 (2.2504 with the sink).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvbench.blocks import AffineBlock, PerTokenCodec
+from kvbench.layer import LayerCache
+from kvbench.method import PAIR_BITS, Capabilities, Method, MethodConfig, _int
+from kvbench.quant import pack_bits, resolve_scale_dtype
+from kvbench.schedule import BlockSchedule
+
+from .pm_kvq_calibration import allocate_bits, layer_sensitivity, pi_calibration_scales
+
+__all__ = ["PMKVQ", "PMKVQConfig", "allocate_bits", "layer_sensitivity", "pi_calibration_scales"]
+
+WIDTHS = (16, 8, 4, 2)
+MIN_BITS = 2
+
+
+def shrink_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Equivalent right shift ``bits`` -> ``c = bits // 2`` (``bit_width_shrinking``)::
+
+        q_c = ((q (2^2c - 2^c + 1) + 2^(3c-1) - 2^(2c-1) + 2^(c-1)) >> 3c) & (2^c - 1)
+
+    equals ``round(q / (2^c + 1))`` for every code in ``[0, 2^bits)``; no ties exist since
+    2^c + 1 is odd.  int64 arithmetic (16 -> 8 exceeds 2^31).  Integer codes of any shape ->
+    int64.  ``ValueError`` for odd ``bits``.
+    """
+    if bits < 2 or bits % 2:
+        raise ValueError(f"bits={bits} must be even and >= 2 to halve")
+    c = bits // 2
+    q = codes.to(torch.int64)
+    num = q * ((1 << 2 * c) - (1 << c) + 1) + (1 << 3 * c - 1) - (1 << 2 * c - 1) + (1 << c - 1)
+    return (num >> 3 * c) & ((1 << c) - 1)
+
+
+def shrink_block(block: AffineBlock) -> AffineBlock:
+    """Halve a block's width: codes by :func:`shrink_codes`, scale x (2^c + 1) (float32 math,
+    stored in the scale dtype), zero unchanged."""
+    c = block.bits // 2
+    codes = shrink_codes(block.unpacked_codes(), block.bits)
+    scale = (block.scale.float() * ((1 << c) + 1)).to(block.scale.dtype)
+    return replace(block, codes=pack_bits(codes, c), scale=scale, bits=c)
+
+
+@dataclass
+class ProgressiveCodec:
+    """Per-token groups coded at ``init_bits``, then shrunk to the layer's current ``bits``."""
+
+    init_bits: int
+    bits: int
+    channel_group: int
+    scale_dtype: torch.dtype = torch.float16
+    token_group: int = field(default=1)
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        """``x [B, H_kv, n, D]`` -> :class:`AffineBlock` at ``bits``."""
+        block = PerTokenCodec(self.init_bits, self.scale_dtype, channel_group=self.channel_group)
+        block = block.encode(x)
+        while block.bits > self.bits:
+            block = shrink_block(block)
+        return block
+
+
+class ProgressiveLayerCache(LayerCache):
+    """:class:`LayerCache` whose main cache shrinks while the layer exceeds ``budget`` (bytes per
+    sequence).  Window, sinks, ``budget_scope`` and ``on_overflow`` come from ``config``;
+    ``num_kv_heads``/``head_dim`` as in :class:`LayerCache`; ``bits`` is the width now."""
+
+    def __init__(
+        self,
+        key_codec: ProgressiveCodec,
+        value_codec: ProgressiveCodec,
+        config: PMKVQConfig,
+        budget: float,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        sched = BlockSchedule(config.residual_length)
+        n_s = config.num_sink_tokens
+        super().__init__(key_codec, value_codec, sched, sched, n_s, False, num_kv_heads, head_dim)
+        self.budget, self.scope, self.on_overflow = budget, config.budget_scope, config.on_overflow
+        self.init_bits = key_codec.init_bits
+
+    @property
+    def bits(self) -> int:
+        return self.k.codec.bits
+
+    def budget_used(self) -> tuple[int, float]:
+        """(bytes counted against the budget, the budget for the current batch)."""
+        nb = self.nbytes()
+        used = nb["codes"] + nb["residual"] + nb["sinks"]
+        used += nb["scales"] + nb["metadata"] if self.scope == "all" else 0
+        return used, self.budget * max(self.batch_size, 1)
+
+    def _enforce_budget(self) -> None:
+        while (over := self.budget_used())[0] > over[1] and self.bits > MIN_BITS:
+            for side in (self.k, self.v):
+                side.block = None if side.block is None else shrink_block(side.block)
+                side.codec.bits //= 2
+        used, budget = self.budget_used()
+        if used > budget and self.on_overflow == "raise":
+            raise MemoryError(
+                f"PM-KVQ layer holds {used} B > budget {budget:.0f} B at {self.bits} bits; raise "
+                "budget_bits/budget_bytes or budget_tokens, or set on_overflow='allow'"
+            )
+
+    def _finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        super()._finish_prefill(keys, queries)
+        self._enforce_budget()
+
+    def end_step(self) -> None:
+        pending = self._pending
+        super().end_step()
+        if pending:
+            self._enforce_budget()
+
+    def reset(self) -> None:
+        super().reset()
+        self.k.codec.bits = self.v.codec.bits = self.init_bits
+
+
+def _budget(value: Any, name: str, low: float) -> Any:
+    """Validate a number or per-layer list (each >= ``low``, or > 0 if ``low`` is 0)."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= low and v > 0):
+            raise ValueError(f"{name}={value!r}: every entry must be a number >= {low} and > 0")
+    return tuple(items) if isinstance(value, (list, tuple)) else value
+
+
+@dataclass(frozen=True)
+class PMKVQConfig(MethodConfig):
+    """PM-KVQ settings (choices: module docstring).
+
+    Attributes
+    ----------
+    channel_group_size : channels per (scale, zero) along head_dim; ``None`` = min(128, D).
+    residual_length, num_sink_tokens : window R (128) and sinks (1), full precision.
+    init_bits : first width of flushed tokens: 16, 8, 4 or 2.
+    budget_bits : bits per element >= 2, or a per-layer list; exclusive with ``budget_bytes``
+        (bytes per layer and sequence, > 0, or a list).  Neither: 2.0 bits.
+    budget_tokens : context length a ``budget_bits`` budget is sized for.
+    budget_scope : ``"codes"`` or ``"all"``.  on_overflow : ``"raise"`` or ``"allow"``.
+    scale_dtype : ``float16`` (default), ``bfloat16`` (the original's) or ``float32``.
+    """
+
+    channel_group_size: int | None = None
+    residual_length: int = 128
+    num_sink_tokens: int = 1
+    init_bits: int = 16
+    budget_bits: float | tuple[float, ...] | None = None
+    budget_bytes: float | tuple[float, ...] | None = None
+    budget_tokens: int = 32768
+    budget_scope: str = "codes"
+    on_overflow: str = "raise"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.channel_group_size is not None:
+            _int(self.channel_group_size, "channel_group_size", 1)
+        _int(self.residual_length, "residual_length", 0)
+        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        _int(self.budget_tokens, "budget_tokens", 1)
+        if isinstance(self.init_bits, bool) or self.init_bits not in WIDTHS:
+            raise ValueError(f"init_bits={self.init_bits!r} is not supported; allowed: {WIDTHS}")
+        if self.budget_bits is not None and self.budget_bytes is not None:
+            raise ValueError("set one of budget_bits and budget_bytes, not both")
+        if self.budget_bytes is not None:
+            object.__setattr__(self, "budget_bytes", _budget(self.budget_bytes, "budget_bytes", 0))
+        if self.budget_bits is not None:  # below 2: no width can hold budget_tokens tokens
+            object.__setattr__(self, "budget_bits", _budget(self.budget_bits, "budget_bits", 2))
+        for name, allowed in (
+            ("budget_scope", ("codes", "all")),
+            ("on_overflow", ("raise", "allow")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; allowed: {allowed}"
+                )
+        if self.scale_dtype not in PAIR_BITS:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r}; allowed: {sorted(PAIR_BITS)}")
+
+    @property
+    def bits_budget(self) -> float | tuple[float, ...] | None:
+        """``budget_bits``, or its default 2.0 when neither budget is set."""
+        return 2.0 if self.budget_bits is None and self.budget_bytes is None else self.budget_bits
+
+    def channel_group(self, head_dim: int) -> int:
+        """Channels per group; ``ValueError`` unless it divides ``head_dim``."""
+        cg = self.channel_group_size or min(128, head_dim)
+        if head_dim % cg:
+            raise ValueError(f"channel_group_size={cg} does not divide head_dim={head_dim}")
+        return cg
+
+    def layer_budget(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> float:
+        """Layer ``layer_idx``'s budget in bytes per sequence; ``ValueError`` past a list's end."""
+        value = self.bits_budget if self.budget_bytes is None else self.budget_bytes
+        if isinstance(value, tuple):
+            if layer_idx >= len(value):
+                raise ValueError(
+                    f"per-layer budget has {len(value)} entries, none for layer {layer_idx}"
+                )
+            value = value[layer_idx]
+        if self.budget_bytes is not None:
+            return value
+        return value / 8 * 2 * num_kv_heads * head_dim * self.budget_tokens
+
+
+class PMKVQ(Method):
+    """Progressive per-token K/V codes (16 -> 8 -> 4 -> 2) under a per-layer memory budget."""
+
+    Config = PMKVQConfig
+    description = "PM-KVQ: progressive 16->8->4->2-bit per-token K/V under a per-layer budget"
+    source = "Liu et al., arXiv 2505.18610 (ICLR'26), thu-nics/PM-KVQ c8a2bff; spec §8"
+    capabilities = Capabilities()  # all [SRC]; the choices are documented above
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> ProgressiveCodec:
+        """The per-token progressive codec (values use the same; both shrink together)."""
+        c = self.config
+        sd = resolve_scale_dtype(c.scale_dtype)
+        return ProgressiveCodec(c.init_bits, c.init_bits, c.channel_group(head_dim), sd)
+
+    value_codec = key_codec
+
+    def new_layer(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> ProgressiveLayerCache:
+        c = self.config
+        budget = c.layer_budget(layer_idx, num_kv_heads, head_dim)
+        k, v = self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim)
+        return ProgressiveLayerCache(k, v, c, budget, num_kv_heads, head_dim)
+
+    def final_bits(self) -> list[int]:
+        """Width per ``budget_bits`` entry once ``budget_tokens`` tokens are held (sinks and window
+        ignored); ``ValueError`` with ``budget_bytes`` (its width depends on H_kv)."""
+        c = self.config
+        if c.bits_budget is None:
+            raise ValueError("nominal bits need budget_bits; a budget_bytes width depends on H_kv")
+        budgets = c.bits_budget if isinstance(c.bits_budget, tuple) else (c.bits_budget,)
+        chain = [w for w in WIDTHS if w <= c.init_bits]
+        return [next((w for w in chain if w <= b), MIN_BITS) for b in budgets]
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        """Spec §12 terms, keys and values alike: b_eff from :meth:`final_bits`."""
+        widths = self.final_bits()
+        return {
+            "b_eff": sum(widths) / len(widths),
+            "m_q": PAIR_BITS[self.config.scale_dtype],
+            "group": self.config.channel_group(head_dim),
+            "m_sal": 0,
+        }
+
+    value_bit_terms = key_bit_terms
