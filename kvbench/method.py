@@ -190,6 +190,25 @@ class Method:
         read this property, not the class capability."""
         return self.capabilities.needs_queries
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether this configured method must be calibrated before building caches
+        (default ``capabilities.needs_calibration``)."""
+        return self.capabilities.needs_calibration
+
+    def calibrate(
+        self,
+        keys_by_layer: dict[int, torch.Tensor],
+        values_by_layer: dict[int, torch.Tensor] | None = None,
+        source: str = "",
+    ) -> Any:
+        """Fit static parameters from full-precision post-RoPE keys (and values)
+        ``[N, H_kv, T, D]`` per layer index, captured on a calibration text disjoint from the
+        evaluation text (named in ``source`` and recorded by the runner).
+
+        Raises ``ValueError`` for methods that take no calibration."""
+        raise ValueError(f"method {self.name or type(self).__name__!r} takes no calibration")
+
     # ----------------------------------------------------------- layer construction
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
         raise NotImplementedError

@@ -54,6 +54,26 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     return model, tokenizer, {**info, **model_info(model)}
 
 
+def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """Calibrate ``method`` on captured full-precision K/V of the calibration text (one window
+    of ``spec['tokens']`` tokens of ``spec['text']``, captured once per model) and return the
+    provenance recorded in the manifest."""
+    from .capture import capture_qkv
+    from .data import load_text, token_windows
+
+    key = ("calibration", spec["text"], spec["tokens"])
+    if key not in ctx.shared:
+        text, tinfo = load_text(spec["text"])
+        ids, winfo = token_windows(ctx.tokenizer, text, spec["tokens"], 1)
+        cap = capture_qkv(ctx.model, ids)
+        keys = {lid: k for lid, k in zip(cap.layer_ids, cap.keys)}
+        values = {lid: v for lid, v in zip(cap.layer_ids, cap.values)}
+        ctx.shared[key] = (keys, values, {"dataset": tinfo, "windows": winfo})
+    keys, values, info = ctx.shared[key]
+    method.calibrate(keys, values, source=f"{spec['text']}[:{spec['tokens']} tokens]")
+    return {"calibration": info}
+
+
 def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
     if not base:
         return {}
@@ -109,6 +129,14 @@ def run_suite(
                 if not prepared:
                     workload.prepare(ctx)
                     prepared = True
+                calib_info = {}
+                if method.needs_calibration:
+                    if ctx.model is None:
+                        raise ValueError(
+                            f"method {mspec.name!r} needs calibration on a model "
+                            "(capability needs_calibration); the suite has none"
+                        )
+                    calib_info = calibrate(ctx, method, suite.calibration)
                 t0 = time.perf_counter()
                 result: Result = workload.run(ctx, method)
                 wall = time.perf_counter() - t0
@@ -124,6 +152,7 @@ def run_suite(
                         "suite": suite.path,
                         "label": mspec.label,
                         "wall_s": round(wall, 3),
+                        **calib_info,
                         **result.info,
                     }
                 )

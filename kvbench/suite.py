@@ -39,7 +39,10 @@ TOP_KEYS = {
     "methods",
     "workloads",
     "paper",
+    "calibration",
 }
+#: calibration text for methods that need it (must differ from every evaluation text)
+DEFAULT_CALIBRATION = {"text": "mobydick", "tokens": 2048}
 MODEL_KEYS = {"id", "dtype", "device"}
 DEFAULT_MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
 
@@ -65,6 +68,7 @@ class Suite:
     methods: list[MethodSpec]
     workloads: list[dict[str, Any]]
     raw: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CALIBRATION))
 
 
 def set_path(data: dict, dotted: str, value: Any) -> None:

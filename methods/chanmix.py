@@ -161,7 +161,10 @@ class ChanMix(Method):
         return self.config.classification == "calibrated"
 
     def calibrate(
-        self, keys_by_layer: Mapping[int, torch.Tensor] | Sequence[torch.Tensor], source: str = ""
+        self,
+        keys_by_layer: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
+        values_by_layer: Mapping[int, torch.Tensor] | None = None,
+        source: str = "",
     ) -> ChanMix:
         """Fix each layer's classes from calibration keys.
 
@@ -170,6 +173,7 @@ class ChanMix(Method):
         keys_by_layer : post-RoPE keys per layer index (a mapping, or a sequence indexed by
             layer), each ``[B, H_kv, T, D]`` or ``[H_kv, T, D]``; batch rows are pooled.  Use a
             text disjoint from the evaluation text.
+        values_by_layer : unused (values are quantized per token, dynamically).
         source : a name of the calibration text, recorded in :attr:`calibration`.
 
         Returns ``self``.  Raises ``ValueError`` unless ``classification='calibrated'`` or on
