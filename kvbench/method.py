@@ -38,6 +38,10 @@ class Capabilities:
     cuda: bool = True
     cuda_graphs: bool = False
     reconstruction: bool = False  # parts of the algorithm are [RECON] (spec labels)
+    #: builds kvbench LayerCaches (``new_layer``); False for peers that wrap a transformers
+    #: cache (:mod:`kvbench.hf_peers`), which run only in workloads that accept
+    #: ``make_hf_cache`` (memory, latency)
+    layer_cache: bool = True
 
     def to_dict(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
@@ -144,8 +148,6 @@ def average_bits(
     per group; ``m_sal``: saliency metadata bits per element; ``tokens``: quantized tokens T_q
     (the full-precision residual is excluded; sinks count at 16 bits).
     """
-    if b_eff >= 16:
-        return 16.0
     per = b_eff + m_q / group + m_sal
     return (n_sink * 16 + tokens * per) / (tokens + n_sink)
 
@@ -251,6 +253,19 @@ class Method:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
+
+    def make_hf_cache(self, model: Any, attend: bool = False) -> Any:
+        """A transformers ``Cache`` holding this method's K/V for ``model`` (a model or its
+        config): kvbench's :class:`~kvbench.cache.QuantizedKVCache` by default (``attend``: route
+        decode attention through ``LayerCache.attend``); peers return transformers' own caches."""
+        from .cache import QuantizedKVCache
+
+        return QuantizedKVCache(self, model, attend=attend)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this method cannot run here (a missing optional package), or ``None``.  The
+        runner skips a method that gives a reason and says why."""
+        return None
 
     # ----------------------------------------------------------- bit budget
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvbench.methods.chanmix import ChanMix, ChanMixConfig
 
 import kvbench
+from kvbench.methods.chanmix import ChanMix, ChanMixConfig
 
 
 def test_average_bits_table10():

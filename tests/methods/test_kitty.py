@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvbench.methods.kitty import Kitty, KittyConfig
 
 import kvbench
+from kvbench.methods.kitty import Kitty, KittyConfig
 
 # spec §13 Example 7, layout [D=4 channels, T=4 tokens]
 EX7_K = [

@@ -9,6 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+
+import kvbench
+from kvbench.blocks import PerTokenCodec
 from kvbench.methods.pm_kvq import (
     PMKVQ,
     PMKVQConfig,
@@ -18,9 +21,6 @@ from kvbench.methods.pm_kvq import (
     shrink_block,
     shrink_codes,
 )
-
-import kvbench
-from kvbench.blocks import PerTokenCodec
 
 # ---------------------------------------------------------------- equivalent right shift
 

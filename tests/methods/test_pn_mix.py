@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from kvbench.methods.pn_mix import PNMix, PNMixConfig, pair_channels, pair_scores
 
 import kvbench
+from kvbench.methods.pn_mix import PNMix, PNMixConfig, pair_channels, pair_scores
 
 EX8_K = [[1.0, 0.2, 0.0, 0.13], [0.8, 0.1, 0.6, 0.0], [-0.6, 0.33, 0.8, 0.2]]
 EX8_Q0 = [[0.1, 2.0, 0.0, 1.0], [0.2, 1.5, 0.1, 2.0], [0.0, 1.0, 0.3, 1.5]]

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from kvbench.methods.polarquant import PolarQuant, PolarQuantConfig, unwrap_angles
 
 import kvbench
+from kvbench.methods.polarquant import PolarQuant, PolarQuantConfig, unwrap_angles
 
 
 def _layer(head_dim: int = 2, heads: int = 1, **cfg):

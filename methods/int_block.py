@@ -1,0 +1,184 @@
+"""``int8-block`` / ``int4-block``: llama.cpp-style symmetric blocks (``-ctk`` / ``-ctv``).
+
+Source: ggml-org/llama.cpp ``ggml/src/ggml-quants.c`` (``quantize_row_q8_0_ref``,
+``quantize_row_q4_0_ref``) and ``ggml-common.h`` (``block_q8_0``, ``block_q4_0``: 32 elements and
+one fp16 ``d`` per block); the KV-cache types are chosen with ``-ctk`` / ``-ctv`` in
+{f16, q8_0, q4_0, ...}.  Spec §10 context; bug-cases KVQ-13, 14, 17, 23, 24.
+
+Each key and value token is cut into blocks of ``block_size`` (32) consecutive channels along
+head_dim, each with one float16 scale ``d``; keys and values are configured independently with
+``key_type`` / ``value_type`` in {``f16``, ``q8_0``, ``q4_0``}:
+
+* ``q8_0``: ``d = absmax / 127``, ``q = round(x / d)`` in [-127, 127], 1 byte per element;
+  8 + 16/32 = **8.5 bits** per element.
+* ``q4_0`` with ``q4_rule="absmax7"`` (default, as the kvbench issue specifies): ``d = absmax / 7``,
+  ``q = round(x / d)`` in [-7, 7]; 4 + 16/32 = **4.5 bits**.
+* ``q4_0`` with ``q4_rule="llamacpp"``: llama.cpp's exact rule: ``m`` = the signed element of
+  largest magnitude (first on ties), ``d = m / -8``, ``q = min(15, floor(x / d + 8.5))`` in 0..15,
+  dequantized ``(q - 8) * d``; the code range is asymmetric ([-8d, 7d], so the element opposite
+  in sign to ``m`` and as large saturates at ``7|d|``).  Codes use fp32 ``d``, ``d`` is stored
+  as fp16 (round to nearest), exactly as ``quantize_row_q4_0_ref``.
+* ``f16``: that side is not quantized (kept in the model's dtype; 16 bits nominal).
+
+``q8_0`` and ``absmax7`` use the core symmetric quantizer (``quantize_groups(symmetric=True)``
+via :class:`~kvbench.blocks.PerTokenCodec`), which differs from ``quantize_row_q8_0_ref`` in two
+documented details: ties round half-to-even (llama.cpp: ``roundf``, half away from zero) and
+the codes are computed from the stored fp16 scale, rounded up (llama.cpp: from fp32 ``d``).
+Codes are packed as the core's LSB-first bit stream (llama.cpp's q4_0 puts element ``j`` and
+``j + 16`` in one byte); the byte count is identical.
+
+Windows: ``residual_length`` R (default 0: llama.cpp quantizes every token on write; otherwise a
+sliding window of the R newest tokens stays full precision) and ``num_sink_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.blocks import AffineBlock, PerTokenCodec
+from kvbench.method import Capabilities, Method, MethodConfig, _int
+from kvbench.quant import pack_bits
+from kvbench.schedule import NeverSchedule, SlidingSchedule
+
+BLOCK_TYPES = ("f16", "q8_0", "q4_0")
+Q4_RULES = ("absmax7", "llamacpp")
+CODE_BITS = {"f16": 16, "q8_0": 8, "q4_0": 4}
+
+
+@dataclass
+class LlamaCppQ4Codec:
+    """llama.cpp's exact ``q4_0`` rule on blocks of ``block_size`` channels of each token.
+
+    ``encode(x [B, H_kv, n, D]) -> AffineBlock`` (4-bit symmetric codes with offset 8, signed
+    fp16 scale ``d`` ``[B, H_kv, n, D / block_size]``).  A block with NaN/Inf gets a NaN scale.
+    Raises ``ValueError`` if ``block_size`` does not divide D or ``d`` overflows float16.
+    """
+
+    block_size: int = 32
+    token_group: int = 1
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, dim = x.shape
+        bs = self.block_size
+        if dim % bs:
+            raise ValueError(f"block_size={bs} does not divide head_dim={dim}")
+        xg = x.float().reshape(b, h, n, dim // bs, bs)
+        ok = torch.isfinite(xg)
+        xs = torch.where(ok, xg, torch.zeros((), device=x.device))
+        m = xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))  # signed max-magnitude element
+        d = m / -8.0
+        inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+        q = torch.floor(xs * inv + 8.5).clamp(0, 15)  # (int8_t)(x*id + 8.5f), x*id + 8.5 >= 0
+        d16 = d.to(torch.float16)
+        if bool((~torch.isfinite(d16)).any()):
+            raise ValueError("a q4_0 block scale overflows float16 (|max| > 524032)")
+        d16 = torch.where(ok.all(-1, keepdim=True), d16, torch.full_like(d16, float("nan")))
+        codes = q.to(torch.int32).reshape(b, h, n, dim)
+        return AffineBlock(
+            pack_bits(codes, 4), d16.squeeze(-1), None, [1] * n, 4, dim, symmetric=True
+        )
+
+
+@dataclass(frozen=True)
+class Int8BlockConfig(MethodConfig):
+    """Configuration of :class:`Int8Block` / :class:`Int4Block`.
+
+    Attributes
+    ----------
+    key_type, value_type : ``f16`` | ``q8_0`` | ``q4_0`` (llama.cpp ``-ctk`` / ``-ctv``).
+    q4_rule : ``absmax7`` (d = absmax/7, codes -7..7; default) or ``llamacpp`` (d = max/-8).
+    block_size : channels per block (32 in llama.cpp); must divide head_dim.
+    residual_length : R newest tokens kept in full precision (default 0).
+    num_sink_tokens : N_s first tokens kept in full precision (default 0).
+    """
+
+    key_type: str = "q8_0"
+    value_type: str = "q8_0"
+    q4_rule: str = "absmax7"
+    block_size: int = 32
+    residual_length: int = 0
+    num_sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("key_type", BLOCK_TYPES),
+            ("value_type", BLOCK_TYPES),
+            ("q4_rule", Q4_RULES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
+                )
+        _int(self.block_size, "block_size", 1)
+        _int(self.residual_length, "residual_length", 0)
+        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+
+
+@dataclass(frozen=True)
+class Int4BlockConfig(Int8BlockConfig):
+    """As :class:`Int8BlockConfig`, with ``q4_0`` keys and values by default."""
+
+    key_type: str = "q4_0"
+    value_type: str = "q4_0"
+
+
+class Int8Block(Method):
+    """llama.cpp-style symmetric blocks of 32 channels, one fp16 scale each (q8_0 default)."""
+
+    Config = Int8BlockConfig
+    description = "llama.cpp q8_0/q4_0 K and V: symmetric 32-channel blocks, fp16 scale"
+    source = "ggml-org/llama.cpp ggml-quants.c quantize_row_q8_0_ref / q4_0_ref; -ctk/-ctv"
+    capabilities = Capabilities()
+
+    def _codec(self, kind: str, head_dim: int):
+        c = self.config
+        if kind == "f16":
+            return None
+        if head_dim % c.block_size:
+            raise ValueError(
+                f"block_size={c.block_size} does not divide head_dim={head_dim}; "
+                f"use a divisor of {head_dim}"
+            )
+        if kind == "q4_0" and c.q4_rule == "llamacpp":
+            return LlamaCppQ4Codec(c.block_size)
+        return PerTokenCodec(
+            CODE_BITS[kind], torch.float16, symmetric=True, channel_group=c.block_size
+        )
+
+    def key_codec(self, layer_idx: int, head_dim: int):
+        return self._codec(self.config.key_type, head_dim)
+
+    def value_codec(self, layer_idx: int, head_dim: int):
+        return self._codec(self.config.value_type, head_dim)
+
+    def _schedule(self, kind: str) -> object:
+        return NeverSchedule() if kind == "f16" else SlidingSchedule(self.config.residual_length)
+
+    def key_schedule(self) -> object:
+        return self._schedule(self.config.key_type)
+
+    def value_schedule(self) -> object:
+        return self._schedule(self.config.value_type)
+
+    def _terms(self, kind: str) -> dict[str, float]:
+        if kind == "f16":
+            return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
+        return {"b_eff": CODE_BITS[kind], "m_q": 16, "group": self.config.block_size, "m_sal": 0}
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        return self._terms(self.config.key_type)
+
+    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
+        return self._terms(self.config.value_type)
+
+
+class Int4Block(Int8Block):
+    """As :class:`Int8Block` with ``q4_0`` keys and values by default (4.5 bits)."""
+
+    Config = Int4BlockConfig
+    description = "llama.cpp q4_0 K and V: symmetric 32-channel blocks, fp16 scale"

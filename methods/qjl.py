@@ -1,0 +1,300 @@
+"""``qjl``: QJL, 1-bit quantized Johnson-Lindenstrauss sketches of the keys.
+
+Source: Zandieh, Daliri, Han, "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with
+Zero Overhead", arXiv 2406.03482, §3 (Definition 1; Lemma 2, unbiasedness) and §4; code
+amirzandieh/QJL (``models/llama3_utils_qjl.py`` ``QJLSketch`` / ``QJLKeyQuantizer``,
+``qjl_kernel/csrc/qjl_gqa_score_kernel.cu``); spec §11, §13 Example 14.
+
+Keys: with a seeded Gaussian ``S in R^{m x d}`` (m = ``sketch_dim``) a key is stored as
+``sign(S k)`` (bit 1 iff ``(S k)_r > 0``, packed 8 per byte) and ``||k||_2`` (float16).  There are
+no dequantized keys; a sketched key's logit is the unbiased estimate (query not quantized)::
+
+    <q, k>  ~  sqrt(pi/2) / m * ||k||_2 * <S q, sign(S k)>
+
+Outliers (``outlier_channels`` o > 0, as the repo): per group of ``group_size`` tokens the o
+channels of largest norm over the group are split off and sketched separately with the first
+``outlier_sketch_dim`` rows of S (default m/2, the repo's ``s // 16`` bytes) and their own norm;
+the logit is the sum of both estimates; the o indices (uint8) are stored per group.
+
+Windows (repo): keys stay exact until a block of ``residual_length`` R (128) tokens is sketched
+(spec §3's block schedule); ``num_sink_tokens`` stay exact.  Values: KIVI-style per-token, 2 bits,
+groups of 32 channels, sliding window R (repo ``--value_quantization_bits 2 --group_size 32``).
+S is regenerated from ``seed + layer`` (cached per process), not cache state: no bytes.
+``sketch="orthogonal"`` is the repo's ``init_rot_dir`` (blocks of d rows orthonormalized, times
+sqrt(d)), slightly biased for small d.  Key bits ``m/d + 16/d`` (+ ``(m_o + 16)/d + 8o/(Gd)``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+from kvbench.attention import causal_mask, repeat_kv
+from kvbench.blocks import own_storage
+from kvbench.layer import LayerCache
+from kvbench.method import CacheConfig, Capabilities, Method, _int
+from kvbench.quant import pack_bits, unpack_bits
+
+SKETCHES = ("gaussian", "orthogonal")
+NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+NO_KEYS = (
+    "QJL has no dequantized keys (capability keys_values=False): its keys are 1-bit JL "
+    "sketches; use LayerCache.attend(query), which scores them with the QJL estimator"
+)
+
+
+@lru_cache(maxsize=256)
+def qjl_sketch_matrix(m: int, d: int, seed: int, kind: str = "gaussian") -> torch.Tensor:
+    """``S [m, d]`` float32, i.i.d. N(0, 1) from ``torch.Generator().manual_seed(seed)``;
+    ``orthogonal``: each block of d rows replaced by sqrt(d) x orthonormal rows (repo)."""
+    s = torch.randn(m, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if kind == "orthogonal":
+        s = torch.cat([torch.linalg.qr(c.T)[0].T * math.sqrt(d) for c in s.split(d)], dim=0)
+    return s.float()
+
+
+def _signs(packed: torch.Tensor, m: int) -> torch.Tensor:
+    return unpack_bits(packed, 1, m).float() * 2 - 1  # [..., m] in {-1, +1}
+
+
+@dataclass
+class QJLBlock:
+    """Sketched keys of a run of tokens (no ``dequantize``: see :meth:`scores`).
+
+    Attributes
+    ----------
+    signs : uint8 ``[B, H_kv, n, ceil(m/8)]``; norms : ``[B, H_kv, n]`` (inlier) L2 norms.
+    sketch : ``S [m, d]`` float32 (a seed-derived constant; not counted).
+    group_len : tokens per outlier group.  With outliers: ``outlier_idx`` uint8
+    ``[B, H_kv, NG, o]``, ``outlier_signs`` uint8 ``[B, H_kv, n, ceil(m_o/8)]``,
+    ``outlier_norms`` ``[B, H_kv, n]``.
+    """
+
+    signs: torch.Tensor
+    norms: torch.Tensor
+    sketch: torch.Tensor
+    group_len: list[int]
+    outlier_idx: torch.Tensor | None = None
+    outlier_signs: torch.Tensor | None = None
+    outlier_norms: torch.Tensor | None = None
+    outlier_dim: int = 0
+
+    @property
+    def ntokens(self) -> int:
+        return self.signs.shape[2]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError(NO_KEYS)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        tok, grp = self._fields()
+        cats = {"signs": "codes", "outlier_signs": "codes", "outlier_idx": "metadata"}
+        return [(cats.get(f, "scales"), getattr(self, f)) for f in tok + grp]
+
+    def _fields(self) -> tuple[list[str], list[str]]:
+        if self.outlier_idx is None:
+            return ["signs", "norms"], []
+        return ["signs", "norms", "outlier_signs", "outlier_norms"], ["outlier_idx"]
+
+    def cat(self, other: QJLBlock) -> QJLBlock:
+        if self._fields() != other._fields() or not torch.equal(other.sketch, self.sketch):
+            raise ValueError("cannot concatenate QJL blocks of different sketches or outliers")
+        tok, grp = self._fields()
+        kw = {f: torch.cat([getattr(self, f), getattr(other, f)], dim=2) for f in tok + grp}
+        return replace(self, group_len=self.group_len + other.group_len, **kw)
+
+    def crop(self, n: int) -> QJLBlock:
+        starts = itertools.accumulate(self.group_len, initial=0)
+        lens = [min(g, n - s) for g, s in zip(self.group_len, starts) if s < n]
+        tok, grp = self._fields()
+        kw = {f: own_storage(getattr(self, f)[:, :, :n]) for f in tok}
+        kw |= {f: own_storage(getattr(self, f)[:, :, : len(lens)]) for f in grp}
+        return replace(self, group_len=lens, **kw)
+
+    def index_batch(self, idx: torch.Tensor) -> QJLBlock:
+        tok, grp = self._fields()
+        idx = idx.to(self.signs.device)
+        return replace(self, **{f: getattr(self, f).index_select(0, idx) for f in tok + grp})
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """Estimated ``<q, k>``: ``query [B, H_q, n_q, D]`` -> ``[B, H_q, n_q, n]`` float32; query
+        head h reads KV head ``h // (H_q / H_kv)``; outliers use ``<S q', s> = <q', S^T s>``."""
+        b, hq, nq, d = query.shape
+        h, m = self.signs.shape[1], self.sketch.shape[0]
+        s_mat = self.sketch.to(query.device)
+        q = query.float().reshape(b, h, (hq // h) * nq, d)  # query heads of one KV head
+        s_in = _signs(self.signs, m)  # [B, H, n, m]
+        c_in = math.sqrt(math.pi / 2) / m * self.norms.float()  # [B, H, n]
+        logits = (q @ s_mat.T) @ s_in.transpose(-1, -2) * c_in.unsqueeze(-2)
+        if self.outlier_idx is not None:
+            mo = self.outlier_dim
+            c_out = math.sqrt(math.pi / 2) / mo * self.outlier_norms.float()
+            groups = torch.repeat_interleave(torch.tensor(self.group_len, device=q.device))
+            idx = self.outlier_idx.long()[:, :, groups]  # [B, H, n, o]
+            mask = torch.zeros(*idx.shape[:3], d, device=q.device).scatter_(-1, idx, 1.0)
+            z_out = _signs(self.outlier_signs, mo) @ s_mat[:mo]  # S_o^T sign(S_o k_out)
+            w = mask * (c_out.unsqueeze(-1) * z_out - c_in.unsqueeze(-1) * (s_in @ s_mat))
+            logits = logits + q @ w.transpose(-1, -2)
+        return logits.reshape(b, hq, nq, -1)
+
+
+@dataclass
+class QJLKeyCodec:
+    """Sketches keys ``[B, H_kv, n, D]`` into a :class:`QJLBlock` with ``sketch [m, D]``.
+
+    With ``outlier_channels`` o > 0 a flush must hold a multiple of ``group_size`` tokens.  A
+    token with NaN/Inf gets a NaN norm (its logits are NaN).  Raises ``ValueError`` if a norm
+    overflows ``norm_dtype``.
+    """
+
+    sketch: torch.Tensor
+    group_size: int = 32
+    outlier_channels: int = 0
+    outlier_dim: int = 0
+    norm_dtype: torch.dtype = torch.float16
+
+    @property
+    def token_group(self) -> int:
+        return self.group_size if self.outlier_channels else 1
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def _norm(self, x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        nrm = torch.linalg.vector_norm(x, dim=-1).to(self.norm_dtype)
+        if bool((~torch.isfinite(nrm)).any()):
+            raise ValueError(f"a key norm overflows norm_dtype={self.norm_dtype}; use float32")
+        return torch.where(finite, nrm, torch.full_like(nrm, float("nan")))
+
+    def encode(self, x: torch.Tensor) -> QJLBlock:
+        b, h, n, d = x.shape
+        xf = x.float()
+        finite = torch.isfinite(xf).all(dim=-1)
+        xs = torch.where(torch.isfinite(xf), xf, torch.zeros((), device=x.device))
+        s_mat = self.sketch.to(x.device)
+        g, o = self.group_size, self.outlier_channels
+        if not o:
+            bits = pack_bits((xs @ s_mat.T > 0).to(torch.uint8), 1)
+            return QJLBlock(bits, self._norm(xs, finite), self.sketch, [1] * n)
+        if n % g:
+            raise ValueError(f"outlier groups need a multiple of group_size={g} tokens, not {n}")
+        cn = torch.linalg.vector_norm(xs.reshape(b, h, n // g, g, d), dim=-2)  # [B, H, NG, D]
+        idx = cn.topk(o, dim=-1).indices
+        mask = torch.zeros_like(cn).scatter_(-1, idx, 1.0).repeat_interleave(g, dim=2)
+        k_out, k_in = xs * mask, xs * (1 - mask)
+        b_in = pack_bits((k_in @ s_mat.T > 0).to(torch.uint8), 1)
+        b_out = pack_bits((k_out @ s_mat[: self.outlier_dim].T > 0).to(torch.uint8), 1)
+        n_in, n_out = self._norm(k_in, finite), self._norm(k_out, finite)
+        idx = idx.to(torch.uint8 if d <= 256 else torch.int16)
+        lens, mo = [g] * (n // g), self.outlier_dim
+        return QJLBlock(b_in, n_in, self.sketch, lens, idx, b_out, n_out, mo)
+
+
+class QJLLayerCache(LayerCache):
+    """A :class:`~kvbench.layer.LayerCache` whose sketched keys are read only by :meth:`attend`."""
+
+    def keys_values(self, dtype: torch.dtype | None = None):
+        raise NotImplementedError(NO_KEYS)
+
+    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """``query [B, H_q, n_q, D]`` (the newest n_q positions) -> ``[B, H_q, n_q, D]``: exact
+        logits for sinks and residual, the QJL estimate for sketched keys; float32 softmax."""
+        if not self.seq_length:
+            raise ValueError("the cache is empty")
+        b, hq, nq, d = query.shape
+        hkv = self._bhd[1]
+        if hq % hkv or (b, d) != (self._bhd[0], self._bhd[2]):
+            raise ValueError(f"query {tuple(query.shape)} does not fit (B, H_kv, D) = {self._bhd}")
+        q, parts = query.float(), []
+        for part in (self.k.sinks, self.k.block, self.k.residual):
+            if isinstance(part, QJLBlock):
+                parts.append(part.scores(q))
+            elif part is not None and part.shape[2]:
+                parts.append(q @ repeat_kv(part.float(), hq // hkv).transpose(-1, -2))
+        logits = torch.cat(parts, dim=-1) * (1.0 / math.sqrt(d) if scaling is None else scaling)
+        if nq > 1:
+            mask = causal_mask(nq, logits.shape[-1], query.device)
+            logits = logits.masked_fill(~mask, float("-inf"))
+        values = repeat_kv(self.v.read(torch.float32), hq // hkv)
+        return (torch.softmax(logits, dim=-1) @ values).to(query.dtype)
+
+
+@dataclass(frozen=True)
+class QJLConfig(CacheConfig):
+    """Configuration of :class:`QJL` (common fields: :class:`~kvbench.method.CacheConfig`).
+
+    Attributes
+    ----------
+    group_size : G, tokens per outlier group (default 32; also the default value group).
+    residual_length : R, keys sketched in blocks of R (default 128, a multiple of G).
+    value_bits : per-token value bits (default 2; 16 = full-precision values).
+    sketch_dim : m (default 256).  outlier_channels : o (default 0).
+    outlier_sketch_dim : m_o (default ``sketch_dim // 2``).  sketch : ``gaussian`` | ``orthogonal``.
+    seed : base seed of S (default 0).  norm_dtype : ``float16`` (default) | ``float32``.
+    """
+
+    group_size: int = 32
+    residual_length: int = 128
+    value_bits: int = 2
+    sketch_dim: int = 256
+    outlier_channels: int = 0
+    outlier_sketch_dim: int | None = None
+    sketch: str = "gaussian"
+    seed: int = 0
+    norm_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int(self.sketch_dim, "sketch_dim", 1)
+        _int(self.outlier_channels, "outlier_channels", 0)
+        if self.outlier_sketch_dim is not None:
+            _int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
+        _int(self.seed, "seed", 0)
+        if self.outlier_dim > self.sketch_dim:
+            raise ValueError(f"outlier_sketch_dim={self.outlier_dim} must be <= sketch_dim")
+        for name, allowed in (("sketch", SKETCHES), ("norm_dtype", tuple(NORM_DTYPES))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
+                )
+
+    @property
+    def outlier_dim(self) -> int:
+        return self.outlier_sketch_dim or max(self.sketch_dim // 2, 1)
+
+
+class QJL(Method):
+    """QJL: 1-bit JL sketches + norms for keys (estimated logits), per-token values."""
+
+    Config = QJLConfig
+    description = "QJL: keys as sign(S k) sketches + fp16 norm, unbiased logit estimator"
+    source = "Zandieh et al., arXiv 2406.03482, §3-4; repo amirzandieh/QJL; spec §11, Ex. 14"
+    capabilities = Capabilities(keys_values=False)
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> QJLKeyCodec:
+        c = self.config
+        if c.outlier_channels >= head_dim:
+            raise ValueError(f"outlier_channels={c.outlier_channels} must be < head_dim={head_dim}")
+        s_mat = qjl_sketch_matrix(c.sketch_dim, head_dim, c.seed + layer_idx, c.sketch)
+        return QJLKeyCodec(
+            s_mat, c.group_size, c.outlier_channels, c.outlier_dim, NORM_DTYPES[c.norm_dtype]
+        )
+
+    def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int, dtype=None, device=None):
+        """One empty :class:`QJLLayerCache` (same arguments as :meth:`Method.new_layer`)."""
+        kc, vc = self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim)
+        ns = self.config.num_sink_tokens
+        return QJLLayerCache(kc, vc, self.key_schedule(), self.value_schedule(), ns)
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        c = self.config
+        nb = torch.finfo(NORM_DTYPES[c.norm_dtype]).bits
+        if not c.outlier_channels:
+            return {"b_eff": c.sketch_dim / head_dim, "m_q": nb, "group": head_dim, "m_sal": 0}
+        m_sal = c.outlier_channels * (8 if head_dim <= 256 else 16) / (c.group_size * head_dim)
+        b_eff = (c.sketch_dim + c.outlier_dim) / head_dim
+        return {"b_eff": b_eff, "m_q": 2 * nb, "group": head_dim, "m_sal": m_sal}
