@@ -19,6 +19,7 @@ import torch
 
 from .attention import reference_attention
 from .blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
+from .fastpath import fast_attend
 from .schedule import NeverSchedule
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -208,8 +209,13 @@ class LayerCache:
                 "provide_queries() before appending decode tokens"
             )
         self._check(keys, values)
+        if self.seq_length and keys.dtype != self.dtype:  # torch.cat would silently promote
+            raise ValueError(
+                f"new tokens are {keys.dtype} but the cache holds {self.dtype}; append tokens "
+                "in the cache's dtype"
+            )
         self.end_step()
-        if self.dtype is None:
+        if self.dtype is None or not self.seq_length:
             self.dtype = keys.dtype
         k, v = self._take_sinks(keys, values)
         self.k.residual = own_storage(_cat(self.k.residual, k))
@@ -233,8 +239,13 @@ class LayerCache:
 
     def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """Attention of the newest ``n_q`` positions: ``query [B, H_q, n_q, D]`` ->
-        ``[B, H_q, n_q, D]``.  Reference path over :meth:`keys_values`; methods with a fused
-        kernel override it and must agree with it."""
+        ``[B, H_q, n_q, D]``.  A fast path when one fits (:func:`kvbench.fastpath.fast_attend`:
+        the fused kernel on CUDA, code-domain attention on the CPU; ``self.attend_path`` says
+        which ran), else the reference path over :meth:`keys_values`; both agree up to float
+        rounding.  Methods with their own kernel override it and must agree with it too."""
+        out = fast_attend(self, query, scaling)
+        if out is not None:
+            return out
         keys, values = self.keys_values(query.dtype)
         return reference_attention(query, keys, values, scaling)
 

@@ -1,0 +1,72 @@
+"""Shared helpers of the core tests: independent float64 numpy references.
+
+Nothing here calls kvbench; the helpers compute right values from the formulas of spec §0
+(min-max asymmetric quantization, round-half-to-even) so that tests compare the code under test
+with an independent computation, never with its own output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+
+def np_minmax(x: np.ndarray, bits: int) -> dict[str, np.ndarray]:
+    """Min-max asymmetric quantization of the last axis of ``x`` in float64 (spec §0).
+
+    Returns ``codes`` (int64), ``scale`` and ``mn`` (``[..., 1]``), ``xhat`` and ``mse``.
+    A zero-range group gets scale 0, codes 0 and ``xhat == mn`` (spec Example 5).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    qmax = 2**bits - 1
+    mn = x.min(axis=-1, keepdims=True)
+    mx = x.max(axis=-1, keepdims=True)
+    scale = (mx - mn) / qmax
+    safe = np.where(scale > 0, scale, 1.0)
+    codes = np.where(scale > 0, np.clip(np.round((x - mn) / safe), 0, qmax), 0).astype(np.int64)
+    xhat = codes * scale + mn
+    return {"codes": codes, "scale": scale, "mn": mn, "xhat": xhat, "mse": ((x - xhat) ** 2).mean()}
+
+
+def per_channel_ref(x: np.ndarray, bits: int, group: int) -> dict[str, np.ndarray]:
+    """KIVI per-channel quantization of ``x [B, H, T, D]``: groups of ``group`` tokens per
+    channel (spec §3).  Returns ``xhat`` and ``scale`` ``[B, H, T, D]`` (per element)."""
+    b, h, t, d = x.shape
+    g = np.asarray(x, dtype=np.float64).reshape(b, h, t // group, group, d).swapaxes(-1, -2)
+    r = np_minmax(g, bits)
+    xhat = r["xhat"].swapaxes(-1, -2).reshape(b, h, t, d)
+    scale = np.broadcast_to(r["scale"], g.shape).swapaxes(-1, -2).reshape(b, h, t, d)
+    codes = r["codes"].swapaxes(-1, -2).reshape(b, h, t, d)
+    return {"xhat": xhat, "scale": scale, "codes": codes}
+
+
+def per_token_ref(x: np.ndarray, bits: int, group: int) -> dict[str, np.ndarray]:
+    """Per-token quantization of ``x [B, H, T, D]``: groups of ``group`` channels per token."""
+    b, h, t, d = x.shape
+    g = np.asarray(x, dtype=np.float64).reshape(b, h, t, d // group, group)
+    r = np_minmax(g, bits)
+    scale = np.broadcast_to(r["scale"], g.shape).reshape(b, h, t, d)
+    return {
+        "xhat": r["xhat"].reshape(b, h, t, d),
+        "scale": scale,
+        "codes": r["codes"].reshape(b, h, t, d),
+    }
+
+
+def storage_is_own(t: torch.Tensor) -> bool:
+    """True when ``t`` does not keep a larger allocation alive (no hidden full-precision copy)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.fixture(scope="session")
+def ref():
+    """The reference helpers, as a namespace usable from hypothesis tests (session scope)."""
+
+    class Ref:
+        minmax = staticmethod(np_minmax)
+        per_channel = staticmethod(per_channel_ref)
+        per_token = staticmethod(per_token_ref)
+        own = staticmethod(storage_is_own)
+
+    return Ref

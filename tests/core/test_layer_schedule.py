@@ -1,0 +1,266 @@
+"""kvbench.schedule and kvbench.layer.LayerCache: flush rules, the deferred flush, sinks,
+reference attention, crop/reset and byte accounting.
+
+Right values: spec §3 (KIVI flush rules), §4 (Kitty), §13 Example 16 (prefill 300, then 300
+decode steps, G = R = 128), design.md §2 (the flush happens after the step's attention).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kvbench
+from kvbench.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.layer import LayerCache
+from kvbench.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
+
+F32 = torch.float32
+
+
+def rand(*shape, seed=0, dtype=F32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ------------------------------------------------------------------ schedules (spec §3, §4)
+
+
+def test_block_schedule_kivi_keys() -> None:
+    s = BlockSchedule(128)
+    assert [s.prefill_count(n) for n in (0, 100, 127, 128, 300, 4096)] == [0, 0, 0, 128, 256, 4096]
+    assert [s.flush_count(r) for r in (0, 1, 127, 128)] == [0, 0, 0, 128]
+    assert BlockSchedule(0).prefill_count(7) == 7 and BlockSchedule(0).flush_count(1) == 1
+
+
+def test_sliding_schedule_kivi_values() -> None:
+    s = SlidingSchedule(128)
+    assert [s.prefill_count(n) for n in (0, 100, 128, 129, 300)] == [0, 0, 0, 1, 172]
+    assert [s.flush_count(r) for r in (0, 128, 129, 131)] == [0, 0, 1, 3]
+
+
+def test_all_but_newest_schedule_kitty_keys() -> None:
+    s = AllButNewestSchedule(128, 128)
+    # Kitty-sim: nothing at prefill unless n > R; then whole pages of G
+    assert [s.prefill_count(n) for n in (100, 128, 129, 268)] == [0, 0, 128, 256]
+    # decode: the residual cycles 1..R; at R + 1 the oldest R are quantized
+    assert [s.flush_count(r) for r in (1, 128, 129)] == [0, 0, 128]
+
+
+def test_never_schedule() -> None:
+    assert NeverSchedule().prefill_count(10**6) == 0 and NeverSchedule().flush_count(10**6) == 0
+
+
+# ------------------------------------------------------------------ Example 16
+
+
+def _trail_exact(kv: torch.Tensor, ref: torch.Tensor) -> int:
+    """Number of newest tokens that come back bit-exact (a quantized 2-bit token never does)."""
+    same = (kv == ref).all(dim=-1).flatten().tolist()
+    n = 0
+    for s in reversed(same):
+        if not s:
+            break
+        n += 1
+    return n
+
+
+def test_example16_kivi_schedule() -> None:
+    # spec §13 Example 16, KIVI rows: G = R = 128, prompt 300, 300 decode steps
+    m = kvbench.get_method(
+        "kivi",
+        bits=2,
+        group_size=128,
+        residual_length=128,
+        value_bits=2,
+        value_group_size=8,
+        scale_dtype="float32",
+    )
+    layer = m.new_layer(0, 1, 8)
+    ks, vs = rand(1, 1, 600, 8, seed=1), rand(1, 1, 600, 8, seed=2)
+    layer.prefill(ks[:, :, :300], vs[:, :, :300])
+    assert layer.quantized_tokens() == (256, 172)  # keys 256 + 44 fp, values 172 + 128 fp
+    assert layer.seq_length == 300
+    k, v = layer.keys_values()
+    assert _trail_exact(k, ks[:, :, :300]) == 44 and _trail_exact(v, vs[:, :, :300]) == 128
+    flushes = []
+    for step in range(1, 301):
+        t = 299 + step
+        layer.append(ks[:, :, t : t + 1], vs[:, :, t : t + 1])
+        before = layer.quantized_tokens()
+        layer.end_step()
+        kq, vq = layer.quantized_tokens()
+        if kq != before[0]:
+            flushes.append(step)
+        assert layer.seq_length == 300 + step
+        want_k = 256 if step < 84 else (384 if step < 212 else 512)  # by hand: 44 + step = 128k
+        assert (kq, vq) == (want_k, 172 + step), step
+    assert flushes == [84, 212]
+    assert layer.quantized_tokens() == (512, 472)
+    k, v = layer.keys_values()
+    assert _trail_exact(k, ks) == 88 and _trail_exact(v, vs) == 128
+
+
+def test_example16_kitty_schedule_on_core() -> None:
+    # spec §13 Example 16, Kitty-sim row (sink 32): keys 256 + 12 fp after prefill, flushes at
+    # steps 117 and 245, final keys 512 + 56; values 140 quantized after prefill, final 440
+    layer = LayerCache(
+        PerChannelCodec(2, F32, group_size=128),
+        PerTokenCodec(2, F32, channel_group=4),
+        AllButNewestSchedule(128, 128),
+        SlidingSchedule(128),
+        num_sink_tokens=32,
+    )
+    x = rand(1, 1, 600, 4)
+    layer.prefill(x[:, :, :300], x[:, :, :300])
+    assert layer.quantized_tokens() == (256, 140)
+    flushes = []
+    for step in range(1, 301):
+        layer.append(x[:, :, 299 + step : 300 + step], x[:, :, 299 + step : 300 + step])
+        kq = layer.quantized_tokens()[0]
+        layer.end_step()
+        if layer.quantized_tokens()[0] != kq:
+            flushes.append(step)
+    assert flushes == [117, 245]
+    assert layer.quantized_tokens() == (512, 440)
+    assert layer.seq_length == 600
+    k, _ = layer.keys_values()
+    assert torch.equal(k[:, :, :32], x[:, :, :32])  # sinks exact
+    assert _trail_exact(k, x) == 56
+
+
+# ------------------------------------------------------------------ the deferred flush
+
+
+def test_flush_runs_after_the_step() -> None:
+    # design.md §2: the new token joins the residual and the step attends to it in full
+    # precision; the flush happens after that step (end_step, or the next append)
+    m = kvbench.get_method("kivi", bits=2, group_size=4, residual_length=4, scale_dtype="float32")
+    layer = m.new_layer(0, 1, 8)
+    x = rand(1, 1, 10, 8)
+    layer.prefill(x[:, :, :7], x[:, :, :7])  # keys 4 quantized + 3 fp
+    assert layer.quantized_tokens() == (4, 0)
+    layer.append(x[:, :, 7:8], x[:, :, 7:8])  # residual reaches R = 4
+    assert layer.quantized_tokens() == (4, 0)
+    k, _ = layer.keys_values()
+    assert torch.equal(k[:, :, 4:], x[:, :, 4:8])  # all 4 residual keys still exact
+    layer.append(x[:, :, 8:9], x[:, :, 8:9])  # runs the pending flush first
+    assert layer.quantized_tokens() == (8, 0)
+    layer.end_step()
+    layer.end_step()  # idempotent
+    assert layer.quantized_tokens() == (8, 0) and layer.seq_length == 9
+
+
+def test_multi_token_append_flushes_whole_groups() -> None:
+    m = kvbench.get_method(
+        "kivi", bits=2, group_size=4, residual_length=8, value_bits=2, value_group_size=4
+    )
+    layer = m.new_layer(0, 2, 8)
+    x = rand(1, 2, 30, 8)
+    layer.prefill(x[:, :, :5], x[:, :, :5])
+    assert layer.quantized_tokens() == (0, 0)
+    layer.append(x[:, :, 5:25], x[:, :, 5:25])
+    layer.end_step()
+    # keys: residual 25 -> 24 quantized (3 blocks of R = 8), 1 fp; values: all but the last 8
+    assert layer.quantized_tokens() == (24, 17)
+    assert layer.k.block.group_len == [4] * 6
+
+
+# ------------------------------------------------------------------ sinks
+
+
+def test_sinks_fill_from_first_tokens_and_stay_exact() -> None:
+    m = kvbench.get_method(
+        "per-token", bits=2, residual_length=2, num_sink_tokens=4, value_bits=2, value_group_size=4
+    )
+    layer = m.new_layer(0, 1, 4)
+    x = rand(1, 1, 12, 4)
+    layer.prefill(x[:, :, :2], x[:, :, :2])  # shorter than N_s: both become sinks
+    assert layer.quantized_tokens() == (0, 0)
+    for t in range(2, 12):
+        layer.append(x[:, :, t : t + 1], x[:, :, t : t + 1])
+        layer.end_step()
+    # 4 sinks + 6 quantized + 2 residual
+    assert layer.quantized_tokens() == (6, 6)
+    k, v = layer.keys_values()
+    assert torch.equal(k[:, :, :4], x[:, :, :4]) and torch.equal(v[:, :, :4], x[:, :, :4])
+    assert torch.equal(k[:, :, 10:], x[:, :, 10:])
+    assert not torch.equal(k[:, :, 4:10], x[:, :, 4:10])
+    nb = layer.nbytes()
+    assert nb["sinks"] == 2 * 4 * 4 * 4 and nb["residual"] == 2 * 2 * 4 * 4
+
+
+# ------------------------------------------------------------------ attention, bytes, reset
+
+
+def test_attend_matches_float64_softmax() -> None:
+    m = kvbench.get_method(
+        "kivi", bits=4, group_size=4, residual_length=4, value_bits=4, value_group_size=4
+    )
+    layer = m.new_layer(0, 2, 8)
+    layer.prefill(rand(1, 2, 10, 8, seed=1), rand(1, 2, 10, 8, seed=2))
+    k, v = (t.double().numpy() for t in layer.keys_values())
+    q = rand(1, 4, 3, 8, seed=3)
+    out = layer.attend(q).double().numpy()
+    qn = q.double().numpy()
+    want = np.zeros_like(qn)
+    for h in range(4):
+        for i in range(3):  # causal: query i is absolute position 10 - 3 + i
+            kk, vv = k[0, h // 2, : 8 + i], v[0, h // 2, : 8 + i]
+            logit = kk @ qn[0, h, i] / np.sqrt(8)
+            p = np.exp(logit - logit.max())
+            want[0, h, i] = (p / p.sum()) @ vv
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_nbytes_is_sum_of_tensors_and_reset() -> None:
+    m = kvbench.get_method(
+        "kivi",
+        bits=3,
+        group_size=4,
+        residual_length=8,
+        value_bits=4,
+        value_group_size=4,
+        num_sink_tokens=2,
+    )
+    layer = m.new_layer(0, 2, 8)
+    layer.prefill(rand(2, 2, 21, 8, dtype=torch.float16), rand(2, 2, 21, 8, dtype=torch.float16))
+    nb = layer.nbytes()
+    tensors = layer.tensors()
+    assert nb["total"] == sum(t.numel() * t.element_size() for _, _, t in tensors)
+    for cat in ("codes", "scales", "metadata", "residual", "sinks"):
+        assert nb[cat] == sum(t.numel() * t.element_size() for _, c, t in tensors if c == cat)
+    assert nb["key_total"] + nb["value_total"] == nb["total"]
+    # by hand: 2 sinks, then 19 tokens: keys 16 quantized (4 groups of G = 4) + 3 fp (19 mod 8),
+    # values 11 quantized + 8 fp (R = 8); fp16 throughout, scale and zero 2 bytes each
+    b, h = 2, 2
+    assert nb["sinks"] == 2 * b * h * 2 * 8 * 2
+    assert nb["residual"] == b * h * (3 + 8) * 8 * 2
+    assert nb["codes"] == b * h * 16 * 3 + b * h * 11 * 4  # ceil(8*3/8)=3, ceil(8*4/8)=4 B/token
+    assert nb["scales"] == 2 * 2 * (b * h * 4 * 8 + b * h * 11 * 2)
+    layer.reset()
+    assert layer.seq_length == 0 and layer.nbytes()["total"] == 0
+    layer.prefill(rand(1, 2, 3, 8), rand(1, 2, 3, 8))  # reusable after reset, new batch size
+    assert layer.seq_length == 3 and layer.batch_size == 1
+
+
+def test_crop_negative_and_seq_length() -> None:
+    m = kvbench.get_method(
+        "kivi",
+        bits=2,
+        group_size=4,
+        residual_length=4,
+        value_bits=2,
+        value_group_size=4,
+        scale_dtype="float32",
+    )
+    layer = m.new_layer(0, 1, 4)
+    x = rand(1, 1, 10, 4)
+    layer.prefill(x, x)
+    k_full, v_full = layer.keys_values()
+    layer.crop(-3)  # drop the 3 newest
+    assert layer.seq_length == 7
+    k, v = layer.keys_values()
+    assert torch.equal(k, k_full[:, :, :7]) and torch.equal(v, v_full[:, :, :7])
+    assert layer.quantized_tokens() == (7, 6)
+    layer.crop(0)
+    assert layer.seq_length == 0 and layer.nbytes()["total"] == 0

@@ -1,0 +1,315 @@
+"""kvbench.quant: spec §13 worked examples and property tests of the min-max quantizer.
+
+Right values come from spec §13 (numpy float64, round-half-to-even) or from the float64
+reference in conftest.py; bounds are derived in the docstring of ``_error_bound``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
+from kvbench.quant import dequantize_groups, fake_quantize, quantize_groups
+
+F32 = torch.float32
+# Spec §13 Example 1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]
+EX1 = [[0.12, 0.9, -0.7, 0.35], [2.0, -1.0, 0.4, 1.1]]
+
+
+def _deq(g, dtype=torch.float64):
+    return dequantize_groups(
+        g.codes,
+        g.scale,
+        g.zero,
+        g.bits,
+        symmetric=g.symmetric,
+        midpoint=g.midpoint,
+        dtype=dtype,
+    )
+
+
+# ------------------------------------------------------------------ spec §13 examples
+
+
+def test_example1_per_channel_primitive() -> None:
+    x = torch.tensor(EX1, dtype=torch.float64)
+    g = quantize_groups(x, 2, scale_dtype=F32)
+    assert g.codes.tolist() == [[2, 3, 0, 2], [3, 0, 1, 2]]
+    assert g.zero.flatten().tolist() == pytest.approx([-0.7, -1.0], abs=1e-7)
+    assert g.scale.flatten().tolist() == pytest.approx([0.533333, 1.0], abs=1e-6)
+    xh = _deq(g)
+    want = [[0.366667, 0.9, -0.7, 0.366667], [2.0, -1.0, 0.0, 1.0]]
+    np.testing.assert_allclose(xh.numpy(), want, atol=1e-6)
+    assert ((x - xh) ** 2).mean().item() == pytest.approx(0.028890, abs=1e-6)
+
+
+def test_example1_through_codecs() -> None:
+    # tokens x channels = K^T: per-channel (KIVI keys), one group of the 4 tokens
+    k = torch.tensor(EX1, dtype=F32).T.reshape(1, 1, 4, 2)
+    blk = PerChannelCodec(2, F32, group_size=4).encode(k)
+    assert blk.unpacked_codes().reshape(4, 2).T.tolist() == [[2, 3, 0, 2], [3, 0, 1, 2]]
+    xh = blk.dequantize(torch.float64).reshape(4, 2).T
+    assert ((xh - torch.tensor(EX1, dtype=torch.float64)) ** 2).mean().item() == pytest.approx(
+        0.028890, abs=1e-6
+    )
+    # reading the same 2x4 as [T=2, D=4] with groups along D is per-token: identical math
+    v = torch.tensor(EX1, dtype=F32).reshape(1, 1, 2, 4)
+    vb = PerTokenCodec(2, F32, channel_group=4).encode(v)
+    assert vb.unpacked_codes().reshape(2, 4).tolist() == [[2, 3, 0, 2], [3, 0, 1, 2]]
+    np.testing.assert_allclose(
+        vb.dequantize(torch.float64).reshape(2, 4).numpy(),
+        [[0.366667, 0.9, -0.7, 0.366667], [2.0, -1.0, 0.0, 1.0]],
+        atol=1e-6,
+    )
+
+
+def test_example3_per_tensor() -> None:
+    x = torch.tensor(EX1, dtype=torch.float64)
+    g = quantize_groups(x.reshape(1, 8), 2, scale_dtype=F32)
+    assert g.zero.item() == -1.0 and g.scale.item() == 1.0
+    assert g.codes.reshape(2, 4).tolist() == [[1, 2, 0, 1], [3, 0, 1, 2]]
+    xh = _deq(g).reshape(2, 4)
+    assert xh.tolist() == [[0, 1, -1, 0], [2, -1, 0, 1]]
+    mse = ((x - xh) ** 2).mean().item()
+    assert mse == pytest.approx(0.050863, abs=1e-6)
+    assert mse > 0.028890  # per-tensor is worse than per-channel (Example 1)
+    blk = PerTensorCodec(2, F32).encode(x.float().reshape(1, 1, 2, 4))
+    assert blk.unpacked_codes().reshape(2, 4).tolist() == [[1, 2, 0, 1], [3, 0, 1, 2]]
+    assert blk.dequantize(F32).reshape(2, 4).tolist() == [[0, 1, -1, 0], [2, -1, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    ("t", "even", "half_up"),
+    [([0, 0.5, 1, 3], [0, 0, 1, 3], [0, 1, 1, 3]), ([0, 1.5, 2.5, 3], [0, 2, 2, 3], [0, 2, 3, 3])],
+)
+def test_example4_round_half_to_even(t, even, half_up) -> None:
+    # b = 2, min 0, max 3: scale exactly 1, so (x - min)/s = t with exact .5 ties
+    g = quantize_groups(torch.tensor([t], dtype=F32), 2, scale_dtype=F32)
+    assert g.scale.item() == 1.0 and g.zero.item() == 0.0
+    assert g.codes.flatten().tolist() == even
+    assert even != half_up  # the example distinguishes the conventions
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_example5_constant_group_exact(dtype, scale_dtype, bits) -> None:
+    x = torch.full((3, 4), 0.5, dtype=dtype)
+    g = quantize_groups(x, bits, scale_dtype=scale_dtype)
+    assert g.codes.eq(0).all()
+    assert g.scale.eq(0).all()  # zero range: no 0/0
+    assert torch.equal(_deq(g, dtype), x)
+    assert torch.equal(fake_quantize(x, bits, scale_dtype=scale_dtype), x)
+
+
+def test_example6_one_bit_plain_and_midpoint() -> None:
+    x = torch.tensor([[0, 0.2, 0.6, 0.9, 1.0, 0.4]], dtype=torch.float64)
+    plain = quantize_groups(x, 1, scale_dtype=F32)
+    assert plain.codes.flatten().tolist() == [0, 0, 1, 1, 1, 0]
+    xp = _deq(plain)
+    assert xp.flatten().tolist() == [0, 0, 1, 1, 1, 0]
+    assert ((x - xp) ** 2).mean().item() == pytest.approx(0.061667, abs=1e-6)
+    mid = quantize_groups(x, 1, midpoint=True, scale_dtype=F32)
+    assert mid.codes.flatten().tolist() == [0, 0, 1, 1, 1, 0]
+    xm = _deq(mid)
+    np.testing.assert_allclose(
+        xm.flatten().numpy(), [0.25, 0.25, 0.75, 0.75, 0.75, 0.25], atol=1e-7
+    )
+    assert ((x - xm) ** 2).mean().item() == pytest.approx(0.032500, abs=1e-6)
+    # the same through a codec (1-bit per-token group of 6 channels)
+    blk = PerTokenCodec(1, F32, midpoint=True, channel_group=6).encode(
+        x.float().reshape(1, 1, 1, 6)
+    )
+    np.testing.assert_allclose(
+        blk.dequantize(torch.float64).flatten().numpy(),
+        [0.25, 0.25, 0.75, 0.75, 0.75, 0.25],
+        atol=1e-7,
+    )
+
+
+def test_example6_uniform_data_mse() -> None:
+    # spec §13 Ex. 6: on uniform[0,1], 1-bit MSE 1/12 (plain) vs 1/48 (midpoint)
+    x = torch.rand(1, 200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for midpoint, want in ((False, 1 / 12), (True, 1 / 48)):
+        g = quantize_groups(x, 1, midpoint=midpoint, scale_dtype=F32)
+        mse = ((x - _deq(g)) ** 2).mean().item()
+        assert mse == pytest.approx(want, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("bits", "scale", "codes"),
+    [(2, 1.0, [0, 1, 2, 3]), (4, 0.2, [0, 5, 10, 15]), (8, 3 / 255, [0, 85, 170, 255])],
+)
+def test_kvq02_zero_point_sign(bits, scale, codes) -> None:
+    # bug-cases KVQ-02: [-1, 0, 1, 2], offset = min = -1; a flipped sign gives [1, 2, 3, 4]
+    x = torch.tensor([[[[-1.0, 0.0, 1.0, 2.0]]]])
+    g = quantize_groups(x, bits, scale_dtype=F32)
+    assert g.codes.flatten().tolist() == codes
+    assert g.zero.item() == -1.0
+    assert g.scale.item() == pytest.approx(scale, rel=1e-7)
+    assert _deq(g, F32).flatten().tolist() == [-1.0, 0.0, 1.0, 2.0]  # exact round trip
+    if bits == 2:  # fp16 storage of scale 1 and min -1 is exact too
+        assert fake_quantize(x, 2).flatten().tolist() == [-1.0, 0.0, 1.0, 2.0]
+
+
+# ------------------------------------------------------------------ non-finite input
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_non_finite_group_becomes_nan(bad, symmetric, dtype) -> None:
+    # documented in kvbench/quant.py: a group holding NaN/Inf dequantizes to NaN entirely;
+    # other groups are unaffected
+    x = torch.tensor([[1.0, bad, 2.0, 3.0], [-1.0, 0.0, 1.0, 2.0]], dtype=dtype)
+    g = quantize_groups(x, 2, symmetric=symmetric, scale_dtype=F32)
+    assert g.codes.min() >= 0 and g.codes.max() <= 3
+    xh = _deq(g, dtype)
+    assert torch.isnan(xh[0]).all()
+    assert torch.isfinite(xh[1]).all()
+    if not symmetric:
+        assert xh[1].tolist() == [-1.0, 0.0, 1.0, 2.0]
+
+
+# ------------------------------------------------------------------ properties
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+MANT = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24}  # significand bits
+TINY = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133, torch.float32: 2.0**-149}
+
+
+@st.composite
+def groups(draw):
+    """Random ``x [..., n]`` (fp16/bf16/fp32), with magnitudes storable in fp16 metadata."""
+    dtype = draw(st.sampled_from(DTYPES))
+    lead = draw(st.lists(st.integers(1, 4), min_size=0, max_size=3))
+    n = draw(st.integers(1, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    kind = draw(st.sampled_from(["normal", "uniform", "integers", "constant", "one-outlier"]))
+    mag = 10.0 ** draw(st.integers(-6, 3))
+    offset = draw(st.sampled_from([0.0, 1.0, -3.0, 100.0]))
+    shape = (*lead, n)
+    if kind == "normal":
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * mag + offset
+    elif kind == "uniform":
+        x = torch.rand(shape, generator=gen, dtype=torch.float64) * mag + offset
+    elif kind == "integers":
+        x = torch.randint(-8, 8, shape, generator=gen).double() * mag + offset
+    elif kind == "constant":
+        x = torch.full(shape, mag + offset, dtype=torch.float64)
+    else:
+        x = torch.randn(shape, generator=gen, dtype=torch.float64) * mag
+        x[..., 0] = 30 * mag + offset
+    return x.to(dtype)
+
+
+def _error_bound(x, g, bits: int, out_dtype) -> torch.Tensor:
+    """Largest admissible ``|x - x^|`` per element, in float64.
+
+    Stored scale ``s`` (float32 value of the stored, rounded-up scale) and stored min ``m``
+    (rounded to nearest in ``scale_dtype``); exact group min ``mn``.  For ``x >= m`` the code is
+    ``round(t)`` with ``t = (x - m)/s`` in ``[0, qmax]`` (``s`` is rounded *up*, so the max stays
+    covered): error ``s/2``.  For ``x < m`` (``m`` rounded up) the code is 0: error
+    ``m - x <= m - mn``.  Plus float32 rounding of ``(x - m)/s`` and of ``q*s + m``
+    (``<= 2^-22 * (|x| + |m| + qmax*s)``), plus the cast of the float32 result to the input
+    dtype (half an ulp: ``2^-p * |x^|`` with ``p`` significand bits, and half the smallest
+    subnormal).
+    """
+    xd = x.double()
+    s = g.scale.double()
+    qmax = 2**bits - 1
+    if g.symmetric:
+        lin = s / 2
+        fp = 2.0**-22 * (xd.abs() + qmax * s)
+    else:
+        m = g.zero.double()
+        mn = xd.amin(-1, keepdim=True)
+        lin = torch.maximum(s / 2, (m - mn).clamp_min(0))
+        fp = 2.0**-22 * (xd.abs() + m.abs() + qmax * s)
+    return lin + fp + 2.0 ** -MANT[out_dtype] * (xd.abs() + lin) + TINY[out_dtype]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    x=groups(),
+    bits=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 16]),
+    scale_dtype=st.sampled_from(SCALE_DTYPES),
+    symmetric=st.booleans(),
+)
+def test_property_codes_range_and_error_bound(x, bits, scale_dtype, symmetric) -> None:
+    symmetric = symmetric and bits >= 2
+    g = quantize_groups(x, bits, symmetric=symmetric, scale_dtype=scale_dtype)
+    assert g.codes.dtype == torch.int32 and g.codes.shape == x.shape
+    assert g.scale.dtype == scale_dtype and g.scale.shape == (*x.shape[:-1], 1)
+    assert int(g.codes.min()) >= (1 if symmetric else 0)
+    assert int(g.codes.max()) <= 2**bits - 1
+    xh = _deq(g, x.dtype)
+    assert xh.dtype == x.dtype and xh.shape == x.shape
+    assert torch.isfinite(xh).all()  # finite input -> finite output
+    err = (x.double() - xh.double()).abs()
+    bound = _error_bound(x, g, bits, x.dtype)
+    assert (err <= bound).all(), float((err - bound).max())
+    # the stored scale is rounded *up*: the range is covered
+    xd = x.double()
+    if symmetric:
+        need = xd.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
+    else:
+        need = (xd.amax(-1, keepdim=True) - g.zero.double()).clamp_min(0) / (2**bits - 1)
+    assert (g.scale.double() >= need * (1 - 2.0**-22)).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    scale_dtype=st.sampled_from(SCALE_DTYPES),
+    bits=st.sampled_from([1, 2, 4, 8, 16]),
+    n=st.integers(1, 33),
+    value=st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False),
+)
+def test_property_constant_groups(dtype, scale_dtype, bits, n, value) -> None:
+    x = torch.full((2, n), value, dtype=dtype)
+    v = x[0, 0].double().item()
+    g = quantize_groups(x, bits, scale_dtype=scale_dtype)
+    xh = _deq(g, dtype)
+    stored_min = torch.tensor(v, dtype=torch.float64).to(scale_dtype).double().item()
+    if scale_dtype == torch.float32 or stored_min == v:
+        assert torch.equal(xh, x)  # exact when the min is representable in scale_dtype
+        assert g.codes.eq(0).all()
+    else:  # only the storage rounding of the min, plus the cast back to dtype
+        tol = abs(stored_min - v) + 2.0 ** -MANT[dtype] * abs(v) + TINY[dtype]
+        assert (xh.double() - v).abs().max().item() <= tol
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=groups(), bits=st.sampled_from([2, 3, 4, 8]))
+def test_property_dequant_is_code_times_scale_plus_min(x, bits) -> None:
+    # dequantized values within one ulp of code * scale + min computed separately in float64
+    # from the stored tensors (ulp of the float32 intermediate at max(|c*s|, |m|), then the
+    # cast to the input dtype)
+    g = quantize_groups(x, bits, scale_dtype=torch.float16)
+    c, s, m = g.codes.double(), g.scale.double(), g.zero.double()
+    want = c * s + m
+    xh = _deq(g, x.dtype).double()
+    mag = torch.maximum((c * s).abs(), m.abs())
+    ulp = 2.0**-23 * mag + 2.0 ** -(MANT[x.dtype] - 1) * want.abs() + 2 * TINY[x.dtype]
+    assert ((xh - want).abs() <= ulp).all()
+
+
+def test_stats_in_float32_for_half_inputs() -> None:
+    # bug-cases KVQ-24 (b): the range 120000 overflows fp16; computed in fp32 it gives 8000
+    x = torch.tensor([[-60000.0, 60000.0, 0.0, 1.0]], dtype=torch.float16)
+    g = quantize_groups(x, 4)
+    assert g.scale.item() == 8000.0 and g.zero.item() == -60000.0
+    # (0 + 60000)/8000 = 7.5 is a tie: half-to-even gives 8; 60001/8000 rounds to 8
+    assert g.codes.flatten().tolist() == [0, 15, 8, 8]
+    xh = _deq(g, torch.float16)
+    assert xh.flatten().tolist() == [-60000.0, 60000.0, 4000.0, 4000.0]
+    assert math.isfinite(float(xh.float().abs().max()))
