@@ -1,0 +1,53 @@
+"""Triton kernels for quantized KV caches (``kvbench.kernels``).
+
+Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host wrappers):
+
+* :mod:`.pack`: pack / unpack of 1..8-bit codes in the core's layout
+  (:func:`kvbench.quant.pack_bits`);
+* :mod:`.quantize`: quantize-and-pack on flush: per-channel key pages (uniform, or Kitty /
+  PN-Mix mixed precision) and per-token values, bit-identical to the core codecs;
+* :mod:`.decode_attention`: fused split-KV decode attention over sinks + quantized pages +
+  full-precision residual, and the same kernel over fp16 K/V (the control);
+* :mod:`.dispatch`: ``try_fused_attend(layer_cache, query, scaling)``, called for CUDA queries
+  by ``LayerCache.attend`` (through :func:`kvbench.fastpath.fast_attend`): the kernel for a
+  supported layout, else ``None`` (reference path); ``layer_cache.attend_path`` records which;
+* ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
+
+Imports only torch and (optionally) triton: never transformers, datasets or the kvbench core,
+so ``PYTHONPATH=. python kernels/bench_decode.py`` runs from a bare source tree.  Importing this
+package does not import Triton (``HAS_TRITON`` only looks for it); the kernel modules import it
+and still load without it (the references work, launches raise :class:`TritonUnavailable`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+INSTALL_HINT = "pip install 'kvbench[triton]' (or pip install triton)"
+
+
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a blocked or broken entry in sys.modules
+        return False
+
+
+#: whether Triton is installed (found, not imported)
+HAS_TRITON = _find_triton()
+
+
+class TritonUnavailable(RuntimeError):
+    """Raised when a Triton kernel is launched but Triton cannot be imported."""
+
+
+def triton_version() -> str | None:
+    """The installed Triton version, or ``None`` without Triton (imports Triton)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+__all__ = ["HAS_TRITON", "INSTALL_HINT", "TritonUnavailable", "triton_version"]

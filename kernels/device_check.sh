@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Device check of the Triton kernels: one call of at most 5 minutes on one CUDA GPU.
+#
+#   bash kernels/device_check.sh [bench_decode.py options]
+#
+# Runs from the source tree (PYTHONPATH=., no install, no datasets, no network): correctness at
+# random sizes first, then decode-attention timings on Llama-3.1-8B shapes, then
+# quantize-and-pack of a flushed page (kernels/bench_decode.py).  Results go under $OUT
+# (default $TMPDIR/kvbench_device_check): rows.jsonl (appended row by row), RESULTS.md
+# (rewritten after every row, so a timeout still leaves a partial table; commit it as
+# kernels/RESULTS.md), env.json, system.txt, bench.log.  Knobs: TIME_BUDGET (seconds after
+# which no new shape starts, default 200), BENCH_TIMEOUT (hard limit, default 280), PYTHON
+# (default python3).  A second call can tune: --skip-correctness --tune 32768,8
+# --contexts 32768 --batches 8.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-${TMPDIR:-/tmp}/kvbench_device_check}"
+PYTHON="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+  "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} > "$OUT/system.txt" 2>&1
+cat "$OUT/system.txt"
+timeout -k 10 "${BENCH_TIMEOUT:-280}" "$PYTHON" kernels/bench_decode.py --out "$OUT" \
+  --time-budget "${TIME_BUDGET:-200}" "$@" > "$OUT/bench.log" 2>&1
+rc=$?
+tail -n 150 "$OUT/bench.log"
+echo "bench_decode exit status: $rc (0 ok, 1 failed checks, 124 timed out: partial results in $OUT)"
+exit "$rc"

@@ -1,0 +1,81 @@
+"""The device check's script logic, on CPU (interpreter, tiny sizes): correctness rows,
+timing rows, the Markdown table, and the shell wrapper."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from kvbench.kernels import bench_decode as B
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_interpret_dry_run(tmp_path):
+    assert B.main(["--interpret", "--out", str(tmp_path)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in rows]
+    corr = [r for r in rows if r["kind"] == "correctness"]
+    assert len(corr) == 7 and all(r["ok"] for r in corr), corr
+    assert kinds.count("step") == 4 and kinds.count("flush") == 2 and "error" not in kinds
+    methods = [r["method"] for r in rows if r["kind"] == "step"]
+    assert methods[1] == "split-KV Triton (control)" and methods[2:] == ["KIVI-2", "PN-Mix (1)"]
+    md = (tmp_path / "RESULTS.md").read_text()
+    for heading in (
+        "## Correctness at random sizes (7/7 passed)",
+        "## Decode attention step",
+        "## Quantize-and-pack on flush",
+        "- triton: ",
+    ):
+        assert heading in md
+    assert json.loads((tmp_path / "env.json").read_text())["mode"].startswith("interpret")
+
+
+def test_shapes_put_the_targets_first():
+    shapes = B.parse_shapes("4096,16384,32768,65536", "1,8")
+    assert shapes[:2] == [(32768, 8), (32768, 1)]
+    assert shapes[2:] == [(4096, 8), (4096, 1), (16384, 8), (16384, 1), (65536, 8), (65536, 1)]
+
+
+def test_markdown_targets_and_ratios():
+    env = {"device": "X"}
+    rows = [
+        {
+            "kind": "step",
+            "context": 32768,
+            "batch": 8,
+            "method": "PN-Mix (1)",
+            "keys": "2.26 b",
+            "values": "fp16",
+            "bytes": 6e8,
+            "us": 200.0,
+            "p10": 190.0,
+            "p90": 210.0,
+            "gbps": 3000.0,
+            "pct_copy": 75.0,
+            "vs_sdpa": 1.5,
+            "vs_control": 1.2,
+            "timing": "graph",
+        },
+        {
+            "kind": "target",
+            "name": "T=32768 B=8 PN-Mix (1) keys, V16: >= 1.3x vs sdpa",
+            "measured": "1.50x",
+            "ok": True,
+        },
+    ]
+    md = B.render_markdown(env, rows)
+    assert (
+        "| 32768 | 8 | PN-Mix (1) | 2.26 b | fp16 | 600.0 | 200.0 | 190.0–210.0 | 3000 | 75 "
+        "| 1.50x | 1.20x | graph |" in md
+    )
+    assert "| T=32768 B=8 PN-Mix (1) keys, V16: >= 1.3x vs sdpa | 1.50x | yes |" in md
+
+
+def test_device_check_script_is_valid_bash():
+    script = ROOT / "kernels" / "device_check.sh"
+    assert script.stat().st_mode & 0o111, "device_check.sh must be executable"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "bench_decode.py" in script.read_text() and "PYTHONPATH" in script.read_text()
