@@ -27,8 +27,14 @@ COLUMNS = [
     "task_score",
     "bytes_total",
     "bytes_total_ratio",
+    "bytes_codes",
+    "bytes_scales",
+    "bytes_residual",
+    "peak_step_bytes",
+    "prefill_ms",
     "decode_ms_p50",
     "decode_ms_p50_ratio",
+    "decode_ms_p99",
     "tokens_per_s",
 ]
 
@@ -50,7 +56,7 @@ def label_of(rec: dict[str, Any]) -> str:
 
 
 def workload_label(w: dict[str, Any]) -> str:
-    keys = [k for k in w if k != "type"]
+    keys = sorted(k for k in w if k != "type")
     return w.get("type", "?") + (
         " (" + ", ".join(f"{k}={w[k]}" for k in keys) + ")" if keys else ""
     )
@@ -68,13 +74,21 @@ def summary_table(
     for wl, recs in groups.items():
         present = {k for r in recs for k in r["metrics"]}
         cols = [c for c in (columns or COLUMNS) if c in present]
+        if not cols:  # a workload with none of the preferred metrics: show its own
+            cols = sorted(c for c in present if not c.endswith("_ratio"))[:8]
         head = "| method | " + " | ".join(cols) + " |"
         sep = "|---|" + "---:|" * len(cols)
         rows = [
             f"| {label_of(r)} | " + " | ".join(_fmt(r["metrics"].get(c)) for c in cols) + " |"
             for r in recs
         ]
-        parts.append(f"### {wl}\n\n" + "\n".join([head, sep, *rows]))
+        notes = sorted({r.get("manifest", {}).get("timing_note") for r in recs} - {None})
+        if any("_ratio" in c and c.startswith(("decode", "prefill")) for c in cols):
+            base = sorted({r.get("manifest", {}).get("baseline") for r in recs} - {None})
+            if base:
+                notes.append(f"timing ratios: against {', '.join(base)} interleaved in each run")
+        foot = "".join(f"\n\n> {n}" for n in notes)
+        parts.append(f"### {wl}\n\n" + "\n".join([head, sep, *rows]) + foot)
     return "\n\n".join(parts)
 
 

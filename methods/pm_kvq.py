@@ -21,8 +21,9 @@ Choices made here:
 * Scales default to float16 (design.md); the 16-bit stage's range/65535 is then subnormal for
   ranges below ~4: measured 2-bit RMS error +4% for 128-channel groups of range ~0.05, +13% at
   ~0.016, none at range >= 0.5; ``scale_dtype="bfloat16"`` (the original's) avoids that.
-* ``budget_scope="codes"`` counts what the original counts (codes; sinks and window at their
-  stored bytes); ``"all"`` adds scales and zeros.
+* ``budget_scope="codes"`` counts what the original counts (codes; sinks and window at 16 bits
+  per element, as the original stores them, whatever the model dtype); ``"all"`` adds scales
+  and zeros.
 * Budgets are per layer and sequence (a batch of B holds B times it).  ``budget_bits`` b means
   ``b / 8 * 2 * H_kv * D * budget_tokens`` bytes, the original allocation's ``kv_mem``, so set
   ``budget_tokens`` (default 32768, its ``max_len``) to the workload's length; ``budget_bytes``
@@ -129,7 +130,10 @@ class ProgressiveLayerCache(LayerCache):
     def budget_used(self) -> tuple[int, float]:
         """(bytes counted against the budget, the budget for the current batch)."""
         nb = self.nbytes()
-        used = nb["codes"] + nb["residual"] + nb["sinks"]
+        # sinks and window count as 16-bit integers, as the original stores them, whatever the
+        # model dtype (an fp32 model would otherwise spend the budget on its window)
+        per = 2 / (torch.finfo(self.dtype).bits // 8) if self.dtype is not None else 1.0
+        used = nb["codes"] + int((nb["residual"] + nb["sinks"]) * per)
         used += nb["scales"] + nb["metadata"] if self.scope == "all" else 0
         return used, self.budget * max(self.batch_size, 1)
 
