@@ -1,0 +1,300 @@
+"""``kvquant``: KVQuant-lite (Hooper et al., "KVQuant: Towards 10 Million Context Length LLM
+Inference with KV Cache Quantization", NeurIPS'24, arXiv 2401.18079, §3; code
+SqueezeAILab/KVQuant ``quant/kvquant/simquant_module_quantizer.py``; spec §9).
+
+Keys are quantized **pre-RoPE**, per channel, with *static* thresholds from
+:meth:`KVQuant.calibrate`: per (KV head, channel) ``upper, lower = percentile(100 t),
+percentile(100 (1 - t))``, ``t = 1 - (1 - tau) / 2``; ``u = (x - center) / half`` with
+``center, half = (upper +- lower) / 2``; no token groups, so a key is quantized when its
+schedule flushes it.  ``|u| > 1`` and non-finite elements are dense-and-sparse outliers kept
+exactly in float16 with int32 flat indices into ``[n, B, H_kv, D]`` (metadata bytes); the rest
+round to the nearest of ``2^bits`` levels: NUQ (``nuq=True``) = one LUT per layer from k-means
+(``scipy.cluster.vq.kmeans2``, ``'++'``, seeded, 50 iterations as KVQuant) of the non-outlier
+calibration ``u``, else uniform levels.  ``first_few_fp16`` = ``num_sink_tokens`` (default 1).
+The cache receives post-RoPE keys: a flushed key is un-rotated at its position (index in the
+cache) and the dequantized block re-rotated when read, with HF's float32 angles ``pos *
+theta^(-2i/D)``; sinks and residual stay post-RoPE, exact.  RoPE scaling (llama3, yarn) and
+left-padding offsets are not modelled (the round trip stays exact).
+
+[RECON] "lite": values use the core's per-token codec (``value_bits``; no value outliers or
+LUT), no Q-Norm or Fisher weights, calibration skips each sequence's first ``num_sink_tokens``
+tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (spec §12): ``bits
++ (1 - tau) (16 + 32)`` (4.48 at the defaults; per-layer thresholds and LUT left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from scipy.cluster.vq import kmeans2
+
+from kvbench.blocks import cat_blocks, own_storage
+from kvbench.layer import LayerCache, Side
+from kvbench.method import CacheConfig, Capabilities, Method
+from kvbench.quant import pack_bits, unpack_bits
+from kvbench.schedule import SlidingSchedule
+
+ROPE_LAYOUTS, NUQ_ITERS, NUQ_SAMPLES = ("rotate_half", "interleaved"), 50, 100_000
+
+
+def rope(x: torch.Tensor, start: int, theta: float, layout: str, inverse: bool = False):
+    """Rotate ``x [..., n, D]`` at positions ``start .. start+n-1`` (HF float32 angles
+    ``pos * theta^(-2i/D)``); ``inverse``: the inverse rotation.  Returns float32."""
+    n, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    ang = torch.arange(start, start + n, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.device), ang.sin().to(x.device) * (-1 if inverse else 1)
+    xf = x.float()
+    if layout == "rotate_half":
+        a, b = xf[..., : d // 2], xf[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+@dataclass
+class LUTBlock:
+    """Pre-RoPE keys as level indices plus exact outliers.  codes: uint8 ``[B, H_kv, n,
+    ceil(D*bits/8)]``; center, half: static ``[H_kv, D]`` (scale dtype); lut: ``[2^bits]`` sorted
+    levels; out_idx: int32 ``[N]`` flat indices into ``[n, B, H_kv, D]``; out_val: fp16 ``[N]``."""
+
+    codes: torch.Tensor
+    center: torch.Tensor
+    half: torch.Tensor
+    lut: torch.Tensor
+    out_idx: torch.Tensor
+    out_val: torch.Tensor
+    bits: int
+    head_dim: int
+
+    @property
+    def ntokens(self) -> int:
+        return self.codes.shape[2]
+
+    def _row(self) -> int:  # elements of one token over B and H_kv
+        return self.codes.shape[0] * self.codes.shape[1] * self.head_dim
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        b, h, n, _ = self.codes.shape
+        codes = unpack_bits(self.codes, self.bits, self.head_dim).long()
+        u = self.lut.float()[codes]
+        x = u * self.half.float()[:, None, :] + self.center.float()[:, None, :]
+        xt = x.permute(2, 0, 1, 3).reshape(-1).clone()
+        xt[self.out_idx.long()] = self.out_val.float()
+        return xt.reshape(n, b, h, self.head_dim).permute(1, 2, 0, 3).to(dtype)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        meta = [("metadata", t) for t in (self.lut, self.out_idx, self.out_val)]
+        return [("codes", self.codes), ("scales", self.center), ("scales", self.half), *meta]
+
+    def cat(self, other: LUTBlock) -> LUTBlock:
+        idx = torch.cat([self.out_idx, other.out_idx + self._row() * self.ntokens])
+        codes = torch.cat([self.codes, other.codes], 2)
+        val = torch.cat([self.out_val, other.out_val])
+        return replace(self, codes=codes, out_idx=idx, out_val=val)
+
+    def crop(self, n: int) -> LUTBlock:
+        keep, codes = self.out_idx < self._row() * n, own_storage(self.codes[:, :, :n])
+        return replace(self, codes=codes, out_idx=self.out_idx[keep], out_val=self.out_val[keep])
+
+    def index_batch(self, idx: torch.Tensor) -> LUTBlock:
+        idx = idx.to(self.codes.device).long()
+        row, hd = self._row(), self._row() // self.codes.shape[0]
+        t, rem = self.out_idx.long() // row, self.out_idx.long() % row
+        i, j = (rem[:, None] // hd == idx[None, :]).nonzero(as_tuple=True)
+        new_idx, codes = (t[i] * (len(idx) * hd) + j * hd + rem[i] % hd).int(), self.codes[idx]
+        return replace(self, codes=codes, out_idx=new_idx, out_val=self.out_val[i])
+
+
+@dataclass
+class LUTCodec:
+    """``encode(x [B, H_kv, n, D]) -> LUTBlock`` with static ``center``/``half`` ``[H_kv, D]``:
+    outliers (see :func:`normalize`) kept exactly, the rest rounded to the nearest level."""
+
+    bits: int
+    tau: float
+    lut: torch.Tensor
+    center: torch.Tensor
+    half: torch.Tensor
+    token_group: int = 1
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def encode(self, x: torch.Tensor) -> LUTBlock:
+        c, h = self.center.to(x.device), self.half.to(x.device)
+        u, out = normalize(x.float(), c, h, self.tau)
+        lut = self.lut.to(x.device)
+        codes = torch.bucketize(u, (lut[1:].float() + lut[:-1].float()) / 2)
+        idx = out.permute(2, 0, 1, 3).reshape(-1).nonzero().flatten()
+        val = x.permute(2, 0, 1, 3).reshape(-1)[idx].half()
+        packed = pack_bits(codes, self.bits)
+        return LUTBlock(packed, c, h, lut, idx.int(), val, self.bits, x.shape[3])
+
+
+def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: float):
+    """``(u, out)`` for ``x [..., H, n, D]`` with thresholds ``[H, D]``: normalized values (0 at
+    outliers) and the outlier mask (non-finite, or outside the range when ``tau < 1``)."""
+    c, h = center.float()[:, None, :], half.float()[:, None, :]
+    out = ~torch.isfinite(x)
+    if tau < 1:
+        out |= (x - c).abs() > h
+    u = (x - c) / torch.where(h > 0, h, torch.ones((), device=x.device))
+    return torch.where(out, torch.zeros((), device=x.device), u).contiguous(), out
+
+
+@dataclass
+class PreRopeSide(Side):
+    """Key side whose blocks hold pre-RoPE codes: a flush un-rotates the tokens at their
+    positions (index in the cache); :meth:`read` re-rotates the dequantized block."""
+
+    theta: float = 10000.0
+    layout: str = "rotate_half"
+
+    def flush(self, n: int) -> None:
+        if n <= 0 or self.codec is None:
+            return
+        start = len(self) - self.residual.shape[2]  # position of the oldest residual token
+        head, rest = self.residual[:, :, :n], self.residual[:, :, n:]
+        self.residual = own_storage(rest) if rest.shape[2] else None
+        pre = rope(head, start, self.theta, self.layout, inverse=True)
+        self.block = cat_blocks(self.block, self.codec.encode(pre))
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        blk = self.block
+        if blk is not None:
+            ns = 0 if self.sinks is None else self.sinks.shape[2]
+            blk = rope(blk.dequantize(torch.float32), ns, self.theta, self.layout)
+        parts = [p.to(dtype) for p in (self.sinks, blk, self.residual) if p is not None]
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+_NUM = (int, float)
+_RULES = (  # (field, test, allowed values for the error message); type() excludes bools
+    ("bits", lambda v: type(v) is int and v in (2, 3, 4), "2, 3, 4"),
+    ("sparsity_threshold", lambda v: type(v) in _NUM and 0.5 < v <= 1, "a number in (0.5, 1]"),
+    ("nuq", lambda v: type(v) is bool, "True, False"),
+    ("pre_rope", lambda v: type(v) is bool, "True, False"),
+    ("nuq_seed", lambda v: type(v) is int and v >= 0, "integers >= 0"),
+    ("rope_theta", lambda v: type(v) in _NUM and v > 0, "a positive number"),
+    ("rope_layout", lambda v: v in ROPE_LAYOUTS, str(ROPE_LAYOUTS)),
+)
+
+
+@dataclass(frozen=True)
+class KVQuantConfig(CacheConfig):
+    """KVQuant-lite settings; common fields: :class:`kvbench.method.CacheConfig`.
+
+    bits : key code width 2, 3 or 4 (default 4: the "nuq4-1%" checkpoints).
+    sparsity_threshold : tau in (0.5, 1]; a fraction 1 - tau of the calibration keys lies
+        outside the thresholds (1% at 0.99); 1.0: no outliers, keys clamp to the range.
+    nuq, nuq_seed : k-means LUT levels (default True; seed 0), else uniform levels.
+    pre_rope, rope_theta, rope_layout : quantize keys before RoPE (default True), RoPE base
+        (10000; the runner passes the model's, 1e5 for SmolLM2), ``rotate_half``/``interleaved``.
+    Defaults differing from the core: ``num_sink_tokens=1`` (``first_few_fp16``),
+    ``residual_length=0`` (every token is quantized); ``group_size`` only sets the value group.
+    """
+
+    bits: int = 4
+    num_sink_tokens: int = 1
+    residual_length: int = 0
+    sparsity_threshold: float = 0.99
+    nuq: bool = True
+    nuq_seed: int = 0
+    pre_rope: bool = True
+    rope_theta: float = 10000.0
+    rope_layout: str = "rotate_half"
+
+    token_axis_keys = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, ok, allowed in _RULES:
+            if not ok(v := getattr(self, name)):
+                raise ValueError(f"{name}={v!r} is not supported; allowed: {allowed}")
+
+
+class KVQuant(Method):
+    """KVQuant-lite: pre-RoPE static per-channel keys, 1% exact outliers, NUQ levels."""
+
+    Config = KVQuantConfig
+    description = "KVQuant-lite: pre-RoPE per-channel keys, calibrated ranges, sparse outliers"
+    source = "Hooper et al., NeurIPS'24, arXiv 2401.18079, §3.1-3.5; spec §9"
+    capabilities = Capabilities(needs_calibration=True, reconstruction=True)
+
+    def __init__(self, config: KVQuantConfig | None = None, **overrides) -> None:
+        super().__init__(config, **overrides)
+        #: layer -> (center, half) ``[H_kv, D]`` and sorted levels ``[2^bits]``, scale dtype
+        self.calibration: dict[int, tuple] = {}
+        self.calibration_source = ""
+
+    def calibrate(self, keys_by_layer: dict, values_by_layer=None, source: str = "") -> KVQuant:
+        """Set each layer's static thresholds and LUT from calibration data only; returns self.
+
+        ``keys_by_layer[l]``: post-RoPE keys ``[N, H_kv, T, D]`` of N sequences disjoint from the
+        evaluation text (token ``t`` at position ``t``); ``values_by_layer`` is unused (values
+        are per-token dynamic); ``source`` names the text (kept in ``calibration_source``).
+        Raises ``ValueError`` on a bad shape (odd ``D`` with ``pre_rope``) or too few
+        non-outlier values for k-means."""
+        c, sd, self.calibration_source = self.config, self.config.torch_scale_dtype, source
+        t = 1 - (1 - c.sparsity_threshold) / 2
+        for layer, k in keys_by_layer.items():
+            if k.dim() != 4 or k.shape[2] <= c.num_sink_tokens or (c.pre_rope and k.shape[3] % 2):
+                msg = "must be [N, H_kv, T, D] with T > num_sink_tokens (even D for pre_rope)"
+                raise ValueError(f"keys_by_layer[{layer}] {msg}, got {tuple(k.shape)}")
+            k = rope(k, 0, c.rope_theta, c.rope_layout, inverse=True) if c.pre_rope else k.float()
+            data = k[:, :, c.num_sink_tokens :].transpose(0, 1).flatten(1, 2)  # [H, N*T', D]
+            arr = data.double().cpu().numpy()
+            up = torch.from_numpy(np.percentile(arr, 100 * t, axis=1))
+            lo = torch.from_numpy(np.percentile(arr, 100 * (1 - t), axis=1))
+            center, half = ((up + lo) / 2).to(sd), ((up - lo) / 2).to(sd)
+            u, out = normalize(data.cpu(), center, half, c.sparsity_threshold)
+            self.calibration[layer] = (center, half, self._lut(u[~out]))
+        return self
+
+    def _lut(self, u: torch.Tensor) -> torch.Tensor:
+        """Levels (scale dtype): sorted k-means centroids of normalized values ``u`` (NUQ), or
+        the uniform ``linspace(-1, 1, 2^bits)``."""
+        c = self.config
+        if not c.nuq:
+            return torch.linspace(-1, 1, 1 << c.bits).to(c.torch_scale_dtype)
+        data = u.double().numpy()
+        rng = np.random.default_rng(c.nuq_seed)
+        if data.size > NUQ_SAMPLES:
+            data = rng.choice(data, NUQ_SAMPLES, replace=False)
+        if data.size < 1 << c.bits:
+            raise ValueError(f"k-means needs >= {1 << c.bits} non-outlier calibration values")
+        cent, _ = kmeans2(data, 1 << c.bits, iter=NUQ_ITERS, minit="++", seed=rng)
+        return torch.from_numpy(np.sort(cent)).to(c.torch_scale_dtype)
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> LUTCodec:
+        """Raises ``RuntimeError`` for a layer :meth:`calibrate` has not seen."""
+        c, cal = self.config, self.calibration.get(layer_idx)
+        if cal is None:
+            msg = f"kvquant: layer {layer_idx} is not calibrated; call method.calibrate()"
+            raise RuntimeError(f"{msg} before building caches (capabilities.needs_calibration)")
+        return LUTCodec(c.bits, c.sparsity_threshold, cal[2], cal[0], cal[1])
+
+    def key_schedule(self) -> object:
+        return SlidingSchedule(self.config.residual_length)
+
+    def new_layer(self, layer_idx, num_kv_heads, head_dim, *args, **kwargs) -> LayerCache:
+        """As :meth:`Method.new_layer`.  Raises ``RuntimeError`` for an uncalibrated layer and
+        ``ValueError`` when the calibration had another ``[H_kv, D]``."""
+        c = self.config
+        layer = super().new_layer(layer_idx, num_kv_heads, head_dim, *args, **kwargs)
+        shape = list(layer.k.codec.center.shape)
+        if shape != [num_kv_heads, head_dim]:
+            msg = f"layer {layer_idx} was calibrated for [H_kv, D] = {shape}"
+            raise ValueError(f"{msg}, not {[num_kv_heads, head_dim]}")
+        if c.pre_rope:
+            theta, k = float(c.rope_theta), layer.k
+            layer.k = PreRopeSide(k.codec, k.schedule, theta=theta, layout=c.rope_layout)
+        return layer
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        c = self.config
+        sal = (1 - c.sparsity_threshold) * (16 + 32)  # fp16 value + int32 index per outlier
+        return {"b_eff": c.bits, "m_q": 0, "group": 1, "m_sal": sal}

@@ -1,0 +1,300 @@
+"""``semkv``: SemKV (2026), token-level mixed precision.  [RECON] throughout: neither code nor
+paper text was available, only the summary "preserves every token, ranks tokens by a
+model-internal score, and assigns two adjacent above-cliff precisions".  Reconstruction:
+
+* Every token is kept, quantized per token (KIVI value style, fp16 (scale, min) per
+  ``value_group_size`` channels) at ``high_bits`` or ``low_bits``; its value (``mixed_values``)
+  at the same width.  Nominal bits (spec §12): ``target + 32/group + 1/D`` (1-bit mask).
+* ``score='attention'``: attention a key receives, summed over its KV head's query heads and
+  averaged over the queries that saw it (the last ``score_window`` prefill queries, then decode
+  queries given to :meth:`SemKVLayer.attend`, e.g. ``QuantizedKVCache(..., attend=True)``); a
+  flush where a candidate was seen by no query (cache-only fidelity path) ranks by key-norm,
+  which ``score='key-norm'`` always uses: ``||k||_2`` (post-RoPE).
+* ``f = (target - low) / (high - low)`` of each (row, KV head)'s quantized tokens are high.
+  Prefill: the ``round(f n)`` best of the ``n`` flushed (ties: older first).  Decode (sliding
+  residual R): a flushed token is *important* if in the top ``ceil(f m)`` of the ``m`` residual
+  tokens, then the high count is clamped to ``[floor(f N), ceil(f N)]`` of ``N`` quantized.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvbench.attention import causal_mask, repeat_kv
+from kvbench.blocks import cat_blocks, own_storage
+from kvbench.layer import LayerCache
+from kvbench.method import CacheConfig, Capabilities, Method
+from kvbench.quant import pack_bits, quantize_groups, unpack_bits
+from kvbench.schedule import SlidingSchedule
+
+SCORES = ("attention", "key-norm")
+_PER_TOKEN = ("low", "scale", "zero")  # MixedBlock fields laid out [B, H_kv, n, ...]
+
+
+@dataclass
+class MixedBlock:
+    """Per-token min-max codes at two widths.  low: uint8 ``[B, H_kv, n, ceil(D*lb/8)]``
+    (``low_bits`` plane of every token); extra: uint8 ``[N_high, ceil(D*(hb-lb)/8)]`` (upper
+    bits of high tokens, ``[n, B, H_kv]`` order); mask: uint8 ``[B, H_kv, ceil(n/8)]`` (1 bit
+    per token: high); scale, zero: ``[B, H_kv, n, NG]`` (scale dtype)."""
+
+    low: torch.Tensor
+    extra: torch.Tensor
+    mask: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    low_bits: int
+    high_bits: int
+    head_dim: int
+
+    @property
+    def ntokens(self) -> int:
+        return self.scale.shape[2]
+
+    def high(self) -> torch.Tensor:
+        """Bool ``[B, H_kv, n]``: which tokens hold ``high_bits`` codes."""
+        return unpack_bits(self.mask, 1, self.ntokens).bool()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        b, h, n, d = *self.low.shape[:3], self.head_dim
+        codes = unpack_bits(self.low, self.low_bits, d).int().permute(2, 0, 1, 3)
+        up = unpack_bits(self.extra, self.high_bits - self.low_bits, d).int()
+        codes[self.high().permute(2, 0, 1)] += up << self.low_bits
+        c = codes.permute(1, 2, 0, 3).float().reshape(b, h, n, self.scale.shape[-1], -1)
+        x = c * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return x.reshape(b, h, n, d).to(dtype)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        parts = ("codes", "low"), ("codes", "extra"), ("metadata", "mask"), ("scales", "scale")
+        return [(cat, getattr(self, k)) for cat, k in (*parts, ("scales", "zero"))]
+
+    def _with(self, high: torch.Tensor, extra: torch.Tensor, **kw) -> MixedBlock:
+        return replace(self, mask=pack_bits(high.to(torch.uint8), 1), extra=extra, **kw)
+
+    def cat(self, other: MixedBlock) -> MixedBlock:
+        high = torch.cat([self.high(), other.high()], dim=2)
+        cat2 = {k: torch.cat([getattr(self, k), getattr(other, k)], 2) for k in _PER_TOKEN}
+        return self._with(high, torch.cat([self.extra, other.extra]), **cat2)
+
+    def crop(self, n: int) -> MixedBlock:
+        high = self.high()[:, :, :n]
+        kept = {k: own_storage(getattr(self, k)[:, :, :n]) for k in _PER_TOKEN}
+        return self._with(high, own_storage(self.extra[: int(high.sum())]), **kept)
+
+    def index_batch(self, idx: torch.Tensor) -> MixedBlock:
+        idx = idx.to(self.low.device).long()
+        hi_t = self.high().permute(2, 0, 1)  # [n, B, H]
+        rows = torch.full(hi_t.shape, -1, dtype=torch.long, device=hi_t.device)
+        rows[hi_t] = torch.arange(int(hi_t.sum()), device=hi_t.device)
+        extra = self.extra[rows[:, idx][hi_t[:, idx]]]
+        sel = {k: getattr(self, k)[idx] for k in _PER_TOKEN}
+        return self._with(self.high()[idx], extra, **sel)
+
+
+@dataclass
+class MixedCodec:
+    """``encode(x [B, H_kv, n, D], high bool [B, H_kv, n]) -> MixedBlock``: per-token groups
+    of ``channel_group`` channels, min-max at ``high_bits`` where ``high`` else ``low_bits``."""
+
+    low_bits: int
+    high_bits: int
+    channel_group: int
+    scale_dtype: torch.dtype = torch.float16
+    token_group: int = 1  # (no ``prepare``: SemKVLayer calls ``encode`` itself)
+
+    def encode(self, x: torch.Tensor, high: torch.Tensor) -> MixedBlock:
+        b, h, n, d = x.shape
+        g = x.reshape(b, h, n, d // self.channel_group, self.channel_group)
+        lb, hb, sd = self.low_bits, self.high_bits, self.scale_dtype
+        ql, qh = (quantize_groups(g, bits, scale_dtype=sd) for bits in (lb, hb))
+        codes = torch.where(high[..., None, None], qh.codes, ql.codes).reshape(b, h, n, d)
+        scale = torch.where(high[..., None], qh.scale[..., 0], ql.scale[..., 0])
+        extra = pack_bits((codes >> lb).permute(2, 0, 1, 3)[high.permute(2, 0, 1)], hb - lb)
+        low, mask = pack_bits(codes & ((1 << lb) - 1), lb), pack_bits(high.to(torch.uint8), 1)
+        return MixedBlock(low, extra, mask, scale, ql.zero[..., 0], lb, hb, d)
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Rank along the last dim, 0 = highest score; ties: lower index first."""
+    return torch.argsort(torch.argsort(-scores, dim=-1, stable=True), dim=-1)
+
+
+class SemKVLayer(LayerCache):
+    """A LayerCache whose flushes give each token its width.  ``stats`` (``score='attention'``,
+    float32 ``[B, H_kv, r, 2]``, key metadata): per residual key, the attention mass received
+    and the number of queries that saw it; :meth:`attend` adds the decode queries'."""
+
+    def __init__(self, config: SemKVConfig, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.c, self.stats = config, None
+        self.frac = (config.target_bits - config.low_bits) / (config.high_bits - config.low_bits)
+
+    def _rlen(self, side=None) -> int:  # residual tokens of a side (keys by default)
+        return 0 if (res := (side or self.k).residual) is None else res.shape[2]
+
+    def _grow(self, new: int, like: torch.Tensor) -> None:  # ``new`` unseen residual tokens
+        if self.c.score == "attention":
+            zeros = torch.zeros(*like.shape[:2], new, 2, device=like.device)
+            self.stats = zeros if self.stats is None else torch.cat([self.stats, zeros], 2)
+
+    def _observe(self, query: torch.Tensor, keys: torch.Tensor, scaling) -> torch.Tensor:
+        """Causal softmax ``[B, H_q, n_q, T]`` of the newest queries; residual keys' -> stats."""
+        (b, hq, nq, d), (h, t), r = query.shape, keys.shape[1:3], self._rlen()
+        logits = query.float() @ repeat_kv(keys.float(), hq // h).transpose(-1, -2)
+        logits = logits * (1 / math.sqrt(d) if scaling is None else scaling)
+        probs = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf")).softmax(-1)
+        if self.stats is not None and r:
+            self.stats[..., 0] += probs[..., t - r :].reshape(b, h, -1, r).sum(2)
+            pos = torch.arange(t - r, t, device=query.device)
+            self.stats[..., 1] += nq - (pos - (t - nq)).clamp(min=0)
+        return probs
+
+    def _scores(self) -> torch.Tensor:
+        """``[B, H_kv, r]``: mean attention received, or key-norm when a key was never seen."""
+        if self.stats is not None and bool((self.stats[..., 1] > 0).all()):
+            return self.stats[..., 0] / self.stats[..., 1]
+        return self.k.residual.float().norm(dim=-1)
+
+    def _flush(self, n: int, want) -> None:
+        """Quantize the ``n`` oldest residual tokens, the ``want`` best-scored at high bits."""
+        scores = self._scores()[..., :n]
+        high = _ranks(scores) < torch.as_tensor(want, device=scores.device)[..., None]
+        for side in (self.k, self.v) if self.c.mixed_values else (self.k,):
+            head, rest = side.residual[:, :, :n], side.residual[:, :, n:]
+            side.residual = own_storage(rest) if rest.shape[2] else None
+            side.block = cat_blocks(side.block, side.codec.encode(head, high))
+        if self.stats is not None:
+            self.stats = own_storage(self.stats[:, :, n:])
+
+    def _finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        (r, p), self.stats = (self._rlen(), keys.shape[2]), None
+        self._grow(r, keys)
+        if self.stats is not None and r and queries is not None:
+            self._observe(queries[:, :, max(p - self.c.score_window, 0) :], keys, None)
+        if n := self.k.schedule.prefill_count(r):
+            self._flush(n, math.floor(self.frac * n + 0.5))
+        if not self.c.mixed_values:
+            self.v.flush(self.v.schedule.prefill_count(self._rlen(self.v)))
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.end_step()
+        r0 = self._rlen()
+        super().append(keys, values)
+        self._grow(self._rlen() - r0, keys)
+
+    def end_step(self) -> None:
+        if not self._pending:
+            return
+        self._pending, r, f = False, self._rlen(), self.frac
+        if n := self.k.schedule.flush_count(r):
+            blk = self.k.block
+            nh, total = (0, n) if blk is None else (blk.high().sum(-1), n + blk.ntokens)
+            important = (_ranks(self._scores())[..., :n] < math.ceil(f * r - 1e-9)).sum(-1)
+            lo, hi = math.floor(f * total + 1e-9), math.ceil(f * total - 1e-9)
+            self._flush(n, ((nh + important).clamp(lo, hi) - nh).clamp(0, n))
+        if not self.c.mixed_values:
+            self.v.flush(self.v.schedule.flush_count(self._rlen(self.v)))
+
+    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """The core's reference attention ``[B, H_q, n_q, D]``; also scores the residual keys."""
+        keys, values = self.keys_values(query.dtype)
+        probs = self._observe(query, keys, scaling)
+        out = probs @ repeat_kv(values.float(), probs.shape[1] // values.shape[1])
+        return out.to(query.dtype)
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        if self.stats is not None:
+            self.stats = own_storage(self.stats[:, :, : self._rlen()])
+
+    def index_batch(self, idx: torch.Tensor) -> None:
+        super().index_batch(idx)
+        if self.stats is not None:
+            self.stats = self.stats[torch.as_tensor(idx, device=self.stats.device).long()]
+
+    def reset(self) -> None:
+        super().reset()
+        self.stats = None
+
+    def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return super().tensors() + ([] if self.stats is None else [("key", "metadata", self.stats)])
+
+
+@dataclass(frozen=True)
+class SemKVConfig(CacheConfig):
+    """SemKV settings [RECON] (and :class:`kvbench.method.CacheConfig`'s): high_bits, low_bits
+    (3, 2; 1..8, high > low); target_bits: average code bits in [low, high] (2.5); score:
+    ``"attention"`` (default, needs prefill queries) or ``"key-norm"``; score_window (32);
+    mixed_values: values at their token's width (default True), else ``value_bits`` (16 = full
+    precision).  ``residual_length``: any R >= 0."""
+
+    high_bits: int = 3
+    low_bits: int = 2
+    target_bits: float = 2.5
+    score: str = "attention"
+    score_window: int = 32
+    mixed_values: bool = True
+
+    token_axis_keys = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lo, hi, tb, mv = self.low_bits, self.high_bits, self.target_bits, self.mixed_values
+        ints = type(lo) is int and type(hi) is int  # type() also refuses bools
+        for name, ok, allowed in (
+            ("low_bits", type(lo) is int and 1 <= lo <= 7, "integers 1..7"),
+            ("high_bits", ints and lo < hi <= 8, f"integers {lo}+1..8"),
+            ("target_bits", ints and type(tb) in (int, float) and lo <= tb <= hi, f"[{lo}, {hi}]"),
+            ("score", self.score in SCORES, str(SCORES)),
+            ("score_window", type(self.score_window) is int and self.score_window >= 1, ">= 1"),
+            ("mixed_values", type(mv) is bool, "True, False"),
+            ("value_bits", not mv or self.value_bits == 16, "16 with mixed_values=True"),
+        ):
+            if not ok:
+                msg = f"{name}={getattr(self, name)!r} is not supported"
+                raise ValueError(f"{msg}; allowed: {allowed}")
+
+
+class SemKV(Method):
+    """SemKV [RECON]: every token kept, ranked by a model-internal score, two adjacent widths."""
+
+    Config = SemKVConfig
+    description = "SemKV [RECON]: per-token mixed precision (3/2 bits) ranked by attention"
+    source = "SemKV (2026), reconstruction from its summary; no public code"
+    capabilities = Capabilities(needs_queries=True, reconstruction=True)
+
+    @property
+    def needs_queries(self) -> bool:  # prefill queries serve the attention score only
+        return self.config.score == "attention"
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> MixedCodec:
+        c = self.config
+        return MixedCodec(c.low_bits, c.high_bits, c.channel_group(head_dim), c.torch_scale_dtype)
+
+    def key_schedule(self) -> object:
+        return SlidingSchedule(self.config.residual_length)
+
+    def value_codec(self, layer_idx: int, head_dim: int):
+        codec = self.key_codec if self.config.mixed_values else super().value_codec
+        return codec(layer_idx, head_dim)
+
+    def value_schedule(self) -> object:
+        return self.key_schedule() if self.config.mixed_values else super().value_schedule()
+
+    def new_layer(self, layer_idx, num_kv_heads, head_dim, *args, **kwargs) -> SemKVLayer:
+        """One empty :class:`SemKVLayer` for ``num_kv_heads`` heads of ``head_dim`` channels."""
+        c, hd = self.config, {"num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        codecs = (self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim))
+        sched = (self.key_schedule(), self.value_schedule())
+        return SemKVLayer(c, *codecs, *sched, c.num_sink_tokens, self.needs_queries, **hd)
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        c, g = self.config, self.config.channel_group(head_dim)  # m_sal: 1-bit mask per token
+        return {"b_eff": c.target_bits, "m_q": c.pair_bits, "group": g, "m_sal": 1 / head_dim}
+
+    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
+        mixed = self.config.mixed_values
+        return (self.key_bit_terms if mixed else super().value_bit_terms)(head_dim)
