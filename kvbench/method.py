@@ -192,6 +192,11 @@ class Method:
         read this property, not the class capability."""
         return self.capabilities.needs_queries
 
+    def for_model(self, info: dict[str, Any]) -> Method:
+        """Fill config fields that depend on the model (``kvbench.models.model_info``: head_dim,
+        rope_theta, ...) and that the user left unset; returns the method (default: as is)."""
+        return self
+
     @property
     def needs_calibration(self) -> bool:
         """Whether this configured method must be calibrated before building caches

@@ -172,13 +172,14 @@ class PreRopeSide(Side):
 
 
 _NUM = (int, float)
+DEFAULT_THETA = 10000.0  # RoPE base when neither the config nor a model gives one
 _RULES = (  # (field, test, allowed values for the error message); type() excludes bools
     ("bits", lambda v: type(v) is int and v in (2, 3, 4), "2, 3, 4"),
     ("sparsity_threshold", lambda v: type(v) in _NUM and 0.5 < v <= 1, "a number in (0.5, 1]"),
     ("nuq", lambda v: type(v) is bool, "True, False"),
     ("pre_rope", lambda v: type(v) is bool, "True, False"),
     ("nuq_seed", lambda v: type(v) is int and v >= 0, "integers >= 0"),
-    ("rope_theta", lambda v: type(v) in _NUM and v > 0, "a positive number"),
+    ("rope_theta", lambda v: v is None or (type(v) in _NUM and v > 0), "None or a positive number"),
     ("rope_layout", lambda v: v in ROPE_LAYOUTS, str(ROPE_LAYOUTS)),
 )
 
@@ -192,7 +193,8 @@ class KVQuantConfig(CacheConfig):
         outside the thresholds (1% at 0.99); 1.0: no outliers, keys clamp to the range.
     nuq, nuq_seed : k-means LUT levels (default True; seed 0), else uniform levels.
     pre_rope, rope_theta, rope_layout : quantize keys before RoPE (default True), RoPE base
-        (10000; the runner passes the model's, 1e5 for SmolLM2), ``rotate_half``/``interleaved``.
+        (``None``: the model's, filled by :meth:`KVQuant.for_model` — the runner calls it —
+        else 10000), ``rotate_half``/``interleaved``.
     Defaults differing from the core: ``num_sink_tokens=1`` (``first_few_fp16``),
     ``residual_length=0`` (every token is quantized); ``group_size`` only sets the value group.
     """
@@ -204,7 +206,7 @@ class KVQuantConfig(CacheConfig):
     nuq: bool = True
     nuq_seed: int = 0
     pre_rope: bool = True
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None
     rope_layout: str = "rotate_half"
 
     token_axis_keys = False
@@ -230,6 +232,12 @@ class KVQuant(Method):
         self.calibration: dict[int, tuple] = {}
         self.calibration_source = ""
 
+    def for_model(self, info: dict) -> KVQuant:
+        """Fill ``rope_theta`` from the model (``kvbench.models.model_info``) when unset."""
+        if self.config.rope_theta is None and info.get("rope_theta"):
+            self.config = replace(self.config, rope_theta=float(info["rope_theta"]))
+        return self
+
     def calibrate(self, keys_by_layer: dict, values_by_layer=None, source: str = "") -> KVQuant:
         """Set each layer's static thresholds and LUT from calibration data only; returns self.
 
@@ -244,7 +252,11 @@ class KVQuant(Method):
             if k.dim() != 4 or k.shape[2] <= c.num_sink_tokens or (c.pre_rope and k.shape[3] % 2):
                 msg = "must be [N, H_kv, T, D] with T > num_sink_tokens (even D for pre_rope)"
                 raise ValueError(f"keys_by_layer[{layer}] {msg}, got {tuple(k.shape)}")
-            k = rope(k, 0, c.rope_theta, c.rope_layout, inverse=True) if c.pre_rope else k.float()
+            k = (
+                rope(k, 0, c.rope_theta or DEFAULT_THETA, c.rope_layout, inverse=True)
+                if c.pre_rope
+                else k.float()
+            )
             data = k[:, :, c.num_sink_tokens :].transpose(0, 1).flatten(1, 2)  # [H, N*T', D]
             arr = data.double().cpu().numpy()
             up = torch.from_numpy(np.percentile(arr, 100 * t, axis=1))
@@ -290,7 +302,7 @@ class KVQuant(Method):
             msg = f"layer {layer_idx} was calibrated for [H_kv, D] = {shape}"
             raise ValueError(f"{msg}, not {[num_kv_heads, head_dim]}")
         if c.pre_rope:
-            theta, k = float(c.rope_theta), layer.k
+            theta, k = float(c.rope_theta or DEFAULT_THETA), layer.k
             layer.k = PreRopeSide(k.codec, k.schedule, theta=theta, layout=c.rope_layout)
         return layer
 

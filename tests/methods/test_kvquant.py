@@ -310,8 +310,12 @@ def test_registered_and_defaults():
         True,
         1,
     )
-    assert (c.residual_length, c.rope_theta, c.value_bits) == (0, 10000.0, 16)
+    assert (c.residual_length, c.rope_theta, c.value_bits) == (0, None, 16)
     assert m.capabilities.reconstruction
+    # the runner fills the RoPE base from the model (SmolLM2: 1e5); an explicit value is kept
+    assert m.for_model({"rope_theta": 100000.0}).config.rope_theta == 100000.0
+    m2 = kvbench.get_method("kvquant", rope_theta=5e5)
+    assert m2.for_model({"rope_theta": 100000.0}).config.rope_theta == 5e5
 
 
 @pytest.mark.parametrize(
