@@ -1,0 +1,329 @@
+"""Shared machinery of the task workloads (``gsm8k``, ``mgsm``, ``math``, ``humaneval``,
+``ruler``, ``gpqa``, ``infinitebench``): example selection, prompts, greedy decoding through the
+method's cache, per-example records.
+
+Protocol (design.md §6 "Accuracy"): fixed prompts, greedy decoding (``do_sample=False``), one
+sample per example, the quantized cache built fresh for every example.  The prompt is prefilled
+(prefill attention is full precision, design.md §2) and every new token is decoded one at a time
+through :class:`kvbench.cache.QuantizedKVCache`, so generation reads the quantized past.
+Generation stops at an end-of-sequence token of the tokenizer or the model's generation config,
+at ``new_tokens`` tokens, or at the first stop string (the completion is cut before it, as
+lm-evaluation-harness's ``until``).
+
+Per-example predictions are stored **in the record**: ``per_layer["examples"]`` (one dict per
+example: its index, the completion, the extracted answer, the gold answer, each score, prompt
+and generated token counts, why generation stopped, and how many prompt keys were quantized
+after prefill).  The record is written atomically by the runner, so the predictions are too.
+The manifest (``Result.info``) records the dataset (id, source, path, sha256), the selected
+example indices, the prompt template with one full rendered prompt, the chat template, the
+few-shot exemplars, truncation and decoding settings.
+
+Subsets: ``--limit N`` (``ctx.limit``) and the workload's ``max_examples`` keep N examples:
+the first N in dataset order (``sample: first``, lm-evaluation-harness's ``--limit``) or N drawn
+with ``random.Random(seed)`` (``sample: random``; the suite's seed), recorded either way.
+
+Common parameters: ``max_examples`` (null = all; per language/task group), ``sample``
+(``first`` | ``random``), ``new_tokens`` (generation budget), ``chat_template`` (apply the
+tokenizer's chat template when it has one; few-shot exemplars become turns), ``stop`` (stop
+strings; null = the task's defaults).
+
+Tests replace :meth:`TaskWorkload.generate` with a stub to score hand-made completions without
+a model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import Result, Workload
+
+#: parameters every task workload has (subclasses add theirs)
+COMMON_PARAMS: dict[str, Any] = {
+    "max_examples": None,
+    "sample": "first",
+    "new_tokens": 256,
+    "chat_template": True,
+    "stop": None,
+}
+SAMPLES = ("first", "random")
+
+
+def select_indices(n: int, limit: int | None, sample: str = "first", seed: int = 0) -> list[int]:
+    """Indices of the examples to evaluate: all ``n``, or ``limit`` of them.
+
+    ``sample="first"``: ``0..limit-1``; ``"random"``: ``sorted(random.Random(seed).sample(...))``.
+    Raises ``ValueError`` for an unknown ``sample`` or a negative ``limit``.
+    """
+    if sample not in SAMPLES:
+        raise ValueError(f"sample={sample!r} is not supported; allowed: {list(SAMPLES)}")
+    if limit is None or limit >= n:
+        return list(range(n))
+    if limit < 0:
+        raise ValueError(f"limit={limit} must be >= 0")
+    if sample == "first":
+        return list(range(limit))
+    return sorted(random.Random(seed).sample(range(n), limit))
+
+
+def render_prompt(
+    tokenizer: Any,
+    plain: str,
+    messages: list[dict[str, str]] | None,
+    use_chat: bool,
+    gen_prefix: str = "",
+) -> tuple[str, bool]:
+    """The prompt text and whether the chat template was applied.
+
+    With ``use_chat``, a tokenizer that has a chat template and ``messages``:
+    ``apply_chat_template(messages, add_generation_prompt=True)`` followed by ``gen_prefix``;
+    otherwise ``plain`` (which already ends with any generation prefix).
+    """
+    if use_chat and messages and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text + gen_prefix, True
+    return plain, False
+
+
+def encode_text(tokenizer: Any, text: str, templated: bool) -> torch.Tensor:
+    """``[1, n]`` token ids of a prompt: a rendered chat template already holds its special
+    tokens (``add_special_tokens=False``); plain text gets the tokenizer's usual ones."""
+    return tokenizer(text, add_special_tokens=not templated, return_tensors="pt")["input_ids"]
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids from the tokenizer and the model's generation config."""
+    out: set[int] = set()
+    for src in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(src, int):
+            out.add(src)
+        elif isinstance(src, (list, tuple)):
+            out.update(int(x) for x in src)
+    return out
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` cut before the earliest occurrence of any stop string, and that string."""
+    best, which = len(text), None
+    for s in stop:
+        i = text.find(s) if s else -1
+        if 0 <= i < best:
+            best, which = i, s
+    return text[:best], which
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: Any,
+    tokenizer: Any,
+    ids: torch.Tensor,
+    method: Any,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step.
+
+    Returns ``text`` (decoded without special tokens, cut at the first stop string),
+    ``new_tokens``, ``stop_reason`` (``eos``, ``stop:<string>`` or ``length``),
+    ``prompt_tokens`` and ``key_quantized_after_prefill`` / ``value_quantized_after_prefill``
+    (tokens of layer 0 held quantized right after the prefill).
+    """
+    from ..cache import QuantizedKVCache, cache_kwarg
+
+    cache = QuantizedKVCache(method, model)
+    kw = cache_kwarg(cache, model)
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    out = model(input_ids=ids, use_cache=True, **kw)
+    kq, vq = cache.quantized_tokens(0)
+    ends = eos_ids(model, tokenizer)
+    new: list[int] = []
+    reason = "length"
+    for step in range(max_new_tokens):
+        tok = int(out.logits[0, -1].argmax())
+        if tok in ends:
+            reason = "eos"
+            break
+        new.append(tok)
+        if stop:
+            raw = tokenizer.decode(new, skip_special_tokens=False)
+            _, hit = cut_at_stop(raw, stop)
+            if hit is not None:
+                reason = f"stop:{hit}"
+                break
+        if step + 1 < max_new_tokens:
+            out = model(input_ids=torch.tensor([[tok]], device=dev), use_cache=True, **kw)
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    text, _ = cut_at_stop(text, stop)
+    return {
+        "text": text,
+        "new_tokens": len(new),
+        "stop_reason": reason,
+        "prompt_tokens": int(ids.shape[1]),
+        "key_quantized_after_prefill": kq,
+        "value_quantized_after_prefill": vq,
+    }
+
+
+class TaskWorkload(Workload):
+    """Base of the task workloads; see the module docstring.
+
+    Subclasses set ``type``, ``PARAMS`` (``COMMON_PARAMS`` plus their own), ``PRIMARY`` (the
+    score that becomes ``task_score``) and implement :meth:`load` (examples and dataset info)
+    and :meth:`score`.  Each example is a dict with at least ``plain`` (the prompt without a
+    chat template) and optionally ``messages`` (chat turns) and ``gen_prefix``.
+    """
+
+    LIST_PARAMS = frozenset({"stop"})
+    PRIMARY: str = "accuracy"
+    DEFAULT_STOP: tuple[str, ...] = ()
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        m = spec.get("max_examples")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"{pre}max_examples={m!r} must be a positive integer or null")
+        if spec.get("sample") not in SAMPLES:
+            raise ValueError(
+                f"{pre}sample={spec.get('sample')!r} is not supported; allowed: {list(SAMPLES)}"
+            )
+        n = spec.get("new_tokens")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{pre}new_tokens={n!r} must be a positive integer")
+        if not isinstance(spec.get("chat_template"), bool):
+            raise ValueError(f"{pre}chat_template must be true or false")
+        stop = spec.get("stop")
+        if stop is not None and not (
+            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+        ):
+            raise ValueError(f"{pre}stop must be a list of non-empty strings or null")
+        cls.check_task(spec, pre)
+
+    @classmethod
+    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
+        """Task-specific validation (raise ``ValueError`` starting with ``pre``)."""
+
+    # ----------------------------------------------------------------- subclass hooks
+    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """All examples of the task and a manifest dict (dataset info, prompt template...)."""
+        raise NotImplementedError
+
+    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+        """``{"scores": {name: value in [0, 1]}, "extracted": ..., "gold": ...}``."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- machinery
+    @property
+    def stop(self) -> list[str]:
+        s = self.spec.get("stop")
+        return list(self.DEFAULT_STOP) if s is None else list(s)
+
+    def prepare(self, ctx: Any) -> None:
+        key = (self.type, repr(sorted(self.spec.items())), ctx.limit, ctx.seed)
+        if key in ctx.shared:
+            self.examples, self.info = ctx.shared[key]
+            return
+        examples, info = self.load(ctx)
+        limit = self.spec.get("max_examples")  # per group
+        if ctx.limit is not None:
+            limit = ctx.limit if limit is None else min(limit, ctx.limit)
+        groups: dict[Any, list[int]] = {}
+        for i, ex in enumerate(examples):  # a limit applies within each group (language...)
+            groups.setdefault(ex.get("group"), []).append(i)
+        idx = [
+            members[j]
+            for members in groups.values()
+            for j in select_indices(len(members), limit, self.spec["sample"], ctx.seed)
+        ]
+        self.examples = []
+        tok = ctx.tokenizer
+        for i in idx:
+            ex = dict(examples[i], index=i)
+            if "prompt" not in ex:  # pre-rendered prompts (ruler) carry their own flags
+                ex["prompt"], ex["templated"] = render_prompt(
+                    tok,
+                    ex["plain"],
+                    ex.get("messages"),
+                    self.spec["chat_template"],
+                    ex.get("gen_prefix", ""),
+                )
+            self.examples.append(ex)
+        first = self.examples[0] if self.examples else {}
+        info = {
+            **info,
+            "examples": {
+                "selected": len(idx),
+                "available": len(examples),
+                "sample": self.spec["sample"],
+                "seed": ctx.seed,
+                "indices": idx if len(idx) <= 5000 else f"{len(idx)} indices",
+            },
+            "chat_template": {
+                "requested": self.spec["chat_template"],
+                "applied": bool(first.get("templated")),
+                "template": getattr(tok, "chat_template", None) if first.get("templated") else None,
+            },
+            "example_prompt": first.get("prompt"),
+            "decoding": {
+                "strategy": "greedy (argmax), one sample per example, batch 1",
+                "max_new_tokens": self.spec["new_tokens"],
+                "stop": self.stop,
+                "eos": sorted(eos_ids(ctx.model, tok)) if ctx.model is not None else None,
+            },
+            "per_example_predictions": "per_layer['examples'] of this record",
+        }
+        info.setdefault(
+            "truncation",
+            "none: a prompt longer than the model's context is refused; new tokens are capped at"
+            " the context left",
+        )
+        self.info = info
+        ctx.shared[key] = (self.examples, self.info)
+
+    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
+        """Greedy completion of one example (tests replace this with a stub)."""
+        ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if ids.shape[1] >= max_pos:
+            raise ValueError(
+                f"{self.type} example {example['index']}: prompt of {ids.shape[1]} tokens does "
+                f"not fit the model's context of {max_pos}"
+            )
+        n = min(self.spec["new_tokens"], max_pos - ids.shape[1])
+        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+
+    def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """Metrics beyond the per-score means (e.g. per-language averages)."""
+        return {}
+
+    def run(self, ctx: Any, method: Any) -> Result:
+        rows: list[dict[str, Any]] = []
+        sums: dict[str, float] = {}
+        for ex in self.examples:
+            gen = self.generate(ctx, method, ex)
+            s = self.score(ex, gen["text"])
+            for k, v in s["scores"].items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            row = {
+                "index": ex["index"],
+                "id": ex.get("id", ex["index"]),
+                "completion": gen["text"],
+                "extracted": s.get("extracted"),
+                "gold": s.get("gold", ex.get("gold")),
+                **{k: v for k, v in s["scores"].items()},
+                **{k: v for k, v in gen.items() if k != "text"},
+                **ex.get("record", {}),
+            }
+            rows.append(row)
+        n = max(len(rows), 1)
+        metrics = {k: v / n for k, v in sums.items()}
+        metrics.update(self.extra_metrics(rows))
+        metrics["task_score"] = metrics.get(self.PRIMARY, float("nan"))
+        metrics["num_examples"] = len(rows)
+        return Result(metrics, {"examples": rows}, self.info)
