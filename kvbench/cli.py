@@ -33,7 +33,9 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
 
 def _caps(caps: dict[str, bool]) -> str:
     return ",".join(
-        k for k, v in caps.items() if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values")
+        k
+        for k, v in caps.items()
+        if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values", "layer_cache")
     )
 
 
@@ -47,6 +49,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         desc = r["description"] if r["error"] is None else f"[failed to load] {r['error']}"
         caps = _caps(r["capabilities"])
+        if r["capabilities"] and not r["capabilities"].get("layer_cache", True):
+            caps = ",".join(filter(None, [caps, "transformers-cache"]))
         caps = f"  [{caps}]" if caps else ""
         print(f"{r['name']:<{width}}  {r['distribution']:<{dwidth}}  {desc}{caps}")
     return 0

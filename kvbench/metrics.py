@@ -48,6 +48,37 @@ DIRECTIONS: dict[str, str] = {
     "decode_ms_p90": LOWER,
     "decode_ms_p99": LOWER,
     "tokens_per_s": HIGHER,
+    # memory and latency workloads (kvbench.workloads.memory, latency)
+    "bytes_key_total": LOWER,
+    "bytes_value_total": LOWER,
+    "cuda_bytes_total": LOWER,
+    "cuda_peak_bytes": LOWER,
+    "decode_ms_mean": LOWER,
+    # task workloads (kvbench.workloads.gsm8k, mgsm, math_task, humaneval, ruler, hub_tasks)
+    "gsm8k_strict": HIGHER,
+    "gsm8k_flexible": HIGHER,
+    "mgsm_flexible": HIGHER,
+    "mgsm_strict": HIGHER,
+    "math500_acc": HIGHER,
+    "aime24_acc": HIGHER,
+    "aime25_acc": HIGHER,
+    "amc23_acc": HIGHER,
+    "humaneval_pass1": HIGHER,
+    "ruler_avg": HIGHER,
+    "needles_in_quantized_keys": HIGHER,
+    "gpqa_acc": HIGHER,
+    "ib_avg": HIGHER,
+    # RoPE-pair studies (kvbench.workloads.pair_analysis, PN-Mix Tables 1 and 11)
+    "spearman_rho": HIGHER,
+    "top10_overlap": HIGHER,
+    "top50_overlap": HIGHER,
+}
+#: metric families with per-language / per-task / per-length / per-bin names
+PREFIX_DIRECTIONS: dict[str, str] = {
+    "mgsm_": HIGHER,  # mgsm_<lang>, mgsm_strict_<lang>
+    "ruler_": HIGHER,  # ruler_<task>, ruler_<task>_<length>, ruler_len<length>
+    "ib_": HIGHER,  # ib_<task>
+    "sel_": HIGHER,  # sel_<ref>_r<pct>[_b<i>]; the *_spread variants are LOWER (below)
 }
 
 
@@ -57,7 +88,14 @@ def direction(metric: str) -> str | None:
     for suffix in ("_ratio", "_ci_low", "_ci_high"):
         if metric.endswith(suffix):
             metric = metric[: -len(suffix)]
-    return DIRECTIONS.get(metric)
+    if metric in DIRECTIONS:
+        return DIRECTIONS[metric]
+    if metric.startswith("sel_") and metric.endswith("_spread"):
+        return LOWER  # max - min of the stability over bins
+    for prefix, d in PREFIX_DIRECTIONS.items():
+        if metric.startswith(prefix):
+            return d
+    return None
 
 
 def key_mse(ref: torch.Tensor, quant: torch.Tensor) -> tuple[float, float]:

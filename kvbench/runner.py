@@ -85,6 +85,17 @@ def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[st
     return out
 
 
+def skip_reason(method: Any, workload: Workload) -> str | None:
+    """Why ``method`` cannot run in ``workload`` here (``None``: it can): a peer without kvbench
+    layer caches in a workload that needs them, or a missing optional package."""
+    if workload.layer_cache and not method.capabilities.layer_cache:
+        return (
+            f"workload {workload.type!r} runs kvbench LayerCaches and {method.name!r} wraps a "
+            "transformers cache (capabilities.layer_cache=False)"
+        )
+    return method.unavailable_reason()
+
+
 def _ordered(methods: list[MethodSpec]) -> list[MethodSpec]:
     return sorted(methods, key=lambda m: m.name != BASELINE)
 
@@ -95,8 +106,13 @@ def run_suite(
     limit: int | None = None,
     force: bool = False,
     quiet: bool = False,
+    skip_unavailable: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every (model, workload, method) of ``suite``; returns the records (new and skipped)."""
+    """Run every (model, workload, method) of ``suite``; returns the records (new and skipped).
+
+    ``skip_unavailable``: a workload whose data cannot be loaded here (``FileNotFoundError``
+    from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
+    instead of stopping the suite."""
     out_dir = Path(out_dir)
     torch.manual_seed(suite.seed)
     if suite.threads:
@@ -111,7 +127,11 @@ def run_suite(
             wl_key = dict(wspec, limit=limit) if limit else wspec
             baseline: dict[str, float] | None = None
             prepared = False
+            unavailable = None
             for mspec in _ordered(suite.methods):
+                if unavailable is not None:
+                    bar.update(1)
+                    continue
                 method = get_method(mspec.name, **mspec.config)
                 config = method.config.to_dict()
                 rid = make_run_id(model_spec or {}, mspec.name, config, wl_key)
@@ -124,11 +144,26 @@ def run_suite(
                         baseline = rec["metrics"]
                     bar.update(1)
                     continue
+                why = skip_reason(method, workload)
+                if why:
+                    if not quiet:
+                        bar.write(f"skipped {mspec.label} / {wspec['type']}: {why}", sys.stderr)
+                    bar.update(1)
+                    continue
                 if model_spec is not None and ctx.model is None:
                     ctx.model, ctx.tokenizer, ctx.model_info = _load_model(model_spec)
                 if not prepared:
-                    workload.prepare(ctx)
+                    try:
+                        workload.prepare(ctx)
+                    except FileNotFoundError as exc:
+                        if not skip_unavailable:
+                            raise
+                        unavailable = str(exc)
+                        bar.write(f"skipped workload {wspec['type']}: {exc}", sys.stderr)
+                        bar.update(1)
+                        continue
                     prepared = True
+                method = method.for_model(ctx.model_info)
                 calib_info = {}
                 if method.needs_calibration:
                     if ctx.model is None:
@@ -143,8 +178,9 @@ def run_suite(
                 metrics = dict(result.metrics)
                 if mspec.name == BASELINE:
                     baseline = metrics
-                else:
-                    metrics.update(_ratios(metrics, baseline))
+                else:  # ratios a workload measured itself (interleaved timing) take precedence
+                    ratios = _ratios(metrics, baseline)
+                    metrics.update({k: v for k, v in ratios.items() if k not in metrics})
                 manifest = base_manifest(model_spec["device"] if model_spec else "cpu", suite.seed)
                 manifest.update(
                     {
@@ -158,13 +194,16 @@ def run_suite(
                 )
                 rec = new_record(
                     method=mspec.name,
-                    config=config,
+                    config=method.config.to_dict(),
                     model=model_spec or {},
                     workload=wl_key,
                     metrics=metrics,
                     manifest=manifest,
                     per_layer=result.per_layer,
                 )
+                # the id is that of the configuration as the suite asked for it (before model-
+                # dependent fields were filled), so a rerun finds it without loading the model
+                rec["run_id"] = rid
                 write_atomic(path, rec)
                 records.append(rec)
                 bar.update(1)
@@ -184,14 +223,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="examples/windows per task subset")
     p.add_argument("--force", action="store_true", help="rerun runs whose record exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="skip workloads whose data cannot be loaded here (hub-only sets offline)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     suite = load_suite(args.suite, parse_set(args.set))
+    paper_block = suite.raw.get("paper")
+    if paper_block is not None:
+        from .paper import validate
+
+        validate(paper_block, suite.path)
     out = args.out or f"results/{suite.name}"
-    records = run_suite(suite, out, limit=args.limit, force=args.force, quiet=args.quiet)
+    records = run_suite(
+        suite,
+        out,
+        limit=args.limit,
+        force=args.force,
+        quiet=args.quiet,
+        skip_unavailable=getattr(args, "skip_unavailable", False),
+    )
     from .report import summary_table
 
     print(summary_table(records, suite=suite))
     print(f"\n{len(records)} record(s) in {out}")
+    if paper_block is not None:  # a paper reproduction: the paper's numbers beside kvbench's
+        from .paper import comparison_table, write_figures
+
+        print("\n" + comparison_table(paper_block, records))
+        for path in write_figures(paper_block, records, out):
+            print(f"wrote {path}")
     return 0

@@ -20,6 +20,15 @@ WORKLOADS = {
     "passkey": "kvbench.workloads.passkey:Passkey",
     "memory": "kvbench.workloads.memory:Memory",
     "latency": "kvbench.workloads.latency:Latency",
+    "gsm8k": "kvbench.workloads.gsm8k:GSM8K",
+    "mgsm": "kvbench.workloads.mgsm:MGSM",
+    "math": "kvbench.workloads.math_task:MathTask",
+    "humaneval": "kvbench.workloads.humaneval:HumanEval",
+    "ruler": "kvbench.workloads.ruler:Ruler",
+    "gpqa": "kvbench.workloads.hub_tasks:GPQA",
+    "infinitebench": "kvbench.workloads.hub_tasks:InfiniteBench",
+    "score_agreement": "kvbench.workloads.pair_analysis:ScoreAgreement",
+    "selection_stability": "kvbench.workloads.pair_analysis:SelectionStability",
 }
 
 
@@ -46,6 +55,9 @@ class Workload:
 
     type: ClassVar[str] = ""
     needs_model: ClassVar[bool] = True
+    #: runs methods through kvbench LayerCaches (``Method.new_layer``, ``QuantizedKVCache``);
+    #: the runner skips methods without them (``capabilities.layer_cache=False``: peers)
+    layer_cache: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
     #: parameters whose value is a list by nature (not expanded into a sweep)
     LIST_PARAMS: ClassVar[frozenset[str]] = frozenset()

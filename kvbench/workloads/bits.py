@@ -14,6 +14,7 @@ from . import Result, Workload
 class Bits(Workload):
     type = "bits"
     needs_model = False
+    layer_cache = False  # only the bit formula; peers have one too
     PARAMS = {"head_dim": 128, "tokens": 32768}
 
     @classmethod

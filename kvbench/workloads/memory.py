@@ -1,0 +1,389 @@
+"""``memory``: measured bytes at rest and the transient peak of a decode step (design.md §6).
+
+Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the model
+(:func:`kvbench.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
+generator (``source: synthetic``, no model needed), are cast to ``dtype`` (default ``float16``,
+the paper's FP16 storage; recorded) and replayed into a fresh cache of the method: prefill
+``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
+so the cache holds exactly d tokens at the end.  kvbench methods replay into their
+:class:`~kvbench.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
+(``capabilities.layer_cache=False``) into the transformers cache layer they wrap
+(``new_hf_layer().update``).
+
+Metrics (summed over layers):
+
+* ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``, ``bytes_metadata``,
+  ``bytes_residual``, ``bytes_sinks`` (+ ``bytes_key_total``, ``bytes_value_total``): the bytes
+  of the tensors the cache holds, from ``LayerCache.nbytes()`` or, for peers, the storage of
+  every tensor inside the transformers layer (:func:`kvbench.hf_peers.hf_layer_nbytes`);
+* ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
+  ``effective_value_bits`` per side), residual and sinks included in their stored dtype;
+* ``nominal_key_bits``/``nominal_value_bits``: spec §12's formula (``Method.average_bits`` with
+  T_q = d; residual excluded);
+* ``analytic_bits`` (``analytic_key_bits``, ``analytic_value_bits``): the same formula applied to
+  the cache's actual split, quantized tokens at the nominal per-element cost and full-precision
+  tokens (residual, sinks) at the stored dtype's width.  ``effective_*`` equals it where storage
+  and formula agree; the rest of the gap is alignment (byte padding of packed rows), metadata the
+  formula does not model, or shared scales;
+* ``peak_step_bytes``: the transient memory of one decode step of the cache, i.e. the peak of
+  the bytes allocated during the last step above what was allocated before it (the new token's
+  store, the K/V materialized for the attention to read: dequantized blocks, concatenations,
+  unpacked codes; a flush), maximum over layers (a model runs its layers one after another).
+  The attention's own working memory (logits, ``repeat_kv``) is the same for every cache and not
+  included.  Measured with the CPU allocator's events under ``torch.profiler``
+  (``profile_memory=True``) on CPU, and as ``torch.cuda.max_memory_allocated()`` after
+  ``reset_peak_memory_stats()`` minus the allocation before the step on CUDA;
+* ``key_mse``/``value_mse``: error of the dequantized K/V held at the end vs the replayed ones
+  (float64; kvbench methods with ``keys_values`` and peers);
+* CUDA only: ``cuda_bytes_total`` = ``torch.cuda.memory_allocated()`` with every layer's cache
+  alive minus the allocation before the first cache was built (weights and inputs already on
+  the device): the allocator's view of bytes at rest, block rounding included;
+  ``cuda_peak_bytes`` = the highest ``torch.cuda.max_memory_allocated()`` over the whole replay
+  (after ``reset_peak_memory_stats()``) minus that same baseline: caches at rest plus the
+  largest transient, prefill included.  All configurations share one
+  process (a fresh process per configuration would isolate allocator state further).
+
+Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
+``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
+``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
+list of indices), and for ``synthetic`` the geometry ``num_layers``, ``num_heads``,
+``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..hf_peers import hf_layer_keys_values, hf_layer_tensors
+from ..method import Method
+from ..metrics import key_mse
+from . import Result, Workload
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+BYTE_CATEGORIES = ("codes", "scales", "metadata", "residual", "sinks")
+
+
+def synthetic_qkv(
+    num_layers: int, hq: int, hkv: int, t: int, d: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Seeded stand-ins for captured tensors: per layer ``(q [1, hq, t, d], k [1, hkv, t, d],
+    v [1, hkv, t, d])`` float32.  Keys have per-channel scales ``exp(0.75 z)`` and offsets (outlier
+    channels, like real post-RoPE keys); values are N(0, 0.5^2); queries N(0, 1).  A given
+    (seed, layer) gives the same tensors for every ``t`` prefix length."""
+    out = []
+    heads, chunk = 2 * hkv + hq, 256
+    for i in range(num_layers):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        scale = torch.exp(0.75 * torch.randn(1, hkv, 1, d, generator=g))
+        offset = torch.randn(1, hkv, 1, d, generator=g)
+        # chunks of 256 tokens, each from its own seed: a shorter t is a prefix of a longer one
+        parts = [
+            torch.randn(
+                1,
+                heads,
+                chunk,
+                d,
+                generator=torch.Generator().manual_seed((seed * 1000 + i) * 100003 + c),
+            )
+            for c in range(-(-t // chunk))
+        ]
+        x = torch.cat(parts, dim=2)[:, :, :t] if parts else torch.zeros(1, heads, 0, d)
+        k = x[:, :hkv] * scale + offset
+        v = 0.5 * x[:, hkv : 2 * hkv]
+        q = x[:, 2 * hkv :]
+        out.append((q.contiguous(), k.contiguous(), v.contiguous()))
+    return out
+
+
+def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
+    """Run ``fn()`` and return (peak bytes allocated during it above the level before it, how).
+
+    CUDA: ``max_memory_allocated()`` after ``reset_peak_memory_stats()`` minus
+    ``memory_allocated()`` before.  CPU: the running sum of the CPU allocator's allocation and
+    free events recorded by ``torch.profiler`` (``profile_memory=True``); frees of blocks
+    allocated before the call are not seen, so the figure is the peak of the call's own live
+    allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        m0 = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - m0, "torch.cuda.max_memory_allocated"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = [
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        ]
+    except (AttributeError, RuntimeError) as exc:  # a torch without kineto memory events
+        return float("nan"), f"unavailable ({type(exc).__name__}: {exc})"
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak, "torch.profiler CPU allocator events (profile_memory=True)"
+
+
+class Replay:
+    """One layer's cache of ``method`` behind one protocol (kvbench ``LayerCache`` or a peer's
+    transformers layer): ``prefill``, ``step`` (one decode token: store + the K/V the step's
+    attention reads + the deferred flush), ``tensors``, ``read`` (dequantized K/V at rest)."""
+
+    def __init__(self, method: Method, layer_idx: int, hkv: int, d: int, dtype, device) -> None:
+        self.method = method
+        self.peer = not method.capabilities.layer_cache
+        if self.peer:
+            self.layer = method.new_hf_layer()
+        else:
+            self.layer = method.new_layer(layer_idx, hkv, d, dtype, device)
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> None:
+        if self.peer:
+            self.layer.update(k, v)
+        else:
+            self.layer.prefill(k, v, queries=q)
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> None:
+        if self.peer:
+            out = self.layer.update(k, v)
+        else:
+            self.layer.append(k, v)
+            if self.method.capabilities.keys_values:
+                out = self.layer.keys_values()
+            else:
+                out = self.layer.attend(q)
+            self.layer.end_step()
+        del out
+
+    def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return hf_layer_tensors(self.layer) if self.peer else self.layer.tensors()
+
+    def nbytes(self) -> list[tuple[str, str, int]]:
+        """``(side, category, bytes)`` per stored tensor (peers: storage of inner tensors)."""
+        if self.peer:
+            return [(s, c, t.untyped_storage().nbytes()) for s, c, t in self.tensors()]
+        return [(s, c, t.numel() * t.element_size()) for s, c, t in self.tensors()]
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.peer:
+            return hf_layer_keys_values(self.layer)
+        if not self.method.capabilities.keys_values:
+            return None
+        return self.layer.keys_values()
+
+
+def per_element_bits(terms: dict[str, float]) -> float:
+    """Bits per quantized element from spec §12 terms: ``b_eff + m_q / G + m_sal``."""
+    if terms["b_eff"] >= 16:
+        return float(terms["b_eff"])
+    return terms["b_eff"] + terms["m_q"] / terms["group"] + terms["m_sal"]
+
+
+class Memory(Workload):
+    type = "memory"
+    needs_model = False  # ``source: synthetic`` runs without one
+    layer_cache = False  # peers run through their transformers layers
+    LIST_PARAMS = frozenset({"layers"})
+    PARAMS = {
+        "context": 2048,
+        "appends": 4,
+        "source": "model",
+        "text": "essays",
+        "window": 0,
+        "dtype": "float16",
+        "layers": "all",
+        "num_layers": 4,
+        "num_heads": 9,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+    }
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        d, a = spec["context"], spec["appends"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, a)) or not (
+            1 <= a < d
+        ):
+            raise ValueError(
+                f"{pre}need integers 1 <= appends < context, got appends={a!r}, context={d!r}"
+            )
+        if spec["source"] not in ("model", "synthetic"):
+            raise ValueError(
+                f"{pre}source={spec['source']!r} is not allowed; allowed: ['model', 'synthetic']"
+            )
+        if spec["dtype"] not in DTYPES:
+            raise ValueError(
+                f"{pre}dtype={spec['dtype']!r} is not allowed; allowed: {sorted(DTYPES)}"
+            )
+        if spec["layers"] != "all" and not isinstance(spec["layers"], list):
+            raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
+        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if not isinstance(spec[k], int) or spec[k] < 1:
+                raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+        if spec["num_heads"] % spec["num_kv_heads"]:
+            raise ValueError(
+                f"{pre}num_heads={spec['num_heads']} must be a multiple of "
+                f"num_kv_heads={spec['num_kv_heads']}"
+            )
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, ctx: Any) -> None:
+        s = self.spec
+        d = s["context"]
+        if s["source"] == "synthetic":
+            self.qkv = synthetic_qkv(
+                s["num_layers"], s["num_heads"], s["num_kv_heads"], d, s["head_dim"], ctx.seed
+            )
+            self.layer_ids = list(range(s["num_layers"]))
+            self.info = {"kv_source": "synthetic", "seed": ctx.seed}
+        else:
+            self._capture(ctx)
+        if s["layers"] != "all":
+            keep = [self.layer_ids.index(i) for i in s["layers"] if i in self.layer_ids]
+            if len(keep) != len(s["layers"]):
+                raise ValueError(f"layers={s['layers']} names layers outside {self.layer_ids}")
+            self.qkv = [self.qkv[i] for i in keep]
+            self.layer_ids = [self.layer_ids[i] for i in keep]
+        spec_dev = (ctx.model_spec or {}).get("device", "cpu")
+        self.device = torch.device(spec_dev if s["source"] == "model" else "cpu")
+
+    def _capture(self, ctx: Any) -> None:
+        s = self.spec
+        d = s["context"]
+        if ctx.model is None:
+            raise ValueError(
+                "memory workload with source: model needs a model; use source: synthetic for "
+                "model-free runs"
+            )
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if d > max_pos:
+            raise ValueError(
+                f"context={d} exceeds the model's maximum context {max_pos} "
+                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
+            )
+        from ..capture import capture_qkv
+        from ..data import load_text, token_windows
+
+        # one capture serves every shorter context of the same text (causal: a prefix's K/V do
+        # not depend on later tokens)
+        key = ("memory-capture", s["text"], s["window"])
+        got = ctx.shared.get(key)
+        if got is None or got[0] < d:
+            text, tinfo = load_text(s["text"])
+            ids, winfo = token_windows(ctx.tokenizer, text, d, s["window"] + 1)
+            captured = capture_qkv(ctx.model, ids[s["window"] : s["window"] + 1])
+            got = (d, captured, {"dataset": tinfo, "windows": winfo})
+            ctx.shared[key] = got
+        _, c, info = got
+        self.qkv = [
+            (q[:, :, :d], k[:, :, :d], v[:, :, :d]) for q, k, v in zip(c.queries, c.keys, c.values)
+        ]
+        self.layer_ids = list(c.layer_ids)
+        self.info = {"kv_source": "model capture (post-RoPE)", **info}
+
+    # ------------------------------------------------------------------ run
+    def run(self, ctx: Any, method: Method) -> Result:
+        s = self.spec
+        d, n_app = s["context"], s["appends"]
+        p = d - n_app
+        dtype, dev = DTYPES[s["dtype"]], self.device
+        inputs = [tuple(x.to(dev, dtype) for x in qkv) for qkv in self.qkv]
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        caches, peaks, peak_how, cuda_peak = [], [], "", 0
+        for idx, (q, k, v) in zip(self.layer_ids, inputs):
+            r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev)
+            r.prefill(k[:, :, :p], v[:, :, :p], q[:, :, :p])
+            for t in range(p, d - 1):
+                r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
+            t = d - 1
+            kt, vt, qt = k[:, :, t:].clone(), v[:, :, t:].clone(), q[:, :, t:].clone()
+            if cuda:  # the allocator's peak so far, before transient_peak resets it
+                cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
+            peak, peak_how = transient_peak(
+                lambda r=r, kt=kt, vt=vt, qt=qt: r.step(kt, vt, qt), dev
+            )
+            peaks.append(peak)
+            caches.append(r)
+            if cuda:
+                cuda_peak = max(cuda_peak, torch.cuda.memory_allocated(dev) - base + peak)
+        metrics: dict[str, float] = {}
+        if cuda:
+            torch.cuda.synchronize(dev)
+            metrics["cuda_bytes_total"] = torch.cuda.memory_allocated(dev) - base
+            metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
+        metrics.update(self._bytes(method, caches, inputs, peaks))
+        metrics.update(self._errors(caches, inputs))
+        per_layer = {
+            "layers": self.layer_ids,
+            "bytes_total": [sum(n for _, _, n in c.nbytes()) for c in caches],
+            "peak_step_bytes": peaks,
+        }
+        info = {
+            **self.info,
+            "kv_dtype": s["dtype"],
+            "context": d,
+            "prefill_tokens": p,
+            "decode_appends": n_app,
+            "cache_kind": "transformers layer (peer)" if caches[0].peer else "kvbench LayerCache",
+            "peak_step_bytes_measured_by": peak_how,
+            "peak_step_bytes_covers": "one decode step of the cache: store, K/V materialized "
+            "for attention, flush; attention working memory excluded; max over layers",
+            "process": "shared by all configurations of the suite",
+        }
+        return Result(metrics, per_layer, info)
+
+    def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
+        by: dict[tuple[str, str], int] = {}
+        for c in caches:
+            for side, cat, n in c.nbytes():
+                by[side, cat] = by.get((side, cat), 0) + n
+        side_total = {s: sum(n for (sd, _), n in by.items() if sd == s) for s in ("key", "value")}
+        m: dict[str, float] = {
+            f"bytes_{cat}": sum(n for (_, c), n in by.items() if c == cat)
+            for cat in BYTE_CATEGORIES
+        }
+        m["bytes_key_total"], m["bytes_value_total"] = side_total["key"], side_total["value"]
+        m["bytes_total"] = side_total["key"] + side_total["value"]
+        elems = sum(k.numel() for _, k, _ in inputs)  # per side; K and V have one shape
+        el_bits = 8 * inputs[0][1].element_size()
+        m["effective_key_bits"] = 8 * side_total["key"] / elems
+        m["effective_value_bits"] = 8 * side_total["value"] / elems
+        m["effective_bits"] = 8 * m["bytes_total"] / (2 * elems)
+        head_dim = inputs[0][1].shape[-1]
+        d = self.spec["context"]
+        nominal = method.average_bits(head_dim=head_dim, tokens=d)
+        m["nominal_key_bits"], m["nominal_value_bits"] = nominal["key_bits"], nominal["value_bits"]
+        # analytic: quantized tokens at the formula's per-element cost, fp tokens at el_bits
+        for side, terms in (("key", nominal["key_terms"]), ("value", nominal["value_terms"])):
+            fp_bytes = by.get((side, "residual"), 0) + by.get((side, "sinks"), 0)
+            fp_elems = fp_bytes * 8 / el_bits
+            q_elems = max(elems - fp_elems, 0)
+            m[f"analytic_{side}_bits"] = (q_elems * per_element_bits(terms) + fp_bytes * 8) / elems
+        m["analytic_bits"] = (m["analytic_key_bits"] + m["analytic_value_bits"]) / 2
+        m["peak_step_bytes"] = max(peaks)
+        return m
+
+    def _errors(self, caches: list[Replay], inputs) -> dict[str, float]:
+        ks, vs = [], []
+        for c, (_, k, v) in zip(caches, inputs):
+            got = c.read()
+            if got is None:
+                return {}
+            ks.append(key_mse(k, got[0])[0])
+            vs.append(key_mse(v, got[1])[0])
+        out = {"key_mse": sum(ks) / len(ks), "value_mse": sum(vs) / len(vs)}
+        return {k: v for k, v in out.items() if math.isfinite(v)}

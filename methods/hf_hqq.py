@@ -1,0 +1,50 @@
+"""``hf-hqq``: transformers' ``QuantizedCache(backend="hqq")`` (HQQ, Badri & Shaji 2023).
+
+A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf_peers`) with the same residual
+logic as ``hf-quanto`` (whole prompt quantized at prefill; a flush re-quantizes all history;
+spec §10) and HQQ's quantizer (``hqq.core.quantize.Quantizer.quantize``: min-max with
+``scale_inv = (qmax / (max - min)).clamp(max=2e4)``, proximal ``optimize=True``, codes packed
+into uint8).  HQQ keeps its codes outside any tensor subclass, as a plain uint8 tensor beside a
+``meta`` dict holding the ``scale`` and ``zero`` tensors (in the compute dtype); the byte count
+walks that dict.  ``axis=1`` groups ``q_group_size`` consecutive channels of a token
+(per-token); ``axis=0`` (transformers' default) reshapes to ``[q_group_size, -1]``, so a group is
+``q_group_size`` elements strided through the flat tensor: not a clean per-channel grouping of a
+4-D cache (spec §10 pitfall).  Defaults are transformers' (4 bits, axes 0, groups of 64,
+residual 128).  Requires ``hqq`` (``pip install 'kvbench[peers]'``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .hf_quanto import HFQuantizedConfig, HFQuanto
+
+
+@dataclass(frozen=True)
+class HFHQQConfig(HFQuantizedConfig):
+    """As :class:`HFQuantizedConfig`; HQQ allows ``nbits`` in 1, 2, 3, 4, 8 and axes 0, 1."""
+
+    BITS: ClassVar[tuple] = (1, 2, 3, 4, 8)
+    AXES: ClassVar[tuple] = (0, 1)
+
+
+class HFHQQ(HFQuanto):
+    """transformers ``QuantizedCache`` with the HQQ backend."""
+
+    Config = HFHQQConfig
+    backend: ClassVar[str] = "hqq"
+    module: ClassVar[str] = "hqq"
+    requirement: ClassVar[str] = "hqq>=0.2"
+    description = "peer: transformers QuantizedCache, HQQ backend (re-quantizes all on flush)"
+    source = "transformers cache_utils.HQQQuantizedLayer; hqq Quantizer; spec §10"
+
+    def _layer_class(self) -> type:
+        from transformers import cache_utils
+
+        return cache_utils.HQQQuantizedLayer
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        """``nbits`` + 16-bit scale and zero per ``q_group_size`` elements (16-bit compute dtype
+        assumed; 3-bit codes are packed 10 per int32, i.e. 3.2 stored bits, not modelled)."""
+        return super().key_bit_terms(head_dim)

@@ -1,0 +1,295 @@
+"""The ``memory`` workload: bytes at rest against hand counts, effective vs nominal bits, the
+transient peak, no full-precision copy of quantized tokens, bad input.
+
+Hand counts follow the storage formats of kvbench.blocks and the flush rules of spec §3 (KIVI)
+and kvbench.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
+every (scale, zero) pair takes 2 x 2 bytes (float16); residual and sinks are float16 tokens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvbench
+from kvbench.cli import main as cli_main
+from kvbench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ctx(seed: int = 0):
+    return SimpleNamespace(seed=seed, model_spec=None, model=None, shared={}, model_info={})
+
+
+def _workload(**params) -> Memory:
+    w = Memory(Memory.validate({"type": "memory", "source": "synthetic", **params}))
+    w.prepare(_ctx())
+    return w
+
+
+def _bytes(w: Memory, name: str, **cfg) -> dict[str, float]:
+    return w.run(None, kvbench.get_method(name, **cfg)).metrics
+
+
+# ------------------------------------------------------------------ shape 1
+# one layer, B=1, H_kv=3, D=64, d=300 (296 prefill + 4 appends), float16
+SHAPE1 = dict(context=300, appends=4, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64)
+# KIVI keys (spec §3): 296 -> 256 quantized + 40 residual; +4 -> 44 residual (< R, no flush)
+K1 = 256 * 3 * 16 + 2 * 3 * 64 * 4 + 44 * 3 * 64 * 2  # codes + 2 pages of scales + residual
+# sliding values: 296 -> 168 + 128; each append flushes one -> 172 quantized + 128 residual
+V1_TOKEN = 172 * 3 * 16 + 172 * 3 * 1 * 4 + 128 * 3 * 64 * 2  # one 64-channel group per token
+# per-tensor / per-head, 4 bits, blocks of R=128: 256 quantized in one flush + 44 residual
+U1 = 256 * 3 * 32 + 44 * 3 * 64 * 2
+CASES1 = [
+    ("full", {}, 2 * 3 * 300 * 64 * 2),
+    ("kivi", dict(bits=2, value_bits=2, value_group_size=64), K1 + V1_TOKEN),
+    ("per-channel", dict(bits=2, value_bits=2), 2 * K1),
+    ("per-token", dict(bits=2, value_bits=2), 2 * V1_TOKEN),
+    ("uniform", dict(bits=4, value_bits=4), 2 * (U1 + 4)),  # one fp16 (scale, zero)
+    ("per-head", dict(bits=4, value_bits=4), 2 * (U1 + 3 * 4)),  # one pair per head
+]
+
+# ------------------------------------------------------------------ shape 2
+# two layers, B=1, H_kv=2, D=32, d=200 (196 prefill + 4 appends), float16, G = R = 64
+SHAPE2 = dict(context=200, appends=4, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+# 4-bit keys: 196 -> 192 quantized (3 pages) + 4, +4 -> 8 residual
+K2 = 192 * 2 * 16 + 3 * 2 * 32 * 4 + 8 * 2 * 32 * 2
+# 2-bit values, groups of 16 channels: 196 -> 132 + 64, +4 -> 136 + 64
+V2 = 136 * 2 * 8 + 136 * 2 * 2 * 4 + 64 * 2 * 32 * 2
+# 3-bit codes of 32 channels: 12 bytes per token and head
+PC2 = 192 * 2 * 12 + 3 * 2 * 32 * 4 + 8 * 2 * 32 * 2
+PT2 = 136 * 2 * 12 + 136 * 2 * 2 * 4 + 64 * 2 * 32 * 2
+U2 = 192 * 2 * 8 + 8 * 2 * 32 * 2  # 2 bits, one flush of 192 tokens
+W2 = dict(group_size=64, residual_length=64)
+CASES2 = [
+    ("full", {}, 2 * 2 * 2 * 200 * 32 * 2),
+    ("kivi", dict(bits=4, value_bits=2, value_group_size=16, **W2), 2 * (K2 + V2)),
+    ("per-channel", dict(bits=3, value_bits=3, **W2), 2 * 2 * PC2),
+    ("per-token", dict(bits=3, value_bits=3, value_group_size=16, **W2), 2 * 2 * PT2),
+    ("uniform", dict(bits=2, value_bits=2, residual_length=64), 2 * 2 * (U2 + 4)),
+    ("per-head", dict(bits=2, value_bits=2, residual_length=64), 2 * 2 * (U2 + 2 * 4)),
+]
+
+
+@pytest.fixture(scope="module")
+def w1() -> Memory:
+    return _workload(**SHAPE1)
+
+
+@pytest.fixture(scope="module")
+def w2() -> Memory:
+    return _workload(**SHAPE2)
+
+
+@pytest.mark.parametrize("name, cfg, expected", CASES1, ids=[c[0] for c in CASES1])
+def test_bytes_hand_count_shape1(w1: Memory, name: str, cfg: dict, expected: int) -> None:
+    m = _bytes(w1, name, **cfg)
+    assert m["bytes_total"] == expected
+    parts = ("codes", "scales", "metadata", "residual", "sinks")
+    assert sum(m[f"bytes_{p}"] for p in parts) == expected
+    assert m["effective_bits"] == pytest.approx(8 * expected / (2 * 3 * 300 * 64))
+
+
+@pytest.mark.parametrize("name, cfg, expected", CASES2, ids=[c[0] for c in CASES2])
+def test_bytes_hand_count_shape2(w2: Memory, name: str, cfg: dict, expected: int) -> None:
+    assert _bytes(w2, name, **cfg)["bytes_total"] == expected
+
+
+def test_kivi_breakdown_shape1(w1: Memory) -> None:
+    m = _bytes(w1, "kivi", bits=2, value_bits=2, value_group_size=64)
+    assert m["bytes_codes"] == 256 * 3 * 16 + 172 * 3 * 16
+    assert m["bytes_scales"] == 2 * 3 * 64 * 4 + 172 * 3 * 4
+    assert m["bytes_residual"] == (44 + 128) * 3 * 64 * 2
+    assert m["bytes_metadata"] == m["bytes_sinks"] == 0
+    assert m["bytes_key_total"] == K1 and m["bytes_value_total"] == V1_TOKEN
+
+
+def _bits_cli(name: str, sets: list[str], head_dim: int, tokens: int) -> dict:
+    args = ["bits", name, "--head-dim", str(head_dim), "--tokens", str(tokens), "--json"]
+    for s in sets:
+        args += ["--set", s]
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli_main(args) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_kivi_8k_effective_vs_analytic_and_dynamic() -> None:
+    """KIVI 2-bit K and V at 8K on head_dim 64 (G 128, value groups 64, R 128, fp16 scales):
+    keys all quantized (8192 % 128 == 0): 2 + 32/128 = 2.25 bits; values 8064 quantized at
+    2 + 32/64 = 2.5 bits + 128 fp16 residual tokens at 16 bits.  Analytic K+V average:
+    (2.25 + (8064 * 2.5 + 128 * 16) / 8192) / 2 = 2.48047 bits; <= 0.16 x a 16-bit
+    DynamicCache measured the same way."""
+    w = _workload(context=8192, appends=4, num_layers=1, num_heads=3, num_kv_heads=1)
+    cfg = dict(
+        bits=2,
+        value_bits=2,
+        group_size=128,
+        value_group_size=64,
+        residual_length=128,
+        scale_dtype="float16",
+    )
+    m = _bytes(w, "kivi", **cfg)
+    sets = [f"{k}={v}" for k, v in cfg.items()]
+    nominal = _bits_cli("kivi", sets, 64, 8192)
+    assert nominal["key_bits"] == pytest.approx(2.25) and nominal["value_bits"] == 2.5
+    analytic = (nominal["key_bits"] + (8064 * nominal["value_bits"] + 128 * 16) / 8192) / 2
+    assert analytic == pytest.approx(2.48047, abs=1e-5)
+    assert m["effective_bits"] == pytest.approx(analytic, rel=0.01)
+    assert m["effective_key_bits"] == pytest.approx(2.25)  # formula and storage agree
+    assert m["analytic_bits"] == pytest.approx(analytic)
+    dyn = _bytes(w, "hf-dynamic")
+    assert dyn["effective_bits"] == 16.0
+    assert m["bytes_total"] <= 0.16 * dyn["bytes_total"]
+
+
+def test_effective_equals_cli_bits_when_all_quantized() -> None:
+    """Per-channel K and V with d a multiple of R: every token is quantized, no residual, so the
+    measured bits equal ``kvbench bits`` exactly (8192 tokens, D 64: 2 + 32/128 = 2.25)."""
+    w = _workload(context=1024, appends=4, num_layers=1, num_heads=3, num_kv_heads=1)
+    m = _bytes(w, "per-channel", bits=2, value_bits=2)
+    nominal = _bits_cli("per-channel", ["bits=2", "value_bits=2"], 64, 1024)
+    assert m["effective_key_bits"] == pytest.approx(nominal["key_bits"]) == pytest.approx(2.25)
+    assert m["effective_value_bits"] == pytest.approx(nominal["value_bits"])
+    assert m["bytes_residual"] == 0
+
+
+def test_sinks_are_counted_and_explained() -> None:
+    """KIVI keys with 4 sinks, d = 260 (256 prefill + 4): the 4 sinks leave 252 tokens ->
+    128 quantized + 124 residual, +4 -> 128 flushed: 256 quantized, 0 residual.  Analytic key
+    bits = (256 * 2.25 + 4 * 16) / 260."""
+    w = _workload(context=260, appends=4, num_layers=1, num_heads=3, num_kv_heads=1)
+    m = _bytes(w, "kivi", bits=2, num_sink_tokens=4)
+    assert m["bytes_sinks"] == 2 * 4 * 64 * 2  # keys and values (values fp16 entirely)
+    assert m["analytic_key_bits"] == pytest.approx((256 * 2.25 + 4 * 16) / 260)
+    assert m["effective_key_bits"] == pytest.approx(m["analytic_key_bits"])
+
+
+def test_key_mse_is_the_replayed_error(w1: Memory) -> None:
+    """key_mse against an independent float64 recomputation from the cache's own
+    ``keys_values()`` and the replayed float16 keys (0 for the full cache)."""
+    method = kvbench.get_method("per-channel", bits=2, value_bits=2)
+    m = w1.run(None, method).metrics
+    q, k, v = (x.to(torch.float16) for x in w1.qkv[0])
+    r = Replay(method, 0, 3, 64, torch.float16, torch.device("cpu"))
+    r.prefill(k[:, :, :296], v[:, :, :296], q[:, :, :296])
+    for t in range(296, 300):
+        r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
+    kq, vq = r.read()
+    ref = ((k.double() - kq.double()) ** 2).mean().item()
+    assert m["key_mse"] == pytest.approx(ref, rel=1e-12)
+    assert _bytes(w1, "full")["key_mse"] == 0.0
+
+
+def test_transient_peak_counts_live_allocations() -> None:
+    """A step that allocates 4 MB, then 8 MB while the first is alive, then frees the first:
+    the peak is 12 MB (4e6 + 8e6 bytes of float32)."""
+    x = torch.ones(1000, 1000)
+
+    def step():
+        y = x * 2
+        z = torch.cat([y, y])
+        del y
+        return z
+
+    peak, how = transient_peak(step, torch.device("cpu"))
+    assert peak == 12_000_000 and "profiler" in how
+
+
+def test_peak_step_of_full_is_the_regrown_cache(w1: Memory) -> None:
+    """The full cache's step concatenates one token onto K and V: 300 tokens of K and V in
+    float16 are allocated (3 * 300 * 64 * 2 bytes each) and nothing is dequantized."""
+    assert _bytes(w1, "full")["peak_step_bytes"] == 2 * 3 * 300 * 64 * 2
+
+
+def _builtin_layer_methods() -> list[str]:
+    rows = kvbench.list_methods()
+    out = []
+    for r in rows:
+        caps = r["capabilities"]
+        if r["distribution"] == "kvbench" and caps.get("layer_cache", True) and r["error"] is None:
+            if not caps.get("needs_calibration"):
+                out.append(r["name"])
+    return out
+
+
+@pytest.mark.parametrize("name", _builtin_layer_methods())
+def test_no_full_precision_copy(name: str) -> None:
+    """After a replay of d = 300 tokens: every stored tensor owns its allocation (no view that
+    keeps the prompt alive), full-precision tokens held (residual + sinks) plus quantized
+    tokens equal d on each side, and no code tensor is a floating-point copy."""
+    (q, k, v) = (x.to(torch.float16) for x in synthetic_qkv(1, 6, 2, 300, 64, seed=3)[0])
+    method = kvbench.get_method(name)
+    r = Replay(method, 0, 2, 64, torch.float16, torch.device("cpu"))
+    r.prefill(k[:, :, :296], v[:, :, :296], q[:, :, :296])
+    for t in range(296, 300):
+        r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
+    lc = r.layer
+    token_bytes = 2 * 64 * 2  # H_kv x D x float16
+    quantized = dict(zip(("key", "value"), lc.quantized_tokens()))
+    for side in ("key", "value"):
+        fp = sum(
+            t.numel() * t.element_size()
+            for s, c, t in lc.tensors()
+            if s == side and c in ("residual", "sinks")
+        )
+        assert fp % token_bytes == 0
+        assert fp // token_bytes + quantized[side] == 300, side
+    for _, cat, t in lc.tensors():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if cat == "codes":
+            assert t.dtype not in FLOAT_DTYPES, f"{name}: float codes {t.dtype}"
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"context": 4, "appends": 4}, "appends < context"),
+        ({"appends": 0}, "appends < context"),
+        ({"source": "disk"}, "allowed"),
+        ({"dtype": "int8"}, "allowed"),
+        ({"layers": 3}, "layers"),
+        ({"num_kv_heads": 0}, "num_kv_heads"),
+        ({"num_heads": 8, "num_kv_heads": 3}, "multiple"),
+        ({"contex": 5}, "unknown parameter"),
+    ],
+)
+def test_bad_params(params: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Memory.validate({"type": "memory", **params})
+
+
+def test_context_beyond_model_maximum() -> None:
+    w = Memory(Memory.validate({"type": "memory", "context": 9000}))
+    ctx = SimpleNamespace(
+        seed=0,
+        model_spec={"device": "cpu"},
+        model=object(),
+        shared={},
+        model_info={"max_position_embeddings": 8192, "model_id": "m"},
+    )
+    with pytest.raises(ValueError, match="exceeds the model's maximum context 8192"):
+        w.prepare(ctx)
+
+
+def test_model_source_without_model() -> None:
+    w = Memory(Memory.validate({"type": "memory", "context": 64}))
+    with pytest.raises(ValueError, match="source: synthetic"):
+        w.prepare(_ctx())

@@ -1,0 +1,100 @@
+"""CI regression gate: rerun ``suites/ci_gate.yaml`` (model-free, seeded) and compare it with the
+committed baseline ``tests/baseline/`` through ``kvbench compare`` (design.md §3).
+
+Deterministic metrics are gated hard (bytes and bits exactly, key/value MSE within 1%); timing
+is not part of this suite (latency is compared as ratios and reported, never gated).  After an
+intended change, regenerate the baseline with
+``kvbench run suites/ci_gate.yaml --out tests/baseline --force``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.cli import main as cli_main
+from kvbench.runner import run_suite
+from kvbench.suite import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = ROOT / "tests" / "baseline"
+GATES = [
+    "bytes_total:0",
+    "bytes_codes:0",
+    "bytes_scales:0",
+    "bytes_metadata:0",
+    "bytes_residual:0",
+    "bytes_sinks:0",
+    "effective_bits:0",
+    "effective_key_bits:0",
+    "effective_value_bits:0",
+    "nominal_key_bits:0",
+    "nominal_value_bits:0",
+    "key_mse:1%",
+    "value_mse:1%",
+]
+
+
+def _compare(base: Path, new: Path) -> int:
+    args = ["compare", str(base), str(new)]
+    for g in GATES:
+        args += ["--fail-on", g]
+    return cli_main(args)
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    before = torch.get_num_threads()
+    out = tmp_path_factory.mktemp("ci_gate")
+    try:
+        run_suite(load_suite(ROOT / "suites" / "ci_gate.yaml"), out, quiet=True)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def test_baseline_is_committed() -> None:
+    recs = sorted(BASELINE.glob("*.json"))
+    assert recs, "tests/baseline/ has no records; run the suite into it (module docstring)"
+    methods = {json.loads(p.read_text())["method"] for p in recs}
+    assert {"full", "kivi", "hf-dynamic", "per-channel"} <= methods
+
+
+def test_gate_passes_on_rerun(fresh: Path, capsys: pytest.CaptureFixture) -> None:
+    assert len(list(fresh.glob("*.json"))) == len(list(BASELINE.glob("*.json")))
+    assert _compare(BASELINE, fresh) == 0, capsys.readouterr().err
+
+
+def _inject(src: Path, dst: Path, method: str, metric: str, factor: float) -> None:
+    shutil.copytree(src, dst)
+    for p in dst.glob("*.json"):
+        rec = json.loads(p.read_text())
+        if rec["method"] == method and metric in rec["metrics"]:
+            rec["metrics"][metric] *= factor
+            p.write_text(json.dumps(rec))
+            return
+    raise AssertionError(f"no {method} record with {metric}")
+
+
+@pytest.mark.parametrize(
+    "metric, factor",
+    [("bytes_total", 1.0001), ("effective_bits", 1.01), ("key_mse", 1.02)],
+)
+def test_gate_fails_on_injected_regression(
+    fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture, metric: str, factor: float
+) -> None:
+    bad = tmp_path / "bad"
+    _inject(fresh, bad, "kivi", metric, factor)
+    assert _compare(BASELINE, bad) == 1
+    err = capsys.readouterr().err
+    assert "kivi" in err and metric in err
+
+
+def test_gate_tolerates_mse_noise_below_threshold(fresh: Path, tmp_path: Path) -> None:
+    ok = tmp_path / "ok"
+    _inject(fresh, ok, "kivi", "key_mse", 1.005)  # +0.5% < 1%
+    assert _compare(BASELINE, ok) == 0
