@@ -47,9 +47,9 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
 @torch.no_grad()
 def greedy(model: Any, ids: torch.Tensor, method: Method, new_tokens: int) -> torch.Tensor:
     """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache."""
-    from ..cache import QuantizedKVCache, cache_kwarg
+    from ..cache import cache_kwarg
 
-    cache = QuantizedKVCache(method, model)
+    cache = method.make_hf_cache(model)
     out = model.generate(
         ids,
         max_new_tokens=new_tokens,
@@ -66,9 +66,9 @@ def forced_logprobs(
 ) -> torch.Tensor:
     """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
     token at a time through the method's cache after prefilling ``ids``."""
-    from ..cache import QuantizedKVCache, cache_kwarg
+    from ..cache import cache_kwarg
 
-    cache = QuantizedKVCache(method, model)
+    cache = method.make_hf_cache(model)
     kw = cache_kwarg(cache, model)
     out = model(input_ids=ids, use_cache=True, **kw)
     rows = [out.logits[0, -1].float()]
@@ -81,6 +81,7 @@ def forced_logprobs(
 class Generation(Workload):
     type = "generation"
     LIST_PARAMS = frozenset({"prompts"})
+    layer_cache = False  # any transformers cache: peers run through make_hf_cache
     PARAMS = {"prompts": None, "new_tokens": 128, "bucket": 32}
 
     @classmethod

@@ -31,9 +31,9 @@ def chunked_logits(
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """Log-probabilities ``[T - P, V]`` (float32) predicting tokens ``P..T-1`` of ``ids [1, T]``
     under the schedule above, and the cache's bytes at the end."""
-    from ..cache import QuantizedKVCache, cache_kwarg
+    from ..cache import cache_kwarg
 
-    cache = QuantizedKVCache(method, model)
+    cache = method.make_hf_cache(model)
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
@@ -45,11 +45,14 @@ def chunked_logits(
         out = model(input_ids=ids[:, s:e], use_cache=True, **kw)
         logits.append(out.logits.float())
     lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
-    return lp, cache.nbytes()
+    from ..hf_peers import cache_nbytes
+
+    return lp, cache_nbytes(cache)
 
 
 class Perplexity(Workload):
     type = "perplexity"
+    layer_cache = False  # any transformers cache: peers run through make_hf_cache
     PARAMS = {"text": "wikitext2", "tokens": 2048, "prefill": 1024, "chunk": 64, "windows": 2}
 
     @classmethod
