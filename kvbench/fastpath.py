@@ -32,17 +32,21 @@ Two implementations of the block terms, equal up to float rounding:
 * *compiled* (:data:`COMPILED_PATH`): ``torch.compile`` (inductor, C++ on the CPU) of the
   sub-code formulation: the packed bytes are split into ``codes_per_word`` strided sub-codes
   (shift and mask), each multiplied and reduced in registers, so no unpacked or dequantized
-  tensor of the cache is ever written.  Measured on ``[1, 3, 4096, 64]`` 2-bit, 1 thread:
-  keys 0.24 ms, values 0.18 ms, against 1.8 ms each to dequantize and matmul
-  (``benchmarks/test_bench_decode.py``);
+  tensor of the cache is ever written.  Measured on ``[1, 3, 4096, 64]`` 2-bit, 9 query
+  heads, 1 thread (``benchmarks/test_bench_decode.py``, minima on a busy machine): key logits
+  0.37 ms (dequantize + matmul 2.5 ms, unpack + matmul 1.4 ms, a 256-entry byte table +
+  matmul 0.92 ms, per-page partial-sum tables + gathers 1.0 ms), value sum 0.24 ms (1.9 ms),
+  the whole ``attend`` 0.79 ms against 6.1 ms for the reference path;
 * *eager* (:data:`EAGER_PATH`): ``unpack_bits`` + matmul in chunks of
   :data:`EAGER_CHUNK_TOKENS` tokens (bounded temporaries), for small caches and machines
   without a C++ compiler.
 
 Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto``
-(default: compiled once a layer holds :data:`COMPILE_MIN_TOKENS` quantized tokens, since a
-first compile costs tens of seconds; eager below), ``compiled``, ``eager``, ``reference``.
-A compile failure (no compiler) falls back to eager with one warning.
+(default: compiled for single-query decode steps once a layer holds :data:`COMPILE_MIN_TOKENS`
+quantized tokens, since a first compile costs tens of seconds; eager otherwise), ``compiled``,
+``eager``, ``reference``.  A compile failure (no compiler) falls back to eager with one
+warning.  The compiled kernels treat the token counts as dynamic, so a growing cache reuses
+them; the first decode steps compile (run warm-up steps before timing).
 
 Block types register their kernels with :func:`register_block_attention`; the core ships the
 one for :class:`kvbench.blocks.AffineBlock` (per-channel/per-head pages for keys, per-token
@@ -147,28 +151,43 @@ def _per_channel(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ kernels
+def to_subcode_order(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` -> ``[..., codes_per_word, W]`` (contiguous): entry ``[i, j]`` is channel
+    ``j * codes_per_word + i``, the order of :func:`subcodes`."""
+    _, cpw = code_layout(bits)
+    return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).contiguous()
+
+
+def key_page_terms(
+    q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query-side terms of the key pages: ``qs [B, H, M, NP, codes_per_word, W]`` (``q * a``
+    per page, in sub-code order) and ``qb [B, H, M, NP]`` (``q . b`` per page).
+
+    ``q``: float32 ``[B, H, M, D]``; ``a, b``: float32 ``[B|1, H|1, NP, D]`` per channel."""
+    qs = to_subcode_order(q, bits).unsqueeze(3) * to_subcode_order(a, bits).unsqueeze(2)
+    return qs.contiguous(), (q.unsqueeze(3) * b.unsqueeze(2)).sum(-1)
+
+
 def key_pages_fused(
-    packed: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+    packed: torch.Tensor, qs: torch.Tensor, qb: torch.Tensor, bits: int
 ) -> torch.Tensor:
     """Key logits of whole pages in the code domain (the compiled kernel's source).
 
     Parameters
     ----------
     packed : uint8 ``[B, H, NP, L, nbytes]``, the codes of ``NP`` pages of ``L`` tokens.
-    q : float32 ``[B, H, M, D]``, query rows (logit scale applied).
-    a, b : float32 ``[B|1, H|1, NP, D]``, per-page, per-channel affine terms.
-    bits : code width, 1..8; ``D`` must be a multiple of ``codes_per_word``.
+    qs, qb : float32 ``[B, H, M, NP, codes_per_word, W]`` and ``[B, H, M, NP]`` from
+        :func:`key_page_terms` (precomputed: inductor would otherwise recompute ``q * a`` with
+        strided loads inside the reduction).
+    bits : code width, 1..8; ``D = codes_per_word * W``.
 
     Returns
     -------
     float32 ``[B, H, M, NP * L]``: ``q . (c * a + b)`` for every token of the pages.
     """
-    bsz, h, npg, length, _ = packed.shape
-    m, d = q.shape[2], q.shape[3]
-    _, cpw = code_layout(bits)
-    qs = q.unsqueeze(3) * a.unsqueeze(2)  # [B, H, M, NP, D]
-    qb = (q.unsqueeze(3) * b.unsqueeze(2)).sum(-1)  # [B, H, M, NP]
-    qs = qs.reshape(bsz, h, m, npg, d // cpw, cpw).transpose(-1, -2)  # [.., cpw, W]
+    bsz, h, m, npg = qb.shape
+    length = packed.shape[3]
     acc = None
     for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, NP, L, W]
         term = qs[..., i, :].unsqueeze(4) * c.float()  # [B, H, M, NP, L, W]
@@ -190,35 +209,45 @@ def _weights_for(ps: torch.Tensor, i: int, cpw: int, cg: int) -> torch.Tensor:
     return ps.index_select(-1, idx)
 
 
-def value_tokens_fused(
-    packed: torch.Tensor, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
-) -> torch.Tensor:
-    """Attention-weighted sum of per-token quantized values in the code domain.
+def value_token_terms(
+    p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probability-side terms of per-token values: ``ps = p * a`` ``[B, H, M, n, Dg]`` and
+    ``pb = sum_t p_t (b_t + a_t h)`` ``[B, H, M, Dg]`` with ``h = (2^bits - 1) / 2``.
+
+    The codes are used centred (``c - h``, see :func:`value_tokens_fused`) and the offset
+    ``b + a h`` is about the group's middle, so the two sums do not cancel each other and the
+    long float32 sum over ``n`` stays accurate.  ``p``: float32 ``[B, H, M, n]``; ``a, b``:
+    float32 ``[B|1, H|1, n, Dg]``."""
+    half = ((1 << bits) - 1) / 2
+    ps = p.unsqueeze(-1) * a.unsqueeze(2)
+    return ps, (p.unsqueeze(-1) * (b + a * half).unsqueeze(2)).sum(3)
+
+
+def value_tokens_fused(packed: torch.Tensor, ps: torch.Tensor, bits: int) -> torch.Tensor:
+    """``sum_t ps_t (c_t - h)`` over per-token quantized values in the code domain (the
+    compiled kernel's source); add ``pb`` of :func:`value_token_terms` for the output.
 
     Parameters
     ----------
     packed : uint8 ``[B, H, n, nbytes]``.
-    p : float32 ``[B, H, M, n]``, attention probabilities of these tokens.
-    a, b : float32 ``[B|1, H|1, n, Dg]``, per-token affine terms of ``D / Dg`` channels each.
-    bits : code width, 1..8; ``D`` a multiple of ``codes_per_word``.
+    ps : float32 ``[B, H, M, n, Dg]`` from :func:`value_token_terms`.
+    bits : code width, 1..8; ``D = nbytes * 8 / bits`` a multiple of ``codes_per_word``.
 
     Returns
     -------
-    float32 ``[B, H, M, D]``: ``sum_t p_t (c_t * a_t + b_t)``.
+    float32 ``[B, H, M, D]``.
     """
     bsz, h, n, nbytes = packed.shape
-    m, dg = p.shape[2], a.shape[-1]
+    m, dg = ps.shape[2], ps.shape[-1]
     _, cpw = code_layout(bits)
     d = nbytes * 8 // bits
-    cg = d // dg
-    ps = p.unsqueeze(-1) * a.unsqueeze(2)  # [B, H, M, n, Dg]
-    pb = (p.unsqueeze(-1) * b.unsqueeze(2)).sum(3)  # [B, H, M, Dg]
+    half = ((1 << bits) - 1) / 2
     outs = [
-        (_weights_for(ps, i, cpw, cg) * c.float()).sum(3)  # [B, H, M, W]
+        (_weights_for(ps, i, cpw, d // dg) * (c.float() - half)).sum(3)  # [B, H, M, W]
         for i, c in enumerate(subcodes(packed.unsqueeze(2), bits))  # [B, H, 1, n, W]
     ]
-    out = torch.stack(outs, -1).reshape(bsz, h, m, d)
-    return out + _per_channel(pb, d)
+    return torch.stack(outs, -1).reshape(bsz, h, m, d)
 
 
 def key_pages_eager(
@@ -275,22 +304,24 @@ def _compiled_kernel(fn: Callable[..., Any], bits: int) -> Callable[..., Any]:
     return _compiled[key]
 
 
-def _run(fn: Callable[..., Any], compiled: bool, dyn: list[tuple[torch.Tensor, int]], *args):
-    """``fn(*args)``, compiled when asked and possible; ``dyn``: (tensor, dim) pairs whose size
-    grows with the context, marked dynamic so that a longer cache reuses the compiled code."""
+def _run(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
+    """The compiled ``fn(*args)`` (``args[-1]`` is the bit width), or ``None`` once compiling
+    failed; ``dyn``: (tensor, dim) pairs whose size grows with the context, marked dynamic so
+    that a longer cache reuses the compiled code."""
     global _compile_error
-    if compiled and _compile_error is None:
-        for t, dim in dyn:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
-        try:
-            return _compiled_kernel(fn, args[-1])(*args)
-        except Exception as e:  # noqa: BLE001 - no compiler, inductor bug: eager is still right
-            _compile_error = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"kvbench.fastpath: torch.compile failed ({_compile_error[:200]}); using the "
-                "eager code-domain path from now on",
-                stacklevel=2,
-            )
+    if _compile_error is not None:
+        return None
+    for t, dim in dyn:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    try:
+        return _compiled_kernel(fn, args[-1])(*args)
+    except Exception as e:  # noqa: BLE001 - no compiler, inductor bug: eager is still right
+        _compile_error = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"kvbench.fastpath: torch.compile failed ({_compile_error[:200]}); using the "
+            "eager code-domain path from now on",
+            stacklevel=2,
+        )
     return None
 
 
@@ -362,9 +393,10 @@ class AffineBlockAttention:
         if full:
             pk = block.codes[:, :, : full * length].reshape(bsz, h, full, length, nbytes)
             af, bf = a[:, :, :full], b[:, :, :full]
-            fused = d % code_layout(bits)[1] == 0
-            out = _run(key_pages_fused, compiled and fused, [(pk, 2), (af, 2), (bf, 2)],
-                       pk, q, af, bf, bits)  # fmt: skip
+            out = None
+            if compiled and d % code_layout(bits)[1] == 0:
+                qs, qb = key_page_terms(q, af, bf, bits)
+                out = _run(key_pages_fused, [(pk, 2), (qs, 3), (qb, 3)], pk, qs, qb, bits)
             parts.append(out if out is not None else key_pages_eager(pk, q, af, bf, bits))
         if n > full * length:
             pk = block.codes[:, :, full * length :].unsqueeze(2)
@@ -377,10 +409,10 @@ class AffineBlockAttention:
         a, b = affine_terms(block)
         pk = block.codes
         if compiled and d % code_layout(bits)[1] == 0:
-            out = _run(value_tokens_fused, True, [(pk, 2), (p, 3), (a, 2), (b, 2)],
-                       pk, p, a, b, bits)  # fmt: skip
+            ps, pb = value_token_terms(p, a, b, bits)
+            out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)
             if out is not None:
-                return out
+                return out + _per_channel(pb, d)
         return value_tokens_eager(pk, p, a, b, bits, d)
 
 
@@ -516,7 +548,9 @@ def fast_attend(
         _set_path(layer_cache, REFERENCE_PATH, why)
         return None
     compiled = mode == "compiled" or (
-        mode == "auto" and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
+        mode == "auto"
+        and query.shape[2] == 1  # decode steps; chunks of queries would add graphs
+        and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
     )
     compiled = compiled and _compile_error is None
     out = code_domain_attend(layer_cache, query, scaling, compiled)

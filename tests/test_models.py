@@ -24,9 +24,16 @@ from kvbench.models import (
 )
 
 # SmolLM2-135M-Instruct architecture, from the model card and shared/data/README.md.
-EXPECTED = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
-            "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 1e5,
-            "max_position_embeddings": 8192, "vocab_size": 49152}
+EXPECTED = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rope_theta": 1e5,
+    "max_position_embeddings": 8192,
+    "vocab_size": 49152,
+}
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
@@ -51,8 +58,15 @@ def _tiny_llama(folder: Path) -> None:
     raw = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>")
-    cfg = LlamaConfig(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=6,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -136,8 +150,10 @@ def test_weights_sha256_multiple_files(tmp_path, tmp_cache):
     da, db = hashlib.sha256(b"aaa").hexdigest(), hashlib.sha256(b"bbb").hexdigest()
     out = weights_sha256(tmp_path)
     assert out["files"] == {"a.safetensors": da, "b.safetensors": db}
-    assert out["sha256"] == hashlib.sha256(
-        f"a.safetensors {da}\nb.safetensors {db}\n".encode()).hexdigest()
+    assert (
+        out["sha256"]
+        == hashlib.sha256(f"a.safetensors {da}\nb.safetensors {db}\n".encode()).hexdigest()
+    )
     assert list((tmp_cache / "hashes").glob("*.json"))  # cached for the next load
 
 
@@ -148,8 +164,12 @@ def test_load_local_folder(tmp_path, tmp_cache):
     assert info["source"] == "local" and info["path"] == str(folder.resolve())
     assert info["weights_sha256"] == _sha(folder / "model.safetensors")
     assert info["dtype"] == "bfloat16" and next(model.parameters()).dtype == torch.bfloat16
-    assert (info["num_hidden_layers"], info["num_attention_heads"],
-            info["num_key_value_heads"], info["head_dim"]) == (2, 4, 2, 8)
+    assert (
+        info["num_hidden_layers"],
+        info["num_attention_heads"],
+        info["num_key_value_heads"],
+        info["head_dim"],
+    ) == (2, 4, 2, 8)
     assert tok("the cat sat")["input_ids"] == [2, 3, 4]
     assert not model.training
 
@@ -157,8 +177,15 @@ def test_load_local_folder(tmp_path, tmp_cache):
 def test_model_info_layouts():
     from transformers import GPTJConfig, Qwen2Config
 
-    q = model_info(Qwen2Config(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-                               num_hidden_layers=3, rope_theta=1e6))
+    q = model_info(
+        Qwen2Config(
+            hidden_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            rope_theta=1e6,
+        )
+    )
     assert (q["rope_layout"], q["head_dim"], q["num_key_value_heads"]) == ("rotate_half", 16, 2)
     assert q["rope_theta"] == 1e6
     g = model_info(GPTJConfig(n_embd=64, n_head=4, n_layer=2))
@@ -209,8 +236,9 @@ def test_tokenizer_special_tokens_and_chat_template(smollm):
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert tok.bos_token == "<|im_start|>" and tok.convert_tokens_to_ids("<|im_start|>") == 1
     assert len(tok) == 49152
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nHi<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -223,11 +251,14 @@ def test_greedy_forward_and_generation(smollm):
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 49152)
     assert torch.isfinite(logits).all()
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, return_tensors="pt",
-                                   return_dict=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**chat, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, chat["input_ids"].shape[1]:])
+    assert "Paris" in tok.decode(out[0, chat["input_ids"].shape[1] :])
 
 
 @pytest.mark.slow

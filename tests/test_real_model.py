@@ -59,8 +59,9 @@ def test_full_perplexity_equals_dynamic_cache(model_tok, text_ids) -> None:
         out = model(input_ids=text_ids[:, :256], use_cache=True, **kw)
         rows = [out.logits[:, -1:]]
         for s in range(256, 383, 64):
-            rows.append(model(input_ids=text_ids[:, s : min(s + 64, 383)], use_cache=True,
-                              **kw).logits)
+            rows.append(
+                model(input_ids=text_ids[:, s : min(s + 64, 383)], use_cache=True, **kw).logits
+            )
     ref = torch.log_softmax(torch.cat(rows, 1)[0].float(), -1)
     ppl_ref = math.exp(-ref.gather(1, target[:, None]).mean().item())
     assert ppl == pytest.approx(ppl_ref, rel=1e-4)
@@ -82,9 +83,20 @@ def test_per_channel_kl_ordered_by_bits(captured) -> None:
     kls = []
     for bits in (8, 4, 2):
         m = kvbench.get_method("per-channel", bits=bits, group_size=64, residual_length=64)
-        kls.append(sum(layer_fidelity(m, i, captured.queries[i], captured.keys[i],
-                                      captured.values[i], 256, captured.scaling[i])["attn_kl"]
-                       for i in range(len(captured))))
+        kls.append(
+            sum(
+                layer_fidelity(
+                    m,
+                    i,
+                    captured.queries[i],
+                    captured.keys[i],
+                    captured.values[i],
+                    256,
+                    captured.scaling[i],
+                )["attn_kl"]
+                for i in range(len(captured))
+            )
+        )
     assert 0 < kls[0] < kls[1] < kls[2]
 
 
@@ -122,8 +134,7 @@ def test_kivi_perplexity_above_full_but_finite(model_tok, text_ids) -> None:
         return math.exp(-lp.gather(1, target[:, None]).mean().item())
 
     full = ppl(kvbench.get_method("full"))
-    kivi = ppl(kvbench.get_method("kivi", bits=2, group_size=64, residual_length=64,
-                                  value_bits=2))
+    kivi = ppl(kvbench.get_method("kivi", bits=2, group_size=64, residual_length=64, value_bits=2))
     assert full < kivi < math.inf
 
 
@@ -132,8 +143,15 @@ def test_pn_mix_reproduces_on_rerun(captured) -> None:
 
     def once():
         m = kvbench.get_method("pn-mix", group_size=64, residual_length=64, num_sink_tokens=32)
-        return layer_fidelity(m, 0, captured.queries[0], captured.keys[0], captured.values[0],
-                              256, captured.scaling[0])
+        return layer_fidelity(
+            m,
+            0,
+            captured.queries[0],
+            captured.keys[0],
+            captured.values[0],
+            256,
+            captured.scaling[0],
+        )
 
     assert once() == once()
 
@@ -150,7 +168,7 @@ def test_8bit_per_channel_greedy_matches_full(model_tok) -> None:
     gen = greedy(model, ids, m8, 64)
     ref_lp = forced_logprobs(model, ids, ref, kvbench.get_method("full"))
     top2 = ref_lp.topk(2, -1).values
-    margin = (top2[:, 0] - top2[:, 1])
+    margin = top2[:, 0] - top2[:, 1]
     for i in range(64):
         if gen[i] != ref[i]:
             assert margin[i] < 0.05, f"step {i}: diverged with a clear margin {margin[i]:.3f}"

@@ -22,8 +22,14 @@ from kvbench.suite import load_suite, parse_suite
 
 
 def _rec(metrics: dict, method: str = "kivi", config: dict | None = None) -> dict:
-    return new_record(method=method, config=config or {"bits": 2}, model={"id": "m"},
-                      workload={"type": "bits"}, metrics=metrics, manifest={})
+    return new_record(
+        method=method,
+        config=config or {"bits": 2},
+        model={"id": "m"},
+        workload={"type": "bits"},
+        metrics=metrics,
+        manifest={},
+    )
 
 
 def test_run_id_is_stable_and_config_sensitive() -> None:
@@ -91,12 +97,21 @@ def test_compare_missing_run_fails() -> None:
 
 
 def test_suite_expansion_and_errors(tmp_path: Path) -> None:
-    s = parse_suite({"model": "none", "methods": ["full", {"name": "kivi", "config": {
-        "group_size": [32, 64], "residual_length": 128}}], "workloads": [{"type": "bits"}]})
+    s = parse_suite(
+        {
+            "model": "none",
+            "methods": [
+                "full",
+                {"name": "kivi", "config": {"group_size": [32, 64], "residual_length": 128}},
+            ],
+            "workloads": [{"type": "bits"}],
+        }
+    )
     assert [m.label for m in s.methods] == ["full", "kivi[group_size=32]", "kivi[group_size=64]"]
     p = tmp_path / "bad.yaml"
-    p.write_text("model: none\nmethods: [{name: kivi, config: {bitz: 2}}]\n"
-                 "workloads: [{type: bits}]\n")
+    p.write_text(
+        "model: none\nmethods: [{name: kivi, config: {bitz: 2}}]\nworkloads: [{type: bits}]\n"
+    )
     with pytest.raises(ValueError, match=r"bad\.yaml.*bitz.*allowed"):
         load_suite(p)
     p.write_text("model: none\nmethods: [kivy]\nworkloads: [{type: bits}]\n")
@@ -111,8 +126,16 @@ def test_suite_expansion_and_errors(tmp_path: Path) -> None:
 
 
 def test_runner_resumes(tmp_path: Path) -> None:
-    suite = parse_suite({"model": "none", "methods": ["full", {"name": "kivi", "config": {
-        "group_size": [32, 128], "residual_length": 128}}], "workloads": [{"type": "bits"}]})
+    suite = parse_suite(
+        {
+            "model": "none",
+            "methods": [
+                "full",
+                {"name": "kivi", "config": {"group_size": [32, 128], "residual_length": 128}},
+            ],
+            "workloads": [{"type": "bits"}],
+        }
+    )
     recs = run_suite(suite, tmp_path, quiet=True)
     by_label = {r["manifest"]["label"]: r["metrics"] for r in recs}
     assert by_label["kivi[group_size=32]"]["nominal_key_bits"] == pytest.approx(3.0)
