@@ -36,6 +36,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/kvbench run $(SUITE) --out $(OUT)
+	$(BIN)/kvbench report $(OUT) > $(OUT)/report.md
 
 bench-smoke: $(STAMP)
 	$(BIN)/kvbench run suites/smoke.yaml --out results/smoke

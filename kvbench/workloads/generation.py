@@ -13,7 +13,9 @@ generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, p
 
 Bootstrap intervals over prompts for the first divergence and match rate.
 Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_tokens`` (128),
-``bucket`` (32).
+``bucket`` (32), ``context_tokens`` (0: with n > 0, each prompt is preceded by a different
+n-token window of ``context_text`` (default ``essays``), so that a method with a residual window
+of R tokens has quantized pages to read while generating; recorded with the workload).
 """
 
 from __future__ import annotations
@@ -82,13 +84,21 @@ class Generation(Workload):
     type = "generation"
     LIST_PARAMS = frozenset({"prompts"})
     layer_cache = False  # any transformers cache: peers run through make_hf_cache
-    PARAMS = {"prompts": None, "new_tokens": 128, "bucket": 32}
+    PARAMS = {
+        "prompts": None,
+        "new_tokens": 128,
+        "bucket": 32,
+        "context_tokens": 0,
+        "context_text": "essays",
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        n, b = spec["new_tokens"], spec["bucket"]
+        n, b, c = spec["new_tokens"], spec["bucket"], spec["context_tokens"]
         if not (isinstance(n, int) and isinstance(b, int) and n >= 1 and b >= 1):
             raise ValueError(f"{pre}new_tokens and bucket must be positive integers")
+        if not (isinstance(c, int) and c >= 0):
+            raise ValueError(f"{pre}context_tokens must be an integer >= 0")
         if spec["prompts"] is not None and not (
             isinstance(spec["prompts"], list) and all(isinstance(p, str) for p in spec["prompts"])
         ):
@@ -100,6 +110,14 @@ class Generation(Workload):
         prompts = self.spec["prompts"] or DEFAULT_PROMPTS
         if ctx.limit is not None:
             prompts = prompts[: ctx.limit]
+        n_ctx = self.spec["context_tokens"]
+        if n_ctx:  # a document before each request, so the cache holds quantized pages
+            from ..data import load_text, token_windows
+
+            text, _ = load_text(self.spec["context_text"])
+            win, _ = token_windows(ctx.tokenizer, text, n_ctx, len(prompts))
+            docs = [ctx.tokenizer.decode(w) for w in win]
+            prompts = [f"{d}\n\nThe text above is background. {p}" for d, p in zip(docs, prompts)]
         key = ("generation", tuple(prompts), self.spec["new_tokens"])
         if key in ctx.shared:
             self.items = ctx.shared[key]
