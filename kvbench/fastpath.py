@@ -485,6 +485,11 @@ def code_domain_attend(
     why = _unsupported(layer_cache, query)
     if why:
         raise ValueError(why)
+    return _attend(layer_cache, query, scaling, compiled)
+
+
+def _attend(layer_cache: Any, query: torch.Tensor, scaling: float | None, compiled: bool):
+    """:func:`code_domain_attend` without its layout checks."""
     bsz, hq, nq, d = query.shape
     hkv = layer_cache._bhd[1]
     m = hq // hkv * nq
@@ -553,7 +558,7 @@ def fast_attend(
         and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
     )
     compiled = compiled and _compile_error is None
-    out = code_domain_attend(layer_cache, query, scaling, compiled)
+    out = _attend(layer_cache, query, scaling, compiled)
     compiled = compiled and _compile_error is None  # a failed compile fell back to eager
     _set_path(layer_cache, COMPILED_PATH if compiled else EAGER_PATH, "")
     return out
