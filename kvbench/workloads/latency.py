@@ -111,7 +111,7 @@ def attention_path(method: Method, attend: bool) -> str:
     if not method.capabilities.layer_cache:
         return "transformers cache update + sdpa over the dequantized K/V it returns"
     if attend:
-        return "kvbench attention fn -> LayerCache.attend (kernel path)"
+        return "kvbench attention fn -> LayerCache.attend (fast path where supported; see attend_path_ran)"
     return "kvbench attention fn -> sdpa over dequantized keys_values() (reference path)"
 
 
@@ -171,9 +171,8 @@ class Latency(Workload):
 
     def _attend(self, method: Method) -> bool:
         p = self.spec["path"]
-        if p == "auto":
-            caps = method.capabilities
-            return caps.fused_kernel or not caps.keys_values
+        if p == "auto":  # LayerCache.attend takes the fastest path it supports (recorded)
+            return method.capabilities.layer_cache
         return p == "attend"
 
     @torch.no_grad()
