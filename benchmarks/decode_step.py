@@ -53,7 +53,7 @@ def make_cache(name: str, model, bits: int):
     """``(cache, cpu_attention_mode or None)`` for cache ``name`` (``None`` when unavailable)."""
     from transformers import DynamicCache, QuantizedCache
 
-    from kvbench.cache import QuantizedKVCache
+    from kvbench.hf.cache import QuantizedKVCache
 
     if name == "dynamic":
         return DynamicCache(config=model.config), None
@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    from kvbench import fastpath
-    from kvbench.cache import cache_kwarg
-    from kvbench.hf_attention import use_kvbench_attention
-    from kvbench.models import DEFAULT_MODEL, load_model
+    from kvbench.attend import cpu as fastpath
+    from kvbench.hf.attention import use_kvbench_attention
+    from kvbench.hf.cache import cache_kwarg
+    from kvbench.hf.models import DEFAULT_MODEL, load_model
 
     model, _, info = load_model(args.model or DEFAULT_MODEL)
     use_kvbench_attention(model)

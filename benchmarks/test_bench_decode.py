@@ -9,7 +9,7 @@ Groups (read the ratios within a group, all in one run):
 
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
   softmax), the eager code-domain path, the compiled code-domain path
-  (:mod:`kvbench.fastpath`);
+  (:mod:`kvbench.attend.cpu`);
 * ``keys``: the key logits of the 32 quantized pages, by the candidates the issue asked to
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench import fastpath
-from kvbench.quant import unpack_bits
+from kvbench.attend import cpu as fastpath
+from kvbench.kv.quant import unpack_bits
 
 B, HKV, T, D, REP = 1, 3, 4096, 64, 3
 
@@ -156,7 +156,7 @@ def test_values(benchmark, fn):
 
 
 def test_unpack_reference(benchmark):
-    """The unpack alone (``kvbench.quant.unpack_bits`` to float) of the 4096 key tokens."""
+    """The unpack alone (``kvbench.kv.quant.unpack_bits`` to float) of the 4096 key tokens."""
     blk = _cache()[0].k.block
     benchmark.group = "key logits, 4096 tokens 2-bit"
     benchmark(lambda: unpack_bits(blk.codes, 2, D).float())

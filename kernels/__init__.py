@@ -3,13 +3,13 @@
 Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host wrappers):
 
 * :mod:`.pack`: pack / unpack of 1..8-bit codes in the core's layout
-  (:func:`kvbench.quant.pack_bits`);
+  (:func:`kvbench.kv.quant.pack_bits`);
 * :mod:`.quantize`: quantize-and-pack on flush: per-channel key pages (uniform, or Kitty /
   PN-Mix mixed precision) and per-token values, bit-identical to the core codecs;
 * :mod:`.decode_attention`: fused split-KV decode attention over sinks + quantized pages +
   full-precision residual, and the same kernel over fp16 K/V (the control);
 * :mod:`.dispatch`: ``try_fused_attend(layer_cache, query, scaling)``, called for CUDA queries
-  by ``LayerCache.attend`` (through :func:`kvbench.fastpath.fast_attend`): the kernel for a
+  by ``LayerCache.attend`` (through :func:`kvbench.attend.cpu.fast_attend`): the kernel for a
   supported layout, else ``None`` (reference path); ``layer_cache.attend_path`` records which;
 * ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
 

@@ -9,7 +9,7 @@ Phases (each row is appended to ``OUT/rows.jsonl`` as soon as it exists and ``OU
 is rewritten after every row, so a timeout still returns what was measured):
 
 1. correctness at random sizes: pack/unpack and quantize-and-pack bit-exact against the core
-   (``kvbench.quant``, ``kvbench.blocks``, ``kvbench.mixed``), round-half-to-even ties (KVQ-21),
+   (``kvbench.kv.quant``, ``kvbench.kv.blocks``, ``kvbench.kv.mixed``), round-half-to-even ties (KVQ-21),
    fused attention through ``LayerCache`` for KIVI / Kitty / PN-Mix keys with values at 16, 4
    and 2 bits, D 64 and 128, GQA, odd lengths, per-sequence lengths, the fp16 control, and
    head_dim 96 refused;
@@ -306,7 +306,7 @@ def correctness(K: dict, device: torch.device, rec: Recorder, small: bool) -> No
     def randn(*shape, dtype=torch.float16):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    from kvbench.quant import pack_bits as core_pack
+    from kvbench.kv.quant import pack_bits as core_pack
 
     def pack_check():
         bad = []
@@ -320,7 +320,7 @@ def correctness(K: dict, device: torch.device, rec: Recorder, small: bool) -> No
                 bad.append(bits)
         return not bad, f"mismatching bits: {bad or 'none'}"
 
-    check("pack/unpack bit-exact vs kvbench.quant.pack_bits, random n", pack_check)
+    check("pack/unpack bit-exact vs kvbench.kv.quant.pack_bits, random n", pack_check)
 
     def ties_check():  # KVQ-21: (x - min) / scale lands on .5 exactly
         col = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0] + [0.0] * 11, device=device)
@@ -335,8 +335,8 @@ def correctness(K: dict, device: torch.device, rec: Recorder, small: bool) -> No
     check("round-half-to-even ties (KVQ-21), rint and floor paths", ties_check)
 
     def quant_check():
-        from kvbench.blocks import PerChannelCodec, PerTokenCodec
-        from kvbench.mixed import MixedChannelCodec
+        from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
+        from kvbench.kv.mixed import MixedChannelCodec
 
         b, h, g, d = (1, 2, 16, 64) if small else (2, 3, 128, 128)
         x = randn(b, h, 2 * g, d) * torch.linspace(0.2, 3, d, device=device).half()
@@ -493,7 +493,7 @@ def correctness(K: dict, device: torch.device, rec: Recorder, small: bool) -> No
             out = K["dispatch"].try_fused_attend(lc, q)
             ok = out is not None and lc.attend_path == "triton"
             detail = f"try_fused_attend: {lc.attend_path!r} {lc.attend_path_reason}"
-            # LayerCache.attend reaches the kernel through kvbench.fastpath when
+            # LayerCache.attend reaches the kernel through kvbench.attend.cpu when
             # kvbench.kernels is importable (an install; a bare source tree has only kernels.*)
             ref = da.decode_attention_reference(q, *lc.keys_values(q.dtype))
             out2 = lc.attend(q)
@@ -768,7 +768,7 @@ def flush_row(rec, quant, lc, m, ctx_len, b, label, step_us, timer, gen, device)
 
 
 def _kitty_perm(codec, x):
-    from kvbench.mixed import perm_from_classes
+    from kvbench.kv.mixed import perm_from_classes
 
     b, h, n, d = x.shape
     pages = x.reshape(b, h, n // codec.group_size, codec.group_size, d)

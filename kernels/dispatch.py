@@ -1,6 +1,6 @@
 """Route a LayerCache's decode attention to the fused Triton kernel when it can run.
 
-``LayerCache.attend`` -> :func:`kvbench.fastpath.fast_attend` calls :func:`try_fused_attend`
+``LayerCache.attend`` -> :func:`kvbench.attend.cpu.fast_attend` calls :func:`try_fused_attend`
 for CUDA queries; it returns the kernel's output, or ``None`` so that the caller takes the
 reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
 for CPU tensors (KVQ-11: normal CPU use never reaches a GPU launch), when Triton is missing,
@@ -10,8 +10,8 @@ per-head/per-tensor keys, float8 scales, more than two channel classes, ...).  E
 layer cache records which path ran in ``layer_cache.attend_path`` (``"triton"`` or
 ``"reference"``) and why in ``layer_cache.attend_path_reason``.
 
-The blocks are read by duck typing (:class:`kvbench.blocks.AffineBlock`,
-:class:`kvbench.mixed.MixedChannelBlock` attributes), so this module imports only torch (and
+The blocks are read by duck typing (:class:`kvbench.kv.blocks.AffineBlock`,
+:class:`kvbench.kv.mixed.MixedChannelBlock` attributes), so this module imports only torch (and
 the kernels lazily); it never imports the kvbench core.
 """
 

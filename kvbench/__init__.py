@@ -1,11 +1,11 @@
 """kvbench: a benchmark suite for KV-cache quantization in LLM inference.
 
-Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.method.Method`,
-:class:`~kvbench.layer.LayerCache`.
+Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.kv.method.Method`,
+:class:`~kvbench.kv.layer.LayerCache`.
 """
 
-from .method import CacheConfig, Capabilities, Method, MethodConfig
-from .registry import get_method, get_method_class, list_methods
+from kvbench.kv.method import CacheConfig, Capabilities, Method, MethodConfig
+from kvbench.kv.registry import get_method, get_method_class, list_methods
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,60 +1,7 @@
-"""Reference attention over a KV cache, with GQA and a causal mask aligned to the end."""
+"""Old location of :mod:`kvbench.attend.reference`, kept as an alias for one release (0.2 removes it)."""
 
-from __future__ import annotations
+import sys
 
-import math
+from kvbench.attend import reference as _moved
 
-import torch
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """``[B, H_kv, T, D]`` -> ``[B, H_kv * n_rep, T, D]``; query head ``h`` reads KV head ``h // n_rep``."""
-    if n_rep == 1:
-        return x
-    return x.repeat_interleave(n_rep, dim=1)
-
-
-def causal_mask(n_q: int, n_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool ``[n_q, n_k]``: query ``i`` (absolute position ``n_k - n_q + i``) sees keys ``<=`` it."""
-    qpos = torch.arange(n_k - n_q, n_k, device=device).unsqueeze(1)
-    return torch.arange(n_k, device=device).unsqueeze(0) <= qpos
-
-
-def reference_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float | None = None,
-) -> torch.Tensor:
-    """Softmax attention of the newest ``n_q`` positions over ``T`` cached keys.
-
-    Parameters
-    ----------
-    query : ``[B, H_q, n_q, D]``, the queries of the last ``n_q`` positions.
-    keys, values : ``[B, H_kv, T, D]`` (KV heads, not repeated); ``H_q % H_kv == 0``.
-    scaling : logit scale, default ``1/sqrt(D)``.
-
-    Returns
-    -------
-    ``[B, H_q, n_q, D]`` in ``query``'s dtype; logits and softmax computed in float32.
-
-    Raises
-    ------
-    ValueError
-        Head counts that do not divide, or mismatched head_dim / batch.
-    """
-    b, hq, nq, d = query.shape
-    bk, hkv, t, dk = keys.shape
-    if hq % hkv or d != dk or b != bk or values.shape[:3] != keys.shape[:3]:
-        raise ValueError(
-            f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)},"
-            f" values {tuple(values.shape)}"
-        )
-    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
-    k = repeat_kv(keys.float(), hq // hkv)
-    v = repeat_kv(values.float(), hq // hkv)
-    logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
-    if nq > 1:
-        logits = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.matmul(probs, v).to(query.dtype)
+sys.modules[__name__] = _moved

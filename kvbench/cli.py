@@ -10,25 +10,9 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any
 
-import yaml
-
-from .registry import get_method, list_methods
-
-
-def parse_set(items: list[str] | None) -> dict[str, Any]:
-    """``["key=value", ...]`` -> dict, values parsed as YAML scalars (``high_ratio=0.03125``).
-
-    Raises ``ValueError`` for an item without ``=``.
-    """
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-    return out
+from kvbench.kv.registry import get_method, list_methods
+from kvbench.run.suite import parse_set
 
 
 def _caps(caps: dict[str, bool]) -> str:
@@ -72,11 +56,61 @@ def cmd_bits(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", help="suite YAML file")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a suite field by dotted path (seed=1, model.dtype=bfloat16)",
+    )
+    p.add_argument("--out", default=None, help="result folder (default results/<suite name>)")
+    p.add_argument("--limit", type=int, default=None, help="examples/windows per task subset")
+    p.add_argument("--force", action="store_true", help="rerun runs whose record exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="skip workloads whose data cannot be loaded here (hub-only sets offline)",
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from kvbench.run.runner import run_suite
+    from kvbench.run.suite import load_suite
+
+    suite = load_suite(args.suite, parse_set(args.set))
+    paper_block = suite.raw.get("paper")
+    if paper_block is not None:
+        from kvbench.report.paper import validate
+
+        validate(paper_block, suite.path)
+    out = args.out or f"results/{suite.name}"
+    records = run_suite(
+        suite,
+        out,
+        limit=args.limit,
+        force=args.force,
+        quiet=args.quiet,
+        skip_unavailable=getattr(args, "skip_unavailable", False),
+    )
+    from kvbench.report.tables import summary_table
+
+    print(summary_table(records, suite=suite))
+    print(f"\n{len(records)} record(s) in {out}")
+    if paper_block is not None:  # a paper reproduction: the paper's numbers beside kvbench's
+        from kvbench.report.paper import comparison_table, write_figures
+
+        print("\n" + comparison_table(paper_block, records))
+        for path in write_figures(paper_block, records, out):
+            print(f"wrote {path}")
+    return 0
+
+
 #: subcommands provided by other modules: name -> (module, help)
 EXTERNAL = {
-    "run": ("kvbench.runner", "run a suite YAML"),
-    "report": ("kvbench.report", "summarize result records: Markdown table and plots"),
-    "compare": ("kvbench.compare", "compare two result sets; non-zero exit on regression"),
+    "report": ("kvbench.report.tables", "summarize result records: Markdown table and plots"),
+    "compare": ("kvbench.report.compare", "compare two result sets; non-zero exit on regression"),
 }
 
 
@@ -93,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--tokens", type=int, default=32768, help="quantized tokens T_q")
     pb.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pb.set_defaults(func=cmd_bits)
+    pr = sub.add_parser("run", help="run a suite YAML")
+    add_run_arguments(pr)
+    pr.set_defaults(func=cmd_run)
     for name, (module, help_) in EXTERNAL.items():
         try:
             mod = importlib.import_module(module)

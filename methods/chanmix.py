@@ -27,7 +27,7 @@ G = N = 128, N_s = 0).  Everything below marked [RECON] is this project's choice
   PN-Mix's Eq. 7 midpoint.
 
 Flush rule: KIVI's (spec §3).  The class assignment is stored once per (layer, b, h) as a uint8
-channel permutation (:mod:`kvbench.mixed`), m_sal = 0.
+channel permutation (:mod:`kvbench.kv.mixed`), m_sal = 0.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from kvbench.blocks import Codec
-from kvbench.method import CacheConfig, Capabilities, Method
-from kvbench.mixed import MixedChannelCodec, channel_scores, rank_classes
-from kvbench.quant import check_bits
+from kvbench.kv.blocks import Codec
+from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.mixed import MixedChannelCodec, channel_scores, rank_classes
+from kvbench.kv.quant import check_bits
 
 SCORES = {"k-range": "range", "k-magnitude": "magnitude", "k-absmax": "absmax"}
 CLASSIFICATIONS = ("prefill", "calibrated")
@@ -57,7 +57,7 @@ BITS_FIELDS = ("retrieval_bits", "outlier_bits", "normal_bits", "subnormal_bits"
 
 @dataclass(frozen=True)
 class ChanMixConfig(CacheConfig):
-    """ChanMix settings [RECON]; common fields: :class:`kvbench.method.CacheConfig`.
+    """ChanMix settings [RECON]; common fields: :class:`kvbench.kv.method.CacheConfig`.
 
     Attributes
     ----------

@@ -45,10 +45,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.blocks import own_storage
-from kvbench.method import Capabilities, Method, MethodConfig, _int
-from kvbench.quant import _round_up_to_dtype
-from kvbench.schedule import BlockSchedule, SlidingSchedule
+from kvbench.kv.blocks import own_storage
+from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
+from kvbench.kv.quant import _round_up_to_dtype
+from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
 
 FORMATS = {
     "e4m3fn": torch.float8_e4m3fn,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.layer import LayerCache
-from kvbench.method import Capabilities, Method, MethodConfig
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.method import Capabilities, Method, MethodConfig
 
 
 @dataclass(frozen=True)

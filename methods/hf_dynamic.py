@@ -1,6 +1,6 @@
 """``hf-dynamic``: transformers' ``DynamicCache``, the full-precision cache users get by default.
 
-A peer, not a kvbench cache (``capabilities.layer_cache=False``, :mod:`kvbench.hf_peers`): the
+A peer, not a kvbench cache (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`): the
 latency workload runs the model with ``DynamicCache(config=model.config)`` and the memory workload
 replays captured K/V into ``DynamicLayer``\\ s (``update`` concatenates the new tokens onto
 ``keys``/``values`` ``[B, H_kv, T, D]`` in the model dtype).  Its bytes equal ``full``'s; its
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.hf_peers import HFPeer, text_config
-from kvbench.method import MethodConfig
+from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.method import MethodConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class HFDynamic(HFPeer):
 
         return DynamicLayer()
 
-    def make_hf_cache(self, model: Any, attend: bool = False) -> Any:
+    def transformers_cache(self, model: Any, attend: bool = False) -> Any:
         """``DynamicCache(config=...)`` for ``model`` (a model or its config)."""
         from transformers import DynamicCache
 

@@ -1,6 +1,6 @@
 """``hf-fp8``: transformers' ``QuantizedCache(backend="fp8")`` (``Fp8QuantizedLayer``).
 
-A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf_peers`), registered only usefully
+A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`), registered only usefully
 where the installed transformers offers the backend (5.24 does; older releases raise a clear
 error through :meth:`HFFP8.unavailable_reason`).  From transformers ``cache_utils.py``: K and V
 are stored as ``float8_e4m3fn`` with one float32 scale per tensor (per layer and side),
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.hf_peers import HFPeer, text_config
-from kvbench.method import MethodConfig
+from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.method import MethodConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class HFFP8(HFPeer):
 
         return Fp8QuantizedLayer()
 
-    def make_hf_cache(self, model: Any, attend: bool = False) -> Any:
+    def transformers_cache(self, model: Any, attend: bool = False) -> Any:
         from transformers import QuantizedCache
 
         self._check_available()

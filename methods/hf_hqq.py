@@ -1,6 +1,6 @@
 """``hf-hqq``: transformers' ``QuantizedCache(backend="hqq")`` (HQQ, Badri & Shaji 2023).
 
-A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf_peers`) with the same residual
+A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`) with the same residual
 logic as ``hf-quanto`` (whole prompt quantized at prefill; a flush re-quantizes all history;
 spec §10) and HQQ's quantizer (``hqq.core.quantize.Quantizer.quantize``: min-max with
 ``scale_inv = (qmax / (max - min)).clamp(max=2e4)``, proximal ``optimize=True``, codes packed

@@ -1,6 +1,6 @@
 """``hf-quanto``: transformers' ``QuantizedCache(backend="quanto")`` (optimum-quanto).
 
-A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf_peers`).  Behaviour, from
+A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`).  Behaviour, from
 transformers ``cache_utils.py`` ``QuantizedLayer`` / ``QuantoQuantizedLayer`` (spec §10):
 
 * prefill: the **whole prompt** is quantized at once and no full-precision residual is kept;
@@ -25,8 +25,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvbench.hf_peers import HFPeer, text_config
-from kvbench.method import MethodConfig
+from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.method import MethodConfig
 
 
 def _choice(value: Any, name: str, allowed: tuple) -> None:
@@ -107,7 +107,7 @@ class HFQuanto(HFPeer):
         self._check_available()
         return self._layer_class()(**self.config.cache_kwargs())
 
-    def make_hf_cache(self, model: Any, attend: bool = False) -> Any:
+    def transformers_cache(self, model: Any, attend: bool = False) -> Any:
         """``QuantizedCache(backend, config, **fields)`` for ``model`` (a model or its config)."""
         from transformers import QuantizedCache
 

@@ -21,7 +21,7 @@ head_dim, each with one float16 scale ``d``; keys and values are configured inde
 * ``f16``: that side is not quantized (kept in the model's dtype; 16 bits nominal).
 
 ``q8_0`` and ``absmax7`` use the core symmetric quantizer (``quantize_groups(symmetric=True)``
-via :class:`~kvbench.blocks.PerTokenCodec`), which differs from ``quantize_row_q8_0_ref`` in two
+via :class:`~kvbench.kv.blocks.PerTokenCodec`), which differs from ``quantize_row_q8_0_ref`` in two
 documented details: ties round half-to-even (llama.cpp: ``roundf``, half away from zero) and
 the codes are computed from the stored fp16 scale, rounded up (llama.cpp: from fp32 ``d``).
 Codes are packed as the core's LSB-first bit stream (llama.cpp's q4_0 puts element ``j`` and
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.blocks import AffineBlock, PerTokenCodec
-from kvbench.method import Capabilities, Method, MethodConfig, _int
-from kvbench.quant import pack_bits
-from kvbench.schedule import NeverSchedule, SlidingSchedule
+from kvbench.kv.blocks import AffineBlock, PerTokenCodec
+from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
+from kvbench.kv.quant import pack_bits
+from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
 BLOCK_TYPES = ("f16", "q8_0", "q4_0")
 Q4_RULES = ("absmax7", "llamacpp")

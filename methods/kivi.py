@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.blocks import Codec, PerChannelCodec
-from kvbench.method import CacheConfig, Capabilities, Method
-from kvbench.quant import check_bits
+from kvbench.kv.blocks import Codec, PerChannelCodec
+from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.quant import check_bits
 
 
 @dataclass(frozen=True)
 class KIVIConfig(CacheConfig):
-    """``bits``: key code width (1..8); other fields: :class:`kvbench.method.CacheConfig`."""
+    """``bits``: key code width (1..8); other fields: :class:`kvbench.kv.method.CacheConfig`."""
 
     bits: int = 2
 

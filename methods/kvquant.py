@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from scipy.cluster.vq import kmeans2
 
-from kvbench.blocks import cat_blocks, own_storage
-from kvbench.layer import LayerCache, Side
-from kvbench.method import CacheConfig, Capabilities, Method
-from kvbench.quant import pack_bits, unpack_bits
-from kvbench.schedule import SlidingSchedule
+from kvbench.kv.blocks import cat_blocks, own_storage
+from kvbench.kv.layer import LayerCache, Side
+from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.quant import pack_bits, unpack_bits
+from kvbench.kv.schedule import SlidingSchedule
 
 ROPE_LAYOUTS, NUQ_ITERS, NUQ_SAMPLES = ("rotate_half", "interleaved"), 50, 100_000
 
@@ -186,7 +186,7 @@ _RULES = (  # (field, test, allowed values for the error message); type() exclud
 
 @dataclass(frozen=True)
 class KVQuantConfig(CacheConfig):
-    """KVQuant-lite settings; common fields: :class:`kvbench.method.CacheConfig`.
+    """KVQuant-lite settings; common fields: :class:`kvbench.kv.method.CacheConfig`.
 
     bits : key code width 2, 3 or 4 (default 4: the "nuq4-1%" checkpoints).
     sparsity_threshold : tau in (0.5, 1]; a fraction 1 - tau of the calibration keys lies
@@ -233,7 +233,7 @@ class KVQuant(Method):
         self.calibration_source = ""
 
     def for_model(self, info: dict) -> KVQuant:
-        """Fill ``rope_theta`` from the model (``kvbench.models.model_info``) when unset."""
+        """Fill ``rope_theta`` from the model (``kvbench.hf.models.model_info``) when unset."""
         if self.config.rope_theta is None and info.get("rope_theta"):
             self.config = replace(self.config, rope_theta=float(info["rope_theta"]))
         return self

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from kvbench.blocks import AffineBlock, PerTokenCodec
-from kvbench.layer import LayerCache
-from kvbench.method import PAIR_BITS, Capabilities, Method, MethodConfig, _int
-from kvbench.quant import pack_bits, resolve_scale_dtype
-from kvbench.schedule import BlockSchedule
+from kvbench.kv.blocks import AffineBlock, PerTokenCodec
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, _int
+from kvbench.kv.quant import pack_bits, resolve_scale_dtype
+from kvbench.kv.schedule import BlockSchedule
 
 from .pm_kvq_calibration import allocate_bits, layer_sensitivity, pi_calibration_scales
 

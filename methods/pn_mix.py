@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.blocks import Codec
-from kvbench.method import CacheConfig, Capabilities, Method
-from kvbench.mixed import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
-from kvbench.schedule import AllButNewestSchedule, BlockSchedule
+from kvbench.kv.blocks import Codec
+from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.mixed import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
+from kvbench.kv.schedule import AllButNewestSchedule, BlockSchedule
 
 SCORES = ("qk-pair-norm", "qk-pair-norm-causal", "k-range", "k-magnitude", "k-pair-norm")
 PAIRINGS = ("rotate-half", "interleaved")
@@ -117,7 +117,7 @@ def pair_scores(
 
 @dataclass(frozen=True)
 class PNMixConfig(CacheConfig):
-    """PN-Mix settings; common fields: :class:`kvbench.method.CacheConfig`.
+    """PN-Mix settings; common fields: :class:`kvbench.kv.method.CacheConfig`.
 
     Attributes
     ----------
@@ -187,7 +187,7 @@ class PairSelector:
 
 
 class PairCodec(MixedChannelCodec):
-    """:class:`~kvbench.mixed.MixedChannelCodec` with a fixed RoPE-pair selection."""
+    """:class:`~kvbench.kv.mixed.MixedChannelCodec` with a fixed RoPE-pair selection."""
 
     @property
     def selected_pairs(self) -> torch.Tensor | None:

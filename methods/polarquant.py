@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvbench.blocks import AffineBlock, Codec, PerChannelCodec
-from kvbench.method import CacheConfig, Capabilities, Method
+from kvbench.kv.blocks import AffineBlock, Codec, PerChannelCodec
+from kvbench.kv.method import CacheConfig, Capabilities, Method
 
 PAIRINGS = ("rotate_half", "interleaved")
 ANGLE_WRAPS = ("minmax", "circular")
@@ -170,7 +170,7 @@ class PolarCodec:
 
 @dataclass(frozen=True)
 class PolarQuantConfig(CacheConfig):
-    """PolarQuant settings; common fields in :class:`kvbench.method.CacheConfig`.
+    """PolarQuant settings; common fields in :class:`kvbench.kv.method.CacheConfig`.
 
     Attributes
     ----------

@@ -33,11 +33,11 @@ from functools import lru_cache
 
 import torch
 
-from kvbench.attention import causal_mask, repeat_kv
-from kvbench.blocks import own_storage
-from kvbench.layer import LayerCache
-from kvbench.method import CacheConfig, Capabilities, Method, _int
-from kvbench.quant import pack_bits, unpack_bits
+from kvbench.attend.reference import causal_mask, repeat_kv
+from kvbench.kv.blocks import own_storage
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.method import CacheConfig, Capabilities, Method, _int
+from kvbench.kv.quant import pack_bits, unpack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -195,7 +195,7 @@ class QJLKeyCodec:
 
 
 class QJLLayerCache(LayerCache):
-    """A :class:`~kvbench.layer.LayerCache` whose sketched keys are read only by :meth:`attend`."""
+    """A :class:`~kvbench.kv.layer.LayerCache` whose sketched keys are read only by :meth:`attend`."""
 
     def keys_values(self, dtype: torch.dtype | None = None):
         raise NotImplementedError(NO_KEYS)
@@ -225,7 +225,7 @@ class QJLLayerCache(LayerCache):
 
 @dataclass(frozen=True)
 class QJLConfig(CacheConfig):
-    """Configuration of :class:`QJL` (common fields: :class:`~kvbench.method.CacheConfig`).
+    """Configuration of :class:`QJL` (common fields: :class:`~kvbench.kv.method.CacheConfig`).
 
     Attributes
     ----------

@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attention import causal_mask, repeat_kv
-from kvbench.blocks import cat_blocks, own_storage
-from kvbench.layer import LayerCache
-from kvbench.method import CacheConfig, Capabilities, Method
-from kvbench.quant import pack_bits, quantize_groups, unpack_bits
-from kvbench.schedule import SlidingSchedule
+from kvbench.attend.reference import causal_mask, repeat_kv
+from kvbench.kv.blocks import cat_blocks, own_storage
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.quant import pack_bits, quantize_groups, unpack_bits
+from kvbench.kv.schedule import SlidingSchedule
 
 SCORES = ("attention", "key-norm")
 _PER_TOKEN = ("low", "scale", "zero")  # MixedBlock fields laid out [B, H_kv, n, ...]
@@ -225,7 +225,7 @@ class SemKVLayer(LayerCache):
 
 @dataclass(frozen=True)
 class SemKVConfig(CacheConfig):
-    """SemKV settings [RECON] (and :class:`kvbench.method.CacheConfig`'s): high_bits, low_bits
+    """SemKV settings [RECON] (and :class:`kvbench.kv.method.CacheConfig`'s): high_bits, low_bits
     (3, 2; 1..8, high > low); target_bits: average code bits in [low, high] (2.5); score:
     ``"attention"`` (default, needs prefill queries) or ``"key-norm"``; score_window (32);
     mixed_values: values at their token's width (default True), else ``value_bits`` (16 = full

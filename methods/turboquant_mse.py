@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from scipy import special
 
-from kvbench.blocks import own_storage
-from kvbench.method import Capabilities, Method, MethodConfig, _int
-from kvbench.quant import pack_bits, unpack_bits
-from kvbench.schedule import NeverSchedule, SlidingSchedule
+from kvbench.kv.blocks import own_storage
+from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
+from kvbench.kv.quant import pack_bits, unpack_bits
+from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
 APPLY_TO = ("keys", "values", "both")
 CODEBOOKS = ("exact", "gaussian")

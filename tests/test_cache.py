@@ -1,5 +1,5 @@
-"""Functional tests of the transformers bridge (kvbench.cache, kvbench.hf_attention,
-kvbench.capture) on tiny random-weight models built offline from configs.
+"""Functional tests of the transformers bridge (kvbench.hf.cache, kvbench.hf.attention,
+kvbench.hf.capture) on tiny random-weight models built offline from configs.
 
 These are functional tests only: the models are random (2 layers, hidden 64, 4 query heads,
 2 KV heads, vocab 128), so they check plumbing and protocol (design.md §2), not accuracy.
@@ -30,11 +30,11 @@ from transformers import (
 )
 
 import kvbench
-from kvbench.blocks import PerChannelCodec
-from kvbench.cache import QuantizedKVCache, cache_kwarg
-from kvbench.capture import capture_qkv
-from kvbench.hf_attention import PaddedBatchError, use_kvbench_attention
-from kvbench.method import Capabilities
+from kvbench.hf.attention import PaddedBatchError, use_kvbench_attention
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+from kvbench.hf.capture import capture_qkv
+from kvbench.kv.blocks import PerChannelCodec
+from kvbench.kv.method import Capabilities
 
 KIVI = kvbench.get_method_class("kivi")
 

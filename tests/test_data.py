@@ -1,4 +1,4 @@
-"""Tests for kvbench.data. Expected values are read independently from the shared data folder
+"""Tests for kvbench.data.loaders. Expected values are read independently from the shared data folder
 (SHA256SUMS, raw file lines) or built by hand, not taken from what the loaders returned."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import data
-from kvbench.data import MGSM_LANGS, load_rows, load_text, resolve_data_dir, token_windows
+from kvbench.data import loaders as data
+from kvbench.data.loaders import MGSM_LANGS, load_rows, load_text, resolve_data_dir, token_windows
 
 SHARED = Path(
     os.environ.get("KVBENCH_DATA_DIR")
@@ -281,7 +281,7 @@ def test_token_windows_empty_text():
 def test_token_windows_real_tokenizer():
     from transformers import AutoTokenizer
 
-    from kvbench.models import convert_default_model
+    from kvbench.hf.models import convert_default_model
 
     tok = AutoTokenizer.from_pretrained(convert_default_model())
     text, _ = load_text("wikitext2", data_dir=SHARED)

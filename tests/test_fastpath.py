@@ -1,8 +1,8 @@
-"""Tests of ``kvbench.fastpath``: code-domain attention over a ``LayerCache``.
+"""Tests of ``kvbench.attend.cpu``: code-domain attention over a ``LayerCache``.
 
 Right values: attention computed here in float64 numpy-style torch over the cache's own
 ``keys_values(float64)`` (dequantized blocks, sinks, residual; GQA by ``repeat_interleave``,
-causal mask aligned to the end), independently of ``kvbench.attention``; bug-cases KVQ-08
+causal mask aligned to the end), independently of ``kvbench.attend.reference``; bug-cases KVQ-08
 (GQA, query head h reads KV head h // n_rep); at model level, the reference path
 (``attend=False``: sdpa over the dequantized cache) of the same tiny random Llama.
 """
@@ -16,12 +16,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
-from kvbench import fastpath
-from kvbench.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
-from kvbench.cache import QuantizedKVCache, cache_kwarg
-from kvbench.hf_attention import use_kvbench_attention
-from kvbench.layer import LayerCache
-from kvbench.schedule import BlockSchedule, SlidingSchedule
+from kvbench.attend import cpu as fastpath
+from kvbench.hf.attention import use_kvbench_attention
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
 
 
 def ref64(lc: LayerCache, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -299,7 +299,7 @@ def test_code_layout():
         (1, 8), (1, 4), (3, 8), (1, 2), (5, 8), (3, 4), (7, 8), (1, 1),
     ]  # fmt: skip
     # 3-bit codes 0..7 then 7..0 packed LSB-first: word of 3 bytes
-    from kvbench.quant import pack_bits
+    from kvbench.kv.quant import pack_bits
 
     codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]])
     sub = fastpath.subcodes(pack_bits(codes, 3), 3)

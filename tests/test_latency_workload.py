@@ -17,9 +17,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
-from kvbench.hf_attention import use_kvbench_attention
-from kvbench.runner import run_suite
-from kvbench.suite import parse_suite
+from kvbench.hf.attention import use_kvbench_attention
+from kvbench.run.runner import run_suite
+from kvbench.run.suite import parse_suite
 from kvbench.workloads.latency import CPU_NOTE, Latency, percentile, summarize
 
 

@@ -1,8 +1,8 @@
 """The ``memory`` workload: bytes at rest against hand counts, effective vs nominal bits, the
 transient peak, no full-precision copy of quantized tokens, bad input.
 
-Hand counts follow the storage formats of kvbench.blocks and the flush rules of spec §3 (KIVI)
-and kvbench.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
+Hand counts follow the storage formats of kvbench.kv.blocks and the flush rules of spec §3 (KIVI)
+and kvbench.kv.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
 every (scale, zero) pair takes 2 x 2 bytes (float16); residual and sinks are float16 tokens.
 """
 

@@ -1,4 +1,4 @@
-"""Tests for kvbench.models. Expected values come from the model card / shared/data/README.md
+"""Tests for kvbench.hf.models. Expected values come from the model card / shared/data/README.md
 or are recomputed here (hashlib, log-softmax), never copied from what the code returned."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import models
-from kvbench.models import (
+from kvbench.hf import models
+from kvbench.hf.models import (
     DEFAULT_MODEL,
     SOURCE_WHEEL,
     ModelNotFoundError,
@@ -263,7 +263,7 @@ def test_greedy_forward_and_generation(smollm):
 
 @pytest.mark.slow
 def test_wikitext_perplexity_one_window(smollm):
-    from kvbench.data import load_text, token_windows
+    from kvbench.data.loaders import load_text, token_windows
 
     model, tok, _ = smollm
     text, _ = load_text("wikitext2")

@@ -1,4 +1,4 @@
-"""Paper reproduction suites (suites/paper/*.yaml) and the comparison printing (kvbench.paper).
+"""Paper reproduction suites (suites/paper/*.yaml) and the comparison printing (kvbench.report.paper).
 
 Right values: the Table 10 bit-widths computed by hand from spec §12's formula (and the
 paper's printed values), and hand-made records whose table rows and claim verdicts follow
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import paper
-from kvbench.suite import load_suite
+from kvbench.report import paper
+from kvbench.run.suite import load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = sorted((ROOT / "suites" / "paper").glob("*.yaml"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.plots import tradeoff_points, write_plots
+from kvbench.report.plots import tradeoff_points, write_plots
 
 
 def _rec(method, config, wtype, context, metrics, label=None):

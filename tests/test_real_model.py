@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.metrics import attention_fidelity, key_mse
+from kvbench.workloads.metrics import attention_fidelity, key_mse
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def model_tok():
-    from kvbench.hf_attention import register
-    from kvbench.models import load_model
+    from kvbench.hf.attention import register
+    from kvbench.hf.models import load_model
 
     model, tok, _ = load_model(attn_implementation=register())
     model.eval()
@@ -28,7 +28,7 @@ def model_tok():
 
 @pytest.fixture(scope="module")
 def text_ids(model_tok):
-    from kvbench.data import load_text, token_windows
+    from kvbench.data.loaders import load_text, token_windows
 
     text, _ = load_text("wikitext2")
     ids, _ = token_windows(model_tok[1], text, 384, 1)
@@ -37,7 +37,7 @@ def text_ids(model_tok):
 
 @pytest.fixture(scope="module")
 def captured(model_tok, text_ids):
-    from kvbench.capture import capture_qkv
+    from kvbench.hf.capture import capture_qkv
 
     return capture_qkv(model_tok[0], text_ids, layers=[0, 15])
 
@@ -46,7 +46,7 @@ def test_full_perplexity_equals_dynamic_cache(model_tok, text_ids) -> None:
     """`full` under the chunked protocol equals transformers' DynamicCache within 1e-4 rel."""
     from transformers import DynamicCache
 
-    from kvbench.cache import cache_kwarg
+    from kvbench.hf.cache import cache_kwarg
     from kvbench.workloads.perplexity import chunked_logits
 
     model = model_tok[0]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvbench.cli import main as cli_main
-from kvbench.runner import run_suite
-from kvbench.suite import load_suite
+from kvbench.run.runner import run_suite
+from kvbench.run.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = ROOT / "tests" / "baseline"

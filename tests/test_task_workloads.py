@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.registry import get_method
-from kvbench.runner import RunContext
+from kvbench.kv.registry import get_method
+from kvbench.run.runner import RunContext
 from kvbench.workloads import workload_class
 from kvbench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
 
@@ -66,7 +66,7 @@ def tiny():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from kvbench.hf_attention import use_kvbench_attention
+    from kvbench.hf.attention import use_kvbench_attention
     from kvbench.tasks.haystack import haystack_sentences
 
     bpe = Tokenizer(models.BPE())

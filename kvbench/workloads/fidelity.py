@@ -9,7 +9,7 @@ the queries of positions P..T-1 over keys 0..t (causal, reference first, float64
 values are in ``per_layer``; the metrics average over layers.  Methods without ``keys_values()``
 (capability) report ``attn_out_rel_err`` only, from ``attend`` over the same queries.
 
-Parameters: ``text`` (kvbench.data name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
+Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
 (P, 1024), ``layers`` (``all`` or a list of layer indices), ``window`` (which non-overlapping
 T-token window of the text, default 0).
 """
@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from ..attention import reference_attention
-from ..method import Method
-from ..metrics import attention_fidelity, key_mse
+from kvbench.attend.reference import reference_attention
+from kvbench.kv.method import Method
+from kvbench.workloads.metrics import attention_fidelity, key_mse
+
 from . import Result, Workload
 
 
@@ -83,8 +84,8 @@ class Fidelity(Workload):
             raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
 
     def prepare(self, ctx: Any) -> None:
-        from ..capture import capture_qkv
-        from ..data import load_text, token_windows
+        from kvbench.data.loaders import load_text, token_windows
+        from kvbench.hf.capture import capture_qkv
 
         key = ("fidelity", self.spec["text"], self.spec["tokens"], self.spec["window"])
         if key in ctx.shared:

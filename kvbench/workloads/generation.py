@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
-from ..method import Method
-from ..metrics import bootstrap_ci
+from kvbench.hf.cache import make_hf_cache
+from kvbench.kv.method import Method
+from kvbench.workloads.metrics import bootstrap_ci
+
 from . import Result, Workload
 
 DEFAULT_PROMPTS = [
@@ -49,9 +51,9 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
 @torch.no_grad()
 def greedy(model: Any, ids: torch.Tensor, method: Method, new_tokens: int) -> torch.Tensor:
     """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache."""
-    from ..cache import cache_kwarg
+    from kvbench.hf.cache import cache_kwarg
 
-    cache = method.make_hf_cache(model)
+    cache = make_hf_cache(method, model)
     out = model.generate(
         ids,
         max_new_tokens=new_tokens,
@@ -68,9 +70,9 @@ def forced_logprobs(
 ) -> torch.Tensor:
     """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
     token at a time through the method's cache after prefilling ``ids``."""
-    from ..cache import cache_kwarg
+    from kvbench.hf.cache import cache_kwarg
 
-    cache = method.make_hf_cache(model)
+    cache = make_hf_cache(method, model)
     kw = cache_kwarg(cache, model)
     out = model(input_ids=ids, use_cache=True, **kw)
     rows = [out.logits[0, -1].float()]
@@ -83,7 +85,7 @@ def forced_logprobs(
 class Generation(Workload):
     type = "generation"
     LIST_PARAMS = frozenset({"prompts"})
-    layer_cache = False  # any transformers cache: peers run through make_hf_cache
+    layer_cache = False  # any transformers cache: peers run through their transformers_cache
     PARAMS = {
         "prompts": None,
         "new_tokens": 128,
@@ -105,14 +107,14 @@ class Generation(Workload):
             raise ValueError(f"{pre}prompts must be a list of strings")
 
     def prepare(self, ctx: Any) -> None:
-        from ..registry import get_method
+        from kvbench.kv.registry import get_method
 
         prompts = self.spec["prompts"] or DEFAULT_PROMPTS
         if ctx.limit is not None:
             prompts = prompts[: ctx.limit]
         n_ctx = self.spec["context_tokens"]
         if n_ctx:  # a document before each request, so the cache holds quantized pages
-            from ..data import load_text, token_windows
+            from kvbench.data.loaders import load_text, token_windows
 
             text, _ = load_text(self.spec["context_text"])
             win, _ = token_windows(ctx.tokenizer, text, n_ctx, len(prompts))

@@ -15,7 +15,7 @@ compares the same strings as exact numbers instead):
 * ``gsm8k_strict``: ``strict-match``, the first ``The answer is <number>.``;
 * ``gsm8k_flexible``: ``flexible-extract``, the last number-like span.
 
-``task_score`` = ``gsm8k_flexible``.  Data: ``kvbench.data.load_rows("gsm8k")`` (hub
+``task_score`` = ``gsm8k_flexible``.  Data: ``kvbench.data.loaders.load_rows("gsm8k")`` (hub
 ``openai/gsm8k`` / local copy).  Other parameters: see :mod:`kvbench.workloads.taskbase`.
 """
 
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tasks.extract import (
+from kvbench.tasks.extract import (
     gsm8k_cot_strict,
     gsm8k_flexible,
     gsm8k_gold,
     harness_exact_match,
     numbers_equal,
 )
+
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: lm-evaluation-harness gsm8k-cot.yaml ``fewshot_config.samples`` (first_n sampler)
@@ -125,7 +126,7 @@ class GSM8K(TaskWorkload):
             )
 
     def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from ..data import load_rows
+        from kvbench.data.loaders import load_rows
 
         rows, info = load_rows("gsm8k")
         k = self.spec["num_fewshot"]

@@ -34,8 +34,8 @@ from .taskbase import COMMON_PARAMS, TaskWorkload
 
 def hub_rows(hub_id: str, config: str | None, split: str, what: str) -> tuple[list, dict]:
     """Rows of a hub-only dataset; ``FileNotFoundError`` with the hub id when unavailable."""
-    from ..data import _hub_rows, sha256_text
-    from ..models import offline_requested
+    from kvbench.data.hub import offline_requested
+    from kvbench.data.loaders import _hub_rows, sha256_text
 
     try:
         if offline_requested():

@@ -60,7 +60,7 @@ class HumanEval(TaskWorkload):
         return list(CODEX_STOP) if self.spec["mode"] == "completion" else ["<|im_end|>", "</s>"]
 
     def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from ..tasks.humaneval import humaneval_path, load_problems
+        from kvbench.tasks.humaneval import humaneval_path, load_problems
 
         path = humaneval_path()
         problems = load_problems(path)
@@ -95,7 +95,7 @@ class HumanEval(TaskWorkload):
         }
 
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
-        from ..tasks.humaneval import check_completion
+        from kvbench.tasks.humaneval import check_completion
 
         code = extract_code(completion) if self.spec["mode"] == "chat" else completion
         if self.spec["mode"] == "chat":

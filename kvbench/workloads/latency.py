@@ -2,7 +2,7 @@
 baseline in the same call (design.md §6).
 
 Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
-method's (``method.make_hf_cache(model)``: kvbench's ``QuantizedKVCache``, or a peer's
+method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
 transformers cache) and the ``baseline``'s (default ``full``), built fresh for this run.
 
 1. Prefill ``P = d - warmup - steps`` tokens into each cache (timed: ``prefill_ms``), so the last
@@ -48,8 +48,10 @@ from typing import Any
 
 import torch
 
-from ..hf_peers import cache_nbytes
-from ..method import Method
+from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.peers import cache_nbytes
+from kvbench.kv.method import Method
+
 from . import Result, Workload
 
 CPU_NOTE = (
@@ -117,7 +119,7 @@ def attention_path(method: Method, attend: bool) -> str:
 
 class Latency(Workload):
     type = "latency"
-    layer_cache = False  # peers run through make_hf_cache
+    layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,
         "steps": 20,
@@ -145,12 +147,12 @@ class Latency(Workload):
             )
         if not isinstance(spec["baseline"], str):
             raise ValueError(f"{pre}baseline must be a registered method name")
-        from ..registry import get_method_class
+        from kvbench.kv.registry import get_method_class
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
 
     def prepare(self, ctx: Any) -> None:
-        from ..data import load_text, token_windows
+        from kvbench.data.loaders import load_text, token_windows
 
         s = self.spec
         max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
@@ -177,8 +179,8 @@ class Latency(Workload):
 
     @torch.no_grad()
     def run(self, ctx: Any, method: Method) -> Result:
-        from ..cache import cache_kwarg
-        from ..registry import get_method
+        from kvbench.hf.cache import cache_kwarg
+        from kvbench.kv.registry import get_method
 
         s = self.spec
         model = ctx.model
@@ -193,8 +195,8 @@ class Latency(Workload):
             raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
         attend = self._attend(method)
         caches = {
-            "method": method.make_hf_cache(model, attend=attend),
-            "baseline": base.make_hf_cache(model, attend=self._attend(base)),
+            "method": make_hf_cache(method, model, attend=attend),
+            "baseline": make_hf_cache(base, model, attend=self._attend(base)),
         }
         kw = {name: cache_kwarg(c, model) for name, c in caches.items()}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:

@@ -1,6 +1,6 @@
 """``math``: competition math with boxed answers: MATH-500, AIME 2024, AIME 2025, AMC 2023
 (``dataset``: ``math500`` | ``aime24`` | ``aime25`` | ``amc23``, through
-:func:`kvbench.data.load_rows`).
+:func:`kvbench.data.loaders.load_rows`).
 
 Prompt (zero-shot, the DeepSeek-R1 usage recommendation for math, also used by the PN-Mix
 reasoning models): ``"{problem}\\nPlease reason step by step, and put your final answer within
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tasks.extract import aime_answer, extract_math_answer, is_equiv
+from kvbench.tasks.extract import aime_answer, extract_math_answer, is_equiv
+
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 DATASETS = ("math500", "aime24", "aime25", "amc23")
@@ -63,7 +64,7 @@ class MathTask(TaskWorkload):
             raise ValueError(f"{pre}prompt_template must be a string containing '{{problem}}'")
 
     def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from ..data import load_rows
+        from kvbench.data.loaders import load_rows
 
         rows, info = load_rows(self.spec["dataset"])
         subjects, levels = self.spec["subjects"], self.spec["levels"]

@@ -1,12 +1,12 @@
 """``memory``: measured bytes at rest and the transient peak of a decode step (design.md §6).
 
 Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the model
-(:func:`kvbench.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
+(:func:`kvbench.hf.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
 generator (``source: synthetic``, no model needed), are cast to ``dtype`` (default ``float16``,
 the paper's FP16 storage; recorded) and replayed into a fresh cache of the method: prefill
 ``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
 so the cache holds exactly d tokens at the end.  kvbench methods replay into their
-:class:`~kvbench.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
+:class:`~kvbench.kv.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
 (``capabilities.layer_cache=False``) into the transformers cache layer they wrap
 (``new_hf_layer().update``).
 
@@ -15,7 +15,7 @@ Metrics (summed over layers):
 * ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``, ``bytes_metadata``,
   ``bytes_residual``, ``bytes_sinks`` (+ ``bytes_key_total``, ``bytes_value_total``): the bytes
   of the tensors the cache holds, from ``LayerCache.nbytes()`` or, for peers, the storage of
-  every tensor inside the transformers layer (:func:`kvbench.hf_peers.hf_layer_nbytes`);
+  every tensor inside the transformers layer (:func:`kvbench.hf.peers.hf_layer_nbytes`);
 * ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
   ``effective_value_bits`` per side), residual and sinks included in their stored dtype;
 * ``nominal_key_bits``/``nominal_value_bits``: spec §12's formula (``Method.average_bits`` with
@@ -57,9 +57,10 @@ from typing import Any
 
 import torch
 
-from ..hf_peers import hf_layer_keys_values, hf_layer_tensors
-from ..method import Method
-from ..metrics import key_mse
+from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
+from kvbench.kv.method import Method
+from kvbench.workloads.metrics import key_mse
+
 from . import Result, Workload
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -271,8 +272,8 @@ class Memory(Workload):
                 f"context={d} exceeds the model's maximum context {max_pos} "
                 f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
             )
-        from ..capture import capture_qkv
-        from ..data import load_text, token_windows
+        from kvbench.data.loaders import load_text, token_windows
+        from kvbench.hf.capture import capture_qkv
 
         # one capture serves every shorter context of the same text (causal: a prefix's K/V do
         # not depend on later tokens)

@@ -8,7 +8,7 @@ Prompt per language: ``"{QUESTION} {question}\\n{ANSWER}"`` (e.g. ``"问题: ...
 split (lm-eval's ``training_split: train``; its questions and answers already carry the native
 prefixes), each ``"{question}\\n{ANSWER} {step-by-step answer}"``, joined by ``"\\n\\n"``.  The
 train split is loaded from the hub (``juletxara/mgsm``, config = language) through
-:func:`kvbench.data.load_rows`; the local data folder has only the test split, so offline the
+:func:`kvbench.data.loaders.load_rows`; the local data folder has only the test split, so offline the
 8-shot setting fails with a clear message and ``num_fewshot: 0`` (zero-shot native CoT) is the
 offline setting.  With ``chat_template`` the exemplars become user/assistant turns.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tasks.extract import (
+from kvbench.tasks.extract import (
     FLEXIBLE_REGEX,
     INVALID,
     ascii_digits,
@@ -34,6 +34,7 @@ from ..tasks.extract import (
     numbers_equal,
     regex_filter,
 )
+
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: lm-evaluation-harness mgsm/utils.py LANGUAGES: (QUESTION, ANSWER) prefixes
@@ -79,8 +80,8 @@ def load_exemplars(lang: str, k: int) -> list[tuple[str, str]]:
 
     Raises ``FileNotFoundError`` with an actionable message when the hub is unreachable.
     """
-    from ..data import _hub_rows  # the train split exists only on the hub
-    from ..models import offline_requested
+    from kvbench.data.hub import offline_requested
+    from kvbench.data.loaders import _hub_rows  # the train split exists only on the hub
 
     _, a = PREFIXES[lang]
     try:
@@ -120,7 +121,7 @@ class MGSM(TaskWorkload):
             raise ValueError(f"{pre}num_fewshot={k!r} must be an integer in 0..8")
 
     def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from ..data import load_rows
+        from kvbench.data.loaders import load_rows
 
         k = self.spec["num_fewshot"]
         examples, datasets, shots = [], {}, {}

@@ -29,7 +29,7 @@ tokens).  Overlap ``|ref ∩ sel| / n`` is averaged over layers, query heads and
 each bin of ``bin`` decode steps: ``sel_<ref>_r<pct>_b<i>``, over all steps
 ``sel_<ref>_r<pct>``, and the spread over bins ``sel_<ref>_r<pct>_spread`` (max - min).
 
-Sources (``source``): a text of :func:`kvbench.data.load_text` (windows of ``tokens`` tokens)
+Sources (``source``): a text of :func:`kvbench.data.loaders.load_text` (windows of ``tokens`` tokens)
 or a math/GSM8K row set (``aime25``, ``aime24``, ``math500``, ``amc23``, ``gsm8k``: each
 problem as a chat prompt with the math workload's instruction, as the paper's AIME25 prompts).
 """
@@ -71,7 +71,8 @@ def sample_prompts(
     Text sources give windows of ``tokens + extra`` tokens; row sources give each problem with
     the chat template (``extra`` ignored).  Returns the ids and a manifest dict.
     """
-    from ..data import load_rows, load_text, token_windows
+    from kvbench.data.loaders import load_rows, load_text, token_windows
+
     from .math_task import DEFAULT_TEMPLATE
     from .taskbase import encode_text, render_prompt
 
@@ -141,7 +142,7 @@ class ScoreAgreement(Workload):
             raise ValueError(f"{pre}ratios must be a list of fractions in (0, 1]")
 
     def prepare(self, ctx: Any) -> None:
-        from ..capture import capture_qkv
+        from kvbench.hf.capture import capture_qkv
 
         key = (
             "score_agreement",
@@ -264,9 +265,8 @@ class SelectionStability(Workload):
         return out.cpu()
 
     def prepare(self, ctx: Any) -> None:
+        from kvbench.hf.capture import capture_qkv
         from kvbench.methods.pn_mix import high_pairs
-
-        from ..capture import capture_qkv
 
         s = self.spec
         key = (

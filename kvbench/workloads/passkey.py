@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..method import Method
+from kvbench.kv.method import Method
+
 from . import Result, Workload
 
 
@@ -58,7 +59,7 @@ class Passkey(Workload):
             )
 
     def prepare(self, ctx: Any) -> None:
-        from ..tasks.synthetic import niah_single
+        from kvbench.tasks.synthetic import niah_single
 
         max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
         if self.spec["length"] > max_pos:
@@ -88,7 +89,7 @@ class Passkey(Workload):
 
     @torch.no_grad()
     def run(self, ctx: Any, method: Method) -> Result:
-        from ..cache import QuantizedKVCache, cache_kwarg
+        from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
         rows, correct = [], 0
         for ex, ids in self.examples:

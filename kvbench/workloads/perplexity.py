@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from ..method import Method
-from ..metrics import bootstrap_ci
+from kvbench.hf.cache import make_hf_cache
+from kvbench.kv.method import Method
+from kvbench.workloads.metrics import bootstrap_ci
+
 from . import Result, Workload
 
 
@@ -31,9 +33,9 @@ def chunked_logits(
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """Log-probabilities ``[T - P, V]`` (float32) predicting tokens ``P..T-1`` of ``ids [1, T]``
     under the schedule above, and the cache's bytes at the end."""
-    from ..cache import cache_kwarg
+    from kvbench.hf.cache import cache_kwarg
 
-    cache = method.make_hf_cache(model)
+    cache = make_hf_cache(method, model)
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
@@ -45,14 +47,14 @@ def chunked_logits(
         out = model(input_ids=ids[:, s:e], use_cache=True, **kw)
         logits.append(out.logits.float())
     lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
-    from ..hf_peers import cache_nbytes
+    from kvbench.hf.peers import cache_nbytes
 
     return lp, cache_nbytes(cache)
 
 
 class Perplexity(Workload):
     type = "perplexity"
-    layer_cache = False  # any transformers cache: peers run through make_hf_cache
+    layer_cache = False  # any transformers cache: peers run through their transformers_cache
     PARAMS = {"text": "wikitext2", "tokens": 2048, "prefill": 1024, "chunk": 64, "windows": 2}
 
     @classmethod
@@ -65,8 +67,8 @@ class Perplexity(Workload):
             )
 
     def prepare(self, ctx: Any) -> None:
-        from ..data import load_text, token_windows
-        from ..registry import get_method
+        from kvbench.data.loaders import load_text, token_windows
+        from kvbench.kv.registry import get_method
 
         key = (
             "perplexity",

@@ -98,8 +98,8 @@ class Ruler(TaskWorkload):
             )
 
     def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from ..tasks.synthetic import generate
-        from ..tasks.tokens import encode
+        from kvbench.tasks.synthetic import generate
+        from kvbench.tasks.tokens import encode
 
         tok = ctx.tokenizer
         if tok is None:
@@ -190,7 +190,7 @@ class Ruler(TaskWorkload):
         return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
 
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
-        from ..tasks.synthetic import score
+        from kvbench.tasks.synthetic import score
 
         return {
             "scores": {"ruler_score": score(completion, example["answers"])},

@@ -5,7 +5,7 @@ method's cache, per-example records.
 Protocol (design.md §6 "Accuracy"): fixed prompts, greedy decoding (``do_sample=False``), one
 sample per example, the quantized cache built fresh for every example.  The prompt is prefilled
 (prefill attention is full precision, design.md §2) and every new token is decoded one at a time
-through :class:`kvbench.cache.QuantizedKVCache`, so generation reads the quantized past.
+through :class:`kvbench.hf.cache.QuantizedKVCache`, so generation reads the quantized past.
 Generation stops at an end-of-sequence token of the tokenizer or the model's generation config,
 at ``new_tokens`` tokens, or at the first stop string (the completion is cut before it, as
 lm-evaluation-harness's ``until``).
@@ -134,7 +134,7 @@ def greedy_generate(
     ``prompt_tokens`` and ``key_quantized_after_prefill`` / ``value_quantized_after_prefill``
     (tokens of layer 0 held quantized right after the prefill).
     """
-    from ..cache import QuantizedKVCache, cache_kwarg
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
     cache = QuantizedKVCache(method, model)
     kw = cache_kwarg(cache, model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.quant import (
+from kvbench.kv.quant import (
     dequantize_groups,
     fake_quantize,
     pack_bits,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench import registry
-from kvbench.attention import reference_attention
+from kvbench.attend.reference import reference_attention
+from kvbench.kv import registry
 
 BUILTINS = ["full", "uniform", "per-head", "per-channel", "per-token", "kivi"]
 F32 = torch.float32

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import repeat_kv
-from kvbench.quant import dequantize_groups, quantize_groups
+from kvbench.attend.reference import repeat_kv
+from kvbench.kv.quant import dequantize_groups, quantize_groups
 
 F32 = torch.float32
 

@@ -1,4 +1,4 @@
-"""kvbench.schedule and kvbench.layer.LayerCache: flush rules, the deferred flush, sinks,
+"""kvbench.kv.schedule and kvbench.kv.layer.LayerCache: flush rules, the deferred flush, sinks,
 reference attention, crop/reset and byte accounting.
 
 Right values: spec §3 (KIVI flush rules), §4 (Kitty), §13 Example 16 (prefill 300, then 300
@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 import kvbench
-from kvbench.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.layer import LayerCache
-from kvbench.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
+from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.kv.layer import LayerCache
+from kvbench.kv.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
 
 F32 = torch.float32
 

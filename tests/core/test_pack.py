@@ -1,4 +1,4 @@
-"""kvbench.quant.pack_bits / unpack_bits: LSB-first bit stream, every width 1..8 and 16.
+"""kvbench.kv.quant.pack_bits / unpack_bits: LSB-first bit stream, every width 1..8 and 16.
 
 Right values: hand-packed bytes, and numpy's own ``np.packbits(bitorder="little")`` over the
 bit stream built independently (code ``i`` occupies stream bits ``i*b .. i*b+b-1``).
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.quant import pack_bits, packed_size, unpack_bits
+from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.kv.quant import pack_bits, packed_size, unpack_bits
 
 ALL_BITS = [1, 2, 3, 4, 5, 6, 7, 8, 16]
 

@@ -1,4 +1,4 @@
-"""kvbench.quant: spec §13 worked examples and property tests of the min-max quantizer.
+"""kvbench.kv.quant: spec §13 worked examples and property tests of the min-max quantizer.
 
 Right values come from spec §13 (numpy float64, round-half-to-even) or from the float64
 reference in conftest.py; bounds are derived in the docstring of ``_error_bound``.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
-from kvbench.quant import dequantize_groups, fake_quantize, quantize_groups
+from kvbench.kv.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
+from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
 # Spec §13 Example 1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]

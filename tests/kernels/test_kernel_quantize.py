@@ -1,17 +1,17 @@
 """Quantize-and-pack kernels (interpreter): codes, scales and zeros bit-identical to the core
-codecs (kvbench.blocks / kvbench.mixed), and right values from spec §13."""
+codecs (kvbench.kv.blocks / kvbench.kv.mixed), and right values from spec §13."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvbench.blocks import PerChannelCodec, PerTokenCodec
 from kvbench.kernels import quantize as Q
 from kvbench.kernels.decode_attention import QuantKeys, dequantize_keys_reference
 from kvbench.kernels.pack import unpack_bits
+from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.kv.mixed import MixedChannelCodec
 from kvbench.methods.kitty import KittySelector
-from kvbench.mixed import MixedChannelCodec
 
 
 def _keys(gen, b=2, h=2, n=32, d=16, dtype=torch.float16):

@@ -17,14 +17,15 @@ import torch
 from transformers import LlamaConfig
 
 import kvbench
-from kvbench.hf_peers import (
+from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.peers import (
     cache_nbytes,
     hf_layer_keys_values,
     hf_layer_nbytes,
     plain_tensors,
     storage_nbytes,
 )
-from kvbench.runner import skip_reason
+from kvbench.run.runner import skip_reason
 from kvbench.workloads.fidelity import Fidelity
 from kvbench.workloads.latency import Latency
 from kvbench.workloads.memory import Memory
@@ -185,7 +186,7 @@ def test_cache_nbytes_sums_layers() -> None:
         head_dim=64,
         vocab_size=64,
     )
-    cache = kvbench.get_method("hf-dynamic").make_hf_cache(cfg)
+    cache = make_hf_cache(kvbench.get_method("hf-dynamic"), cfg)
     k, v = _kv((1, 2, 5, 64), torch.float16)
     for i in range(3):
         cache.update(k, v, i)

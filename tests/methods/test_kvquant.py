@@ -269,7 +269,7 @@ def test_pre_rope_quantize_then_rerotate_is_within_quantization_error():
     pre_np = np_rope(post.numpy(), 0, inverse=True)[:, :, 1:]
     want_codes = np.clip(np.round((pre_np - (c - h)[:, None, :]) / step[:, None, :]), 0, 15)
     blk = layer.k.block
-    from kvbench.quant import unpack_bits
+    from kvbench.kv.quant import unpack_bits
 
     got_codes = unpack_bits(blk.codes, 4, 8).numpy()
     assert (got_codes == want_codes).mean() > 0.99  # float32 vs float64 near-ties only

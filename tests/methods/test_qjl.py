@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import reference_attention
+from kvbench.attend.reference import reference_attention
 from kvbench.methods.qjl import QJL, QJLConfig, QJLKeyCodec, qjl_sketch_matrix
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import reference_attention
+from kvbench.attend.reference import reference_attention
 from kvbench.methods.semkv import SemKV, SemKVLayer
 
 

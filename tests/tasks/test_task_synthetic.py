@@ -211,7 +211,7 @@ def test_score() -> None:
 @pytest.mark.slow
 def test_default_model_tokenizer_positions() -> None:
     """Positions agree with the real SmolLM2 tokenizer (byte-level BPE) when it is cached."""
-    models = pytest.importorskip("kvbench.models")
+    models = pytest.importorskip("kvbench.hf.models")
     folder = models.converted_model_dir()
     if not (folder / "tokenizer.json").exists():
         pytest.skip("the default model has not been converted yet")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvbench import CacheConfig, Capabilities, Method
-from kvbench.blocks import PerTokenCodec
-from kvbench.quant import check_bits
-from kvbench.schedule import SlidingSchedule
+from kvbench.kv.blocks import PerTokenCodec
+from kvbench.kv.quant import check_bits
+from kvbench.kv.schedule import SlidingSchedule
 
 
 @dataclass(frozen=True)

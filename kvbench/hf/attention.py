@@ -1,0 +1,210 @@
+"""kvbench's attention function for Hugging Face transformers (``attn_implementation="kvbench"``).
+
+transformers calls ``Cache.update(k, v, layer_idx)`` *before* the layer's attention function and
+never passes the cache to it (design.md §2, "Queries for methods that need them").  kvbench
+therefore registers its own attention function with ``transformers.AttentionInterface`` under
+the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context variable:
+
+1. :class:`kvbench.hf.cache.QuantizedKVCache` ``update`` stores a :class:`StepBinding` (the layer
+   cache, the layer index, the exact key tensor it returned, prefill or decode) with
+   :func:`bind_step`;
+2. :func:`kvbench_attention_forward` runs next for the same layer.  When the binding matches
+   (same ``module.layer_idx`` *and* the very key tensor ``update`` returned) it
+
+   * refuses a padded batch (design.md §2 "Padding": refused clearly, never mixed);
+   * at prefill hands the post-RoPE queries ``[B, H_q, P, D]`` to the layer cache
+     (``provide_queries``; a no-op for methods without ``needs_queries``);
+   * computes attention by delegating to transformers' own
+     ``sdpa_attention_forward`` over the K/V that ``update`` returned, so the numerics equal
+     the stock ``"sdpa"`` path; or, for decode steps when the binding says so (the kernel path,
+     or methods without ``keys_values``), through ``layer_cache.attend(query, scaling)``;
+   * finishes the step with ``layer_cache.end_step()`` (the flush deferred by ``append``).
+
+   Without a matching binding (another cache class, no cache) it is plain sdpa.
+
+A *capture* hook (:func:`capturing`, used by :mod:`kvbench.hf.capture`) sees every call's post-RoPE
+Q, K, V.  No model forward is copied or patched: the model selects this function by name.
+
+The mask function registered under the same name is transformers' ``sdpa_mask`` (so masks are
+those of the ``"sdpa"`` path); it only tags masks that contain padding, which the attention
+function then refuses when a kvbench cache is active.  A custom 4D mask passed by the caller is
+not inspected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+#: the name to pass as ``attn_implementation``
+ATTN_IMPLEMENTATION = "kvbench"
+_PADDED_ATTR = "_kvbench_padded"
+
+
+class PaddedBatchError(ValueError):
+    """A batch with padding (an ``attention_mask`` with zeros) reached a kvbench cache."""
+
+
+@dataclass
+class StepBinding:
+    """What ``QuantizedKVCache.update`` tells the attention function about one layer call.
+
+    Attributes
+    ----------
+    layer_cache : the :class:`kvbench.kv.layer.LayerCache` of this layer.
+    layer_idx : the model layer (``module.layer_idx`` must match).
+    keys : the exact key tensor ``update`` returned (matched by identity).
+    prefill : this call was the layer's prefill (queries go to ``provide_queries``).
+    attend : route this (decode) step through ``layer_cache.attend`` instead of sdpa.
+    on_consumed : called when the attention function has used the binding.
+    """
+
+    layer_cache: Any
+    layer_idx: int
+    keys: torch.Tensor
+    prefill: bool
+    attend: bool = False
+    on_consumed: Callable[[], None] | None = None
+
+
+_STEP: ContextVar[StepBinding | None] = ContextVar("kvbench_step", default=None)
+_CAPTURE: ContextVar[Callable[..., None] | None] = ContextVar("kvbench_capture", default=None)
+
+
+def bind_step(binding: StepBinding | None) -> None:
+    """Make ``binding`` the one the next attention call checks (``None`` clears it)."""
+    _STEP.set(binding)
+
+
+@contextlib.contextmanager
+def capturing(record: Callable[..., None]) -> Iterator[None]:
+    """While active, every kvbench attention call first runs ``record(layer_idx, query, key,
+    value, scaling)`` with post-RoPE ``query [B, H_q, T, D]``, the ``key``/``value``
+    ``[B, H_kv, S, D]`` the attention reads (what ``Cache.update`` returned, or the layer's own
+    K/V without a cache) and the logit scale (``None`` = 1/sqrt(D))."""
+    token = _CAPTURE.set(record)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
+
+
+def has_padding(attention_mask: torch.Tensor | None) -> bool:
+    """Whether a 4D mask was tagged by :func:`kvbench_mask` as built from a padded 2D mask."""
+    return bool(getattr(attention_mask, _PADDED_ATTR, False))
+
+
+def kvbench_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' ``sdpa_mask`` (same arguments, same result), tagging padded masks.
+
+    The 2D ``attention_mask`` argument (``[B, kv_len]``, True = real token) with any False
+    entry marks the returned 4D mask, so :func:`kvbench_attention_forward` can refuse it.
+    """
+    mask = sdpa_mask(*args, **kwargs)
+    pad = kwargs.get("attention_mask")
+    if (
+        isinstance(mask, torch.Tensor)
+        and isinstance(pad, torch.Tensor)
+        and pad.dim() == 2
+        and not bool(pad.bool().all())
+    ):
+        setattr(mask, _PADDED_ATTR, True)
+    return mask
+
+
+def kvbench_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"kvbench"`` (see the module docstring).
+
+    Parameters
+    ----------
+    module : the attention module (``module.layer_idx`` identifies the layer).
+    query : post-RoPE ``[B, H_q, T, D]``.
+    key, value : ``[B, H_kv, S, D]`` as returned by ``Cache.update`` (not repeated).
+    attention_mask : 4D boolean mask from :func:`kvbench_mask`, or ``None``.
+    dropout, scaling, kwargs : passed to ``sdpa_attention_forward``.
+
+    Returns
+    -------
+    ``(attn_output [B, T, H_q, D], None)``, as transformers' sdpa function.
+
+    Raises
+    ------
+    PaddedBatchError
+        The batch is padded and a kvbench cache is active (design.md §2 "Padding").
+    ValueError
+        ``dropout > 0`` on the ``attend`` path (it has no dropout; use ``model.eval()``).
+    """
+    layer_idx = getattr(module, "layer_idx", None)
+    record = _CAPTURE.get()
+    if record is not None:
+        record(layer_idx, query, key, value, scaling)
+    step = _STEP.get()
+    if step is None or step.keys is not key or step.layer_idx != layer_idx:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    _STEP.set(None)  # one attention call per update; drop the references
+    if step.on_consumed is not None:
+        step.on_consumed()
+    if has_padding(attention_mask):
+        raise PaddedBatchError(
+            "kvbench caches refuse padded batches (the attention_mask has zeros): quantization "
+            "statistics, sinks and selections would mix padding with real tokens (design.md §2 "
+            "'Padding'). Run sequences of different lengths one at a time, or batch only "
+            "prompts of equal length without padding."
+        )
+    lc = step.layer_cache
+    if step.prefill:
+        provide = getattr(lc, "provide_queries", None)
+        if provide is not None:
+            provide(query)
+    if step.attend and not step.prefill:
+        if dropout:
+            raise ValueError(
+                f"dropout={dropout} is not supported on the attend path; call model.eval()"
+            )
+        out = lc.attend(query, scaling)  # [B, H_q, T, D]
+        result = (out.transpose(1, 2).contiguous(), None)
+    else:
+        result = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    lc.end_step()
+    return result
+
+
+def register() -> str:
+    """Register the attention and mask functions under :data:`ATTN_IMPLEMENTATION`
+    (idempotent; done on import) and return that name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvbench_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def use_kvbench_attention(model: Any) -> Any:
+    """Switch ``model`` to ``attn_implementation="kvbench"`` (``set_attn_implementation``) and
+    return it.  Loading with ``from_pretrained(..., attn_implementation="kvbench")`` after
+    importing this module does the same."""
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+register()

@@ -1,0 +1,332 @@
+"""``QuantizedKVCache``: a kvbench method as a Hugging Face transformers ``Cache``.
+
+Layer-based like transformers' own ``QuantizedCache``: a :class:`QuantizedKVCache` holds one
+:class:`KVBenchLayer` (a ``CacheLayerMixin``) per decoder layer, and each wraps a kvbench
+:class:`~kvbench.kv.layer.LayerCache` made by ``method.new_layer(layer_idx, num_kv_heads, head_dim,
+dtype, device)`` on its first ``update``.  Usable as ``model(..., **cache_kwarg(cache))`` and
+``model.generate(..., **cache_kwarg(cache))`` with transformers 5.17 (``past_key_values=``)
+and 5.24 (``cache=``).
+
+Update protocol (design.md §2):
+
+* the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)`` and the
+  *original* full-precision ``k, v`` are returned (prefill attention is full precision);
+* every later ``update`` appends: ``layer_cache.append(k, v)`` and returns
+  ``layer_cache.keys_values()`` (sinks + dequantized blocks + residual, new tokens included);
+* the flush deferred by ``append`` runs when kvbench's attention function finishes the step
+  (``attn_implementation="kvbench"``, :mod:`kvbench.hf.attention`), or at the next ``append``.
+
+Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
+:func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
+``needs_queries`` get their post-RoPE prefill queries and how padded batches are refused.
+Without it the cache still works for methods that need no queries, with the flush at the next
+step and no padding check (a warning says so once).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
+from kvbench.kv.method import Method
+
+#: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
+#: attention mask; all tokens are stored)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def cache_kwarg(cache: Cache | None, model: Any = None) -> dict[str, Any]:
+    """``{name: cache}`` with the keyword the installed transformers expects for a cache in
+    ``model(...)`` and ``model.generate(...)``: ``"cache"`` (5.24, where ``past_key_values`` is
+    deprecated) or ``"past_key_values"`` (5.17).  Decided from ``model.forward``'s signature
+    (default: ``LlamaForCausalLM.forward``)."""
+    if model is None:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def _text_config(config_or_model: Any) -> Any:
+    config = getattr(config_or_model, "config", config_or_model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise ValueError(
+            f"config_or_model must be a transformers model or config with num_hidden_layers; "
+            f"got {type(config_or_model).__name__}"
+        )
+    return config
+
+
+def _layer_types(config: Any) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+class KVBenchLayer(CacheLayerMixin):
+    """One decoder layer of a :class:`QuantizedKVCache`: a kvbench ``LayerCache`` behind the
+    transformers ``CacheLayerMixin`` interface.
+
+    ``keys``/``values`` (``CacheLayerMixin`` attributes) stay ``None``: the stored state is the
+    layer cache's packed blocks, residual and sinks (``self.layer_cache``).  ``crop`` works but
+    is not a trace-free rollback once tokens were flushed, so ``is_croppable`` is False
+    (assisted decoding is refused by transformers).
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: QuantizedKVCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.layer_cache = None
+        self._unconsumed = False
+
+    def __repr__(self) -> str:
+        return f"KVBenchLayer({self.layer_idx}, {self.owner.method!r})"
+
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ) -> None:
+        """Create the ``LayerCache`` for ``key_states`` ``[B, H_kv, T, D]`` (dtype, device)."""
+        b, h, _, d = key_states.shape
+        caps = self.owner.method.capabilities
+        if b > 1 and not caps.batch:
+            raise ValueError(
+                f"method {self.owner.method_name!r} does not support batch > 1 "
+                f"(capabilities.batch=False); got batch {b}"
+            )
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.layer_cache = self.owner.method.new_layer(
+            self.layer_idx, h, d, key_states.dtype, key_states.device
+        )
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new tokens ``[B, H_kv, n, D]`` and return the K/V this step attends to.
+
+        First call (empty cache): prefill, returns the inputs themselves.  Later calls:
+        append, returns ``keys_values()`` (or, on the ``attend`` path, the inputs, since the
+        attention function then reads the layer cache directly).
+        """
+        if not self.is_initialized or self.layer_cache is None:
+            self.lazy_initialization(key_states, value_states)
+        lc = self.layer_cache
+        if self._unconsumed:
+            self.owner._attention_not_bound(self.layer_idx)
+        prefill = lc.seq_length == 0
+        attend = self.owner.attend and not prefill
+        if prefill:
+            lc.prefill(key_states, value_states)
+            keys, values = key_states, value_states
+        else:
+            if getattr(lc, "_awaiting_queries", False):
+                raise ValueError(
+                    f"method {self.owner.method_name!r} needs post-RoPE queries at prefill "
+                    f"(capabilities.needs_queries) but none arrived: load or switch the model "
+                    f"with attn_implementation={ATTN_IMPLEMENTATION!r} "
+                    f"(kvbench.hf.attention.use_kvbench_attention(model))"
+                )
+            lc.append(key_states, value_states)
+            keys, values = (key_states, value_states) if attend else lc.keys_values()
+        self._unconsumed = True
+        bind_step(StepBinding(lc, self.layer_idx, keys, prefill, attend, self._consumed))
+        return keys, values
+
+    def _consumed(self) -> None:
+        self._unconsumed = False
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones.
+        Accepts the query length or (older transformers) ``cache_position``."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.get_seq_length() + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.layer_cache is None else self.layer_cache.seq_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        """Offloading is not supported (no-op)."""
+
+    def prefetch(self) -> None:
+        """Offloading is not supported (no-op)."""
+
+    def reset(self) -> None:
+        """Drop the layer cache; the next ``update`` builds a fresh one (fresh codec state)."""
+        self.layer_cache = None
+        self.is_initialized = False
+        self._unconsumed = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many newest tokens; 0: nothing; positive (legacy, 5.17): keep the
+        first ``tokens_to_remove`` tokens.  Quantized and full-precision parts alike."""
+        if self.layer_cache is None or tokens_to_remove == 0:
+            return
+        n = self.get_seq_length()
+        if tokens_to_remove > 0:
+            if tokens_to_remove >= n:
+                return
+            keep = tokens_to_remove
+        else:
+            keep = max(n + tokens_to_remove, 0)
+        self.layer_cache.crop(keep)
+
+    def _index(self, idx: Any) -> None:
+        if self.layer_cache is None or self.get_seq_length() == 0:
+            return
+        idx = torch.as_tensor(idx)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        self.layer_cache.index_batch(idx.long().cpu())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder batch rows for beam search (``beam_idx`` [B])."""
+        self._index(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (int indices or a bool mask)."""
+        self._index(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times."""
+        if self.layer_cache is not None and self.get_seq_length() > 0:
+            self.layer_cache.repeat_batch(repeats)
+
+
+class QuantizedKVCache(Cache):
+    """A transformers ``Cache`` that stores K/V with a kvbench method.
+
+    Parameters
+    ----------
+    method : a :class:`~kvbench.kv.method.Method` instance, or a registered method name (then
+        built with ``method_config``).  Never modified.
+    config_or_model : the transformers model or its config (read only): gives the number of
+        decoder layers and the layer types (full or sliding attention; sliding windows are
+        applied by the mask and all tokens are stored).
+    method_config : config fields when ``method`` is a name (copied, never modified).
+    attend : route decode attention through ``layer_cache.attend(query)`` (the kernel path)
+        instead of sdpa over the returned K/V.  Forced on for methods whose capabilities say
+        they have no ``keys_values``.  Needs ``attn_implementation="kvbench"``.
+
+    Raises
+    ------
+    ValueError
+        Unknown method name or config field; unsupported layer types (linear attention, ...);
+        a GQA model with a method whose ``capabilities.gqa`` is False; the attend path on a
+        model with sliding-window layers.
+    """
+
+    def __init__(
+        self,
+        method: Method | str,
+        config_or_model: Any,
+        method_config: Mapping[str, Any] | None = None,
+        attend: bool = False,
+    ) -> None:
+        if isinstance(method, str):
+            from kvbench.kv.registry import get_method
+
+            method = get_method(method, **dict(method_config or {}))
+        elif method_config:
+            raise ValueError("method_config is only used with a method name, not an instance")
+        if not isinstance(method, Method):
+            raise ValueError(f"method must be a kvbench Method or a name, got {type(method)}")
+        config = _text_config(config_or_model)
+        types = _layer_types(config)
+        bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+        if bad:
+            raise ValueError(
+                f"QuantizedKVCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model "
+                f"has {bad}"
+            )
+        n_q = getattr(config, "num_attention_heads", None)
+        n_kv = getattr(config, "num_key_value_heads", None) or n_q
+        if n_q and n_kv != n_q and not method.capabilities.gqa:
+            raise ValueError(
+                f"method {method.name or type(method).__name__!r} does not support GQA "
+                f"(capabilities.gqa=False) but the model has {n_q} query and {n_kv} KV heads"
+            )
+        self.method = method
+        self.method_name = method.name or type(method).__name__
+        self.attend = bool(attend) or not method.capabilities.keys_values
+        if self.attend and "sliding_attention" in types:
+            raise ValueError(
+                "the attend path (attend=True, or a method without keys_values) ignores sliding "
+                "windows; this model has sliding_attention layers"
+            )
+        self.num_layers = config.num_hidden_layers
+        self._warned = False
+        super().__init__(layers=[KVBenchLayer(self, i) for i in range(self.num_layers)])
+
+    def __repr__(self) -> str:
+        return f"QuantizedKVCache({self.method!r}, layers={len(self.layers)})"
+
+    def _attention_not_bound(self, layer_idx: int) -> None:
+        """The last ``update`` of a layer was not followed by kvbench's attention function."""
+        if self.attend:
+            raise ValueError(
+                f"layer {layer_idx}: the attend path needs attn_implementation="
+                f"{ATTN_IMPLEMENTATION!r} (kvbench.hf.attention.use_kvbench_attention(model))"
+            )
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"QuantizedKVCache is used without attn_implementation={ATTN_IMPLEMENTATION!r}: "
+                "flushes run at the next step and padded batches are not detected",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ kvbench views
+    def layer_caches(self) -> list[Any]:
+        """The kvbench ``LayerCache`` of each layer (``None`` before its first update)."""
+        return [layer.layer_cache for layer in self.layers]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, summed over layers, by the categories of ``LayerCache.nbytes()``."""
+        out: dict[str, int] = {}
+        for lc in self.layer_caches():
+            if lc is not None:
+                for k, v in lc.nbytes().items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def quantized_tokens(self, layer_idx: int = 0) -> tuple[int, int]:
+        """(keys, values) tokens held in quantized form by layer ``layer_idx``."""
+        lc = self.layers[layer_idx].layer_cache
+        return (0, 0) if lc is None else lc.quantized_tokens()
+
+
+__all__ = ["KVBenchLayer", "QuantizedKVCache", "cache_kwarg"]
+
+
+def make_hf_cache(method: Method, model: Any, attend: bool = False) -> Cache:
+    """The transformers ``Cache`` that holds ``method``'s K/V for ``model`` (a model or its config).
+
+    The method's own cache when it brings one (:meth:`Method.transformers_cache`: the transformers
+    peers), else kvbench's :class:`QuantizedKVCache` (``attend``: decode attention runs through
+    ``LayerCache.attend``).
+    """
+    own = method.transformers_cache(model, attend=attend)
+    return own if own is not None else QuantizedKVCache(method, model, attend=attend)

@@ -1,0 +1,94 @@
+"""Capture the full-precision model's post-RoPE Q, K, V per layer (fidelity and memory suites).
+
+One forward pass over token ids without a cache, through kvbench's registered attention
+function (:mod:`kvbench.hf.attention`) in capture mode: each layer's attention call records the
+post-RoPE queries ``[B, H_q, T, D]`` and the keys/values ``[B, H_kv, T, D]`` (KV heads, not
+repeated), exactly the tensors transformers' ``DynamicCache`` would store for that layer.
+Nothing in the model is copied or patched; only its ``attn_implementation`` is switched to
+``"kvbench"`` for the call (and switched back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbench.hf.attention import ATTN_IMPLEMENTATION, capturing, register
+
+
+@dataclass
+class CapturedQKV:
+    """Per-layer tensors of one forward pass, CPU float32, in layer order.
+
+    Attributes
+    ----------
+    queries : ``[B, H_q, T, D]`` post-RoPE queries of each layer.
+    keys : ``[B, H_kv, T, D]`` post-RoPE keys.
+    values : ``[B, H_kv, T, D]`` values.
+    scaling : each layer's attention logit scale (``None`` means 1/sqrt(D)).
+    layer_ids : the ``module.layer_idx`` of each entry.
+    """
+
+    queries: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    scaling: list[float | None] = field(default_factory=list)
+    layer_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def capture_qkv(
+    model: Any, input_ids: torch.Tensor, layers: list[int] | None = None
+) -> CapturedQKV:
+    """Run ``model`` once over ``input_ids`` ``[B, T]`` (no cache, no padding) and return every
+    layer's post-RoPE Q, K, V as CPU float32 (:class:`CapturedQKV`).
+
+    ``layers``: keep only these layer indices (default all).  The model's
+    ``attn_implementation`` is set to ``"kvbench"`` for the call and restored afterwards.
+
+    Raises
+    ------
+    ValueError
+        ``input_ids`` not 2D, or no attention call was seen (the model does not dispatch through
+        ``transformers.AttentionInterface``).
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a [B, T] tensor of token ids")
+    register()
+    found: dict[int, tuple] = {}
+    keep = None if layers is None else set(layers)
+
+    def record(layer_idx, query, key, value, scaling) -> None:
+        if keep is None or layer_idx in keep:
+            found[layer_idx] = tuple(
+                t.detach().to("cpu", torch.float32) for t in (query, key, value)
+            ) + (scaling,)
+
+    prev = getattr(model.config, "_attn_implementation", None)
+    switch = prev != ATTN_IMPLEMENTATION
+    if switch:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        with torch.no_grad(), capturing(record):
+            model(input_ids=input_ids.to(model.device), use_cache=False)
+    finally:
+        if switch and prev is not None:
+            model.set_attn_implementation(prev)
+    if not found:
+        raise ValueError(
+            "no attention call was captured: the model does not use transformers' "
+            "AttentionInterface, or `layers` names no attention layer"
+        )
+    out = CapturedQKV()
+    for idx in sorted(found, key=lambda i: -1 if i is None else i):
+        q, k, v, s = found[idx]
+        out.queries.append(q)
+        out.keys.append(k)
+        out.values.append(v)
+        out.scaling.append(s)
+        out.layer_ids.append(idx)
+    return out

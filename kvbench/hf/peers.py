@@ -1,0 +1,202 @@
+"""Peers: transformers' own caches wrapped as kvbench methods, and honest byte counts for them.
+
+The systems users would otherwise pick (``DynamicCache``, ``QuantizedCache`` with the quanto,
+HQQ or fp8 backend) are registered as methods (``hf-dynamic``, ``hf-quanto``, ``hf-hqq``,
+``hf-fp8``) so the memory and latency workloads measure them exactly like kvbench methods.
+They have no kvbench :class:`~kvbench.kv.layer.LayerCache` (``capabilities.layer_cache=False``):
+``new_layer`` raises, and workloads that need layer caches (fidelity) skip them.  What they
+provide instead:
+
+* ``transformers_cache(model)``: the transformers ``Cache`` for ``model`` (latency workload);
+* ``new_hf_layer()``: one transformers cache layer, fed by ``layer.update(k, v)`` (memory
+  workload: captured K/V replayed layer by layer, the same protocol as ``LayerCache``).
+
+Memory honesty (design.md §6).  quanto's quantized tensors are tensor subclasses whose
+``numel() * element_size()`` is the *logical* size (the full-precision size); HQQ keeps its codes
+as a plain uint8 tensor plus a ``meta`` dict holding scale and zero tensors.  The byte count here
+walks every tensor a layer holds, unwraps subclasses through ``__tensor_flatten__`` down to the
+plain tensors that own storage, and sums the storage of each distinct allocation once
+(``untyped_storage().nbytes()``, so a view into a larger allocation counts the allocation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.kv.layer import BYTE_KEYS
+from kvbench.kv.method import Capabilities, Method
+
+#: attribute / meta-dict names of quantization metadata (scale, zero or shift of a group)
+SCALE_NAMES = frozenset({"_scale", "_shift", "scale", "zero", "_zero", "shift"})
+#: attribute names of code tensors inside a quantized tensor
+CODE_NAMES = frozenset({"_data", "W_q", "data"})
+
+
+def plain_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every plain tensor reachable from ``obj`` as ``(path, tensor)``.
+
+    Recurses into tensor subclasses (``__tensor_flatten__``: quanto's ``WeightQBitsTensor`` ->
+    ``PackedTensor`` -> uint8 ``_data``), tuples, lists and dicts (HQQ's ``(W_q, meta)``).
+    ``path`` joins the attribute names with ``.``.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if type(obj) is not torch.Tensor and flatten is not None:
+            names, _ = obj.__tensor_flatten__()
+            for n in names:
+                out += plain_tensors(getattr(obj, n), f"{path}.{n}" if path else n)
+        else:
+            out.append((path, obj))
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            out += plain_tensors(x, f"{path}.{i}" if path else str(i))
+    elif isinstance(obj, dict):
+        for k, x in obj.items():
+            out += plain_tensors(x, f"{path}.{k}" if path else str(k))
+    return out
+
+
+def storage_nbytes(obj: Any) -> int:
+    """Bytes of the distinct allocations behind every plain tensor reachable from ``obj``."""
+    seen: dict[tuple[str, int], int] = {}
+    for _, t in plain_tensors(obj):
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if st.nbytes():
+            seen[key] = max(seen.get(key, 0), st.nbytes())
+    return sum(seen.values())
+
+
+def _category(path: str) -> str:
+    """``codes``/``scales``/``metadata`` for a tensor inside a quantized state."""
+    parts = path.split(".") if path else []
+    if any(p in SCALE_NAMES for p in parts):
+        return "scales"
+    if not parts or parts[-1] in CODE_NAMES or parts == ["0"]:
+        return "codes"  # a plain code tensor, quanto's packed data, the first of a tuple
+    if len(parts) == 1 and parts[0].isdigit():
+        return "scales"  # a bare tensor after the codes: fp8's per-tensor scale
+    return "metadata"
+
+
+def hf_layer_tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """Every plain tensor a transformers cache layer holds, as ``(side, category, tensor)``.
+
+    ``keys``/``values`` (``DynamicLayer``'s tensors; the full-precision residual of a
+    ``QuantizedLayer``) are ``residual``; ``_quantized_keys``/``_quantized_values`` are split
+    into ``codes`` (packed data, fp8 payload), ``scales`` (scale, zero, shift) and ``metadata``
+    (any other tensor, e.g. in HQQ's meta dict).  Tensors are deduplicated by allocation.
+    """
+    out, seen = [], set()
+    for side, plain, quant in (
+        ("key", "keys", "_quantized_keys"),
+        ("value", "values", "_quantized_values"),
+    ):
+        items = [("residual", t) for _, t in plain_tensors(getattr(layer, plain, None))]
+        items += [(_category(p), t) for p, t in plain_tensors(getattr(layer, quant, None))]
+        for cat, t in items:
+            key = (str(t.device), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key in seen or t.untyped_storage().nbytes() == 0:
+                continue
+            seen.add(key)
+            out.append((side, cat, t))
+    return out
+
+
+def hf_layer_nbytes(layer: Any) -> dict[str, int]:
+    """Bytes held by a transformers cache layer, with the keys of ``LayerCache.nbytes()``
+    (``codes, scales, metadata, residual, sinks, key_total, value_total, total``), summed from
+    the storage of :func:`hf_layer_tensors` (inner storage of tensor subclasses)."""
+    out = dict.fromkeys(BYTE_KEYS, 0) | {"key_total": 0, "value_total": 0}
+    for side, cat, t in hf_layer_tensors(layer):
+        n = t.untyped_storage().nbytes()
+        out[cat] += n
+        out[f"{side}_total"] += n
+    out["total"] = out["key_total"] + out["value_total"]
+    return out
+
+
+def hf_layer_keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V ``[B, H_kv, T, D]`` a transformers cache layer holds now, dequantized (the
+    quantized part, then the full-precision residual)."""
+    parts = []
+    for plain, quant in (("keys", "_quantized_keys"), ("values", "_quantized_values")):
+        q = getattr(layer, quant, None)
+        fp = getattr(layer, plain, None)
+        got = [] if q is None else [layer._dequantize(q)]
+        if fp is not None and fp.dim() == 4 and fp.shape[-2]:
+            got.append(fp)
+        if not got:
+            raise ValueError("the cache layer is empty")
+        dt = got[-1].dtype
+        parts.append(torch.cat([g.to(dt) for g in got], dim=-2) if len(got) > 1 else got[0])
+    return parts[0], parts[1]
+
+
+def cache_nbytes(cache: Any) -> dict[str, int]:
+    """Bytes held by a whole cache: kvbench's ``QuantizedKVCache.nbytes()``, or the sum of
+    :func:`hf_layer_nbytes` over a transformers cache's layers."""
+    if hasattr(cache, "nbytes") and callable(cache.nbytes):
+        return cache.nbytes()
+    out: dict[str, int] = {}
+    for layer in cache.layers:
+        for k, v in hf_layer_nbytes(layer).items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+class HFPeer(Method):
+    """Base of the transformers-cache peers (see the module docstring).
+
+    Subclasses implement :meth:`new_hf_layer` and :meth:`transformers_cache`, and may override
+    :meth:`unavailable_reason` (a missing optional package).
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities(layer_cache=False)
+    #: the pip requirement that provides the backend (``None``: transformers alone)
+    requirement: ClassVar[str | None] = None
+
+    def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int, *args, **kwargs):
+        raise ValueError(
+            f"method {self.name or type(self).__name__!r} wraps a transformers cache "
+            "(capabilities.layer_cache=False) and has no kvbench LayerCache; it runs in the "
+            "memory and latency workloads (transformers_cache / new_hf_layer), not in workloads that "
+            "replay layer caches (fidelity)"
+        )
+
+    def new_hf_layer(self) -> Any:
+        """One empty transformers cache layer (``CacheLayerMixin``), fed by ``update(k, v)``."""
+        raise NotImplementedError
+
+    def transformers_cache(self, model: Any, attend: bool = False) -> Any:
+        raise NotImplementedError
+
+    def read_layer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V held by one of this method's layers (:func:`hf_layer_keys_values`)."""
+        return hf_layer_keys_values(layer)
+
+    def _check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise ValueError(reason)
+
+
+def text_config(model: Any) -> Any:
+    """The decoder config of a model or config (``get_text_config(decoder=True)``)."""
+    config = getattr(model, "config", model)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+__all__ = [
+    "HFPeer",
+    "cache_nbytes",
+    "hf_layer_keys_values",
+    "hf_layer_nbytes",
+    "hf_layer_tensors",
+    "plain_tensors",
+    "storage_nbytes",
+    "text_config",
+]

@@ -1,0 +1,325 @@
+"""Stored quantized token blocks and the codecs that make them.
+
+A *codec* turns a run of full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes
+plus the metadata needed to dequantize them.  Blocks of one cache side (keys or values) are
+concatenated along the token axis as the cache flushes.  A block holds only what a real cache
+stores (packed codes, scales/zeros, saliency metadata), never a full-precision copy, and
+``nbytes()`` sums those tensors.
+
+Geometry of an :class:`AffineBlock`: every (scale, zero) covers a rectangle of
+``group_len[g]`` consecutive tokens x ``D // Dg`` consecutive channels:
+
+==============================  ======================  =================
+codec                            tokens per group        channel groups Dg
+==============================  ======================  =================
+:class:`PerChannelCodec` (KIVI)  ``group_size`` (G)      D (one per channel)
+:class:`PerTokenCodec`           1                       D / value_group_size
+:class:`PerHeadCodec`            the whole flush         1
+:class:`PerTensorCodec`          the whole flush         1, shared by B and H
+==============================  ======================  =================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvbench.kv.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it spans its whole allocation, else a compact copy.
+
+    A stored slice must not be a view into a larger tensor (a prompt, a cropped block): the view
+    would keep the rest allocated (a full-precision copy of quantized tokens) while
+    :func:`tensor_bytes` counts only the slice.
+    """
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors (``numel * element_size``; ``None`` counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@runtime_checkable
+class Block(Protocol):
+    """What a cache side stores for its quantized tokens.
+
+    Required members: ``ntokens`` (int), ``dequantize(dtype) -> [B, H_kv, n, D]``,
+    ``tensors() -> [(category, tensor)]`` with category in ``codes | scales | metadata``: every
+    tensor the block holds (the cache's byte count is their sum), ``cat(other) -> Block``,
+    ``crop(n) -> Block`` (keep the first n tokens), ``index_batch(idx) -> Block``.
+    """
+
+    @property
+    def ntokens(self) -> int: ...
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def cat(self, other: Block) -> Block: ...
+
+    def crop(self, n: int) -> Block: ...
+
+    def index_batch(self, idx: torch.Tensor) -> Block: ...
+
+
+@dataclass
+class AffineBlock:
+    """Min-max affine codes of a run of tokens, packed along the channel axis.
+
+    Attributes
+    ----------
+    codes : uint8 ``[B, H_kv, n, ceil(D*bits/8)]`` (int16 ``[B, H_kv, n, D]`` for 16 bits).
+    scale, zero : ``[B|1, H_kv|1, NG, Dg]`` in the scale dtype; ``zero`` (the group min) is
+        ``None`` for symmetric codes.
+    group_len : tokens covered by each of the NG token groups (sums to ``n``).
+    batch_shared : ``scale``/``zero`` are shared by every batch row (per-tensor); otherwise a
+        metadata tensor whose batch dim equals the codes' is per row and follows
+        :meth:`index_batch` (also when ``B == 1``).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_len: list[int]
+    bits: int
+    head_dim: int
+    symmetric: bool = False
+    midpoint: bool = False
+    batch_shared: bool = False
+
+    @property
+    def ntokens(self) -> int:
+        return self.codes.shape[2]
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """Codes ``[B, H_kv, n, D]`` (uint8 or int32)."""
+        return unpack_bits(self.codes, self.bits, self.head_dim)
+
+    def expanded(self, t: torch.Tensor) -> torch.Tensor:
+        """Expand per-group metadata ``[., ., NG, Dg]`` to per token ``[., ., n, Dg]``."""
+        if len(self.group_len) == self.ntokens:
+            return t
+        lens = self.group_len
+        if all(g == lens[0] for g in lens):
+            return t.repeat_interleave(lens[0], dim=2)
+        idx = torch.tensor(lens, device=t.device)
+        return t.repeat_interleave(idx, dim=2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        c = self.unpacked_codes()
+        b, h, n, d = c.shape
+        dg = self.scale.shape[-1]
+        s = self.expanded(self.scale).unsqueeze(-1)
+        z = None if self.zero is None else self.expanded(self.zero).unsqueeze(-1)
+        c = c.reshape(b, h, n, dg, d // dg)
+        x = dequantize_groups(
+            c, s, z, self.bits, symmetric=self.symmetric, midpoint=self.midpoint, dtype=dtype
+        )
+        return x.reshape(b, h, n, d)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("codes", self.codes), ("scales", self.scale)]
+        return out if self.zero is None else [*out, ("scales", self.zero)]
+
+    def cat(self, other: AffineBlock) -> AffineBlock:
+        if (other.bits, other.symmetric, other.midpoint, other.scale.shape[-1]) != (
+            self.bits,
+            self.symmetric,
+            self.midpoint,
+            self.scale.shape[-1],
+        ):
+            raise ValueError("cannot concatenate blocks of different quantizer settings")
+        return replace(
+            self,
+            codes=torch.cat([self.codes, other.codes], dim=2),
+            scale=torch.cat([self.scale, other.scale], dim=2),
+            zero=None if self.zero is None else torch.cat([self.zero, other.zero], dim=2),
+            group_len=self.group_len + other.group_len,
+        )
+
+    def crop(self, n: int) -> AffineBlock:
+        """Keep the first ``n`` tokens; a group cut in two keeps its (scale, zero)."""
+        lens, kept, total = [], 0, 0
+        for g in self.group_len:
+            if total >= n:
+                break
+            take = min(g, n - total)
+            lens.append(take)
+            total += take
+            kept += 1
+        return replace(
+            self,
+            codes=own_storage(self.codes[:, :, :n]),
+            scale=own_storage(self.scale[:, :, :kept]),
+            zero=None if self.zero is None else own_storage(self.zero[:, :, :kept]),
+            group_len=lens,
+        )
+
+    def index_batch(self, idx: torch.Tensor) -> AffineBlock:
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            # per-row metadata follows the codes, a B == 1 cache included (repeat_batch);
+            # metadata broadcast over the batch ([1, ...] with B > 1, or shared) stays
+            if t is None or self.batch_shared or t.shape[0] != self.codes.shape[0]:
+                return t
+            return t.index_select(0, idx.to(t.device))
+
+        return replace(
+            self,
+            codes=self.codes.index_select(0, idx.to(self.codes.device)),
+            scale=sel(self.scale),
+            zero=sel(self.zero),
+        )
+
+
+def cat_blocks(a: Block | None, b: Block | None) -> Block | None:
+    """Concatenate two optional blocks along the token axis."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a.cat(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Codecs
+# --------------------------------------------------------------------------------------------
+
+
+class Codec(Protocol):
+    """Turns full-precision tokens ``[B, H_kv, n, D]`` into a :class:`Block`.
+
+    ``token_group``: tokens per group along T; a flush hands the codec a multiple of it
+    (1 for per-token groups; 0 for codecs whose groups are whole flushes).
+    ``prepare(keys, queries)`` is called once at prefill before the first ``encode``
+    (channel or pair selection); codecs that select nothing ignore it.
+    """
+
+    token_group: int
+
+    def encode(self, x: torch.Tensor) -> Block: ...
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class AffineCodec:
+    """Common settings of the uniform affine codecs."""
+
+    bits: int
+    scale_dtype: torch.dtype = torch.float16
+    symmetric: bool = False
+    midpoint: bool = False
+    token_group: int = field(default=1)
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def _quantize(self, groups: torch.Tensor):
+        return quantize_groups(
+            groups,
+            self.bits,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+            scale_dtype=self.scale_dtype,
+        )
+
+    def _block(self, codes, q, group_len, head_dim) -> AffineBlock:
+        return AffineBlock(
+            pack_bits(codes, self.bits),
+            q.scale,
+            q.zero,
+            group_len,
+            self.bits,
+            head_dim,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+        )
+
+
+@dataclass
+class PerChannelCodec(AffineCodec):
+    """KIVI-sense per-channel: one (scale, zero) per (b, h, channel, G consecutive tokens).
+
+    Source: KIVI (Liu et al., ICML'24) §3.2, keys; spec §3.  ``encode`` needs ``n % G == 0``.
+    """
+
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.token_group = self.group_size
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        g = self.group_size
+        if n % g:
+            raise ValueError(
+                f"per-channel groups need a multiple of group_size={g} tokens, got {n}"
+            )
+        xg = x.reshape(b, h, n // g, g, d).transpose(-1, -2)  # [B, H, NP, D, G]
+        q = self._quantize(xg)
+        codes = q.codes.transpose(-1, -2).reshape(b, h, n, d)
+        q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
+        return self._block(codes, q, [g] * (n // g), d)
+
+
+@dataclass
+class PerTokenCodec(AffineCodec):
+    """KIVI-sense per-token: one (scale, zero) per (b, h, token, ``channel_group`` channels).
+
+    Source: KIVI §3.2, values; spec §3.  ``channel_group`` must divide head_dim.
+    """
+
+    channel_group: int = 128
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        cg = self.channel_group
+        if d % cg:
+            raise ValueError(
+                f"value_group_size={cg} does not divide head_dim={d}; choose a divisor of {d}"
+            )
+        q = self._quantize(x.reshape(b, h, n, d // cg, cg))
+        codes = q.codes.reshape(b, h, n, d)
+        q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
+        return self._block(codes, q, [1] * n, d)
+
+
+@dataclass
+class PerHeadCodec(AffineCodec):
+    """One (scale, zero) per (b, h) over all tokens x channels of one flush.
+
+    The textbook's ``PerChannelQuantizedCache`` (it calls per-head "per-channel"); spec §2a.
+    """
+
+    token_group: int = 0
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        q = self._quantize(x.reshape(b, h, 1, n * d))
+        codes = q.codes.reshape(b, h, n, d)
+        return self._block(codes, q, [n], d)
+
+
+@dataclass
+class PerTensorCodec(AffineCodec):
+    """One (scale, zero) for the whole flushed tensor (all batch rows and heads); spec §1."""
+
+    token_group: int = 0
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        q = self._quantize(x.reshape(1, 1, 1, b * h * n * d))
+        codes = q.codes.reshape(b, h, n, d)
+        return replace(self._block(codes, q, [n], d), batch_shared=True)

@@ -1,0 +1,303 @@
+"""Quantizer primitives: min-max affine quantization of groups, and real bit-packing.
+
+Every method composes these; none re-implements them (design.md §1).
+
+Conventions
+-----------
+* A *group* is the last dimension of the tensor handed to :func:`quantize_groups`; callers
+  reshape/transpose so that the elements sharing one (scale, zero) are contiguous in the last
+  dimension (per-channel keys: tokens; per-token values: channels).
+* Asymmetric (default, the textbook / KIVI quantizer, spec §0)::
+
+      mn = min(x), mx = max(x), qmax = 2^b - 1, s = (mx - mn) / qmax
+      q  = clamp(round((x - mn) / s), 0, qmax)          # round-half-to-even
+      x^ = q * s + mn
+
+  Symmetric (absmax): ``s = max|x| / (2^(b-1) - 1)``, ``q = clamp(round(x / s))`` stored with an
+  offset of ``2^(b-1)`` so codes are unsigned; ``x^ = (code - 2^(b-1)) * s``.
+* Statistics are computed in float32 whatever the input dtype.  Scale and min are then
+  stored as ``scale_dtype`` (float16 by default, the paper's bit accounting) and the codes are
+  computed *from the stored values*, so dequantization is exactly ``code * scale + min`` with the
+  stored tensors.  The stored scale is rounded *up* to the next representable value so the range
+  stays covered: ``|x - x^| <= s/2`` plus the storage rounding of ``mn``.
+* Zero-range groups (or a scale that underflows ``scale_dtype``) get a zero scale and
+  dequantize exactly to the stored min.
+* A group holding NaN or +-Inf gets NaN scale and min, so its whole output is NaN: a non-finite
+  input never becomes a silent finite code (bug-cases, last row).
+* 1-bit midpoint reconstruction (PN-Mix Eq. 7 [RECON], spec §7.5): threshold at the
+  midpoint and reconstruct at bin centres ``mn + (q + 1/2) * s / 2``.
+
+Codes are packed LSB-first as a bit stream along the last dimension (:func:`pack_bits`):
+``ceil(n * b / 8)`` bytes for ``n`` codes of ``b`` bits, for every b in 1..8.  16-bit codes
+(PM-KVQ's progressive start) are stored two bytes each as int16 with an offset of 32768.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_bits(bits: int, field: str = "bits") -> int:
+    """Return ``bits`` if supported, else raise ``ValueError`` naming ``field``."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"{field}={bits!r} is not supported; allowed: 1..8 or 16")
+    return bits
+
+
+def resolve_scale_dtype(name: str | torch.dtype, field: str = "scale_dtype") -> torch.dtype:
+    """Map ``'float16' | 'bfloat16' | 'float32'`` (or the torch dtype) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name in SCALE_DTYPES.values():
+            return name
+    elif name in SCALE_DTYPES:
+        return SCALE_DTYPES[name]
+    raise ValueError(f"{field}={name!r} is not supported; allowed: {sorted(SCALE_DTYPES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Bit packing
+# --------------------------------------------------------------------------------------------
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes that ``n`` codes of ``bits`` bits occupy once packed (16-bit: 2 bytes each)."""
+    return 2 * n if bits == 16 else (n * bits + 7) // 8
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes along the last dimension into bytes.
+
+    Parameters
+    ----------
+    codes : Tensor ``[..., n]``, integer dtype, values in ``[0, 2^bits - 1]``.
+    bits : 1..8 or 16.
+
+    Returns
+    -------
+    Tensor ``[..., ceil(n*bits/8)]`` uint8 (LSB-first bit stream; code ``i`` occupies bits
+    ``i*b .. i*b+b-1``), or ``[..., n]`` int16 for 16-bit codes (value - 32768).
+    """
+    check_bits(bits)
+    if bits == 16:
+        return (codes.to(torch.int32) - 32768).to(torch.int16)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    *lead, n = codes.shape
+    if codes.numel() == 0:  # e.g. no rows: reshape(..., -1, ...) below would be ambiguous
+        return torch.zeros(*lead, packed_size(n, bits), dtype=torch.uint8, device=codes.device)
+    c = codes.to(torch.uint8)
+    if bits in (1, 2, 4):  # fast path, same layout: 8/b codes per byte, LSB first
+        per = 8 // bits
+        if n % per:
+            c = torch.nn.functional.pad(c, (0, (-n) % per))
+        c = c.reshape(*lead, -1, per)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
+        return (c << shifts).sum(-1, dtype=torch.uint8)
+    n_pad = (-n) % 8
+    if n_pad:
+        c = torch.nn.functional.pad(c, (0, n_pad))
+    c = c.reshape(*lead, -1, 8)  # [..., n8, 8 codes] -> 8*bits bits = bits bytes
+    shifts = torch.arange(bits, dtype=torch.uint8, device=c.device)
+    bitplanes = (c.unsqueeze(-1) >> shifts) & 1  # [..., n8, 8, bits]
+    stream = bitplanes.reshape(*lead, -1, bits, 8)  # [..., n8, bits bytes, 8 bits]
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=c.device)).to(torch.uint8)
+    packed = (stream * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    packed = packed.reshape(*lead, -1)
+    return packed[..., : packed_size(n, bits)].contiguous()
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``[..., bytes]`` -> ``[..., n]`` codes (uint8, or int32 for 16)."""
+    check_bits(bits)
+    if bits == 16:
+        return packed.to(torch.int32) + 32768
+    if bits == 8:
+        return packed[..., :n]
+    *lead, nbytes = packed.shape
+    if packed.numel() == 0:  # e.g. no rows: reshape(..., -1) below would be ambiguous
+        return torch.zeros(*lead, n, dtype=torch.uint8, device=packed.device)
+    if bits in (1, 2, 4):  # fast path of the same layout
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*lead, -1)[..., :n]
+    full = (n + 7) // 8 * bits  # bytes covering whole 8-code blocks
+    p = packed
+    if full > nbytes:
+        p = torch.nn.functional.pad(p, (0, full - nbytes))
+    p = p.reshape(*lead, -1, bits, 1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=p.device)
+    stream = (p >> shifts) & 1  # [..., n8, bits, 8]
+    stream = stream.reshape(*lead, -1, 8, bits)
+    weights = (1 << torch.arange(bits, dtype=torch.int32, device=p.device)).to(torch.uint8)
+    codes = (stream * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return codes.reshape(*lead, -1)[..., :n]
+
+
+# --------------------------------------------------------------------------------------------
+# Affine quantization of groups
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupQuant:
+    """Result of :func:`quantize_groups` (codes unpacked).
+
+    Attributes
+    ----------
+    codes : Tensor ``[..., n]`` int32 in ``[0, 2^bits - 1]``.
+    scale : Tensor ``[..., 1]`` in ``scale_dtype``.
+    zero : Tensor ``[..., 1]`` in ``scale_dtype`` (the group min), or ``None`` when symmetric.
+    bits, symmetric, midpoint : the quantizer's settings.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    symmetric: bool = False
+    midpoint: bool = False
+
+
+def _round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast non-negative float32 ``s`` to ``dtype``, rounding up so the result is >= ``s``."""
+    st = s.to(dtype)
+    if dtype == torch.float32:
+        return st
+    # 2-byte (float16/bfloat16) or 1-byte (float8) storage: step to the next code upwards
+    itype = torch.int16 if dtype.itemsize == 2 else torch.int8
+    low = (st.float() < s) & torch.isfinite(st.float())
+    if bool(low.any()):
+        bumped = (st.view(itype) + 1).view(dtype)
+        st = torch.where(low, bumped, st)
+    return st
+
+
+def quantize_groups(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool = False,
+    midpoint: bool = False,
+    scale_dtype: torch.dtype = torch.float16,
+) -> GroupQuant:
+    """Quantize each group (the last dimension of ``x``) with one (scale, zero).
+
+    Parameters
+    ----------
+    x : Tensor ``[..., n]`` float16/bfloat16/float32/float64; each row of ``n`` elements is a group.
+    bits : 1..8 or 16.
+    symmetric : absmax quantization (needs ``bits >= 2``); asymmetric min-max otherwise.
+    midpoint : 1-bit midpoint reconstruction (PN-Mix Eq. 7 [RECON]); only with ``bits == 1``.
+    scale_dtype : storage dtype of scale and zero.
+
+    Raises
+    ------
+    ValueError
+        Unsupported bits or dtype, symmetric 1-bit, midpoint with bits != 1, or a finite group
+        whose scale or min overflows ``scale_dtype`` (use ``scale_dtype='float32'``).
+    """
+    check_bits(bits)
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"input dtype {x.dtype} is not supported; allowed: {FLOAT_DTYPES}")
+    if symmetric and bits < 2:
+        raise ValueError("symmetric quantization needs bits >= 2 (got bits=1)")
+    if midpoint and bits != 1:
+        raise ValueError(f"midpoint reconstruction applies to 1-bit groups only (got bits={bits})")
+    xf = x.float()
+    finite = torch.isfinite(xf).all(dim=-1, keepdim=True)
+    xs = torch.where(torch.isfinite(xf), xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
+    nan = torch.full((), float("nan"), device=x.device)
+    if symmetric:
+        half = 1 << (bits - 1)
+        qmax_s = half - 1
+        amax = xs.abs().amax(dim=-1, keepdim=True)
+        scale_st = _round_up_to_dtype(amax / qmax_s, scale_dtype)
+        _check_storable(scale_st, finite, "scale", scale_dtype)
+        s = scale_st.float()
+        q = torch.where(s > 0, torch.round(xs / torch.where(s > 0, s, 1.0)), 0.0)
+        codes = (q.clamp(-qmax_s, qmax_s) + half).to(torch.int32)
+        scale_st = torch.where(finite, scale_st, nan.to(scale_dtype))
+        return GroupQuant(codes, scale_st, None, bits, symmetric=True)
+    qmax = (1 << bits) - 1
+    mn = xs.amin(dim=-1, keepdim=True)
+    mx = xs.amax(dim=-1, keepdim=True)
+    mn_st = mn.to(scale_dtype)
+    _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
+    mnf = mn_st.float()
+    # range measured from the *stored* min so that the max stays covered
+    scale_st = _round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
+    _check_storable(scale_st, finite, "scale", scale_dtype)
+    s = scale_st.float()
+    safe = torch.where(s > 0, s, torch.ones((), device=x.device))
+    if midpoint:  # Eq. 7 [RECON]: q = 1[x - mn >= (mx - mn) / 2]
+        q = ((xs - mnf) >= 0.5 * s) & (s > 0)
+        q = q.float()
+    else:
+        q = torch.where(s > 0, torch.round((xs - mnf) / safe), torch.zeros((), device=x.device))
+    codes = q.clamp(0, qmax).to(torch.int32)
+    scale_st = torch.where(finite, scale_st, nan.to(scale_dtype))
+    mn_st = torch.where(finite, mn_st, nan.to(scale_dtype))
+    return GroupQuant(codes, scale_st, mn_st, bits, midpoint=midpoint)
+
+
+def _check_storable(
+    v: torch.Tensor,
+    finite: torch.Tensor,
+    what: str,
+    dtype: torch.dtype,
+    exact: torch.Tensor | None = None,
+) -> None:
+    bad = finite & ~torch.isfinite(v.float())  # float8 has no isfinite of its own
+    if exact is not None and dtype.itemsize == 1:  # float8 casts saturate instead of overflowing
+        bad = bad | (finite & (exact.abs() > torch.finfo(dtype).max))
+    if bool(bad.any()):
+        raise ValueError(
+            f"the group {what} overflows scale_dtype={dtype}; "
+            "use scale_dtype='float32' for inputs of this range"
+        )
+
+
+def dequantize_groups(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    *,
+    symmetric: bool = False,
+    midpoint: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantize codes with broadcastable ``scale``/``zero``: ``code * scale + zero``.
+
+    Computed in float32 and returned as ``dtype``.  Symmetric: ``(code - 2^(b-1)) * scale``;
+    1-bit midpoint: ``zero + scale/4 + code * scale/2``.
+    """
+    c = codes.float()
+    s = scale.float()
+    if symmetric:
+        return ((c - (1 << (bits - 1))) * s).to(dtype)
+    z = zero.float()
+    if midpoint:
+        return (c * (s * 0.5) + (z + s * 0.25)).to(dtype)
+    return (c * s + z).to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    symmetric: bool = False,
+    midpoint: bool = False,
+    scale_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """Quantize then dequantize groups (last dim) of ``x``; returns ``x``'s dtype and shape."""
+    g = quantize_groups(x, bits, symmetric=symmetric, midpoint=midpoint, scale_dtype=scale_dtype)
+    return dequantize_groups(
+        g.codes, g.scale, g.zero, bits, symmetric=symmetric, midpoint=midpoint, dtype=x.dtype
+    )

@@ -1,0 +1,323 @@
+"""Matplotlib figures: Pareto frontiers (bits or bytes vs quality), latency and memory vs
+context.  Each PNG is readable without the JSON: titled, labelled axes with units, a legend,
+dominated points drawn hollow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvbench.report.tables import label_of
+from kvbench.workloads.metrics import HIGHER, direction
+
+#: (x metric, y metric) pairs drawn as Pareto plots when the records have both
+PARETO = [
+    ("nominal_key_bits", "attn_kl"),
+    ("nominal_key_bits", "ppl_delta"),
+    ("nominal_key_bits", "next_token_kl"),
+    ("effective_bits", "attn_kl"),
+    ("bytes_total", "next_token_kl"),
+]
+UNITS = {
+    "nominal_key_bits": "bits / key element (nominal, spec §12)",
+    "effective_bits": "bits / element (measured bytes)",
+    "bytes_total": "bytes at rest",
+    "attn_kl": "attention KL (lower is better)",
+    "ppl_delta": "perplexity increase vs full",
+    "next_token_kl": "next-token KL vs full (lower is better)",
+    "key_mse": "key MSE (lower is better)",
+}
+
+
+def pareto_mask(xs: list[float], ys: list[float], y_higher_better: bool = False) -> list[bool]:
+    """True where a point is not dominated (lower x is better; y by its direction)."""
+    out = []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        dominated = False
+        for j, (x2, y2) in enumerate(zip(xs, ys)):
+            if i == j:
+                continue
+            better_y = y2 >= y if y_higher_better else y2 <= y
+            strictly = x2 < x or (y2 > y if y_higher_better else y2 < y)
+            if x2 <= x and better_y and strictly:
+                dominated = True
+                break
+        out.append(not dominated)
+    return out
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pareto_plot(
+    records: list[dict[str, Any]], x: str, y: str, path: Path, title: str = ""
+) -> Path | None:
+    pts = [
+        (r["metrics"][x], r["metrics"][y], label_of(r))
+        for r in records
+        if x in r["metrics"] and y in r["metrics"] and r["method"] != "full"
+    ]
+    if len(pts) < 2:
+        return None
+    plt = _figure()
+    xs, ys, labels = zip(*pts)
+    keep = pareto_mask(list(xs), list(ys), direction(y) == HIGHER)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for xi, yi, lab, k in zip(xs, ys, labels, keep):
+        ax.scatter([xi], [yi], facecolors="C0" if k else "none", edgecolors="C0", s=40)
+        ax.annotate(lab, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = sorted((xi, yi) for xi, yi, k in zip(xs, ys, keep) if k)
+    if len(front) > 1:
+        ax.plot(*zip(*front), "C0-", lw=1, label="Pareto frontier")
+    ax.set_xlabel(UNITS.get(x, x))
+    ax.set_ylabel(UNITS.get(y, y))
+    if all(v > 0 for v in ys) and max(ys) / max(min(ys), 1e-30) > 100:
+        ax.set_yscale("log")
+    ax.set_title(title or f"{y} vs {x} (hollow: dominated)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _style(i: int) -> dict[str, Any]:
+    """Distinct color/marker/line per series (20 colors x 4 markers), readable with 25 lines."""
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab20"].colors
+    return {
+        "color": colors[(2 * i) % 20 if i < 10 else (2 * (i - 10) + 1) % 20],
+        "marker": "osD^v<>"[i // 10 % 7],
+        "linestyle": ("-", "--", ":")[i // 20 % 3],
+    }
+
+
+def series_plot(
+    records: list[dict[str, Any]],
+    x_key: str,
+    y: str,
+    path: Path,
+    ylabel: str,
+    title: str,
+    workload: str | None = None,
+    logy: bool | None = None,
+) -> Path | None:
+    """One line per method label: ``y`` against workload parameter ``x_key`` (context depth),
+    from records of workload type ``workload`` (all types when ``None``).  The context axis is
+    log2 when it spans more than 4x; ``logy`` (default: when ``y`` spans more than 20x) makes
+    the y axis logarithmic.  The legend sits outside the axes, sorted by the last point."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        w = r.get("workload", {})
+        if workload is not None and w.get("type") != workload:
+            continue
+        if y in r["metrics"] and x_key in w:
+            series.setdefault(label_of(r), []).append((w[x_key], r["metrics"][y]))
+    if not series:
+        return None
+    if "bytes" in y:  # bytes read better in MiB
+        series = {k: [(x, v / 2**20) for x, v in pts] for k, pts in series.items()}
+        ylabel = f"{ylabel} (MiB)"
+    plt = _figure()
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    last = {lab: sorted(pts)[-1][1] for lab, pts in series.items()}
+    for i, lab in enumerate(sorted(series, key=lambda k: -last[k])):
+        pts = sorted(series[lab])
+        ax.plot(*zip(*pts), label=lab, lw=1.3, ms=4, **_style(i))
+    xs = [x for pts in series.values() for x, _ in pts]
+    ys = [v for pts in series.values() for _, v in pts if v > 0]
+    if min(xs) > 0 and max(xs) / min(xs) >= 4:
+        ax.set_xscale("log", base=2)
+        ticks = sorted(set(xs))
+        ax.set_xticks(
+            ticks, [f"{int(t) // 1024}K" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks]
+        )
+    if logy is None:
+        logy = bool(ys) and max(ys) / min(ys) > 20
+    if logy:
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    if y.endswith("_ratio"):
+        ax.axhline(1.0, color="0.4", lw=1, ls="--", zorder=0)
+    ax.set_xlabel(f"context depth ({x_key}, tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _join_key(r: dict[str, Any]) -> str:
+    from kvbench.run.records import canonical
+
+    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
+
+
+#: quality metrics the three-way view can use, in order of preference
+QUALITY = ("attn_kl", "next_token_kl", "ppl_delta", "key_mse")
+
+
+def tradeoff_points(
+    records: list[dict[str, Any]], quality: str | None = None, context: int | None = None
+) -> tuple[list[tuple[float, float, float, str]], int | None, str | None, bool]:
+    """Join the records of each method configuration (same model, method and config) across
+    workloads for :func:`tradeoff_plot`.
+
+    Returns ``(points, context, quality, ratio)``: one ``(bytes_total, quality, latency, label)``
+    per configuration that has all three, where ``bytes_total`` comes from its ``memory`` record
+    at context depth ``context`` (default: the depth most configurations have in both memory
+    and latency records, the largest on ties), latency is ``decode_ms_p50_ratio`` (``ratio``
+    True) or ``decode_ms_p50`` from its ``latency`` record at that depth, and ``quality``
+    (default: the first of :data:`QUALITY` any record has) from its memory record at that depth
+    or, failing that, from any other non-latency record (fidelity, perplexity).
+    """
+    by: dict[str, dict[str, Any]] = {}
+    ratio = any("decode_ms_p50_ratio" in r["metrics"] for r in records)
+    for r in records:
+        e = by.setdefault(_join_key(r), {"label": label_of(r), "mem": {}, "lat": {}, "q": {}})
+        w, m = r.get("workload", {}), r["metrics"]
+        c = w.get("context")
+        if w.get("type") == "memory" and "bytes_total" in m:
+            e["mem"][c] = m["bytes_total"]
+        if w.get("type") == "latency":
+            lat = m.get("decode_ms_p50_ratio") if ratio else m.get("decode_ms_p50")
+            if lat is not None:
+                e["lat"][c] = lat
+            continue
+        for q in QUALITY:
+            if q in m:  # memory records by depth; others (fidelity...) under None
+                e["q"].setdefault(q, {})[c if w.get("type") == "memory" else None] = m[q]
+    if context is None:
+        common = [c for e in by.values() for c in set(e["mem"]) & set(e["lat"])]
+        if not common:
+            return [], None, quality, ratio
+        context = max(common, key=lambda c: (common.count(c), c))
+    if quality is None:
+        quality = next((q for q in QUALITY if any(q in e["q"] for e in by.values())), None)
+    pts = []
+    for e in by.values():
+        qv = e["q"].get(quality, {})
+        y = qv.get(context, qv.get(None))
+        if context in e["mem"] and context in e["lat"] and y is not None:
+            pts.append((e["mem"][context], y, e["lat"][context], e["label"]))
+    return pts, context, quality, ratio
+
+
+def tradeoff_plot(
+    records: list[dict[str, Any]],
+    path: Path,
+    quality: str | None = None,
+    context: int | None = None,
+) -> Path | None:
+    """The three-way view: quality (y) vs bytes at rest (x, log) vs decode latency (color and
+    marker size), one point per method configuration (:func:`tradeoff_points` joins them).
+    Coincident points (``full`` and ``hf-dynamic``) share one marker; points dominated in bytes
+    and quality are marked.  Returns ``None`` when fewer than two configurations have all three.
+    """
+    pts, context, quality, ratio = tradeoff_points(records, quality, context)
+    if len(pts) < 2:
+        return None
+    merged: dict[tuple[float, float], list] = {}  # coincident points (full, hf-dynamic): one
+    for x, y, lat, lab in pts:
+        e = merged.setdefault((x, y), [x, y, [], []])
+        e[2].append(lat)
+        e[3].append(lab)
+    pts = [
+        (x / 2**20, y, sum(ls) / len(ls), " / ".join(labs))  # bytes -> MiB
+        for x, y, ls, labs in merged.values()
+    ]
+    plt = _figure()
+    xs, ys, lats, labels = zip(*pts)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    lo, hi = min(lats), max(lats)
+    sizes = [40 + 260 * ((v - lo) / (hi - lo) if hi > lo else 0.5) for v in lats]
+    sc = ax.scatter(xs, ys, c=lats, s=sizes, cmap="viridis_r", edgecolors="k", linewidths=0.5)
+    sc.set_clip_on(False)  # a point at quality 0 (full) sits on the axis
+    keep = pareto_mask(list(xs), list(ys))
+    for xi, yi, lab, k in zip(xs, ys, labels, keep):
+        ax.annotate(
+            lab + ("" if k else " (dominated)"),
+            (xi, yi),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    cb = fig.colorbar(sc, ax=ax)
+    cb.set_label("decode step, median / interleaved full" if ratio else "decode step, median (ms)")
+    ax.set_xscale("log")
+    pos = [v for v in ys if v > 0]
+    if pos and (len(pos) < len(ys) or max(pos) / min(pos) > 100):
+        if len(pos) < len(ys):
+            ax.set_yscale("symlog", linthresh=min(pos))
+            ax.set_ylim(bottom=0, top=max(pos) * 3)
+        else:
+            ax.set_yscale("log")
+    ax.margins(x=0.12, y=0.12)
+    ax.set_xlabel(f"KV cache at rest, MiB (memory workload, context {context})")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+    ax.set_ylabel(UNITS.get(quality, quality))
+    ax.set_title(
+        f"quality vs memory vs decode latency at context {context}\n"
+        "(color and size: latency; lower-left is better; dominated in bytes and quality marked)"
+    )
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_plots(records: list[dict[str, Any]], folder: str | Path) -> list[Path]:
+    """Write every plot the records support into ``folder``; returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for x, y in PARETO:
+        p = pareto_plot(records, x, y, folder / f"pareto_{y}_vs_{x}.png")
+        if p:
+            out.append(p)
+    for y, label, kind in (
+        ("decode_ms_p50", "decode step, median (ms)", "latency"),
+        ("decode_ms_p50_ratio", "decode step, median / interleaved full", "latency"),
+        ("tokens_per_s", "decode tokens / s", "latency"),
+        ("bytes_total", "KV cache bytes at rest", "memory"),
+        ("effective_bits", "effective bits / element (8 x bytes / elements)", "memory"),
+        ("peak_step_bytes", "transient bytes of one decode step", "memory"),
+    ):
+        cpu = kind == "latency" and any(r.get("manifest", {}).get("timing_note") for r in records)
+        title = f"{label} vs context depth" + (
+            " (CPU: framework overhead dominates)" if cpu else ""
+        )
+        p = series_plot(
+            records,
+            "context",
+            y,
+            folder / f"{y}_vs_context.png",
+            label,
+            title,
+            workload=kind,
+        )
+        if p:
+            out.append(p)
+    p = tradeoff_plot(records, folder / "tradeoff_quality_bytes_latency.png")
+    if p:
+        out.append(p)
+    return out

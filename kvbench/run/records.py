@@ -1,0 +1,131 @@
+"""Result records: one JSON object per run, versioned, written atomically (design.md §3).
+
+Layout::
+
+    {"schema_version": 1, "run_id": "<16 hex>", "method": "kivi", "config": {...},
+     "model": {...}, "workload": {...}, "metrics": {"key_mse": ..., ...},
+     "per_layer": {...} | null, "manifest": {...}, "created": "ISO-8601"}
+
+``run_id`` hashes the model, method, config and workload, so a rerun of the same suite finds
+its record and skips the run (resume), and ``kvbench compare`` matches runs across result sets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class RecordError(ValueError):
+    """A record that is missing, unreadable or of another schema version."""
+
+
+def canonical(obj: Any) -> str:
+    """Deterministic JSON text (sorted keys, no spaces) used for hashing."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def make_run_id(model: dict, method: str, config: dict, workload: dict) -> str:
+    """16-hex-digit hash of what defines a run (not of its results or its machine)."""
+    text = canonical({"model": model, "method": method, "config": config, "workload": workload})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def new_record(
+    *,
+    method: str,
+    config: dict,
+    model: dict,
+    workload: dict,
+    metrics: dict[str, float],
+    manifest: dict,
+    per_layer: dict | None = None,
+) -> dict[str, Any]:
+    """Assemble a record; ``metrics`` must be a flat name -> number mapping."""
+    for k, v in metrics.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ValueError(f"metric {k!r} must be a number, got {type(v).__name__}")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": make_run_id(model, method, config, workload),
+        "method": method,
+        "config": config,
+        "model": model,
+        "workload": workload,
+        "metrics": metrics,
+        "per_layer": per_layer,
+        "manifest": manifest,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def record_path(out_dir: str | Path, run_id: str) -> Path:
+    return Path(out_dir) / f"{run_id}.json"
+
+
+def write_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file in the same folder and ``os.replace``, so a
+    crash never leaves a partial file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_record(path: str | Path) -> dict[str, Any]:
+    """Read and check one record.
+
+    Raises
+    ------
+    RecordError
+        Unreadable JSON, a missing ``schema_version``, or a version other than
+        :data:`SCHEMA_VERSION`.
+    """
+    path = Path(path)
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path}: not a readable record ({exc})") from exc
+    if not isinstance(rec, dict) or "schema_version" not in rec:
+        raise RecordError(f"{path}: missing schema_version (not a kvbench record)")
+    if rec["schema_version"] != SCHEMA_VERSION:
+        raise RecordError(
+            f"{path}: schema_version {rec['schema_version']} is not supported "
+            f"(this kvbench reads {SCHEMA_VERSION})"
+        )
+    for key in ("run_id", "method", "config", "metrics"):
+        if key not in rec:
+            raise RecordError(f"{path}: record lacks {key!r}")
+    return rec
+
+
+def load_records(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
+    """Records from files and/or folders (``*.json`` directly inside a folder)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(load_record(f) for f in sorted(p.glob("*.json")))
+        elif p.exists():
+            out.append(load_record(p))
+        else:
+            raise RecordError(f"{p}: no such file or folder")
+    return out
