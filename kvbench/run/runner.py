@@ -8,6 +8,7 @@ metrics against it.  A summary table is printed at the end.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -98,6 +99,118 @@ def _ordered(methods: list[MethodSpec]) -> list[MethodSpec]:
     return sorted(methods, key=lambda m: m.name != BASELINE)
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """One (model, workload, method config) run of a suite, known before any model loads.
+
+    ``run_id`` is that of the configuration as the suite asked for it (before model-dependent
+    fields are filled by :meth:`Method.for_model`), so a rerun finds the record without loading
+    the model; ``path`` is where its record is written.
+    """
+
+    model_index: int
+    workload_index: int
+    model_spec: dict[str, Any] | None
+    workload_spec: dict[str, Any]
+    workload_key: dict[str, Any]
+    method: MethodSpec
+    run_id: str
+    path: Path
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.method.name == BASELINE
+
+    @property
+    def title(self) -> str:
+        return f"{self.method.label} / {self.workload_spec['type']}"
+
+
+def plan_runs(suite: Suite, out_dir: str | Path, limit: int | None = None) -> list[PlannedRun]:
+    """Every run of ``suite`` in execution order: models, then workloads, then methods with the
+    ``full`` baseline first (so later runs get ``*_ratio`` metrics against it).  Builds each
+    method config (validation errors surface here, before any model loads); loads nothing."""
+    out_dir = Path(out_dir)
+    runs = []
+    for mi, model_spec in enumerate(suite.models):
+        for wi, wspec in enumerate(suite.workloads):
+            wl_key = dict(wspec, limit=limit) if limit else wspec
+            for mspec in _ordered(suite.methods):
+                config = get_method(mspec.name, **mspec.config).config.to_dict()
+                rid = make_run_id(model_spec or {}, mspec.name, config, wl_key)
+                path = record_path(out_dir, rid)
+                runs.append(PlannedRun(mi, wi, model_spec, wspec, wl_key, mspec, rid, path))
+    return runs
+
+
+def finished_record(run: PlannedRun, force: bool = False) -> dict[str, Any] | None:
+    """The record a previous sweep wrote for ``run`` (resume), or ``None`` to compute it."""
+    if force or not run.path.exists():
+        return None
+    return load_record(run.path)
+
+
+def ensure_model(ctx: RunContext) -> None:
+    """Load the context's model on first need (a sweep of only finished runs loads nothing)."""
+    if ctx.model_spec is not None and ctx.model is None:
+        ctx.model, ctx.tokenizer, ctx.model_info = _load_model(ctx.model_spec)
+
+
+def execute_run(
+    ctx: RunContext,
+    workload: Workload,
+    run: PlannedRun,
+    calibration: dict[str, Any],
+    baseline: dict[str, float] | None,
+) -> tuple[dict[str, float], dict[str, Any], Result, Any]:
+    """Run one method configuration in a prepared workload: build the method, fill its model-
+    dependent fields, calibrate it if it needs it, run the workload and add ``*_ratio`` metrics
+    against ``baseline``.  Returns (metrics, manifest extras, result, method)."""
+    method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
+    calib_info: dict[str, Any] = {}
+    if method.needs_calibration:
+        if ctx.model is None:
+            raise ValueError(
+                f"method {run.method.name!r} needs calibration on a model "
+                "(capability needs_calibration); the suite has none"
+            )
+        calib_info = calibrate(ctx, method, calibration)
+    t0 = time.perf_counter()
+    result: Result = workload.run(ctx, method)
+    wall = time.perf_counter() - t0
+    metrics = dict(result.metrics)
+    if not run.is_baseline:  # ratios a workload measured itself (interleaved timing) win
+        ratios = _ratios(metrics, baseline)
+        metrics.update({k: v for k, v in ratios.items() if k not in metrics})
+    extras = {"label": run.method.label, "wall_s": round(wall, 3), **calib_info, **result.info}
+    return metrics, extras, result, method
+
+
+def make_record(
+    suite: Suite,
+    ctx: RunContext,
+    run: PlannedRun,
+    method: Any,
+    metrics: dict[str, float],
+    extras: dict[str, Any],
+    result: Result,
+) -> dict[str, Any]:
+    """The JSON record of one finished run (config, metrics, manifest, per-layer data)."""
+    manifest = base_manifest(run.model_spec["device"] if run.model_spec else "cpu", suite.seed)
+    manifest.update({"model": ctx.model_info, "suite": suite.path, **extras})
+    rec = new_record(
+        method=run.method.name,
+        config=method.config.to_dict(),
+        model=run.model_spec or {},
+        workload=run.workload_key,
+        metrics=metrics,
+        manifest=manifest,
+        per_layer=result.per_layer,
+    )
+    rec["run_id"] = run.run_id
+    return rec
+
+
 def run_suite(
     suite: Suite,
     out_dir: str | Path,
@@ -106,104 +219,64 @@ def run_suite(
     quiet: bool = False,
     skip_unavailable: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every (model, workload, method) of ``suite``; returns the records (new and skipped).
+    """Run every (model, workload, method) of ``suite``; returns the records (new and resumed).
+
+    The steps: :func:`plan_runs` (ids and paths, no model), then per model and workload:
+    :func:`finished_record` (resume), :func:`ensure_model`, ``workload.prepare`` once,
+    :func:`execute_run`, :func:`make_record`, and an atomic write.
 
     ``skip_unavailable``: a workload whose data cannot be loaded here (``FileNotFoundError``
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
     instead of stopping the suite."""
-    out_dir = Path(out_dir)
     torch.manual_seed(suite.seed)
     if suite.threads:
         torch.set_num_threads(int(suite.threads))
-    records = []
-    total = len(suite.models) * len(suite.workloads) * len(suite.methods)
-    bar = tqdm(total=total, desc=suite.name, disable=quiet, file=sys.stderr)
-    for model_spec in suite.models:
-        ctx = RunContext(model_spec=model_spec, seed=suite.seed, limit=limit)
-        for wspec in suite.workloads:
-            workload: Workload = workload_class(wspec["type"])(wspec)
-            wl_key = dict(wspec, limit=limit) if limit else wspec
+    runs = plan_runs(suite, out_dir, limit)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=len(runs), desc=suite.name, disable=quiet, file=sys.stderr)
+
+    def note(msg: str) -> None:
+        if not quiet:
+            bar.write(msg, sys.stderr)
+
+    for _, model_runs in itertools.groupby(runs, key=lambda r: r.model_index):
+        model_runs = list(model_runs)
+        ctx = RunContext(model_spec=model_runs[0].model_spec, seed=suite.seed, limit=limit)
+        for _, group in itertools.groupby(model_runs, key=lambda r: r.workload_index):
+            group = list(group)
+            workload: Workload = workload_class(group[0].workload_spec["type"])(
+                group[0].workload_spec
+            )
             baseline: dict[str, float] | None = None
             prepared = False
-            unavailable = None
-            for mspec in _ordered(suite.methods):
-                if unavailable is not None:
-                    bar.update(1)
-                    continue
-                method = get_method(mspec.name, **mspec.config)
-                config = method.config.to_dict()
-                rid = make_run_id(model_spec or {}, mspec.name, config, wl_key)
-                path = record_path(out_dir, rid)
-                bar.set_postfix_str(f"{mspec.label} / {wspec['type']}")
-                if path.exists() and not force:
-                    rec = load_record(path)
-                    records.append(rec)
-                    if mspec.name == BASELINE:
-                        baseline = rec["metrics"]
-                    bar.update(1)
-                    continue
-                why = skip_reason(method, workload)
-                if why:
-                    if not quiet:
-                        bar.write(f"skipped {mspec.label} / {wspec['type']}: {why}", sys.stderr)
-                    bar.update(1)
-                    continue
-                if model_spec is not None and ctx.model is None:
-                    ctx.model, ctx.tokenizer, ctx.model_info = _load_model(model_spec)
-                if not prepared:
-                    try:
-                        workload.prepare(ctx)
-                    except FileNotFoundError as exc:
-                        if not skip_unavailable:
-                            raise
-                        unavailable = str(exc)
-                        bar.write(f"skipped workload {wspec['type']}: {exc}", sys.stderr)
+            for i, run in enumerate(group):
+                bar.set_postfix_str(run.title)
+                rec = finished_record(run, force)
+                if rec is None:
+                    why = skip_reason(get_method(run.method.name, **run.method.config), workload)
+                    if why:
+                        note(f"skipped {run.title}: {why}")
                         bar.update(1)
                         continue
-                    prepared = True
-                method = method.for_model(ctx.model_info)
-                calib_info = {}
-                if method.needs_calibration:
-                    if ctx.model is None:
-                        raise ValueError(
-                            f"method {mspec.name!r} needs calibration on a model "
-                            "(capability needs_calibration); the suite has none"
-                        )
-                    calib_info = calibrate(ctx, method, suite.calibration)
-                t0 = time.perf_counter()
-                result: Result = workload.run(ctx, method)
-                wall = time.perf_counter() - t0
-                metrics = dict(result.metrics)
-                if mspec.name == BASELINE:
-                    baseline = metrics
-                else:  # ratios a workload measured itself (interleaved timing) take precedence
-                    ratios = _ratios(metrics, baseline)
-                    metrics.update({k: v for k, v in ratios.items() if k not in metrics})
-                manifest = base_manifest(model_spec["device"] if model_spec else "cpu", suite.seed)
-                manifest.update(
-                    {
-                        "model": ctx.model_info,
-                        "suite": suite.path,
-                        "label": mspec.label,
-                        "wall_s": round(wall, 3),
-                        **calib_info,
-                        **result.info,
-                    }
-                )
-                rec = new_record(
-                    method=mspec.name,
-                    config=method.config.to_dict(),
-                    model=model_spec or {},
-                    workload=wl_key,
-                    metrics=metrics,
-                    manifest=manifest,
-                    per_layer=result.per_layer,
-                )
-                # the id is that of the configuration as the suite asked for it (before model-
-                # dependent fields were filled), so a rerun finds it without loading the model
-                rec["run_id"] = rid
-                write_atomic(path, rec)
+                    ensure_model(ctx)
+                    if not prepared:
+                        try:
+                            workload.prepare(ctx)
+                        except FileNotFoundError as exc:
+                            if not skip_unavailable:
+                                raise
+                            note(f"skipped workload {run.workload_spec['type']}: {exc}")
+                            bar.update(len(group) - i)
+                            break
+                        prepared = True
+                    metrics, extras, result, method = execute_run(
+                        ctx, workload, run, suite.calibration, baseline
+                    )
+                    rec = make_record(suite, ctx, run, method, metrics, extras, result)
+                    write_atomic(run.path, rec)
                 records.append(rec)
+                if run.is_baseline:
+                    baseline = rec["metrics"]
                 bar.update(1)
     bar.close()
     return records
