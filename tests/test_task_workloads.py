@@ -1,8 +1,8 @@
 """Task workloads (gsm8k, mgsm, math, humaneval, ruler, gpqa, infinitebench) and the RoPE-pair
 studies (score_agreement, selection_stability).
 
-Right values come from outside the code under test: gold answers read from the shared data
-files, hand-made completions whose verdict follows from lm-evaluation-harness's filter
+Right values come from outside the code under test: gold answers read from the local data
+folder (``KVBENCH_DATA_DIR``), hand-made completions whose verdict follows from lm-evaluation-harness's filter
 definitions, HumanEval's own canonical solutions, transformers' stock greedy ``generate`` on a
 tiny random-weight Llama (built offline), needle positions re-measured with the tokenizer, and
 brute-force float64 numpy re-computations of the pair statistics.
@@ -13,27 +13,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_helpers import local_data_dir
 
 from kvbench.kv.registry import get_method
 from kvbench.run.runner import RunContext
 from kvbench.workloads import workload_class
 from kvbench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
 
-SHARED = Path(
-    os.environ.get("KVBENCH_DATA_DIR")
-    or Path(__file__).resolve().parents[1].parent / "shared" / "data"
-)
-needs_data = pytest.mark.skipif(not SHARED.is_dir(), reason="shared data folder not available")
+needs_data = pytest.mark.data
 
 
 def _jsonl(rel: str) -> list[dict]:
-    return [json.loads(x) for x in (SHARED / rel).read_text("utf-8").splitlines() if x.strip()]
+    root = local_data_dir(rel)
+    return [json.loads(x) for x in (root / rel).read_text("utf-8").splitlines() if x.strip()]
 
 
 def make(kind: str, **params):
@@ -211,7 +207,8 @@ def test_aime_and_subject_filter() -> None:
 @needs_data
 def test_mgsm_native_strict_and_flexible_per_language() -> None:
     def golds(lang):
-        lines = (SHARED / f"mgsm/mgsm_{lang}.tsv").read_text("utf-8").splitlines()
+        rel = f"mgsm/mgsm_{lang}.tsv"
+        lines = (local_data_dir(rel) / rel).read_text("utf-8").splitlines()
         return [ln.rsplit("\t", 1)[1] for ln in lines if ln.strip()]
 
     zh, en = golds("zh"), golds("en")

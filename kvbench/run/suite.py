@@ -42,7 +42,7 @@ TOP_KEYS = {
     "calibration",
 }
 #: calibration text for methods that need it (must differ from every evaluation text)
-DEFAULT_CALIBRATION = {"text": "mobydick", "tokens": 2048}
+DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 MODEL_KEYS = {"id", "dtype", "device"}
 DEFAULT_MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
 

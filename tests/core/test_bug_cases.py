@@ -1,4 +1,4 @@
-"""Rows of /work/shared/bug-cases.md that apply to the core (quantizer, codecs, LayerCache).
+"""Known fault cases of the core (quantizer, codecs, LayerCache), one test per case.
 
 Each test names its row.  Right values are the rows' own numbers, values worked by hand in the
 comments, or the float64 references of conftest.py.

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from data_helpers import dataset
 
 from kvbench.tasks import extract as ex
 from kvbench.tasks.math_answer import (
@@ -16,8 +14,6 @@ from kvbench.tasks.math_answer import (
     strip_math,
     to_fraction,
 )
-
-DATA = Path("/work/shared/data")
 
 
 # --------------------------------------------------------------------------- GSM8K
@@ -69,9 +65,9 @@ def test_normalization_and_number_comparison() -> None:
         ex.gsm8k_is_correct("1", "1", mode="loose")
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k/test.jsonl").exists(), reason="shared data not present")
+@pytest.mark.data
 def test_gsm8k_reference_solutions_pass_strict_match() -> None:
-    rows = [json.loads(line) for line in (DATA / "gsm8k/test.jsonl").open()]
+    rows, _ = dataset("gsm8k")
     assert all(ex.gsm8k_is_correct(r["answer"], r["answer"], "strict-match") for r in rows)
 
 
@@ -133,9 +129,9 @@ def test_aime_answers() -> None:
     assert aime_answer("I give up") is None
 
 
-@pytest.mark.skipif(not (DATA / "math").exists(), reason="shared data not present")
+@pytest.mark.data
 def test_math500_reference_solutions_equal_answers() -> None:
-    rows = [json.loads(line) for line in (DATA / "math/math500.test.jsonl").open()]
+    rows, _ = dataset("math500")
     assert all(is_equiv(extract_math_answer(r["solution"]), r["answer"]) for r in rows)
 
 

