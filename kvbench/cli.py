@@ -85,6 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from kvbench.report.paper import validate
 
         validate(paper_block, suite.path)
+    from kvbench.run.preflight import format_missing, preflight
+
+    if missing := preflight(suite):  # every asset resolved before the first run
+        print(format_missing(missing, suite.path), file=sys.stderr)
+        return 2
     out = args.out or f"results/{suite.name}"
     records = run_suite(
         suite,

@@ -176,6 +176,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         methods,
         workloads,
         data,
+        {**DEFAULT_CALIBRATION, **(data.get("calibration") or {})},
     )
 
 

