@@ -91,14 +91,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
     out = args.out or f"results/{suite.name}"
-    records = run_suite(
-        suite,
-        out,
-        limit=args.limit,
-        force=args.force,
-        quiet=args.quiet,
-        skip_unavailable=getattr(args, "skip_unavailable", False),
-    )
+    try:
+        records = run_suite(
+            suite,
+            out,
+            limit=args.limit,
+            force=args.force,
+            quiet=args.quiet,
+            skip_unavailable=getattr(args, "skip_unavailable", False),
+        )
+    except FileNotFoundError as exc:  # an asset that vanished after the pre-flight
+        print(f"kvbench run: error: {exc}", file=sys.stderr)
+        return 2
     from kvbench.report.tables import summary_table
 
     print(summary_table(records, suite=suite))
