@@ -41,7 +41,7 @@ def test_q8_0_hand_block_of_32():
 
 def test_q4_0_absmax7_hand_block_of_32():
     x = _block32(1.75, sign=1.0)  # d = 1.75 / 7 = 0.25
-    codes, scale, deq = _roundtrip(Int4Block(), x)
+    codes, scale, deq = _roundtrip(Int4Block(q4_rule="absmax7"), x)
     assert scale.tolist() == [0.25]
     expect = np.round(x / 0.25)
     assert codes.tolist() == expect.astype(int).tolist()
