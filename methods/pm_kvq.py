@@ -24,6 +24,12 @@ Choices made here:
 * ``budget_scope="codes"`` counts what the original counts (codes; sinks and window at 16 bits
   per element, as the original stores them, whatever the model dtype); ``"all"`` adds scales
   and zeros.
+* A ``budget_bits`` row must get the budget it names: when the main cache has to shrink below
+  the width ``budget_bits`` names (:meth:`PMKVQ.final_bits`), the budget was sized for fewer
+  tokens than the run holds (its window and sinks count at 16 bits), and the row would report
+  a lower width's numbers under the named one.  With ``on_overflow="raise"`` that is a
+  :class:`BudgetTooShort` error (a ``ValueError``) naming the tokens needed; ``"allow"``
+  continues.  A run of T tokens keeps width b when ``budget_tokens >= T + (16 / b - 1) (R + N_s)``.
 * Budgets are per layer and sequence (a batch of B holds B times it).  ``budget_bits`` b means
   ``b / 8 * 2 * H_kv * D * budget_tokens`` bytes, the original allocation's ``kv_mem``, so set
   ``budget_tokens`` (default 32768, its ``max_len``) to the workload's length; ``budget_bytes``
@@ -36,6 +42,7 @@ at 16 bits.  Defaults, D = 128: 2 + 32/128 = 2.25 (2.2504 with the sink).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -103,6 +110,11 @@ class ProgressiveCodec:
         return block
 
 
+class BudgetTooShort(ValueError):
+    """A ``budget_bits`` budget ran out before the run ended (the width fell below the named
+    one); the message names the tokens held and the ``budget_tokens`` that would keep it."""
+
+
 class ProgressiveLayerCache(LayerCache):
     """:class:`LayerCache` whose main cache shrinks while the layer exceeds ``budget`` (bytes per
     sequence).  Window, sinks, ``budget_scope`` and ``on_overflow`` come from ``config``;
@@ -122,6 +134,8 @@ class ProgressiveLayerCache(LayerCache):
         super().__init__(key_codec, value_codec, sched, sched, n_s, False, num_kv_heads, head_dim)
         self.budget, self.scope, self.on_overflow = budget, config.budget_scope, config.on_overflow
         self.init_bits = key_codec.init_bits
+        #: the width the budget names (``budget_bits``); below it the budget is too short
+        self.named_bits, self.config = MIN_BITS, config
 
     @property
     def bits(self) -> int:
@@ -142,6 +156,15 @@ class ProgressiveLayerCache(LayerCache):
             for side in (self.k, self.v):
                 side.block = None if side.block is None else shrink_block(side.block)
                 side.codec.bits //= 2
+        if self.bits < self.named_bits and self.on_overflow == "raise":
+            c, t = self.config, self.seq_length
+            need = t + (16 / self.named_bits - 1) * (c.residual_length + c.num_sink_tokens)
+            raise BudgetTooShort(
+                f"PM-KVQ budget_bits={self.named_bits} sized for budget_tokens={c.budget_tokens} "
+                f"ran out at {t} tokens (the cache shrank to {self.bits} bits; window and sinks "
+                f"count at 16 bits): set budget_tokens >= {math.ceil(need)} for this run, or "
+                "on_overflow='allow' to let it shrink"
+            )
         used, budget = self.budget_used()
         if used > budget and self.on_overflow == "raise":
             raise MemoryError(
@@ -278,7 +301,11 @@ class PMKVQ(Method):
         c = self.config
         budget = c.layer_budget(layer_idx, num_kv_heads, head_dim)
         k, v = self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim)
-        return ProgressiveLayerCache(k, v, c, budget, num_kv_heads, head_dim)
+        layer = ProgressiveLayerCache(k, v, c, budget, num_kv_heads, head_dim)
+        if c.budget_bytes is None:  # a budget_bits row: the width it names
+            widths = self.final_bits()
+            layer.named_bits = widths[layer_idx] if isinstance(c.bits_budget, tuple) else widths[0]
+        return layer
 
     def final_bits(self) -> list[int]:
         """Width per ``budget_bits`` entry once ``budget_tokens`` tokens are held (sinks and window

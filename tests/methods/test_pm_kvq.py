@@ -14,6 +14,7 @@ import kvbench
 from kvbench.kv.blocks import PerTokenCodec
 from kvbench.methods.pm_kvq import (
     PMKVQ,
+    BudgetTooShort,
     PMKVQConfig,
     allocate_bits,
     layer_sensitivity,
@@ -294,3 +295,42 @@ def test_pi_calibration_scales_hand_values():
         pi_calibration_scales(k, alpha=float("nan"))
     with pytest.raises(ValueError):
         pi_calibration_scales(torch.zeros(1, 1, 1, 3))
+
+
+# ---------------------------------------------------------------- a budget shorter than the run
+
+
+def _run(budget_bits, budget_tokens, tokens, on_overflow="raise"):
+    """fp32 K/V [1, 1, tokens, 8]; sinks 1, window R = 4, one 8-channel group per token."""
+    m = PMKVQ(
+        residual_length=4,
+        budget_bits=budget_bits,
+        budget_tokens=budget_tokens,
+        channel_group_size=8,
+        on_overflow=on_overflow,
+    )
+    layer = m.new_layer(0, 1, 8)
+    x = torch.randn(1, 1, tokens, 8, generator=torch.Generator().manual_seed(1))
+    layer.prefill(x, x)
+    return layer
+
+
+def test_budget_bits_row_keeps_its_width_when_the_budget_covers_the_run():
+    # prefill 64 tokens: sink 1, main 60, window 3 (flushed in whole windows of R = 4).  Counted
+    # (codes + sink/window at 16 bits): 2 sides x (60 x 8 ch x 4/8 B + 4 tokens x 8 x 2 B) = 608 B
+    # at 4 bits; the budget is 4/8 x 2 x 8 x T' = 8 T' B, so T' = 76 keeps 4 bits, 75 does not.
+    # The message suggests the sufficient T + (16/4 - 1)(R + N_s) = 64 + 15 = 79.
+    assert _run(4, 76, 64).bits == 4
+    with pytest.raises(BudgetTooShort, match=r"budget_tokens >= 79"):
+        _run(4, 75, 64)
+    assert _run(4, 79, 64).bits == 4
+    with pytest.raises(BudgetTooShort, match="ran out at 64 tokens"):
+        _run(4, 64, 64)  # a budget sized for the run length itself is too short
+    assert _run(4, 64, 64, on_overflow="allow").bits == 2  # allowed: shrinks (the old row)
+
+
+def test_two_bit_budget_is_the_floor_and_never_too_short():
+    # 2 bits is the last width: overflow there is the MemoryError of the original
+    with pytest.raises(MemoryError):
+        _run(2, 16, 64)
+    assert not issubclass(MemoryError, ValueError)
