@@ -120,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 EXTERNAL = {
     "report": ("kvbench.report.tables", "summarize result records: Markdown table and plots"),
     "compare": ("kvbench.report.compare", "compare two result sets; non-zero exit on regression"),
+    "export": ("kvbench.report.export", "compact committable export of a result folder"),
 }
 
 

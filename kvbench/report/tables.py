@@ -102,6 +102,12 @@ def main(args: argparse.Namespace) -> int:
     records = load_records(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
+    if any(r.get("workload", {}).get("type") == "memory" for r in records) and any(
+        r["method"] == "full" for r in records
+    ):
+        from kvbench.report.headline import headline_table
+
+        print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
     print(summary_table(records))
     if not args.no_plots:
         from kvbench.report.plots import write_plots

@@ -1,0 +1,130 @@
+"""``kvbench export RESULTS --out FILE``: a compact, committable export of a result folder.
+
+The export is one JSON file: ``{"export_version", "suite", "command", "machine", "wall_s",
+"records"}`` where each record keeps ``run_id``, ``method``, ``config``, ``model``, ``workload``,
+``metrics`` and a manifest with machine-specific paths stripped (every string that is an
+absolute path becomes ``<local>/<file name>``); ``per_layer`` data is dropped. The README's
+headline table is rendered from such a file (:func:`readme_block`) and a test checks that the
+README shows exactly that rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+from kvbench.run.records import load_records, write_atomic
+
+EXPORT_VERSION = 1
+BEGIN = "<!-- kvbench-headline:begin {path} -->"
+END = "<!-- kvbench-headline:end -->"
+_ABS = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
+KEEP = ("run_id", "method", "config", "model", "workload", "metrics")
+
+
+def strip_paths(obj: Any) -> Any:
+    """``obj`` with every absolute path string replaced by ``<local>/<name>`` (recursively)."""
+    if isinstance(obj, dict):
+        return {k: strip_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [strip_paths(v) for v in obj]
+    if isinstance(obj, str) and _ABS.match(obj):
+        return "<local>/" + Path(obj.rstrip("/\\")).name
+    return obj
+
+
+def machine() -> str:
+    """A one-line description of this machine: OS, CPU, cores."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
+
+
+def make_export(
+    records: list[dict[str, Any]], command: str, machine_desc: str, wall_s: float | None
+) -> dict[str, Any]:
+    """The export dict of ``records`` (sorted by run id, so a rerun gives the same file)."""
+    recs = []
+    for r in sorted(records, key=lambda r: r["run_id"]):
+        out = {k: r[k] for k in KEEP if k in r}
+        out["manifest"] = strip_paths(r.get("manifest", {}))
+        recs.append(out)
+    suites = sorted({str(r.get("manifest", {}).get("suite")) for r in records})
+    return {
+        "export_version": EXPORT_VERSION,
+        "suite": strip_paths(suites[0]) if len(suites) == 1 else strip_paths(suites),
+        "command": command,
+        "machine": machine_desc,
+        "wall_s": wall_s,
+        "records": recs,
+    }
+
+
+def load_export(path: str | Path) -> dict[str, Any]:
+    """Read an export file; ValueError for another format or version."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("export_version") != EXPORT_VERSION:
+        raise ValueError(f"{path}: not a kvbench export (export_version {EXPORT_VERSION})")
+    return data
+
+
+def readme_block(export_path: str | Path, rel: str) -> str:
+    """The README block for the export at ``export_path`` (``rel``: its path in the repository):
+    begin marker, the run's command, machine and wall time, the headline table, end marker."""
+    from kvbench.report.headline import headline_table
+
+    data = load_export(export_path)
+    wall = data.get("wall_s")
+    head = (
+        f"Command: `{data['command']}`; machine: {data['machine']}; wall time: "
+        + (f"{wall / 60:.1f} min" if wall is not None else "not recorded")
+        + f"; records: `{rel}`."
+    )
+    return "\n".join([BEGIN.format(path=rel), head, "", headline_table(data["records"]), END])
+
+
+def readme_blocks(text: str) -> dict[str, str]:
+    """Every headline block in a README text: export path -> the block, markers included."""
+    out = {}
+    for m in re.finditer(
+        r"<!-- kvbench-headline:begin (\S+) -->.*?<!-- kvbench-headline:end -->", text, flags=re.S
+    ):
+        out[m.group(1)] = m.group(0)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="result folder(s) or record files")
+    p.add_argument("--out", required=True, help="export JSON file to write")
+    p.add_argument("--command", required=True, help="the command that produced the records")
+    p.add_argument("--wall-s", type=float, default=None, help="wall time of that command (s)")
+    p.add_argument("--machine", default=None, help="machine description (default: this one)")
+    p.add_argument(
+        "--readme-block",
+        default=None,
+        metavar="REL",
+        help="also print the README block for the export, naming it REL in the repository",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    records = load_records(args.results)
+    if not records:
+        raise ValueError(f"no records in {args.results}")
+    data = make_export(records, args.command, args.machine or machine(), args.wall_s)
+    write_atomic(args.out, data)
+    print(f"wrote {args.out} ({len(data['records'])} records)")
+    if args.readme_block:
+        print(readme_block(args.out, args.readme_block))
+    return 0
