@@ -10,7 +10,8 @@ SUITE ?= suites/default.yaml
 OUT ?= results/default
 PYTEST_ARGS ?=
 
-.PHONY: env test lint format bench bench-smoke bench-micro bench-memory bench-latency clean
+.PHONY: env test lint format bench bench-generation bench-export bench-smoke bench-micro bench-memory \
+	bench-latency clean
 
 env: $(STAMP)
 
@@ -34,9 +35,22 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Local data: KVBENCH_DATA_DIR=<folder> when the hub is unreachable (see kvbench/data/catalog.py).
 bench: $(STAMP)
 	$(BIN)/kvbench run $(SUITE) --out $(OUT)
 	$(BIN)/kvbench report $(OUT) > $(OUT)/report.md
+
+# Greedy agreement: 16 prompts x 64 new tokens with prompt-clustered 95% intervals.
+bench-generation: $(STAMP)
+	$(BIN)/kvbench run suites/generation.yaml --out results/generation
+	$(BIN)/kvbench report results/generation > results/generation/report.md
+
+# The committed export of a finished `make bench` (README table): BENCH_WALL_S=<seconds>.
+EXPORT ?= docs/results/default.json
+bench-export: $(STAMP)
+	$(BIN)/kvbench export $(OUT) --out $(EXPORT) --command "make bench" \
+		$(if $(BENCH_WALL_S),--wall-s $(BENCH_WALL_S)) --readme-block $(EXPORT)
+	cp $(OUT)/report.md $(basename $(EXPORT))-report.md
 
 bench-smoke: $(STAMP)
 	$(BIN)/kvbench run suites/smoke.yaml --out results/smoke
