@@ -1,8 +1,9 @@
 """Test-wide helpers for data-dependent tests.
 
-A test that needs a dataset carries the ``data`` marker and gets it through :func:`dataset` (the
-public source, the local folder named by ``KVBENCH_DATA_DIR``, or a pip package) or the
-``data_dir`` fixture, which skip with a reason naming the dataset and how to provide it. With
+A test that needs a dataset carries the ``data`` marker and gets it through
+``data_helpers.dataset`` (the public source, the local folder named by ``KVBENCH_DATA_DIR``, or a
+pip package) or ``data_helpers.local_data_dir``, which skip with a reason naming the dataset and
+how to provide it. With
 ``KVBENCH_REQUIRE_DATA=1`` (set by ``.ci/run`` when a data folder is given) a skipped ``data``
 test fails instead, so CI cannot pass by skipping.
 """
@@ -10,20 +11,10 @@ test fails instead, so CI cannot pass by skipping.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
-from data_helpers import local_data_dir
-
-from kvbench.data import catalog
 
 REQUIRE_ENV = "KVBENCH_REQUIRE_DATA"
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    """The local data folder with every published file of the catalog; skips otherwise."""
-    return local_data_dir(*(s.local for s in {**catalog.TEXTS, **catalog.ROWS}.values() if s.local))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,0 +1,53 @@
+"""The CI gate on data tests (tests/conftest.py): with KVBENCH_REQUIRE_DATA=1 a skipped test
+marked ``data`` fails; without it the skip stands; other skips are untouched. Run in a separate
+pytest process on a copy of the conftest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CASES = """
+import pytest
+
+@pytest.mark.data
+def test_needs_data():
+    pytest.skip("needs dataset 'wikitext2'")
+
+def test_other_skip():
+    pytest.skip("no GPU")
+"""
+
+
+def _run(tmp_path: Path, require: bool) -> subprocess.CompletedProcess:
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_cases.py").write_text(CASES)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    data: needs a dataset\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVBENCH_REQUIRE_DATA"}
+    if require:
+        env["KVBENCH_REQUIRE_DATA"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_skipped_data_test_fails_when_data_is_required(tmp_path):
+    out = _run(tmp_path, require=True)
+    assert out.returncode == 1, out.stdout
+    assert "1 failed, 1 skipped" in out.stdout
+    assert "data test skipped while KVBENCH_REQUIRE_DATA=1" in out.stdout
+    assert "needs dataset 'wikitext2'" in out.stdout
+
+
+def test_skips_stand_without_the_requirement(tmp_path):
+    out = _run(tmp_path, require=False)
+    assert out.returncode == 0, out.stdout
+    assert "2 skipped" in out.stdout
