@@ -83,7 +83,7 @@ STEADY_NOTE = (
 )
 
 
-def _held_bytes(cache: Any) -> int | None:
+def held_bytes(cache: Any) -> int | None:
     """Bytes the cache holds now (``None`` when it cannot say)."""
     try:
         nb = cache_nbytes(cache)
@@ -92,7 +92,8 @@ def _held_bytes(cache: Any) -> int | None:
     return nb.get("total") if nb else None
 
 
-def _quantized(cache: Any) -> tuple[int, int] | None:
+def quantized_tokens_of(cache: Any) -> tuple[int, int] | None:
+    """(keys, values) tokens held quantized by layer 0 of a kvbench cache, else ``None``."""
     q = getattr(cache, "quantized_tokens", None)
     return q() if callable(q) else None
 
@@ -234,8 +235,8 @@ class Latency(Workload):
 
         def observe(name: str, i: int, ms: float | None) -> None:
             if i >= w - 1:  # the state before the first timed step, then after each one
-                held[name].append(_held_bytes(caches[name]))
-                quant[name].append(_quantized(caches[name]))
+                held[name].append(held_bytes(caches[name]))
+                quant[name].append(quantized_tokens_of(caches[name]))
 
         done = dict.fromkeys(names, 0)  # decode steps each cache has run
 
