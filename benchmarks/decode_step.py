@@ -1,193 +1,536 @@
-"""Decode-step latency at a long context on the CPU, every cache interleaved in one run.
+"""Decode-step latency of every built-in cache side by side, at several contexts, in one run.
 
-Caches (names for ``--caches``):
+Command (on an idle machine; results are only comparable within one run)::
 
-* ``dynamic``: transformers ``DynamicCache`` (full precision; the baseline of the ratios);
-* ``quanto2`` / ``quanto4``: transformers ``QuantizedCache(backend="quanto", nbits=2|4)``
-  (needs ``optimum-quanto``; skipped with a note otherwise);
-* ``kivi-reference``: kvbench KIVI through ``QuantizedKVCache(attend=False)``: ``update``
-  returns the dequantized cache and sdpa attends to it (the fidelity path);
-* ``kivi-eager``: ``attend=True``, code-domain attention without compilation
-  (``KVBENCH_CPU_ATTENTION=eager``);
-* ``kivi-fast``: ``attend=True``, code-domain attention with the ``torch.compile`` kernels
-  (``compiled``).
+    .venv/bin/python benchmarks/decode_step.py --contexts 1024 4096 8192 --threads 1 \\
+        --out results/decode_step
 
-KIVI settings: 2-bit keys per channel in groups of G = 128 tokens, 2-bit values per token in
-groups of 64 channels, residual R = 128, float16 scales (``--bits`` changes both widths).
+writes ``results/decode_step.json`` and ``results/decode_step.md`` (rewritten atomically after
+every context, so an interrupted run keeps the contexts it finished) and prints one table per
+context.  ``--quick`` is a smoke check (one short context, 4 steps, a few configurations);
+``--tiny`` swaps in a random 2-layer Llama (no model files needed; for tests).
 
-Protocol (design.md §6): one model (default SmolLM2-135M, float32, ``attn_implementation=
-"kvbench"``, which is plain sdpa for caches other than kvbench's), ``--threads`` CPU threads
-(default 2); each cache is prefilled with the same ``--context`` random tokens (seeded), runs
-``--warmup`` decode steps (compilation happens there), then ``--steps`` rounds in which every
-cache decodes one greedy token, in a rotating order; each step is timed with
-``time.perf_counter_ns`` around the model call and the argmax.  Reported: median / p90 per
-cache, ratios of medians to ``dynamic`` and ``quanto2``, bytes at rest, the load average
-before and after.  ``--profile NAMES`` adds ``torch.profiler`` tables of 5 steps of those caches.
+Configurations
+--------------
+* ``dynamic``: transformers ``DynamicCache`` (full precision): the ``/dynamic`` baseline;
+* ``quanto2``: transformers ``QuantizedCache(backend="quanto", nbits=2)`` (needs
+  ``optimum-quanto``; skipped with a note otherwise): the ``/quanto2`` baseline;
+* every built-in kvbench method (``kvbench list``, distribution ``kvbench``, with a layer cache)
+  at its default configuration, and ``kivi-2`` (KIVI 2-bit keys and values: per-channel keys in
+  groups of G = 128 tokens, per-token values in groups of 64 channels, R = 128, float16
+  scales; arXiv:2402.02750 §3), each through ``QuantizedKVCache(attend=True)``: decode attention
+  runs ``LayerCache.attend`` (the path the latency suite runs; ``attend path`` says which
+  backend each layer took).  Methods that need calibration are calibrated on the prompt's K/V
+  (speed only; their accuracy is measured elsewhere).
 
-On a busy machine, 2 threads that spin-wait at OpenMP barriers turn every step into scheduling
-noise (seconds per step); ``OMP_WAIT_POLICY=PASSIVE`` (recorded in the results) keeps the
-numbers sane there, at some cost on an idle machine.
+Protocol (:mod:`kvbench.measure.timer`)
+---------------------------------------
+The default model (SmolLM2-135M-Instruct), float32, ``attn_implementation="kvbench"`` (plain
+sdpa for transformers' caches).  Per context T: every configuration is prefilled with the same
+P = T - warmup - steps seeded random token ids (``--prefill-threads`` threads, untimed), so the
+last timed step attends to exactly T tokens; then threads are pinned to ``--threads``,
+``--warmup`` untimed rounds and ``--steps`` timed rounds follow, one decode step
+of every configuration per round in rotating order (round i starts at configuration i mod n).
+Inputs are teacher-forced (the same seeded next token for every cache), so all do the same
+work.  Step time: ``time.perf_counter_ns`` around ``model(...)`` (logits of the last position).
+Flush steps (the cache held fewer bytes after the step: a bulk quantization such as KIVI's keys
+every R steps) are split off (:mod:`kvbench.measure.window`): median / p90 / p99 are over
+steady-state steps; the flush count and the amortized mean (flush cost spread over its period)
+are reported beside them.
 
-Run: ``.venv/bin/python benchmarks/decode_step.py [--json out.json]``.
+Columns
+-------
+``median/p90/p99 ms`` (steady-state step), ``flush`` (flush steps timed / amortized ms),
+``/dynamic`` and ``/quanto2`` (ratio of medians, same run), ``attn ms`` (median over steady
+steps of the time inside the registered attention function, summed over layers: for kvbench
+caches ``LayerCache.attend`` plus the step's deferred flush; for transformers caches sdpa over
+the K/V ``update`` returned, whose dequantization and concatenation run in ``update`` outside
+this clock), ``MiB read`` (bytes the step's attention reads, all layers: kvbench caches every
+stored tensor (codes, scales and other terms, metadata, residual, sinks; ``LayerCache.nbytes``)
+before the step; transformers caches the full-precision K/V sdpa reads), ``GB/s`` (MiB read /
+attn ms), ``ref GB/s`` (:func:`kvbench.measure.timer.contiguous_read` of a buffer of the same
+size, same threads, right after the context's timed rounds), ``% ref``.  The header gives the
+load average (``os.getloadavg``) before and after and the thread count.
+
+Targets (evaluated on the run, printed, written; on the CPU, default model, float32, 1 thread):
+at 4096 every built-in method at most 1.25x ``dynamic`` and ``pn-mix``, ``kitty`` at most
+1.10x; ``kivi-2`` at 8192 at most 0.90x ``dynamic`` and below ``quanto2`` at every context;
+the attention of every kvbench configuration reads at least 40% of ``ref GB/s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
+import math
 import os
-import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-CACHES = ("dynamic", "quanto2", "quanto4", "kivi-reference", "kivi-eager", "kivi-fast")
+from kvbench.measure import (
+    PERCENTILE_RULE,
+    Timer,
+    contiguous_read,
+    flush_steps,
+    interleave,
+    percentile,
+    pin_threads,
+    split_steps,
+    system_state,
+)
+
+KIVI2 = dict(
+    bits=2,
+    value_bits=2,
+    group_size=128,
+    value_group_size=64,
+    residual_length=128,
+    scale_dtype="float16",
+)
+PEERS = ("dynamic", "quanto2")
+QUICK = ("dynamic", "quanto2", "full", "kivi-2", "kitty", "pn-mix")
+TARGET_ALL = (4096, 1.25)  # (context, max ratio to dynamic) for every built-in method
+TARGET_MIXED = (4096, 1.10, ("pn-mix", "kitty"))
+TARGET_KIVI2 = (8192, 0.90)
+TARGET_BANDWIDTH = 0.40
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+# ------------------------------------------------------------------------------- configurations
+def builtin_methods() -> list[str]:
+    """Registered built-in kvbench methods with a layer cache (sorted)."""
+    import kvbench
+
+    return sorted(
+        r["name"]
+        for r in kvbench.list_methods()
+        if r["distribution"] == "kvbench"
+        and r["error"] is None
+        and r["capabilities"].get("layer_cache", True)
+    )
 
 
-def make_cache(name: str, model, bits: int):
-    """``(cache, cpu_attention_mode or None)`` for cache ``name`` (``None`` when unavailable)."""
+def configurations(names: list[str] | None) -> dict[str, tuple[str, dict]]:
+    """``label -> (kind or method name, config)`` in measuring order."""
+    out: dict[str, tuple[str, dict]] = {"dynamic": ("dynamic", {}), "quanto2": ("quanto2", {})}
+    for name in builtin_methods():
+        out[name] = (name, {})
+        if name == "kivi":
+            out["kivi-2"] = ("kivi", KIVI2)
+    if names:
+        unknown = sorted(set(names) - set(out))
+        if unknown:
+            raise SystemExit(f"unknown configuration(s) {unknown}; allowed: {list(out)}")
+        out = {k: v for k, v in out.items() if k in names}
+    return out
+
+
+def make_cache(label: str, spec: tuple[str, dict], model, prompt, info: dict):
+    """``(cache, note)``; ``cache`` is ``None`` when unavailable (``note`` says why)."""
     from transformers import DynamicCache, QuantizedCache
 
     from kvbench.hf.cache import QuantizedKVCache
 
-    if name == "dynamic":
-        return DynamicCache(config=model.config), None
-    if name.startswith("quanto"):
+    kind, cfg = spec
+    if kind == "dynamic":
+        return DynamicCache(config=model.config), "transformers DynamicCache"
+    if kind == "quanto2":
         try:
             import optimum.quanto  # noqa: F401
         except ImportError:
-            return None, None
-        return QuantizedCache(backend="quanto", config=model.config, nbits=int(name[-1])), None
-    cfg = dict(bits=bits, value_bits=bits, group_size=128, residual_length=128)
-    cfg |= dict(value_group_size=64, scale_dtype="float16")
-    mode = {"kivi-reference": None, "kivi-eager": "eager", "kivi-fast": "compiled"}[name]
-    return QuantizedKVCache("kivi", model, method_config=cfg, attend=mode is not None), mode
+            return None, "skipped: optimum-quanto is not installed (pip install '.[peers]')"
+        return QuantizedCache(backend="quanto", config=model.config, nbits=2), "quanto 2-bit"
+    import kvbench
+
+    method = kvbench.get_method(kind, **cfg).for_model(info)
+    if method.needs_calibration:
+        from kvbench.hf.capture import capture_qkv
+
+        cap = capture_qkv(model, prompt[:, : min(512, prompt.shape[1])])
+        method.calibrate(
+            dict(zip(cap.layer_ids, cap.keys)),
+            dict(zip(cap.layer_ids, cap.values)),
+            source="the benchmark prompt (speed only)",
+        )
+    return QuantizedKVCache(method, model, attend=True), "kvbench LayerCache.attend"
 
 
-def cache_bytes(cache) -> int | None:
-    """Bytes at rest: kvbench's ``nbytes()``; K/V tensors of a ``DynamicCache``."""
-    if hasattr(cache, "nbytes"):
-        return cache.nbytes().get("total")
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        if type(layer).__name__ != "DynamicLayer":
-            return None
-        for t in (layer.keys, layer.values):
-            total += t.numel() * t.element_size()
-    return total
+# ------------------------------------------------------------------------------- attention clock
+@contextlib.contextmanager
+def attention_clock():
+    """While active, the ``"kvbench"`` attention function adds its wall time (ms) to the
+    yielded one-element list (synchronized on CUDA)."""
+    from transformers import AttentionInterface
+
+    from kvbench.hf import attention as kva
+
+    acc = [0.0]
+
+    def timed(module, query, *args, **kwargs):
+        cuda = query.is_cuda
+        if cuda:
+            torch.cuda.synchronize(query.device)
+        t0 = time.perf_counter_ns()
+        out = kva.kvbench_attention_forward(module, query, *args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(query.device)
+        acc[0] += (time.perf_counter_ns() - t0) / 1e6
+        return out
+
+    AttentionInterface.register(kva.ATTN_IMPLEMENTATION, timed)
+    try:
+        yield acc
+    finally:
+        AttentionInterface.register(kva.ATTN_IMPLEMENTATION, kva.kvbench_attention_forward)
+
+
+def read_bytes(cache, model, tokens: int) -> int:
+    """Bytes the attention of one decode step reads over all layers (see the module doc)."""
+    if hasattr(cache, "layer_caches"):
+        return int(cache.nbytes().get("total", 0))
+    from kvbench.hf.models import model_info
+
+    mi = model_info(model)
+    elt = next(model.parameters()).element_size()
+    d = mi["head_dim"]
+    return 2 * mi["num_hidden_layers"] * mi["num_key_value_heads"] * tokens * d * elt
+
+
+# ------------------------------------------------------------------------------- one context
+def run_context(model, info, labels, ctx_len, args, log) -> list[dict]:
+    """Rows of one context: every configuration prefilled, then interleaved decode rounds."""
+    from kvbench.hf.cache import cache_kwarg
+    from kvbench.workloads.latency import held_bytes, quantized_tokens_of
+
+    gen = torch.Generator().manual_seed(ctx_len)
+    vocab = model.config.vocab_size
+    lo = min(100, vocab - 1)
+    ids = torch.randint(lo, vocab, (1, ctx_len), generator=gen)
+    p = ctx_len - args.warmup - args.steps  # the last timed step attends to ctx_len tokens
+    prompt = ids[:, :p]
+    state: dict[str, dict] = {}
+    notes: dict[str, str] = {}
+    with pin_threads(args.prefill_threads), torch.inference_mode():
+        for label, spec in labels.items():
+            cache, note = make_cache(label, spec, model, prompt, info)
+            notes[label] = note
+            if cache is None:
+                log(f"  {label}: {note}")
+                continue
+            kw = cache_kwarg(cache, model)
+            t0 = time.perf_counter()
+            model(input_ids=prompt, logits_to_keep=1, **kw)
+            log(f"  {label}: prefill {time.perf_counter() - t0:.1f} s")
+            state[label] = dict(cache=cache, kw=kw, model=model, done=0, attn=[], held=[], q=[])
+
+    def stepper(label: str):
+        s = state[label]
+
+        def fn() -> None:
+            t = p + s["done"]
+            model(input_ids=ids[:, t : t + 1], logits_to_keep=1, **s["kw"])
+            s["done"] += 1
+
+        return fn
+
+    names = list(state)
+    timer = Timer("cpu")
+    with pin_threads(args.threads), torch.inference_mode(), attention_clock() as clock:
+        load_before = system_state()["loadavg"]
+
+        def after(label: str, i: int, ms: float | None) -> None:
+            s = state[label]
+            if i >= args.warmup:
+                s["attn"].append(clock[0])
+            if i >= args.warmup - 1:
+                s["held"].append(held_bytes(s["cache"]))
+                s["q"].append(quantized_tokens_of(s["cache"]))
+            clock[0] = 0.0
+
+        for label in names if args.warmup == 0 else []:
+            after(label, -1, None)
+        clock[0] = 0.0
+        t0 = time.perf_counter()
+        times = interleave({k: stepper(k) for k in names}, args.steps, args.warmup, timer, after)
+        log(f"  {len(names)} configurations x {args.steps} steps: {time.perf_counter() - t0:.0f} s")
+        rows = []
+        for label in names:
+            first = p + args.warmup + 1  # tokens the first timed step attends to
+            rows.append(_row(label, labels[label], state[label], times[label], ctx_len, first))
+            rows[-1]["note"] = notes[label]
+        for r in rows:  # the same-size contiguous read, same threads, right after the rounds
+            if r["bytes_read"]:
+                ref = contiguous_read(r["bytes_read"], reps=args.ref_reps, timer=timer)
+                r["ref_gbps"] = ref["gbps"]
+                if r.get("gbps"):
+                    r["pct_ref"] = 100 * r["gbps"] / ref["gbps"]
+        load_after = system_state()["loadavg"]
+        threads = torch.get_num_threads()
+    for r in rows:
+        r.update(loadavg_before=load_before, loadavg_after=load_after, threads=threads)
+    med = {r["config"]: r["median_ms"] for r in rows}
+    for r in rows:
+        for base in PEERS:
+            r[f"ratio_{base}"] = r["median_ms"] / med[base] if med.get(base) else None
+    for label, note in notes.items():
+        if label not in state:
+            rows.append({"context": ctx_len, "config": label, "note": note, "skipped": True})
+    for s in state.values():
+        s.clear()
+    return rows
+
+
+def _row(label, spec, s, ms, ctx_len, first) -> dict:
+    from kvbench.workloads.latency import flush_period, held_bytes
+
+    hb = s["held"]
+    flushes = flush_steps(hb) if all(x is not None for x in hb) else []
+    period, source = flush_period(s["cache"], s["q"], flushes)
+    split = split_steps(ms, flushes, period)
+    steady = [i for i in range(len(ms)) if i not in set(flushes)]
+    attn = [s["attn"][i] for i in steady]
+    model = s["model"]
+    if hasattr(s["cache"], "layer_caches"):  # every stored tensor, held before the step
+        nbytes = [int(hb[i] or 0) for i in steady]
+    else:  # the full-precision K/V sdpa reads
+        nbytes = [read_bytes(s["cache"], model, first + i) for i in steady]
+    b_med = percentile(nbytes, 50) if nbytes else 0
+    a_med = percentile(attn, 50) if attn else float("nan")
+    lcs = getattr(s["cache"], "layer_caches", lambda: [])()
+    paths = sorted({str(getattr(lc, "attend_path", None)) for lc in lcs if lc is not None})
+    return {
+        "context": ctx_len,
+        "config": label,
+        "method": spec[0],
+        "method_config": spec[1],
+        "kind": "kvbench" if lcs else "transformers",
+        "attend_path": paths or None,
+        "steps": len(ms),
+        "steady_steps": len(steady),
+        "median_ms": split.steady.median,
+        "p90_ms": split.steady.p90,
+        "p99_ms": split.steady.p99,
+        "mean_ms": split.steady.mean,
+        "flush_steps": len(flushes),
+        "flush_ms_mean": split.flush.mean if split.flush else None,
+        "amortized_ms": split.amortized_mean,
+        "flush_period": period,
+        "flush_period_source": source,
+        "attn_ms": a_med,
+        "bytes_read": int(b_med),
+        "gbps": b_med / (a_med / 1e3) / 1e9 if a_med and math.isfinite(a_med) else None,
+        "bytes_at_rest": held_bytes(s["cache"]),
+        "step_ms": list(ms),
+        "attn_step_ms": list(s["attn"]),
+    }
+
+
+# ------------------------------------------------------------------------------- targets, output
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+    """Target rows ``{name, measured, ok}`` for the contexts and configurations present."""
+    out = []
+    got = {(r["context"], r["config"]): r for r in rows if not r.get("skipped")}
+
+    def add(name: str, value: float | None, ok: bool | None, fmt: str = "{:.2f}x") -> None:
+        measured = "-" if value is None else fmt.format(value)
+        out.append({"name": name, "measured": measured, "ok": ok})
+
+    ctx, lim = TARGET_ALL
+    for (c, label), r in sorted(got.items()):
+        if c == ctx and r["kind"] == "kvbench" and r.get("ratio_dynamic") is not None:
+            add(f"T={c} {label} <= {lim}x dynamic", r["ratio_dynamic"], r["ratio_dynamic"] <= lim)
+    ctx, lim, which = TARGET_MIXED
+    for label in which:
+        r = got.get((ctx, label))
+        if r and r.get("ratio_dynamic") is not None:
+            add(f"T={ctx} {label} <= {lim}x dynamic", r["ratio_dynamic"], r["ratio_dynamic"] <= lim)
+    ctx, lim = TARGET_KIVI2
+    r = got.get((ctx, "kivi-2"))
+    if r and r.get("ratio_dynamic") is not None:
+        add(f"T={ctx} kivi-2 <= {lim}x dynamic", r["ratio_dynamic"], r["ratio_dynamic"] <= lim)
+    for (c, label), r in sorted(got.items()):
+        if label == "kivi-2" and r.get("ratio_quanto2") is not None:
+            add(f"T={c} kivi-2 < quanto2", r["ratio_quanto2"], r["ratio_quanto2"] < 1.0)
+    for (c, label), r in sorted(got.items()):
+        if r["kind"] == "kvbench" and r.get("pct_ref") is not None:
+            pct = TARGET_BANDWIDTH * 100
+            add(
+                f"T={c} {label} attention read >= {pct:.0f}% of contiguous read",
+                r["pct_ref"],
+                r["pct_ref"] >= pct,
+                "{:.1f}%",
+            )
+    return out
+
+
+def _f(x: Any, fmt: str = "{:.2f}") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return fmt.format(x)
+
+
+HEADER = (
+    "| config | attend path | median ms | p90 ms | p99 ms | flush n / amortized ms "
+    "| /dynamic | /quanto2 | attn ms | MiB read | GB/s | ref GB/s | % ref |"
+)
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['config']} | {r['note']} |" + " |" * 11)
+            continue
+        path = ",".join(r["attend_path"]) if r["attend_path"] else "sdpa"
+        lines.append(
+            f"| {r['config']} | {path} | {_f(r['median_ms'])} | {_f(r['p90_ms'])} "
+            f"| {_f(r['p99_ms'])} | {r['flush_steps']} / {_f(r['amortized_ms'])} "
+            f"| {_f(r.get('ratio_dynamic'))} | {_f(r.get('ratio_quanto2'))} | {_f(r['attn_ms'])} "
+            f"| {_f(r['bytes_read'] / 2**20, '{:.1f}')} | {_f(r.get('gbps'), '{:.1f}')} "
+            f"| {_f(r.get('ref_gbps'), '{:.1f}')} | {_f(r.get('pct_ref'), '{:.0f}')} |"
+        )
+    return lines
+
+
+def render_markdown(res: dict) -> str:
+    lines = ["# Decode step, every cache side by side", ""]
+    lines += [f"- {k}: {v}" for k, v in res["env"].items()]
+    lines.append("")
+    for ctx in res["contexts"]:
+        rows = [r for r in res["rows"] if r["context"] == ctx]
+        if not rows:
+            continue
+        r0 = next((r for r in rows if not r.get("skipped")), {})
+        lines += [
+            f"## Context {ctx}",
+            "",
+            f"threads {r0.get('threads')}, load average before {r0.get('loadavg_before')}, "
+            f"after {r0.get('loadavg_after')}",
+            "",
+            *table(rows),
+            "",
+        ]
+    if res["targets"]:
+        lines += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+        for t in res["targets"]:
+            met = "yes" if t["ok"] else "**no**"
+            lines.append(f"| {t['name']} | {t['measured']} | {met} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def tiny_model():
+    """A random 2-layer Llama (hidden 128, 4 query / 2 KV heads of 64) for smoke tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(cfg).eval(), {"model_id": "tiny random Llama (2 layers)"}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model spec (default: kvbench's default)")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--steps", type=int, default=24, help="timed rounds (>= 20 for results)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bits", type=int, default=2)
-    ap.add_argument("--caches", default="dynamic,quanto2,kivi-reference,kivi-eager,kivi-fast")
-    ap.add_argument("--profile", default=None, help="caches (comma-separated) to profile")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the timed decode steps")
+    ap.add_argument(
+        "--prefill-threads", type=int, default=os.cpu_count(), help="threads of the prefills"
+    )
+    ap.add_argument("--ref-reps", type=int, default=20, help="samples of each contiguous read")
+    ap.add_argument("--configs", nargs="+", default=None, help="configurations (default: all)")
+    ap.add_argument("--model", default=None, help="model spec (default: kvbench's default)")
+    ap.add_argument("--tiny", action="store_true", help="a random 2-layer Llama (smoke tests)")
+    ap.add_argument("--quick", action="store_true", help="smoke check: T=160, 4 steps, 6 configs")
+    ap.add_argument(
+        "--cpu-attention",
+        default=None,
+        help="kvbench CPU attention mode (kvbench.attend.cpu.MODES; default: its own, "
+        "$KVBENCH_CPU_ATTENTION or auto; --tiny: eager, no compilation)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("results/decode_step"))
     args = ap.parse_args(argv)
+    if args.tiny and args.cpu_attention is None:
+        args.cpu_attention = "eager"
+    if args.quick:
+        args.contexts, args.steps, args.warmup, args.ref_reps = [160], 4, 1, 3
+        args.configs = args.configs or list(QUICK)
+    if args.steps < 1 or args.warmup < 0 or min(args.contexts) <= args.steps + args.warmup:
+        raise SystemExit("need --steps >= 1, --warmup >= 0 and every context > warmup + steps")
+    labels = configurations(args.configs)
 
-    torch.set_num_threads(args.threads)
-    from kvbench.attend import cpu as fastpath
     from kvbench.hf.attention import use_kvbench_attention
-    from kvbench.hf.cache import cache_kwarg
-    from kvbench.hf.models import DEFAULT_MODEL, load_model
+    from kvbench.hf.models import DEFAULT_MODEL, load_model, model_info
 
-    model, _, info = load_model(args.model or DEFAULT_MODEL)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.tiny:
+        model, info = tiny_model()
+    else:
+        model, _, info = load_model(args.model or DEFAULT_MODEL, dtype="float32")
+    info = {**info, **model_info(model)}
     use_kvbench_attention(model)
-    kw = lambda c: cache_kwarg(c, model)  # noqa: E731
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(100, vocab, (1, args.context), generator=gen)
-    load_before = _load()
-    print(f"model {info['model_id']}, threads {args.threads}, context {args.context}, "
-          f"load {load_before}", flush=True)  # fmt: skip
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["benchmarks/decode_step.py", *(argv or sys.argv[1:])]),
+        "model": info.get("model_id"),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": args.threads,
+        "prefill_threads": args.prefill_threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "timing": Timer("cpu").how + ", interleaved rounds in rotating order",
+        "percentiles": PERCENTILE_RULE,
+        **{k: v for k, v in system_state().items() if k != "threads"},
+    }
+    res: dict[str, Any] = {"env": env, "contexts": args.contexts, "rows": [], "targets": []}
+    json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
+    from kvbench.attend import cpu as cpu_attention
 
-    state = {}
-    with torch.inference_mode():
-        for name in args.caches.split(","):
-            cache, mode = make_cache(name, model, args.bits)
-            if cache is None:
-                print(f"{name}: skipped (optimum-quanto is not installed)")
-                continue
-            t0 = time.perf_counter()
-            out = model(input_ids=prompt, logits_to_keep=1, **kw(cache))
-            nxt = out.logits[:, -1:].argmax(-1)
-            print(f"{name}: prefill {time.perf_counter() - t0:.1f} s", flush=True)
-            state[name] = {"cache": cache, "mode": mode, "next": nxt, "times": []}
-
-        def step(name: str) -> int:
-            s = state[name]
-            ctx = fastpath.cpu_attention_mode(s["mode"] or "reference")
-            with ctx:
-                t0 = time.perf_counter_ns()
-                out = model(input_ids=s["next"], logits_to_keep=1, **kw(s["cache"]))
-                s["next"] = out.logits[:, -1:].argmax(-1)
-                return time.perf_counter_ns() - t0
-
-        names = list(state)
-        for name in names:
-            t0 = time.perf_counter()
-            for _ in range(args.warmup):
-                step(name)
-            print(f"{name}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
-        for i in range(args.steps):
-            order = names[i % len(names) :] + names[: i % len(names)]
-            for name in order:
-                state[name]["times"].append(step(name) / 1e6)
-
-        for name in (args.profile or "").split(","):
-            if name not in state:
-                continue
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(5):
-                    step(name)
-            print(f"profile of 5 steps of {name}:")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-
-    load_after = _load()
-    res = {"model": info["model_id"], "threads": args.threads, "context": args.context,
-           "steps": args.steps, "bits": args.bits, "load_before": load_before,
-           "load_after": load_after, "torch": torch.__version__,
-           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "caches": {}}  # fmt: skip
-    for name, s in state.items():
-        t = sorted(s["times"])
-        lc = getattr(s["cache"], "layer_caches", lambda: [])()
-        res["caches"][name] = {
-            "median_ms": statistics.median(t),
-            "p90_ms": t[min(len(t) - 1, int(0.9 * len(t)))],
-            "min_ms": t[0],
-            "bytes": cache_bytes(s["cache"]),
-            "attend_path": getattr(lc[0], "attend_path", None) if lc else None,
-        }
-    for base in ("dynamic", "quanto2"):
-        if base in res["caches"]:
-            b = res["caches"][base]["median_ms"]
-            for c in res["caches"].values():
-                c[f"ratio_to_{base}"] = c["median_ms"] / b
-    print(f"load before {load_before}, after {load_after}")
-    print(f"{'cache':16} {'median ms':>10} {'p90 ms':>8} {'/dynamic':>9} {'/quanto2':>9} "
-          f"{'MB':>7}  path")  # fmt: skip
-    for name, c in res["caches"].items():
-        mb = "-" if c["bytes"] is None else f"{c['bytes'] / 2**20:.1f}"
-        print(f"{name:16} {c['median_ms']:10.1f} {c['p90_ms']:8.1f} "
-              f"{c.get('ratio_to_dynamic', float('nan')):9.2f} "
-              f"{c.get('ratio_to_quanto2', float('nan')):9.2f} {mb:>7}  {c['attend_path']}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    env["cpu_attention"] = args.cpu_attention or cpu_attention.cpu_mode()
+    mode = (
+        cpu_attention.cpu_attention_mode(args.cpu_attention)
+        if args.cpu_attention
+        else contextlib.nullcontext()
+    )
+    for ctx_len in args.contexts:
+        log(f"context {ctx_len}:")
+        with mode:
+            rows = run_context(model, info, labels, ctx_len, args, log)
+        res["rows"] += rows
+        res["targets"] = evaluate_targets(res["rows"])
+        _write(json_path, json.dumps(res, indent=1))
+        _write(md_path, render_markdown(res))
+        print(f"\ncontext {ctx_len}, threads {rows[0].get('threads')}, load average "
+              f"{rows[0].get('loadavg_before')} -> {rows[0].get('loadavg_after')}")  # fmt: skip
+        print("\n".join(table(rows)), flush=True)
+    if res["targets"]:
+        print("\ntargets:")
+        for t in res["targets"]:
+            print(f"  {'ok  ' if t['ok'] else 'MISS'} {t['name']}: {t['measured']}")
+    print(f"\nwrote {json_path} and {md_path}")
     return res
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

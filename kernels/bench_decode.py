@@ -1,30 +1,32 @@
-"""Device check: correctness at random sizes, then decode-attention timings (one GPU call).
+"""Device check: decode-attention timings of the Triton kernels (one GPU call).
 
-Run from the source tree (no install; no ``datasets`` or network needed)::
+Run from the source tree (kvbench installed editable, ``pip install --no-deps -e .``, so the
+method registry's entry points resolve; no ``datasets`` or network needed)::
 
     PYTHONPATH=. python kernels/bench_decode.py --out "$OUT"       # on a CUDA GPU
     PYTHONPATH=. python kernels/bench_decode.py --out DIR --interpret  # CPU, TRITON_INTERPRET=1
 
-Phases (each row is appended to ``OUT/rows.jsonl`` as soon as it exists and ``OUT/RESULTS.md``
-is rewritten after every row, so a timeout still returns what was measured):
+Correctness is the test suite's job (``tests/kernels``: pack/unpack and quantize-and-pack
+bit-exact against the core codecs, round-half-to-even ties, fused attention against a float64
+reference at random sizes, per-sequence lengths, the control, refused layouts); this script
+keeps one guard per timed configuration: before a kernel is timed, its output on the timed
+cache is compared with the reference attention of the same cache (``err`` column; a row whose
+error exceeds 1e-3 is marked and not counted towards a target).
 
-1. correctness at random sizes: pack/unpack and quantize-and-pack bit-exact against the core
-   (``kvbench.kv.quant``, ``kvbench.kv.blocks``, ``kvbench.kv.mixed``), round-half-to-even ties (KVQ-21),
-   fused attention through ``LayerCache`` for KIVI / Kitty / PN-Mix keys with values at 16, 4
-   and 2 bits, D 64 and 128, GQA, odd lengths, per-sequence lengths, the fp16 control, and
-   head_dim 96 refused;
-2. timings on Llama-3.1-8B attention shapes (H_q 32, H_kv 8, D 128, fp16) at each context and
-   batch: fp16 SDPA (flash backend), the split-KV kernel on fp16 K/V (control), and the fused
-   kernel for KIVI 2-bit, Kitty and PN-Mix (1) keys with values at 16 and 2 bits; achieved
-   GB/s = bytes the kernel must read (the cache's stored bytes + query) / median time, against
-   a measured device-to-device copy; then quantize-and-pack of one flushed page per method,
-   amortized over G decode steps.
+Timings (each row is appended to ``OUT/rows.jsonl`` as soon as it exists and ``OUT/RESULTS.md``
+is rewritten after every row, so a timeout still returns what was measured): Llama-3.1-8B
+attention shapes (H_q 32, H_kv 8, D 128, fp16) at each context and batch: fp16 SDPA (flash
+backend), the split-KV kernel on fp16 K/V (control), and the fused kernel for KIVI 2-bit, Kitty
+and PN-Mix (1) keys with values at 16 and 2 bits; achieved GB/s = bytes the kernel must read
+(the cache's stored bytes + query) / median time, against a measured device-to-device copy;
+then quantize-and-pack of one flushed page per method, amortized over G decode steps.
 
-Timing: each measured call is captured in a CUDA graph (no host overhead; eager if capture
-fails, marked in the table), L2 is flushed (a 256 MiB write) before every replay, CUDA events
-bracket the replay only; warm-up first, median and p10/p90 reported.  Under ``--interpret`` the
-sizes are tiny and times are host wall-clock of the CPU interpreter: they only exercise the
-script.
+Timing protocol: :mod:`kvbench.measure.timer` (the one shared by the latency workload and
+``benchmarks/``): each call captured in a CUDA graph (``Timer.graph``; eager if capture fails,
+marked in the table), synchronized CUDA events around each replay, L2 flushed (a 256 MiB write)
+between replays outside the timed region, warm-up first; median and p10/p90 by the module's
+percentile rule.  Under ``--interpret`` the sizes are tiny and times are host wall-clock of the
+CPU interpreter: they only exercise the script.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ METHODS = [  # (label, registry name, config)
     ("PN-Mix (1)", "pn-mix", dict()),
 ]
 VALUE_BITS = (16, 2)
+GUARD = 1e-3  # largest relative error of a timed kernel against the reference
 TUNE_BLOCK_N, TUNE_WARPS = (32, 64), (4, 8)
 TARGETS = [  # (context, batch, method label, value bits, against, minimum speed-up)
     (32768, 8, "PN-Mix (1)", 16, "sdpa", 1.3),
@@ -77,25 +80,14 @@ def _kernels():
 
 
 def load_method(name: str, **config):
-    """A kvbench method by registry name; without an installed kvbench (source tree on the GPU
-    machine) the class is imported from ``methods/`` directly."""
-    try:
-        import kvbench
+    """A kvbench method from the method registry (entry points of the installed kvbench).
 
-        return kvbench.get_method(name, **config)
-    except Exception:  # noqa: BLE001 - entry points absent: import the module itself
-        mod, cls = {
-            "kivi": ("kivi", "KIVI"),
-            "kitty": ("kitty", "Kitty"),
-            "pn-mix": ("pn_mix", "PNMix"),
-            "per-head": ("per_head", "PerHead"),
-        }[name]
-        for pkg in ("kvbench.methods", "methods"):
-            try:
-                return getattr(importlib.import_module(f"{pkg}.{mod}"), cls)(**config)
-            except ModuleNotFoundError:
-                continue
-        raise
+    The fused kernel is reached through ``dispatch.fused_attend`` (the kernels' dispatch); the
+    attention-backend registry of ``kvbench.attend`` is the seam to switch to once it selects
+    backends by stored layout."""
+    from kvbench.kv.registry import get_method
+
+    return get_method(name, **config)
 
 
 def _version(dist: str) -> str:
@@ -129,28 +121,21 @@ class Recorder:
         (self.out / "RESULTS.md").write_text(render_markdown(self.env, self.rows))
 
 
+def _err(e) -> str:
+    if e is None:
+        return "–"
+    return f"{e:.1e}" if e <= GUARD else f"**{e:.1e} FAIL**"
+
+
 def _f(x, fmt="{:.1f}") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
 def render_markdown(env: dict, rows: list[dict]) -> str:
-    """The results as Markdown: environment, correctness, step timings, flush timings, targets."""
+    """The results as Markdown: environment, step timings, flush timings, targets."""
     lines = ["# Fused decode attention over quantized KV pages: device results", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines.append("")
-    corr = [r for r in rows if r["kind"] == "correctness"]
-    if corr:
-        npass = sum(r["ok"] for r in corr)
-        lines += [
-            f"## Correctness at random sizes ({npass}/{len(corr)} passed)",
-            "",
-            "| check | result | detail |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {r['name']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail']} |" for r in corr
-        ]
-        lines.append("")
     copy = [r for r in rows if r["kind"] == "copy"]
     if copy:
         lines += [
@@ -164,8 +149,8 @@ def render_markdown(env: dict, rows: list[dict]) -> str:
             "## Decode attention step (H_q 32, H_kv 8, D 128, fp16)",
             "",
             "| context | batch | method | keys | values | MB read | median µs | p10–p90 µs "
-            "| GB/s | % copy BW | vs SDPA | vs control | timing |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| GB/s | % copy BW | vs SDPA | vs control | timing | rel. err |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in steps:
             lines.append(
@@ -173,7 +158,7 @@ def render_markdown(env: dict, rows: list[dict]) -> str:
                 f"| {r['bytes'] / 1e6:.1f} | {_f(r['us'])} | {_f(r.get('p10'))}–{_f(r.get('p90'))} "
                 f"| {_f(r.get('gbps'), '{:.0f}')} | {_f(r.get('pct_copy'), '{:.0f}')} "
                 f"| {_f(r.get('vs_sdpa'), '{:.2f}x')} | {_f(r.get('vs_control'), '{:.2f}x')} "
-                f"| {r['timing']} |"
+                f"| {r['timing']} | {_err(r.get('err'))} |"
             )
         lines.append("")
     flush = [r for r in rows if r["kind"] == "flush"]
@@ -228,56 +213,32 @@ def render_markdown(env: dict, rows: list[dict]) -> str:
 
 
 class Timer:
-    """CUDA: graph capture + L2 flush + events (eager if capture fails); CPU: perf_counter."""
+    """The :mod:`kvbench.measure.timer` protocol with an L2 flush between CUDA replays."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
+        from kvbench.measure import Timer as MeasureTimer
+
         self.device, self.reps, self.warmup = device, reps, warmup
+        self.timer = MeasureTimer(device, cuda_graphs=device.type == "cuda")
         self.flush = None
         if device.type == "cuda":
             self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
 
     def __call__(self, fn) -> tuple[float, float, float, str]:
         """Median, p10, p90 in microseconds, and the mode (``graph``/``eager``/``cpu``)."""
-        if self.device.type != "cuda":
-            ts = []
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return (*_stats(ts), "cpu")
-        mode, run = "graph", fn
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            run = g.replay
-        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
-            torch.cuda.synchronize()
-            mode, run = "eager", fn
-        for _ in range(self.warmup):
-            self.flush.zero_()
-            run()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        for i in range(self.reps):
-            self.flush.zero_()
-            starts[i].record()
-            run()
-            ends[i].record()
-        torch.cuda.synchronize()
-        return (*_stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]), mode)
+        from kvbench.measure import interleave, percentile
 
+        run = self.timer.graph(fn)
+        mode = "cpu" if self.flush is None else ("graph" if run is not fn else "eager")
 
-def _stats(ts: list[float]) -> tuple[float, float, float]:
-    t = sorted(ts)
-    q = lambda p: t[min(len(t) - 1, int(p * (len(t) - 1) + 0.5))]  # noqa: E731
-    return q(0.5), q(0.1), q(0.9)
+        def flush_l2(*_) -> None:  # between calls, outside the timed region
+            if self.flush is not None:
+                self.flush.zero_()
+
+        flush_l2()
+        ms = interleave({"fn": run}, self.reps, self.warmup, self.timer, after=flush_l2)["fn"]
+        us = [m * 1e3 for m in ms]
+        return percentile(us, 50), percentile(us, 10), percentile(us, 90), mode
 
 
 def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> dict:
@@ -285,226 +246,6 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> dict:
     dst = torch.empty_like(src)
     us, *_ = timer(lambda: dst.copy_(src))
     return {"kind": "copy", "bytes": 2 * nbytes, "us": us, "gbps": 2 * nbytes / us / 1e3}
-
-
-# --------------------------------------------------------------------------------------------
-# correctness
-# --------------------------------------------------------------------------------------------
-
-
-def correctness(K: dict, device: torch.device, rec: Recorder, small: bool) -> None:
-    """Every check adds one row (pass/fail and detail); an exception is a failed check."""
-    gen = torch.Generator().manual_seed(1234)
-
-    def check(name, fn):
-        try:
-            ok, detail = fn()
-        except Exception as e:  # noqa: BLE001 - record and go on
-            ok, detail = False, f"{type(e).__name__}: {e}".replace("|", "/")[:300]
-        rec.add({"kind": "correctness", "name": name, "ok": bool(ok), "detail": detail})
-
-    def randn(*shape, dtype=torch.float16):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    from kvbench.kv.quant import pack_bits as core_pack
-
-    def pack_check():
-        bad = []
-        for bits in (2, 3) if small else (1, 2, 3, 4, 8):
-            n = int(torch.randint(1, 200, (1,), generator=gen))
-            c = torch.randint(0, 2**bits, (3, n), generator=gen).to(device)
-            p = K["pack"].pack_bits(c, bits)
-            if not torch.equal(p, core_pack(c, bits)) or not torch.equal(
-                K["pack"].unpack_bits(p, bits, n), c.int()
-            ):
-                bad.append(bits)
-        return not bad, f"mismatching bits: {bad or 'none'}"
-
-    check("pack/unpack bit-exact vs kvbench.kv.quant.pack_bits, random n", pack_check)
-
-    def ties_check():  # KVQ-21: (x - min) / scale lands on .5 exactly
-        col = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0] + [0.0] * 11, device=device)
-        x = col.view(1, 1, 16, 1).expand(1, 1, 16, 8).contiguous().half()
-        got = []
-        for floor in (None, True):
-            c, s, _ = K["quantize"].quantize_keys(x, 16, (2,), _exact_floor=floor)
-            got.append(K["pack"].unpack_bits(c, 2, 8)[0, 0, :5, 0].tolist())
-        ok = all(g == [0, 0, 2, 2, 3] for g in got)
-        return ok, f"codes {got} (half-to-even [0, 0, 2, 2, 3]; half-up would give [0, 1, 2, 3, 3])"
-
-    check("round-half-to-even ties (KVQ-21), rint and floor paths", ties_check)
-
-    def quant_check():
-        from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
-        from kvbench.kv.mixed import MixedChannelCodec
-
-        b, h, g, d = (1, 2, 16, 64) if small else (2, 3, 128, 128)
-        x = randn(b, h, 2 * g, d) * torch.linspace(0.2, 3, d, device=device).half()
-        bad = []
-        for bits in (2,) if small else (1, 2, 3, 4, 8):
-            blk = PerChannelCodec(bits, torch.float16, group_size=g).encode(x)
-            out = K["quantize"].quantize_keys(x, g, (bits,))
-            if not all(torch.equal(a, r) for a, r in zip(out, (blk.codes, blk.scale, blk.zero))):
-                bad.append(f"keys{bits}")
-            vb = PerTokenCodec(bits, torch.float16, channel_group=32).encode(x)
-            out = K["quantize"].quantize_values(x, bits, 32)
-            if not all(torch.equal(a, r) for a, r in zip(out, (vb.codes, vb.scale, vb.zero))):
-                bad.append(f"values{bits}")
-        kitty = load_method("kitty", group_size=g, residual_length=g).key_codec(0, d)
-        blk = kitty.encode(x)
-        out = K["quantize"].quantize_keys(x, g, blk.class_bits, blk.class_counts, blk.perm)
-        if not all(torch.equal(a, r) for a, r in zip(out, (blk.codes, blk.scale, blk.zero))):
-            bad.append("kitty")
-        cls = torch.stack([torch.randperm(d, generator=gen) for _ in range(b * h)]).view(b, h, d)
-        codec = MixedChannelCodec(
-            [3, 1], None, group_size=g, midpoint=True, classes=(cls >= d // 2).long().to(device)
-        )
-        blk = codec.encode(x)
-        out = K["quantize"].quantize_keys(
-            x, g, blk.class_bits, blk.class_counts, blk.perm, midpoint=True
-        )
-        if not all(torch.equal(a, r) for a, r in zip(out, (blk.codes, blk.scale, blk.zero))):
-            bad.append("pn-mix")
-        return not bad, f"codes, scales, zeros bit-identical; mismatches: {bad or 'none'}"
-
-    check("quantize-and-pack bit-exact vs core codecs (KIVI, values, Kitty, PN-Mix)", quant_check)
-
-    da = K["decode_attention"]
-    cases = [  # (method, config, D, H_q, H_kv, prefill, decode steps, batch)
-        ("kivi", dict(value_bits=16), 128, 32, 8, 700, 5, 3),
-        ("kivi", dict(value_bits=2), 128, 32, 8, 500, 3, 2),
-        ("kivi", dict(value_bits=4, num_sink_tokens=7), 64, 9, 3, 420, 7, 2),
-        ("kitty", dict(value_bits=16), 128, 32, 8, 650, 2, 2),
-        ("kitty", dict(value_bits=2), 64, 8, 8, 390, 9, 3),
-        ("pn-mix", dict(value_bits=16), 128, 32, 8, 600, 4, 2),
-        ("pn-mix", dict(value_bits=2), 128, 16, 4, 333, 1, 3),
-    ]
-    if small:
-        cases = [
-            (
-                "pn-mix",
-                dict(value_bits=2, group_size=16, residual_length=16, num_sink_tokens=4),
-                64,
-                4,
-                2,
-                45,
-                2,
-                2,
-            )
-        ]
-    for name, cfg, d, hq, hkv, p, steps, b in cases:
-
-        def attn_check(name=name, cfg=cfg, d=d, hq=hq, hkv=hkv, p=p, steps=steps, b=b):
-            m = load_method(name, **cfg)
-            lc = m.new_layer(0, hkv, d, dtype=torch.float16, device=device)
-            lc.prefill(
-                randn(b, hkv, p, d),
-                randn(b, hkv, p, d),
-                randn(b, hq, p, d) if m.needs_queries else None,
-            )
-            for _ in range(steps):
-                lc.append(randn(b, hkv, 1, d), randn(b, hkv, 1, d))
-            q = randn(b, hq, 1, d)
-            out = K["dispatch"].fused_attend(lc, q)
-            kk, vv = lc.keys_values(q.dtype)
-            ref = da.decode_attention_reference(q, kk, vv)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            ok = err <= 1e-3 and bool(torch.isfinite(out).all())
-            return (
-                ok,
-                f"rel. error {err:.2e} (<= 1e-3); quantized K/V tokens {lc.quantized_tokens()}",
-            )
-
-        check(f"fused attention {name} {cfg} D={d} GQA {hq}/{hkv} T={p + steps} B={b}", attn_check)
-
-    def per_seq_check():
-        b, h, hq, d, g = (3, 2, 8, 128, 128) if not small else (3, 1, 2, 64, 16)
-        s, kq, kr, vq, vr = 5, 3 * g, 11, 3 * g - 20, 31
-        x = randn(b, h, kq, d)
-        kc, ks, kz = K["quantize"].quantize_keys(x, g, (2,))
-        xv = randn(b, h, vq, d)
-        vc, vs, vz = K["quantize"].quantize_values(xv, 4)
-        kq_ = da.QuantKeys(kc, ks, kz, g, (2,), (d,))
-        vq_ = da.QuantValues(vc, vs, vz, 4)
-        sk, sv, rk, rv = (
-            randn(b, h, s, d),
-            randn(b, h, s, d),
-            randn(b, h, kr, d),
-            randn(b, h, vr, d),
-        )
-        # per sequence (S, KQ, KR, VQ, VR) with KQ + KR == VQ + VR, each within what is stored
-        lens = torch.tensor(
-            [[s, kq, kr, vq, vr], [2, g + 7, 0, g - 13, 20], [0, 2 * g, 5, 2 * g - 24, 29]],
-            dtype=torch.int32,
-        )
-        q = randn(b, hq, 1, d)
-        out = da.fused_decode_attention(
-            q,
-            k_sinks=sk,
-            k_quant=kq_,
-            k_residual=rk,
-            v_sinks=sv,
-            v_quant=vq_,
-            v_residual=rv,
-            lengths=lens.to(device),
-        )
-        kd, vd = (
-            da.dequantize_keys_reference(kq_, q.dtype),
-            da.dequantize_values_reference(vq_, q.dtype),
-        )
-        errs = []
-        for i, (s_, kq__, kr_, vq__, vr_) in enumerate(lens.tolist()):
-            kk = torch.cat([sk[i, :, :s_], kd[i, :, :kq__], rk[i, :, :kr_]], 1)[None]
-            vv = torch.cat([sv[i, :, :s_], vd[i, :, :vq__], rv[i, :, :vr_]], 1)[None]
-            ref = da.decode_attention_reference(q[i : i + 1], kk, vv)
-            errs.append(((out[i : i + 1].double() - ref).norm() / ref.norm()).item())
-        return max(errs) <= 1e-3, f"per-sequence rel. errors {[f'{e:.1e}' for e in errs]}"
-
-    check("per-sequence lengths (sinks/quantized/residual differ per sequence)", per_seq_check)
-
-    def control_check():
-        b, t, hkv, hq, d = (3, 1000, HKV, HQ, D) if not small else (2, 40, 1, 2, 64)
-        k, v, q = randn(b, hkv, t, d), randn(b, hkv, t, d), randn(b, hq, 1, d)
-        lens = torch.tensor([t, t // 2 + 3, 17][:b], device=device)
-        out = da.split_kv_attention(q, k, v, seq_lens=lens)
-        ref = da.decode_attention_reference(q, k, v, seq_lens=lens)
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        return err <= 1e-3, f"rel. error {err:.2e}"
-
-    check("split-KV control on fp16 K/V, per-sequence lengths", control_check)
-
-    def d96_check():
-        q, k = randn(1, 4, 1, 96), randn(1, 4, 40, 96)
-        try:
-            da.split_kv_attention(q, k, k)
-        except ValueError as e:
-            return "head_dim=96" in str(e), f"ValueError: {e}"
-        return False, "head_dim 96 was accepted"
-
-    check("head_dim 96 refused (KVQ-25)", d96_check)
-
-    if device.type == "cuda":
-
-        def dispatch_check():
-            m = load_method("pn-mix")
-            lc = m.new_layer(0, HKV, D, dtype=torch.float16, device=device)
-            lc.prefill(randn(1, HKV, 300, D), randn(1, HKV, 300, D), randn(1, HQ, 300, D))
-            q = randn(1, HQ, 1, D)
-            out = K["dispatch"].try_fused_attend(lc, q)
-            ok = out is not None and lc.attend_path == "triton"
-            detail = f"try_fused_attend: {lc.attend_path!r} {lc.attend_path_reason}"
-            # LayerCache.attend reaches the kernel through kvbench.attend.cpu when
-            # kvbench.kernels is importable (an install; a bare source tree has only kernels.*)
-            ref = da.decode_attention_reference(q, *lc.keys_values(q.dtype))
-            out2 = lc.attend(q)
-            err = ((out2.double() - ref).norm() / ref.norm()).item()
-            ok = ok and err <= 1e-3
-            detail += (
-                f"; LayerCache.attend: {lc.attend_path!r} ({lc.attend_path_reason}) err {err:.1e}"
-            )
-            return ok, detail.replace("|", "/")
-
-        check("dispatch takes the triton path on CUDA", dispatch_check)
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,8 +287,21 @@ def sdpa_fn(q, k, v):
         return fn, "flash, K/V repeated"
 
 
-def _step_row(rec, timer, step_us, copy_gbps, ctx_len, b, method, keys, values, nbytes, fn):
-    """Time ``fn`` (one decode-attention step) and add its row; returns the median in µs."""
+def guard_error(lc, q: torch.Tensor, out: torch.Tensor) -> float:
+    """Relative error (float64 norm) of a timed kernel's output against the reference attention
+    of the same cache (:func:`kvbench.attend.reference.reference_attention`)."""
+    from kvbench.attend.reference import reference_attention
+
+    kk, vv = lc.keys_values(torch.float64)
+    ref = reference_attention(q.double(), kk, vv)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _step_row(
+    rec, timer, step_us, copy_gbps, ctx_len, b, method, keys, values, nbytes, fn, err=None
+):
+    """Time ``fn`` (one decode-attention step) and add its row; returns the median in µs, or
+    ``None`` when the guard failed (``err`` > :data:`GUARD`: the row is kept, marked)."""
     us, p10, p90, mode = timer(fn)
     r = {
         "kind": "step",
@@ -562,6 +316,7 @@ def _step_row(rec, timer, step_us, copy_gbps, ctx_len, b, method, keys, values, 
         "p90": p90,
         "gbps": nbytes / us / 1e3,
         "timing": mode,
+        "err": err,
     }
     if copy_gbps:
         r["pct_copy"] = 100 * r["gbps"] / copy_gbps
@@ -569,7 +324,7 @@ def _step_row(rec, timer, step_us, copy_gbps, ctx_len, b, method, keys, values, 
     r["vs_sdpa"] = base / us if base else None
     r["vs_control"] = ctrl / us if ctrl else None
     rec.add(r)
-    return us
+    return us if err is None or err <= GUARD else None
 
 
 def _time_shape(K, device, rec, timer, step_us, copy_gbps, ctx_len, b, gen, out_of_time):
@@ -611,11 +366,18 @@ def _time_shape(K, device, rec, timer, step_us, copy_gbps, ctx_len, b, gen, out_
                 nbytes = lc.nbytes()["total"] + 2 * q.nbytes
                 keys = f"{m.average_bits(D, ctx_len)['key_bits']:.2f} b"
                 vals = "fp16" if vb == 16 else f"{vb}-bit"
+                err = guard_error(lc, q, dispatch.fused_attend(lc, q))
                 us = _step_row(
-                    *args, label, keys, vals, nbytes, lambda lc=lc: dispatch.fused_attend(lc, q)
+                    *args,
+                    label,
+                    keys,
+                    vals,
+                    nbytes,
+                    lambda lc=lc: dispatch.fused_attend(lc, q),
+                    err=err,
                 )
                 step_us[(ctx_len, b, label, vb)] = us
-                if vb == VALUE_BITS[0]:
+                if vb == VALUE_BITS[0] and us:
                     flush_row(rec, quant, lc, m, ctx_len, b, label, us, timer, gen, device)
             except Exception as e:  # noqa: BLE001
                 rec.add(
@@ -806,7 +568,6 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds after which no new shape is started",
     )
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument(
         "--tune",
         default="",
@@ -843,8 +604,6 @@ def main(argv: list[str] | None = None) -> int:
         env["SMs"] = p.multi_processor_count
         env["memory"] = f"{p.total_memory / 2**30:.0f} GiB"
     rec = Recorder(args.out, env)
-    if not args.skip_correctness:
-        correctness(K, device, rec, small=args.interpret)
     timer = Timer(
         device, reps=1 if args.interpret else args.reps, warmup=1 if args.interpret else 5
     )
@@ -870,9 +629,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
     timings(K, device, rec, shapes, timer, args.time_budget, t_start)
     rec.write_markdown()
-    failed = [r for r in rec.rows if r["kind"] == "correctness" and not r["ok"]]
+    failed = [r for r in rec.rows if r["kind"] == "step" and (r.get("err") or 0) > GUARD]
     print(render_markdown(env, rec.rows))
-    print(f"done in {time.time() - t_start:.0f} s; {len(failed)} failed checks")
+    print(f"done in {time.time() - t_start:.0f} s; {len(failed)} timed kernels failed the guard")
     return 1 if failed else 0
 
 

@@ -3,9 +3,12 @@
 #
 #   bash kernels/device_check.sh [bench_decode.py options]
 #
-# Runs from the source tree (PYTHONPATH=., no install, no datasets, no network): correctness at
-# random sizes first, then decode-attention timings on Llama-3.1-8B shapes, then
-# quantize-and-pack of a flushed page (kernels/bench_decode.py).  Results go under $OUT
+# Runs from the source tree (PYTHONPATH=., no datasets, no network): decode-attention timings on
+# Llama-3.1-8B shapes, each timed kernel first checked against the reference attention of its
+# cache, then quantize-and-pack of a flushed page (kernels/bench_decode.py; timing protocol of
+# kvbench/measure/timer.py).  Correctness at random sizes is tests/kernels' job.  Methods come
+# from kvbench's method registry (entry points), so kvbench is installed editable without
+# dependencies or network first when it is not importable with its entry points.  Results go under $OUT
 # (default $TMPDIR/kvbench_device_check): rows.jsonl (appended row by row), RESULTS.md
 # (rewritten after every row, so a timeout still leaves a partial table; commit it as
 # kernels/RESULTS.md), env.json, system.txt, bench.log.  Knobs: TIME_BUDGET (seconds after
@@ -19,6 +22,10 @@ PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
+if ! "$PYTHON" -c "import kvbench; kvbench.get_method('kivi')" >/dev/null 2>&1; then
+  "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . \
+    || echo "warning: editable install failed; method lookups will fail" >&2
+fi
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true

@@ -1,11 +1,11 @@
-"""The ``latency`` workload: percentiles, the interleaving protocol, ratios against the
-interleaved baseline, the runner keeping them, bad input.
+"""The ``latency`` workload: the interleaving protocol, repeated prefill, where flush steps
+land, metrics and ratios from injected raw timings, the runner keeping them, bad input.
 
-Right values: percentiles by hand (linear interpolation between order statistics, numpy's
-default); the call order of the protocol (prefill both, then rounds alternating A B / B A) from
-the workload's documented schedule; the number of tokens each cache holds from the context.
-A tiny random Llama (2 layers) runs the end-to-end test; timing values themselves are not
-asserted beyond their algebra (ratios = value / baseline value of the same call).
+Right values: the call order of the protocol from the workload's documented schedule; flush
+steps from KIVI's key schedule worked out by hand; metrics from scripted timings (the
+workload's timer replaced) with answers by hand.  A tiny random Llama (2 layers) runs every
+test; no assertion reads real wall-clock speed.  The statistics themselves are tested in
+tests/test_measure.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import kvbench
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.run.runner import run_suite
 from kvbench.run.suite import parse_suite
-from kvbench.workloads.latency import CPU_NOTE, Latency, percentile, summarize
+from kvbench.workloads.latency import CPU_NOTE, Latency
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,19 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def test_percentiles_by_hand() -> None:
-    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert percentile(xs, 50) == 3.0
-    assert percentile(xs, 90) == pytest.approx(4.6)  # 4 + 0.6 * (5 - 4)
-    assert percentile(xs, 99) == pytest.approx(4.96)
-    assert percentile([7.0], 99) == 7.0
-    s = summarize([10.0, 20.0, 30.0, 40.0])
-    assert s["decode_ms_p50"] == 25.0 and s["decode_ms_mean"] == 25.0
-    assert s["tokens_per_s"] == pytest.approx(40.0)  # 1000 ms / 25 ms
-    with pytest.raises(ValueError):
-        percentile([], 50)
 
 
 def _tiny_model() -> LlamaForCausalLM:
@@ -80,7 +67,7 @@ class Recorder:
         return self.model.parameters()
 
     def forward(self, input_ids=None, cache=None, use_cache=True, logits_to_keep=0):
-        self.calls.append((id(cache), input_ids.shape[1]))
+        self.calls.append((cache, input_ids.shape[1]))  # kept alive: ids stay distinct
         return self.model(
             input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
         )
@@ -88,38 +75,97 @@ class Recorder:
     __call__ = forward
 
 
-def test_protocol_prefill_then_alternating_rounds() -> None:
+KIVI8 = dict(bits=2, value_bits=2, group_size=8, residual_length=8)
+
+
+def test_protocol_repeated_prefill_then_alternating_rounds() -> None:
     model = Recorder(_tiny_model())
-    w, ctx = _workload(model, context=40, steps=4, warmup=2, baseline="hf-dynamic")
+    w, ctx = _workload(
+        model, context=40, steps=4, warmup=2, baseline="hf-dynamic", prefill_repeats=2
+    )
     res = w.run(ctx, kvbench.get_method("kivi", bits=2, group_size=8, residual_length=8))
     calls = model.calls
-    # prefill: P = 40 - 4 - 2 = 34 tokens, method first, then baseline
-    assert [n for _, n in calls[:2]] == [34, 34]
-    a, b = calls[0][0], calls[1][0]
-    assert a != b
-    # 6 rounds of one token each; order A B, B A, A B, ...
-    order = [c for c, _ in calls[2:]]
+    # prefill: P = 40 - 4 - 2 = 34 tokens, 2 rounds, method first then baseline first, each
+    # into a fresh cache (4 distinct caches)
+    assert [n for _, n in calls[:4]] == [34] * 4
+    assert len({id(c) for c, _ in calls[:4]}) == 4
+    b, a = calls[2][0], calls[3][0]  # round 2 is (baseline, method): these caches decode
+    # 6 rounds of one token each into the last round's caches; order A B, B A, A B, ...
+    order = [c for c, _ in calls[4:]]
     assert order == [a, b, b, a, a, b, b, a, a, b, b, a]
-    assert all(n == 1 for _, n in calls[2:])
+    assert all(n == 1 for _, n in calls[4:])
     assert len(res.per_layer["decode_ms"]) == 4 and len(res.per_layer["baseline_decode_ms"]) == 4
+    assert len(res.per_layer["prefill_ms"]) == 2 and res.info["prefill_repeats"] == 2
 
 
-def test_end_to_end_metrics_and_ratios() -> None:
+def test_flush_steps_land_where_the_schedule_puts_them() -> None:
+    """KIVI keys with R = 8 after a prompt of P = 40 - 12 - 2 = 26 tokens: 24 quantized, 2 in
+    the residual; decode step j (0-based, warm-up included) leaves 3 + j, and the residual is
+    flushed when it reaches 8, i.e. after j = 5 and j = 13: timed steps 3 and 11 (2 warm-up
+    steps), a period of 8 steps.  Values slide one token per step: not a flush."""
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    assert res.info["flush_index"] == [3, 11] and res.metrics["flush_steps"] == 2
+    assert res.info["flush_period"] == 8 and "quantized_tokens" in res.info["flush_period_source"]
+    assert res.info["baseline_flush_index"] == []  # the full cache never shrinks
+    # a shorter window that ends before the first flush holds none
+    w, ctx = _workload(_tiny_model(), context=40, steps=3, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))  # P = 35: 32 + 3, flush after j = 4
+    assert res.info["flush_index"] == [2]
+
+
+class ScriptedTimer:
+    """Replaces the workload's timer: runs each call, returns the next scripted ms."""
+
+    samples: list[float] = []
+
+    def __init__(self, device) -> None:
+        self.how = "scripted"
+
+    def __call__(self, fn):
+        fn()
+        return ScriptedTimer.samples.pop(0)
+
+
+def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw timings with a known answer.  Calls: 3 prefill rounds (M B, B M, M B), then 12 timed
+    rounds (after 2 warm-up rounds, so they start M B) alternating.  The method's flush steps
+    are timed steps 3 and 11 (see the test above), period 8."""
+    import kvbench.workloads.latency as lat
+
+    pre_m, pre_b = [30.0, 10.0, 20.0], [10.0, 12.0, 8.0]  # medians 20 and 10
+    meth = [2.0, 2.0, 3.0, 10.0, 2.0, 2.0, 3.0, 2.0, 2.0, 2.0, 2.0, 14.0]
+    base = [1.0] * 12
+    seq = [pre_m[0], pre_b[0], pre_b[1], pre_m[1], pre_m[2], pre_b[2]]
+    for i in range(12):
+        seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
+    ScriptedTimer.samples = seq
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    m = w.run(ctx, kvbench.get_method("kivi", **KIVI8)).metrics
+    assert ScriptedTimer.samples == []
+    assert m["prefill_ms"] == 20.0 and m["prefill_ms_ratio"] == 2.0
+    # steady: ten steps, eight of 2 ms and two of 3 ms
+    assert m["decode_ms_p50"] == 2.0 and m["decode_ms_mean"] == pytest.approx(2.2)
+    assert m["decode_ms_p90"] == pytest.approx(3.0)  # h = 8.1 between two 3 ms
+    assert m["flush_steps"] == 2 and m["flush_ms_mean"] == 12.0 and m["flush_ms_max"] == 14.0
+    amort = 2.2 + (12.0 - 2.2) / 8
+    assert m["decode_ms_amortized"] == pytest.approx(amort)
+    assert m["tokens_per_s"] == pytest.approx(1000 / amort)
+    assert m["decode_ms_p50_ratio"] == 2.0 and m["decode_ms_mean_ratio"] == pytest.approx(2.2)
+    assert m["decode_ms_amortized_ratio"] == pytest.approx(amort)
+    assert m["tokens_per_s_ratio"] == pytest.approx(1 / amort)
+
+
+def test_end_to_end_records() -> None:
     model = _tiny_model()
-    w, ctx = _workload(model, context=48, steps=5, warmup=1)
-    res = w.run(
-        ctx, kvbench.get_method("kivi", bits=2, value_bits=2, group_size=8, residual_length=8)
-    )
-    m, info, per = res.metrics, res.info, res.per_layer
-    assert m["decode_ms_p50"] == pytest.approx(percentile(per["decode_ms"], 50))
-    ref = summarize(per["baseline_decode_ms"])
-    for k in ("decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "tokens_per_s"):
-        assert m[f"{k}_ratio"] == pytest.approx(m[k] / ref[k])
-        assert info[f"baseline_{k}"] == pytest.approx(ref[k])
-    assert m["prefill_ms_ratio"] == pytest.approx(m["prefill_ms"] / info["baseline_prefill_ms"])
+    w, ctx = _workload(model, context=48, steps=5, warmup=1, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    m, info = res.metrics, res.info
     assert info["baseline"] == "full" and info["cuda_graphs"] is False
     assert info["threads"] == 1 and info["timing"] == "time.perf_counter_ns"
-    assert info["timing_note"] == CPU_NOTE
+    assert info["timing_note"] == CPU_NOTE and len(info["loadavg"]) == 3
+    assert "interpolation" in info["percentiles"]
     # auto: kvbench methods decode through LayerCache.attend (code-domain fast path when it fits)
     assert "LayerCache.attend" in info["attention_path"]
     assert m["bytes_total"] > 0
@@ -161,6 +207,7 @@ def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPat
     [
         ({"context": 20, "steps": 20, "warmup": 3}, "context > warmup \\+ steps"),
         ({"steps": 0}, "steps >= 1"),
+        ({"prefill_repeats": 0}, "prefill_repeats=0 must be >= 1"),
         ({"warmup": -1}, "warmup >= 0"),
         ({"context": 2048.0}, "integers"),
         ({"path": "fast"}, "allowed"),

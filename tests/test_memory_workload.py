@@ -1,5 +1,5 @@
 """The ``memory`` workload: bytes at rest against hand counts, effective vs nominal bits, the
-transient peak, no full-precision copy of quantized tokens, bad input.
+transient peak of the decode path that runs, no full-precision copy of quantized tokens, bad input.
 
 Hand counts follow the storage formats of kvbench.kv.blocks and the flush rules of spec §3 (KIVI)
 and kvbench.kv.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
@@ -210,10 +210,41 @@ def test_transient_peak_counts_live_allocations() -> None:
     assert peak == 12_000_000 and "profiler" in how
 
 
-def test_peak_step_of_full_is_the_regrown_cache(w1: Memory) -> None:
-    """The full cache's step concatenates one token onto K and V: 300 tokens of K and V in
-    float16 are allocated (3 * 300 * 64 * 2 bytes each) and nothing is dequantized."""
-    assert _bytes(w1, "full")["peak_step_bytes"] == 2 * 3 * 300 * 64 * 2
+def test_peak_step_of_full_is_the_regrown_cache() -> None:
+    """On the reference path the full cache's step concatenates one token onto K and V: 300
+    tokens of K and V in float16 are allocated (3 * 300 * 64 * 2 bytes each) and nothing is
+    dequantized."""
+    w = _workload(**SHAPE1, path="reference")
+    res = w.run(None, kvbench.get_method("full"))
+    assert res.metrics["peak_step_bytes"] == 2 * 3 * 300 * 64 * 2
+    assert res.info["peak_step_path"] == [
+        "append + LayerCache.keys_values() (dequantized K/V for sdpa) + end_step"
+    ]
+
+
+@pytest.mark.parametrize("path, reads", [("attend", ["attend"]), ("reference", ["keys_values"])])
+def test_peak_step_measures_the_path_that_runs(monkeypatch, path: str, reads: list) -> None:
+    """The measured step reads the cache the way the chosen path does (by default
+    ``LayerCache.attend``, what the model runs), once per step, and the record names it."""
+    from kvbench.kv.layer import LayerCache
+
+    seen: list[str] = []
+    for name in ("attend", "keys_values"):
+        orig = getattr(LayerCache, name)
+
+        def spy(self, *a, orig=orig, name=name, **k):
+            seen.append(name)
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(LayerCache, name, spy)
+    w = _workload(**{**SHAPE1, "appends": 1}, path=path)
+    seen.clear()
+    res = w.run(None, kvbench.get_method("kivi", bits=2, value_bits=2))
+    # one step, then the end-of-run read for the error metrics
+    assert seen == reads + ["keys_values"]
+    assert res.info["peak_step_path"][0].startswith(
+        "append + LayerCache.attend(query)" if path == "attend" else "append + LayerCache.keys"
+    )
 
 
 def _builtin_layer_methods() -> list[str]:
@@ -265,6 +296,7 @@ def test_no_full_precision_copy(name: str) -> None:
         ({"appends": 0}, "appends < context"),
         ({"source": "disk"}, "allowed"),
         ({"dtype": "int8"}, "allowed"),
+        ({"path": "fast"}, "path='fast' is not allowed; allowed: \\['attend', 'reference'\\]"),
         ({"layers": 3}, "layers"),
         ({"num_kv_heads": 0}, "num_kv_heads"),
         ({"num_heads": 8, "num_kv_heads": 3}, "multiple"),

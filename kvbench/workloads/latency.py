@@ -1,49 +1,56 @@
 """``latency``: prefill time and per-step decode latency at context depth d, interleaved with a
-baseline in the same call (design.md §6).
+baseline in the same call (design.md §6), timed by :mod:`kvbench.measure.timer`.
 
 Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
 method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
-transformers cache) and the ``baseline``'s (default ``full``), built fresh for this run.
+transformers cache) and the ``baseline``'s (default ``full``).
 
-1. Prefill ``P = d - warmup - steps`` tokens into each cache (timed: ``prefill_ms``), so the last
-   timed step attends to exactly ``context`` = d tokens (the model's maximum context is the
-   largest allowed d).
-2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps.  Inputs are
-   the text's next tokens (teacher forcing), identical for both caches, so the two runs do the
-   same work and neither depends on the other's outputs.
-3. Interleaving: every round times one step of each cache, alternating which goes first
-   (A B, B A, A B, ...), so drift of a busy machine hits both alike.
+1. Prefill ``P = d - warmup - steps`` tokens, ``prefill_repeats`` times (default 3), each time
+   into fresh caches of both, rotating which goes first (A B, B A, ...); ``prefill_ms`` is the
+   median and ``prefill_ms_ratio`` the ratio of the two medians (not one sample).  The last
+   round's caches decode, so the last timed step attends to exactly d tokens (the model's
+   maximum context is the largest allowed d).
+2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
+   :func:`kvbench.measure.timer.interleave`: every round times one step of each cache,
+   alternating which goes first.  Inputs are the text's next tokens (teacher forcing),
+   identical for both caches, so the two runs do the same work.
+3. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
+   than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
+   steps).  Steady-state and flush steps are reported separately rather than lengthening the
+   window to whole flush periods (R = 128 would need 128+ steps per configuration and depth):
+   where a short window starts decides whether it holds a flush, so mixing them made p99,
+   mean and tokens/s depend on the window's position.
 
-Metrics: ``prefill_ms``, ``decode_ms_p50``/``_p90``/``_p99`` (linear-interpolated percentiles of
-the timed steps), ``decode_ms_mean``, ``tokens_per_s`` (1000 / mean step ms), each with a
-``*_ratio`` against the interleaved baseline of this same call (the runner keeps these, it does
-not replace them with ratios to a separately run ``full`` record), and ``bytes_total`` of the
-method's cache at the end.  Raw step times are in ``per_layer`` (``decode_ms``,
-``baseline_decode_ms``).
+Metrics: ``prefill_ms``; ``decode_ms_p50``/``_p90``/``_p99``/``_mean`` over the steady-state
+steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_steps`` (count in
+the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
+``decode_ms_amortized`` = steady mean + (flush mean - steady mean) / period, the cost per token
+of a long decode, with the period (steps between flushes) from the tokens one flush quantized
+(recorded with its source); ``tokens_per_s`` = 1000 / ``decode_ms_amortized``.  Each has a
+``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
+baseline ms / method ms; the runner keeps these).  ``bytes_total`` of the method's cache at
+the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
+``prefill_ms``, ``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
 
-Timing.  CPU: ``time.perf_counter_ns`` around each ``model(...)`` call, at the thread count
-``torch.get_num_threads()`` (recorded).  CUDA: CUDA events around each call after the warm-up,
-synchronized, eager mode; ``cuda_graphs`` is recorded as false (no graph capture: a growing
-cache changes shapes every step).  On CPU the numbers are dominated by framework overhead and
-dequantization (Python, small kernels, unpacking), not by memory bandwidth; the manifest and the
-report say so.  A flush that happens every R steps (KIVI's keys, quanto's re-quantization) is in
-the timed window only if the window spans it: it shows in ``decode_ms_p99`` and the mean, not in
-the median.
+Timing.  CPU: ``time.perf_counter_ns`` around each ``model(...)`` call at the thread count in
+force (recorded with the load average).  CUDA: synchronized CUDA events, eager mode;
+``cuda_graphs`` is recorded as false (a growing cache changes shapes every step).  On CPU the
+numbers are dominated by framework overhead and dequantization (Python, small kernels,
+unpacking), not by memory bandwidth; the manifest and the report say so.
 
 Attention path (recorded): kvbench methods run through the ``"kvbench"`` attention function,
 which reads the dequantized K/V of ``keys_values()`` with sdpa (the reference path), or
 ``LayerCache.attend`` (``path: attend``, and ``auto`` for methods with a fused kernel or without
 ``keys_values``); peers run transformers' cache ``update`` then sdpa over the K/V it returns.
 
-Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``baseline`` (a method name,
-``full``), ``path`` (``auto`` | ``reference`` | ``attend``), ``text`` (``essays``), ``window``
-(0).
+Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_repeats`` (3),
+``baseline`` (a method name, ``full``), ``path`` (``auto`` | ``reference`` | ``attend``),
+``text`` (``essays``), ``window`` (0).
 """
 
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Any
 
 import torch
@@ -51,6 +58,16 @@ import torch
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import cache_nbytes
 from kvbench.kv.method import Method
+from kvbench.measure import (
+    PERCENTILE_RULE,
+    Timer,
+    flush_steps,
+    interleave,
+    rotation,
+    split_steps,
+    summarize,
+    system_state,
+)
 
 from . import Result, Workload
 
@@ -60,53 +77,46 @@ CPU_NOTE = (
 )
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` in [0, 100] of ``xs`` (numpy's default)."""
-    s = sorted(xs)
-    if not s:
-        raise ValueError("no samples")
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+STEADY_NOTE = (
+    "steady-state steps and flush steps (held bytes fell) reported separately; "
+    "decode_ms_amortized spreads the flush over its period"
+)
 
 
-def summarize(ms: list[float]) -> dict[str, float]:
-    """p50/p90/p99/mean of step times in ms, and tokens/s = 1000 / mean."""
-    mean = sum(ms) / len(ms)
-    return {
-        "decode_ms_p50": percentile(ms, 50),
-        "decode_ms_p90": percentile(ms, 90),
-        "decode_ms_p99": percentile(ms, 99),
-        "decode_ms_mean": mean,
-        "tokens_per_s": 1000.0 / mean if mean > 0 else float("inf"),
-    }
+def held_bytes(cache: Any) -> int | None:
+    """Bytes the cache holds now (``None`` when it cannot say)."""
+    try:
+        nb = cache_nbytes(cache)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return nb.get("total") if nb else None
 
 
-class _Timer:
-    """Milliseconds of one call: CUDA events on a CUDA device, ``perf_counter_ns`` otherwise."""
+def quantized_tokens_of(cache: Any) -> tuple[int, int] | None:
+    """(keys, values) tokens held quantized by layer 0 of a kvbench cache, else ``None``."""
+    q = getattr(cache, "quantized_tokens", None)
+    return q() if callable(q) else None
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
 
-    @property
-    def how(self) -> str:
-        return "cuda events (synchronized)" if self.cuda else "time.perf_counter_ns"
-
-    def __call__(self, fn: Any) -> float:
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(self.device)
-            return float(start.elapsed_time(end))
-        t0 = time.perf_counter_ns()
-        fn()
-        return (time.perf_counter_ns() - t0) / 1e6
+def flush_period(cache: Any, quantized: list, flushes: list[int]) -> tuple[float | None, str]:
+    """Steps between flushes in steady state, and where the figure comes from: the tokens one
+    flush quantized (kvbench caches: the jump of ``quantized_tokens()``, one token per step);
+    else the transformers layers' ``residual_length``; else the spacing of the flushes seen."""
+    jumps = [
+        max(b - a for a, b in zip(quantized[i], quantized[i + 1]))
+        for i in flushes
+        if quantized[i] is not None and quantized[i + 1] is not None
+    ]
+    if jumps and max(jumps) > 0:
+        return float(max(jumps)), "tokens quantized by one flush (quantized_tokens)"
+    for layer in getattr(cache, "layers", []) or []:
+        r = getattr(layer, "residual_length", None)
+        if isinstance(r, int) and r > 0:
+            return float(r), "transformers cache layer residual_length"
+    if len(flushes) >= 2:
+        gaps = [b - a for a, b in zip(flushes, flushes[1:])]
+        return float(sum(gaps) / len(gaps)), "spacing of the flushes in the timed window"
+    return None, "unknown (amortized mean spreads the flush over the timed window)"
 
 
 def attention_path(method: Method, attend: bool) -> str:
@@ -128,13 +138,17 @@ class Latency(Workload):
         "path": "auto",
         "text": "essays",
         "window": 0,
+        "prefill_repeats": 3,
     }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, n, w = spec["context"], spec["steps"], spec["warmup"]
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, n, w)):
-            raise ValueError(f"{pre}context, steps and warmup must be integers")
+        r = spec["prefill_repeats"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, n, w, r)):
+            raise ValueError(f"{pre}context, steps, warmup and prefill_repeats must be integers")
+        if r < 1:
+            raise ValueError(f"{pre}prefill_repeats={r} must be >= 1")
         if n < 1 or w < 0 or d <= n + w:
             raise ValueError(
                 f"{pre}need steps >= 1, warmup >= 0 and context > warmup + steps (a prefill of "
@@ -185,40 +199,74 @@ class Latency(Workload):
         s = self.spec
         model = ctx.model
         dev = next(model.parameters()).device
-        timer = _Timer(dev)
+        timer = Timer(dev)
         ids = self.ids.to(dev)
-        d, n, w = s["context"], s["steps"], s["warmup"]
+        d, n, w, reps = s["context"], s["steps"], s["warmup"], s["prefill_repeats"]
         p = d - n - w
         base = get_method(s["baseline"])
         why = base.unavailable_reason()
         if why:
             raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
-        attend = self._attend(method)
-        caches = {
-            "method": make_hf_cache(method, model, attend=attend),
-            "baseline": make_hf_cache(base, model, attend=self._attend(base)),
-        }
-        kw = {name: cache_kwarg(c, model) for name, c in caches.items()}
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            for k in kw.values():  # logits of the last position only, as in generate()
-                k["logits_to_keep"] = 1
+        methods = {"method": method, "baseline": base}
+        attend = {k: self._attend(m) for k, m in methods.items()}
+        names = list(methods)
+        caches: dict[str, Any] = {}
+        kw: dict[str, dict] = {}
+
+        def fresh(name: str) -> None:
+            caches[name] = make_hf_cache(methods[name], model, attend=attend[name])
+            kw[name] = cache_kwarg(caches[name], model)
+            if "logits_to_keep" in inspect.signature(model.forward).parameters:
+                kw[name]["logits_to_keep"] = 1  # logits of the last position only, as generate()
 
         def call(name: str, sl: slice) -> Any:
-            return lambda: model(input_ids=ids[:, sl], use_cache=True, **kw[name])
+            return model(input_ids=ids[:, sl], use_cache=True, **kw[name])
 
-        prefill = {name: timer(call(name, slice(0, p))) for name in ("method", "baseline")}
-        times: dict[str, list[float]] = {"method": [], "baseline": []}
-        for i in range(w + n):
-            order = ("method", "baseline") if i % 2 == 0 else ("baseline", "method")
-            for name in order:
-                ms = timer(call(name, slice(p + i, p + i + 1)))
-                if i >= w:
-                    times[name].append(ms)
-        mine, ref = summarize(times["method"]), summarize(times["baseline"])
-        metrics = {"prefill_ms": prefill["method"], **mine}
-        metrics["prefill_ms_ratio"] = prefill["method"] / prefill["baseline"]
-        for k, v in mine.items():
-            metrics[f"{k}_ratio"] = v / ref[k] if ref[k] else float("nan")
+        # prefill: `prefill_repeats` rounds, each on fresh caches, rotating which goes first;
+        # the last round's caches decode
+        prefill: dict[str, list[float]] = {k: [] for k in names}
+        for r in range(reps):
+            for name in rotation(names, r):
+                fresh(name)
+                prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
+
+        held: dict[str, list] = {k: [] for k in names}
+        quant: dict[str, list] = {k: [] for k in names}
+
+        def observe(name: str, i: int, ms: float | None) -> None:
+            if i >= w - 1:  # the state before the first timed step, then after each one
+                held[name].append(held_bytes(caches[name]))
+                quant[name].append(quantized_tokens_of(caches[name]))
+
+        done = dict.fromkeys(names, 0)  # decode steps each cache has run
+
+        def stepper(k: str):
+            def fn() -> None:
+                call(k, slice(p + done[k], p + done[k] + 1))
+                done[k] += 1
+
+            return fn
+
+        if w == 0:  # the state before the first timed step
+            for k in names:
+                observe(k, w - 1, None)
+        times = interleave({k: stepper(k) for k in names}, n, w, timer, after=observe)
+        split, period, source = {}, {}, {}
+        for k in names:
+            hb = held[k]
+            flushes = flush_steps(hb) if all(x is not None for x in hb) else []
+            period[k], source[k] = flush_period(caches[k], quant[k], flushes)
+            split[k] = split_steps(times[k], flushes, period[k])
+        mine, ref = split["method"].metrics(), split["baseline"].metrics()
+        pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
+        metrics: dict[str, float] = {"prefill_ms": pm.median, **mine}
+        metrics["tokens_per_s"] = 1000.0 / mine["decode_ms_amortized"]
+        metrics["prefill_ms_ratio"] = pm.median / pb.median if pb.median else float("nan")
+        for k in ("decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean"):
+            metrics[f"{k}_ratio"] = mine[k] / ref[k] if ref[k] else float("nan")
+        am, ab = mine["decode_ms_amortized"], ref["decode_ms_amortized"]
+        metrics["decode_ms_amortized_ratio"] = am / ab if ab else float("nan")
+        metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
         lcs = getattr(caches["method"], "layer_caches", lambda: [])()
         ran = sorted({str(getattr(lc, "attend_path", None)) for lc in lcs if lc is not None})
         nb = cache_nbytes(caches["method"])
@@ -226,21 +274,33 @@ class Latency(Workload):
             metrics["bytes_total"] = nb["total"]
         info = {
             **self.info,
+            **system_state(),
             "timing": timer.how,
-            "threads": torch.get_num_threads(),
-            "attention_path": attention_path(method, attend),
-            "attend_path_ran": ran if attend else None,
+            "percentiles": PERCENTILE_RULE,
+            "attention_path": attention_path(method, attend["method"]),
+            "attend_path_ran": ran if attend["method"] else None,
             "baseline": s["baseline"],
-            "baseline_attention_path": attention_path(base, self._attend(base)),
-            "interleaving": "per round, one step of each cache, alternating which goes first",
+            "baseline_attention_path": attention_path(base, attend["baseline"]),
+            "interleaving": "round i starts at configuration i mod 2 (A B, B A, ...)",
             "ratio_baseline": f"{s['baseline']} interleaved in this run",
             "prefill_tokens": p,
+            "prefill_repeats": reps,
+            "window": STEADY_NOTE,
+            "flush_index": list(split["method"].flush_index),
+            "flush_period": period["method"],
+            "flush_period_source": source["method"],
+            "baseline_flush_index": list(split["baseline"].flush_index),
             "cuda_graphs": False,
             "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "baseline_prefill_ms": prefill["baseline"],
+            "baseline_prefill_ms": pb.median,
             **{f"baseline_{k}": v for k, v in ref.items()},
         }
         if dev.type != "cuda":
             info["timing_note"] = CPU_NOTE
-        per = {"decode_ms": times["method"], "baseline_decode_ms": times["baseline"]}
+        per = {
+            "decode_ms": times["method"],
+            "baseline_decode_ms": times["baseline"],
+            "prefill_ms": prefill["method"],
+            "baseline_prefill_ms": prefill["baseline"],
+        }
         return Result(metrics, per, info)

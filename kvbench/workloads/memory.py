@@ -26,11 +26,14 @@ Metrics (summed over layers):
   and formula agree; the rest of the gap is alignment (byte padding of packed rows), metadata the
   formula does not model, or shared scales;
 * ``peak_step_bytes``: the transient memory of one decode step of the cache, i.e. the peak of
-  the bytes allocated during the last step above what was allocated before it (the new token's
-  store, the K/V materialized for the attention to read: dequantized blocks, concatenations,
-  unpacked codes; a flush), maximum over layers (a model runs its layers one after another).
-  The attention's own working memory (logits, ``repeat_kv``) is the same for every cache and not
-  included.  Measured with the CPU allocator's events under ``torch.profiler``
+  the bytes allocated during the last step above what was allocated before it, maximum over
+  layers (a model runs its layers one after another).  The step is the path that runs
+  (``path``, recorded as ``peak_step_path``): by default ``attend``, the new token's store,
+  ``LayerCache.attend(query)`` (the decode attention the latency workload and the model run:
+  whatever it materializes, e.g. unpacked codes, dequantized blocks, logits) and the deferred
+  flush; ``reference``: the store, ``keys_values()`` (the dequantized K/V the fidelity path
+  hands to sdpa, whose own working memory is then not included) and the flush; peers: their
+  layer's ``update``.  Measured with the CPU allocator's events under ``torch.profiler``
   (``profile_memory=True``) on CPU, and as ``torch.cuda.max_memory_allocated()`` after
   ``reset_peak_memory_stats()`` minus the allocation before the step on CUDA;
 * ``key_mse``/``value_mse``: error of the dequantized K/V held at the end vs the replayed ones
@@ -46,7 +49,8 @@ Metrics (summed over layers):
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
 ``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
-list of indices), and for ``synthetic`` the geometry ``num_layers``, ``num_heads``,
+list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_step_bytes``
+measures), and for ``synthetic`` the geometry ``num_layers``, ``num_heads``,
 ``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).
 """
 
@@ -135,14 +139,37 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
     return peak, "torch.profiler CPU allocator events (profile_memory=True)"
 
 
+#: what ``Replay.step`` runs for each ``path`` (recorded as ``peak_step_path``)
+STEP_PATHS = {
+    "attend": "append + LayerCache.attend(query) + end_step (the decode path the latency "
+    "workload and the model run by default)",
+    "reference": "append + LayerCache.keys_values() (dequantized K/V for sdpa) + end_step",
+}
+PEER_STEP = "transformers cache layer update (returns the K/V sdpa reads)"
+
+
 class Replay:
     """One layer's cache of ``method`` behind one protocol (kvbench ``LayerCache`` or a peer's
-    transformers layer): ``prefill``, ``step`` (one decode token: store + the K/V the step's
-    attention reads + the deferred flush), ``tensors``, ``read`` (dequantized K/V at rest)."""
+    transformers layer): ``prefill``, ``step`` (one decode token: store + the step's read of
+    the cache, by ``path`` (:data:`STEP_PATHS`) + the deferred flush), ``tensors``, ``read``
+    (dequantized K/V at rest).  ``path="reference"`` falls back to ``attend`` for methods
+    without ``keys_values``."""
 
-    def __init__(self, method: Method, layer_idx: int, hkv: int, d: int, dtype, device) -> None:
+    def __init__(
+        self,
+        method: Method,
+        layer_idx: int,
+        hkv: int,
+        d: int,
+        dtype,
+        device,
+        path: str = "attend",
+    ) -> None:
+        if path not in STEP_PATHS:
+            raise ValueError(f"path={path!r} is not allowed; allowed: {sorted(STEP_PATHS)}")
         self.method = method
         self.peer = not method.capabilities.layer_cache
+        self.attend = path == "attend" or not method.capabilities.keys_values
         if self.peer:
             self.layer = method.new_hf_layer()
         else:
@@ -159,12 +186,19 @@ class Replay:
             out = self.layer.update(k, v)
         else:
             self.layer.append(k, v)
-            if self.method.capabilities.keys_values:
-                out = self.layer.keys_values()
-            else:
-                out = self.layer.attend(q)
+            out = self.layer.attend(q) if self.attend else self.layer.keys_values()
             self.layer.end_step()
         del out
+
+    @property
+    def path(self) -> str:
+        """What ``step`` runs, for the record (with the attend path the layer took)."""
+        if self.peer:
+            return PEER_STEP
+        if not self.attend:
+            return STEP_PATHS["reference"]
+        ran = getattr(self.layer, "attend_path", None)
+        return STEP_PATHS["attend"] + (f"; attend_path={ran}" if ran else "")
 
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         return hf_layer_tensors(self.layer) if self.peer else self.layer.tensors()
@@ -207,6 +241,7 @@ class Memory(Workload):
         "num_heads": 9,
         "num_kv_heads": 3,
         "head_dim": 64,
+        "path": "attend",
     }
 
     @classmethod
@@ -221,6 +256,10 @@ class Memory(Workload):
         if spec["source"] not in ("model", "synthetic"):
             raise ValueError(
                 f"{pre}source={spec['source']!r} is not allowed; allowed: ['model', 'synthetic']"
+            )
+        if spec["path"] not in STEP_PATHS:
+            raise ValueError(
+                f"{pre}path={spec['path']!r} is not allowed; allowed: {sorted(STEP_PATHS)}"
             )
         if spec["dtype"] not in DTYPES:
             raise ValueError(
@@ -306,7 +345,7 @@ class Memory(Workload):
             torch.cuda.reset_peak_memory_stats(dev)
         caches, peaks, peak_how, cuda_peak = [], [], "", 0
         for idx, (q, k, v) in zip(self.layer_ids, inputs):
-            r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev)
+            r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev, path=s["path"])
             r.prefill(k[:, :, :p], v[:, :, :p], q[:, :, :p])
             for t in range(p, d - 1):
                 r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
@@ -341,8 +380,9 @@ class Memory(Workload):
             "decode_appends": n_app,
             "cache_kind": "transformers layer (peer)" if caches[0].peer else "kvbench LayerCache",
             "peak_step_bytes_measured_by": peak_how,
-            "peak_step_bytes_covers": "one decode step of the cache: store, K/V materialized "
-            "for attention, flush; attention working memory excluded; max over layers",
+            "peak_step_path": sorted({c.path for c in caches}),
+            "peak_step_bytes_covers": "one decode step of the cache by peak_step_path: store, "
+            "the step's read of the cache, flush; max over layers",
             "process": "shared by all configurations of the suite",
         }
         return Result(metrics, per_layer, info)

@@ -1,5 +1,5 @@
-"""The device check's script logic, on CPU (interpreter, tiny sizes): correctness rows,
-timing rows, the Markdown table, and the shell wrapper."""
+"""The device check's script logic, on CPU (interpreter, tiny sizes): timing rows with their
+guard, the Markdown table, and the shell wrapper."""
 
 from __future__ import annotations
 
@@ -16,20 +16,26 @@ def test_interpret_dry_run(tmp_path):
     assert B.main(["--interpret", "--out", str(tmp_path)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in rows]
-    corr = [r for r in rows if r["kind"] == "correctness"]
-    assert len(corr) == 7 and all(r["ok"] for r in corr), corr
+    assert "correctness" not in kinds  # correctness is tests/kernels' job
     assert kinds.count("step") == 4 and kinds.count("flush") == 2 and "error" not in kinds
-    methods = [r["method"] for r in rows if r["kind"] == "step"]
+    steps = [r for r in rows if r["kind"] == "step"]
+    methods = [r["method"] for r in steps]
     assert methods[1] == "split-KV Triton (control)" and methods[2:] == ["KIVI-2", "PN-Mix (1)"]
+    # the guard: each timed fused kernel was compared with the reference of its cache
+    assert all(r["err"] is not None and r["err"] <= B.GUARD for r in steps[2:])
     md = (tmp_path / "RESULTS.md").read_text()
-    for heading in (
-        "## Correctness at random sizes (7/7 passed)",
-        "## Decode attention step",
-        "## Quantize-and-pack on flush",
-        "- triton: ",
-    ):
+    for heading in ("## Decode attention step", "## Quantize-and-pack on flush", "- triton: "):
         assert heading in md
     assert json.loads((tmp_path / "env.json").read_text())["mode"].startswith("interpret")
+
+
+def test_guard_marks_a_wrong_kernel(tmp_path):
+    """A timed kernel whose output is off is recorded as failing and its time not returned."""
+    rec = B.Recorder(tmp_path, {})
+    timer = B.Timer(B.torch.device("cpu"), reps=1, warmup=0)
+    us = B._step_row(rec, timer, {}, None, 64, 1, "m", "k", "v", 100, lambda: None, err=0.5)
+    assert us is None and rec.rows[-1]["err"] == 0.5
+    assert "0.5" not in B._err(1e-4) and "FAIL" in B._err(0.5)
 
 
 def test_shapes_put_the_targets_first():
@@ -57,6 +63,7 @@ def test_markdown_targets_and_ratios():
             "vs_sdpa": 1.5,
             "vs_control": 1.2,
             "timing": "graph",
+            "err": 2e-4,
         },
         {
             "kind": "target",
@@ -68,7 +75,7 @@ def test_markdown_targets_and_ratios():
     md = B.render_markdown(env, rows)
     assert (
         "| 32768 | 8 | PN-Mix (1) | 2.26 b | fp16 | 600.0 | 200.0 | 190.0–210.0 | 3000 | 75 "
-        "| 1.50x | 1.20x | graph |" in md
+        "| 1.50x | 1.20x | graph | 2.0e-04 |" in md
     )
     assert "| T=32768 B=8 PN-Mix (1) keys, V16: >= 1.3x vs sdpa | 1.50x | yes |" in md
 
