@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         mod.add_arguments(sp)
         sp.set_defaults(func=mod.main)
+    from kvbench import lm_eval as lm_eval_cli  # light: imports lm-eval only when run
+
+    # every argument goes to lm-eval's own CLI ('+' prefix: argparse leaves --options alone)
+    sl = sub.add_parser("lm-eval", help="lm-eval's CLI with --model kvbench", prefix_chars="+")
+    lm_eval_cli.add_arguments(sl)
+    sl.set_defaults(func=lm_eval_cli.main)
     return p
 
 

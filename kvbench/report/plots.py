@@ -290,8 +290,13 @@ def write_plots(records: list[dict[str, Any]], folder: str | Path) -> list[Path]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    for x, y in PARETO:
-        p = pareto_plot(records, x, y, folder / f"pareto_{y}_vs_{x}.png")
+    family = sorted(  # lm-eval task metrics with a declared direction, each vs nominal bits
+        {m for r in records for m in r["metrics"] if m.startswith("lm_eval.") and direction(m)}
+        - {m for r in records for m in r["metrics"] if m.endswith("_ratio")}
+    )
+    for x, y in [*PARETO, *(("nominal_key_bits", m) for m in family)]:
+        safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
+        p = pareto_plot(records, x, y, folder / f"pareto_{safe}_vs_{x}.png")
         if p:
             out.append(p)
     for y, label, kind in (

@@ -39,6 +39,11 @@ COLUMNS = [
 ]
 
 
+#: metric families shown beside the preferred columns when present (lm-eval task metrics,
+#: without their stderr columns)
+FAMILY_PREFIXES = ("lm_eval.", "kv_quantized_fraction")
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return ""
@@ -74,6 +79,12 @@ def summary_table(
     for wl, recs in groups.items():
         present = {k for r in recs for k in r["metrics"]}
         cols = [c for c in (columns or COLUMNS) if c in present]
+        if columns is None:
+            cols += sorted(
+                c
+                for c in present
+                if c.startswith(FAMILY_PREFIXES) and not c.endswith("_ratio") and "_stderr" not in c
+            )
         if not cols:  # a workload with none of the preferred metrics: show its own
             cols = sorted(c for c in present if not c.endswith("_ratio"))[:8]
         head = "| method | " + " | ".join(cols) + " |"

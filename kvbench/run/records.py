@@ -89,6 +89,32 @@ def write_atomic(path: str | Path, data: Any) -> None:
         raise
 
 
+def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> None:
+    """Write one JSON object per line to ``path`` atomically (as :func:`write_atomic`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sidecar_path(record: str | Path, name: str) -> Path:
+    """``<run_id>.<name>`` beside the record file ``<run_id>.json`` (never ``*.json``, so
+    :func:`load_records` does not read it)."""
+    if name.endswith(".json") or "/" in name:
+        raise ValueError(f"sidecar name {name!r} must not end in .json or contain '/'")
+    record = Path(record)
+    return record.with_name(f"{record.stem}.{name}")
+
+
 def load_record(path: str | Path) -> dict[str, Any]:
     """Read and check one record.
 

@@ -20,7 +20,15 @@ from tqdm import tqdm
 
 from kvbench.kv.registry import get_method
 from kvbench.run.manifest import base_manifest
-from kvbench.run.records import load_record, make_run_id, new_record, record_path, write_atomic
+from kvbench.run.records import (
+    load_record,
+    make_run_id,
+    new_record,
+    record_path,
+    sidecar_path,
+    write_atomic,
+    write_jsonl_atomic,
+)
 from kvbench.run.suite import MethodSpec, Suite
 from kvbench.workloads import Result, Workload, workload_class
 
@@ -273,6 +281,8 @@ def run_suite(
                         ctx, workload, run, suite.calibration, baseline
                     )
                     rec = make_record(suite, ctx, run, method, metrics, extras, result)
+                    for name, rows in result.files.items():  # before the record: it marks done
+                        write_jsonl_atomic(sidecar_path(run.path, name), rows)
                     write_atomic(run.path, rec)
                 records.append(rec)
                 if run.is_baseline:

@@ -29,6 +29,7 @@ WORKLOADS = {
     "infinitebench": "kvbench.workloads.hub_tasks:InfiniteBench",
     "score_agreement": "kvbench.workloads.pair_analysis:ScoreAgreement",
     "selection_stability": "kvbench.workloads.pair_analysis:SelectionStability",
+    "lm_eval": "kvbench.workloads.lm_eval:LMEval",
 }
 
 
@@ -48,6 +49,8 @@ class Result:
     metrics: dict[str, float]
     per_layer: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # goes to the manifest
+    #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class Workload:

@@ -73,6 +73,20 @@ DIRECTIONS: dict[str, str] = {
     "top10_overlap": HIGHER,
     "top50_overlap": HIGHER,
 }
+#: lm-evaluation-harness metric names -> direction, as lm-eval 0.4's registry declares them
+#: (``lm_eval.api.registry.HIGHER_IS_BETTER_REGISTRY``), plus common task-defined metrics.
+#: Used for the ``lm_eval`` workload's ``lm_eval.<task>.<metric>[,<filter>]`` metrics.
+LM_EVAL_DIRECTIONS: dict[str, str] = {
+    **dict.fromkeys(
+        "acc acc_norm acc_mutual_info acc_bytes acc_all exact_match likelihood mcc f1 bleu chrf "
+        "chrf++ rouge1 rouge2 rougeL rougeLsum pass@1 pass@10 em contains".split(),
+        HIGHER,
+    ),
+    **dict.fromkeys(
+        "perplexity word_perplexity byte_perplexity bits_per_byte brier_score ter".split(), LOWER
+    ),
+}
+LM_EVAL_PREFIX = "lm_eval."
 #: metric families with per-language / per-task / per-length / per-bin names
 PREFIX_DIRECTIONS: dict[str, str] = {
     "mgsm_": HIGHER,  # mgsm_<lang>, mgsm_strict_<lang>
@@ -90,6 +104,8 @@ def direction(metric: str) -> str | None:
             metric = metric[: -len(suffix)]
     if metric in DIRECTIONS:
         return DIRECTIONS[metric]
+    if metric.startswith(LM_EVAL_PREFIX):  # lm_eval.<task>.<metric>[,<filter>]; stderr: none
+        return LM_EVAL_DIRECTIONS.get(metric.rsplit(".", 1)[-1].split(",", 1)[0])
     if metric.startswith("sel_") and metric.endswith("_spread"):
         return LOWER  # max - min of the stability over bins
     for prefix, d in PREFIX_DIRECTIONS.items():
