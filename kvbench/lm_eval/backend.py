@@ -34,6 +34,7 @@ type, context and scored tokens, and the quantized share of the past the scored 
 from __future__ import annotations
 
 import inspect
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,10 @@ class KVBenchLM(HFLM):
         self.method, calibration = build_method(method, method_fields, method_config)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI defaults to cuda:0; on a machine without CUDA run on the CPU
+            warnings.warn(f"device={device!r} but CUDA is not available: using cpu", stacklevel=2)
+            device = "cpu"
         if isinstance(pretrained, str):
             spec = DEFAULT_MODEL if pretrained == "default" else pretrained
             model, tok, info = load_model(
