@@ -55,6 +55,10 @@ def test_unknown_method_and_field_named_through_lm_eval():
         lm_eval.simple_evaluate(model="kvbench", model_args="method=kivvi", tasks=[LL_TASK])
     with pytest.raises(ValueError, match=r"\['bitz'\].*method config fields: \[.*'bits'"):
         lm_eval.simple_evaluate(model="kvbench", model_args="method=kivi,bitz=2", tasks=[LL_TASK])
+    with pytest.raises(ValueError) as err:
+        KVBenchLM(method="kivi", nope=1)
+    assert "'residual_length'" in str(err.value) and "token_axis_keys" not in str(err.value)
+    assert "backend arguments: [" in str(err.value) and "'chunk'" in str(err.value)
     with pytest.raises(ValueError, match=r"bits"):  # a bad value: the method's own message
         KVBenchLM(method="kivi", bits=11)
 
@@ -185,7 +189,7 @@ def test_full_equals_hf_backend_loglikelihood_and_generation(model_tok):
     model, tok = model_tok
     kv = KVBenchLM(pretrained=model, tokenizer=tok, method="full")
     hf = HFLM(pretrained=model, tokenizer=tok, batch_size=1)
-    kw = {"num_fewshot": 2, "gen_kwargs": {"max_gen_toks": 8}}
+    kw = {"num_fewshot": 1, "gen_kwargs": {"max_gen_toks": 8}}
     a, b = (_evaluate(lm, [LL_TASK, GEN_TASK], 1, **kw) for lm in (kv, hf))
     for (ll_a, g_a), (ll_b, g_b) in zip(_lls(a, LL_TASK), _lls(b, LL_TASK)):
         assert ll_a == pytest.approx(ll_b, abs=1e-3, rel=1e-4) and g_a == g_b
@@ -193,7 +197,7 @@ def test_full_equals_hf_backend_loglikelihood_and_generation(model_tok):
     tb = [s["resps"][0][0] for s in b["samples"][GEN_TASK]]
     assert ta == tb and all(t.strip() for t in ta)
     ctx = [e["context_tokens"] for e in kv.request_log]
-    assert len(ctx) == 2 and min(ctx) > 200  # 2-shot prompts
+    assert len(ctx) == 2 and min(ctx) > 100  # 1-shot prompts
     # rolling log-likelihood (one window: prefix token + the text, decoded token by token)
     from lm_eval.api.instance import Instance
 
@@ -212,7 +216,7 @@ def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
     model, tok = model_tok
     kw = {"bits": 2, "value_bits": 2, "group_size": 32, "residual_length": 32}
     kv = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", **kw)
-    out = _evaluate(kv, [LL_TASK], 1, num_fewshot=2)
+    out = _evaluate(kv, [LL_TASK], 1, num_fewshot=1)
     (sample,) = out["samples"][LL_TASK]
     ((ll, _),) = _lls(out, LL_TASK)
     ctx, cont = kv._encode_pair(*sample["arguments"][0])
@@ -225,7 +229,7 @@ def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
     assert ll == pytest.approx(own(get_method("kivi", **kw)), abs=1e-4)
     assert abs(ll - own(get_method("full"))) > 1e-2  # the 2-bit past changes the numbers
     (entry,) = kv.request_log
-    assert entry["quantized_fraction"] > 0.8  # R = 32 of > 200 context tokens stay exact
+    assert entry["quantized_fraction"] > 0.6  # R = 32 of > 100 context tokens stay exact
     assert entry["scored_tokens"] == len(cont) and entry["context_tokens"] == len(ctx)
 
 
@@ -252,7 +256,7 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
                     "type": "lm_eval",
                     "tasks": [LL_TASK],
                     "limit": 1,
-                    "num_fewshot": 2,
+                    "num_fewshot": 1,
                     "bootstrap_iters": 0,
                 }
             ],
@@ -271,7 +275,7 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
     assert m["nominal_key_bits"] < 16 and f"{key}_ratio" in m
     man = by["kivi"]["manifest"]
     assert man["lm_eval"]["versions"][LL_TASK] == 1.0
-    assert man["lm_eval"]["configs"][LL_TASK]["num_fewshot"] == 2
+    assert man["lm_eval"]["configs"][LL_TASK]["num_fewshot"] == 1
     assert man["datasets"]["gsm8k"]["source"] == "local"
     side = tmp_path / f"{by['kivi']['run_id']}.samples.jsonl"
     rows = [json.loads(x) for x in side.read_text().splitlines()]

@@ -33,6 +33,7 @@ type, context and scored tokens, and the quantized share of the past the scored 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from pathlib import Path
@@ -197,7 +198,7 @@ class KVBenchLM(HFLM):
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
         name = method.name if isinstance(method, Method) else method
         cls = None if isinstance(method, Method) else self._method_class(method, method_config)
-        fields = set(cls.Config.__dataclass_fields__) if cls is not None else set()
+        fields = {f.name for f in dataclasses.fields(cls.Config)} if cls is not None else set()
         method_fields = {k: v for k, v in kwargs.items() if k in fields}
         hflm = {k: v for k, v in kwargs.items() if k not in fields}
         unknown = sorted(set(hflm) - set(HFLM_ARGS))
