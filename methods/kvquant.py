@@ -25,6 +25,7 @@ tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (spe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -148,8 +149,10 @@ def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: fl
 @dataclass
 class PreRopeSide(Side):
     """Key side whose blocks hold pre-RoPE codes: a flush un-rotates the tokens at their
-    positions (index in the cache); :meth:`read` re-rotates the dequantized block."""
+    positions (index in the cache); :meth:`read` re-rotates the dequantized block, so the
+    attention backends read it through :meth:`read` (``reads_transformed``)."""
 
+    reads_transformed: ClassVar[str | None] = "pre-RoPE keys are re-rotated on read"
     theta: float = 10000.0
     layout: str = "rotate_half"
 

@@ -36,7 +36,7 @@ import torch
 from kvbench.attend.reference import causal_mask, repeat_kv
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layer import LayerCache
-from kvbench.kv.method import CacheConfig, Capabilities, Method, _int
+from kvbench.kv.method import CacheConfig, Capabilities, Method, check_int
 from kvbench.kv.quant import pack_bits, unpack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
@@ -249,11 +249,11 @@ class QJLConfig(CacheConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _int(self.sketch_dim, "sketch_dim", 1)
-        _int(self.outlier_channels, "outlier_channels", 0)
+        check_int(self.sketch_dim, "sketch_dim", 1)
+        check_int(self.outlier_channels, "outlier_channels", 0)
         if self.outlier_sketch_dim is not None:
-            _int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
-        _int(self.seed, "seed", 0)
+            check_int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
+        check_int(self.seed, "seed", 0)
         if self.outlier_dim > self.sketch_dim:
             raise ValueError(f"outlier_sketch_dim={self.outlier_dim} must be <= sketch_dim")
         for name, allowed in (("sketch", SKETCHES), ("norm_dtype", tuple(NORM_DTYPES))):

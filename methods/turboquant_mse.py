@@ -34,7 +34,7 @@ import torch
 from scipy import special
 
 from kvbench.kv.blocks import own_storage
-from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
+from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits, unpack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
@@ -240,9 +240,9 @@ class TurboQuantMSEConfig(MethodConfig):
                 )
         if not isinstance(self.store_rotation, bool):
             raise ValueError(f"store_rotation={self.store_rotation!r} must be True or False")
-        _int(self.seed, "seed", 0)
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.seed, "seed", 0)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
 
 
 class TurboQuantMSE(Method):

@@ -68,9 +68,14 @@ class MethodConfig:
         return dataclasses.asdict(self)
 
 
-def _int(value: Any, name: str, low: int = 0) -> None:
+def check_int(value: Any, name: str, low: int = 0) -> None:
+    """Validate an integer config field: raises ``ValueError`` naming ``name`` unless ``value``
+    is an int (not a bool) ``>= low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+_int = check_int  # old private name, kept for one release
 
 
 @dataclass(frozen=True)
@@ -99,12 +104,12 @@ class CacheConfig(MethodConfig):
     token_axis_keys: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _int(self.group_size, "group_size", 1)
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.group_size, "group_size", 1)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
         check_bits(self.value_bits, "value_bits")
         if self.value_group_size is not None:
-            _int(self.value_group_size, "value_group_size", 1)
+            check_int(self.value_group_size, "value_group_size", 1)
         if not isinstance(self.scale_dtype, str):  # a torch.dtype would break pair_bits/to_dict
             raise ValueError(
                 f"scale_dtype={self.scale_dtype!r} must be a name; allowed: {sorted(PAIR_BITS)}"
