@@ -26,17 +26,17 @@ PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a method supports; the runner and the reports read these, never method names."""
+    """What a method supports; the runner and the reports read these, never method names.
+
+    Which attention kernels read a method's stored blocks is not declared here: it follows
+    from the block types' registrations (``kvbench.attend.registry.backends_for``), and each
+    decode step records the backend that ran (``attend_path``)."""
 
     gqa: bool = True
     batch: bool = True
     needs_queries: bool = False
     keys_values: bool = True
     needs_calibration: bool = False
-    fused_kernel: bool = False
-    cpu: bool = True
-    cuda: bool = True
-    cuda_graphs: bool = False
     reconstruction: bool = False  # parts of the algorithm are [RECON] (spec labels)
     #: builds kvbench LayerCaches (``new_layer``); False for peers that wrap a transformers
     #: cache (:mod:`kvbench.hf.peers`), which run only in workloads that accept
