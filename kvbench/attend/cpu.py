@@ -639,4 +639,4 @@ def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, 
     return out, COMPILED_PATH if compiled else EAGER_PATH
 
 
-install_code_domain(code_domain_reason, _registry_run)
+install_code_domain(code_domain_reason, _registry_run, _attend)

@@ -86,7 +86,7 @@ _BACKENDS: list[Backend] = []
 #: the code-domain composition, installed by :mod:`kvbench.attend.cpu`:
 #: ``(reason(layer_cache, query, lengths), run(layer_cache, query, scaling, lengths) ->
 #: (out, path))``
-_code_domain: tuple[Callable[..., str | None], Callable[..., Any]] | None = None
+_code_domain: tuple[Callable[..., str | None], Callable[..., Any], Callable[..., Any]] | None = None
 
 
 def register_block_kernel(
@@ -111,10 +111,14 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS.sort(key=lambda b: -b.priority)
 
 
-def install_code_domain(reason: Callable[..., str | None], run: Callable[..., Any]) -> None:
-    """Install the code-domain composition backend (done by :mod:`kvbench.attend.cpu`)."""
+def install_code_domain(
+    reason: Callable[..., str | None], run: Callable[..., Any], eager: Callable[..., Any]
+) -> None:
+    """Install the code-domain composition backend (done by :mod:`kvbench.attend.cpu`):
+    ``reason(layer_cache, query, lengths, check_mode=True)``, ``run(layer_cache, query, scaling,
+    lengths) -> (out, path)`` and ``eager(layer_cache, query, scaling, compiled, lengths)``."""
     global _code_domain
-    _code_domain = (reason, run)
+    _code_domain = (reason, run, eager)
 
 
 def backends_for(block_type: type) -> dict[str, list[str]]:
@@ -209,8 +213,15 @@ def record(layer_cache: Any, path: str, reason: str) -> None:
 def reference_attend(
     layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any = None
 ) -> torch.Tensor:
-    """The reference path: dequantize (``keys_values``) and softmax."""
-    keys, values = layer_cache.keys_values(query.dtype)
+    """The reference path: dequantize (``keys_values``) and softmax.  A cache whose blocks have
+    no dequantized form (``keys_values`` raises ``NotImplementedError``: QJL's sketches) is
+    read by the eager code-domain backend, its blocks' estimator being their reference."""
+    try:
+        keys, values = layer_cache.keys_values(query.dtype)
+    except NotImplementedError:
+        if _code_domain is None or _code_domain[0](layer_cache, query, lengths, False):
+            raise
+        return _code_domain[2](layer_cache, query, scaling, False, lengths)
     return reference_attention(query, keys, values, scaling, lengths=lengths)
 
 
