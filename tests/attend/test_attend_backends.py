@@ -40,6 +40,8 @@ CASES = [
     ("chanmix", dict(SMALL, value_bits=2), 45, 2),
     ("pm-kvq", dict(residual_length=16, num_sink_tokens=1, init_bits=4), 40, 2),
     ("pm-kvq", dict(residual_length=16, init_bits=8, budget_tokens=24, on_overflow="allow"), 40, 2),
+    ("turboquant-mse", dict(bits=2, residual_length=8, num_sink_tokens=2), 30, 3),
+    ("turboquant-mse", dict(bits=3, apply_to="both"), 30, 2),
     ("fp8", dict(), 30, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-token", num_sink_tokens=2), 30, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-head", residual_length=8), 30, 9),
@@ -255,7 +257,7 @@ def test_an_explicit_compiled_mode_without_compiler_warns_once_then_eager(monkey
 
     monkeypatch.setattr(cpu, "_compiled_kernel", broken)
     monkeypatch.setattr(cpu, "_compile_error", None)
-    lc, g = build("fp8", CASES[13][1], 64, 30, 2)
+    lc, g = build("fp8", dict(scale="amax", scale_granularity="per-token"), 64, 30, 2)
     q = torch.randn(B, HQ, 1, 64, generator=g)
     with cpu.cpu_attention_mode("compiled"):
         with pytest.warns(UserWarning, match="eager"):
