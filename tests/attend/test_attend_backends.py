@@ -42,6 +42,7 @@ CASES = [
     ("pm-kvq", dict(residual_length=16, init_bits=8, budget_tokens=24, on_overflow="allow"), 40, 2),
     ("turboquant-mse", dict(bits=2, residual_length=8, num_sink_tokens=2), 30, 3),
     ("turboquant-mse", dict(bits=3, apply_to="both"), 30, 2),
+    ("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), 45, 3),
     ("fp8", dict(), 30, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-token", num_sink_tokens=2), 30, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-head", residual_length=8), 30, 9),
