@@ -636,6 +636,9 @@ def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, 
     compiled = compiled and _compile_error is None
     out = _attend(layer_cache, query, scaling, compiled, lengths)
     compiled = compiled and _compile_error is None  # a failed compile fell back to eager
+    dev = query.device.type
+    if dev != "cpu":  # a block kernel registered for another device (QJL's on CUDA): eager
+        return out, f"{dev}-eager"
     return out, COMPILED_PATH if compiled else EAGER_PATH
 
 
