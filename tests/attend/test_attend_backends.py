@@ -242,6 +242,21 @@ def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
     assert lc.attend_path == "fake" and lc.attend_path_reason == ""
 
 
+@pytest.mark.parametrize("d", DIMS)
+def test_kvquant_lut_codes_with_sparse_outliers(d):
+    m = kvbench.get_method("kvquant", **SMALL, pre_rope=False, sparsity_threshold=0.9)
+    g = torch.Generator().manual_seed(2)
+    m = m.calibrate({0: torch.randn(2, HKV, 64, d, generator=g)})
+    lc = m.new_layer(0, HKV, d)
+    k = torch.randn(B, HKV, 40, d, generator=g) * 1.3
+    lc.prefill(k, torch.randn(B, HKV, 40, d, generator=g))
+    assert lc.k.block.out_idx.numel() > 0  # some outliers are stored sparsely
+    q = torch.randn(B, HQ, 1, d, generator=g)
+    out = lc.attend(q)
+    assert lc.attend_path == cpu.EAGER_PATH, lc.attend_path_reason
+    close_rows(out, ref64(lc, q))
+
+
 def test_reads_transformed_declines_the_fast_backends():
     m = kvbench.get_method("kvquant", **SMALL, pre_rope=True)
     m = m.calibrate({0: torch.randn(2, HKV, 64, 64)})
