@@ -219,13 +219,14 @@ def test_unsupported_layouts_take_the_reference_path():
     fill(tk, 1, 2, 9, 0, 16)
     close(tk.attend(q), ref64(tk, q))
     assert tk.attend_path == fastpath.EAGER_PATH
-    # 16-bit codes: reference, and code_domain_attend says why
+    # 16-bit codes (int16): eager code domain
     k16 = LayerCache(PerTokenCodec(16, channel_group=8), None, SlidingSchedule(2))
     fill(k16, 1, 2, 9, 0, 16)
     close(k16.attend(q), ref64(k16, q))
-    assert k16.attend_path == "reference" and "16-bit" in k16.attend_path_reason
-    with pytest.raises(ValueError, match="16-bit"):
-        fastpath.code_domain_attend(k16, q)
+    assert k16.attend_path == fastpath.EAGER_PATH
+    # shapes that do not fit: code_domain_attend says why
+    with pytest.raises(ValueError, match="query heads"):
+        fastpath.code_domain_attend(k16, query(1, 3, 1, 16))
 
 
 def test_nan_group_propagates_like_the_reference():

@@ -454,12 +454,12 @@ class AffineBlockAttention:
 
     Keys and values: per-token groups (per-token, int8/int4-block and llama.cpp ``q4_0``),
     pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``; keys), or
-    token groups of any lengths (per-head / per-tensor flushes; eager).  Bits 1..8 (16-bit
-    codes: reference path)."""
+    token groups of any lengths (per-head / per-tensor flushes; eager).  Bits 1..8, and 16
+    (int16 codes, e.g. PM-KVQ before its first shrink; eager)."""
 
     @staticmethod
     def _common(block: AffineBlock, head_dim: int) -> str | None:
-        if block.bits not in range(1, 9):
+        if block.bits not in (*range(1, 9), 16):
             return f"{block.bits}-bit codes"
         if head_dim % block.scale.shape[-1]:
             return "channel groups do not divide head_dim"
@@ -481,6 +481,7 @@ class AffineBlockAttention:
         )
 
     def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
         if len(block.group_len) == block.ntokens:
             a, b = affine_terms(block)
             return key_tokens(block.codes, q, a, b, block.bits, compiled)
@@ -510,6 +511,7 @@ class AffineBlockAttention:
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
     def value_output(self, block: AffineBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
         d, bits = block.head_dim, block.bits
         a, b = affine_terms(block)
         pk = block.codes

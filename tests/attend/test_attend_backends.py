@@ -38,6 +38,7 @@ CASES = [
     ("kitty", dict(SMALL, value_bits=2, num_sink_tokens=2), 45, 3),
     ("pn-mix", dict(SMALL, value_bits=2, num_sink_tokens=2), 45, 3),
     ("chanmix", dict(SMALL, value_bits=2), 45, 2),
+    ("pm-kvq", dict(residual_length=16, num_sink_tokens=1), 40, 2),  # 16-bit codes
     ("pm-kvq", dict(residual_length=16, num_sink_tokens=1, init_bits=4), 40, 2),
     ("pm-kvq", dict(residual_length=16, init_bits=8, budget_tokens=24, on_overflow="allow"), 40, 2),
     ("turboquant-mse", dict(bits=2, residual_length=8, num_sink_tokens=2), 30, 3),
