@@ -8,9 +8,9 @@ Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host w
   PN-Mix mixed precision) and per-token values, bit-identical to the core codecs;
 * :mod:`.decode_attention`: fused split-KV decode attention over sinks + quantized pages +
   full-precision residual, and the same kernel over fp16 K/V (the control);
-* :mod:`.dispatch`: ``try_fused_attend(layer_cache, query, scaling)``, called for CUDA queries
-  by ``LayerCache.attend`` (through :func:`kvbench.attend.cpu.fast_attend`): the kernel for a
-  supported layout, else ``None`` (reference path); ``layer_cache.attend_path`` records which;
+* :mod:`.dispatch`: ``unsupported`` / ``fused_attend``, the CUDA backend of the attention
+  registry (``kvbench.attend.registry``, registered by ``kvbench.attend.triton``), and the
+  stand-alone ``try_fused_attend(layer_cache, query, scaling)`` (``None``: reference path);
 * ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
 
 Imports only torch and (optionally) triton: never transformers, datasets or the kvbench core,

@@ -1,8 +1,9 @@
-"""Route a LayerCache's decode attention to the fused Triton kernel when it can run.
+"""Run a LayerCache's decode attention on the fused Triton kernel.
 
-``LayerCache.attend`` -> :func:`kvbench.attend.cpu.fast_attend` calls :func:`try_fused_attend`
-for CUDA queries; it returns the kernel's output, or ``None`` so that the caller takes the
-reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
+The attention-backend registry (``kvbench.attend.registry``; this kernel is registered as its
+CUDA backend by ``kvbench.attend.triton``) calls :func:`unsupported` and :func:`fused_attend`.
+:func:`try_fused_attend` is the stand-alone form: the kernel's output, or ``None`` so that the
+caller takes the reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
 for CPU tensors (KVQ-11: normal CPU use never reaches a GPU launch), when Triton is missing,
 when ``KVBENCH_FUSED_ATTENTION=0``, and for layouts the
 kernel does not cover (head_dim other than 64/128, several query tokens, symmetric or
@@ -10,14 +11,15 @@ per-head/per-tensor keys, float8 scales, more than two channel classes, ...).  E
 layer cache records which path ran in ``layer_cache.attend_path`` (``"triton"`` or
 ``"reference"``) and why in ``layer_cache.attend_path_reason``.
 
-The blocks are read by duck typing (:class:`kvbench.kv.blocks.AffineBlock`,
-:class:`kvbench.kv.mixed.MixedChannelBlock` attributes), so this module imports only torch (and
-the kernels lazily); it never imports the kvbench core.
+Block types are handed to the kernel by converters that ``kvbench.attend.triton`` declares per
+exact type (``KEY_LAYOUTS`` / ``VALUE_LAYOUTS``: ``AffineBlock``, ``MixedChannelBlock``), so
+this module imports only torch; it never imports the kvbench core.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -26,56 +28,55 @@ TRITON_PATH, REFERENCE_PATH = "triton", "reference"
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _pages_ok(group_len: list[int], g: int) -> bool:
-    # token t of the block must lie in page t // g: all pages full but the last
-    return bool(group_len) and all(x == g for x in group_len[:-1]) and 0 < group_len[-1] <= g
+PROVIDER = "kvbench.attend.triton"
+
+
+def _converter(kind: str, block):
+    """The converter registered for ``type(block)`` by :data:`PROVIDER` (looked up in
+    ``sys.modules``, never imported: it is loaded with the kvbench core, and a reload of this
+    module keeps it), or ``None``."""
+    mod = sys.modules.get(PROVIDER)
+    table = getattr(mod, f"{kind.upper()}_LAYOUTS", {}) if mod is not None else {}
+    return table.get(type(block))
 
 
 def key_layout(block, head_dim: int):
     """:class:`~.decode_attention.QuantKeys` for a key block, or a reason string."""
-    from .decode_attention import QuantKeys
-
-    kind = type(block).__name__
-    if kind == "AffineBlock":
-        if block.symmetric or block.zero is None or getattr(block, "batch_shared", False):
-            return "symmetric or per-tensor keys"
-        if block.bits not in range(1, 9) or block.scale.shape[-1] != head_dim:
-            return f"keys are not per-channel 1..8-bit codes (bits={block.bits})"
-        g = block.group_len[0]
-        if not _pages_ok(block.group_len, g) or g < 16 or g % 16:
-            return "key groups are not pages of a multiple of 16 tokens"
-        mid = bool(block.midpoint and block.bits == 1)
-        counts = (head_dim,)
-        return QuantKeys(block.codes, block.scale, block.zero, g, (block.bits,), counts, None, mid)
-    if kind == "MixedChannelBlock":
-        g = block.group_len[0]
-        if not _pages_ok(block.group_len, g) or g < 16 or g % 16:
-            return "key groups are not pages of a multiple of 16 tokens"
-        return QuantKeys(
-            block.codes,
-            block.scale,
-            block.zero,
-            g,
-            tuple(block.class_bits),
-            tuple(block.class_counts),
-            block.perm,
-            bool(block.midpoint),
-        )
-    return f"key block {kind} has no fused kernel"
+    fn = _converter("key", block)
+    if fn is None:
+        return f"key block {type(block).__name__} has no fused kernel"
+    return fn(block, head_dim)
 
 
 def value_layout(block):
     """:class:`~.decode_attention.QuantValues` for a value block, or a reason string."""
-    from .decode_attention import QuantValues
+    fn = _converter("value", block)
+    if fn is None:
+        return f"value block {type(block).__name__} has no fused kernel"
+    return fn(block)
 
-    kind = type(block).__name__
-    if kind != "AffineBlock":
-        return f"value block {kind} has no fused kernel"
-    if block.symmetric or block.zero is None or getattr(block, "batch_shared", False):
-        return "symmetric or per-tensor values"
-    if block.bits not in range(1, 9) or len(block.group_len) != block.ntokens:
-        return "values are not per-token 1..8-bit codes"
-    return QuantValues(block.codes, block.scale, block.zero, block.bits, bool(block.midpoint))
+
+def unsupported(layer_cache, query: torch.Tensor) -> str | None:
+    """Why :func:`fused_attend` cannot run ``query`` over ``layer_cache`` (``None``: it can);
+    checks only, launches nothing."""
+    from .decode_attention import SUPPORTED_HEAD_DIMS
+
+    d = query.shape[-1]
+    if query.dim() != 4 or query.shape[2] != 1:
+        return "the fused kernel takes one query token per sequence"
+    if d not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={d} not supported by the fused kernel"
+    layouts = []
+    if layer_cache.k.block is not None:
+        layouts.append(key_layout(layer_cache.k.block, d))
+    if layer_cache.v.block is not None:
+        layouts.append(value_layout(layer_cache.v.block))
+    for x in layouts:
+        if isinstance(x, str):
+            return x
+        if x.scale.dtype not in _SCALE_DTYPES:
+            return f"scale dtype {x.scale.dtype} has no fused kernel"
+    return None
 
 
 def fused_attend(layer_cache, query: torch.Tensor, scaling: float | None = None, **kernel_kwargs):
@@ -87,7 +88,7 @@ def fused_attend(layer_cache, query: torch.Tensor, scaling: float | None = None,
     """
     from .decode_attention import SUPPORTED_HEAD_DIMS, fused_decode_attention
 
-    if getattr(layer_cache, "_awaiting_queries", False):
+    if getattr(layer_cache, "awaiting_queries", False):
         raise ValueError("the prefill is still waiting for its queries")
     d = query.shape[-1]
     if query.dim() != 4 or query.shape[2] != 1:

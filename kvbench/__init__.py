@@ -4,6 +4,7 @@ Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.kv.method
 :class:`~kvbench.kv.layer.LayerCache`.
 """
 
+import kvbench.attend  # noqa: F401 - installs LayerCache.attend's backend registry
 from kvbench.kv.method import CacheConfig, Capabilities, Method, MethodConfig
 from kvbench.kv.registry import get_method, get_method_class, list_methods
 

@@ -45,9 +45,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, run_compiled
+from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
-from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
-from kvbench.kv.quant import _round_up_to_dtype
+from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.kv.quant import round_up_to_dtype
 from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
 
 FORMATS = {
@@ -206,7 +208,7 @@ class FP8Codec:
         top = fp8_max(self.fmt)
         s = amax / top  # float32; step up one ulp where it fell below amax / top
         s = torch.where(s.double() * top < amax.double(), torch.nextafter(s, s + 1), s)
-        s = _round_up_to_dtype(s, self.scale_dtype)
+        s = round_up_to_dtype(s, self.scale_dtype)
         if not bool(torch.isfinite(s).all()):
             raise ValueError(
                 f"the fp8 scale amax/{top:g} overflows scale_dtype="
@@ -216,6 +218,88 @@ class FP8Codec:
         y = xf / _expand(s, lens).float()  # computed in float32 (KVQ-14)
         shared = self.granularity == "per-tensor"
         return FP8Block(fp8_encode(y, self.fmt, self.overflow), s, lens, self.fmt, shared)
+
+
+# ------------------------------------------------------------------------------ attention
+_LUTS: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def fp8_table(fmt: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float32 ``[256]``: the value of each fp8 byte of format ``fmt`` (NaN bytes are NaN).
+
+    A 256-entry lookup gives exactly the values of the ``fp8 -> float32`` cast (the table is
+    made by that cast) and is several times faster than the cast on the CPU."""
+    key = (fmt, str(device))
+    if key not in _LUTS:
+        bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _LUTS[key] = bytes_.view(FORMATS[fmt]).float().to(device)
+    return _LUTS[key]
+
+
+def _token_scale(block: FP8Block) -> torch.Tensor | None:
+    """Float32 ``[B|1, H|1, 1, n]``: the scale of each token (``None``: unit scale)."""
+    if block.scale is None:
+        return None
+    return _expand(block.scale, block.group_len).float()[..., 0].unsqueeze(2)
+
+
+def _bytes(block: FP8Block) -> torch.Tensor:
+    return block.codes if block.codes.dtype == torch.uint8 else block.codes.view(torch.uint8)
+
+
+def _fp8_logits(codes: torch.Tensor, q: torch.Tensor, lut: torch.Tensor, tag: int):
+    """``q . lut[codes_t]`` (the compiled kernel's source): uint8 ``[B, H, n, D]``, float32
+    ``[B, H, M, D]`` -> ``[B, H, M, n]``; the lookup is fused into the reduction."""
+    x = lut[codes.long()]  # [B, H, n, D] in registers once compiled
+    return (q.unsqueeze(3) * x.unsqueeze(2)).sum(-1)
+
+
+def _fp8_values(codes: torch.Tensor, p: torch.Tensor, lut: torch.Tensor, tag: int):
+    """``sum_t p_t lut[codes_t]`` (the compiled kernel's source): ``[B, H, M, n]`` ->
+    ``[B, H, M, D]``."""
+    x = lut[codes.long()]
+    return (p.unsqueeze(-1) * x.unsqueeze(2)).sum(3)
+
+
+class FP8Attention:
+    """Code-domain attention terms of :class:`FP8Block` (``kvbench.attend.registry``).
+
+    ``logit_t = s_t (q . fp8(c_t))`` and ``out = sum_t (p_t s_t) fp8(c_t)`` with ``fp8(.)`` the
+    256-entry table :func:`fp8_table` (no dequantized cache: compiled, the lookup is fused into
+    the reduction; eager, in chunks of ``EAGER_CHUNK_TOKENS`` tokens)."""
+
+    def key_reason(self, block: FP8Block, head_dim: int) -> str | None:
+        return None
+
+    value_reason = key_reason
+
+    def key_logits(self, block: FP8Block, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        codes, lut = _bytes(block), fp8_table(block.fmt, q.device)
+        out = run_compiled(_fp8_logits, [(codes, 2)], codes, q, lut, 8) if compiled else None
+        if out is None:
+            outs = []
+            for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
+                x = lut[codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS].long()]
+                outs.append(torch.matmul(q, x.transpose(-1, -2)))
+            out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+        s = _token_scale(block)
+        return out if s is None else out * s
+
+    def value_output(self, block: FP8Block, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        s = _token_scale(block)
+        ps = p if s is None else p * s
+        codes, lut = _bytes(block), fp8_table(block.fmt, p.device)
+        out = run_compiled(_fp8_values, [(codes, 2)], codes, ps, lut, 8) if compiled else None
+        if out is not None:
+            return out
+        out = 0
+        for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
+            sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
+            out = out + torch.matmul(ps[..., sl], lut[codes[:, :, sl].long()])
+        return out
+
+
+register_block_kernel(FP8Block, FP8Attention(), ("cpu",))
 
 
 @dataclass(frozen=True)
@@ -254,8 +338,8 @@ class FP8Config(MethodConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
                 )
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
 
 
 class FP8(Method):

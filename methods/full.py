@@ -25,7 +25,7 @@ class FullPrecision(Method):
     Config = FullConfig
     description = "unquantized baseline: K/V in the model's dtype"
     source = "design.md §2 (baseline)"
-    capabilities = Capabilities(cuda_graphs=False)
+    capabilities = Capabilities()
 
     def new_layer(
         self,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.kv.blocks import AffineBlock, PerTokenCodec
-from kvbench.kv.method import Capabilities, Method, MethodConfig, _int
+from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
@@ -116,9 +116,9 @@ class Int8BlockConfig(MethodConfig):
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
                 )
-        _int(self.block_size, "block_size", 1)
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.block_size, "block_size", 1)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
 
 
 @dataclass(frozen=True)

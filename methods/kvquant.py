@@ -25,11 +25,13 @@ tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (spe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
 from scipy.cluster.vq import kmeans2
 
+from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache, Side
 from kvbench.kv.method import CacheConfig, Capabilities, Method
@@ -108,6 +110,61 @@ class LUTBlock:
         return replace(self, codes=codes, out_idx=new_idx, out_val=self.out_val[i])
 
 
+class LUTAttention:
+    """Code-domain keys of :class:`LUTBlock` for ``kvbench.attend.registry`` (post-RoPE codes,
+    ``pre_rope=False``; pre-RoPE blocks are re-rotated on read and take the reference path).
+
+    ``q . k_t = (q * half) . lut[c_t] + q . center`` for the dense part, plus, for each sparse
+    outlier ``(t, d)``, ``q_d (value - dense_{t,d})`` (KVQuant's dense-and-sparse split, Hooper
+    et al., arXiv 2401.18079 §3.4).  Eager: unpack + a ``2^bits``-entry lookup + matmul in
+    chunks of tokens."""
+
+    def key_reason(self, block: LUTBlock, head_dim: int) -> str | None:
+        return None
+
+    def value_reason(self, block: LUTBlock, head_dim: int) -> str | None:
+        return "KVQuant's LUT codes are a key layout"
+
+    def key_logits(self, block: LUTBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        from kvbench.attend.cpu import EAGER_CHUNK_TOKENS
+
+        b, h, n, _ = block.codes.shape
+        d = block.head_dim
+        half = block.half.float().to(q.device)[None, :, None, :]  # [1, H, 1, D]
+        center = block.center.float().to(q.device)[None, :, None, :]
+        lut = block.lut.float().to(q.device)
+        qh = q * half
+        outs = []
+        for t0 in range(0, n, EAGER_CHUNK_TOKENS):
+            c = unpack_bits(block.codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS], block.bits, d)
+            outs.append(torch.matmul(qh, lut[c.long()].transpose(-1, -2)))
+        lg = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+        lg = lg + (q * center).sum(-1, keepdim=True)
+        if block.out_idx.numel():
+            idx = block.out_idx.long().to(q.device)
+            t, rem = idx // (b * h * d), idx % (b * h * d)
+            bi, hi, di = rem // (h * d), (rem // d) % h, rem % d
+            bit0 = di * block.bits
+            code = torch.zeros_like(di)
+            for k in range(block.bits):  # the outlier's dense code, bit by bit (LSB first)
+                pos = bit0 + k
+                byte = block.codes[bi, hi, t, pos // 8].long()
+                code |= ((byte >> (pos % 8)) & 1) << k
+            dense = lut[code] * half[0, hi, 0, di] + center[0, hi, 0, di]
+            delta = block.out_val.float().to(q.device) - dense  # [N]
+            contrib = q[bi, hi, :, di] * delta[:, None]  # [N, M]
+            flat = lg.permute(0, 1, 3, 2).reshape(-1, lg.shape[2])  # rows (b, h, t)
+            flat.index_add_(0, (bi * h + hi) * n + t, contrib)
+            lg = flat.reshape(b, h, n, -1).permute(0, 1, 3, 2)
+        return lg
+
+    def value_output(self, block: LUTBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        raise ValueError(self.value_reason(block, 0))
+
+
+register_block_kernel(LUTBlock, LUTAttention(), ("cpu",))
+
+
 @dataclass
 class LUTCodec:
     """``encode(x [B, H_kv, n, D]) -> LUTBlock`` with static ``center``/``half`` ``[H_kv, D]``:
@@ -148,8 +205,10 @@ def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: fl
 @dataclass
 class PreRopeSide(Side):
     """Key side whose blocks hold pre-RoPE codes: a flush un-rotates the tokens at their
-    positions (index in the cache); :meth:`read` re-rotates the dequantized block."""
+    positions (index in the cache); :meth:`read` re-rotates the dequantized block, so the
+    attention backends read it through :meth:`read` (``reads_transformed``)."""
 
+    reads_transformed: ClassVar[str | None] = "pre-RoPE keys are re-rotated on read"
     theta: float = 10000.0
     layout: str = "rotate_half"
 

@@ -50,7 +50,7 @@ import torch
 
 from kvbench.kv.blocks import AffineBlock, PerTokenCodec
 from kvbench.kv.layer import LayerCache
-from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, _int
+from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits, resolve_scale_dtype
 from kvbench.kv.schedule import BlockSchedule
 
@@ -225,10 +225,10 @@ class PMKVQConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.channel_group_size is not None:
-            _int(self.channel_group_size, "channel_group_size", 1)
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
-        _int(self.budget_tokens, "budget_tokens", 1)
+            check_int(self.channel_group_size, "channel_group_size", 1)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.budget_tokens, "budget_tokens", 1)
         if isinstance(self.init_bits, bool) or self.init_bits not in WIDTHS:
             raise ValueError(f"init_bits={self.init_bits!r} is not supported; allowed: {WIDTHS}")
         if self.budget_bits is not None and self.budget_bytes is not None:

@@ -39,25 +39,19 @@ import torch
 
 from kvbench.kv.blocks import Codec
 from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.mixed import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
+from kvbench.kv.mixed import (
+    PAIRINGS,
+    MixedChannelCodec,
+    channel_scores,
+    check_mixed_bits,
+    high_pairs,
+    pair_channels,
+    rank_classes,
+)
 from kvbench.kv.schedule import AllButNewestSchedule, BlockSchedule
 
 SCORES = ("qk-pair-norm", "qk-pair-norm-causal", "k-range", "k-magnitude", "k-pair-norm")
-PAIRINGS = ("rotate-half", "interleaved")
 FLUSHES = ("kivi", "kitty")
-
-
-def pair_channels(head_dim: int, pairing: str = "rotate-half") -> torch.Tensor:
-    """Channels of each RoPE pair: LongTensor ``[D/2, 2]``.  Raises ``ValueError`` for an odd
-    ``head_dim`` or an unknown ``pairing``."""
-    if head_dim % 2:
-        raise ValueError(f"head_dim={head_dim} must be even: PN-Mix pairs RoPE channels")
-    if pairing not in PAIRINGS:
-        raise ValueError(f"pairing={pairing!r} is not supported; allowed: {list(PAIRINGS)}")
-    i = torch.arange(head_dim // 2)
-    if pairing == "rotate-half":
-        return torch.stack([i, i + head_dim // 2], dim=1)
-    return torch.stack([2 * i, 2 * i + 1], dim=1)
 
 
 def pair_scores(
@@ -153,11 +147,6 @@ class PNMixConfig(CacheConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
 
 
-def high_pairs(head_dim: int, high_ratio: float) -> int:
-    """``n_H = floor(high_ratio * D/2)`` (with Kitty's 1e-6 float guard)."""
-    return int(high_ratio * (head_dim // 2) + 1e-6)
-
-
 class PairSelector:
     """Prefill selector: keys ``[B, H_kv, P, D]`` (+ queries) -> channel classes
     ``[B, H_kv, D]`` (0 = both channels of a selected pair).  ``scores`` keeps the pair scores
@@ -231,6 +220,12 @@ class PNMix(Method):
         if c.flush == "kitty":
             return AllButNewestSchedule(c.residual_length, c.group_size)
         return BlockSchedule(c.residual_length)
+
+    def pair_scores(
+        self, keys: torch.Tensor, queries: torch.Tensor | None, score: str, pairing: str
+    ) -> torch.Tensor:
+        """PN-Mix's RoPE-pair scores (:func:`pair_scores`), the pair studies' hook."""
+        return pair_scores(keys, queries, score, pairing)
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         c = self.config

@@ -33,10 +33,10 @@ from functools import lru_cache
 
 import torch
 
-from kvbench.attend.reference import causal_mask, repeat_kv
+from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layer import LayerCache
-from kvbench.kv.method import CacheConfig, Capabilities, Method, _int
+from kvbench.kv.method import CacheConfig, Capabilities, Method, check_int
 from kvbench.kv.quant import pack_bits, unpack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
@@ -194,33 +194,35 @@ class QJLKeyCodec:
         return QJLBlock(b_in, n_in, self.sketch, lens, idx, b_out, n_out, mo)
 
 
+class QJLAttention:
+    """Code-domain keys of :class:`QJLBlock` for ``kvbench.attend.registry``: the estimator
+    :meth:`QJLBlock.scores` (the query sketched once per step, ``S q``, then dotted with the
+    stored signs).  Keys only; it is also the reference of these keys (they have no
+    dequantized form)."""
+
+    def key_reason(self, block: QJLBlock, head_dim: int) -> str | None:
+        return None
+
+    def value_reason(self, block: QJLBlock, head_dim: int) -> str | None:
+        return "QJL sketches keys only"
+
+    def key_logits(self, block: QJLBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        return block.scores(q)  # q [B, H_kv, M, D] (one row group per KV head) -> [B, H, M, n]
+
+    def value_output(self, block: QJLBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        raise ValueError(self.value_reason(block, 0))
+
+
+register_block_kernel(QJLBlock, QJLAttention(), ("cpu", "cuda"))
+
+
 class QJLLayerCache(LayerCache):
-    """A :class:`~kvbench.kv.layer.LayerCache` whose sketched keys are read only by :meth:`attend`."""
+    """A :class:`~kvbench.kv.layer.LayerCache` whose sketched keys are read only by
+    :meth:`attend` (through the registered :class:`QJLAttention`: exact logits for sinks and
+    residual, the QJL estimate for sketched keys, float32 softmax)."""
 
     def keys_values(self, dtype: torch.dtype | None = None):
         raise NotImplementedError(NO_KEYS)
-
-    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        """``query [B, H_q, n_q, D]`` (the newest n_q positions) -> ``[B, H_q, n_q, D]``: exact
-        logits for sinks and residual, the QJL estimate for sketched keys; float32 softmax."""
-        if not self.seq_length:
-            raise ValueError("the cache is empty")
-        b, hq, nq, d = query.shape
-        hkv = self._bhd[1]
-        if hq % hkv or (b, d) != (self._bhd[0], self._bhd[2]):
-            raise ValueError(f"query {tuple(query.shape)} does not fit (B, H_kv, D) = {self._bhd}")
-        q, parts = query.float(), []
-        for part in (self.k.sinks, self.k.block, self.k.residual):
-            if isinstance(part, QJLBlock):
-                parts.append(part.scores(q))
-            elif part is not None and part.shape[2]:
-                parts.append(q @ repeat_kv(part.float(), hq // hkv).transpose(-1, -2))
-        logits = torch.cat(parts, dim=-1) * (1.0 / math.sqrt(d) if scaling is None else scaling)
-        if nq > 1:
-            mask = causal_mask(nq, logits.shape[-1], query.device)
-            logits = logits.masked_fill(~mask, float("-inf"))
-        values = repeat_kv(self.v.read(torch.float32), hq // hkv)
-        return (torch.softmax(logits, dim=-1) @ values).to(query.dtype)
 
 
 @dataclass(frozen=True)
@@ -249,11 +251,11 @@ class QJLConfig(CacheConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _int(self.sketch_dim, "sketch_dim", 1)
-        _int(self.outlier_channels, "outlier_channels", 0)
+        check_int(self.sketch_dim, "sketch_dim", 1)
+        check_int(self.outlier_channels, "outlier_channels", 0)
         if self.outlier_sketch_dim is not None:
-            _int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
-        _int(self.seed, "seed", 0)
+            check_int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
+        check_int(self.seed, "seed", 0)
         if self.outlier_dim > self.sketch_dim:
             raise ValueError(f"outlier_sketch_dim={self.outlier_dim} must be <= sketch_dim")
         for name, allowed in (("sketch", SKETCHES), ("norm_dtype", tuple(NORM_DTYPES))):

@@ -202,7 +202,9 @@ def test_attend_dispatch_and_paths(monkeypatch):
 
 
 def test_unsupported_layouts_take_the_reference_path():
-    class Rotated(LayerCache):  # a subclass that changes what is read
+    class Rotated(LayerCache):  # a subclass that changes what is read, and says so
+        reads_transformed = "keys negated on read"
+
         def keys_values(self, dtype=None):
             k, v = super().keys_values(dtype)
             return -k, v
@@ -211,40 +213,20 @@ def test_unsupported_layouts_take_the_reference_path():
     fill(rc, 1, 2, 12, 0, 16)
     q = query(1, 2, 1, 16)
     close(rc.attend(q), ref64(rc, q))
-    assert rc.attend_path == "reference" and "overrides keys_values" in rc.attend_path_reason
-    # per-token keys (pages of one token) and 16-bit codes: reference
+    assert rc.attend_path == "reference" and rc.attend_path_reason == "keys negated on read"
+    # per-token keys (groups of one token): code domain
     tk = LayerCache(PerTokenCodec(2, channel_group=8), None, SlidingSchedule(2))
     fill(tk, 1, 2, 9, 0, 16)
     close(tk.attend(q), ref64(tk, q))
-    assert tk.attend_path == "reference" and "pages" in tk.attend_path_reason
-    with pytest.raises(ValueError, match="pages"):
-        fastpath.code_domain_attend(tk, q)
-    # a block type without a registered kernel (fp8's FP8Block)
-    fp8 = fill(kvbench.get_method("fp8").new_layer(0, 2, 16), 1, 2, 300, 0, 16)
-    close(fp8.attend(q), ref64(fp8, q))
-    assert fp8.attend_path_reason == "key block FP8Block has no code-domain kernel"
-
-
-def test_cuda_queries_go_to_the_kernel_dispatch(monkeypatch):
-    from kvbench.kernels import dispatch
-
-    seen = []
-    monkeypatch.setattr(dispatch, "try_fused_attend", lambda *a: seen.append(a) or "kernel")
-
-    class FakeCuda:
-        is_cuda = True
-
-    q = FakeCuda()
-    lc = fill(kivi_layer(2, 2, G=4, R=8), 1, 2, 20, 3, 16)
-    assert fastpath.fast_attend(lc, q, 0.5) == "kernel" and seen == [(lc, q, 0.5)]
-
-    class Overriding(LayerCache):  # may change what is read: never handed to the kernel
-        def keys_values(self, dtype=None):
-            return super().keys_values(dtype)
-
-    neg = Overriding(PerChannelCodec(2, group_size=4), None, BlockSchedule(4))
-    assert fastpath.fast_attend(neg, q) is None and len(seen) == 1
-    assert neg.attend_path == "reference" and "overrides keys_values" in neg.attend_path_reason
+    assert tk.attend_path == fastpath.EAGER_PATH
+    # 16-bit codes (int16): eager code domain
+    k16 = LayerCache(PerTokenCodec(16, channel_group=8), None, SlidingSchedule(2))
+    fill(k16, 1, 2, 9, 0, 16)
+    close(k16.attend(q), ref64(k16, q))
+    assert k16.attend_path == fastpath.EAGER_PATH
+    # shapes that do not fit: code_domain_attend says why
+    with pytest.raises(ValueError, match="query heads"):
+        fastpath.code_domain_attend(k16, query(1, 3, 1, 16))
 
 
 def test_nan_group_propagates_like_the_reference():

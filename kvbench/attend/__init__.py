@@ -1,3 +1,13 @@
-"""Attention over a layer cache: the reference (dequantize-and-softmax) math and the CPU
-code-domain backend.  The Triton backend lives in ``kvbench.kernels``.
+"""Attention over a layer cache: the backend registry (:mod:`.registry`), the reference
+(dequantize-and-softmax) math (:mod:`.reference`), the CPU code-domain backend (:mod:`.cpu`,
+:mod:`.mixed`) and the Triton backend's registration (:mod:`.triton`; the kernels live in
+``kvbench.kernels``).
+
+Importing this package installs the registry's dispatch into
+:meth:`kvbench.kv.layer.LayerCache.attend` (``kvbench/__init__.py`` imports it), so ``kv`` never
+imports ``attend``.
 """
+
+from kvbench.attend import cpu, mixed, registry, triton  # noqa: F401 - registrations
+
+registry.install()

@@ -1,23 +1,20 @@
-"""Fast decode attention: attention computed in the *code domain*, never dequantizing the cache.
+"""CPU code-domain decode attention: attention computed on the stored codes, never
+dequantizing the cache.
 
-:meth:`kvbench.kv.layer.LayerCache.attend` calls :func:`fast_attend` first; it returns the
-attention output, or ``None`` so that the caller takes the reference path (``keys_values()`` +
-softmax, :func:`kvbench.attend.reference.reference_attention`).  Dispatch, by the query's device:
-
-* CUDA: ``kvbench.kernels.dispatch.try_fused_attend`` (the fused Triton kernel), if importable;
-* CPU: :func:`code_domain_attend` below;
-* anything else, an unsupported layout, or a ``LayerCache`` subclass that changes what is read
-  (an overridden ``keys_values`` or ``Side.read``, e.g. pre-RoPE keys re-rotated on read): the
-  reference path.
-
-The layer cache records the path taken in ``attend_path`` (:data:`COMPILED_PATH`,
-:data:`EAGER_PATH`, ``"triton"`` or ``"reference"``) and why in ``attend_path_reason``.
+This is the *code-domain* backend of :mod:`kvbench.attend.registry` (which decides when it runs
+and records ``attend_path`` / ``attend_path_reason``): sinks and the full-precision residual as
+matmuls, each quantized block through the :class:`~kvbench.attend.registry.BlockKernel`
+registered for its type (this module registers :class:`kvbench.kv.blocks.AffineBlock`;
+:mod:`kvbench.attend.mixed` the mixed-precision channel classes; methods register their own
+block types).  Paths recorded: :data:`COMPILED_PATH`, :data:`EAGER_PATH`.
 
 Math (one KV head, ``M = (H_q / H_kv) * n_q`` query rows ``q`` already multiplied by the logit
 scale; a block stores codes ``c`` with per-group affine terms ``x = c * a + b``, where
 ``a, b`` = ``(scale, zero)``, ``(scale/2, zero + scale/4)`` for 1-bit midpoint codes and
 ``(scale, -2^(b-1) scale)`` for symmetric codes):
 
+* keys with per-token terms over channel groups of ``cg`` channels (per-token, int-block,
+  llama.cpp ``q4_0`` keys): ``logit[t] = sum_g a_{t,g} (q_g . c_{t,g}) + sum_g b_{t,g} sum(q_g)``;
 * keys in pages of ``L`` tokens with per-page, per-channel-group terms (KIVI per-channel keys,
   ``L = G``; per-head keys, one page): ``logit[t] = (q * a_P) . c_t + q . b_P`` for token ``t``
   of page ``P`` -- one ``q * a_P`` per page, then a dot product with the codes;
@@ -48,9 +45,9 @@ quantized tokens, since a first compile costs tens of seconds; eager otherwise),
 warning.  The compiled kernels treat the token counts as dynamic, so a growing cache reuses
 them; the first decode steps compile (run warm-up steps before timing).
 
-Block types register their kernels with :func:`register_block_attention`; the core ships the
-one for :class:`kvbench.kv.blocks.AffineBlock` (per-channel/per-head pages for keys, per-token
-groups for values, 1..8 bits, any channel group dividing ``D``).
+The core's :class:`kvbench.kv.blocks.AffineBlock` kernel covers per-channel/per-head pages and
+per-token groups for keys, per-token groups for values, 1..8 bits, any channel group dividing
+``D``.
 """
 
 from __future__ import annotations
@@ -61,11 +58,18 @@ import os
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from kvbench.attend.reference import causal_mask
+from kvbench.attend.reference import length_mask
+from kvbench.attend.registry import (
+    BlockKernel,
+    block_kernel,
+    common_reason,
+    install_code_domain,
+    register_block_kernel,
+)
 from kvbench.kv.blocks import AffineBlock
 from kvbench.kv.quant import unpack_bits
 
@@ -289,6 +293,64 @@ def value_tokens_eager(
     return (out + pb.unsqueeze(-1)).reshape(bsz, h, m, d)
 
 
+def key_tokens_fused(packed: torch.Tensor, qsub: torch.Tensor, a: torch.Tensor, bits: int):
+    """``sum_g a_{t,g} (q_g . c_{t,g})`` over per-token quantized keys in the code domain (the
+    compiled kernel's source); add ``sum_g b_{t,g} sum(q_g)`` for the logits.
+
+    Parameters
+    ----------
+    packed : uint8 ``[B, H, n, nbytes]``.
+    qsub : float32 ``[B, H, M, codes_per_word, Dg, Wg]``: the query in sub-code order, split
+        into the ``Dg`` channel groups of ``Wg = cg / codes_per_word`` words each.
+    a : float32 ``[B|1, H|1, n, Dg]``.
+
+    Returns
+    -------
+    float32 ``[B, H, M, n]``.
+    """
+    dg, wg = qsub.shape[-2], qsub.shape[-1]
+    acc = None
+    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, n, W]
+        c = c.reshape(*c.shape[:-1], dg, wg).float()
+        term = (qsub[:, :, :, i].unsqueeze(3) * c).sum(-1)  # [B, H, M, n, Dg]
+        acc = term if acc is None else acc + term
+    return (acc * a.unsqueeze(2)).sum(-1)
+
+
+def key_tokens(
+    packed: torch.Tensor,
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bits: int,
+    compiled: bool,
+) -> torch.Tensor:
+    """Logits ``[B, H, M, n]`` of per-token quantized keys (codes ``packed [B, H, n, nbytes]``,
+    terms ``a, b`` float32 ``[B|1, H|1, n, Dg]``) for query rows ``q [B, H, M, D]``."""
+    bsz, h, m, d = q.shape
+    dg = a.shape[-1]
+    cg = d // dg
+    _, cpw = code_layout(bits)
+    qsum = q.reshape(bsz, h, m, dg, cg).sum(-1)  # [B, H, M, Dg]
+    bias = torch.matmul(qsum, b.transpose(-1, -2))  # [B, H, M, n]
+    if compiled and cg % cpw == 0:
+        qsub = to_subcode_order(q, bits).reshape(bsz, h, m, cpw, dg, cg // cpw)
+        out = _run(key_tokens_fused, [(packed, 2), (a, 2)], packed, qsub, a, bits)
+        if out is not None:
+            return out + bias
+    n = packed.shape[2]
+    qg = q.reshape(bsz, h, m, dg, cg).transpose(2, 3)  # [B, H, Dg, M, cg]
+    outs = []
+    for t0 in range(0, n, EAGER_CHUNK_TOKENS):
+        sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
+        c = unpack_bits(packed[:, :, sl], bits, d).float()
+        c = c.reshape(bsz, h, -1, dg, cg).permute(0, 1, 3, 4, 2)  # [B, H, Dg, cg, n]
+        part = torch.matmul(qg, c)  # [B, H, Dg, M, n]
+        outs.append((part * a[:, :, sl].permute(0, 1, 3, 2).unsqueeze(3)).sum(2))
+    out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+    return out + bias
+
+
 # ------------------------------------------------------------------------------ compile
 def _fresh_function(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
     """A copy of ``fn`` with its own code object: dynamo keeps its compiled graphs (and its
@@ -325,65 +387,109 @@ def _run(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
     return None
 
 
+def _group_slices(group_len: list[int]) -> list[tuple[int, slice]]:
+    """``(group index, token slice)`` of each group, split into runs of at most
+    :data:`EAGER_CHUNK_TOKENS` tokens."""
+    out, t0 = [], 0
+    for gi, n in enumerate(group_len):
+        for c0 in range(0, n, EAGER_CHUNK_TOKENS):
+            out.append((gi, slice(t0 + c0, t0 + min(n, c0 + EAGER_CHUNK_TOKENS))))
+        t0 += n
+    return out
+
+
+def key_groups_eager(packed, q, a, b, group_len, bits) -> torch.Tensor:
+    """Logits ``[B, H, M, n]`` of keys in token groups of any lengths (per-head / per-tensor
+    flushes): ``(q * a_g) . c_t + q . b_g`` per group, by unpack + matmul; ``a, b`` float32
+    ``[B|1, H|1, NG, D]`` per channel."""
+    d = q.shape[-1]
+    outs = []
+    for gi, sl in _group_slices(group_len):
+        c = unpack_bits(packed[:, :, sl], bits, d).float()  # [B, H, n_g, D]
+        qa = q * a[:, :, gi : gi + 1]
+        qb = (q * b[:, :, gi : gi + 1]).sum(-1, keepdim=True)
+        outs.append(torch.matmul(qa, c.transpose(-1, -2)) + qb)
+    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+
+def value_groups_eager(packed, p, a, b, group_len, bits, d) -> torch.Tensor:
+    """``sum_t p_t (c_t * a_g + b_g)`` ``[B, H, M, D]`` over values in token groups of any
+    lengths; ``a, b`` float32 ``[B|1, H|1, NG, D]`` per channel."""
+    out = 0
+    for gi, sl in _group_slices(group_len):
+        c = unpack_bits(packed[:, :, sl], bits, d).float()
+        pg = p[..., sl]
+        out = out + torch.matmul(pg, c) * a[:, :, gi : gi + 1]
+        out = out + pg.sum(-1, keepdim=True) * b[:, :, gi : gi + 1]
+    return out
+
+
+def run_compiled(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
+    """Public form of the compile runner for block kernels outside this module: the
+    ``torch.compile``d ``fn(*args)`` (``args[-1]``: an int tag, e.g. the bit width, that keys
+    the compiled cache), or ``None`` once compiling failed (one warning; use the eager kernel).
+    ``dyn``: ``(tensor, dim)`` pairs whose size grows with the context."""
+    return _run(fn, dyn, *args)
+
+
 # ------------------------------------------------------------------------------ registry
-class BlockAttention(Protocol):
-    """Code-domain attention terms of one block type.
-
-    ``key_reason(block, head_dim)`` / ``value_reason(block, head_dim)``: ``None`` when the
-    block is supported on that side, else why not (the reference path then runs).
-    ``key_logits(block, q, compiled) -> [B, H, M, n]`` float32 for query rows
-    ``q [B, H, M, D]`` (logit scale applied).  ``value_output(block, p, compiled) ->
-    [B, H, M, D]`` float32 for probabilities ``p [B, H, M, n]``.
-    """
-
-    def key_reason(self, block: Any, head_dim: int) -> str | None: ...
-
-    def value_reason(self, block: Any, head_dim: int) -> str | None: ...
-
-    def key_logits(self, block: Any, q: torch.Tensor, compiled: bool) -> torch.Tensor: ...
-
-    def value_output(self, block: Any, p: torch.Tensor, compiled: bool) -> torch.Tensor: ...
+BlockAttention = (
+    BlockKernel  # the per-block interface (:class:`kvbench.attend.registry.BlockKernel`)
+)
 
 
-_REGISTRY: dict[type, BlockAttention] = {}
+def register_block_attention(block_type: type, impl: BlockKernel) -> None:
+    """Register ``impl`` for CPU blocks of exactly ``block_type``
+    (:func:`kvbench.attend.registry.register_block_kernel` with ``devices=("cpu",)``)."""
+    register_block_kernel(block_type, impl, ("cpu",))
 
 
-def register_block_attention(block_type: type, impl: BlockAttention) -> None:
-    """Register ``impl`` (:class:`BlockAttention`) for blocks of exactly ``block_type``."""
-    _REGISTRY[block_type] = impl
-
-
-def block_attention(block: Any) -> BlockAttention | None:
-    """The registered implementation for ``type(block)``, or ``None``."""
-    return _REGISTRY.get(type(block))
+def block_attention(block: Any) -> BlockKernel | None:
+    """The CPU kernel registered for ``type(block)``, or ``None``."""
+    return block_kernel(block, "cpu")
 
 
 class AffineBlockAttention:
-    """:class:`BlockAttention` of :class:`kvbench.kv.blocks.AffineBlock` (see module docstring).
+    """:class:`BlockKernel` of :class:`kvbench.kv.blocks.AffineBlock` (see module docstring).
 
-    Keys: pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``).
-    Values: per-token groups.  Bits 1..8 (16-bit codes: reference path)."""
+    Keys and values: per-token groups (per-token, int8/int4-block and llama.cpp ``q4_0``),
+    pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``; keys), or
+    token groups of any lengths (per-head / per-tensor flushes; eager).  Bits 1..8, and 16
+    (int16 codes, e.g. PM-KVQ before its first shrink; eager)."""
 
     @staticmethod
     def _common(block: AffineBlock, head_dim: int) -> str | None:
-        if block.bits not in range(1, 9):
+        if block.bits not in (*range(1, 9), 16):
             return f"{block.bits}-bit codes"
         if head_dim % block.scale.shape[-1]:
             return "channel groups do not divide head_dim"
         return None
 
     def key_reason(self, block: AffineBlock, head_dim: int) -> str | None:
-        lens = block.group_len
-        if not lens or lens[0] < 2 or any(x != lens[0] for x in lens[:-1]) or lens[-1] > lens[0]:
-            return "keys are not in pages of >= 2 tokens (per-channel or per-head)"
         return self._common(block, head_dim)
 
-    def value_reason(self, block: AffineBlock, head_dim: int) -> str | None:
-        if len(block.group_len) != block.ntokens:
-            return "values are not per-token groups"
-        return self._common(block, head_dim)
+    value_reason = key_reason
+
+    @staticmethod
+    def _pages(block: AffineBlock) -> bool:
+        lens = block.group_len
+        return (
+            bool(lens)
+            and lens[0] >= 2
+            and all(x == lens[0] for x in lens[:-1])
+            and (lens[-1] <= lens[0])
+        )
 
     def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
+        if len(block.group_len) == block.ntokens:
+            a, b = affine_terms(block)
+            return key_tokens(block.codes, q, a, b, block.bits, compiled)
+        if not self._pages(block):  # flushes of different lengths (per-head, per-tensor)
+            a, b = affine_terms(block)
+            d = q.shape[-1]
+            a, b = _per_channel(a, d), _per_channel(b, d)
+            return key_groups_eager(block.codes, q, a, b, block.group_len, block.bits)
         d, bits, length = q.shape[-1], block.bits, block.group_len[0]
         a, b = affine_terms(block)
         a, b = _per_channel(a, d), _per_channel(b, d)
@@ -405,9 +511,13 @@ class AffineBlockAttention:
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
     def value_output(self, block: AffineBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
         d, bits = block.head_dim, block.bits
         a, b = affine_terms(block)
         pk = block.codes
+        if len(block.group_len) != block.ntokens:  # token groups (per-head, per-tensor values)
+            a, b = _per_channel(a, d), _per_channel(b, d)
+            return value_groups_eager(pk, p, a, b, block.group_len, bits, d)
         if compiled and d % code_layout(bits)[1] == 0:
             ps, pb = value_token_terms(p, a, b, bits)
             out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)
@@ -420,78 +530,68 @@ register_block_attention(AffineBlock, AffineBlockAttention())
 
 
 # ------------------------------------------------------------------------------ attention
-def _set_path(layer_cache: Any, path: str, reason: str) -> None:
-    try:
-        layer_cache.attend_path = path
-        layer_cache.attend_path_reason = reason
-    except AttributeError:  # a cache class with __slots__: nothing to record on
-        pass
-
-
-def _reads_changed(layer_cache: Any) -> str | None:
-    """Why the stored blocks are not what ``keys_values()`` attends to (a subclass that
-    overrides ``keys_values`` or ``Side.read``, e.g. to re-rotate pre-RoPE keys), or ``None``."""
-    from kvbench.kv.layer import LayerCache, Side
-
-    if type(layer_cache).keys_values is not LayerCache.keys_values:
-        return f"{type(layer_cache).__name__} overrides keys_values()"
-    for name, side in (("key", layer_cache.k), ("value", layer_cache.v)):
-        if type(side).read is not Side.read:
-            return f"{name} side {type(side).__name__} overrides read()"
-    return None
-
-
-def _unsupported(layer_cache: Any, query: torch.Tensor) -> str | None:
-    """Why ``layer_cache`` cannot take the code-domain path (``None``: it can)."""
-    why = _reads_changed(layer_cache)
+def code_domain_reason(
+    layer_cache: Any, query: torch.Tensor, lengths: Any = None, check_mode: bool = True
+) -> str | None:
+    """Why ``layer_cache`` cannot take the CPU code-domain path for ``query`` (``None``: it
+    can): the mode, a non-CPU query, shapes that do not fit, or a block without a CPU kernel."""
+    if check_mode and cpu_mode() == "reference":
+        return f"{ENV_MODE}=reference"
+    dev = getattr(getattr(query, "device", None), "type", "cpu")
+    why = common_reason(layer_cache, query, lengths)
     if why:
         return why
-    if getattr(layer_cache, "_awaiting_queries", False) or not layer_cache.seq_length:
-        return "no stored tokens to attend to"
-    bhd = layer_cache._bhd
-    if query.dim() != 4 or bhd is None or query.shape[0] != bhd[0] or query.shape[3] != bhd[2]:
-        return "query does not fit the cache"
-    if query.shape[1] % bhd[1]:
-        return "query heads are not a multiple of the KV heads"
+    d = layer_cache.kv_shape[2]
     for name, side in (("key", layer_cache.k), ("value", layer_cache.v)):
         if side.block is not None:
-            impl = block_attention(side.block)
+            impl = block_kernel(side.block, dev)
             if impl is None:
-                return f"{name} block {type(side.block).__name__} has no code-domain kernel"
-            why = (impl.key_reason if name == "key" else impl.value_reason)(side.block, bhd[2])
+                where = "" if dev == "cpu" else f" on {dev}"
+                return f"{name} block {type(side.block).__name__} has no code-domain kernel{where}"
+            why = (impl.key_reason if name == "key" else impl.value_reason)(side.block, d)
             if why:
                 return why
-    if len(layer_cache.k) != len(layer_cache.v):
-        return "keys and values hold different token counts"
     return None
 
 
 def code_domain_attend(
-    layer_cache: Any, query: torch.Tensor, scaling: float | None = None, compiled: bool = False
+    layer_cache: Any,
+    query: torch.Tensor,
+    scaling: float | None = None,
+    compiled: bool = False,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, H_q, n_q, D]`` over ``layer_cache`` (a
     :class:`kvbench.kv.layer.LayerCache`) in the code domain; ``[B, H_q, n_q, D]`` in the query's
     dtype.  Same contract as :func:`kvbench.attend.reference.reference_attention` over
     ``keys_values()`` (GQA: query head ``h`` reads KV head ``h // (H_q / H_kv)``; causal mask
-    aligned to the end when ``n_q > 1``; float32 logits and softmax).
+    aligned to the end when ``n_q > 1``; ``lengths``: per-row valid tokens; float32 logits and
+    softmax).
 
     ``compiled``: use the ``torch.compile`` kernels (else the eager ones).
 
     Raises
     ------
     ValueError
-        The layout is not supported (the reason; see :func:`fast_attend` for the checks).
+        The layout is not supported (the reason; see :func:`code_domain_reason`).
     """
-    why = _unsupported(layer_cache, query)
+    why = code_domain_reason(layer_cache, query, lengths, check_mode=False)
     if why:
         raise ValueError(why)
-    return _attend(layer_cache, query, scaling, compiled)
+    return _attend(layer_cache, query, scaling, compiled, lengths)
 
 
-def _attend(layer_cache: Any, query: torch.Tensor, scaling: float | None, compiled: bool):
+def _attend(
+    layer_cache: Any,
+    query: torch.Tensor,
+    scaling: float | None,
+    compiled: bool,
+    lengths: torch.Tensor | None = None,
+):
     """:func:`code_domain_attend` without its layout checks."""
     bsz, hq, nq, d = query.shape
-    hkv = layer_cache._bhd[1]
+    hkv = layer_cache.kv_shape[1]
+    dev = query.device.type
     m = hq // hkv * nq
     scale = 1.0 / math.sqrt(d) if scaling is None else scaling
     q = (query.float() * scale).reshape(bsz, hkv, m, d)  # rows: (query head in group, n_q)
@@ -501,12 +601,12 @@ def _attend(layer_cache: Any, query: torch.Tensor, scaling: float | None, compil
         if isinstance(part, torch.Tensor):
             logits.append(torch.matmul(q, part.float().transpose(-1, -2)))
         elif part is not None:
-            logits.append(block_attention(part).key_logits(part, q, compiled))
+            logits.append(block_kernel(part, dev).key_logits(part, q, compiled))
     lg = torch.cat(logits, -1) if len(logits) > 1 else logits[0]  # [B, H_kv, M, T]
     t = lg.shape[-1]
-    if nq > 1:
-        mask = causal_mask(nq, t, query.device)  # rows of one head: its n_q positions
-        lg = lg.reshape(bsz, hkv, hq // hkv, nq, t).masked_fill(~mask, float("-inf"))
+    if nq > 1 or lengths is not None:
+        mask = length_mask(lengths, nq, t, query.device)  # [B|1, n_q, T]
+        lg = lg.reshape(bsz, hkv, hq // hkv, nq, t).masked_fill(~mask[:, None, None], float("-inf"))
         lg = lg.reshape(bsz, hkv, m, t)
     probs = torch.softmax(lg, dim=-1)
     out, off = None, 0
@@ -519,46 +619,29 @@ def _attend(layer_cache: Any, query: torch.Tensor, scaling: float | None, compil
         if isinstance(part, torch.Tensor):
             o = torch.matmul(p, part.float())
         else:
-            o = block_attention(part).value_output(part, p.contiguous(), compiled)
+            o = block_kernel(part, dev).value_output(part, p.contiguous(), compiled)
         out = o if out is None else out + o
     return out.reshape(bsz, hq, nq, d).to(query.dtype)
 
 
-def fast_attend(
-    layer_cache: Any, query: torch.Tensor, scaling: float | None = None
-) -> torch.Tensor | None:
-    """The fast attention output for ``layer_cache`` and ``query [B, H_q, n_q, D]``, or
-    ``None`` to take the reference path (see the module docstring).  Records
-    ``layer_cache.attend_path`` and ``attend_path_reason``."""
-    if query.is_cuda:
-        try:
-            from kvbench.kernels.dispatch import try_fused_attend
-        except ImportError as e:
-            _set_path(layer_cache, REFERENCE_PATH, f"kernels unavailable: {e}")
-            return None
-        why = _reads_changed(layer_cache)
-        if why:
-            _set_path(layer_cache, REFERENCE_PATH, why)
-            return None
-        return try_fused_attend(layer_cache, query, scaling)
-    if query.device.type != "cpu":
-        _set_path(layer_cache, REFERENCE_PATH, f"no fast path for {query.device.type}")
-        return None
+def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
+    """The registry's code-domain backend: ``(out, path)``; the mode picks compiled/eager."""
     mode = cpu_mode()
-    if mode == "reference":
-        _set_path(layer_cache, REFERENCE_PATH, f"{ENV_MODE}=reference")
-        return None
-    why = _unsupported(layer_cache, query)
-    if why:
-        _set_path(layer_cache, REFERENCE_PATH, why)
-        return None
-    compiled = mode == "compiled" or (
-        mode == "auto"
-        and query.shape[2] == 1  # decode steps; chunks of queries would add graphs
-        and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
+    compiled = query.device.type == "cpu" and (
+        mode == "compiled"
+        or (
+            mode == "auto"
+            and query.shape[2] == 1  # decode steps; chunks of queries would add graphs
+            and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
+        )
     )
     compiled = compiled and _compile_error is None
-    out = _attend(layer_cache, query, scaling, compiled)
+    out = _attend(layer_cache, query, scaling, compiled, lengths)
     compiled = compiled and _compile_error is None  # a failed compile fell back to eager
-    _set_path(layer_cache, COMPILED_PATH if compiled else EAGER_PATH, "")
-    return out
+    dev = query.device.type
+    if dev != "cpu":  # a block kernel registered for another device (QJL's on CUDA): eager
+        return out, f"{dev}-eager"
+    return out, COMPILED_PATH if compiled else EAGER_PATH
+
+
+install_code_domain(code_domain_reason, _registry_run, _attend)

@@ -20,11 +20,28 @@ def causal_mask(n_q: int, n_k: int, device: torch.device | str = "cpu") -> torch
     return torch.arange(n_k, device=device).unsqueeze(0) <= qpos
 
 
+def length_mask(
+    lengths: torch.Tensor | None, n_q: int, n_k: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Bool ``[B|1, n_q, n_k]``: the keys query ``i`` of row ``b`` sees.  Row ``b`` holds its
+    tokens at ``[0, lengths[b])`` and its queries are the last ``n_q`` of them (causal within
+    them); ``lengths=None``: every row holds all ``n_k`` tokens (:func:`causal_mask`).
+    Raises ``ValueError`` for a length outside ``[n_q, n_k]``."""
+    if lengths is None:
+        return causal_mask(n_q, n_k, device).unsqueeze(0)
+    ln = torch.as_tensor(lengths, device=device).long().view(-1, 1, 1)
+    if ln.numel() and (int(ln.min()) < n_q or int(ln.max()) > n_k):
+        raise ValueError(f"lengths={ln.flatten().tolist()} must lie in [n_q, T] = [{n_q}, {n_k}]")
+    qpos = ln - n_q + torch.arange(n_q, device=device).view(1, -1, 1)
+    return torch.arange(n_k, device=device).view(1, 1, -1) <= qpos
+
+
 def reference_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     scaling: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the newest ``n_q`` positions over ``T`` cached keys.
 
@@ -33,6 +50,8 @@ def reference_attention(
     query : ``[B, H_q, n_q, D]``, the queries of the last ``n_q`` positions.
     keys, values : ``[B, H_kv, T, D]`` (KV heads, not repeated); ``H_q % H_kv == 0``.
     scaling : logit scale, default ``1/sqrt(D)``.
+    lengths : optional int ``[B]``: row ``b`` holds ``lengths[b]`` valid tokens at the start of
+        the cache (:func:`length_mask`); ``None``: all ``T``.
 
     Returns
     -------
@@ -54,7 +73,10 @@ def reference_attention(
     k = repeat_kv(keys.float(), hq // hkv)
     v = repeat_kv(values.float(), hq // hkv)
     logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
-    if nq > 1:
+    if lengths is not None:
+        mask = length_mask(lengths, nq, t, query.device).unsqueeze(1)  # [B, 1, n_q, T]
+        logits = logits.masked_fill(~mask, float("-inf"))
+    elif nq > 1:
         logits = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.matmul(probs, v).to(query.dtype)

@@ -135,7 +135,7 @@ class KVBenchLayer(CacheLayerMixin):
             lc.prefill(key_states, value_states)
             keys, values = key_states, value_states
         else:
-            if getattr(lc, "_awaiting_queries", False):
+            if getattr(lc, "awaiting_queries", False):
                 raise ValueError(
                     f"method {self.owner.method_name!r} needs post-RoPE queries at prefill "
                     f"(capabilities.needs_queries) but none arrived: load or switch the model "

@@ -9,16 +9,25 @@ at a decode step the new tokens join the residual, the step attends to sinks + q
 residual, and the flush happens *after* that attention: :meth:`LayerCache.append` only stores,
 and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by
 whoever finishes the step).
+
+Attention (:meth:`LayerCache.attend`) is computed by the backend registry of
+:mod:`kvbench.attend.registry`, which depends on this module; this module never imports
+:mod:`kvbench.attend`.  The registry installs itself with :meth:`LayerCache.install_attention`
+when :mod:`kvbench.attend` is imported (``import kvbench`` does it), so there is no import cycle
+between the core folders.  A subclass whose reads differ from its stored parts (sinks, blocks,
+residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
+the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
+reference path (:meth:`LayerCache.keys_values`) runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvbench.attend.cpu import fast_attend
-from kvbench.attend.reference import reference_attention
 from kvbench.kv.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.kv.schedule import NeverSchedule
 
@@ -42,8 +51,12 @@ def _len(t: torch.Tensor | Block | None) -> int:
 
 @dataclass
 class Side:
-    """State of one side (keys or values) of a layer cache."""
+    """State of one side (keys or values) of a layer cache.
 
+    ``reads_transformed``: ``None`` when :meth:`read` returns exactly sinks + dequantized
+    blocks + residual; a subclass that transforms what is read sets a reason string."""
+
+    reads_transformed: ClassVar[str | None] = None
     codec: Codec | None
     schedule: object
     sinks: torch.Tensor | None = None
@@ -100,6 +113,16 @@ class LayerCache:
         ``H_kv == num_kv_heads`` and ``D == head_dim``, so a wrong layout (e.g. ``[B, T, H, D]``)
         raises ``ValueError`` instead of being stored.
     """
+
+    #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
+    reads_transformed: ClassVar[str | None] = None
+    _attention: ClassVar[Callable[..., torch.Tensor] | None] = None
+
+    @classmethod
+    def install_attention(cls, fn: Callable[..., torch.Tensor]) -> None:
+        """Install the attention dispatch ``fn(layer_cache, query, scaling, lengths)`` that
+        :meth:`attend` calls (done by :mod:`kvbench.attend` at import)."""
+        LayerCache._attention = fn
 
     def __init__(
         self,
@@ -237,17 +260,37 @@ class LayerCache:
         dt = dtype or self.dtype
         return self.k.read(dt), self.v.read(dt)
 
-    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        scaling: float | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of the newest ``n_q`` positions: ``query [B, H_q, n_q, D]`` ->
-        ``[B, H_q, n_q, D]``.  A fast path when one fits (:func:`kvbench.attend.cpu.fast_attend`:
-        the fused kernel on CUDA, code-domain attention on the CPU; ``self.attend_path`` says
-        which ran), else the reference path over :meth:`keys_values`; both agree up to float
-        rounding.  Methods with their own kernel override it and must agree with it too."""
-        out = fast_attend(self, query, scaling)
-        if out is not None:
-            return out
-        keys, values = self.keys_values(query.dtype)
-        return reference_attention(query, keys, values, scaling)
+        ``[B, H_q, n_q, D]`` in the query's dtype (float32 logits and softmax; GQA: query head
+        ``h`` reads KV head ``h // (H_q / H_kv)``; causal mask aligned to the end).
+
+        ``lengths``: optional int ``[B]``, valid cached tokens per row (see
+        :func:`kvbench.attend.registry.attend`).  A thin wrapper of the backend registry
+        (:mod:`kvbench.attend.registry`): the fused kernel on CUDA, code-domain attention on the
+        CPU, else the reference path over :meth:`keys_values`; all agree up to float rounding.
+        ``self.attend_path`` / ``self.attend_path_reason`` record which ran and why.
+
+        Raises ``RuntimeError`` if no dispatch is installed (``import kvbench`` installs it)."""
+        fn = LayerCache._attention
+        if fn is None:
+            raise RuntimeError("no attention dispatch installed; import kvbench.attend first")
+        return fn(self, query, scaling, lengths)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """``(B, H_kv, D)`` of the stored tokens, or ``None`` before any."""
+        return self._bhd
+
+    @property
+    def awaiting_queries(self) -> bool:
+        """A prefill is waiting for its post-RoPE queries (:meth:`provide_queries`)."""
+        return self._awaiting_queries
 
     @property
     def seq_length(self) -> int:

@@ -26,17 +26,17 @@ PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a method supports; the runner and the reports read these, never method names."""
+    """What a method supports; the runner and the reports read these, never method names.
+
+    Which attention kernels read a method's stored blocks is not declared here: it follows
+    from the block types' registrations (``kvbench.attend.registry.backends_for``), and each
+    decode step records the backend that ran (``attend_path``)."""
 
     gqa: bool = True
     batch: bool = True
     needs_queries: bool = False
     keys_values: bool = True
     needs_calibration: bool = False
-    fused_kernel: bool = False
-    cpu: bool = True
-    cuda: bool = True
-    cuda_graphs: bool = False
     reconstruction: bool = False  # parts of the algorithm are [RECON] (spec labels)
     #: builds kvbench LayerCaches (``new_layer``); False for peers that wrap a transformers
     #: cache (:mod:`kvbench.hf.peers`), which run only in workloads that accept
@@ -68,9 +68,14 @@ class MethodConfig:
         return dataclasses.asdict(self)
 
 
-def _int(value: Any, name: str, low: int = 0) -> None:
+def check_int(value: Any, name: str, low: int = 0) -> None:
+    """Validate an integer config field: raises ``ValueError`` naming ``name`` unless ``value``
+    is an int (not a bool) ``>= low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+_int = check_int  # old private name, kept for one release
 
 
 @dataclass(frozen=True)
@@ -99,12 +104,12 @@ class CacheConfig(MethodConfig):
     token_axis_keys: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _int(self.group_size, "group_size", 1)
-        _int(self.residual_length, "residual_length", 0)
-        _int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_int(self.group_size, "group_size", 1)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
         check_bits(self.value_bits, "value_bits")
         if self.value_group_size is not None:
-            _int(self.value_group_size, "value_group_size", 1)
+            check_int(self.value_group_size, "value_group_size", 1)
         if not isinstance(self.scale_dtype, str):  # a torch.dtype would break pair_bits/to_dict
             raise ValueError(
                 f"scale_dtype={self.scale_dtype!r} must be a name; allowed: {sorted(PAIR_BITS)}"

@@ -127,6 +127,29 @@ def unpack_mixed(
     return [empty if o is None else o for o in out]
 
 
+#: RoPE channel pairings: ``rotate-half`` pairs channel ``i`` with ``i + D/2`` (Llama's
+#: ``rotate_half``), ``interleaved`` pairs ``2i`` with ``2i + 1`` (GPT-J)
+PAIRINGS = ("rotate-half", "interleaved")
+
+
+def pair_channels(head_dim: int, pairing: str = "rotate-half") -> torch.Tensor:
+    """Channels of each RoPE pair: LongTensor ``[D/2, 2]``.  Raises ``ValueError`` for an odd
+    ``head_dim`` or an unknown ``pairing``."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates channel pairs")
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing={pairing!r} is not supported; allowed: {list(PAIRINGS)}")
+    i = torch.arange(head_dim // 2)
+    if pairing == "rotate-half":
+        return torch.stack([i, i + head_dim // 2], dim=1)
+    return torch.stack([2 * i, 2 * i + 1], dim=1)
+
+
+def high_pairs(head_dim: int, high_ratio: float) -> int:
+    """``n_H = floor(high_ratio * D/2)`` (with Kitty's 1e-6 float guard)."""
+    return int(high_ratio * (head_dim // 2) + 1e-6)
+
+
 CHANNEL_STATS = ("magnitude", "variance", "range", "absmax")
 
 

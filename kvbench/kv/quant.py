@@ -164,7 +164,7 @@ class GroupQuant:
     midpoint: bool = False
 
 
-def _round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast non-negative float32 ``s`` to ``dtype``, rounding up so the result is >= ``s``."""
     st = s.to(dtype)
     if dtype == torch.float32:
@@ -217,7 +217,7 @@ def quantize_groups(
         half = 1 << (bits - 1)
         qmax_s = half - 1
         amax = xs.abs().amax(dim=-1, keepdim=True)
-        scale_st = _round_up_to_dtype(amax / qmax_s, scale_dtype)
+        scale_st = round_up_to_dtype(amax / qmax_s, scale_dtype)
         _check_storable(scale_st, finite, "scale", scale_dtype)
         s = scale_st.float()
         q = torch.where(s > 0, torch.round(xs / torch.where(s > 0, s, 1.0)), 0.0)
@@ -231,7 +231,7 @@ def quantize_groups(
     _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
     mnf = mn_st.float()
     # range measured from the *stored* min so that the max stays covered
-    scale_st = _round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
+    scale_st = round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
     _check_storable(scale_st, finite, "scale", scale_dtype)
     s = scale_st.float()
     safe = torch.where(s > 0, s, torch.ones((), device=x.device))
@@ -301,3 +301,6 @@ def fake_quantize(
     return dequantize_groups(
         g.codes, g.scale, g.zero, bits, symmetric=symmetric, midpoint=midpoint, dtype=x.dtype
     )
+
+
+_round_up_to_dtype = round_up_to_dtype  # old private name, kept for one release

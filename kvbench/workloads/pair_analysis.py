@@ -24,7 +24,7 @@ query head g and layer, the reference score of pair i sums over the decode keys
 
 The reference top-r% pairs are compared with the prefill selection of g's KV head made by the
 method's criterion (``pn-mix`` ``score``: ``qk-pair-norm``, ``k-range``, ``k-magnitude``,
-``k-pair-norm``; computed with :func:`kvbench.methods.pn_mix.pair_scores` on the P prefill
+``k-pair-norm``; computed with the method's ``pair_scores`` hook (PN-Mix's Eq. 5 scores) on the P prefill
 tokens).  Overlap ``|ref ∩ sel| / n`` is averaged over layers, query heads and the steps of
 each bin of ``bin`` decode steps: ``sel_<ref>_r<pct>_b<i>``, over all steps
 ``sel_<ref>_r<pct>``, and the spread over bins ``sel_<ref>_r<pct>_spread`` (max - min).
@@ -40,6 +40,8 @@ import math
 from typing import Any
 
 import torch
+
+from kvbench.kv.mixed import high_pairs, pair_channels
 
 from . import Result, Workload
 
@@ -100,6 +102,20 @@ def top_mask(scores: torch.Tensor, n: int) -> torch.Tensor:
     """Boolean ``[..., m]`` mask of the ``n`` largest entries (ties: lower index first)."""
     order = torch.sort(-scores, dim=-1, stable=True).indices[..., :n]
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
+
+
+def _pair_scores(method: Any):
+    """The method's RoPE-pair scoring hook ``method.pair_scores(keys, queries, score, pairing)
+    -> [B, H_kv, D/2]`` (PN-Mix provides it).  Raises ``ValueError`` for a method without one."""
+    fn = getattr(method, "pair_scores", None)
+    if not callable(fn):
+        name = getattr(method, "name", "") or type(method).__name__
+        raise ValueError(
+            f"method {name!r} has no pair_scores(keys, queries, score, pairing) hook; the "
+            "pair studies (score_agreement, selection_stability) need a method that selects "
+            "RoPE pairs, e.g. pn-mix"
+        )
+    return fn
 
 
 def _criterion(method: Any, default: str) -> str:
@@ -165,8 +181,7 @@ class ScoreAgreement(Workload):
     def run(self, ctx: Any, method: Any) -> Result:
         from scipy.stats import spearmanr
 
-        from kvbench.methods.pn_mix import high_pairs, pair_scores
-
+        scores = _pair_scores(method)
         score = _criterion(method, self.spec["score"])
         ref, pairing = self.spec["reference"], _pairing(method)
         ratios = self.spec["ratios"]
@@ -178,8 +193,8 @@ class ScoreAgreement(Workload):
             acc: dict[str, list[float]] = {k: [] for k in names}
             for li in layers:
                 q, k = qs[li].double(), ks[li].double()
-                a = pair_scores(k, q, score, pairing)[0]  # [H_kv, D/2]
-                b = pair_scores(k, q, ref, pairing)[0]
+                a = scores(k, q, score, pairing)[0]  # [H_kv, D/2]
+                b = scores(k, q, ref, pairing)[0]
                 npairs = a.shape[-1]
                 vals: dict[str, list[float]] = {x: [] for x in names}
                 for h in range(a.shape[0]):
@@ -266,7 +281,6 @@ class SelectionStability(Workload):
 
     def prepare(self, ctx: Any) -> None:
         from kvbench.hf.capture import capture_qkv
-        from kvbench.methods.pn_mix import high_pairs
 
         s = self.spec
         key = (
@@ -325,7 +339,6 @@ class SelectionStability(Workload):
         """Reference pair scores ``[H_q, steps, D/2]`` of the decode queries ``p..T-1`` (every
         ``query_stride``-th) over the decode keys ``p..t``; ``q [1, H_q, T, D]``,
         ``k [1, H_kv, T, D]``."""
-        from kvbench.methods.pn_mix import pair_channels
 
         _, hq, t, d = q.shape
         rep = hq // k.shape[1]
@@ -354,9 +367,9 @@ class SelectionStability(Workload):
         return score
 
     def run(self, ctx: Any, method: Any) -> Result:
-        from kvbench.methods.pn_mix import high_pairs, pair_scores
 
         s = self.spec
+        scores = _pair_scores(method)
         crit, pairing = _criterion(method, s["score"]), _pairing(method)
         metrics: dict[str, float] = {}
         curves: dict[str, list[float]] = {}
@@ -367,7 +380,7 @@ class SelectionStability(Workload):
                 for d in self.data:
                     sel = []
                     for q, k in zip(d["q_prefill"], d["k_prefill"]):
-                        sc = pair_scores(k.double(), q.double(), crit, pairing)[0]  # [H_kv, D/2]
+                        sc = scores(k.double(), q.double(), crit, pairing)[0]  # [H_kv, D/2]
                         n = max(high_pairs(2 * sc.shape[-1], r), 1)
                         rep = q.shape[1] // k.shape[1]
                         sel.append(top_mask(sc, n).repeat_interleave(rep, dim=0))  # [H_q, D/2]

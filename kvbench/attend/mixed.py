@@ -1,0 +1,152 @@
+"""CPU code-domain keys for mixed-precision channel classes (Kitty, PN-Mix, ChanMix).
+
+A :class:`kvbench.kv.mixed.MixedChannelBlock` stores, per page of ``L`` tokens, the channels
+sorted by class (``perm``), each class ``c`` as ``class_bits[c]``-bit per-channel codes with
+one (scale, zero) per channel per page.  With ``x[t, perm[j]] = c_j[t] a_j + b_j`` (``j`` the
+class-sorted position; ``a, b`` as in :func:`kvbench.attend.cpu.affine_terms`, 1-bit classes
+with the midpoint terms), the logit of token ``t`` of page ``P`` is::
+
+    q . x_t = sum_c  (q_perm * a_P)[class c] . codes_c[t]  +  q_perm . b_P
+
+so the query is gathered once per step (``q_perm = q[perm]``: once per page for Kitty's per-page
+permutation, once for a fixed one), then each class is a per-channel page product on its own
+slice of the packed bytes (:func:`kvbench.attend.cpu.key_pages_fused`, compiled; or unpack +
+matmul, eager).  Bit-plane packed layouts (a class boundary not on a byte,
+:func:`kvbench.kv.mixed.pack_mixed`) take the eager path.  Values are never stored this way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.attend.cpu import (
+    EAGER_CHUNK_TOKENS,
+    _run,
+    code_layout,
+    key_pages_fused,
+    to_subcode_order,
+)
+from kvbench.attend.registry import register_block_kernel
+from kvbench.kv.mixed import MixedChannelBlock, unpack_mixed
+from kvbench.kv.quant import unpack_bits
+
+
+def _byte_aligned(bits: tuple[int, ...], counts: tuple[int, ...]) -> bool:
+    live = [(b, n) for b, n in zip(bits, counts) if n]
+    return all(n * b % 8 == 0 for b, n in live[:-1])
+
+
+def _class_terms(block: MixedChannelBlock, pages: slice):
+    """Float32 ``(a, b)`` ``[B, H, np, D]`` in class-sorted order for ``pages``."""
+    s = block.scale[:, :, pages].float()
+    z = block.zero[:, :, pages].float()
+    if not block.midpoint or 1 not in block.class_bits:
+        return s, z
+    sorted_bits = torch.repeat_interleave(
+        torch.tensor(block.class_bits), torch.tensor(block.class_counts)
+    ).to(s.device)
+    mid = sorted_bits == 1
+    return torch.where(mid, s * 0.5, s), torch.where(mid, z + s * 0.25, z)
+
+
+def _pages(
+    block: MixedChannelBlock,
+    codes: torch.Tensor,
+    qp: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    compiled: bool,
+) -> torch.Tensor:
+    """Logits ``[B, H, M, np * L]`` of ``np`` pages of ``L`` tokens: ``codes`` uint8
+    ``[B, H, np, L, nbytes]``, ``qp`` the class-sorted query ``[B, H, M, np|1, D]``, ``a, b``
+    ``[B, H, np, D]``."""
+    bsz, h, npg, length, nbytes = codes.shape
+    m = qp.shape[2]
+    qs_all = qp * a.unsqueeze(2)  # [B, H, M, np, D]
+    out = (qp * b.unsqueeze(2)).sum(-1).unsqueeze(-1)  # [B, H, M, np, 1]
+    aligned = _byte_aligned(block.class_bits, block.class_counts)
+    off = boff = 0
+    for ci, (bits, cnt) in enumerate(zip(block.class_bits, block.class_counts)):
+        if not cnt:
+            continue
+        qs = qs_all[..., off : off + cnt]
+        nb = (cnt * bits + 7) // 8
+        res = None
+        if aligned and compiled and cnt % code_layout(bits)[1] == 0:
+            seg = codes[..., boff : boff + nb]
+            qsub = to_subcode_order(qs, bits)  # [B, H, M, np, cpw, W]
+            zero = torch.zeros(bsz, h, m, npg, device=qs.device)
+            res = _run(key_pages_fused, [(seg, 2), (qsub, 3), (zero, 3)], seg, qsub, zero, bits)
+            if res is not None:
+                res = res.reshape(bsz, h, m, npg, length)
+        if res is None:
+            res = _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned)
+        out = out + res
+        off += cnt
+        boff += nb
+    return out.reshape(bsz, h, m, npg * length)
+
+
+def _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned) -> torch.Tensor:
+    """One class's ``(q_perm a) . codes`` by unpack + matmul in page chunks: ``[B, H, M, np, L]``."""
+    bsz, h, npg, length, nbytes = codes.shape
+    step = max(1, EAGER_CHUNK_TOKENS // length)
+    outs = []
+    for p0 in range(0, npg, step):
+        ck = codes[:, :, p0 : p0 + step]
+        if aligned:
+            c = unpack_bits(ck[..., boff : boff + nb], bits, cnt)
+        else:
+            c = unpack_mixed(ck, block.class_bits, block.class_counts)[ci]
+        c = c.float()  # [B, H, np, L, cnt]
+        qc = qs[:, :, :, p0 : p0 + step].permute(0, 1, 3, 2, 4)  # [B, H, np, M, cnt]
+        outs.append(torch.matmul(qc, c.transpose(-1, -2)).permute(0, 1, 3, 2, 4))
+    return torch.cat(outs, 3) if len(outs) > 1 else outs[0]
+
+
+class MixedChannelAttention:
+    """:class:`~kvbench.attend.registry.BlockKernel` of
+    :class:`~kvbench.kv.mixed.MixedChannelBlock` keys (see the module docstring)."""
+
+    def key_reason(self, block: MixedChannelBlock, head_dim: int) -> str | None:
+        lens = block.group_len
+        if not lens or any(x != lens[0] for x in lens[:-1]) or lens[-1] > lens[0]:
+            return "mixed key pages are not of one length"
+        return None
+
+    def value_reason(self, block: MixedChannelBlock, head_dim: int) -> str | None:
+        return "mixed channel classes are a key layout (values are per-token)"
+
+    def key_logits(self, block: MixedChannelBlock, q: torch.Tensor, compiled: bool):
+        bsz, h, m, d = q.shape
+        length = block.group_len[0]
+        n = block.ntokens
+        full = n // length
+        codes = block.codes
+        nbytes = codes.shape[-1]
+        if block.perm is None:
+            qp = q.unsqueeze(3)  # [B, H, M, 1, D]
+        else:
+            perm = block.perm.long().expand(bsz, h, -1, d)  # [B, H, NP|1, D]
+            qx = q.unsqueeze(3).expand(bsz, h, m, perm.shape[2], d)
+            qp = qx.gather(-1, perm.unsqueeze(2).expand(bsz, h, m, perm.shape[2], d))
+        parts = []
+        if full:
+            sl = slice(0, full)
+            a, b = _class_terms(block, sl)
+            ck = codes[:, :, : full * length].reshape(bsz, h, full, length, nbytes)
+            qf = qp if qp.shape[3] == 1 else qp[:, :, :, sl]
+            parts.append(_pages(block, ck, qf, a, b, compiled))
+        if n > full * length:
+            sl = slice(full, full + 1)
+            a, b = _class_terms(block, sl)
+            ck = codes[:, :, full * length :].unsqueeze(2)
+            qt = qp if qp.shape[3] == 1 else qp[:, :, :, sl]
+            parts.append(_pages(block, ck, qt, a, b, False))
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+
+    def value_output(self, block: MixedChannelBlock, p: torch.Tensor, compiled: bool):
+        raise ValueError(self.value_reason(block, block.head_dim))
+
+
+register_block_kernel(MixedChannelBlock, MixedChannelAttention(), ("cpu",))
