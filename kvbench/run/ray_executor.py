@@ -121,8 +121,6 @@ def connect(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
         Ray's own, longer retry loop), or Ray refusing the address (``auto`` with no cluster).
     """
     ray = import_ray()
-    if ray.is_initialized():
-        return False
     if address not in (None, "auto", "local"):
         host, port = _host_port(address)
         try:
@@ -133,6 +131,8 @@ def connect(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
                 f"{timeout_s:g} s: {exc}; start its head with `ray start --head` and pass the "
                 "address it prints (docs/cluster.md)"
             ) from None
+    if ray.is_initialized():
+        return False
     import logging
 
     try:
@@ -232,6 +232,7 @@ class ModelWorker:
         self.suite = suite
         self.ctx = RunContext(model_spec=suite.models[model_index], seed=suite.seed, limit=limit)
         self.workloads: dict[int, Workload] = {}
+        self.origin: dict[int, str] = {}  # workload index -> "here" | "object store"
 
     def describe(self) -> dict[str, Any]:
         return node_info()
@@ -256,6 +257,7 @@ class ModelWorker:
         except FileNotFoundError as exc:
             return {"unavailable": str(exc)}, None
         self.workloads[index] = workload
+        self.origin[index] = "here"
         state = {
             "workload": dict(vars(workload)),
             "shared": {k: v for k, v in self.ctx.shared.items() if k not in before},
@@ -268,6 +270,7 @@ class ModelWorker:
         vars(workload).update(state["workload"])
         self.ctx.shared.update(state["shared"])
         self.workloads[index] = workload
+        self.origin[index] = "object store"
 
     def run(
         self, run: PlannedRun, baseline: dict[str, float] | None, state_ref: list[Any]
@@ -288,7 +291,8 @@ class ModelWorker:
         t2 = time.perf_counter()
         rec["manifest"]["executor"] = "ray"
         rec["manifest"]["node"] = node_info()
-        return {"record": rec, "setup_s": t1 - t0, "exec_s": t2 - t1}
+        prepared = self.origin[run.workload_index]
+        return {"record": rec, "setup_s": t1 - t0, "exec_s": t2 - t1, "prepared": prepared}
 
 
 # ------------------------------------------------------------------ the driver
@@ -349,6 +353,7 @@ class RayExecutor:
         self.failed: list[dict[str, Any]] = []
         self.timings: list[dict[str, Any]] = []
         self.startup_s = 0.0
+        self.handles: list[Any] = []  # every worker created (all killed when run() returns)
 
     # -- small helpers
     def _note(self, msg: str) -> None:
@@ -463,6 +468,7 @@ class RayExecutor:
             opts["resources"] = custom
         actor = self.remote_cls.options(max_restarts=0, **opts)
         handle = actor.remote(self.suite, mi, self.limit, threads)
+        self.handles.append(handle)
         handle.load.remote()
         self.n_workers += 1
         w = _Worker(handle, mi, f"w{self.n_workers - 1}")
@@ -606,6 +612,7 @@ class RayExecutor:
             "worker": w.name,
             "attempt": task.attempt,
             "resources": self.capacity[run.model_index][0],
+            "prepared": out["prepared"],  # workload.prepare ran "here" or came via the store
         }
         write_atomic(run.path, rec)
         failed = failed_path(self.out_dir, run.run_id)
