@@ -307,6 +307,7 @@ class _Worker:
     busy: Any = None  # the _Task in flight
     bar: Any = None
     doing: str = "starting"
+    created: float = field(default_factory=time.perf_counter)
     since: float = field(default_factory=time.perf_counter)
 
 
@@ -325,7 +326,8 @@ class RayExecutor:
     """Run a suite on Ray.  After :meth:`run`: ``records`` (new and resumed, plan order),
     ``failed`` (failed records written), ``timings`` (per run computed here: ``submit_s`` to
     ``written_s`` on the driver's clock, ``exec_s`` inside the worker, ``overhead_s`` = the
-    difference minus ``exec_s``), ``startup_s`` (connecting or starting Ray)."""
+    difference minus ``exec_s``), ``startup_s`` (connecting or starting Ray), ``spawn_s`` (per
+    worker: creation until it answers, i.e. process start and imports; the model loads after)."""
 
     def __init__(
         self,
@@ -354,6 +356,7 @@ class RayExecutor:
         self.timings: list[dict[str, Any]] = []
         self.startup_s = 0.0
         self.handles: list[Any] = []  # every worker created (all killed when run() returns)
+        self.spawn_s: list[float] = []  # per worker: creation to first answer (process start)
 
     # -- small helpers
     def _note(self, msg: str) -> None:
@@ -469,10 +472,10 @@ class RayExecutor:
         actor = self.remote_cls.options(max_restarts=0, **opts)
         handle = actor.remote(self.suite, mi, self.limit, threads)
         self.handles.append(handle)
-        handle.load.remote()
         self.n_workers += 1
         w = _Worker(handle, mi, f"w{self.n_workers - 1}")
-        w.info_ref = handle.describe.remote()
+        w.info_ref = handle.describe.remote()  # answers once the process runs
+        handle.load.remote()  # the model loads while other workers prepare
         if self.progress_workers and not self.quiet:
             w.bar = tqdm(
                 total=0,
@@ -580,6 +583,7 @@ class RayExecutor:
                         except ray.exceptions.RayError:
                             w.info = {}
                         w.info_ref = None
+                        self.spawn_s.append(time.perf_counter() - w.created)
             for ref in ready:
                 self._collect(ref, self.inflight.pop(ref))
             for w in self.workers:  # refresh per-worker lines (elapsed)
