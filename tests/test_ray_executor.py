@@ -292,6 +292,9 @@ def test_interrupted_driver_resumes_without_duplicates(cluster, tmp_path: Path) 
     assert not (out / "failed").exists()
     recs = [load_record(out / n) for n in final]
     assert len({r["run_id"] for r in recs}) == 8
+    # a finished sweep needs no cluster at all (an unreachable address is not even probed)
+    done = RayExecutor(suite, out, address="127.0.0.1:1", quiet=True).run()
+    assert sorted(r["run_id"] + ".json" for r in done) == sorted(final)
 
 
 def test_request_beyond_every_node_is_refused_before_submission(cluster, tmp_path) -> None:

@@ -366,6 +366,9 @@ class RayExecutor:
     def run(self) -> list[dict[str, Any]]:
         """Plan, resume, submit, collect; returns the records.  See the module docstring."""
         runs = plan_runs(self.suite, self.out_dir, self.limit)  # config errors before Ray
+        if not self.force and all(r.path.exists() for r in runs):  # nothing to do: no Ray
+            self.records = [finished_record(r) for r in runs]
+            return self.records
         t0 = time.perf_counter()
         started = connect(self.address, self.connect_timeout_s)
         self.startup_s = time.perf_counter() - t0
