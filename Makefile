@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements-assets.txt examples/kvbench-example-plugin
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,triton,peers,lm-eval]"
+	$(BIN)/python -m pip install -q -e ".[dev,triton,peers,lm-eval,ray]"
 	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements-assets.txt
 	$(BIN)/python -m pip install -q -e examples/kvbench-example-plugin
 	touch $(STAMP)

@@ -73,6 +73,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip workloads whose data cannot be loaded here (hub-only sets offline)",
     )
+    p.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process (default); ray: a Ray cluster (pip install 'kvbench[ray]')",
+    )
+    p.add_argument("--address", default=None, help="Ray cluster: auto, HOST:PORT, ray://HOST:PORT")
+    p.add_argument("--max-parallel", type=int, default=None, help="Ray workers at once")
+    p.add_argument("--progress-workers", action="store_true", help="one line per Ray worker")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -91,8 +100,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
     out = args.out or f"results/{suite.name}"
+    runner = run_suite
+    if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
+        from kvbench.run.ray_executor import runner_from_args
+
+        runner = runner_from_args(args)
+    elif getattr(args, "address", None) or getattr(args, "max_parallel", None):
+        raise ValueError("--address and --max-parallel need --executor ray")
     try:
-        records = run_suite(
+        records = runner(
             suite,
             out,
             limit=args.limit,
@@ -107,13 +123,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     print(summary_table(records, suite=suite))
     print(f"\n{len(records)} record(s) in {out}")
+    failed = getattr(runner, "failed", [])
+    if failed:
+        print(f"{len(failed)} run(s) failed: records in {out}/failed/ (a rerun retries them)")
     if paper_block is not None:  # a paper reproduction: the paper's numbers beside kvbench's
         from kvbench.report.paper import comparison_table, write_figures
 
         print("\n" + comparison_table(paper_block, records))
         for path in write_figures(paper_block, records, out):
             print(f"wrote {path}")
-    return 0
+    return 1 if failed else 0
 
 
 #: subcommands provided by other modules: name -> (module, help)

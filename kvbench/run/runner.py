@@ -219,6 +219,49 @@ def make_record(
     return rec
 
 
+def group_by_model(runs: list[PlannedRun]) -> list[list[PlannedRun]]:
+    """``runs`` (in :func:`plan_runs` order) split into one list per model: the unit that shares
+    a loaded model (one :class:`RunContext` locally, one worker per device on a cluster)."""
+    return [list(g) for _, g in itertools.groupby(runs, key=lambda r: r.model_index)]
+
+
+def prepare_workload(ctx: RunContext, workload: Workload, seed: int) -> None:
+    """``workload.prepare(ctx)`` from a fresh ``torch.manual_seed(seed)``, so what it prepares
+    does not depend on which runs came before it (the same on every executor)."""
+    torch.manual_seed(seed)
+    workload.prepare(ctx)
+
+
+def compute_record(
+    suite: Suite,
+    ctx: RunContext,
+    workload: Workload,
+    run: PlannedRun,
+    baseline: dict[str, float] | None,
+) -> dict[str, Any]:
+    """One run in a prepared workload, from a fresh ``torch.manual_seed(suite.seed)``:
+    :func:`execute_run` then :func:`make_record`.  The record depends on the run alone, not on
+    its position in the sweep, so a resumed or distributed sweep gives the same records."""
+    torch.manual_seed(suite.seed)
+    metrics, extras, result, method = execute_run(ctx, workload, run, suite.calibration, baseline)
+    rec = make_record(suite, ctx, run, method, metrics, extras, result)
+    if result.files:  # per-sample logs, written beside the record by :func:`write_run`
+        rec[SIDECARS] = dict(result.files)
+    return rec
+
+
+#: transient record key holding a run's sidecar files until :func:`write_run` writes them
+SIDECARS = "_sidecars"
+
+
+def write_run(path: Path, rec: dict[str, Any]) -> None:
+    """Write a computed run: its sidecar files first (``<run_id>.<name>.jsonl``), then the record
+    atomically, so that an existing record always means a complete run."""
+    for name, rows in rec.pop(SIDECARS, {}).items():
+        write_jsonl_atomic(sidecar_path(path, name), rows)
+    write_atomic(path, rec)
+
+
 def run_suite(
     suite: Suite,
     out_dir: str | Path,
@@ -247,8 +290,7 @@ def run_suite(
         if not quiet:
             bar.write(msg, sys.stderr)
 
-    for _, model_runs in itertools.groupby(runs, key=lambda r: r.model_index):
-        model_runs = list(model_runs)
+    for model_runs in group_by_model(runs):
         ctx = RunContext(model_spec=model_runs[0].model_spec, seed=suite.seed, limit=limit)
         for _, group in itertools.groupby(model_runs, key=lambda r: r.workload_index):
             group = list(group)
@@ -269,7 +311,7 @@ def run_suite(
                     ensure_model(ctx)
                     if not prepared:
                         try:
-                            workload.prepare(ctx)
+                            prepare_workload(ctx, workload, suite.seed)
                         except FileNotFoundError as exc:
                             if not skip_unavailable:
                                 raise
@@ -277,13 +319,8 @@ def run_suite(
                             bar.update(len(group) - i)
                             break
                         prepared = True
-                    metrics, extras, result, method = execute_run(
-                        ctx, workload, run, suite.calibration, baseline
-                    )
-                    rec = make_record(suite, ctx, run, method, metrics, extras, result)
-                    for name, rows in result.files.items():  # before the record: it marks done
-                        write_jsonl_atomic(sidecar_path(run.path, name), rows)
-                    write_atomic(run.path, rec)
+                    rec = compute_record(suite, ctx, workload, run, baseline)
+                    write_run(run.path, rec)
                 records.append(rec)
                 if run.is_baseline:
                     baseline = rec["metrics"]

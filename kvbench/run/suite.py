@@ -12,6 +12,7 @@ Example::
         config: {bits: [2, 4], value_bits: 2}     # a list expands to one run per value
     workloads:
       - {type: fidelity, text: essays, tokens: 1024, prefill: 512}
+    resources: {num_cpus: 1, num_gpus: 1}   # per worker under --executor ray (docs/cluster.md)
 
 ``models:`` (a list) may replace ``model:``; ``model: none`` runs model-free workloads.
 Errors name the file, the key and the allowed values.
@@ -40,10 +41,13 @@ TOP_KEYS = {
     "workloads",
     "paper",
     "calibration",
+    "resources",
 }
 #: calibration text for methods that need it (must differ from every evaluation text)
 DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 MODEL_KEYS = {"id", "dtype", "device"}
+#: ``resources:`` keys (per worker, i.e. per model per device, under ``--executor ray``)
+RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "custom")
 DEFAULT_MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
 
 
@@ -69,6 +73,8 @@ class Suite:
     workloads: list[dict[str, Any]]
     raw: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CALIBRATION))
+    #: per-worker request of ``--executor ray`` (validated ``resources:``; ``None``: defaults)
+    resources: dict[str, Any] | None = None
 
 
 def set_path(data: dict, dotted: str, value: Any) -> None:
@@ -104,6 +110,39 @@ def _model(entry: Any, where: str) -> dict[str, Any] | None:
             f"{where}: unknown model key(s) {sorted(unknown)}; allowed: {sorted(MODEL_KEYS)}"
         )
     return {**DEFAULT_MODEL, **entry}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_resources(entry: Any, where: str) -> dict[str, Any] | None:
+    """Validate a ``resources:`` mapping: what one worker (one model on one device) reserves on
+    a Ray cluster, fixed when the worker is created.  ``num_cpus`` (> 0), ``num_gpus`` (>= 0,
+    fractions allowed), ``memory`` (bytes, > 0), ``custom`` (Ray custom resources: name ->
+    amount > 0).  The local executor ignores it.  ``ValueError`` names the key and the allowed
+    keys or values."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: 'resources' is a mapping with keys {list(RESOURCE_KEYS)}")
+    unknown = set(entry) - set(RESOURCE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown resources key(s) {sorted(unknown)}; allowed: {list(RESOURCE_KEYS)}"
+        )
+    for key, low, strict in (("num_cpus", 0, True), ("num_gpus", 0, False), ("memory", 0, True)):
+        if key in entry:
+            v = entry[key]
+            if not _number(v) or v < low or (strict and v == low):
+                sign = ">" if strict else ">="
+                raise ValueError(f"{where}: resources.{key}={v!r} must be a number {sign} {low}")
+    custom = entry.get("custom", {})
+    if not isinstance(custom, dict) or not all(
+        isinstance(k, str) and _number(v) and v > 0 for k, v in custom.items()
+    ):
+        raise ValueError(f"{where}: resources.custom maps resource names to amounts > 0")
+    return dict(entry)
 
 
 def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
@@ -177,6 +216,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         workloads,
         data,
         {**DEFAULT_CALIBRATION, **(data.get("calibration") or {})},
+        resources=parse_resources(data.get("resources"), path),
     )
 
 
