@@ -22,7 +22,7 @@ import torch
 
 from kvbench.attend.reference import reference_attention
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import attention_fidelity, key_mse
+from kvbench.workloads.metrics import LOWER, STORAGE_METRICS, attention_fidelity, key_mse
 
 from . import Result, Workload
 
@@ -70,6 +70,7 @@ def layer_fidelity(
 
 class Fidelity(Workload):
     type = "fidelity"
+    METRICS = {**STORAGE_METRICS, "attn_kl": LOWER, "attn_out_rel_err": LOWER}
     LIST_PARAMS = frozenset({"layers"})
     PARAMS = {"text": "essays", "tokens": 2048, "prefill": 1024, "layers": "all", "window": 0}
 

@@ -51,6 +51,7 @@ import torch
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import cache_nbytes
 from kvbench.kv.method import Method
+from kvbench.workloads import HIGHER, LOWER
 
 from . import Result, Workload
 
@@ -119,6 +120,12 @@ def attention_path(method: Method, attend: bool) -> str:
 
 class Latency(Workload):
     type = "latency"
+    METRICS = {
+        "prefill_ms": LOWER,
+        "decode_ms_*": LOWER,
+        "tokens_per_s": HIGHER,
+        "bytes_total": LOWER,
+    }
     layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from kvbench.workloads import HIGHER, LOWER, NONE
+
 from . import Result, Workload
 
 ROW_SOURCES = ("aime25", "aime24", "math500", "amc23", "gsm8k")
@@ -114,6 +116,12 @@ def _pairing(method: Any) -> str:
 
 class ScoreAgreement(Workload):
     type = "score_agreement"
+    METRICS = {
+        "spearman_rho": HIGHER,
+        "top*_overlap": HIGHER,  # top<k>_overlap for each configured k
+        "*_std": NONE,  # spread over samples
+        "samples": NONE,
+    }
     LIST_PARAMS = frozenset({"layers", "ratios"})
     PARAMS = {
         "source": "aime25",
@@ -215,6 +223,10 @@ class ScoreAgreement(Workload):
 
 class SelectionStability(Workload):
     type = "selection_stability"
+    METRICS = {
+        "sel_*": HIGHER,  # sel_<ref>_r<pct> and its per-bin sel_<ref>_r<pct>_b<i>
+        "sel_*_spread": LOWER,  # max - min of the stability over bins
+    }
     LIST_PARAMS = frozenset({"layers", "ratios", "references"})
     PARAMS = {
         "source": "aime25",
