@@ -171,7 +171,8 @@ def test_generation_metrics_match_hand_count(monkeypatch) -> None:
     refs = [torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), torch.tensor([5] * 10)]
     gens = [torch.tensor([1, 2, 3, 0, 5, 6, 0, 8, 9, 10]), torch.tensor([5] * 10)]
     ref_lps = [_logprobs(n, 30), _logprobs(n, 31)]
-    lps = [_logprobs(n, 40, 2.0), ref_lps[1].clone()]
+    # perturbed references: top-1 agrees at some steps and not at others
+    lps = [torch.log_softmax(r + 1.5 * _logprobs(n, 40 + i), -1) for i, r in enumerate(ref_lps)]
     g_iter, lp_iter = iter(gens), iter(lps)
     monkeypatch.setattr(gen_mod, "greedy", lambda *a, **k: next(g_iter))
     monkeypatch.setattr(gen_mod, "forced_logprobs", lambda *a, **k: next(lp_iter))
@@ -193,6 +194,7 @@ def test_generation_metrics_match_hand_count(monkeypatch) -> None:
         want = sum(per_step_top1[lo:hi]) / (hi - lo)
         assert m[f"drift_top1_b{i}"] == pytest.approx(want, abs=1e-7)
     assert "drift_kl_b3" not in m
+    assert 0 < m["top1_agreement"] < 1 and len({m[f"drift_top1_b{i}"] for i in range(3)}) > 1
     assert m["gen_first_divergence_ci_low"] <= m["gen_first_divergence_ci_high"]
     assert 3 <= m["gen_first_divergence_ci_low"] and m["gen_first_divergence_ci_high"] <= 10
 
