@@ -10,7 +10,8 @@ SUITE ?= suites/default.yaml
 OUT ?= results/default
 PYTEST_ARGS ?=
 
-.PHONY: env test lint format bench bench-generation bench-export bench-smoke bench-micro bench-memory \
+.PHONY: env test lint format baseline baseline-all baseline-model mutants \
+	bench bench-generation bench-export bench-smoke bench-micro bench-memory \
 	bench-latency clean
 
 env: $(STAMP)
@@ -34,6 +35,27 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# Regenerate the CI regression baseline (tests/baseline/) from suites/ci_gate.yaml: stale
+# records are removed first so the folder holds exactly the runs the suite expands to.
+baseline: $(STAMP)
+	rm -f tests/baseline/*.json
+	$(BIN)/kvbench run suites/ci_gate.yaml --out tests/baseline --force
+
+# Every built-in method (suites/ci_gate_all.yaml) and the model-quality gate: not yet in `make test`.
+baseline-all: $(STAMP)
+	$(BIN)/kvbench run suites/ci_gate_all.yaml --out results/ci_gate_all --force
+
+baseline-model: $(STAMP)
+	$(BIN)/kvbench run suites/ci_gate_model.yaml --out results/ci_gate_model --force
+
+# Mutation testing (docs/mutation.md): resumable (mutmut keeps its results in mutants/; rerun to
+# continue).  MUTANTS restricts the run, e.g. MUTANTS='kvbench.kv.quant*'.
+MUTANTS ?=
+mutants: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[mutation]"
+	$(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/mutmut results
 
 # Local data: KVBENCH_DATA_DIR=<folder> when the hub is unreachable (see kvbench/data/catalog.py).
 bench: $(STAMP)

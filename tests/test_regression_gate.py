@@ -98,3 +98,27 @@ def test_gate_tolerates_mse_noise_below_threshold(fresh: Path, tmp_path: Path) -
     ok = tmp_path / "ok"
     _inject(fresh, ok, "kivi", "key_mse", 1.005)  # +0.5% < 1%
     assert _compare(BASELINE, ok) == 0
+
+
+def test_baseline_is_not_stale() -> None:
+    """The baseline holds exactly the runs the suite expands to (``make baseline`` rebuilds it):
+    a method or workload added to, removed from or reconfigured in the suite fails here."""
+    from kvbench.kv.registry import get_method
+    from kvbench.run.records import make_run_id
+    from kvbench.run.runner import skip_reason
+    from kvbench.workloads import workload_class
+
+    suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
+    want = set()
+    for model in suite.models:
+        for w in suite.workloads:
+            wl = workload_class(w["type"])(w)
+            for m in suite.methods:
+                method = get_method(m.name, **m.config)
+                if not skip_reason(method, wl):
+                    want.add(make_run_id(model or {}, m.name, method.config.to_dict(), w))
+    have = {json.loads(p.read_text())["run_id"] for p in BASELINE.glob("*.json")}
+    assert have == want, (
+        f"tests/baseline is stale: missing {sorted(want - have)}, extra {sorted(have - want)}; "
+        "run `make baseline`"
+    )

@@ -70,6 +70,23 @@ def packed_size(n: int, bits: int) -> int:
     return 2 * n if bits == 16 else (n * bits + 7) // 8
 
 
+def check_codes(codes: torch.Tensor, bits: int) -> None:
+    """Raise ``ValueError`` unless ``codes`` is an integer tensor with values in
+    ``[0, 2^bits - 1]``; the message names the first offending value and the bit width."""
+    if codes.dtype.is_floating_point or codes.dtype.is_complex:
+        raise ValueError(f"codes must have an integer dtype to pack, got {codes.dtype}")
+    if codes.numel() == 0 or codes.dtype == torch.bool:
+        return
+    qmax = (1 << bits) - 1
+    bad = (codes < 0) | (codes > qmax)
+    if bool(bad.any()):
+        value = codes[bad].flatten()[0].item()
+        raise ValueError(
+            f"code {value} is outside [0, {qmax}] for bits={bits}; signed codes must be stored "
+            f"in offset binary (add 2^(bits-1) = {1 << (bits - 1)} before packing)"
+        )
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes along the last dimension into bytes.
 
@@ -82,8 +99,18 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     -------
     Tensor ``[..., ceil(n*bits/8)]`` uint8 (LSB-first bit stream; code ``i`` occupies bits
     ``i*b .. i*b+b-1``), or ``[..., n]`` int16 for 16-bit codes (value - 32768).
+
+    Raises
+    ------
+    ValueError
+        Unsupported ``bits``, a non-integer dtype, or a code outside ``[0, 2^bits - 1]`` (the
+        message names the offending value and the width): an out-of-range code would otherwise
+        spill into its neighbour's bits.  Signed codes are stored in offset binary: add
+        ``2^(bits-1)`` before packing (as the symmetric quantizer does) and subtract it after
+        unpacking.
     """
     check_bits(bits)
+    check_codes(codes, bits)
     if bits == 16:
         return (codes.to(torch.int32) - 32768).to(torch.int16)
     if bits == 8:

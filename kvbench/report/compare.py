@@ -2,7 +2,8 @@
 
 BASE and NEW are result folders or record files.  Runs are matched by ``run_id``.  For each
 ``--fail-on METRIC:THRESHOLD`` (``5%`` relative to BASE, ``0.01`` absolute) the command fails
-(exit 1) when METRIC moves in its bad direction (:data:`kvbench.workloads.metrics.DIRECTIONS`) by more than
+(exit 1) when METRIC moves in its bad direction (declared in each workload's ``METRICS``;
+a ``none`` metric fails when it moves either way) by more than
 THRESHOLD in any matched run, or when a BASE run is missing from NEW.  Two single records of
 different runs are an error that names the differing keys.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.run.records import RecordError, load_records
-from kvbench.workloads.metrics import HIGHER, direction
+from kvbench.workloads.metrics import HIGHER, NONE, direction
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Gate:
         if direction(metric) is None:
             raise ValueError(
                 f"--fail-on: metric {metric!r} has no declared direction; "
-                "known metrics are listed in kvbench.workloads.metrics.DIRECTIONS"
+                "each workload declares its metrics in its METRICS class attribute"
             )
         relative = thr.endswith("%")
         try:
@@ -52,7 +53,8 @@ class Gate:
         """Did ``new`` move past the threshold in the metric's bad direction?"""
         if math.isnan(new) and not math.isnan(base):
             return True
-        worse = (base - new) if direction(self.metric) == HIGHER else (new - base)
+        d = direction(self.metric)
+        worse = abs(new - base) if d == NONE else (base - new) if d == HIGHER else (new - base)
         limit = self.threshold * abs(base) if self.relative else self.threshold
         return worse > limit + 1e-12 * max(abs(base), 1.0)
 

@@ -3,43 +3,193 @@
 A workload is validated from its suite mapping (:meth:`Workload.validate`: defaults filled,
 unknown keys rejected), prepares what all methods share once per model (captured tensors,
 reference logits), then runs once per method configuration and returns flat metrics.
+
+Registry
+--------
+Workload types are found through the entry-point group ``kvbench.workloads`` (name = the suite's
+``type``, value = ``"module:Class"``); kvbench's own are declared in its ``pyproject.toml``
+exactly like a third-party plugin's (README, "Adding a workload").  Each class declares the
+direction of every metric it reports in ``METRICS`` (``"lower"``, ``"higher"`` or ``"none"`` for
+counts, spreads and informational figures; keys may be ``fnmatch`` patterns such as
+``"drift_kl_b*"``).  A class without declarations, with an unknown direction, or whose
+declaration contradicts another workload's for the same metric is an error when it is
+registered; a metric returned by ``run`` that matches no declaration is an error at run time.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import importlib
+import pkgutil
+import warnings
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-#: workload type -> "module:Class"
-WORKLOADS = {
-    "bits": "kvbench.workloads.bits:Bits",
-    "fidelity": "kvbench.workloads.fidelity:Fidelity",
-    "perplexity": "kvbench.workloads.perplexity:Perplexity",
-    "generation": "kvbench.workloads.generation:Generation",
-    "passkey": "kvbench.workloads.passkey:Passkey",
-    "memory": "kvbench.workloads.memory:Memory",
-    "latency": "kvbench.workloads.latency:Latency",
-    "gsm8k": "kvbench.workloads.gsm8k:GSM8K",
-    "mgsm": "kvbench.workloads.mgsm:MGSM",
-    "math": "kvbench.workloads.math_task:MathTask",
-    "humaneval": "kvbench.workloads.humaneval:HumanEval",
-    "ruler": "kvbench.workloads.ruler:Ruler",
-    "gpqa": "kvbench.workloads.hub_tasks:GPQA",
-    "infinitebench": "kvbench.workloads.hub_tasks:InfiniteBench",
-    "score_agreement": "kvbench.workloads.pair_analysis:ScoreAgreement",
-    "selection_stability": "kvbench.workloads.pair_analysis:SelectionStability",
-    "lm_eval": "kvbench.workloads.lm_eval:LMEval",
-}
+GROUP = "kvbench.workloads"
+LOWER, HIGHER, NONE = "lower", "higher", "none"
+ALLOWED_DIRECTIONS = (LOWER, HIGHER, NONE)
+#: a metric name ending in one of these follows the direction of its base metric
+DERIVED_SUFFIXES = ("_ratio", "_ci_low", "_ci_high")
+
+_LOADED: dict[str, type[Workload]] = {}
+_ENTRIES: dict[str, str] | None = None
+
+
+class WorkloadRegistrationError(TypeError):
+    """A workload class whose metric declarations are missing or inconsistent."""
+
+
+def _discover() -> dict[str, str]:
+    """Workload type -> ``"module:Class"`` from the entry points (nothing imported yet).
+
+    An install whose metadata predates the entry-point group (an old editable install) falls
+    back to the ``Workload`` subclasses found in this package's modules, with a warning."""
+    global _ENTRIES
+    if _ENTRIES is not None:
+        return _ENTRIES
+    found: dict[str, str] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in found and found[ep.name] != ep.value:
+            warnings.warn(
+                f"kvbench: workload type {ep.name!r} is registered twice "
+                f"({found[ep.name]} and {ep.value}); the first wins",
+                stacklevel=2,
+            )
+            continue
+        found.setdefault(ep.name, ep.value)
+    if not any(v.startswith("kvbench.workloads.") for v in found.values()):
+        warnings.warn(
+            "kvbench: no built-in workload entry points found (stale install? rerun "
+            "`pip install -e .`); scanning kvbench.workloads instead",
+            stacklevel=2,
+        )
+        for mod in pkgutil.iter_modules(__path__):
+            m = importlib.import_module(f"{__name__}.{mod.name}")
+            for obj in vars(m).values():
+                if (
+                    isinstance(obj, type)
+                    and issubclass(obj, Workload)
+                    and obj.__module__ == m.__name__
+                    and obj.type
+                ):
+                    found.setdefault(obj.type, f"{m.__name__}:{obj.__name__}")
+    _ENTRIES = found
+    return found
+
+
+def workload_types() -> list[str]:
+    """Every registered workload type, sorted."""
+    return sorted(_discover())
 
 
 def workload_class(kind: str, where: str = "") -> type[Workload]:
     """The class for workload type ``kind``; ``ValueError`` naming the allowed types."""
-    if kind not in WORKLOADS:
+    entries = _discover()
+    if kind not in entries:
         pre = f"{where}: " if where else ""
-        raise ValueError(f"{pre}unknown workload type {kind!r}; allowed: {sorted(WORKLOADS)}")
-    module, attr = WORKLOADS[kind].split(":")
-    return getattr(importlib.import_module(module), attr)
+        raise ValueError(f"{pre}unknown workload type {kind!r}; allowed: {sorted(entries)}")
+    if kind not in _LOADED:
+        module, attr = entries[kind].split(":")
+        cls = getattr(importlib.import_module(module), attr)
+        register_workload(cls, kind)
+    return _LOADED[kind]
+
+
+def declared_metrics(cls: type[Workload]) -> dict[str, str]:
+    """``METRICS`` of ``cls`` merged over its bases (a subclass's entry wins)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(vars(klass).get("METRICS", {}))
+    return out
+
+
+def register_workload(cls: type[Workload], kind: str | None = None) -> type[Workload]:
+    """Check ``cls``'s metric declarations and register it as ``kind`` (default ``cls.type``).
+
+    Usable as a class decorator for workloads defined outside an entry point (tests, notebooks).
+
+    Raises
+    ------
+    WorkloadRegistrationError
+        Not a :class:`Workload` subclass, no ``type``, no ``METRICS``, a direction other than
+        ``'lower'``/``'higher'``/``'none'``, or a metric declared by another registered
+        workload with a different direction.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Workload)):
+        raise WorkloadRegistrationError(f"{cls!r} is not a kvbench.workloads.Workload subclass")
+    kind = kind or cls.type
+    if not kind:
+        raise WorkloadRegistrationError(f"workload class {cls.__qualname__} has no type")
+    decl = declared_metrics(cls)
+    if not decl:
+        raise WorkloadRegistrationError(
+            f"workload {kind!r} ({cls.__qualname__}) declares no METRICS; every metric needs a "
+            f"direction, one of {ALLOWED_DIRECTIONS}"
+        )
+    bad = {m: d for m, d in decl.items() if d not in ALLOWED_DIRECTIONS}
+    if bad:
+        raise WorkloadRegistrationError(
+            f"workload {kind!r}: unknown direction(s) {bad}; allowed: {ALLOWED_DIRECTIONS}"
+        )
+    for other_kind, other in _LOADED.items():
+        if other_kind == kind:
+            continue
+        theirs = declared_metrics(other)
+        clash = {m: (d, theirs[m]) for m, d in decl.items() if m in theirs and theirs[m] != d}
+        if clash:
+            raise WorkloadRegistrationError(
+                f"workload {kind!r} and {other_kind!r} declare different directions for "
+                f"{clash} (theirs second)"
+            )
+    _LOADED[kind] = cls
+    return cls
+
+
+def _lookup(metric: str, decl: dict[str, str]) -> str | None:
+    if metric in decl:
+        return decl[metric]
+    pats = sorted((p for p in decl if any(c in p for c in "*?[")), key=len, reverse=True)
+    for p in pats:  # the most specific (longest) pattern first
+        if fnmatch.fnmatchcase(metric, p):
+            return decl[p]
+    return None
+
+
+def metric_direction(metric: str, cls: type[Workload] | None = None) -> str | None:
+    """``'lower'``, ``'higher'`` or ``'none'`` for ``metric`` as declared by ``cls`` (default:
+    any registered workload; all are loaded); ``None`` when undeclared.  ``*_ratio``,
+    ``*_ci_low`` and ``*_ci_high`` follow their base metric."""
+    names = [metric]
+    for suffix in DERIVED_SUFFIXES:
+        if metric.endswith(suffix):
+            names.append(metric[: -len(suffix)])
+    if cls is not None:
+        decls = [declared_metrics(cls)]
+    else:
+        for kind in _discover():
+            try:
+                workload_class(kind)
+            except ImportError:  # a broken plugin does not hide the others' metrics
+                continue
+        decls = [declared_metrics(c) for c in _LOADED.values()]
+    for name in names:
+        for decl in decls:
+            d = _lookup(name, decl)
+            if d is not None:
+                return d
+    return None
+
+
+def check_metrics(cls: type[Workload], metrics: dict[str, Any]) -> None:
+    """``ValueError`` naming every metric in ``metrics`` that ``cls`` does not declare."""
+    missing = sorted(m for m in metrics if metric_direction(m, cls) is None)
+    if missing:
+        raise ValueError(
+            f"workload {cls.type!r} reported metric(s) {missing} without a declared direction; "
+            f"add them to {cls.__qualname__}.METRICS"
+        )
 
 
 @dataclass
@@ -49,8 +199,6 @@ class Result:
     metrics: dict[str, float]
     per_layer: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # goes to the manifest
-    #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
-    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class Workload:
@@ -62,6 +210,8 @@ class Workload:
     #: the runner skips methods without them (``capabilities.layer_cache=False``: peers)
     layer_cache: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
+    #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
+    METRICS: ClassVar[dict[str, str]] = {}
     #: parameters whose value is a list by nature (not expanded into a sweep)
     LIST_PARAMS: ClassVar[frozenset[str]] = frozenset()
 
@@ -87,6 +237,20 @@ class Workload:
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         """Extra validation of a filled spec; raise ``ValueError`` starting with ``pre``."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        run = cls.__dict__.get("run")
+        if run is not None and not getattr(run, "_checks_metrics", False):
+
+            @functools.wraps(run)
+            def checked(self: Workload, ctx: Any, method: Any) -> Result:
+                result = run(self, ctx, method)
+                check_metrics(type(self), result.metrics)
+                return result
+
+            checked._checks_metrics = True  # type: ignore[attr-defined]
+            cls.run = checked  # type: ignore[method-assign]
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.workloads import LOWER
+
 from . import Result, Workload
 
 
 class Bits(Workload):
     type = "bits"
+    METRICS = {"nominal_key_bits": LOWER, "nominal_value_bits": LOWER}
     needs_model = False
     layer_cache = False  # only the bit formula; peers have one too
     PARAMS = {"head_dim": 128, "tokens": 32768}

@@ -11,18 +11,22 @@ values are in ``per_layer``; the metrics average over layers.  Methods without `
 
 Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
 (P, 1024), ``layers`` (``all`` or a list of layer indices), ``window`` (which non-overlapping
-T-token window of the text, default 0).
+T-token window of the text, default 0), ``source`` (``model``, or ``synthetic``: seeded Gaussian
+Q/K/V of ``num_layers`` x ``[1, num_heads | num_kv_heads, T, head_dim]`` with per-channel key
+scales spread over two orders of magnitude (the outlier channels of real keys, KIVI §3), for
+model-free regression gates).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from kvbench.attend.reference import reference_attention
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import attention_fidelity, key_mse
+from kvbench.workloads.metrics import LOWER, STORAGE_METRICS, attention_fidelity, key_mse
 
 from . import Result, Workload
 
@@ -70,8 +74,21 @@ def layer_fidelity(
 
 class Fidelity(Workload):
     type = "fidelity"
+    METRICS = {**STORAGE_METRICS, "attn_kl": LOWER, "attn_out_rel_err": LOWER}
     LIST_PARAMS = frozenset({"layers"})
-    PARAMS = {"text": "essays", "tokens": 2048, "prefill": 1024, "layers": "all", "window": 0}
+    needs_model = False  # ``source: synthetic`` runs without one
+    PARAMS = {
+        "text": "essays",
+        "tokens": 2048,
+        "prefill": 1024,
+        "layers": "all",
+        "window": 0,
+        "source": "model",
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
@@ -82,10 +99,42 @@ class Fidelity(Workload):
             )
         if spec["layers"] != "all" and not isinstance(spec["layers"], list):
             raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
+        if spec["source"] not in ("model", "synthetic"):
+            raise ValueError(
+                f"{pre}source={spec['source']!r} is not supported; allowed: ['model', 'synthetic']"
+            )
+        shape = [spec[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
+        if not all(isinstance(x, int) and x > 0 for x in shape) or shape[1] % shape[2]:
+            raise ValueError(
+                f"{pre}num_layers, num_heads, num_kv_heads, head_dim must be positive integers "
+                f"with num_heads a multiple of num_kv_heads; got {shape}"
+            )
+
+    def _synthetic(self, seed: int) -> tuple[Any, dict[str, Any]]:
+        s = self.spec
+        g = torch.Generator().manual_seed(seed)
+        t, d = s["tokens"], s["head_dim"]
+        qs, ks, vs = [], [], []
+        for _ in range(s["num_layers"]):
+            chan = torch.logspace(-1, 1, d)[torch.randperm(d, generator=g)]  # key outliers
+            qs.append(torch.randn(1, s["num_heads"], t, d, generator=g))
+            ks.append(torch.randn(1, s["num_kv_heads"], t, d, generator=g) * chan)
+            vs.append(torch.randn(1, s["num_kv_heads"], t, d, generator=g))
+        n = s["num_layers"]
+        cap = SimpleNamespace(
+            layer_ids=list(range(n)), queries=qs, keys=ks, values=vs, scaling=[None] * n
+        )
+        return cap, {"kv_source": "synthetic", "seed": seed}
 
     def prepare(self, ctx: Any) -> None:
         from kvbench.data.loaders import load_text, token_windows
         from kvbench.hf.capture import capture_qkv
+
+        if self.spec["source"] == "synthetic":
+            self.captured, self.info = self._synthetic(ctx.seed)
+            return
+        if ctx.model is None:
+            raise ValueError("fidelity with source 'model' needs a model (the suite has none)")
 
         key = ("fidelity", self.spec["text"], self.spec["tokens"], self.spec["window"])
         if key in ctx.shared:
@@ -106,7 +155,8 @@ class Fidelity(Workload):
         ctx.shared[key] = (captured, self.info)
 
     def run(self, ctx: Any, method: Method) -> Result:
-        layers = range(len(self.captured)) if self.spec["layers"] == "all" else self.spec["layers"]
+        n = len(self.captured.keys)
+        layers = range(n) if self.spec["layers"] == "all" else self.spec["layers"]
         per: dict[str, list[float]] = {}
         for i in layers:
             c = self.captured

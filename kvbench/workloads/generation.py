@@ -11,7 +11,7 @@ generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, p
   next-token KL and top-1 agreement per bucket of ``bucket`` decode steps
   (``drift_kl_b<i>``, ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
 
-Bootstrap intervals over prompts for the first divergence and match rate.
+Bootstrap intervals over prompts for the first divergence and match rate (none with one prompt).
 Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_tokens`` (128),
 ``bucket`` (32), ``context_tokens`` (0: with n > 0, each prompt is preceded by a different
 n-token window of ``context_text`` (default ``essays``), so that a method with a residual window
@@ -26,7 +26,8 @@ import torch
 
 from kvbench.hf.cache import make_hf_cache
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import bootstrap_ci
+from kvbench.workloads import HIGHER, LOWER
+from kvbench.workloads.metrics import add_ci
 
 from . import Result, Workload
 
@@ -84,6 +85,14 @@ def forced_logprobs(
 
 class Generation(Workload):
     type = "generation"
+    METRICS = {
+        "gen_first_divergence": HIGHER,
+        "gen_match_rate": HIGHER,
+        "next_token_kl": LOWER,
+        "top1_agreement": HIGHER,
+        "drift_kl_b*": LOWER,  # KL(P_full || P_method) over decode steps [i*bucket, (i+1)*bucket)
+        "drift_top1_b*": HIGHER,
+    }
     LIST_PARAMS = frozenset({"prompts"})
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
     PARAMS = {
@@ -153,9 +162,7 @@ class Generation(Workload):
             "top1_agreement": top1.mean().item(),
         }
         for name, vals in (("gen_first_divergence", first), ("gen_match_rate", match)):
-            metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = bootstrap_ci(
-                vals, seed=ctx.seed
-            )
+            add_ci(metrics, name, vals, seed=ctx.seed)
         for i in range(0, n, bucket):
             metrics[f"drift_kl_b{i // bucket}"] = kl[i : i + bucket].mean().item()
             metrics[f"drift_top1_b{i // bucket}"] = top1[i : i + bucket].mean().item()

@@ -30,6 +30,7 @@ from kvbench.tasks.extract import (
     harness_exact_match,
     numbers_equal,
 )
+from kvbench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -104,6 +105,7 @@ def fewshot_prompt(question: str, k: int = 8) -> tuple[str, list[dict[str, str]]
 
 class GSM8K(TaskWorkload):
     type = "gsm8k"
+    METRICS = {"gsm8k_strict": HIGHER, "gsm8k_flexible": HIGHER}
     PARAMS = {
         **COMMON_PARAMS,
         "num_fewshot": 8,

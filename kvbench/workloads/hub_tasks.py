@@ -29,6 +29,8 @@ import string
 from collections import Counter
 from typing import Any
 
+from kvbench.workloads import HIGHER
+
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 
@@ -77,6 +79,7 @@ def gpqa_letter(text: str) -> str | None:
 
 class GPQA(TaskWorkload):
     type = "gpqa"
+    METRICS = {"gpqa_acc": HIGHER}
     PARAMS = {**COMMON_PARAMS, "new_tokens": 1024, "subset": "gpqa_diamond"}
     PRIMARY = "gpqa_acc"
 
@@ -210,6 +213,7 @@ def ib_score(task: str, pred: str, label: Any) -> float:
 
 class InfiniteBench(TaskWorkload):
     type = "infinitebench"
+    METRICS = {"ib_*": HIGHER}  # ib_score, ib_avg, ib_<task>
     LIST_PARAMS = TaskWorkload.LIST_PARAMS | {"tasks"}
     PARAMS = {
         **COMMON_PARAMS,

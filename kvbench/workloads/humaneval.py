@@ -22,6 +22,8 @@ import hashlib
 import re
 from typing import Any
 
+from kvbench.workloads import HIGHER
+
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 MODES = ("completion", "chat")
@@ -41,6 +43,7 @@ def extract_code(text: str) -> str:
 
 class HumanEval(TaskWorkload):
     type = "humaneval"
+    METRICS = {"humaneval_pass1": HIGHER}
     PARAMS = {**COMMON_PARAMS, "new_tokens": 512, "mode": "completion", "timeout": 10.0}
     PRIMARY = "humaneval_pass1"
 

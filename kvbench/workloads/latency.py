@@ -68,6 +68,7 @@ from kvbench.measure import (
     summarize,
     system_state,
 )
+from kvbench.workloads import HIGHER, LOWER, NONE
 
 from . import Result, Workload
 
@@ -129,6 +130,14 @@ def attention_path(method: Method, attend: bool) -> str:
 
 class Latency(Workload):
     type = "latency"
+    METRICS = {
+        "prefill_ms": LOWER,
+        "decode_ms_*": LOWER,
+        "flush_ms_*": LOWER,
+        "flush_steps": NONE,
+        "tokens_per_s": HIGHER,
+        "bytes_total": LOWER,
+    }
     layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,

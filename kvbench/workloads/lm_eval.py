@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import Result, Workload
+from kvbench.workloads.metrics import LM_EVAL_DIRECTIONS
+
+from . import LOWER, NONE, Result, Workload
 
 
 def _number(v: Any) -> float | None:
@@ -41,6 +43,18 @@ def _number(v: Any) -> float | None:
 
 class LMEval(Workload):
     type = "lm_eval"
+    #: ``lm_eval.<task>.<metric>[,<filter>]`` take lm-eval's own direction of ``<metric>``;
+    #: standard errors, coverage and counts are informational
+    METRICS = {
+        **{f"lm_eval.*.{m}": d for m, d in LM_EVAL_DIRECTIONS.items()},
+        **{f"lm_eval.*.{m},*": d for m, d in LM_EVAL_DIRECTIONS.items()},
+        "lm_eval.*_stderr*": NONE,
+        "lm_eval.*.kv_quantized_fraction": NONE,
+        "kv_quantized_fraction": NONE,
+        "num_requests": NONE,
+        "nominal_key_bits": LOWER,
+        "nominal_value_bits": LOWER,
+    }
     layer_cache = False  # any transformers cache: peers run through make_hf_cache
     PARAMS = {
         "tasks": ...,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.tasks.extract import aime_answer, extract_math_answer, is_equiv
+from kvbench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -33,6 +34,7 @@ DEFAULT_TEMPLATE = (
 
 class MathTask(TaskWorkload):
     type = "math"
+    METRICS = {"*_acc": HIGHER}  # <dataset>_acc: math500_acc, aime24_acc, ...
     LIST_PARAMS = TaskWorkload.LIST_PARAMS | {"subjects", "levels"}
     PARAMS = {
         **COMMON_PARAMS,

@@ -63,7 +63,7 @@ import torch
 
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import key_mse
+from kvbench.workloads.metrics import LOWER, STORAGE_METRICS, key_mse
 
 from . import Result, Workload
 
@@ -226,6 +226,7 @@ def per_element_bits(terms: dict[str, float]) -> float:
 
 class Memory(Workload):
     type = "memory"
+    METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
     needs_model = False  # ``source: synthetic`` runs without one
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})

@@ -1,8 +1,8 @@
-"""Metric names, their directions, and the fidelity computations (design.md §2-§3).
+"""The fidelity computations (design.md §2-§3) and metric directions.
 
-Every metric's direction (is lower or higher better?) is declared once, here.  ``*_ratio``
-metrics (a value divided by the ``full`` baseline's in the same run) inherit the direction of
-their base metric.
+Each workload declares the direction of its metrics in its ``METRICS`` class attribute
+(:mod:`kvbench.workloads`); :func:`direction` looks them up.  ``*_ratio`` metrics (a value
+divided by the ``full`` baseline's in the same run) inherit the direction of their base metric.
 """
 
 from __future__ import annotations
@@ -12,70 +12,40 @@ import math
 import torch
 
 from kvbench.attend.reference import causal_mask, repeat_kv
+from kvbench.workloads import HIGHER, LOWER, NONE, metric_direction
 
-LOWER = "lower"
-HIGHER = "higher"
+__all__ = [
+    "HIGHER",
+    "LOWER",
+    "NONE",
+    "add_ci",
+    "attention_fidelity",
+    "bootstrap_ci",
+    "direction",
+    "key_mse",
+]
 
-DIRECTIONS: dict[str, str] = {
-    "key_mse": LOWER,
-    "key_rel_mse": LOWER,
-    "value_mse": LOWER,
-    "attn_kl": LOWER,
-    "attn_out_rel_err": LOWER,
-    "ppl": LOWER,
-    "ppl_ref": LOWER,
-    "ppl_delta": LOWER,
-    "next_token_kl": LOWER,
-    "top1_agreement": HIGHER,
-    "gen_first_divergence": HIGHER,
-    "gen_match_rate": HIGHER,
-    "passkey_acc": HIGHER,
-    "task_score": HIGHER,
+#: bytes, bits and errors of what a cache stores: shared by several workloads
+STORAGE_METRICS: dict[str, str] = {
+    "bytes_*": LOWER,  # bytes_total, bytes_codes, bytes_key_total, ...
+    "peak_step_bytes": LOWER,
+    "cuda_bytes_total": LOWER,
+    "cuda_peak_bytes": LOWER,
     "nominal_key_bits": LOWER,
     "nominal_value_bits": LOWER,
     "effective_bits": LOWER,
     "effective_key_bits": LOWER,
     "effective_value_bits": LOWER,
-    "bytes_total": LOWER,
-    "bytes_codes": LOWER,
-    "bytes_scales": LOWER,
-    "bytes_metadata": LOWER,
-    "bytes_residual": LOWER,
-    "bytes_sinks": LOWER,
-    "peak_step_bytes": LOWER,
-    "prefill_ms": LOWER,
-    "decode_ms_p50": LOWER,
-    "decode_ms_p90": LOWER,
-    "decode_ms_p99": LOWER,
-    "tokens_per_s": HIGHER,
-    # memory and latency workloads (kvbench.workloads.memory, latency)
-    "bytes_key_total": LOWER,
-    "bytes_value_total": LOWER,
-    "cuda_bytes_total": LOWER,
-    "cuda_peak_bytes": LOWER,
-    "decode_ms_mean": LOWER,
-    # task workloads (kvbench.workloads.gsm8k, mgsm, math_task, humaneval, ruler, hub_tasks)
-    "gsm8k_strict": HIGHER,
-    "gsm8k_flexible": HIGHER,
-    "mgsm_flexible": HIGHER,
-    "mgsm_strict": HIGHER,
-    "math500_acc": HIGHER,
-    "aime24_acc": HIGHER,
-    "aime25_acc": HIGHER,
-    "amc23_acc": HIGHER,
-    "humaneval_pass1": HIGHER,
-    "ruler_avg": HIGHER,
-    "needles_in_quantized_keys": HIGHER,
-    "gpqa_acc": HIGHER,
-    "ib_avg": HIGHER,
-    # RoPE-pair studies (kvbench.workloads.pair_analysis, PN-Mix Tables 1 and 11)
-    "spearman_rho": HIGHER,
-    "top10_overlap": HIGHER,
-    "top50_overlap": HIGHER,
+    "analytic_*bits": LOWER,
+    "key_mse": LOWER,
+    "key_rel_mse": LOWER,
+    "value_mse": LOWER,
 }
+
+
 #: lm-evaluation-harness metric names -> direction, as lm-eval 0.4's registry declares them
-#: (``lm_eval.api.registry.HIGHER_IS_BETTER_REGISTRY``), plus common task-defined metrics.
-#: Used for the ``lm_eval`` workload's ``lm_eval.<task>.<metric>[,<filter>]`` metrics.
+#: (``lm_eval.api.registry.HIGHER_IS_BETTER_REGISTRY``), plus common task-defined metrics; the
+#: ``lm_eval`` workload declares ``lm_eval.<task>.<metric>[,<filter>]`` from it.
 LM_EVAL_DIRECTIONS: dict[str, str] = {
     **dict.fromkeys(
         "acc acc_norm acc_mutual_info acc_bytes acc_all exact_match likelihood mcc f1 bleu chrf "
@@ -86,32 +56,12 @@ LM_EVAL_DIRECTIONS: dict[str, str] = {
         "perplexity word_perplexity byte_perplexity bits_per_byte brier_score ter".split(), LOWER
     ),
 }
-LM_EVAL_PREFIX = "lm_eval."
-#: metric families with per-language / per-task / per-length / per-bin names
-PREFIX_DIRECTIONS: dict[str, str] = {
-    "mgsm_": HIGHER,  # mgsm_<lang>, mgsm_strict_<lang>
-    "ruler_": HIGHER,  # ruler_<task>, ruler_<task>_<length>, ruler_len<length>
-    "ib_": HIGHER,  # ib_<task>
-    "sel_": HIGHER,  # sel_<ref>_r<pct>[_b<i>]; the *_spread variants are LOWER (below)
-}
 
 
 def direction(metric: str) -> str | None:
-    """``'lower'``/``'higher'`` for a known metric (``*_ratio``, ``*_ci_low``/``_ci_high``
-    follow their base), else ``None``."""
-    for suffix in ("_ratio", "_ci_low", "_ci_high"):
-        if metric.endswith(suffix):
-            metric = metric[: -len(suffix)]
-    if metric in DIRECTIONS:
-        return DIRECTIONS[metric]
-    if metric.startswith(LM_EVAL_PREFIX):  # lm_eval.<task>.<metric>[,<filter>]; stderr: none
-        return LM_EVAL_DIRECTIONS.get(metric.rsplit(".", 1)[-1].split(",", 1)[0])
-    if metric.startswith("sel_") and metric.endswith("_spread"):
-        return LOWER  # max - min of the stability over bins
-    for prefix, d in PREFIX_DIRECTIONS.items():
-        if metric.startswith(prefix):
-            return d
-    return None
+    """``'lower'``/``'higher'``/``'none'`` as declared by the registered workloads' ``METRICS``
+    (``*_ratio``, ``*_ci_low``/``_ci_high`` follow their base), else ``None``."""
+    return metric_direction(metric)
 
 
 def key_mse(ref: torch.Tensor, quant: torch.Tensor) -> tuple[float, float]:
@@ -161,15 +111,27 @@ def attention_fidelity(
 
 def bootstrap_ci(
     values: list[float] | torch.Tensor, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of the mean of ``values`` (over windows or
-    prompts).  With one value the interval is that value."""
+) -> tuple[float, float] | None:
+    """Percentile bootstrap ``1 - alpha`` confidence interval of the mean of ``values`` (over
+    windows or prompts; Efron & Tibshirani 1993, ch. 13), float64.
+
+    Returns ``None`` for fewer than two values: one window has no spread to resample, and an
+    interval of zero width would claim a certainty the data do not give.  Callers then report
+    no ``*_ci_low``/``*_ci_high``.
+    """
     x = torch.as_tensor(values, dtype=torch.float64).flatten()
-    if x.numel() <= 1:
-        v = x.item() if x.numel() else float("nan")
-        return v, v
+    if x.numel() < 2:
+        return None
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, x.numel(), (n_boot, x.numel()), generator=g)
     means = x[idx].mean(-1)
     lo, hi = torch.quantile(means, torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64))
     return lo.item(), hi.item()
+
+
+def add_ci(metrics: dict[str, float], name: str, values: list[float], seed: int = 0) -> None:
+    """Set ``metrics[name + '_ci_low' / '_ci_high']`` from :func:`bootstrap_ci` when there is an
+    interval (two or more values); otherwise leave them out."""
+    ci = bootstrap_ci(values, seed=seed)
+    if ci is not None:
+        metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = ci

@@ -34,6 +34,7 @@ from kvbench.tasks.extract import (
     numbers_equal,
     regex_filter,
 )
+from kvbench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -103,6 +104,7 @@ def load_exemplars(lang: str, k: int) -> list[tuple[str, str]]:
 
 class MGSM(TaskWorkload):
     type = "mgsm"
+    METRICS = {"mgsm_*": HIGHER}  # mgsm_flexible, mgsm_<lang>, mgsm_strict_<lang>
     LIST_PARAMS = TaskWorkload.LIST_PARAMS | {"languages"}
     PARAMS = {**COMMON_PARAMS, "languages": list(LANGUAGES), "num_fewshot": 8}
     PRIMARY = "mgsm_flexible"

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvbench.kv.mixed import high_pairs, pair_channels
+from kvbench.workloads import HIGHER, LOWER, NONE
 
 from . import Result, Workload
 
@@ -130,6 +131,12 @@ def _pairing(method: Any) -> str:
 
 class ScoreAgreement(Workload):
     type = "score_agreement"
+    METRICS = {
+        "spearman_rho": HIGHER,
+        "top*_overlap": HIGHER,  # top<k>_overlap for each configured k
+        "*_std": NONE,  # spread over samples
+        "samples": NONE,
+    }
     LIST_PARAMS = frozenset({"layers", "ratios"})
     PARAMS = {
         "source": "aime25",
@@ -230,6 +237,10 @@ class ScoreAgreement(Workload):
 
 class SelectionStability(Workload):
     type = "selection_stability"
+    METRICS = {
+        "sel_*": HIGHER,  # sel_<ref>_r<pct> and its per-bin sel_<ref>_r<pct>_b<i>
+        "sel_*_spread": LOWER,  # max - min of the stability over bins
+    }
     LIST_PARAMS = frozenset({"layers", "ratios", "references"})
     PARAMS = {
         "source": "aime25",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.kv.method import Method
+from kvbench.workloads import HIGHER
 
 from . import Result, Workload
 
@@ -38,6 +39,7 @@ def chat_wrap(tokenizer: Any) -> tuple[str, str]:
 
 class Passkey(Workload):
     type = "passkey"
+    METRICS = {"passkey_acc": HIGHER}
     LIST_PARAMS = frozenset({"depths"})
     PARAMS = {
         "length": 1024,

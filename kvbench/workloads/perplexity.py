@@ -7,7 +7,7 @@ quantized past plus full precision within the chunk (C = 1 is exact decode).  Pr
 tokens P..T-1 are scored.  The ``full`` cache under the identical schedule is the reference
 (computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
 ``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref.
-Bootstrap 95% intervals over windows for the deltas (``*_ci_low``/``*_ci_high``).
+Bootstrap 95% intervals over windows (``*_ci_low``/``*_ci_high``; none with one window).
 
 Parameters: ``text`` (default ``wikitext2``), ``tokens`` (2048), ``prefill`` (1024), ``chunk``
 (64), ``windows`` (2).
@@ -22,7 +22,7 @@ import torch
 
 from kvbench.hf.cache import make_hf_cache
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import bootstrap_ci
+from kvbench.workloads.metrics import HIGHER, LOWER, NONE, STORAGE_METRICS, add_ci
 
 from . import Result, Workload
 
@@ -54,6 +54,14 @@ def chunked_logits(
 
 class Perplexity(Workload):
     type = "perplexity"
+    METRICS = {
+        "ppl": LOWER,
+        "ppl_ref": NONE,  # the full-precision reference: informational
+        "ppl_delta": LOWER,
+        "next_token_kl": LOWER,
+        "top1_agreement": HIGHER,
+        **STORAGE_METRICS,
+    }
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
     PARAMS = {"text": "wikitext2", "tokens": 2048, "prefill": 1024, "chunk": 64, "windows": 2}
 
@@ -121,9 +129,7 @@ class Perplexity(Workload):
             ("next_token_kl", kls),
             ("top1_agreement", agree),
         ):
-            metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = bootstrap_ci(
-                vals, seed=ctx.seed
-            )
+            add_ci(metrics, name, vals, seed=ctx.seed)
         if nbytes:
             metrics["bytes_total"] = nbytes["total"]
         bits = method.average_bits(head_dim=ctx.model_info.get("head_dim", 128))

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.workloads import HIGHER
+
 from .passkey import chat_wrap
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -48,6 +50,7 @@ RULER_TASKS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
 
 class Ruler(TaskWorkload):
     type = "ruler"
+    METRICS = {"ruler_*": HIGHER, "needles_in_quantized_keys": HIGHER}
     LIST_PARAMS = TaskWorkload.LIST_PARAMS | {"tasks", "lengths"}
     PARAMS = {
         **COMMON_PARAMS,

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kvbench.workloads import HIGHER, NONE
+
 from . import Result, Workload
 
 #: parameters every task workload has (subclasses add theirs)
@@ -182,6 +184,7 @@ class TaskWorkload(Workload):
 
     LIST_PARAMS = frozenset({"stop"})
     PRIMARY: str = "accuracy"
+    METRICS = {"task_score": HIGHER, "num_examples": NONE}
     DEFAULT_STOP: tuple[str, ...] = ()
 
     @classmethod

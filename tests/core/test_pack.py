@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.kv.quant import pack_bits, packed_size, unpack_bits
+from kvbench.kv.quant import pack_bits, packed_size, quantize_groups, unpack_bits
 
 ALL_BITS = [1, 2, 3, 4, 5, 6, 7, 8, 16]
 
@@ -83,3 +83,34 @@ def test_block_codes_are_packed(bits, d) -> None:
         assert blk.codes.dtype == torch.uint8
         assert blk.codes.shape == (2, 3, 8, -(-d * bits // 8))
         assert blk.unpacked_codes().max() <= 2**bits - 1
+
+
+@pytest.mark.parametrize(
+    "codes, bits, bad",
+    [([-8, 7, -1], 4, -8), ([0, 16], 4, 16), ([3, 256], 8, 256), ([2], 1, 2), ([8], 3, 8)]
+    + [([0, 65536], 16, 65536), ([-1], 16, -1), ([4], 2, 4), ([0, 32], 5, 32)],
+)
+def test_pack_rejects_out_of_range_codes(codes: list[int], bits: int, bad: int) -> None:
+    # pack_bits(tensor([-8, 7, -1]), 4) used to unpack to [8, 6, 15]: the sign bits spilled
+    with pytest.raises(
+        ValueError, match=rf"code {bad} is outside \[0, {2**bits - 1}\] for bits={bits}"
+    ):
+        pack_bits(torch.tensor(codes), bits)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_pack_accepts_both_ends_of_the_range(bits: int) -> None:
+    codes = torch.tensor([0, 2**bits - 1, 0])
+    assert unpack_bits(pack_bits(codes, bits), bits, 3).tolist() == codes.tolist()
+
+
+def test_pack_rejects_float_codes() -> None:
+    with pytest.raises(ValueError, match="integer dtype"):
+        pack_bits(torch.tensor([1.0, 2.0]), 4)
+
+
+def test_symmetric_codes_are_offset_binary() -> None:
+    # the documented convention: signed q in [-(2^(b-1)-1), 2^(b-1)-1] stored as q + 2^(b-1)
+    g = quantize_groups(torch.tensor([[-1.0, 0.0, 1.0]]), 4, symmetric=True)
+    assert g.codes.tolist() == [[1, 8, 15]]
+    assert unpack_bits(pack_bits(g.codes, 4), 4, 3).tolist() == [[1, 8, 15]]

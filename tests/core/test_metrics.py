@@ -1,0 +1,142 @@
+"""kvbench.workloads.metrics against separate straightforward implementations.
+
+* ``attention_fidelity``: a float64 loop over (batch, query head, position) with an explicit
+  causal softmax over keys ``0..t`` and ``scipy.special.rel_entr`` for KL(A || A'), the
+  reference distribution first (design.md §2); GQA maps query head ``h`` to KV head
+  ``h // (H_q / H_kv)``.
+* ``key_mse``: numpy float64.
+* ``bootstrap_ci``: coverage of the true mean at its nominal rate on synthetic normal data,
+  with a tolerance derived from the binomial spread of the coverage count (below).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import special, stats
+
+from kvbench.workloads.metrics import add_ci, attention_fidelity, bootstrap_ci, direction, key_mse
+
+
+def _loop_attention(q, k_ref, v_ref, k_q, v_q, start, scale):
+    """(mean KL, output relative error) by explicit loops, float64 numpy."""
+    q, k_ref, v_ref, k_q, v_q = (x.double().numpy() for x in (q, k_ref, v_ref, k_q, v_q))
+    b, hq, t, _ = q.shape
+    rep = hq // k_ref.shape[1]
+    kls, num, den = [], 0.0, 0.0
+    for bi in range(b):
+        for h in range(hq):
+            g = h // rep
+            for pos in range(start, t):
+                keys = slice(0, pos + 1)  # causal: keys 0..pos
+                a = special.softmax(k_ref[bi, g, keys] @ q[bi, h, pos] * scale)
+                a2 = special.softmax(k_q[bi, g, keys] @ q[bi, h, pos] * scale)
+                kls.append(special.rel_entr(a, a2).sum())  # sum a * log(a / a2)
+                o, o2 = a @ v_ref[bi, g, keys], a2 @ v_q[bi, g, keys]
+                num += ((o - o2) ** 2).sum()
+                den += (o**2).sum()
+    return float(np.mean(kls)), math.sqrt(num / den)
+
+
+@pytest.mark.parametrize("start, scaling", [(3, None), (0, 0.3), (9, 1.7)])
+def test_attention_fidelity_matches_loop(start: int, scaling: float | None) -> None:
+    g = torch.Generator().manual_seed(start)
+    b, hq, hkv, t, d = 2, 4, 2, 10, 8
+    q = torch.randn(b, hq, t, d, generator=g)
+    k = torch.randn(b, hkv, t, d, generator=g)
+    v = torch.randn(b, hkv, t, d, generator=g)
+    # a quantized copy that differs differently per head, so that a wrong GQA map shows
+    kq = k + 0.4 * torch.randn(b, hkv, t, d, generator=g) * torch.tensor([0.2, 1.5])[:, None, None]
+    vq = v + 0.3 * torch.randn(b, hkv, t, d, generator=g)
+    got = attention_fidelity(q, k, v, kq, vq, start, scaling)
+    scale = 1 / math.sqrt(d) if scaling is None else scaling
+    kl, rel = _loop_attention(q, k, v, kq, vq, start, scale)
+    assert got["attn_kl"] == pytest.approx(kl, rel=1e-9)
+    assert got["attn_out_rel_err"] == pytest.approx(rel, rel=1e-9)
+    # the reverse direction KL(A' || A) is a different number on these inputs
+    rev, _ = _loop_attention(q, kq, vq, k, v, start, scale)
+    assert abs(rev - kl) > 1e-3 * kl
+
+
+def test_attention_fidelity_zero_for_identical_keys() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    out = attention_fidelity(q, k[:, :1], v[:, :1], k[:, :1].clone(), v[:, :1].clone(), 2)
+    assert out == {"attn_kl": 0.0, "attn_out_rel_err": 0.0}
+
+
+def test_key_mse_matches_numpy() -> None:
+    g = torch.Generator().manual_seed(2)
+    ref = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float32)
+    quant = ref + 0.1 * torch.randn(2, 3, 5, 4, generator=g)
+    r, qn = ref.double().numpy(), quant.double().numpy()
+    mse, rel = key_mse(ref, quant)
+    assert mse == pytest.approx(((r - qn) ** 2).mean(), rel=1e-12)
+    assert rel == pytest.approx(((r - qn) ** 2).sum() / (r**2).sum(), rel=1e-12)
+
+
+def test_bootstrap_interval_covers_the_mean_at_its_nominal_rate() -> None:
+    """Coverage over ``reps`` independent data sets of ``n`` = 40 windows with a known mean.
+
+    The percentile bootstrap of the mean is, to first order, ``mean +- z * s_n / sqrt(n)``
+    with ``s_n`` the (1/n) standard deviation, so for normal data its coverage is
+    ``p0 = P(|T_{n-1}| <= z_{0.975} sqrt((n-1)/n))`` (a little under 0.95 for small n).  The
+    count of covering data sets is Binomial(reps, p0); we allow 4 standard deviations of it plus
+    the bootstrap's own Monte-Carlo quantile error (1000 resamples: about 0.005 in coverage).
+    A wrong interval (no resampling, the wrong quantiles, an interval of the std not of the
+    mean) moves coverage by far more than that.
+    """
+    n, reps, mu = 40, 300, 3.0
+    rng = np.random.default_rng(0)
+    z = stats.norm.ppf(0.975)
+    p0 = 2 * stats.t.cdf(z * math.sqrt((n - 1) / n), n - 1) - 1
+    hits = 0
+    for r in range(reps):
+        x = rng.normal(mu, 2.0, size=n)
+        lo, hi = bootstrap_ci(x.tolist(), seed=r)
+        hits += lo <= mu <= hi
+    tol = 4 * math.sqrt(p0 * (1 - p0) / reps) + 0.005
+    assert abs(hits / reps - p0) <= tol, (hits / reps, p0, tol)
+
+
+def test_bootstrap_interval_width_matches_standard_error() -> None:
+    x = np.random.default_rng(5).normal(0.0, 1.0, size=200)
+    lo, hi = bootstrap_ci(x.tolist(), n_boot=4000)
+    se = x.std() / math.sqrt(len(x))
+    assert (hi - lo) / (2 * stats.norm.ppf(0.975) * se) == pytest.approx(1.0, abs=0.08)
+    assert lo < x.mean() < hi
+
+
+def test_bootstrap_with_one_value_reports_no_interval() -> None:
+    assert bootstrap_ci([1.5]) is None
+    assert bootstrap_ci([]) is None
+    m: dict[str, float] = {}
+    add_ci(m, "ppl_delta", [0.3])
+    assert m == {}
+    add_ci(m, "ppl_delta", [0.3, 0.5])
+    assert set(m) == {"ppl_delta_ci_low", "ppl_delta_ci_high"}
+    assert 0.3 <= m["ppl_delta_ci_low"] <= m["ppl_delta_ci_high"] <= 0.5
+
+
+@pytest.mark.parametrize(
+    "metric, want",
+    [
+        ("next_token_kl", "lower"),
+        ("top1_agreement", "higher"),
+        ("drift_kl_b3", "lower"),
+        ("drift_top1_b0", "higher"),
+        ("attn_kl_ratio", "lower"),
+        ("ppl_delta_ci_high", "lower"),
+        ("ppl_ref", "none"),
+        ("num_examples", "none"),
+        ("sel_prefill_r10_spread", "lower"),
+        ("sel_prefill_r10_b2", "higher"),
+        ("bytes_residual", "lower"),
+        ("no_such_metric", None),
+    ],
+)
+def test_directions_come_from_workload_declarations(metric: str, want: str | None) -> None:
+    assert direction(metric) == want
