@@ -19,6 +19,7 @@ import torch
 
 from kvbench.attend.cpu import fast_attend
 from kvbench.attend.reference import reference_attention
+from kvbench.kv import finite
 from kvbench.kv.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.kv.schedule import NeverSchedule
 
@@ -175,6 +176,7 @@ class LayerCache:
             On bad shapes/dtypes, or a prefill into a non-empty cache.
         """
         self._check(keys, values)
+        finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.kv.finite)
         if self.seq_length:
             raise ValueError("prefill() needs an empty cache; use append() for later tokens")
         self.dtype = keys.dtype
@@ -209,6 +211,7 @@ class LayerCache:
                 "provide_queries() before appending decode tokens"
             )
         self._check(keys, values)
+        finite.check(keys, values, self, "append")  # NaN/Inf policy (kvbench.kv.finite)
         if self.seq_length and keys.dtype != self.dtype:  # torch.cat would silently promote
             raise ValueError(
                 f"new tokens are {keys.dtype} but the cache holds {self.dtype}; append tokens "
