@@ -1,6 +1,6 @@
 """The NaN/Inf policy of every layer cache, decided once in the core.
 
-Policy (docs/design.md, "Non-finite inputs"): a key or value tensor handed to
+Policy: a key or value tensor handed to
 :meth:`LayerCache.prefill` or :meth:`LayerCache.append` that holds a NaN or an infinity raises
 ``ValueError`` naming the layer, the side (keys/values), the operation and the count of
 non-finite elements.  A quantizer cannot represent such a value (a min-max group with one NaN
