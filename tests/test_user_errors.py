@@ -250,3 +250,31 @@ def test_version_and_clean_help(capsys) -> None:
 def test_every_shipped_suite_parses() -> None:
     for p in sorted(SMOKE.parent.rglob("*.yaml")):
         load_suite(p)
+
+
+def test_config_that_does_not_fit_the_model_names_the_entry() -> None:
+    d = _smoke()
+    d["methods"][5] = {"name": "kivi", "config": {"value_bits": 2, "value_group_size": 48}}
+    suite = parse_suite(d, "s.yaml")  # fits until the head_dim is known
+    info = {"head_dim": 64, "num_key_value_heads": 3}
+    with pytest.raises(ValueError, match=r"s\.yaml: methods\[5\] \(kivi\): value_group_size=48"):
+        validate.check_methods_for_model(suite.methods, info, suite.path)
+    validate.check_methods_for_model(suite.methods, {**info, "head_dim": 96}, suite.path)
+
+
+def test_model_free_config_error_names_entry_and_workload(tmp_path, capsys) -> None:
+    d = {
+        **MODEL_FREE,
+        "methods": [{"name": "kivi", "config": {"value_bits": 2, "value_group_size": 48}}],
+        "workloads": [
+            {
+                "type": "memory",
+                "source": "synthetic",
+                "context": 256,
+                "num_layers": 1,
+                "head_dim": 64,
+            }
+        ],
+    }
+    err = _error(capsys, "run", str(_suite(tmp_path, d)), "--out", str(tmp_path / "o"), "--quiet")
+    assert "s.yaml: methods[0] (kivi) in workloads[0] (memory): value_group_size=48" in err

@@ -365,9 +365,16 @@ def run_suite(
                             break
                         prepared = True
                     t0 = time.perf_counter()
-                    metrics, extras, result, method = execute_run(
-                        ctx, workload, run, suite.calibration, baseline
-                    )
+                    try:
+                        metrics, extras, result, method = execute_run(
+                            ctx, workload, run, suite.calibration, baseline
+                        )
+                    except ValueError as exc:  # name the entry and workload that failed
+                        raise ValueError(
+                            f"{suite.path}: {run.method.where or 'methods'} ({run.method.label}) "
+                            f"in workloads[{run.workload_index}] ({run.workload_spec['type']}): "
+                            f"{exc}"
+                        ) from exc
                     extras["threads"] = threads
                     flag = quantized_flag(run, metrics)
                     if flag:

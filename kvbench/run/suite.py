@@ -4,7 +4,7 @@ Example::
 
     name: smoke
     seed: 0
-    threads: 2
+    threads: auto          # or an integer >= 1; auto/absent: the CPUs free here (never more)
     model: {id: HuggingFaceTB/SmolLM2-135M-Instruct, dtype: float32, device: cpu}
     methods:
       - full
@@ -14,7 +14,9 @@ Example::
       - {type: fidelity, text: essays, tokens: 1024, prefill: 512}
 
 ``models:`` (a list) may replace ``model:``; ``model: none`` runs model-free workloads.
-Errors name the file, the key and the allowed values.
+``calibration: {text, tokens}`` is the text methods with ``needs_calibration`` are fitted on.
+Errors name the file, the entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``),
+the field and the allowed values (:mod:`kvbench.run.validate`).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def check_methods_for_model(methods: list[Any], info: dict[str, Any], path: str)
     for spec in methods:
         try:
             m = get_method(spec.name, **spec.config).for_model(info)
-            if m.capabilities.layer_cache:
+            if m.capabilities.layer_cache and not m.needs_calibration:  # not fitted yet
                 m.new_layer(0, int(h), int(d))
                 m.average_bits(head_dim=int(d), tokens=1024)
         except (ValueError, TypeError) as exc:
