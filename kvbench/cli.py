@@ -140,9 +140,10 @@ def run_summary(records: list[dict], out: str, suite_path: str) -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     from kvbench.run.runner import run_suite
     from kvbench.run.suite import load_suite
-    from kvbench.run.validate import check_output
+    from kvbench.run.validate import check_devices, check_output
 
     suite = load_suite(args.suite, parse_set(args.set))
+    check_devices(suite)  # before the asset pre-flight: nothing else matters without a device
     paper_block = suite.raw.get("paper")
     if paper_block is not None:
         from kvbench.report.paper import validate

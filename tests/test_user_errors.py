@@ -15,7 +15,7 @@ import yaml
 
 from kvbench.cli import main
 from kvbench.run import validate
-from kvbench.run.suite import load_suite, parse_suite
+from kvbench.run.suite import DEFAULT_CALIBRATION, load_suite, parse_suite
 
 SMOKE = Path(__file__).resolve().parents[1] / "suites" / "smoke.yaml"
 MODEL_FREE = {
@@ -102,10 +102,10 @@ def test_bad_suite_is_one_line_naming_file_entry_field(tmp_path, capsys, edit, w
 
 def test_calibration_block_reaches_the_suite() -> None:
     s = load_suite(SMOKE)
-    assert s.calibration == {"text": "mobydick", "tokens": 1024}
+    assert s.calibration == _smoke()["calibration"] and s.calibration["tokens"] == 1024
     d = _smoke()
     del d["calibration"]
-    assert parse_suite(d, "x.yaml").calibration == {"text": "mobydick", "tokens": 2048}
+    assert parse_suite(d, "x.yaml").calibration == DEFAULT_CALIBRATION
 
 
 def test_set_paths_that_do_not_exist(capsys) -> None:
