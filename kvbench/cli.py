@@ -2,6 +2,11 @@
 
 Subcommands are registered by small functions here; heavier commands (``run``, ``report``,
 ``compare``) import their modules lazily so ``kvbench list`` stays fast.
+
+Errors: a user error (bad suite, bad flag, unwritable folder) prints one line
+``kvbench CMD: error: ...`` on stderr and exits 2; an unexpected failure prints one line naming
+the exception and exits 3; ``--debug`` shows the traceback of either.  Ctrl-C exits 130 with a
+line saying which records were kept and how to resume.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
+from pathlib import Path
 
 from kvbench.kv.registry import get_method, list_methods
 from kvbench.run.suite import parse_set
@@ -40,8 +47,37 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = """\
+A benchmark suite for KV-cache quantization in LLM inference: bits, fidelity, perplexity,
+generation, memory and decode latency of every registered method on a real model.
+
+examples:
+  kvbench list
+  kvbench bits kivi --set bits=2 --set group_size=32
+  kvbench run suites/smoke.yaml --set seed=1 --out results/smoke
+  kvbench report results/smoke
+  kvbench compare results/base results/new --fail-on attn_kl:5%
+"""
+
+
+def _positive(low: int, even: bool = False):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low or (even and v % 2):
+            need = f"an {'even ' if even else ''}integer >= {low}"
+            raise argparse.ArgumentTypeError(f"{v} must be {need}")
+        return v
+
+    return parse
+
+
 def cmd_bits(args: argparse.Namespace) -> int:
     method = get_method(args.method, **parse_set(args.set))
+    if method.capabilities.layer_cache and not method.needs_calibration:
+        method.new_layer(0, 1, args.head_dim)  # a config that does not fit head_dim raises here
     report = method.average_bits(head_dim=args.head_dim, tokens=args.tokens)
     report = {"method": args.method, "config": method.config.to_dict(), **report}
     if args.json:
@@ -51,7 +87,7 @@ def cmd_bits(args: argparse.Namespace) -> int:
             f"{args.method}: {report['key_bits']:.4f} bits/key element, "
             f"{report['value_bits']:.4f} bits/value element "
             f"(head_dim {args.head_dim}, {args.tokens} quantized tokens + "
-            f"{report['num_sink_tokens']} sinks; residual excluded; spec §12)"
+            f"{report['num_sink_tokens']} sinks; residual excluded; docs/methods.md)"
         )
     return 0
 
@@ -69,6 +105,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rerun runs whose record exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (records, flags, output folder) instead of the tables",
+    )
+    p.add_argument(
         "--skip-unavailable",
         action="store_true",
         help="skip workloads whose data cannot be loaded here (hub-only sets offline)",
@@ -84,11 +125,34 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress-workers", action="store_true", help="one line per Ray worker")
 
 
+def run_summary(records: list[dict], out: str, suite_path: str) -> dict:
+    """The machine-readable summary ``kvbench run --json`` prints."""
+    return {
+        "suite": suite_path,
+        "out": out,
+        "records": [
+            {
+                "run_id": r["run_id"],
+                "label": r.get("manifest", {}).get("label") or r["method"],
+                "method": r["method"],
+                "config": r["config"],
+                "workload": r.get("workload", {}),
+                "metrics": r["metrics"],
+                "flags": r.get("manifest", {}).get("flags", []),
+                "path": str(Path(out) / f"{r['run_id']}.json"),
+            }
+            for r in records
+        ],
+    }
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kvbench.run.runner import run_suite
     from kvbench.run.suite import load_suite
+    from kvbench.run.validate import check_devices, check_output
 
     suite = load_suite(args.suite, parse_set(args.set))
+    check_devices(suite)  # before the asset pre-flight: nothing else matters without a device
     paper_block = suite.raw.get("paper")
     if paper_block is not None:
         from kvbench.report.paper import validate
@@ -100,6 +164,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
     out = args.out or f"results/{suite.name}"
+    check_output(out)
+    args._out = out  # for the Ctrl-C message
     runner = run_suite
     if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
         from kvbench.run.ray_executor import runner_from_args
@@ -119,6 +185,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:  # an asset that vanished after the pre-flight
         print(f"kvbench run: error: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps(run_summary(records, out, suite.path), default=str))
+        return 0
     from kvbench.report.tables import summary_table
 
     print(summary_table(records, suite=suite))
@@ -131,7 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print("\n" + comparison_table(paper_block, records))
         for path in write_figures(paper_block, records, out):
-            print(f"wrote {path}")
+            print(f"wrote {path}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -144,16 +213,26 @@ EXTERNAL = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvbench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="kvbench",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pl = sub.add_parser("list", help="registered methods")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_list)
-    pb = sub.add_parser("bits", help="nominal average bits per key and value element (spec §12)")
+    pb = sub.add_parser("bits", help="nominal average bits per key and value element")
     pb.add_argument("method")
     pb.add_argument("--set", action="append", metavar="KEY=VALUE", help="config field")
-    pb.add_argument("--head-dim", type=int, default=128)
-    pb.add_argument("--tokens", type=int, default=32768, help="quantized tokens T_q")
+    pb.add_argument(
+        "--head-dim", type=_positive(2, even=True), default=128, help="channels per head D"
+    )
+    pb.add_argument(
+        "--tokens", type=_positive(1), default=32768, help="quantized tokens T_q (>= 1)"
+    )
     pb.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pb.set_defaults(func=cmd_bits)
     pr = sub.add_parser("run", help="run a suite YAML")
@@ -167,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
         mod.add_arguments(sp)
         sp.set_defaults(func=mod.main)
+    for sp in sub.choices.values():  # `kvbench run X --debug` as well as `kvbench --debug run X`
+        sp.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show the Python traceback of an error",
+        )
     from kvbench import lm_eval as lm_eval_cli  # light: imports lm-eval only when run
 
     # every argument goes to lm-eval's own CLI ('+' prefix: argparse leaves --options alone)
@@ -176,14 +262,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvbench")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    out = getattr(args, "_out", None)
+    if args.command != "run" or out is None:
+        return f"kvbench {args.command}: interrupted"
+    kept = len(list(Path(out).glob("*.json"))) if Path(out).is_dir() else 0
+    again = " ".join(["kvbench", *sys.argv[1:]]) if sys.argv[1:] else "the same command"
+    return (
+        f"kvbench run: interrupted; {kept} finished record(s) kept in {out} (the run in "
+        f"progress was discarded); resume with: {again}"
+    )
+
+
+#: exceptions that are the user's to fix (bad input, missing files, permissions)
+USER_ERRORS = (ValueError, RuntimeError, OSError, LookupError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as exc:
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"\n{_interrupted(args)}", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if args.debug:
+            traceback.print_exc()
         print(f"kvbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback, unless --debug
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"kvbench {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":

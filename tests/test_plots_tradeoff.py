@@ -82,3 +82,102 @@ def test_write_plots(tmp_path: Path) -> None:
         assert name in paths
         data = paths[name].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# ------------------------------------------------------------------ Pareto figures, by content
+
+
+def _q(method, bits, kl, label, mib=None):
+    cfg = {"bits": bits} if bits else {}
+    out = [
+        _rec(
+            method,
+            cfg,
+            "fidelity",
+            None,
+            {
+                "attn_kl": kl,
+                "nominal_key_bits": bits + 0.25 if bits else 16,
+                "effective_key_bits": bits + 0.5 if bits else 16,
+                "effective_value_bits": 16,
+            },
+            label,
+        ),
+    ]
+    if mib is not None:
+        r = _rec(method, cfg, "memory", 2048, {"bytes_total": mib * 2**20}, label)
+        r["workload"]["dtype"] = "float16"
+        out.append(r)
+    return out
+
+
+FIG_RECORDS = [
+    *_q("full", 0, 0.0, "full", 96),
+    *_q("kivi", 2, 2e-2, "kivi[bits=2]", 12),
+    *_q("per-channel", 2, 2e-2, "per-channel[bits=2]", 12),  # coincides with kivi
+    *_q("kivi", 4, 3e-4, "kivi[bits=4]", 20),
+    *_q("uniform", 2, 9e-2, "uniform[bits=2]", 12.5),  # dominated
+    *_q("kvquant", 4, 5e-5, "kvquant[bits=4]", 21),
+]
+
+
+def _axes(fig):
+    return fig.axes[0]
+
+
+def test_choose_scale_from_the_data() -> None:
+    from kvbench.report.plots import choose_scale
+
+    assert choose_scale([0.0, 1e-4, 2e-3, 0.1]) == ("symlog", 1e-4)
+    assert choose_scale([1e-4, 2e-3, 0.1]) == ("log", None)
+    assert choose_scale([0.0, 1.0, 2.0, 5.0]) == ("linear", None)
+    assert choose_scale([-0.01, 0.0, 5.0]) == ("symlog", 0.01)
+
+
+def test_pareto_figure_content_nominal_bits() -> None:
+    pytest.importorskip("matplotlib")
+    from kvbench.report.plots import pareto_figure
+
+    fig = pareto_figure(FIG_RECORDS, "nominal_key_bits", "attn_kl")
+    ax = _axes(fig)
+    # the zero baseline next to values spanning 400x: symlog, not a flattened linear axis
+    assert ax.get_yscale() == "symlog"
+    pts = sorted((round(float(x), 6), float(y)) for c in ax.collections for x, y in c.get_offsets())
+    # 4 distinct points (kivi and per-channel coincide); full is not a point but a line at 0
+    assert pts == [(2.25, 2e-2), (2.25, 9e-2), (4.25, 5e-5), (4.25, 3e-4)]
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == sorted(
+        ["kivi[bits=2] = per-channel[bits=2]", "uniform[bits=2]", "kivi[bits=4]", "kvquant[bits=4]"]
+    )
+    base = [ln for ln in ax.lines if ln.get_label() == "full (baseline)"]
+    assert len(base) == 1 and list(base[0].get_ydata()) == [0.0, 0.0]
+    assert "nominal key bits" in ax.get_xlabel() and "attention KL" in ax.get_ylabel()
+    assert ax.get_title().startswith("Attention KL vs nominal key bits")
+    # labels do not overlap each other
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+
+
+def test_pareto_figure_bytes_axis_in_mib_with_context_and_dtype() -> None:
+    pytest.importorskip("matplotlib")
+    from kvbench.report.plots import pareto_figure
+
+    ax = _axes(pareto_figure(FIG_RECORDS, "bytes_total", "attn_kl"))
+    xs = sorted({round(float(x), 6) for c in ax.collections for x, _ in c.get_offsets()})
+    assert xs == [12.0, 12.5, 20.0, 21.0]  # MiB, joined from the memory records
+    assert ax.get_xlabel() == "KV cache at rest (MiB), context 2048, baseline float16"
+    assert any(ln.get_label() == "full (baseline)" for ln in ax.lines)
+    assert any(list(ln.get_xdata()) == [96.0, 96.0] for ln in ax.lines)  # full's bytes
+
+
+def test_write_plots_one_figure_per_quality_metric_and_cost(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    names = {p.name for p in write_plots(FIG_RECORDS, tmp_path)}
+    assert {
+        "pareto_attn_kl_vs_nominal_key_bits.png",
+        "pareto_attn_kl_vs_effective_bits.png",
+        "pareto_attn_kl_vs_bytes_total.png",
+    } <= names

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.kv import finite
 from kvbench.kv.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.kv.schedule import NeverSchedule
 
@@ -198,6 +199,7 @@ class LayerCache:
             On bad shapes/dtypes, or a prefill into a non-empty cache.
         """
         self._check(keys, values)
+        finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.kv.finite)
         if self.seq_length:
             raise ValueError("prefill() needs an empty cache; use append() for later tokens")
         self.dtype = keys.dtype
@@ -232,6 +234,7 @@ class LayerCache:
                 "provide_queries() before appending decode tokens"
             )
         self._check(keys, values)
+        finite.check(keys, values, self, "append")  # NaN/Inf policy (kvbench.kv.finite)
         if self.seq_length and keys.dtype != self.dtype:  # torch.cat would silently promote
             raise ValueError(
                 f"new tokens are {keys.dtype} but the cache holds {self.dtype}; append tokens "

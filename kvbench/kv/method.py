@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.kv import finite
 from kvbench.kv.blocks import Codec, PerTokenCodec
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.quant import check_bits, resolve_scale_dtype
@@ -170,6 +171,11 @@ class Method:
     capabilities: ClassVar[Capabilities] = Capabilities()
     name: str = ""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "new_layer" in cls.__dict__:  # caches know their layer (NaN/Inf messages)
+            cls.new_layer = finite.named_layers(cls.__dict__["new_layer"])
+
     def __init__(self, config: MethodConfig | None = None, **overrides: Any) -> None:
         if config is None:
             config = self.Config.from_dict(overrides)
@@ -242,6 +248,7 @@ class Method:
         c = self.config
         return NeverSchedule() if c.value_bits == 16 else SlidingSchedule(c.residual_length)
 
+    @finite.named_layers
     def new_layer(
         self,
         layer_idx: int,

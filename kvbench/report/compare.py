@@ -1,6 +1,9 @@
 """``kvbench compare BASE NEW [--fail-on METRIC:THRESHOLD ...]``: regression gate.
 
-BASE and NEW are result folders or record files.  Runs are matched by ``run_id``.  For each
+BASE and NEW are result folders or record files.  Runs are matched by ``run_id`` and named by
+their label and workload (``kivi[bits=2] / fidelity (prefill=1152, tokens=1280)``).  Only
+metrics that moved are listed: a relative change of at least ``--min-change`` (default 0.01%),
+or any change from an exact 0.  ``--json`` prints one object (changes, failures, counts).  For each
 ``--fail-on METRIC:THRESHOLD`` (``5%`` relative to BASE, ``0.01`` absolute) the command fails
 (exit 1) when METRIC moves in its bad direction (declared in each workload's ``METRICS``;
 a ``none`` metric fails when it moves either way) by more than
@@ -11,11 +14,13 @@ different runs are an error that names the differing keys.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.report.tables import label_of, workload_label
 from kvbench.run.records import RecordError, load_records
 from kvbench.workloads.metrics import HIGHER, NONE, direction
 
@@ -68,8 +73,28 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def compare(base: list[dict], new: list[dict], gates: list[Gate]) -> tuple[list[str], list[str]]:
-    """Return (report lines, failure lines)."""
+def run_name(r: dict[str, Any]) -> str:
+    """A run as a reader knows it: its label and workload."""
+    return f"{label_of(r)} / {workload_label(r.get('workload', {}))}"
+
+
+def moved(b: float, n: float, min_change: float) -> bool:
+    """Whether a metric moved: both NaN is no move; from 0 any change; else a relative change
+    of at least ``min_change``."""
+    if math.isnan(b) and math.isnan(n):
+        return False
+    if math.isnan(b) or math.isnan(n):
+        return True
+    if b == 0:
+        return n != 0
+    return abs(n - b) / abs(b) >= min_change
+
+
+def changes(
+    base: list[dict], new: list[dict], gates: list[Gate], min_change: float = 1e-4
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Return (changes, failure lines); a change is ``{"run", "run_id", "metric", "base",
+    "new", "relative"}``."""
     if len(base) == 1 and len(new) == 1 and base[0]["run_id"] != new[0]["run_id"]:
         keys = _diff_keys(
             {k: base[0].get(k) for k in ("model", "method", "config", "workload")},
@@ -77,26 +102,56 @@ def compare(base: list[dict], new: list[dict], gates: list[Gate]) -> tuple[list[
         )
         raise ValueError(f"the two records are different runs; differing keys: {keys}")
     by_id = {r["run_id"]: r for r in new}
-    lines, failures = [], []
+    out, failures = [], []
     for rb in base:
-        rid, label = rb["run_id"], f"{rb['method']} {rb['run_id']}"
+        rid, name = rb["run_id"], run_name(rb)
         rn = by_id.get(rid)
         if rn is None:
-            failures.append(f"{label}: missing from NEW")
+            failures.append(f"{name}: missing from NEW (run {rid})")
             continue
-        for name in sorted(set(rb["metrics"]) & set(rn["metrics"])):
-            b, n = float(rb["metrics"][name]), float(rn["metrics"][name])
-            if b == n or (math.isnan(b) and math.isnan(n)):
-                continue
-            rel = f" ({(n - b) / abs(b):+.2%})" if b else ""
-            lines.append(f"{label} {name}: {b:.6g} -> {n:.6g}{rel}")
+        for metric in sorted(set(rb["metrics"]) & set(rn["metrics"])):
+            b, n = float(rb["metrics"][metric]), float(rn["metrics"][metric])
+            if moved(b, n, min_change):
+                rel = (n - b) / abs(b) if b and not math.isnan(b + n) else None
+                out.append(
+                    {
+                        "run": name,
+                        "run_id": rid,
+                        "metric": metric,
+                        "base": b,
+                        "new": n,
+                        "relative": rel,
+                    }
+                )
         for g in gates:
             if g.metric in rb["metrics"] and g.metric in rn["metrics"]:
                 b, n = float(rb["metrics"][g.metric]), float(rn["metrics"][g.metric])
                 if g.regressed(b, n):
                     thr = f"{g.threshold:.2%}" if g.relative else f"{g.threshold:g}"
-                    failures.append(f"{label} {g.metric}: {b:.6g} -> {n:.6g} exceeds {thr}")
+                    failures.append(f"{name} {g.metric}: {b:.6g} -> {n:.6g} exceeds {thr}")
+    return out, failures
+
+
+def compare(
+    base: list[dict], new: list[dict], gates: list[Gate], min_change: float = 1e-4
+) -> tuple[list[str], list[str]]:
+    """Return (report lines, failure lines)."""
+    found, failures = changes(base, new, gates, min_change)
+    lines = []
+    for c in found:
+        rel = f" ({c['relative']:+.2%})" if c["relative"] is not None else ""
+        lines.append(f"{c['run']} {c['metric']}: {c['base']:.6g} -> {c['new']:.6g}{rel}")
     return lines, failures
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or a percentage") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +164,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="METRIC:THRESHOLD",
         help="e.g. attn_kl:5%% (relative) or bytes_total:0 (absolute)",
     )
+    p.add_argument(
+        "--min-change",
+        type=_fraction,
+        default=1e-4,
+        metavar="FRACTION",
+        help="smallest relative change listed (default 0.01%%; '1%%' or 0.01)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,10 +182,26 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(str(exc)) from exc
     if not base:
         raise ValueError(f"{args.base}: no records")
-    lines, failures = compare(base, new, gates)
+    min_change = getattr(args, "min_change", 1e-4)
+    found, failures = changes(base, new, gates, min_change)
     matched = sum(1 for r in base if r["run_id"] in {x["run_id"] for x in new})
+    if getattr(args, "json", False):
+        print(
+            json.dumps(
+                {
+                    "matched": matched,
+                    "base_runs": len(base),
+                    "changes": found,
+                    "failures": failures,
+                    "min_change": min_change,
+                }
+            )
+        )
+        return 1 if failures else 0
+    lines, _ = compare(base, new, gates, min_change)
     print(
-        f"compared {matched} matched run(s) of {len(base)} in BASE; {len(lines)} metric change(s)"
+        f"compared {matched} matched run(s) of {len(base)} in BASE; {len(lines)} metric(s) "
+        f"moved by >= {min_change:.2%}"
     )
     for line in lines:
         print("  " + line)

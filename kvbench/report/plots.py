@@ -4,29 +4,48 @@ dominated points drawn hollow."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from kvbench.report.tables import label_of
 from kvbench.workloads.metrics import HIGHER, direction
 
+#: quality metrics drawn as Pareto figures, each against nominal key bits, measured bits and
+#: measured bytes when the records have them
+QUALITY_FIGURES = ("attn_kl", "next_token_kl", "ppl_delta", "key_mse", "attn_out_rel_err")
+#: x axes of the Pareto figures
+X_AXES = ("nominal_key_bits", "effective_bits", "bytes_total")
 #: (x metric, y metric) pairs drawn as Pareto plots when the records have both
-PARETO = [
-    ("nominal_key_bits", "attn_kl"),
-    ("nominal_key_bits", "ppl_delta"),
-    ("nominal_key_bits", "next_token_kl"),
-    ("effective_bits", "attn_kl"),
-    ("bytes_total", "next_token_kl"),
-]
-UNITS = {
-    "nominal_key_bits": "bits / key element (nominal, spec §12)",
-    "effective_bits": "bits / element (measured bytes)",
-    "bytes_total": "bytes at rest",
-    "attn_kl": "attention KL (lower is better)",
+PARETO = [(x, y) for y in QUALITY_FIGURES for x in X_AXES]
+#: human names (with units) of metrics, used in axis labels and titles
+NAMES = {
+    "nominal_key_bits": "nominal key bits / element (formula, residual excluded)",
+    "nominal_value_bits": "nominal value bits / element",
+    "effective_bits": "measured bits / element, keys and values (8 x stored bytes / elements)",
+    "effective_key_bits": "measured key bits / element",
+    "bytes_total": "KV cache at rest (MiB)",
+    "attn_kl": "attention KL vs full (nats)",
     "ppl_delta": "perplexity increase vs full",
-    "next_token_kl": "next-token KL vs full (lower is better)",
-    "key_mse": "key MSE (lower is better)",
+    "ppl": "perplexity",
+    "next_token_kl": "next-token KL vs full (nats)",
+    "key_mse": "key MSE",
+    "attn_out_rel_err": "attention output relative error",
 }
+UNITS = NAMES  # the older name
+TITLES = {
+    "attn_kl": "Attention KL",
+    "next_token_kl": "Next-token KL",
+    "ppl_delta": "Perplexity increase",
+    "key_mse": "Key MSE",
+    "attn_out_rel_err": "Attention output error",
+    "nominal_key_bits": "nominal key bits",
+    "effective_bits": "measured bits",
+    "bytes_total": "KV cache bytes",
+}
+BASELINE = "full"
+#: figures with more points label only the Pareto frontier (the legend names the families)
+MAX_LABELS = 20
 
 
 def pareto_mask(xs: list[float], ys: list[float], y_higher_better: bool = False) -> list[bool]:
@@ -55,36 +74,193 @@ def _figure():
     return plt
 
 
-def pareto_plot(
-    records: list[dict[str, Any]], x: str, y: str, path: Path, title: str = ""
-) -> Path | None:
-    pts = [
-        (r["metrics"][x], r["metrics"][y], label_of(r))
-        for r in records
-        if x in r["metrics"] and y in r["metrics"] and r["method"] != "full"
-    ]
+def _config_key(r: dict[str, Any]) -> str:
+    from kvbench.run.records import canonical
+
+    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
+
+
+def _metric(r: dict[str, Any], name: str) -> float | None:
+    """A record's metric; ``effective_bits`` from the key and value sides when only those are
+    recorded (fidelity)."""
+    m = r["metrics"]
+    if name in m:
+        return m[name]
+    if name == "effective_bits" and "effective_key_bits" in m and "effective_value_bits" in m:
+        return (m["effective_key_bits"] + m["effective_value_bits"]) / 2
+    return None
+
+
+def pareto_points(records: list[dict[str, Any]], x: str, y: str) -> dict[str, Any]:
+    """The points of one Pareto figure: ``{"points": [(x, y, label, method)], "baseline":
+    (x or None, y) | None, "context", "dtype"}``.
+
+    ``x`` and ``y`` come from one record, except ``x == "bytes_total"`` for a quality ``y``
+    that memory records lack: then each configuration's (model, method, config) quality is
+    joined with the bytes of its memory record at the context most configurations have (the
+    largest on ties), and ``context``/``dtype`` say which.  The ``full`` baseline is returned
+    apart (drawn as a reference line, not a point)."""
+    direct = [r for r in records if _metric(r, x) is not None and y in r["metrics"]]
+    context = dtype = None
+    rows: list[tuple[float, float, str, str]] = []
+    if direct:
+        rows = [(_metric(r, x), r["metrics"][y], label_of(r), r["method"]) for r in direct]
+        ws = {(r["workload"].get("context"), r["workload"].get("dtype")) for r in direct}
+        if len(ws) == 1:
+            context, dtype = next(iter(ws))
+    elif x == "bytes_total":
+        mem: dict[str, dict[Any, dict[str, Any]]] = {}
+        for r in records:
+            if r.get("workload", {}).get("type") == "memory" and x in r["metrics"]:
+                mem.setdefault(_config_key(r), {})[r["workload"].get("context")] = r
+        depths = [c for d in mem.values() for c in d]
+        if depths:
+            context = max(depths, key=lambda c: (depths.count(c), c or 0))
+            for r in records:
+                m = mem.get(_config_key(r), {}).get(context)
+                if m is not None and y in r["metrics"]:
+                    rows.append((m["metrics"][x], r["metrics"][y], label_of(r), r["method"]))
+                    dtype = m["workload"].get("dtype")
+    if x == "bytes_total":
+        rows = [(a / 2**20, b, lab, meth) for a, b, lab, meth in rows]
+    base = [row for row in rows if row[3] == BASELINE]
+    points = [row for row in rows if row[3] != BASELINE]
+    baseline = (base[0][0], base[0][1]) if base else None
+    return {"points": points, "baseline": baseline, "context": context, "dtype": dtype}
+
+
+def choose_scale(values: list[float], ratio: float = 30.0) -> tuple[str, float | None]:
+    """``("linear" | "log" | "symlog", linthresh)`` for an axis holding ``values``: log when
+    all are positive and span more than ``ratio``; symlog (linear below the smallest non-zero
+    magnitude) when zeros or negatives sit beside positives spanning more than ``ratio``, so a
+    zero baseline does not flatten the rest; else linear."""
+    nonzero = [abs(v) for v in values if v != 0 and math.isfinite(v)]
+    if len(nonzero) < 2 or max(nonzero) / min(nonzero) <= ratio:
+        return "linear", None
+    if all(v > 0 for v in values):
+        return "log", None
+    return "symlog", min(nonzero)
+
+
+def _merge_coincident(points: list[tuple[float, float, str, str]]) -> list[tuple]:
+    """One point per distinct (x, y) (to 1e-9 relative): labels joined with " = "."""
+    merged: dict[tuple[float, float], list] = {}
+    for xv, yv, lab, meth in points:
+        key = (round(xv, 9), float(f"{yv:.9g}"))
+        e = merged.setdefault(key, [xv, yv, [], meth])
+        e[2].append(lab)
+    return [(xv, yv, " = ".join(labs), meth) for xv, yv, labs, meth in merged.values()]
+
+
+def _place_labels(
+    ax: Any, texts: list[Any], tx: list[float], ty: list[float], xs: Any, ys: Any
+) -> None:
+    """Move labels (at their points ``tx, ty``) off each other and off every point ``xs, ys``
+    with adjustText, leader lines to the points; without adjustText, labels stay beside their
+    points, fanned out vertically."""
+    try:
+        from adjustText import adjust_text
+    except ImportError:
+        for i, t in enumerate(texts):
+            t.set_va("bottom" if i % 2 else "top")
+        return
+    adjust_text(
+        texts,
+        x=list(xs),
+        y=list(ys),
+        target_x=list(tx),
+        target_y=list(ty),
+        ax=ax,
+        arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
+        time_lim=2,
+    )
+
+
+def _apply_scale(ax: Any, axis: str, values: list[float]) -> None:
+    scale, lin = choose_scale(values)
+    setter = ax.set_yscale if axis == "y" else ax.set_xscale
+    if scale == "symlog":
+        setter("symlog", linthresh=lin)
+    elif scale == "log":
+        setter("log")
+
+
+def pareto_figure(records: list[dict[str, Any]], x: str, y: str, title: str = "") -> Any:
+    """The Pareto figure of quality ``y`` against cost ``x`` (see :func:`pareto_points`), or
+    ``None`` with fewer than two points.  Colors by method family (legend), hollow markers for
+    dominated points, the frontier as a line, every point labelled (coincident ones share a
+    label), the ``full`` baseline as a dashed reference line; axis scales from
+    :func:`choose_scale`."""
+    data = pareto_points(records, x, y)
+    pts = _merge_coincident(data["points"])
     if len(pts) < 2:
         return None
     plt = _figure()
-    xs, ys, labels = zip(*pts)
+    xs, ys, labels, methods = zip(*pts)
     keep = pareto_mask(list(xs), list(ys), direction(y) == HIGHER)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for xi, yi, lab, k in zip(xs, ys, labels, keep):
-        ax.scatter([xi], [yi], facecolors="C0" if k else "none", edgecolors="C0", s=40)
-        ax.annotate(lab, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    front = sorted((xi, yi) for xi, yi, k in zip(xs, ys, keep) if k)
+    families = sorted(set(methods))
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for fi, fam in enumerate(families):
+        color = _style(fi)["color"]
+        for k in (True, False):
+            sel = [(a, b) for a, b, m, kk in zip(xs, ys, methods, keep) if m == fam and kk == k]
+            if sel:
+                ax.scatter(
+                    *zip(*sel),
+                    s=42,
+                    facecolors=color if k else "none",
+                    edgecolors=color,
+                    linewidths=1.2,
+                    label=fam
+                    if k or not any(kk for m, kk in zip(methods, keep) if m == fam)
+                    else None,
+                    zorder=3,
+                    clip_on=False,
+                )
+    front = sorted((a, b) for a, b, k in zip(xs, ys, keep) if k)
     if len(front) > 1:
-        ax.plot(*zip(*front), "C0-", lw=1, label="Pareto frontier")
-    ax.set_xlabel(UNITS.get(x, x))
-    ax.set_ylabel(UNITS.get(y, y))
-    if all(v > 0 for v in ys) and max(ys) / max(min(ys), 1e-30) > 100:
-        ax.set_yscale("log")
-    ax.set_title(title or f"{y} vs {x} (hollow: dominated)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
+        ax.plot(*zip(*front), color="0.3", lw=1, zorder=2, label="Pareto frontier")
+    ally = list(ys)
+    if data["baseline"] is not None:
+        bx, by = data["baseline"]
+        ax.axhline(by, color="k", ls="--", lw=1, zorder=1, label=f"{BASELINE} (baseline)")
+        if x == "bytes_total":
+            ax.axvline(bx, color="k", ls=":", lw=1, zorder=1)
+        ally.append(by)
+    _apply_scale(ax, "y", ally)
+    _apply_scale(ax, "x", list(xs))
+    # dense figures: label the frontier, the legend's colors name the rest
+    shown = [i for i in range(len(pts)) if keep[i] or len(pts) <= MAX_LABELS]
+    texts = [ax.text(xs[i], ys[i], labels[i], fontsize=7, zorder=4) for i in shown]
+    ax.margins(0.08)
+    xlabel = NAMES.get(x, x)
+    if x == "bytes_total":
+        ctx = f"context {data['context']}" if data["context"] else "memory workload"
+        xlabel = f"{xlabel}, {ctx}, baseline {data['dtype'] or 'model dtype'}"
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(NAMES.get(y, y) + (" (higher is better)" if direction(y) == HIGHER else ""))
+    ax.set_title(
+        title
+        or f"{TITLES.get(y, y)} vs {TITLES.get(x, x)} "
+        "(filled: Pareto-optimal, hollow: dominated; lower-left is better)",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _place_labels(ax, texts, [xs[i] for i in shown], [ys[i] for i in shown], xs, ys)
+    return fig
+
+
+def pareto_plot(
+    records: list[dict[str, Any]], x: str, y: str, path: Path, title: str = ""
+) -> Path | None:
+    """Write :func:`pareto_figure` to ``path`` (PNG); ``None`` when it has too few points."""
+    fig = pareto_figure(records, x, y, title)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=130)
+    _figure().close(fig)
     return path
 
 

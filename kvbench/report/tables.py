@@ -1,18 +1,31 @@
-"""``kvbench report DIR``: a Markdown table of the records and PNG plots beside them."""
+"""``kvbench report DIR``: Markdown tables of the records (stdout) and PNG plots beside them
+(their paths on stderr, so ``kvbench report DIR > report.md`` holds only the report).
+
+Tables: one per workload (workloads in :data:`WORKLOAD_ORDER`, then by parameters), rows sorted
+by method family (``full`` first, then the method name), nominal key bits, then label.  Every
+table has the nominal and the measured (effective) key and value bits; a workload that does not
+measure them borrows them from a record of the same model, method and config that does
+(fidelity, memory), marked ``*``.  Runs the runner flagged (nothing quantized) are marked ``!``
+and the flag is printed under the table.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-from kvbench.run.records import load_records
+from kvbench.run.records import canonical, load_records
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [
     "nominal_key_bits",
     "nominal_value_bits",
+    "effective_key_bits",
+    "effective_value_bits",
     "effective_bits",
     "key_mse",
     "attn_kl",
@@ -44,6 +57,64 @@ COLUMNS = [
 FAMILY_PREFIXES = ("lm_eval.", "kv_quantized_fraction")
 
 
+#: columns every table carries (borrowed from the same configuration's records when absent)
+BITS = ("nominal_key_bits", "nominal_value_bits", "effective_key_bits", "effective_value_bits")
+#: table order of workload types; others follow alphabetically
+WORKLOAD_ORDER = ["bits", "fidelity", "perplexity", "generation", "passkey", "memory", "latency"]
+
+
+def config_key(r: dict[str, Any]) -> str:
+    """What identifies a method configuration across workloads: model, method and config."""
+    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
+
+
+def row_order(r: dict[str, Any]) -> tuple:
+    """Sort key of a row: method family (``full`` first, then the method name), nominal key
+    bits, label."""
+    bits = r["metrics"].get("nominal_key_bits", math.inf)
+    return (r["method"] != "full", r["method"], bits, label_of(r))
+
+
+def workload_order(w: dict[str, Any]) -> tuple:
+    t = w.get("type", "?")
+    rank = WORKLOAD_ORDER.index(t) if t in WORKLOAD_ORDER else len(WORKLOAD_ORDER)
+    return (rank, t, w.get("context", 0) or 0, workload_label(w))
+
+
+def borrowed_bits(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per configuration (:func:`config_key`), the :data:`BITS` metrics any of its records has
+    (fidelity's over memory's over others': the first found in workload order)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in sorted(records, key=lambda r: workload_order(r.get("workload", {}))):
+        e = out.setdefault(config_key(r), {})
+        for k in BITS:
+            if k in r["metrics"] and k not in e:
+                e[k] = r["metrics"][k]
+    for r in records:  # no record of the configuration has nominal bits: the formula's
+        e = out[config_key(r)]
+        d = (r.get("manifest", {}).get("model") or {}).get("head_dim")
+        if "nominal_key_bits" not in e and d:
+            e.update(_nominal(r, int(d)))
+    return out
+
+
+def _nominal(r: dict[str, Any], head_dim: int) -> dict[str, float]:
+    """Nominal bits of a record's configuration from its method's formula (``{}`` when the
+    method is not installed here or its config no longer loads)."""
+    from kvbench.kv.registry import get_method
+
+    try:
+        m = get_method(r["method"], **(r.get("config") or {}))
+        b = m.average_bits(head_dim=head_dim)
+    except Exception:  # noqa: BLE001 - a report must render records of methods gone since
+        return {}
+    return {"nominal_key_bits": b["key_bits"], "nominal_value_bits": b["value_bits"]}
+
+
+def flags_of(r: dict[str, Any]) -> list[str]:
+    return list(r.get("manifest", {}).get("flags") or [])
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return ""
@@ -67,18 +138,22 @@ def workload_label(w: dict[str, Any]) -> str:
     )
 
 
-def summary_table(
-    records: list[dict[str, Any]], suite: Any = None, columns: list[str] | None = None
-) -> str:
-    """Markdown tables, one per workload, one row per run, the preferred metric columns that
-    any run in the table has."""
+def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
+    "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
+    in report order (see the module docstring)."""
     groups: dict[str, list[dict[str, Any]]] = {}
+    order: dict[str, tuple] = {}
     for r in records:
-        groups.setdefault(workload_label(r.get("workload", {})), []).append(r)
-    parts = []
-    for wl, recs in groups.items():
+        w = r.get("workload", {})
+        groups.setdefault(workload_label(w), []).append(r)
+        order[workload_label(w)] = workload_order(w)
+    bits = borrowed_bits(records)
+    out = []
+    for wl in sorted(groups, key=lambda k: order[k]):
+        recs = sorted(groups[wl], key=row_order)
         present = {k for r in recs for k in r["metrics"]}
-        cols = [c for c in (columns or COLUMNS) if c in present]
+        cols = [c for c in (columns or COLUMNS) if c in present and c not in BITS]
         if columns is None:
             cols += sorted(
                 c
@@ -86,20 +161,59 @@ def summary_table(
                 if c.startswith(FAMILY_PREFIXES) and not c.endswith("_ratio") and "_stderr" not in c
             )
         if not cols:  # a workload with none of the preferred metrics: show its own
-            cols = sorted(c for c in present if not c.endswith("_ratio"))[:8]
-        head = "| method | " + " | ".join(cols) + " |"
-        sep = "|---|" + "---:|" * len(cols)
-        rows = [
-            f"| {label_of(r)} | " + " | ".join(_fmt(r["metrics"].get(c)) for c in cols) + " |"
-            for r in recs
-        ]
+            cols = sorted(c for c in present if not c.endswith("_ratio") and c not in BITS)[:8]
+        have_bits = [c for c in BITS if c in present or any(c in bits[config_key(r)] for r in recs)]
+        cols = have_bits + cols
+        rows = []
+        for r in recs:
+            values, borrowed = {}, []
+            for c in cols:
+                if c in r["metrics"]:
+                    values[c] = r["metrics"][c]
+                elif c in bits[config_key(r)]:
+                    values[c] = bits[config_key(r)][c]
+                    borrowed.append(c)
+            rows.append(
+                {
+                    "label": label_of(r),
+                    "run_id": r.get("run_id"),
+                    "method": r["method"],
+                    "values": values,
+                    "borrowed": borrowed,
+                    "flags": flags_of(r),
+                }
+            )
         notes = sorted({r.get("manifest", {}).get("timing_note") for r in recs} - {None})
         if any("_ratio" in c and c.startswith(("decode", "prefill")) for c in cols):
             base = sorted({r.get("manifest", {}).get("baseline") for r in recs} - {None})
             if base:
                 notes.append(f"timing ratios: against {', '.join(base)} interleaved in each run")
-        foot = "".join(f"\n\n> {n}" for n in notes)
-        parts.append(f"### {wl}\n\n" + "\n".join([head, sep, *rows]) + foot)
+        if any(row["borrowed"] for row in rows):
+            notes.append("*: bits measured by another workload's run of the same configuration")
+        for row in rows:
+            notes += [f"! {row['label']}: {f}" for f in row["flags"]]
+        out.append({"workload": wl, "columns": cols, "rows": rows, "notes": notes})
+    return out
+
+
+def summary_table(
+    records: list[dict[str, Any]], suite: Any = None, columns: list[str] | None = None
+) -> str:
+    """Markdown tables, one per workload (see the module docstring for order and columns)."""
+    parts = []
+    for t in tables(records, columns):
+        cols = t["columns"]
+        head = "| method | " + " | ".join(cols) + " |"
+        sep = "|---|" + "---:|" * len(cols)
+        rows = []
+        for row in t["rows"]:
+            cells = [
+                _fmt(row["values"].get(c)) + ("*" if c in row["borrowed"] else "") for c in cols
+            ]
+            mark = " !" if row["flags"] else ""
+            rows.append(f"| {row['label']}{mark} | " + " | ".join(cells) + " |")
+        foot = "".join(f"\n\n> {n}" for n in t["notes"])
+        parts.append(f"### {t['workload']}\n\n" + "\n".join([head, sep, *rows]) + foot)
     return "\n\n".join(parts)
 
 
@@ -107,19 +221,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="result folder(s) or record files")
     p.add_argument("--plots", default=None, help="folder for PNGs (default: the first folder)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="the tables and plot paths as one JSON")
 
 
 def main(args: argparse.Namespace) -> int:
     records = load_records(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
-    if any(r.get("workload", {}).get("type") == "memory" for r in records) and any(
-        r["method"] == "full" for r in records
-    ):
-        from kvbench.report.headline import headline_table
-
-        print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
-    print(summary_table(records))
+    paths = []
     if not args.no_plots:
         from kvbench.report.plots import write_plots
 
@@ -127,6 +236,17 @@ def main(args: argparse.Namespace) -> int:
             args.plots
             or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
         )
-        for path in write_plots(records, folder):
-            print(f"wrote {path}")
+        paths = write_plots(records, folder)
+        for path in paths:
+            print(f"wrote {path}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"tables": tables(records), "plots": [str(p) for p in paths]}))
+        return 0
+    if any(r.get("workload", {}).get("type") == "memory" for r in records) and any(
+        r["method"] == "full" for r in records
+    ):
+        from kvbench.report.headline import headline_table
+
+        print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
+    print(summary_table(records))
     return 0

@@ -71,13 +71,22 @@ def record_path(out_dir: str | Path, run_id: str) -> Path:
     return Path(out_dir) / f"{run_id}.json"
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file in the same folder and ``os.replace``, so a
-    crash never leaves a partial file behind."""
+    crash never leaves a partial file behind.  The file gets the mode a plain ``open`` would
+    give (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True, default=str)
             f.write("\n")

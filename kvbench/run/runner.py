@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from kvbench.kv.registry import get_method
+from kvbench.run import memstat, validate
 from kvbench.run.manifest import base_manifest
 from kvbench.run.records import (
     load_record,
@@ -183,14 +184,22 @@ def execute_run(
                 "(capability needs_calibration); the suite has none"
             )
         calib_info = calibrate(ctx, method, calibration)
+    per_run = memstat.reset_peak()
     t0 = time.perf_counter()
     result: Result = workload.run(ctx, method)
     wall = time.perf_counter() - t0
+    memory = memstat.peak(per_run)
     metrics = dict(result.metrics)
     if not run.is_baseline:  # ratios a workload measured itself (interleaved timing) win
         ratios = _ratios(metrics, baseline)
         metrics.update({k: v for k, v in ratios.items() if k not in metrics})
-    extras = {"label": run.method.label, "wall_s": round(wall, 3), **calib_info, **result.info}
+    extras = {
+        "label": run.method.label,
+        "wall_s": round(wall, 3),
+        "memory": memory,
+        **calib_info,
+        **result.info,
+    }
     return metrics, extras, result, method
 
 
@@ -238,12 +247,28 @@ def compute_record(
     workload: Workload,
     run: PlannedRun,
     baseline: dict[str, float] | None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """One run in a prepared workload, from a fresh ``torch.manual_seed(suite.seed)``:
     :func:`execute_run` then :func:`make_record`.  The record depends on the run alone, not on
-    its position in the sweep, so a resumed or distributed sweep gives the same records."""
+    its position in the sweep, so a resumed or distributed sweep gives the same records.
+    A ``ValueError`` of the run is re-raised naming the suite entry and workload; a run whose
+    method quantized (almost) nothing carries a flag (:func:`quantized_flag`)."""
     torch.manual_seed(suite.seed)
-    metrics, extras, result, method = execute_run(ctx, workload, run, suite.calibration, baseline)
+    try:
+        metrics, extras, result, method = execute_run(
+            ctx, workload, run, suite.calibration, baseline
+        )
+    except ValueError as exc:  # name the entry and workload that failed
+        raise ValueError(
+            f"{suite.path}: {run.method.where or 'methods'} ({run.method.label}) "
+            f"in workloads[{run.workload_index}] ({run.workload_spec['type']}): {exc}"
+        ) from exc
+    if threads is not None:
+        extras["threads"] = threads
+    flag = quantized_flag(run, metrics)
+    if flag:
+        extras["flags"] = [flag]
     rec = make_record(suite, ctx, run, method, metrics, extras, result)
     if result.files:  # per-sample logs, written beside the record by :func:`write_run`
         rec[SIDECARS] = dict(result.files)
@@ -260,6 +285,79 @@ def write_run(path: Path, rec: dict[str, Any]) -> None:
     for name, rows in rec.pop(SIDECARS, {}).items():
         write_jsonl_atomic(sidecar_path(path, name), rows)
     write_atomic(path, rec)
+
+
+#: a run whose method quantized fewer than this fraction of the key tokens it read is flagged
+MIN_QUANTIZED_FRACTION = 0.25
+
+
+def quantized_flag(run: PlannedRun, metrics: dict[str, float]) -> str | None:
+    """A warning for a run whose numbers mean little: its method stored (almost) every key
+    token in full precision, so its fidelity and bits describe the residual window and sinks,
+    not the quantizer.  Reads ``quantized_key_fraction`` (measured by the workload from the
+    layer caches: quantized key tokens / tokens held); the ``full`` baseline and methods whose
+    nominal key bits are 16 or more are never flagged."""
+    frac = metrics.get("quantized_key_fraction")
+    if run.is_baseline or frac is None or metrics.get("nominal_key_bits", 0) >= 16:
+        return None
+    if frac >= MIN_QUANTIZED_FRACTION:
+        return None
+    what = "nothing quantized" if frac == 0 else f"only {frac:.1%} of key tokens quantized"
+    cfg = run.method.config
+    knobs = ", ".join(
+        f"{k}={cfg[k]}" for k in ("group_size", "residual_length", "num_sink_tokens") if k in cfg
+    )
+    return (
+        f"{what} (< {MIN_QUANTIZED_FRACTION:.0%} of the key tokens; the rest stay in full "
+        f"precision in the residual window and sinks{': ' + knobs if knobs else ''}); "
+        "use a longer context or a smaller residual/group"
+    )
+
+
+def set_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads: the suite's ``threads``, or when unset the CPUs that are
+    free here (:func:`kvbench.run.validate.free_cpus`: affinity minus load, at least 1), so a
+    shared machine is not oversubscribed.  Returns the number used (recorded per run)."""
+    n = int(requested) if requested else validate.free_cpus()
+    torch.set_num_threads(n)
+    return n
+
+
+class Eta:
+    """Remaining-time estimate that knows runs differ: the mean wall time of finished runs of
+    the same workload entry (type and parameters), else of the same workload type, else of any
+    run.  Resumed runs cost nothing."""
+
+    def __init__(self, runs: list[PlannedRun]) -> None:
+        self.left = list(runs)
+        self.times: dict[Any, list[float]] = {}
+
+    @staticmethod
+    def _keys(run: PlannedRun) -> tuple[Any, Any]:
+        return (run.model_index, run.workload_index), run.workload_spec["type"]
+
+    def done(self, run: PlannedRun, seconds: float | None) -> None:
+        self.left.remove(run)
+        if seconds is not None:
+            for k in (*self._keys(run), None):
+                self.times.setdefault(k, []).append(seconds)
+
+    def seconds(self) -> float | None:
+        """Estimated seconds for the runs not yet done (``None`` before any run finished)."""
+        if None not in self.times:
+            return None
+        total = 0.0
+        for run in self.left:
+            ts = next(self.times[k] for k in (*self._keys(run), None) if k in self.times)
+            total += sum(ts) / len(ts)
+        return total
+
+    def text(self) -> str:
+        s = self.seconds()
+        if s is None:
+            return ""
+        h, rem = divmod(int(s), 3600)
+        return f"ETA ~{h}:{rem // 60:02d}:{rem % 60:02d}, "
 
 
 def run_suite(
@@ -279,12 +377,20 @@ def run_suite(
     ``skip_unavailable``: a workload whose data cannot be loaded here (``FileNotFoundError``
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
     instead of stopping the suite."""
+    validate.check_devices(suite)
+    validate.check_output(out_dir)
     torch.manual_seed(suite.seed)
-    if suite.threads:
-        torch.set_num_threads(int(suite.threads))
+    threads = set_threads(suite.threads)
     runs = plan_runs(suite, out_dir, limit)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(runs), desc=suite.name, disable=quiet, file=sys.stderr)
+    eta = Eta(runs)
+    bar = tqdm(
+        total=len(runs),
+        desc=suite.name,
+        disable=quiet,
+        file=sys.stderr,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+    )
 
     def note(msg: str) -> None:
         if not quiet:
@@ -300,15 +406,18 @@ def run_suite(
             baseline: dict[str, float] | None = None
             prepared = False
             for i, run in enumerate(group):
-                bar.set_postfix_str(run.title)
+                bar.set_postfix_str(f"{eta.text()}{run.title}")
                 rec = finished_record(run, force)
                 if rec is None:
                     why = skip_reason(get_method(run.method.name, **run.method.config), workload)
                     if why:
                         note(f"skipped {run.title}: {why}")
+                        eta.done(run, None)
                         bar.update(1)
                         continue
-                    ensure_model(ctx)
+                    if ctx.model is None and ctx.model_spec is not None:
+                        ensure_model(ctx)
+                        validate.check_methods_for_model(suite.methods, ctx.model_info, suite.path)
                     if not prepared:
                         try:
                             prepare_workload(ctx, workload, suite.seed)
@@ -316,14 +425,25 @@ def run_suite(
                             if not skip_unavailable:
                                 raise
                             note(f"skipped workload {run.workload_spec['type']}: {exc}")
+                            for r in group[i:]:
+                                eta.done(r, None)
                             bar.update(len(group) - i)
                             break
                         prepared = True
-                    rec = compute_record(suite, ctx, workload, run, baseline)
+                    t0 = time.perf_counter()
+                    rec = compute_record(suite, ctx, workload, run, baseline, threads)
+                    for flag in rec["manifest"].get("flags") or []:
+                        note(f"warning: {run.title}: {flag}")
                     write_run(run.path, rec)
+                    memstat.release()
+                    eta.done(run, time.perf_counter() - t0)
+                else:
+                    eta.done(run, None)
                 records.append(rec)
                 if run.is_baseline:
                     baseline = rec["metrics"]
                 bar.update(1)
+            del workload  # its prepared tensors (captures, reference logits) go before the next
+            memstat.release()
     bar.close()
     return records

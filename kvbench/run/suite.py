@@ -4,7 +4,7 @@ Example::
 
     name: smoke
     seed: 0
-    threads: 2
+    threads: auto          # or an integer >= 1; auto/absent: the CPUs free here (never more)
     model: {id: HuggingFaceTB/SmolLM2-135M-Instruct, dtype: float32, device: cpu}
     methods:
       - full
@@ -15,7 +15,9 @@ Example::
     resources: {num_cpus: 1, num_gpus: 1}   # per worker under --executor ray (docs/cluster.md)
 
 ``models:`` (a list) may replace ``model:``; ``model: none`` runs model-free workloads.
-Errors name the file, the key and the allowed values.
+``calibration: {text, tokens}`` is the text methods with ``needs_calibration`` are fitted on.
+Errors name the file, the entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``),
+the field and the allowed values (:mod:`kvbench.run.validate`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import yaml
 
 from kvbench.kv.registry import get_method_class
+from kvbench.run import validate
 
 TOP_KEYS = {
     "name",
@@ -58,6 +61,8 @@ class MethodSpec:
     name: str
     config: dict[str, Any]
     label: str
+    #: the suite entry it came from (``methods[3]``), for error messages
+    where: str = ""
 
 
 @dataclass
@@ -78,16 +83,37 @@ class Suite:
 
 
 def set_path(data: dict, dotted: str, value: Any) -> None:
-    """``set_path(d, "model.dtype", "bfloat16")``; list items by index (``workloads.0.tokens``)."""
+    """``set_path(d, "model.dtype", "bfloat16")``; list items by index (``workloads.0.tokens``).
+
+    Missing mapping keys are created (the suite's validation then names unknown ones); a list
+    index out of range or a path through a scalar raises ``ValueError`` naming the path."""
     keys = dotted.split(".")
     cur: Any = data
-    for k in keys[:-1]:
-        cur = cur[int(k)] if isinstance(cur, list) else cur.setdefault(k, {})
-    last = keys[-1]
-    if isinstance(cur, list):
-        cur[int(last)] = value
-    else:
-        cur[last] = value
+    for depth, k in enumerate(keys):
+        here = ".".join(keys[: depth + 1])
+        last = depth == len(keys) - 1
+        if isinstance(cur, list):
+            if not k.lstrip("-").isdigit() or not -len(cur) <= int(k) < len(cur):
+                raise ValueError(
+                    f"--set {dotted}: {'.'.join(keys[:depth]) or 'the suite'} has "
+                    f"{len(cur)} entries (indices 0..{len(cur) - 1}); {here!r} does not exist"
+                )
+            if last:
+                cur[int(k)] = value
+            else:
+                cur = cur[int(k)]
+        elif isinstance(cur, dict):
+            if last:
+                cur[k] = value
+            else:
+                if cur.get(k) is None:
+                    cur[k] = {}
+                cur = cur[k]
+        else:
+            raise ValueError(
+                f"--set {dotted}: {'.'.join(keys[:depth])!r} is {cur!r}, not a mapping or a "
+                f"list, so {here!r} does not exist"
+            )
 
 
 def _expand(config: dict[str, Any], keep: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -109,7 +135,22 @@ def _model(entry: Any, where: str) -> dict[str, Any] | None:
         raise ValueError(
             f"{where}: unknown model key(s) {sorted(unknown)}; allowed: {sorted(MODEL_KEYS)}"
         )
-    return {**DEFAULT_MODEL, **entry}
+    model = {**DEFAULT_MODEL, **entry}
+    validate.check_model(model, where)
+    return model
+
+
+def _workload_class(kind: Any, where: str) -> Any:
+    from kvbench.workloads import workload_class, workload_types  # local: heavier modules
+
+    known = workload_types()
+
+    if not isinstance(kind, str) or kind not in known:
+        raise ValueError(
+            f"{where}: unknown workload type {kind!r}; allowed: {known}"
+            + validate.close_matches(kind, known)
+        )
+    return workload_class(kind, where)
 
 
 def _number(value: Any) -> bool:
@@ -151,23 +192,45 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
     Raises
     ------
     ValueError
-        Unknown top-level keys, unknown methods (with a "did you mean"), unknown config fields
-        (naming the allowed ones), unknown workload types or parameters; each message starts
-        with the file name.
+        Any field out of its type or range (checks in :mod:`kvbench.run.validate`): unknown
+        top-level keys, ``seed``/``threads``/``calibration``, a model's dtype or a device this
+        torch cannot use, an empty or duplicate-labelled ``methods`` list, unknown methods and
+        workload types (with a "did you mean"), config fields (naming the allowed ones and the
+        entry's label), workload parameters.  Each message starts with the file name and the
+        entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``).
     """
-    from kvbench.workloads import workload_class  # local: workloads import heavier modules
-
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a suite is a YAML mapping")
     unknown = set(data) - TOP_KEYS
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}")
+        raise ValueError(
+            f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}"
+            + validate.close_matches(sorted(unknown)[0], sorted(TOP_KEYS))
+        )
+    seed = validate.check_int(data.get("seed", 0), path, "seed", 0)
+    threads = validate.check_threads(data.get("threads"), path)
+    calibration = validate.check_calibration(data.get("calibration"), path, DEFAULT_CALIBRATION)
+    for key in ("name", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise ValueError(f"{path}: {key}={data[key]!r} must be a string")
+    if "model" in data and "models" in data:
+        raise ValueError(f"{path}: give either 'model' or 'models', not both")
     models_raw = data.get("models", [data.get("model", "default")])
-    if not isinstance(models_raw, list):
-        raise ValueError(f"{path}: 'models' must be a list")
-    models = [_model(m, f"{path}: models[{i}]") for i, m in enumerate(models_raw)]
+    if not isinstance(models_raw, list) or not models_raw:
+        raise ValueError(f"{path}: 'models' must be a non-empty list")
+    models = [
+        _model(m, f"{path}: " + ("model" if "models" not in data else f"models[{i}]"))
+        for i, m in enumerate(models_raw)
+    ]
+    methods_raw = data.get("methods")
+    if not isinstance(methods_raw, list) or not methods_raw:
+        raise ValueError(
+            f"{path}: 'methods' must be a non-empty list of method names or "
+            "{name, config, label} mappings (`kvbench list` shows the names)"
+        )
     methods: list[MethodSpec] = []
-    for i, entry in enumerate(data.get("methods") or []):
+    labels: list[tuple[str, str]] = []
+    for i, entry in enumerate(methods_raw):
         where = f"{path}: methods[{i}]"
         if isinstance(entry, str):
             entry = {"name": entry}
@@ -178,44 +241,58 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
             raise ValueError(
                 f"{where}: unknown key(s) {sorted(extra)}; allowed: ['config', 'label', 'name']"
             )
+        if "label" in entry and (not isinstance(entry["label"], str) or not entry["label"]):
+            raise ValueError(f"{where}: label={entry['label']!r} must be a non-empty string")
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{where}: config={config!r} must be a mapping of config fields")
         try:
             cls = get_method_class(entry["name"])
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        for cfg in _expand(entry.get("config") or {}):
-            cls.Config.from_dict(cfg, where=f"{where} ({entry['name']})")
+        for cfg in _expand(config):
             label = entry.get("label") or entry["name"]
-            if len(cfg) and entry.get("config"):
-                swept = {k: v for k, v in cfg.items() if isinstance(entry["config"][k], list)}
-                if swept:
-                    label += "[" + ",".join(f"{k}={v}" for k, v in swept.items()) + "]"
-            methods.append(MethodSpec(entry["name"], cfg, label))
-    if not methods:
-        raise ValueError(f"{path}: 'methods' is empty")
+            swept = {k: v for k, v in cfg.items() if isinstance(config[k], list)}
+            if swept:
+                label += "[" + ",".join(f"{k}={v}" for k, v in swept.items()) + "]"
+            try:
+                cls(cls.Config.from_dict(cfg))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where} ({label}): {exc}") from None
+            labels.append((f"methods[{i}]", label))
+            methods.append(MethodSpec(entry["name"], cfg, label, f"methods[{i}]"))
+    validate.check_labels(labels, path)
+    workloads_raw = data.get("workloads")
+    if not isinstance(workloads_raw, list) or not workloads_raw:
+        raise ValueError(f"{path}: 'workloads' must be a non-empty list of {{type: ...}} mappings")
     workloads = []
-    for i, w in enumerate(data.get("workloads") or []):
+    for i, w in enumerate(workloads_raw):
         where = f"{path}: workloads[{i}]"
         if not isinstance(w, dict) or "type" not in w:
             raise ValueError(f"{where}: a workload is a mapping with 'type'")
-        cls = workload_class(w["type"], where)
+        cls = _workload_class(w["type"], where)
+        where = f"{where} ({w['type']})"
         for params in _expand({k: v for k, v in w.items() if k != "type"}, cls.LIST_PARAMS):
-            workloads.append(cls.validate({"type": w["type"], **params}, where))
-    if not workloads:
-        raise ValueError(f"{path}: 'workloads' is empty")
+            try:
+                spec = cls.validate({"type": w["type"], **params}, where)
+                validate.check_params(cls, spec, where)
+            except TypeError as exc:  # a check comparing a string with a number
+                raise ValueError(f"{where}: {exc}") from None
+            workloads.append(spec)
     if any(m is None for m in models) and any(
-        workload_class(w["type"], path).needs_model for w in workloads
+        _workload_class(w["type"], path).needs_model for w in workloads
     ):
         raise ValueError(f"{path}: 'model: none' only works with model-free workloads")
     return Suite(
         path,
         str(data.get("name", Path(path).stem)),
-        int(data.get("seed", 0)),
-        data.get("threads"),
+        seed,
+        threads,
         models,
         methods,
         workloads,
         data,
-        {**DEFAULT_CALIBRATION, **(data.get("calibration") or {})},
+        calibration,
         resources=parse_resources(data.get("resources"), path),
     )
 

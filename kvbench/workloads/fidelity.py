@@ -6,7 +6,9 @@ layer the cache is prefilled with the first ``prefill`` (P) tokens (with their q
 remaining T - P tokens are appended one at a time (cache operations only, no model), then the
 cache's final ``keys_values()`` are compared with the originals, and attention KL is computed for
 the queries of positions P..T-1 over keys 0..t (causal, reference first, float64).  Per-layer
-values are in ``per_layer``; the metrics average over layers.  Methods without ``keys_values()``
+values are in ``per_layer``; the metrics average over layers.  ``quantized_key_fraction`` is
+the share of the T key tokens the cache holds quantized at the end (0 when the context never
+filled a group beyond the residual window: the runner flags such runs).  Methods without ``keys_values()``
 (capability) report ``attn_out_rel_err`` only, from ``attend`` over the same queries.
 
 Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
@@ -67,6 +69,7 @@ def layer_fidelity(
         out["attn_out_rel_err"] = ((exact - approx).norm() / exact.norm()).item()
     nb = layer.nbytes()
     elems = k.numel()
+    out["quantized_key_fraction"] = layer.quantized_tokens()[0] / max(layer.seq_length, 1)
     out["effective_key_bits"] = 8 * nb["key_total"] / elems
     out["effective_value_bits"] = 8 * nb["value_total"] / elems
     return out

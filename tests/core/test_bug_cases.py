@@ -12,6 +12,7 @@ import torch
 
 import kvbench
 from kvbench.attend.reference import repeat_kv
+from kvbench.kv.finite import nonfinite
 from kvbench.kv.quant import dequantize_groups, quantize_groups
 
 F32 = torch.float32
@@ -496,7 +497,10 @@ def test_non_finite_input_in_layer_propagates_to_its_group(bad) -> None:
     k, v = rand(1, 1, 10, 8, seed=1), rand(1, 1, 10, 8, seed=2)
     k[0, 0, 5, 3] = bad  # key group: channel 3 of tokens 4..7
     v[0, 0, 2, 6] = bad  # value group: channels 4..7 of token 2
-    layer.prefill(k, v)
+    with pytest.raises(ValueError, match="layer 0: prefill got non-finite input"):
+        layer.prefill(k, v)  # the default policy (kvbench.kv.finite) refuses them
+    with nonfinite("propagate"):  # the opt-out stores them: NaN stays inside its group
+        layer.prefill(k, v)
     kd, vd = layer.keys_values()
     nan_k = torch.zeros(10, 8, dtype=torch.bool)
     nan_k[4:8, 3] = True

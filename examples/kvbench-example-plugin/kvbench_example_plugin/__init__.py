@@ -1,19 +1,11 @@
-"""A minimal kvbench plugin: ``example-sign``, symmetric per-token keys.
-
-Shows the whole plugin path: a config dataclass, a ``Method`` subclass that supplies a key codec
-and its bit terms, and one entry-point line in this package's ``pyproject.toml``::
-
-    [project.entry-points."kvbench.methods"]
-    example-sign = "kvbench_example_plugin:SignMagnitude"
-
-After ``pip install`` of this folder, ``kvbench list`` shows it and
-``kvbench.get_method("example-sign", bits=4)`` builds it; no fork of kvbench is needed.
-"""
+"""example-sign: symmetric (absmax) per-token keys with a sliding full-precision window."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from kvbench import CacheConfig, Capabilities, Method
 from kvbench.kv.blocks import PerTokenCodec
@@ -23,41 +15,36 @@ from kvbench.kv.schedule import SlidingSchedule
 
 @dataclass(frozen=True)
 class SignMagnitudeConfig(CacheConfig):
-    """``bits``: key code width (2..8); symmetric absmax per token and channel group."""
+    """bits: key code width, 2..8 (a symmetric code needs a sign bit and a magnitude)."""
 
     bits: int = 4
+    #: per-token keys: no token-axis groups, so R need not be a multiple of G
     token_axis_keys: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bits(self.bits, "bits")
-        if self.bits < 2:
-            raise ValueError(f"bits={self.bits} must be >= 2 for symmetric codes")
+        super().__post_init__()  # G, R, N_s, value_bits, value_group_size, scale_dtype
+        check_bits(self.bits, "bits")  # the core's check: integers 1..8 or 16
+        if not 2 <= self.bits <= 8:
+            raise ValueError(f"bits={self.bits!r} is not supported; allowed: 2..8")
 
 
 class SignMagnitude(Method):
-    """Symmetric (absmax) per-token key quantization with a sliding full-precision window."""
+    """Keys: one absmax scale per (token, channel group); codes in [-(2^(b-1)-1), 2^(b-1)-1]."""
 
     Config = SignMagnitudeConfig
     description = "example plugin: symmetric absmax per-token keys"
-    source = "kvbench plugin example"
+    source = "kvbench README, Adding a method"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> PerTokenCodec:
         c = self.config
-        return PerTokenCodec(
-            c.bits, c.torch_scale_dtype, symmetric=True, channel_group=c.channel_group(head_dim)
-        )
+        group = c.channel_group(head_dim)  # value_group_size or min(G, D); must divide D
+        return PerTokenCodec(c.bits, c.torch_scale_dtype, symmetric=True, channel_group=group)
 
     def key_schedule(self) -> SlidingSchedule:
-        return SlidingSchedule(self.config.residual_length)
+        return SlidingSchedule(self.config.residual_length)  # quantize tokens leaving the window
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         c = self.config
-        # symmetric: one 16-bit scale per group, no zero
-        return {
-            "b_eff": c.bits,
-            "m_q": c.pair_bits // 2,
-            "group": c.channel_group(head_dim),
-            "m_sal": 0,
-        }
+        scale_bits = torch.finfo(c.torch_scale_dtype).bits  # one scale per group, no zero
+        return {"b_eff": c.bits, "m_q": scale_bits, "group": c.channel_group(head_dim), "m_sal": 0}

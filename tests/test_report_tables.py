@@ -1,0 +1,160 @@
+"""Report tables and compare as a reader meets them: rows by method family, bits, label;
+nominal and effective bits in every table (borrowed from the same configuration's fidelity
+record, marked); flags shown; compare lists only metrics that moved, by label."""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+
+from kvbench.report.compare import changes, compare
+from kvbench.report.compare import main as compare_main
+from kvbench.report.tables import main as report_main
+from kvbench.report.tables import summary_table, tables
+from kvbench.run.records import new_record, write_atomic
+
+FID = {"type": "fidelity", "tokens": 512, "prefill": 256}
+GEN = {"type": "generation", "new_tokens": 8}
+
+
+def rec(method, config, workload, metrics, label=None, flags=None):
+    manifest = {"label": label or method, "model": {"head_dim": 64}}
+    if flags:
+        manifest["flags"] = flags
+    return new_record(
+        method=method,
+        config=config,
+        model={"id": "m"},
+        workload=workload,
+        metrics=metrics,
+        manifest=manifest,
+    )
+
+
+RECORDS = [
+    rec(
+        "kivi",
+        {"bits": 4},
+        FID,
+        {
+            "nominal_key_bits": 4.25,
+            "effective_key_bits": 5.1,
+            "nominal_value_bits": 16,
+            "effective_value_bits": 16.0,
+            "attn_kl": 0.01,
+        },
+        "kivi[bits=4]",
+    ),
+    rec(
+        "per-channel",
+        {"bits": 2},
+        FID,
+        {
+            "nominal_key_bits": 2.25,
+            "effective_key_bits": 3.0,
+            "nominal_value_bits": 16,
+            "effective_value_bits": 16.0,
+            "attn_kl": 0.2,
+        },
+        "pc2",
+    ),
+    rec(
+        "kivi",
+        {"bits": 2},
+        FID,
+        {
+            "nominal_key_bits": 2.25,
+            "effective_key_bits": 32.0,
+            "nominal_value_bits": 16,
+            "effective_value_bits": 16.0,
+            "attn_kl": 0.0,
+        },
+        "kivi[bits=2]",
+        flags=["nothing quantized (< 25% of the key tokens)"],
+    ),
+    rec(
+        "full",
+        {},
+        FID,
+        {
+            "nominal_key_bits": 16,
+            "effective_key_bits": 32.0,
+            "nominal_value_bits": 16,
+            "effective_value_bits": 32.0,
+            "attn_kl": 0.0,
+        },
+    ),
+    rec("kivi", {"bits": 2}, GEN, {"gen_match_rate": 0.5}, "kivi[bits=2]"),
+    rec("per-token", {"bits": 2}, GEN, {"gen_match_rate": 0.3}, "per-token[bits=2]"),
+    rec("full", {}, GEN, {"gen_match_rate": 1.0}),
+]
+
+
+def test_rows_sorted_by_family_bits_label_and_workloads_by_type() -> None:
+    t = tables(list(reversed(RECORDS)))
+    assert [x["workload"].split(" ")[0] for x in t] == ["fidelity", "generation"]
+    assert [r["label"] for r in t[0]["rows"]] == ["full", "kivi[bits=2]", "kivi[bits=4]", "pc2"]
+    assert [r["label"] for r in t[1]["rows"]] == ["full", "kivi[bits=2]", "per-token[bits=2]"]
+
+
+def test_every_table_has_nominal_and_effective_bits() -> None:
+    t = tables(RECORDS)
+    for table in t:
+        assert table["columns"][:4] == [
+            "nominal_key_bits",
+            "nominal_value_bits",
+            "effective_key_bits",
+            "effective_value_bits",
+        ]
+    gen = {r["label"]: r for r in t[1]["rows"]}
+    # borrowed from kivi[bits=2]'s fidelity record, marked
+    assert gen["kivi[bits=2]"]["values"]["effective_key_bits"] == 32.0
+    assert "effective_key_bits" in gen["kivi[bits=2]"]["borrowed"]
+    # per-token has no fidelity record: nominal bits from its formula (2 + 32/64), no effective
+    assert gen["per-token[bits=2]"]["values"]["nominal_key_bits"] == 2.5
+    assert "effective_key_bits" not in gen["per-token[bits=2]"]["values"]
+    md = summary_table(RECORDS)
+    assert "| kivi[bits=2] ! |" in md and "> ! kivi[bits=2]: nothing quantized" in md
+    assert "| 32.0000* |" in md.split("### generation")[1]
+
+
+def test_report_text_on_stdout_plot_paths_on_stderr(tmp_path, capsys) -> None:
+    for r in RECORDS:
+        write_atomic(tmp_path / f"{r['run_id']}.json", r)
+    assert report_main(Namespace(results=[str(tmp_path)], plots=None, no_plots=False)) == 0
+    out, err = capsys.readouterr()
+    assert "wrote" not in out and "### fidelity" in out
+    assert "wrote" in err
+    report_main(Namespace(results=[str(tmp_path)], plots=None, no_plots=True, json=True))
+    data = json.loads(capsys.readouterr().out)
+    assert [t["workload"].split()[0] for t in data["tables"]] == ["fidelity", "generation"]
+
+
+def test_compare_lists_only_moved_metrics_by_label(tmp_path, capsys) -> None:
+    new = json.loads(json.dumps(RECORDS))
+    new[0]["metrics"]["attn_kl"] = 0.01 * (1 + 1e-7)  # float noise: not listed
+    new[1]["metrics"]["attn_kl"] = 0.3  # moved +50%
+    new[2]["metrics"]["attn_kl"] = 1e-9  # from exactly 0: listed
+    found, failures = changes(RECORDS, new, [])
+    assert failures == []
+    assert [(c["run"].split(" / ")[0], c["metric"]) for c in found] == [
+        ("pc2", "attn_kl"),
+        ("kivi[bits=2]", "attn_kl"),
+    ]
+    assert abs(found[0]["relative"] - 0.5) < 1e-12 and found[1]["relative"] is None
+    lines, _ = compare(RECORDS, new, [])
+    assert lines[0].startswith("pc2 / fidelity (prefill=256, tokens=512) attn_kl: 0.2 -> 0.3")
+    for name, rs in (("base", RECORDS), ("new", new)):
+        (tmp_path / name).mkdir()
+        for r in rs:
+            write_atomic(tmp_path / name / f"{r['run_id']}.json", r)
+    args = Namespace(
+        base=str(tmp_path / "base"),
+        new=str(tmp_path / "new"),
+        fail_on=["attn_kl:10%"],
+        min_change=1e-4,
+        json=True,
+    )
+    assert compare_main(args) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["matched"] == 7 and len(data["changes"]) == 2 and len(data["failures"]) == 2

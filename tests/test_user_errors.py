@@ -1,0 +1,280 @@
+"""The harness as a user meets it: every bad input is one line naming the file, the entry and
+the field (no traceback), caught before any model loads; Ctrl-C keeps what finished and says
+how to resume; records get the umask's permissions; ``run --json`` is one object."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbench.cli import main
+from kvbench.run import validate
+from kvbench.run.suite import DEFAULT_CALIBRATION, load_suite, parse_suite
+
+SMOKE = Path(__file__).resolve().parents[1] / "suites" / "smoke.yaml"
+MODEL_FREE = {
+    "name": "mf",
+    "model": "none",
+    "methods": ["full", {"name": "kivi", "config": {"bits": [2, 4]}}],
+    "workloads": [{"type": "bits", "head_dim": 64, "tokens": 1024}],
+}
+
+
+def _suite(tmp_path: Path, data: dict, name: str = "s.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def _smoke() -> dict:
+    return yaml.safe_load(SMOKE.read_text())
+
+
+def _error(capsys, *argv) -> str:
+    rc = main([*argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+BAD_SUITES = [
+    # (edit of smoke.yaml, the words the one-line error must contain)
+    (lambda d: d.update(seed="zero"), ["s.yaml", "seed='zero'", "integer"]),
+    (lambda d: d.update(threads=0), ["s.yaml", "threads=0", ">= 1"]),
+    (
+        lambda d: d.update(calibration={"text": "bogus", "tokens": -1, "foo": 1}),
+        ["calibration", "['foo']", "allowed: ['text', 'tokens']"],
+    ),
+    (lambda d: d.update(calibration={"tokens": -1}), ["calibration.tokens=-1", ">= 16"]),
+    (lambda d: d.update(calibration={"text": 3}), ["calibration.text=3"]),
+    (
+        lambda d: d["methods"].__setitem__(5, {"name": "kivi", "config": {"bits": 9}}),
+        ["s.yaml", "methods[5] (kivi)", "bits=9", "allowed: 1..8 or 16"],
+    ),
+    (
+        lambda d: d["methods"].__setitem__(5, {"name": "kivi", "config": {"bits": [2, 9]}}),
+        ["methods[5] (kivi[bits=9])", "bits=9"],
+    ),
+    (
+        lambda d: d["methods"].__setitem__(5, {"name": "kivi", "config": {"value_group_size": 0}}),
+        ["methods[5] (kivi)", "value_group_size=0", ">= 1"],
+    ),
+    (lambda d: d["methods"].__setitem__(1, "kivii"), ["methods[1]", "kivi"]),
+    (lambda d: d.update(methods=[]), ["s.yaml", "'methods' must be a non-empty list"]),
+    (lambda d: d.update(workloads=[]), ["'workloads' must be a non-empty list"]),
+    (
+        lambda d: d["workloads"].append({"type": "fidelty"}),
+        ["workloads[2]", "'fidelty'", "did you mean 'fidelity'"],
+    ),
+    (lambda d: d["methods"].append("kitty"), ["methods[6] and methods[18]", "label 'kitty'"]),
+    (
+        lambda d: d["workloads"][0].update(tokens=-1),
+        ["workloads[0] (fidelity)", "tokens=-1"],
+    ),
+    (
+        lambda d: d["workloads"][1].update(windows="two"),
+        ["workloads[1] (perplexity)", "windows='two'"],
+    ),
+    (
+        lambda d: d["model"].update(dtype="float23"),
+        ["model", "dtype='float23'", "float32", "did you mean"],
+    ),
+    (lambda d: d.update(modle={}), ["unknown key(s) ['modle']", "did you mean 'model'"]),
+]
+
+
+@pytest.mark.parametrize(("edit", "words"), BAD_SUITES)
+def test_bad_suite_is_one_line_naming_file_entry_field(tmp_path, capsys, edit, words) -> None:
+    data = _smoke()
+    edit(data)
+    err = _error(capsys, "run", str(_suite(tmp_path, data)), "--out", str(tmp_path / "o"))
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.json"))
+
+
+def test_calibration_block_reaches_the_suite() -> None:
+    s = load_suite(SMOKE)
+    assert s.calibration == _smoke()["calibration"] and s.calibration["tokens"] == 1024
+    d = _smoke()
+    del d["calibration"]
+    assert parse_suite(d, "x.yaml").calibration == DEFAULT_CALIBRATION
+
+
+def test_set_paths_that_do_not_exist(capsys) -> None:
+    err = _error(capsys, "run", str(SMOKE), "--set", "workloads.5.tokens=3")
+    assert "--set workloads.5.tokens" in err and "2 entries" in err
+    err = _error(capsys, "run", str(SMOKE), "--set", "seed.x=3")
+    assert "'seed' is 0" in err
+    err = _error(capsys, "run", str(SMOKE), "--set", "workloads.0.tokns=3")
+    assert "unknown parameter(s) ['tokns']" in err
+
+
+def test_cuda_on_a_cpu_torch_fails_before_the_model(tmp_path, capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    d = _smoke()
+    d["model"]["device"] = "cuda"
+    err = _error(capsys, "run", str(_suite(tmp_path, d)), "--out", str(tmp_path / "o"))
+    assert "s.yaml: model: device='cuda': no CUDA device is available" in err
+    d["model"]["device"] = "tpu"
+    err = _error(capsys, "run", str(_suite(tmp_path, d)), "--out", str(tmp_path / "o"))
+    assert "allowed: cpu, cuda, cuda:N, mps" in err
+
+
+def test_output_folder_that_is_a_file(tmp_path, capsys) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    err = _error(capsys, "run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(f))
+    assert f"--out {f}: is a file" in err
+
+
+def test_read_only_output_folder(tmp_path, capsys, monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(validate.tempfile, "mkstemp", refuse)
+    err = _error(capsys, "run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(tmp_path / "o"))
+    assert "cannot write records there (Read-only file system)" in err
+
+
+def test_unexpected_error_is_one_line_and_debug_shows_traceback(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import kvbench.workloads.bits as bits
+
+    monkeypatch.setattr(bits.Bits, "run", lambda self, ctx, m: 1 / 0)
+    argv = ["run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(tmp_path / "o"), "--quiet"]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "internal error: ZeroDivisionError" in err and "Traceback" not in err
+    assert main([*argv, "--debug"]) == 3
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_finished_records_and_says_how_to_resume(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import kvbench.workloads.bits as bits
+
+    real, calls = bits.Bits.run, []
+
+    def interrupt_second(self, ctx, method):
+        calls.append(method.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, ctx, method)
+
+    monkeypatch.setattr(bits.Bits, "run", interrupt_second)
+    out = tmp_path / "o"
+    argv = ["run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(out), "--quiet"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+    assert f"1 finished record(s) kept in {out}" in err and "resume with:" in err
+    assert len(list(out.glob("*.json"))) == 1
+    monkeypatch.setattr(bits.Bits, "run", real)
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["records"]) == 3
+    assert sorted(r["label"] for r in summary["records"]) == [
+        "full",
+        "kivi[bits=2]",
+        "kivi[bits=4]",
+    ]
+
+
+def test_records_get_the_umask_permissions(tmp_path) -> None:
+    from kvbench.run.records import write_atomic
+
+    old = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "a.json", {"x": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o640
+
+
+def test_run_records_threads_and_memory(tmp_path) -> None:
+    assert main(["run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(tmp_path), "--quiet"]) == 0
+    rec = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert rec["manifest"]["threads"] >= 1
+    assert rec["manifest"]["memory"]["peak_rss_bytes"] > 10 * 2**20
+
+
+def test_free_cpus_subtracts_load(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.2, 0, 0))
+    assert validate.free_cpus() == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (30.0, 0, 0))
+    assert validate.free_cpus() == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--head-dim", "0"], "even integer >= 2"),
+        (["--head-dim", "63"], "63 must be an even integer"),
+        (["--tokens", "-5"], "-5 must be an integer >= 1"),
+        (["--set", "bits=0"], "bits=0 is not supported"),
+        (["--set", "bits=3.5"], "bits=3.5 is not supported"),
+    ],
+)
+def test_bits_argument_ranges(capsys, args, words) -> None:
+    try:
+        rc = main(["bits", "kivi", *args])
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err, err
+
+
+def test_version_and_clean_help(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("kvbench ")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and "kvbench run suites/" in out
+
+
+def test_every_shipped_suite_parses() -> None:
+    for p in sorted(SMOKE.parent.rglob("*.yaml")):
+        load_suite(p)
+
+
+def test_config_that_does_not_fit_the_model_names_the_entry() -> None:
+    d = _smoke()
+    d["methods"][5] = {"name": "kivi", "config": {"value_bits": 2, "value_group_size": 48}}
+    suite = parse_suite(d, "s.yaml")  # fits until the head_dim is known
+    info = {"head_dim": 64, "num_key_value_heads": 3}
+    with pytest.raises(ValueError, match=r"s\.yaml: methods\[5\] \(kivi\): value_group_size=48"):
+        validate.check_methods_for_model(suite.methods, info, suite.path)
+    validate.check_methods_for_model(suite.methods, {**info, "head_dim": 96}, suite.path)
+
+
+def test_model_free_config_error_names_entry_and_workload(tmp_path, capsys) -> None:
+    d = {
+        **MODEL_FREE,
+        "methods": [{"name": "kivi", "config": {"value_bits": 2, "value_group_size": 48}}],
+        "workloads": [
+            {
+                "type": "memory",
+                "source": "synthetic",
+                "context": 256,
+                "num_layers": 1,
+                "head_dim": 64,
+            }
+        ],
+    }
+    err = _error(capsys, "run", str(_suite(tmp_path, d)), "--out", str(tmp_path / "o"), "--quiet")
+    assert "s.yaml: methods[0] (kivi) in workloads[0] (memory): value_group_size=48" in err
