@@ -14,6 +14,8 @@ from . import Result, Workload
 class Bits(Workload):
     type = "bits"
     needs_model = False
+    accepts_random_weights = True  # formula and geometry only
+    shape_forward = False
     layer_cache = False  # only the bit formula; peers have one too
     PARAMS = {"head_dim": 128, "tokens": 32768}
 

@@ -119,6 +119,7 @@ def attention_path(method: Method, attend: bool) -> str:
 
 class Latency(Workload):
     type = "latency"
+    accepts_random_weights = True  # step time does not depend on the weights' values
     layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,

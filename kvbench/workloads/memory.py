@@ -46,8 +46,15 @@ Metrics (summed over layers):
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
 ``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
-list of indices), and for ``synthetic`` the geometry ``num_layers``, ``num_heads``,
+list of indices), ``batch`` (rows, default 1; above 1 only with a shape model), and for
+``synthetic`` the geometry ``num_layers``, ``num_heads``,
 ``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).
+
+Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
+``batch`` x ``context`` are drawn by :mod:`kvbench.workloads.synthetic_kv` (outlier key channels,
+the shape's RoPE) whatever ``source`` says; ``layers: all`` measures layer 0 only, and
+``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
+whose tensors would not fit the device's available memory is refused before allocating.
 """
 
 from __future__ import annotations
@@ -193,6 +200,8 @@ def per_element_bits(terms: dict[str, float]) -> float:
 class Memory(Workload):
     type = "memory"
     needs_model = False  # ``source: synthetic`` runs without one
+    accepts_random_weights = True  # a shape model: K/V of its shape from synthetic_kv
+    shape_forward = False  # only the config is read (meta device)
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})
     PARAMS = {
@@ -207,6 +216,7 @@ class Memory(Workload):
         "num_heads": 9,
         "num_kv_heads": 3,
         "head_dim": 64,
+        "batch": 1,
     }
 
     @classmethod
@@ -228,7 +238,7 @@ class Memory(Workload):
             )
         if spec["layers"] != "all" and not isinstance(spec["layers"], list):
             raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
-        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch"):
             if not isinstance(spec[k], int) or spec[k] < 1:
                 raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
         if spec["num_heads"] % spec["num_kv_heads"]:
@@ -241,6 +251,19 @@ class Memory(Workload):
     def prepare(self, ctx: Any) -> None:
         s = self.spec
         d = s["context"]
+        self.shape = bool(ctx.model_info.get("random_weights"))
+        if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
+            from kvbench.workloads.synthetic_kv import shape_inputs
+
+            self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
+            self.qkv, self.layer_ids, self.info = shape_inputs(
+                ctx.model.config, ctx.model_info, d, s["batch"], s["layers"],
+                DTYPES[s["dtype"]], self.device, ctx.seed,
+            )  # fmt: skip
+            ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
+            return
+        if s["batch"] != 1:
+            raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
         if s["source"] == "synthetic":
             self.qkv = synthetic_qkv(
                 s["num_layers"], s["num_heads"], s["num_kv_heads"], d, s["head_dim"], ctx.seed
@@ -328,6 +351,11 @@ class Memory(Workload):
             metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
         metrics.update(self._bytes(method, caches, inputs, peaks))
         metrics.update(self._errors(caches, inputs))
+        if self.shape:  # the model's total: its layer count x the measured layer's bytes
+            from kvbench.workloads.synthetic_kv import extrapolate
+
+            n_all = self.info["num_hidden_layers"]
+            metrics.update(extrapolate(metrics, len(caches), n_all))
         per_layer = {
             "layers": self.layer_ids,
             "bytes_total": [sum(n for _, _, n in c.nbytes()) for c in caches],
@@ -345,6 +373,11 @@ class Memory(Workload):
             "for attention, flush; attention working memory excluded; max over layers",
             "process": "shared by all configurations of the suite",
         }
+        if self.shape:
+            info["bytes_total_all_layers_is"] = (
+                f"{self.info['num_hidden_layers']} layers x bytes_per_layer measured on "
+                f"layers {self.layer_ids} (all layers share one shape)"
+            )
         return Result(metrics, per_layer, info)
 
     def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
