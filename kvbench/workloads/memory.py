@@ -241,6 +241,8 @@ class Memory(Workload):
         for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch"):
             if not isinstance(spec[k], int) or spec[k] < 1:
                 raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+        if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
+            del spec["batch"]
         if spec["num_heads"] % spec["num_kv_heads"]:
             raise ValueError(
                 f"{pre}num_heads={spec['num_heads']} must be a multiple of "
@@ -257,12 +259,12 @@ class Memory(Workload):
 
             self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
             self.qkv, self.layer_ids, self.info = shape_inputs(
-                ctx.model.config, ctx.model_info, d, s["batch"], s["layers"],
+                ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
                 DTYPES[s["dtype"]], self.device, ctx.seed,
             )  # fmt: skip
             ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
             return
-        if s["batch"] != 1:
+        if s.get("batch", 1) != 1:
             raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
         if s["source"] == "synthetic":
             self.qkv = synthetic_qkv(
