@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 
 .PHONY: env test lint format baseline baseline-all baseline-model mutants \
 	bench bench-generation bench-export bench-smoke bench-micro bench-memory \
-	bench-latency clean
+	bench-memory-shapes bench-latency bench-shape-attention clean
+
 
 env: $(STAMP)
 
@@ -79,6 +80,14 @@ bench-smoke: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/kvbench run suites/memory.yaml --out results/memory
+
+bench-memory-shapes: $(STAMP)
+	$(BIN)/kvbench run suites/memory_shapes.yaml --out results/memory_shapes
+
+bench-shape-attention: $(STAMP)
+	$(BIN)/python benchmarks/shape_attention.py --shape llama-3.1-8b --layers 2 \
+		--contexts 4096 16384 --steps 20 --warmup 3 --threads 2 \
+		--json results/shape_attention/llama-3.1-8b.json
 
 bench-latency: $(STAMP)
 	$(BIN)/kvbench run suites/latency.yaml --out results/latency

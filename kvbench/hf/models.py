@@ -54,6 +54,8 @@ DEFAULT_CONFIG = {
     "vocab_size": 49152,
 }
 DEFAULT_EOS = "<|im_end|>"
+#: ``load_model("shape:llama-3.1-8b")``: the preset's shape with seeded random weights (seed 0)
+SHAPE_PREFIX = "shape:"
 META_FILE = "kvbench_meta.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ROTATE_HALF_TYPES = frozenset(
@@ -292,7 +294,9 @@ def load_model(
 
     Parameters
     ----------
-    spec : Hugging Face id (``org/name``) or path of a local ``save_pretrained`` folder.
+    spec : Hugging Face id (``org/name``), path of a local ``save_pretrained`` folder, or
+        ``"shape:<preset or hub id>"`` (:func:`kvbench.hf.shapes.build_shape_model`: random
+        weights, seed 0, materialized on ``device``).
     dtype : parameter dtype, e.g. ``"float32"`` (default, CPU), ``"bfloat16"``, ``torch.float16``.
     device : torch device the model is moved to.
     attn_implementation : passed to ``from_pretrained`` (``"eager"``, ``"sdpa"``, ...).
@@ -313,6 +317,11 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if spec.startswith(SHAPE_PREFIX):  # hook: a config-only model (kvbench.hf.shapes)
+        from kvbench.hf.shapes import build_shape_model
+
+        shape = spec.removeprefix(SHAPE_PREFIX)
+        return build_shape_model(shape, None, 0, dtype, device, True, attn_implementation)
     t0, torch_dtype, attempts = time.perf_counter(), _dtype(dtype), []
     kw: dict[str, Any] = {"dtype": torch_dtype}
     if attn_implementation:

@@ -31,7 +31,7 @@ from kvbench.run.records import (
     write_jsonl_atomic,
 )
 from kvbench.run.suite import MethodSpec, Suite
-from kvbench.workloads import Result, Workload, workload_class
+from kvbench.workloads import Result, Workload, check_random_weights, workload_class
 
 BASELINE = "full"
 
@@ -49,12 +49,23 @@ class RunContext:
     shared: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_model(spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+def _load_model(
+    spec: dict[str, Any], seed: int = 0, materialize: bool = True
+) -> tuple[Any, Any, dict[str, Any]]:
     """Load with kvbench's registered attention function (sdpa numerics; it hands post-RoPE
-    queries to methods that need them and refuses padded batches)."""
+    queries to methods that need them and refuses padded batches).  A shape model
+    (``spec['shape']``) is built by :func:`kvbench.hf.shapes.build_shape_model` with weight seed
+    ``seed``, on the meta device unless ``materialize``."""
     from kvbench.hf.attention import register
     from kvbench.hf.models import load_model, model_info
 
+    if "shape" in spec:
+        from kvbench.hf.shapes import build_shape_model
+
+        return build_shape_model(
+            spec["shape"], spec.get("layers"), seed, spec["dtype"], spec["device"],
+            materialize=materialize, attn_implementation=register(),
+        )  # fmt: skip
     model, tokenizer, info = load_model(
         spec["id"], dtype=spec["dtype"], device=spec["device"], attn_implementation=register()
     )
@@ -70,6 +81,15 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
     from kvbench.hf.capture import capture_qkv
 
     key = ("calibration", spec["text"], spec["tokens"])
+    if ctx.model_info.get("random_weights"):  # shape model: K/V of its shape, measured layers
+        from kvbench.workloads.synthetic_kv import synthetic_calibration
+
+        layers = ctx.shared.get("shape_layers_measured")
+        key = (*key, layers)
+        if key not in ctx.shared:
+            ctx.shared[key] = synthetic_calibration(
+                ctx.model.config, spec["tokens"], ctx.seed, layers
+            )
     if key not in ctx.shared:
         text, tinfo = load_text(spec["text"])
         ids, winfo = token_windows(ctx.tokenizer, text, spec["tokens"], 1)
@@ -159,10 +179,13 @@ def finished_record(run: PlannedRun, force: bool = False) -> dict[str, Any] | No
     return load_record(run.path)
 
 
-def ensure_model(ctx: RunContext) -> None:
-    """Load the context's model on first need (a sweep of only finished runs loads nothing)."""
+def ensure_model(ctx: RunContext, materialize: bool = True) -> None:
+    """Load the context's model on first need (a sweep of only finished runs loads nothing).
+    ``materialize``: a shape model gets seeded random weights (else the meta device)."""
     if ctx.model_spec is not None and ctx.model is None:
-        ctx.model, ctx.tokenizer, ctx.model_info = _load_model(ctx.model_spec)
+        ctx.model, ctx.tokenizer, ctx.model_info = _load_model(
+            ctx.model_spec, ctx.seed, materialize
+        )
 
 
 def execute_run(
@@ -381,6 +404,12 @@ def run_suite(
     validate.check_output(out_dir)
     torch.manual_seed(suite.seed)
     threads = set_threads(suite.threads)
+    types = [w["type"] for w in suite.workloads]
+    for model_spec in suite.models:  # shape models: refuse accuracy workloads before any load
+        check_random_weights(types, model_spec, suite.path)
+    # a shape model is materialized only if some workload runs a forward on it
+    materialize = any(workload_class(t).shape_forward for t in types)
+
     runs = plan_runs(suite, out_dir, limit)
     records: list[dict[str, Any]] = []
     eta = Eta(runs)
@@ -416,8 +445,9 @@ def run_suite(
                         bar.update(1)
                         continue
                     if ctx.model is None and ctx.model_spec is not None:
-                        ensure_model(ctx)
+                        ensure_model(ctx, materialize)
                         validate.check_methods_for_model(suite.methods, ctx.model_info, suite.path)
+
                     if not prepared:
                         try:
                             prepare_workload(ctx, workload, suite.seed)

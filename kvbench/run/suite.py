@@ -51,6 +51,8 @@ DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 MODEL_KEYS = {"id", "dtype", "device"}
 #: ``resources:`` keys (per worker, i.e. per model per device, under ``--executor ray``)
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "custom")
+#: ``model: {shape: NAME}``: a preset or hub config with seeded random weights (kvbench.hf.shapes)
+SHAPE_KEYS = {"shape", "layers", "dtype", "device"}
 DEFAULT_MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
 
 
@@ -128,6 +130,8 @@ def _model(entry: Any, where: str) -> dict[str, Any] | None:
         return None
     if isinstance(entry, str):
         entry = {"id": DEFAULT_MODEL["id"] if entry == "default" else entry}
+    if isinstance(entry, dict) and "shape" in entry:
+        return _shape_model(entry, where)
     if not isinstance(entry, dict) or "id" not in entry:
         raise ValueError(f"{where}: a model is an id string or a mapping with 'id'")
     unknown = set(entry) - MODEL_KEYS
@@ -186,6 +190,24 @@ def parse_resources(entry: Any, where: str) -> dict[str, Any] | None:
     return dict(entry)
 
 
+def _shape_model(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    from kvbench.hf.shapes import check_shape_spec
+
+    unknown = set(entry) - SHAPE_KEYS
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown shape-model key(s) {sorted(unknown)}; allowed: {sorted(SHAPE_KEYS)}"
+        )
+    try:
+        check_shape_spec(entry["shape"], entry.get("layers"))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    tag = f"[layers={entry['layers']}]" if entry.get("layers") is not None else ""
+    out = {"id": f"shape:{entry['shape']}{tag}", "dtype": "float32", "device": "cpu", **entry}
+    out.setdefault("layers", None)
+    return out
+
+
 def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
     """Validate and expand a suite mapping.
 
@@ -199,6 +221,9 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         entry's label), workload parameters.  Each message starts with the file name and the
         entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``).
     """
+    # local: workloads import heavier modules
+    from kvbench.workloads import check_random_weights
+
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a suite is a YAML mapping")
     unknown = set(data) - TOP_KEYS
@@ -283,6 +308,8 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         _workload_class(w["type"], path).needs_model for w in workloads
     ):
         raise ValueError(f"{path}: 'model: none' only works with model-free workloads")
+    for i, m in enumerate(models):
+        check_random_weights([w["type"] for w in workloads], m, f"{path}: models[{i}]")
     return Suite(
         path,
         str(data.get("name", Path(path).stem)),

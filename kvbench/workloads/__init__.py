@@ -84,6 +84,22 @@ def workload_types() -> list[str]:
     return sorted(_discover())
 
 
+def check_random_weights(types: list[str], model: dict[str, Any] | None, where: str = "") -> None:
+    """Refuse a shape-only model (``model['shape']``) for workload types whose class has
+    ``accepts_random_weights = False``: ``ValueError`` naming them and the ones that accept it.
+    Called when a suite is parsed and again before a model loads."""
+    if not model or "shape" not in model:
+        return
+    bad = sorted({t for t in types if not workload_class(t).accepts_random_weights})
+    if bad:
+        ok = sorted(t for t in workload_types() if workload_class(t).accepts_random_weights)
+        pre = f"{where}: " if where else ""
+        raise ValueError(
+            f"{pre}model shape {model['shape']!r} has random weights: accuracy is meaningless, "
+            f"so workload(s) {bad} refuse it; shape models run {ok}"
+        )
+
+
 def workload_class(kind: str, where: str = "") -> type[Workload]:
     """The class for workload type ``kind``; ``ValueError`` naming the allowed types."""
     entries = _discover()
@@ -209,6 +225,13 @@ class Workload:
     #: runs methods through kvbench LayerCaches (``Method.new_layer``, ``QuantizedKVCache``);
     #: the runner skips methods without them (``capabilities.layer_cache=False``: peers)
     layer_cache: ClassVar[bool] = True
+    #: its numbers do not depend on the weights' values (bytes at rest, peaks, latency), so a
+    #: shape model (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`, seeded random weights)
+    #: may run it; False (accuracy, fidelity): such a model is refused before anything loads
+    accepts_random_weights: ClassVar[bool] = False
+    #: with a shape model: True runs a forward (the model is materialized with seeded random
+    #: weights on the target device), False reads only the config (built on the meta device)
+    shape_forward: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
     #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
     METRICS: ClassVar[dict[str, str]] = {}

@@ -138,6 +138,7 @@ class Latency(Workload):
         "tokens_per_s": HIGHER,
         "bytes_total": LOWER,
     }
+    accepts_random_weights = True  # step time does not depend on the weights' values
     layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,

@@ -50,8 +50,15 @@ Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefi
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
 ``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
 list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_step_bytes``
-measures), and for ``synthetic`` the geometry ``num_layers``, ``num_heads``,
+measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
+``synthetic`` the geometry ``num_layers``, ``num_heads``,
 ``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).
+
+Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
+``batch`` x ``context`` are drawn by :mod:`kvbench.workloads.synthetic_kv` (outlier key channels,
+the shape's RoPE) whatever ``source`` says; ``layers: all`` measures layer 0 only, and
+``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
+whose tensors would not fit the device's available memory is refused before allocating.
 """
 
 from __future__ import annotations
@@ -228,6 +235,8 @@ class Memory(Workload):
     type = "memory"
     METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
     needs_model = False  # ``source: synthetic`` runs without one
+    accepts_random_weights = True  # a shape model: K/V of its shape from synthetic_kv
+    shape_forward = False  # only the config is read (meta device)
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})
     PARAMS = {
@@ -243,6 +252,7 @@ class Memory(Workload):
         "num_kv_heads": 3,
         "head_dim": 64,
         "path": "attend",
+        "batch": 1,
     }
 
     @classmethod
@@ -268,9 +278,11 @@ class Memory(Workload):
             )
         if spec["layers"] != "all" and not isinstance(spec["layers"], list):
             raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
-        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch"):
             if not isinstance(spec[k], int) or spec[k] < 1:
                 raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+        if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
+            del spec["batch"]
         if spec["num_heads"] % spec["num_kv_heads"]:
             raise ValueError(
                 f"{pre}num_heads={spec['num_heads']} must be a multiple of "
@@ -281,6 +293,19 @@ class Memory(Workload):
     def prepare(self, ctx: Any) -> None:
         s = self.spec
         d = s["context"]
+        self.shape = bool((getattr(ctx, "model_info", None) or {}).get("random_weights"))
+        if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
+            from kvbench.workloads.synthetic_kv import shape_inputs
+
+            self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
+            self.qkv, self.layer_ids, self.info = shape_inputs(
+                ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
+                DTYPES[s["dtype"]], self.device, ctx.seed,
+            )  # fmt: skip
+            ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
+            return
+        if s.get("batch", 1) != 1:
+            raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
         if s["source"] == "synthetic":
             self.qkv = synthetic_qkv(
                 s["num_layers"], s["num_heads"], s["num_kv_heads"], d, s["head_dim"], ctx.seed
@@ -368,6 +393,11 @@ class Memory(Workload):
             metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
         metrics.update(self._bytes(method, caches, inputs, peaks))
         metrics.update(self._errors(caches, inputs))
+        if self.shape:  # the model's total: its layer count x the measured layer's bytes
+            from kvbench.workloads.synthetic_kv import extrapolate
+
+            n_all = self.info["num_hidden_layers"]
+            metrics.update(extrapolate(metrics, len(caches), n_all))
         per_layer = {
             "layers": self.layer_ids,
             "bytes_total": [sum(n for _, _, n in c.nbytes()) for c in caches],
@@ -386,6 +416,11 @@ class Memory(Workload):
             "the step's read of the cache, flush; max over layers",
             "process": "shared by all configurations of the suite",
         }
+        if self.shape:
+            info["bytes_total_all_layers_is"] = (
+                f"{self.info['num_hidden_layers']} layers x bytes_per_layer measured on "
+                f"layers {self.layer_ids} (all layers share one shape)"
+            )
         return Result(metrics, per_layer, info)
 
     def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:

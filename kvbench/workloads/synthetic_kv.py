@@ -1,0 +1,241 @@
+"""Synthetic post-RoPE Q/K/V of a model's shape, with the outlier channels real keys have.
+
+Used where only the shape matters (bytes at rest, transient peaks, decode-step time): a shape
+model (:mod:`kvbench.hf.shapes`) has random weights, so capturing its K/V would give neither
+real statistics nor anything cheaper than drawing them.
+
+Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype``):
+
+* pre-RoPE keys ``k[b, h, t, c] = mu[h, c] + s[h, c] * z``, ``z ~ N(0, 1)``, with a per-channel
+  offset ``mu ~ N(0, 0.5^2)`` (real keys have per-channel means, which is why KIVI quantizes
+  keys per channel) and a per-channel scale ``s = exp(0.25 * N(0, 1))`` (median 1);
+* outlier channels: ``outlier_pairs`` RoPE pairs per KV head (default 2, i.e. 4 of
+  ``head_dim`` channels), fixed over tokens and drawn among the lowest-frequency half of the
+  pairs (where real outliers sit: a slowly rotating pair keeps its magnitude in place), have
+  scale ``outlier_scale`` (default 4.5) times the median.  On SmolLM2-135M's captured keys the
+  ratio max/median over channels of mean |K| is about 4-5; :func:`channel_outlier_ratio`
+  measures it on these draws;
+* RoPE is then applied with the shape's own inverse frequencies (``rope_theta`` and any
+  scaling, e.g. Llama-3.1's ``llama3`` factor 8, through transformers'
+  ``ROPE_INIT_FUNCTIONS``), rotate-half layout (channel ``i`` pairs with ``i + D/2``), at
+  positions ``0..T-1``, so paired channels rotate as a model's do;
+* values ``v = s_v[h, c] * z`` with ``s_v = exp(0.25 * N(0, 1))`` (no fixed outlier channels:
+  KIVI's observation that values have none); queries ``N(0, 1)`` with the same RoPE.
+
+Tokens are drawn in chunks of 1024, each from its own generator seed, so a shorter ``T`` is a
+prefix of a longer one for the same (seed, layer, batch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CHUNK = 1024
+OUTLIER_PAIRS = 2
+OUTLIER_SCALE = 4.5
+
+
+def inv_freq(config: Any) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` float32 of a transformers ``config``
+    (default RoPE or the scaled variants of ``transformers.modeling_rope_utils``)."""
+    cfg = getattr(config, "text_config", None) or config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if kind != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")[0].float()
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0))
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d).float()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def qkv_nbytes(batch: int, hq: int, hkv: int, tokens: int, head_dim: int, dtype) -> int:
+    """Bytes of one layer's ``(q, k, v)`` from :func:`synthetic_qkv` in ``dtype``."""
+    el = torch.empty((), dtype=dtype).element_size()
+    return batch * (hq + 2 * hkv) * tokens * head_dim * el
+
+
+def available_bytes(device: torch.device | str = "cpu") -> int:
+    """Memory a new allocation can use: CUDA ``mem_get_info()`` free bytes; CPU
+    ``MemAvailable`` of ``/proc/meminfo`` (Linux), else free physical pages (``sysconf``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
+    """Raise ``MemoryError`` naming ``what`` and both sizes (GiB) when ``nbytes`` exceeds
+    :func:`available_bytes` of ``device``; called before anything is allocated."""
+    free = available_bytes(device)
+    if nbytes > free:
+        raise MemoryError(
+            f"{what} needs about {nbytes / 2**30:.2f} GiB but {torch.device(device)} has "
+            f"{free / 2**30:.2f} GiB available; lower batch or context, or use a larger machine"
+        )
+
+
+def synthetic_qkv(
+    config: Any,
+    tokens: int,
+    batch: int = 1,
+    seed: int = 0,
+    layer: int = 0,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+    outlier_pairs: int = OUTLIER_PAIRS,
+    outlier_scale: float = OUTLIER_SCALE,
+    queries: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One layer's post-RoPE ``(q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D])`` in
+    ``dtype`` on ``device`` for the attention geometry of ``config`` (see the module docstring
+    for the distribution).  Raises ``ValueError`` for ``outlier_pairs`` outside
+    ``[0, D/4]`` or non-positive sizes.  ``queries=False`` returns ``None`` for q (K/V are
+    the same either way: queries come from their own generator)."""
+    cfg = getattr(config, "text_config", None) or config
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    if tokens < 1 or batch < 1:
+        raise ValueError(f"tokens={tokens} and batch={batch} must be >= 1")
+    if not 0 <= outlier_pairs <= d // 4:
+        raise ValueError(f"outlier_pairs={outlier_pairs} must be in [0, {d // 4}] (head_dim {d})")
+    base = (seed * 1_000_003 + layer) * 1009 + batch
+    g = torch.Generator().manual_seed(base)
+    half = d // 2
+    mu = 0.5 * torch.randn(hkv, d, generator=g)
+    s_k = torch.exp(0.25 * torch.randn(hkv, d, generator=g))
+    s_k = s_k / s_k.median(dim=-1, keepdim=True).values
+    s_v = torch.exp(0.25 * torch.randn(hkv, d, generator=g))
+    for h in range(hkv):  # fixed outlier pairs among the lowest-frequency half of the pairs
+        pairs = half // 2 + torch.randperm(half - half // 2, generator=g)[:outlier_pairs]
+        for i in pairs.tolist():
+            s_k[h, i] = s_k[h, i + half] = outlier_scale
+            mu[h, i] = mu[h, i + half] = 0.5 * outlier_scale * float(torch.randn(1, generator=g))
+    freq = inv_freq(cfg)
+    heads = (hq, hkv, hkv) if queries else (hkv, hkv)
+    out = [torch.empty(batch, n, tokens, d, dtype=dtype, device=device) for n in heads]
+    for c0 in range(0, tokens, CHUNK):
+        n = min(CHUNK, tokens - c0)
+        pos = torch.arange(c0, c0 + CHUNK, dtype=torch.float64)[:n]
+        ang = (pos[:, None] * freq.double()[None, :]).float()
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        seed_c = (base * 7919 + c0 // CHUNK) * 2  # K/V and queries: separate generators
+        gkv = torch.Generator().manual_seed(seed_c)
+        z = torch.randn(batch, 2 * hkv, CHUNK, d, generator=gkv)[:, :, :n]
+        parts = [
+            _rope(mu[None, :, None] + s_k[None, :, None] * z[:, :hkv], cos, sin),
+            s_v[None, :, None] * z[:, hkv:],
+        ]
+        if queries:
+            gq = torch.Generator().manual_seed(seed_c + 1)
+            zq = torch.randn(batch, hq, CHUNK, d, generator=gq)[:, :, :n]
+            parts.insert(0, _rope(zq, cos, sin))
+        for dst, src in zip(out, parts):
+            dst[:, :, c0 : c0 + n] = src.to(device, dtype)
+    return (out[0], out[1], out[2]) if queries else (None, out[0], out[1])
+
+
+def channel_outlier_ratio(k: torch.Tensor) -> float:
+    """Max over channels / median over channels of mean |K| per (KV head, channel), averaged
+    over heads, for ``k [B, H_kv, T, D]`` (the statistic quoted for real keys: ~4-5)."""
+    m = k.double().abs().mean(dim=(0, 2))  # [H_kv, D]
+    return float((m.max(dim=-1).values / m.median(dim=-1).values).mean())
+
+
+def synthetic_calibration(
+    config: Any, tokens: int, seed: int = 0, layers: Any = None
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, Any]]:
+    """Calibration K/V for a shape model (random weights: a capture would mean nothing):
+    ``({layer: k [1, H_kv, tokens, D]}, {layer: v}, info)`` float32 for ``layers`` (default:
+    every layer of ``config``), drawn with ``seed + 1`` so they differ from the K/V a workload
+    then measures."""
+    cfg = getattr(config, "text_config", None) or config
+    keys, values = {}, {}
+    for layer in range(cfg.num_hidden_layers) if layers is None else layers:
+        _, k, v = synthetic_qkv(cfg, tokens, 1, seed + 1, layer, torch.float32, queries=False)
+        keys[layer], values[layer] = k, v
+    info = {"source": "kvbench.workloads.synthetic_kv (shape model)", "tokens": tokens}
+    return keys, values, {"dataset": info}
+
+
+def shape_inputs(
+    config: Any,
+    model_info: dict[str, Any],
+    context: int,
+    batch: int,
+    layers: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int], dict[str, Any]]:
+    """The memory workload's inputs for a shape model: per measured layer ``(q, k, v)`` of
+    :func:`synthetic_qkv` at ``batch`` x ``context``, the layer ids, and the manifest info.
+
+    ``layers``: ``"all"`` measures layer 0 only (every layer of these models has one shape, so
+    the model's total is ``num_hidden_layers`` x that layer's bytes; see :func:`extrapolate`),
+    or a list of layer indices.  The memory the run will need (inputs, caches, the read-back
+    K/V and the float64 error terms) is checked against the device's available memory first.
+
+    Raises
+    ------
+    ValueError
+        ``context`` above the shape's ``max_position_embeddings``, or a layer index outside it.
+    MemoryError
+        The estimate exceeds the available memory (nothing has been allocated).
+    """
+    cfg = getattr(config, "text_config", None) or config
+    full = model_info.get("shape_num_hidden_layers") or cfg.num_hidden_layers
+    name = model_info.get("model_id", "the shape")
+    max_pos = model_info.get("max_position_embeddings") or 1 << 30
+    if context > max_pos:
+        raise ValueError(f"context={context} exceeds {name}'s maximum context {max_pos}")
+    ids = [0] if layers == "all" else list(layers)
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < full]
+    if bad:
+        raise ValueError(f"layers={layers} names layers outside [0, {full}) of {name}")
+    hq, hkv, d = (model_info[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    el = torch.empty((), dtype=dtype).element_size()
+    side = batch * hkv * context * d * el  # one side (K or V) of one layer in dtype
+    need = len(ids) * (qkv_nbytes(batch, hq, hkv, context, d, dtype) + 2 * side)
+    need += 2 * side * 4 // el + 3 * side * 8 // el  # read-back (<= float32), float64 error
+    check_fits(need, device, f"memory run of {name} at batch {batch} x context {context} ({dtype})")
+    qkv = [synthetic_qkv(cfg, context, batch, seed, i, dtype, device) for i in ids]
+    info = {
+        "kv_source": "synthetic K/V of the model shape (kvbench.workloads.synthetic_kv)",
+        "kv_distribution": f"keys: per-channel offset and lognormal scale, {OUTLIER_PAIRS} "
+        f"fixed outlier RoPE pairs per KV head at {OUTLIER_SCALE}x the median scale, RoPE of "
+        "the shape applied; values: lognormal per-channel scale, no outlier channels",
+        "random_weights": True,
+        "seed": seed,
+        "batch": batch,
+        "layers_measured": ids,
+        "num_hidden_layers": full,
+        "memory_estimate_bytes": need,
+    }
+    return qkv, ids, info
+
+
+def extrapolate(metrics: dict[str, float], measured: int, num_layers: int) -> dict[str, float]:
+    """``bytes_per_layer`` (mean over the ``measured`` layers) and ``bytes_total_all_layers``
+    = ``num_layers`` x that (the model's layers share one shape)."""
+    per = metrics["bytes_total"] / measured
+    return {"bytes_per_layer": per, "bytes_total_all_layers": per * num_layers}
