@@ -5,7 +5,7 @@ Run with ``make bench-micro`` (pytest-benchmark; read the ratios within the grou
 ``[1, 3, 4096, 64]`` K/V (B, H_kv, T, D) float32 and 9 query heads (GQA 3) with one query
 token.  KIVI: 2-bit keys per channel in pages of G = 128, 2-bit values per token in groups of
 64 channels, R = 128, float16 scales (keys: 4096 quantized; values: 3968 quantized + 128 in the
-residual, spec §3).
+residual, docs/methods.md#kivi).
 
 Timed, each checked first against a float64 reference of the same cache contents:
 

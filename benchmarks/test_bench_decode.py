@@ -11,7 +11,7 @@ Groups (read the ratios within a group, all in one run):
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
   softmax), the eager code-domain path, the compiled code-domain path
   (:mod:`kvbench.attend.cpu`);
-* ``keys``: the key logits of the 32 quantized pages, by the candidates the issue asked to
+* ``keys``: the key logits of the 32 quantized pages, by the candidate kernels
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
   a byte + matmul, (c) per-page partial sums: a query-side table of the partial dot product

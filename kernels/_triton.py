@@ -100,7 +100,7 @@ def is_interpreted(kernel) -> bool:
 
 
 def check_device(kernel, *tensors) -> None:
-    """Refuse tensors the kernel cannot read (KVQ-11): CUDA tensors on one device, or CPU
+    """Refuse tensors the kernel cannot read (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch): CUDA tensors on one device, or CPU
     tensors under the interpreter.  Raises ``ValueError`` naming the required device."""
     require_triton()
     interp = is_interpreted(kernel)

@@ -31,7 +31,7 @@ not become the stragglers.  Each program keeps a running max ``m``, sum ``l`` an
 
 The control (:func:`split_kv_attention`) is this kernel with no quantized parts: fp16 K/V,
 same tiling, same merge.  Sequences of a batch may have their own lengths (``lengths``).
-Only head_dim 64 and 128 are compiled; other head dims raise ``ValueError`` (bug case KVQ-25:
+Only head_dim 64 and 128 are compiled; other head dims raise ``ValueError`` (kernel hard-codes head_dim / block size: triton-lang/triton#621, docs/methods.md#kernel-hard-codes-the-head-dimension:
 never silently truncate).
 
 Only torch and triton are imported (no kvbench core).
@@ -758,8 +758,8 @@ def fused_decode_attention(
     Raises
     ------
     ValueError
-        ``D`` not 64/128 (KVQ-25), more than one query token, mismatched shapes, dtypes or
-        token counts, an unsupported class layout, or tensors the kernel cannot read (KVQ-11).
+        ``D`` not 64/128 (kernel hard-codes head_dim / block size: triton-lang/triton#621, docs/methods.md#kernel-hard-codes-the-head-dimension), more than one query token, mismatched shapes, dtypes or
+        token counts, an unsupported class layout, or tensors the kernel cannot read (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch).
     """
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(

@@ -4,7 +4,7 @@ The attention-backend registry (``kvbench.attend.registry``; this kernel is regi
 CUDA backend by ``kvbench.attend.triton``) calls :func:`unsupported` and :func:`fused_attend`.
 :func:`try_fused_attend` is the stand-alone form: the kernel's output, or ``None`` so that the
 caller takes the reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
-for CPU tensors (KVQ-11: normal CPU use never reaches a GPU launch), when Triton is missing,
+for CPU tensors (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch: normal CPU use never reaches a GPU launch), when Triton is missing,
 when ``KVBENCH_FUSED_ATTENTION=0``, and for layouts the
 kernel does not cover (head_dim other than 64/128, several query tokens, symmetric or
 per-head/per-tensor keys, float8 scales, more than two channel classes, ...).  Either way the

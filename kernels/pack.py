@@ -235,7 +235,7 @@ def pack_bits(codes: torch.Tensor, bits: int, block_m: int = 16) -> torch.Tensor
     :func:`kvbench.kv.quant.pack_bits`.
 
     Raises ``ValueError`` for bits outside 1..8, a non-integer dtype, or tensors the kernel
-    cannot read (CPU tensors outside the interpreter, KVQ-11).
+    cannot read (CPU tensors outside the interpreter, device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch).
     """
     _check_bits(bits)
     if codes.is_floating_point() or codes.is_complex():

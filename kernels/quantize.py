@@ -20,7 +20,7 @@ zero become NaN); ``zero = fp16(min)`` rounded to nearest; ``scale = (max - zero
 with an IEEE division (``div_rn``, not Triton's approximate ``/``), then rounded *up* to the
 storage dtype (one ulp step when the nearest value is below); ``code = rint((x - zero) /
 scale)`` with round-half-to-even (libdevice ``rint`` on the GPU, never ``tl.math.round``: bug
-case KVQ-21; an exact floor-based equivalent under the CPU interpreter, which has no libdevice)
+case rounding ties: kernel vs reference (half-to-even): triton-lang/triton#2923 (+ #4449), docs/methods.md#rounding-ties-between-kernel-and-reference; an exact floor-based equivalent under the CPU interpreter, which has no libdevice)
 clamped to ``[0, 2^b - 1]``, 0 for a zero scale; 1-bit midpoint: ``code = (x - zero >= scale /
 2)``.  Dequantized values (``code * scale + zero`` in float32) then agree exactly, or within one
 ulp where the GPU contracts the multiply-add.
@@ -451,7 +451,7 @@ def quantize_keys(
     ------
     ValueError
         Bad shapes/dtypes, an unsupported class layout (see :func:`check_class_layout`), tensors
-        the kernel cannot read (KVQ-11), or an overflowing scale/zero.
+        the kernel cannot read (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch), or an overflowing scale/zero.
     """
     if x.dim() != 4:
         raise ValueError(f"keys must be [B, H_kv, n, D]; got {tuple(x.shape)}")
@@ -539,7 +539,7 @@ def quantize_values(
     Raises
     ------
     ValueError
-        Bad shapes, dtypes or bits, or tensors the kernel cannot read (KVQ-11).
+        Bad shapes, dtypes or bits, or tensors the kernel cannot read (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch).
     """
     if x.dim() != 4:
         raise ValueError(f"values must be [B, H_kv, n, D]; got {tuple(x.shape)}")

@@ -1,5 +1,5 @@
 """``chanmix``: ChanMix, channel-aware mixed-precision key quantization (ICLR'26; code
-github.com/cxiliao/ChanMix, not retrievable).  Spec §5, §12; PN-Mix Table 10 row (2.32 bits).
+github.com/cxiliao/ChanMix, not retrievable).  docs/methods.md#chanmix and docs/methods.md#average-bits; PN-Mix Table 10 row (2.32 bits).
 
 **A reconstruction** (``capabilities.reconstruction = True``): what is known [SRC pages] is that
 key channels are classed by sensitivity as 4-bit "retrieval", 3-bit "outlier", 2-bit "normal"
@@ -11,7 +11,7 @@ G = N = 128, N_s = 0).  Everything below marked [RECON] is this project's choice
   channels each, the rest "normal".  Whole channels: ``class_rounding='floor'`` (default) stores
   12 channels per 0.1-class at D = 128 (92 normal): b_eff = 2.1875, 2.3125 bits with FP8 s/z;
   ``'round'`` stores 13 (89 normal): 2.328 bits.  Both are within 0.01 of the reported 2.32
-  (the fractional 12.8 channels of spec §5 would give 2.325).
+  (the fractional 12.8 channels of docs/methods.md#chanmix would give 2.325).
 * scale and zero [RECON]: FP8 e4m3 (``torch.float8_e4m3fn``, 1 byte each, ``key_scale_dtype``),
   m_q = 16 bits per 128-token group.  The zero (group min) is stored to nearest, so a value
   below it is off by up to half an fp8 step of the min; a group min or scale beyond +-448
@@ -26,7 +26,7 @@ G = N = 128, N_s = 0).  Everything below marked [RECON] is this project's choice
 * 1-bit reconstruction [RECON]: plain min-max (``midpoint_correction=False``); True applies
   PN-Mix's Eq. 7 midpoint.
 
-Flush rule: KIVI's (spec §3).  The class assignment is stored once per (layer, b, h) as a uint8
+Flush rule: KIVI's (docs/methods.md#kivi).  The class assignment is stored once per (layer, b, h) as a uint8
 channel permutation (:mod:`kvbench.kv.mixed`), m_sal = 0.
 """
 
@@ -145,7 +145,7 @@ class ChanMix(Method):
 
     Config = ChanMixConfig
     description = "ChanMix [RECON]: key channels at 4/3/2/1 bits by sensitivity, FP8 s/z"
-    source = "ChanMix (ICLR'26) [SRC pages]; PN-Mix Table 10 row; spec §5 [RECON]"
+    source = "ChanMix (ICLR'26) [SRC pages]; PN-Mix Table 10 row; docs/methods.md#chanmix [RECON]"
     capabilities = Capabilities(reconstruction=True)
 
     def __init__(self, config: ChanMixConfig | None = None, **overrides: Any) -> None:

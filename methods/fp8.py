@@ -4,7 +4,7 @@ Sources: vLLM ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (per-te
 ``v_scale``, 1.0 when uncalibrated; vllm-project/vllm#41343, PR#2279, PR#3234), TensorRT-LLM's
 FP8 KV cache (per-tensor scale, 1.0 without calibration); formats from Micikevicius et al.,
 "FP8 Formats for Deep Learning", arXiv 2209.05433, Table 1 (E4M3 max 448, E5M2 max 57344).
-Spec §10 context; bug-cases KVQ-14, 19, 20, 22, 23.
+docs/methods.md#transformers-peers; fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow; large outlier channel vs per-tensor fp8 with default scale 1.0: vllm-project/vllm#41343 (and PR#2279 review), docs/methods.md#large-outlier-channel-with-per-tensor-fp8-and-unit-scale; uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8; fp8 rounding (RTNE) and inf handling: triton-lang/triton#5925 (+ #5927, PR#11753), docs/methods.md#fp8-rounding-and-infinity-handling; negative zero and tiny negatives in FNUZ fp8 formats: triton-lang/triton PR#3997, docs/methods.md#negative-zero-and-tiny-negatives-in-fnuz-formats.
 
 Storage: every key and value element is one byte of a torch float8 dtype (``format``:
 ``e4m3fn``, ``e5m2``, or AMD's ``e4m3fnuz`` / ``e5m2fnuz``), plus, with ``scale="amax"``, one
@@ -19,7 +19,7 @@ granularity irrelevant.  ``scale="amax"`` uses ``s = amax / fp8_max`` per granul
 float32 over the granule's finite values and rounded *up* to ``scale_dtype`` (so ``|x / s|``
 never exceeds the format's max); an all-zero granule stores 1.0.  Codes are ``fp8(x / s)``
 rounded to nearest even by torch's cast; reads are ``fp8 -> float32 * s``.  A uint8 buffer of fp8
-bits is decoded by reinterpreting storage (``.view``), never by a value cast (KVQ-20).
+bits is decoded by reinterpreting storage (``.view``), never by a value cast (uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8).
 
 Non-finite and out-of-range inputs (the behaviour chosen here, tested): with
 ``overflow="saturate"`` (default) a finite value beyond ``+-fp8_max * s`` and ``+-inf`` are
@@ -100,7 +100,7 @@ def fp8_decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
 
     ``codes`` is a tensor of ``FORMATS[fmt]`` or a uint8 buffer holding fp8 bit patterns; the
     buffer is reinterpreted with ``.view`` (bytes 0x3C, 0xC0, 0x38, 0x00 in e5m2 are
-    [1, -2, 0.5, 0]), never value-cast (KVQ-20).  Raises ``ValueError`` for any other dtype.
+    [1, -2, 0.5, 0]), never value-cast (uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8).  Raises ``ValueError`` for any other dtype.
     """
     dt = FORMATS[fmt]
     if codes.dtype == torch.uint8:
@@ -215,7 +215,9 @@ class FP8Codec:
                 f"{self.scale_dtype}; use scale_dtype='float32'"
             )
         s = torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device))
-        y = xf / _expand(s, lens).float()  # computed in float32 (KVQ-14)
+        y = (
+            xf / _expand(s, lens).float()
+        )  # computed in float32 (fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow)
         shared = self.granularity == "per-tensor"
         return FP8Block(fp8_encode(y, self.fmt, self.overflow), s, lens, self.fmt, shared)
 

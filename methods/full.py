@@ -1,4 +1,4 @@
-"""``full``: the unquantized baseline (design.md §2).
+"""``full``: the unquantized baseline (docs/design.md#protocols).
 
 Keys and values are stored in the model's dtype, exactly as transformers' ``DynamicCache``;
 key MSE, attention KL and next-token KL against it are 0 by construction.
@@ -24,7 +24,7 @@ class FullPrecision(Method):
 
     Config = FullConfig
     description = "unquantized baseline: K/V in the model's dtype"
-    source = "design.md §2 (baseline)"
+    source = "docs/design.md#baseline"
     capabilities = Capabilities()
 
     def new_layer(

@@ -5,7 +5,7 @@ latency workload runs the model with ``DynamicCache(config=model.config)`` and t
 replays captured K/V into ``DynamicLayer``\\ s (``update`` concatenates the new tokens onto
 ``keys``/``values`` ``[B, H_kv, T, D]`` in the model dtype).  Its bytes equal ``full``'s; its
 decode step is the reference every quantized cache is compared against.
-Source: transformers ``cache_utils.py`` (``DynamicLayer``, ``DynamicCache``), spec §10.
+Source: transformers ``cache_utils.py`` (``DynamicLayer``, ``DynamicCache``), docs/methods.md#transformers-peers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class HFDynamic(HFPeer):
 
     Config = HFDynamicConfig
     description = "peer: transformers DynamicCache (full precision, model dtype)"
-    source = "transformers cache_utils.DynamicCache; spec §10"
+    source = "transformers cache_utils.DynamicCache; docs/methods.md#transformers-peers"
 
     def new_hf_layer(self) -> Any:
         from transformers.cache_utils import DynamicLayer

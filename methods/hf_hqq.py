@@ -2,14 +2,14 @@
 
 A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`) with the same residual
 logic as ``hf-quanto`` (whole prompt quantized at prefill; a flush re-quantizes all history;
-spec §10) and HQQ's quantizer (``hqq.core.quantize.Quantizer.quantize``: min-max with
+docs/methods.md#transformers-peers) and HQQ's quantizer (``hqq.core.quantize.Quantizer.quantize``: min-max with
 ``scale_inv = (qmax / (max - min)).clamp(max=2e4)``, proximal ``optimize=True``, codes packed
 into uint8).  HQQ keeps its codes outside any tensor subclass, as a plain uint8 tensor beside a
 ``meta`` dict holding the ``scale`` and ``zero`` tensors (in the compute dtype); the byte count
 walks that dict.  ``axis=1`` groups ``q_group_size`` consecutive channels of a token
 (per-token); ``axis=0`` (transformers' default) reshapes to ``[q_group_size, -1]``, so a group is
 ``q_group_size`` elements strided through the flat tensor: not a clean per-channel grouping of a
-4-D cache (spec §10 pitfall).  Defaults are transformers' (4 bits, axes 0, groups of 64,
+4-D cache (docs/methods.md#hf-hqq).  Defaults are transformers' (4 bits, axes 0, groups of 64,
 residual 128).  Requires ``hqq`` (``pip install 'kvbench[peers]'``).
 """
 
@@ -37,7 +37,7 @@ class HFHQQ(HFQuanto):
     module: ClassVar[str] = "hqq"
     requirement: ClassVar[str] = "hqq>=0.2"
     description = "peer: transformers QuantizedCache, HQQ backend (re-quantizes all on flush)"
-    source = "transformers cache_utils.HQQQuantizedLayer; hqq Quantizer; spec §10"
+    source = "transformers cache_utils.HQQQuantizedLayer; hqq Quantizer; docs/methods.md#transformers-peers"
 
     def _layer_class(self) -> type:
         from transformers import cache_utils

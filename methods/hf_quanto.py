@@ -1,12 +1,12 @@
 """``hf-quanto``: transformers' ``QuantizedCache(backend="quanto")`` (optimum-quanto).
 
 A peer (``capabilities.layer_cache=False``, :mod:`kvbench.hf.peers`).  Behaviour, from
-transformers ``cache_utils.py`` ``QuantizedLayer`` / ``QuantoQuantizedLayer`` (spec §10):
+transformers ``cache_utils.py`` ``QuantizedLayer`` / ``QuantoQuantizedLayer`` (docs/methods.md#transformers-peers):
 
 * prefill: the **whole prompt** is quantized at once and no full-precision residual is kept;
 * decode: the step reads ``cat(dequant(Q), residual, new)``; when ``residual + 1 >=
   residual_length`` the whole concatenation (dequantized old tokens included) is re-quantized and
-  the residual emptied, so every flush re-quantizes all history (spec Example 16);
+  the residual emptied, so every flush re-quantizes all history (docs/methods.md#worked-example-16);
 * ``axis=0`` (default) groups ``q_group_size`` consecutive elements of the contiguous
   ``[B, H_kv, T, D]`` tensor, i.e. per-token groups along head_dim (KIVI's "per-token"; HF calls
   it "per-channel", the naming trap); ``axis=-1`` is per-channel over flattened rows;
@@ -86,7 +86,7 @@ class HFQuanto(HFPeer):
     module: ClassVar[str] = "optimum.quanto"
     requirement: ClassVar[str] = "optimum-quanto>=0.2.5"
     description = "peer: transformers QuantizedCache, quanto backend (re-quantizes all on flush)"
-    source = "transformers cache_utils.QuantoQuantizedLayer; optimum-quanto; spec §10"
+    source = "transformers cache_utils.QuantoQuantizedLayer; optimum-quanto; docs/methods.md#transformers-peers"
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec(self.module.split(".")[0]) is None or (

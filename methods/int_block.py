@@ -3,7 +3,7 @@
 Source: ggml-org/llama.cpp ``ggml/src/ggml-quants.c`` (``quantize_row_q8_0_ref``,
 ``quantize_row_q4_0_ref``) and ``ggml-common.h`` (``block_q8_0``, ``block_q4_0``: 32 elements and
 one fp16 ``d`` per block); the KV-cache types are chosen with ``-ctk`` / ``-ctv`` in
-{f16, q8_0, q4_0, ...}.  Spec §10 context; bug-cases KVQ-13, 14, 17, 23, 24.
+{f16, q8_0, q4_0, ...}.  docs/methods.md#transformers-peers; zero or near-zero range group: division by zero, NaN: ggml-org/llama.cpp PR#7313 (fixes #7311), docs/methods.md#zero-or-near-zero-range-groups; fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow; fault list in docs/methods.md#faults-seen-in-peer-projects; negative zero and tiny negatives in FNUZ fp8 formats: triton-lang/triton PR#3997, docs/methods.md#negative-zero-and-tiny-negatives-in-fnuz-formats; fp16 overflow in stored block metadata and in the scale range: ggml-org/llama.cpp PR#21652, docs/methods.md#float16-overflow-in-block-metadata-and-range.
 
 Each key and value token is cut into blocks of ``block_size`` (32) consecutive channels along
 head_dim, each with one float16 scale ``d``; keys and values are configured independently with

@@ -1,5 +1,5 @@
 """``kitty``: Kitty, dynamic channel-wise precision boost (Xia et al., arXiv 2511.18643, MLSys'26;
-code Summer-Summer/Kitty at dfd2c07).  Spec §4, §12, §13 Examples 7 and 16.
+code Summer-Summer/Kitty at dfd2c07).  docs/methods.md#kitty, docs/methods.md#average-bits, docs/methods.md#worked-example-7, docs/methods.md#worked-example-16.
 
 Keys (post-RoPE) are quantized per channel in pages of ``group_size`` (G) tokens.  In every page
 and every (batch row, KV head) the ``k = int(D * high_ratio + 1e-6)`` (= floor(D r)) channels with
@@ -21,10 +21,10 @@ quantized, so it cycles 1..R); values are KIVI-style per token with a sliding wi
 quantized + 12 residual, values 140 quantized; key flushes at decode steps 117 and 245.
 
 Defaults: the PN-Mix Table 10 Kitty row (high 4, low 2, r = 1/32, G = R = 128, N_s = 32, b_V = 16).
-Nominal key bits (spec §4/§12): ``b_eff + 32/G + 8/G`` with the uint8 ch_idx term (8/G; 16/G for
+Nominal key bits (docs/methods.md#kitty and docs/methods.md#table-10-check): ``b_eff + 32/G + 8/G`` with the uint8 ch_idx term (8/G; 16/G for
 D > 256, 0 when one class is empty) = 2.388 at D = 128, T_q = 32768 (reported 2.39) [RECON
 accounting].  ``high_ratio = 0`` is KIVI with Kitty's sinks and flush rule.  Rounding is
-half-to-even (Kitty's kernel rounds half up; spec §0).
+half-to-even (Kitty's kernel rounds half up; docs/methods.md#common-conventions).
 """
 
 from __future__ import annotations
@@ -104,7 +104,9 @@ class Kitty(Method):
 
     Config = KittyConfig
     description = "Kitty: per-page top-r key channels at high bits, rest low bits, sinks"
-    source = "Xia et al., arXiv 2511.18643 (MLSys'26), Kitty-sim; PN-Mix Table 10; spec §4"
+    source = (
+        "Xia et al., arXiv 2511.18643 (MLSys'26), Kitty-sim; PN-Mix Table 10; docs/methods.md#kitty"
+    )
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

@@ -2,7 +2,7 @@
 ICML 2024, arXiv 2402.02750; code jy-yuan/KIVI at 876b4d2).
 
 Keys per-channel (one fp16 (scale, min) per channel per ``group_size`` tokens, §3.2), values
-per-token (groups of ``value_group_size`` channels).  Flush rules exactly as spec §3
+per-token (groups of ``value_group_size`` channels).  Flush rules exactly as docs/methods.md#kivi
 (``models/llama_kivi.py``): at prefill the keys quantize ``T - T mod R`` tokens (all of them when
 ``T % R == 0``), the values all but the newest ``R``; while decoding the key residual cycles
 0..R-1 (a full residual of R keys is quantized as R/G groups after the step's attention) and the
@@ -38,7 +38,7 @@ class KIVI(Method):
 
     Config = KIVIConfig
     description = "KIVI: per-channel keys (G tokens), per-token values, fp residual R"
-    source = "Liu et al., ICML'24, arXiv 2402.02750, §3.2-3.3; spec §3"
+    source = "Liu et al., ICML'24, arXiv 2402.02750, §3.2-3.3; docs/methods.md#kivi"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

@@ -1,6 +1,6 @@
 """``kvquant``: KVQuant-lite (Hooper et al., "KVQuant: Towards 10 Million Context Length LLM
 Inference with KV Cache Quantization", NeurIPS'24, arXiv 2401.18079, §3; code
-SqueezeAILab/KVQuant ``quant/kvquant/simquant_module_quantizer.py``; spec §9).
+SqueezeAILab/KVQuant ``quant/kvquant/simquant_module_quantizer.py``; docs/methods.md#kvquant).
 
 Keys are quantized **pre-RoPE**, per channel, with *static* thresholds from
 :meth:`KVQuant.calibrate`: per (KV head, channel) ``upper, lower = percentile(100 t),
@@ -18,7 +18,7 @@ left-padding offsets are not modelled (the round trip stays exact).
 
 [RECON] "lite": values use the core's per-token codec (``value_bits``; no value outliers or
 LUT), no Q-Norm or Fisher weights, calibration skips each sequence's first ``num_sink_tokens``
-tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (spec §12): ``bits
+tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (docs/methods.md#average-bits): ``bits
 + (1 - tau) (16 + 32)`` (4.48 at the defaults; per-layer thresholds and LUT left out).
 """
 
@@ -282,7 +282,7 @@ class KVQuant(Method):
 
     Config = KVQuantConfig
     description = "KVQuant-lite: pre-RoPE per-channel keys, calibrated ranges, sparse outliers"
-    source = "Hooper et al., NeurIPS'24, arXiv 2401.18079, §3.1-3.5; spec §9"
+    source = "Hooper et al., NeurIPS'24, arXiv 2401.18079, §3.1-3.5; docs/methods.md#kvquant"
     capabilities = Capabilities(needs_calibration=True, reconstruction=True)
 
     def __init__(self, config: KVQuantConfig | None = None, **overrides) -> None:

@@ -2,7 +2,7 @@
 
 One (scale, min) per channel per ``group_size`` tokens for both sides (statistics reduced over
 tokens).  This is the "Per-Channel" baseline of PN-Mix Table 9 (uniform per-channel asymmetric,
-G = 128, at 3 or 2 bits) and spec §2c.  Both sides flush in blocks of R tokens (spec §3's key
+G = 128, at 3 or 2 bits) and docs/methods.md#per-channel.  Both sides flush in blocks of R tokens (docs/methods.md#kivi's key
 rule), since a per-channel group needs G tokens.  Defaults: 2 bits, G = R = 128, no sinks,
 ``value_bits=16``.
 """
@@ -21,7 +21,7 @@ class PerChannel(Method):
 
     Config = KIVIConfig
     description = "uniform per-channel K and V (G-token groups), PN-Mix Table 9 baseline"
-    source = "PN-Mix Table 9 caption; spec §2c"
+    source = "PN-Mix Table 9 caption; docs/methods.md#per-channel"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

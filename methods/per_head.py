@@ -1,4 +1,4 @@
-"""``per-head``: one (scale, min) per (batch row, KV head) of each flushed block (spec §2a).
+"""``per-head``: one (scale, min) per (batch row, KV head) of each flushed block (docs/methods.md#per-head).
 
 The textbook's ``PerChannelQuantizedCache`` (it calls per-head "per-channel"): scale and min over
 all tokens x channels of a head.  On K/V whose heads have different ranges it beats per-tensor
@@ -18,4 +18,4 @@ class PerHead(Uniform):
 
     codec_cls = PerHeadCodec
     description = "textbook per-head min-max K and V (one scale per head per flush)"
-    source = "textbook cache quantization chapter [SEED]; spec §2a"
+    source = "textbook cache quantization chapter [SEED]; docs/methods.md#per-head"

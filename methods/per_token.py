@@ -1,8 +1,8 @@
 """``per-token``: uniform per-token quantization of keys and values (KIVI's sense).
 
 One (scale, min) per token per ``value_group_size`` channels (statistics reduced over channels),
-for keys as for values; what KIVI uses for values only (spec §3) and what transformers'
-``QuantizedCache`` calls "per-channel" with ``axis=0`` (spec §10, the naming trap).  Both sides
+for keys as for values; what KIVI uses for values only (docs/methods.md#kivi) and what transformers'
+``QuantizedCache`` calls "per-channel" with ``axis=0`` (docs/methods.md#per-channel-and-per-token).  Both sides
 keep a sliding full-precision window of R tokens (per-token groups make 1-token flushes valid).
 Defaults: 2 bits, R = 128, no sinks, ``value_bits=16``.
 """
@@ -31,7 +31,7 @@ class PerToken(Method):
 
     Config = PerTokenConfig
     description = "uniform per-token K and V (channel groups), sliding fp residual R"
-    source = "KIVI §3 (values); spec §3, §10"
+    source = "KIVI §3 (values); docs/methods.md#per-token"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

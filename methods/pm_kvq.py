@@ -1,5 +1,5 @@
 """``pm-kvq``: PM-KVQ (Liu et al., "PM-KVQ: Progressive Mixed-precision KV Cache Quantization for
-Long-CoT LLMs", arXiv 2505.18610, ICLR'26), spec §8.  The paper text was not readable offline;
+Long-CoT LLMs", arXiv 2505.18610, ICLR'26), docs/methods.md#pm-kvq.  The paper text was not readable offline;
 sources are its abstract and the code (thu-nics/PM-KVQ at c8a2bff, files named below) [SRC].
 
 Progressive cache (``progressive/progressive_quantized_cache.py``): keys and values per token,
@@ -14,11 +14,11 @@ Choices made here:
 * Sinks and window are kept in the model dtype (bit-exact; fp16/bf16 = 2 bytes per element like
   the original's 16-bit codes, without their scales).  The original stores them through its
   16-bit integer quantizer, so they are not bit-exact there.
-* The budget is checked after each step's flush (design.md §2) and the main cache shrinks until
+* The budget is checked after each step's flush (docs/design.md#protocols) and the main cache shrinks until
   it fits (the original shrinks one step per update, reaching the same widths a few tokens
   later).  Over budget at 2 bits: ``on_overflow="raise"`` raises ``MemoryError`` like the
   original, ``"allow"`` continues.  A ``budget_bits`` below 2 is a ``ValueError`` at config time.
-* Scales default to float16 (design.md); the 16-bit stage's range/65535 is then subnormal for
+* docs/design.md#groups-and-head-dim; the 16-bit stage's range/65535 is then subnormal for
   ranges below ~4: measured 2-bit RMS error +4% for 128-channel groups of range ~0.05, +13% at
   ~0.016, none at range >= 0.5; ``scale_dtype="bfloat16"`` (the original's) avoids that.
 * ``budget_scope="codes"`` counts what the original counts (codes; sinks and window at 16 bits
@@ -35,7 +35,7 @@ Choices made here:
   ``budget_tokens`` (default 32768, its ``max_len``) to the workload's length; ``budget_bytes``
   gives bytes.  Either may be a per-layer list (e.g. from :func:`allocate_bits`); neither = 2.0.
 
-Nominal bits (spec §12): b_eff = the widest width whose main cache of ``budget_tokens`` tokens
+Nominal bits (docs/methods.md#average-bits): b_eff = the widest width whose main cache of ``budget_tokens`` tokens
 fits ``budget_bits`` (mean over a per-layer list) + one (scale, zero) per channel group; sinks
 at 16 bits.  Defaults, D = 128: 2 + 32/128 = 2.25 (2.2504 with the sink).
 """
@@ -279,7 +279,9 @@ class PMKVQ(Method):
 
     Config = PMKVQConfig
     description = "PM-KVQ: progressive 16->8->4->2-bit per-token K/V under a per-layer budget"
-    source = "Liu et al., arXiv 2505.18610 (ICLR'26), thu-nics/PM-KVQ c8a2bff; spec §8"
+    source = (
+        "Liu et al., arXiv 2505.18610 (ICLR'26), thu-nics/PM-KVQ c8a2bff; docs/methods.md#pm-kvq"
+    )
     capabilities = Capabilities()  # all [SRC]; the choices are documented above
 
     def key_codec(self, layer_idx: int, head_dim: int) -> ProgressiveCodec:
@@ -318,7 +320,7 @@ class PMKVQ(Method):
         return [next((w for w in chain if w <= b), MIN_BITS) for b in budgets]
 
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """Spec §12 terms, keys and values alike: b_eff from :meth:`final_bits`."""
+        """docs/methods.md#average-bits terms, keys and values alike: b_eff from :meth:`final_bits`."""
         widths = self.final_bits()
         return {
             "b_eff": sum(widths) / len(widths),

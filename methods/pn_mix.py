@@ -1,5 +1,5 @@
 """``pn-mix``: PN-Mix, pair-norm guided mixed-precision key cache (Song & Yoo, arXiv 2610.19605,
-Oct 2026).  Spec §7, §12, §13 Examples 8-10; PN-Mix Tables 1, 4, 9, 10, 11.
+Oct 2026).  docs/methods.md#pn-mix, docs/methods.md#average-bits, docs/methods.md#worked-example-8 .. docs/methods.md#worked-example-10; PN-Mix Tables 1, 4, 9, 10, 11.
 
 Keys (post-RoPE) are quantized per channel in pages of G tokens.  Salient RoPE pairs are chosen
 **once at prefill** per (batch row, KV head) and kept for the whole generation: the
@@ -8,10 +8,10 @@ both channels at ``high_bits``, all other channels at ``low_bits``; 1-bit groups
 midpoint correction (Eq. 7).  Main config PN-Mix (1) = H3(50%)L1: high 3, low 1, r = 0.5,
 G = R = 128, N_s = 32, b_V = 16 (Table 10); nominal key bits (512 + 32768 * 2.25) / 32800 =
 2.263 (reported 2.26).  The selection is stored once per (b, h) as a uint8 channel permutation
-(spec §7.6: amortized to ~0, so ``m_sal = 0``) and is inspectable as
+(docs/methods.md#pn-mix: amortized to ~0, so ``m_sal = 0``) and is inspectable as
 ``layer_cache.k.codec.selected_pairs`` (LongTensor ``[B, H_kv, n_H]``).
 
-Reconstructed parts [RECON] (the paper text was not available; spec §7), each a config field:
+Reconstructed parts [RECON] (the paper text was not available; docs/methods.md#pn-mix), each a config field:
 
 * ``score`` (Eq. 5): ``qk-pair-norm`` (default, separable: mean over the KV head's query heads
   and prefill tokens of ||q_i|| times mean over tokens of ||k_i||; query head g belongs to KV
@@ -21,7 +21,7 @@ Reconstructed parts [RECON] (the paper text was not available; spec §7), each a
   two channels), ``k-pair-norm`` (mean ||k_i||);
 * ``midpoint_correction`` (Eq. 7 read as threshold at the midpoint, reconstruct at bin centres);
 * ``pairing``: ``rotate-half`` (i, i + D/2), HF Llama/Qwen, default; ``interleaved`` (2i, 2i+1);
-* ``flush``: ``kivi`` (default; blocks of R, spec §3) or ``kitty`` (all but newest, spec §4);
+* ``flush``: ``kivi`` (default; blocks of R, docs/methods.md#kivi) or ``kitty`` (all but newest, docs/methods.md#kitty);
 * ``score_sink_tokens``: whether the score sees the sink tokens (default: all prefill tokens;
   if excluding them leaves none, all are used).
 
@@ -60,7 +60,7 @@ def pair_scores(
     score: str = "qk-pair-norm",
     pairing: str = "rotate-half",
 ) -> torch.Tensor:
-    """Importance of each RoPE pair per KV head (spec §7.2 [RECON], Example 8).
+    """Importance of each RoPE pair per KV head (docs/methods.md#pn-mix [RECON], Example 8).
 
     Parameters
     ----------
@@ -197,7 +197,7 @@ class PNMix(Method):
 
     Config = PNMixConfig
     description = "PN-Mix: prefill-selected RoPE pairs at high bits (QK pair norm), 1-bit midpoint"
-    source = "Song & Yoo, arXiv 2610.19605, Eq. 5, 7, Tables 1, 4, 10, 11 [RECON]; spec §7"
+    source = "Song & Yoo, arXiv 2610.19605, Eq. 5, 7, Tables 1, 4, 10, 11 [RECON]; docs/methods.md#pn-mix"
     capabilities = Capabilities(needs_queries=True, reconstruction=True)
 
     @property

@@ -1,11 +1,11 @@
 """``polarquant``: PolarQuant of Wu et al., "Leveraging Polar Transformation for Efficient Key
 Cache Quantization and Decoding Acceleration" (arXiv 2502.00527), the variant PN-Mix compares
 (Table 9 "Per-Channel after (r, θ)", Table 10 row "PolarQuant" = 2.25 bits, Table 3).  Not the
-Google PolarQuant of Han et al. (arXiv 2502.02617); spec §6 tells the two apart.
+Google PolarQuant of Han et al. (arXiv 2502.02617); docs/methods.md#polarquant tells the two apart.
 
 Each post-RoPE key is split into its RoPE 2-D sub-vectors ``(x, y)`` (the paper's idea, [SRC]
-abstract).  The concrete quantizer is the spec's reconstruction, since the code was not to be
-had [RECON, spec §6]:
+abstract).  The concrete quantizer is kvbench's reconstruction (docs/methods.md#polarquant), since the code was not to be
+had [RECON, docs/methods.md#polarquant]:
 
 * per pair and token ``r = hypot(x, y)`` and ``θ = atan2(y, x)`` in ``(-π, π]``;
 * ``r`` and ``θ`` are each quantized per channel (per pair) with the asymmetric min-max quantizer
@@ -20,13 +20,13 @@ Configurable choices the paper leaves open (all [RECON]):
 * ``pairing``: ``"rotate_half"`` (default; channels (i, i + D/2), HF Llama/Qwen) or
   ``"interleaved"`` (channels (2i, 2i + 1), GPT-J / Meta-original layout).
 * ``angle_wrap``: ``"minmax"`` (default; plain min-max over θ, ignoring that θ is circular, as
-  the spec reconstructs it and Example 15 computes) or ``"circular"``: each group's angles are
+  kvbench's reconstruction (docs/methods.md#polarquant, angle_wrap) and Example 15 computes) or ``"circular"``: each group's angles are
   unwrapped so that the group's largest circular gap straddles the cut (angles below the first
   angle after that gap get + 2π) before the min-max; the stored zero then carries that offset.
   A group whose angles straddle ±π then spans its true arc instead of nearly 2π.  No extra
   metadata: dequantization is the same ``code * scale + zero`` and cos/sin absorb the 2π.
 
-Nominal key bits (spec §12): ``(radius_bits + angle_bits) / 2 + 32 / G`` with fp16 scales, as
+Nominal key bits (docs/methods.md#average-bits): ``(radius_bits + angle_bits) / 2 + 32 / G`` with fp16 scales, as
 each pair's 2G elements per group carry two fp16 (scale, zero) pairs: 2 + 0.25 = 2.25 at the
 defaults.
 """
@@ -276,7 +276,9 @@ class PolarQuant(Method):
 
     Config = PolarQuantConfig
     description = "PolarQuant (Wu et al.): per-pair (r, θ) per-channel min-max keys, 2+2 bits"
-    source = "Wu et al., arXiv 2502.00527; PN-Mix Tables 3, 9, 10; spec §6 (A) [RECON]"
+    source = (
+        "Wu et al., arXiv 2502.00527; PN-Mix Tables 3, 9, 10; docs/methods.md#polarquant [RECON]"
+    )
     capabilities = Capabilities(reconstruction=True)
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

@@ -3,7 +3,7 @@
 Source: Zandieh, Daliri, Han, "QJL: 1-Bit Quantized JL Transform for KV Cache Quantization with
 Zero Overhead", arXiv 2406.03482, §3 (Definition 1; Lemma 2, unbiasedness) and §4; code
 amirzandieh/QJL (``models/llama3_utils_qjl.py`` ``QJLSketch`` / ``QJLKeyQuantizer``,
-``qjl_kernel/csrc/qjl_gqa_score_kernel.cu``); spec §11, §13 Example 14.
+``qjl_kernel/csrc/qjl_gqa_score_kernel.cu``); docs/methods.md#qjl and docs/methods.md#worked-example-14.
 
 Keys: with a seeded Gaussian ``S in R^{m x d}`` (m = ``sketch_dim``) a key is stored as
 ``sign(S k)`` (bit 1 iff ``(S k)_r > 0``, packed 8 per byte) and ``||k||_2`` (float16).  There are
@@ -17,7 +17,7 @@ channels of largest norm over the group are split off and sketched separately wi
 the logit is the sum of both estimates; the o indices (uint8) are stored per group.
 
 Windows (repo): keys stay exact until a block of ``residual_length`` R (128) tokens is sketched
-(spec §3's block schedule); ``num_sink_tokens`` stay exact.  Values: KIVI-style per-token, 2 bits,
+(docs/methods.md#flush-schedules); ``num_sink_tokens`` stay exact.  Values: KIVI-style per-token, 2 bits,
 groups of 32 channels, sliding window R (repo ``--value_quantization_bits 2 --group_size 32``).
 S is regenerated from ``seed + layer`` (cached per process), not cache state: no bytes.
 ``sketch="orthogonal"`` is the repo's ``init_rot_dir`` (blocks of d rows orthonormalized, times
@@ -274,7 +274,7 @@ class QJL(Method):
 
     Config = QJLConfig
     description = "QJL: keys as sign(S k) sketches + fp16 norm, unbiased logit estimator"
-    source = "Zandieh et al., arXiv 2406.03482, §3-4; repo amirzandieh/QJL; spec §11, Ex. 14"
+    source = "Zandieh et al., arXiv 2406.03482, §3-4; repo amirzandieh/QJL; docs/methods.md#qjl and docs/methods.md#worked-example-14"
     capabilities = Capabilities(keys_values=False)
 
     def key_codec(self, layer_idx: int, head_dim: int) -> QJLKeyCodec:

@@ -4,7 +4,7 @@ model-internal score, and assigns two adjacent above-cliff precisions".  Reconst
 
 * Every token is kept, quantized per token (KIVI value style, fp16 (scale, min) per
   ``value_group_size`` channels) at ``high_bits`` or ``low_bits``; its value (``mixed_values``)
-  at the same width.  Nominal bits (spec §12): ``target + 32/group + 1/D`` (1-bit mask).
+  at the same width.  Nominal bits (docs/methods.md#average-bits): ``target + 32/group + 1/D`` (1-bit mask).
 * ``score='attention'``: attention a key receives, summed over its KV head's query heads and
   averaged over the queries that saw it (the last ``score_window`` prefill queries, then decode
   queries given to :meth:`SemKVLayer.attend`, e.g. ``QuantizedKVCache(..., attend=True)``); a

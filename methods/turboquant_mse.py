@@ -2,8 +2,8 @@
 
 Source: Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with
 Near-optimal Distortion Rate", arXiv 2504.19874, §3.1 (Algorithm 1, TurboQuant_mse; Lemma 1, the
-coordinate law of a rotated unit vector; Theorem 1, ``D_mse <= (sqrt(3) pi / 2) 4^-b``); spec §11
-and §13 Example 12.
+coordinate law of a rotated unit vector; Theorem 1, ``D_mse <= (sqrt(3) pi / 2) 4^-b``); docs/methods.md#qjl
+and docs/methods.md#worked-example-12.
 
 Per token and KV head, ``x`` (head_dim ``d``) is stored as its norm ``||x||_2`` (``norm_dtype``,
 float16: 16 bits) and the packed ``b``-bit indices ``idx_j = argmin_k |y_j - c_k|`` of
@@ -336,7 +336,7 @@ class TurboQuantMSE(Method):
 
     Config = TurboQuantMSEConfig
     description = "TurboQuant-MSE: random rotation, Lloyd-Max codebook, fp16 norm per token"
-    source = "Zandieh et al., arXiv 2504.19874, §3.1 Algorithm 1, Lemma 1; spec §11, Ex. 12"
+    source = "Zandieh et al., arXiv 2504.19874, §3.1 Algorithm 1, Lemma 1; docs/methods.md#turboquant-mse and docs/methods.md#worked-example-12"
     capabilities = Capabilities()
 
     def _applies(self, side: str) -> bool:

@@ -1,9 +1,9 @@
-"""``uniform``: the textbook per-tensor min-max cache (spec §1).
+"""``uniform``: the textbook per-tensor min-max cache (docs/methods.md#uniform).
 
 One (scale, min) for the whole flushed tensor (all batch rows, heads, tokens and channels of one
 flush), for keys and values.  The textbook quantizes the whole stored tensor at once with no
 residual; here the generic window fields apply so every method runs with the same windows: the
-cache quantizes blocks of R tokens (spec §3's key rule; ``residual_length=0`` quantizes each
+cache quantizes blocks of R tokens (docs/methods.md#flush-schedules; ``residual_length=0`` quantizes each
 arriving chunk immediately, the textbook behaviour).  Source: M. Brenndoerfer, *Language AI
 Handbook*, "KV Cache Compression: Cache Quantization" (2026) [SEED].  Defaults: 2 bits, R = 128,
 no sinks, ``value_bits=16``.
@@ -36,7 +36,7 @@ class Uniform(Method):
     Config = WholeFlushConfig
     codec_cls: ClassVar[type] = PerTensorCodec
     description = "textbook per-tensor min-max K and V (one scale per flush)"
-    source = "textbook cache quantization chapter [SEED]; spec §1"
+    source = "textbook cache quantization chapter [SEED]; docs/methods.md#uniform"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:

@@ -2,9 +2,9 @@
 kvbench.hf.capture) on tiny random-weight models built offline from configs.
 
 These are functional tests only: the models are random (2 layers, hidden 64, 4 query heads,
-2 KV heads, vocab 128), so they check plumbing and protocol (design.md §2), not accuracy.
+2 KV heads, vocab 128), so they check plumbing and protocol (docs/design.md#protocols), not accuracy.
 Right values come from transformers' own DynamicCache + sdpa path (the stock reference), from
-spec §3's KIVI flush rule, and from bug-cases KVQ-06 / KVQ-07.
+docs/methods.md#flush-schedules, and from caller's config mutated between calls: huggingface/transformers PR#48700, docs/methods.md#callers-config-mutated-between-calls; untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_generate_with_kivi_quantizes_per_spec_schedule(arch):
     assert out.sequences.shape == (1, PROMPT_LEN + 12)
     total = PROMPT_LEN + 12 - 1  # the last generated token is never fed back
     assert cache.get_seq_length() == total
-    # spec §3 with R = G = 4: keys quantize whole blocks of R (residual cycles 0..R-1), values
+    # docs/methods.md#kivi with R = G = 4: keys quantize whole blocks of R (residual cycles 0..R-1), values
     # keep a sliding window of exactly R tokens; flushes ran after each step's attention
     for i in range(len(cache.layers)):
         assert cache.quantized_tokens(i) == (total - total % 4, total - 4)
@@ -184,16 +184,19 @@ def test_prefill_attention_uses_full_precision_kivi_2bit():
     m = model()
     cache = QuantizedKVCache("kivi", m, method_config=KIVI2)
     got0 = forward(m, ids, cache)
-    assert cache.quantized_tokens(0) == (8, 4)  # spec §3: keys 8 - 8 mod 4, values 8 - R
+    assert cache.quantized_tokens(0) == (
+        8,
+        4,
+    )  # docs/methods.md#kivi: keys 8 - 8 mod 4, values 8 - R
     assert torch.equal(ref0, got0)
     # the next step reads the 2-bit past, so it must differ from the full-precision one
     assert (forward(m, nxt, cache) - ref1).abs().max() > 1e-4
 
 
-# --------------------------------------------------------------------------------- KVQ-07
+# --------------------------------------------------------------------------------- untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested
 @pytest.mark.parametrize("arch,head_dim", [("llama", 16), ("qwen3", 128)])
 def test_8bit_per_channel_tracks_full_precision(arch, head_dim):
-    """bug-cases KVQ-07 (model level): per-step logits within 1e-2 x max |logit|, same greedy
+    """untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested (model level): per-step logits within 1e-2 x max |logit|, same greedy
     tokens wherever the reference top-2 margin exceeds twice that bound."""
     ref = reference(arch, head_dim)
     ref_logits = torch.stack([x[0] for x in ref.logits])
@@ -368,7 +371,7 @@ def test_needs_queries_method_receives_post_rope_queries(arch):
         forward(m2, prompt(n=1), c2)
 
 
-# --------------------------------------------------------------------------------- KVQ-06
+# --------------------------------------------------------------------------------- caller's config mutated between calls: huggingface/transformers PR#48700, docs/methods.md#callers-config-mutated-between-calls
 def test_callers_method_and_config_are_not_mutated():
     cfg = dict(KIVI2)
     snapshot = copy.deepcopy(cfg)
@@ -446,7 +449,7 @@ def test_bad_inputs_raise_clear_errors():
 
 # --------------------------------------------------------------------------------- chunks, dtype
 def test_chunked_feeding_matches_dynamic_cache():
-    """Perplexity protocol (design.md §2): prefill P, then chunks of C > 1 tokens attending to
+    """Perplexity protocol (docs/design.md#protocols): prefill P, then chunks of C > 1 tokens attending to
     the cached past plus causally within the chunk; the mask must align to the end."""
     ids = prompt(n=19, seed=7)
     chunks = ((0, 7), (7, 12), (12, 19))  # P = 7, C = 5, 7
@@ -460,7 +463,7 @@ def test_chunked_feeding_matches_dynamic_cache():
         assert (forward(m, ids[:, lo:hi], cache) - r).abs().max() <= 1e-5
         assert forward(m, ids[:, lo:hi], kc).shape == r.shape
     assert cache.get_seq_length() == kc.get_seq_length() == 19
-    assert kc.quantized_tokens(0) == (16, 15)  # spec §3 after 19 tokens, R = G = 4
+    assert kc.quantized_tokens(0) == (16, 15)  # docs/methods.md#kivi after 19 tokens, R = G = 4
 
 
 def test_bfloat16_model():

@@ -21,7 +21,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("group", "expected"), [(128, 2.25), (64, 2.50), (32, 3.00)])
 def test_bits_kivi_json(group: int, expected: float) -> None:
-    # spec §3/§12: b + 32/G with fp16 scale and zero, residual excluded, no sinks
+    # docs/methods.md#kivi and docs/methods.md#average-bits: b + 32/G with fp16 scale and zero, residual excluded, no sinks
     out = run_cli(
         "bits",
         "kivi",

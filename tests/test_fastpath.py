@@ -2,7 +2,7 @@
 
 Right values: attention computed here in float64 numpy-style torch over the cache's own
 ``keys_values(float64)`` (dequantized blocks, sinks, residual; GQA by ``repeat_interleave``,
-causal mask aligned to the end), independently of ``kvbench.attend.reference``; bug-cases KVQ-08
+causal mask aligned to the end), independently of ``kvbench.attend.reference``; GQA with num_kv_heads < num_heads: jy-yuan/KIVI#41 and #33, docs/methods.md#gqa-with-fewer-kv-heads-than-query-heads
 (GQA, query head h reads KV head h // n_rep); at model level, the reference path
 (``attend=False``: sdpa over the dequantized cache) of the same tiny random Llama.
 """
@@ -168,7 +168,7 @@ def test_other_affine_layouts(kind):
 
 
 def test_kvq08_gqa_head_mapping():
-    # bug-cases KVQ-08: Q [1,8,1,16], K/V [1,2,40,16], G 32, value groups 16, 2 bits, R 32
+    # GQA with num_kv_heads < num_heads: jy-yuan/KIVI#41 and #33, docs/methods.md#gqa-with-fewer-kv-heads-than-query-heads: Q [1,8,1,16], K/V [1,2,40,16], G 32, value groups 16, 2 bits, R 32
     lc = kivi_layer(2, 2, G=32, R=32, vg=16, hkv=2, D=16)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
@@ -325,7 +325,7 @@ def test_model_greedy_tokens_match_reference_path():
     ref_toks, ref_logits, _ = greedy(model, attend=False)
     toks, logits, cache = greedy(model, attend=True)
     assert cache.layer_caches()[0].attend_path == fastpath.EAGER_PATH
-    # 11 + 39 tokens, 1 sink: keys floor(49 / 8) * 8 = 48 (spec §3 blocks), values 49 - 8 = 41
+    # 11 + 39 tokens, 1 sink: keys floor(49 / 8) * 8 = 48 (docs/methods.md#flush-schedules), values 49 - 8 = 41
     assert cache.quantized_tokens() == (48, 41)
     assert toks == ref_toks
     err = (logits - ref_logits).abs().max().item()

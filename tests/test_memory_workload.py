@@ -1,7 +1,7 @@
 """The ``memory`` workload: bytes at rest against hand counts, effective vs nominal bits, the
 transient peak of the decode path that runs, no full-precision copy of quantized tokens, bad input.
 
-Hand counts follow the storage formats of kvbench.kv.blocks and the flush rules of spec §3 (KIVI)
+Hand counts follow the storage formats of kvbench.kv.blocks and the flush rules of docs/methods.md#kivi (KIVI)
 and kvbench.kv.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
 every (scale, zero) pair takes 2 x 2 bytes (float16); residual and sinks are float16 tokens.
 """
@@ -48,7 +48,7 @@ def _bytes(w: Memory, name: str, **cfg) -> dict[str, float]:
 # ------------------------------------------------------------------ shape 1
 # one layer, B=1, H_kv=3, D=64, d=300 (296 prefill + 4 appends), float16
 SHAPE1 = dict(context=300, appends=4, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64)
-# KIVI keys (spec §3): 296 -> 256 quantized + 40 residual; +4 -> 44 residual (< R, no flush)
+# KIVI keys (docs/methods.md#kivi): 296 -> 256 quantized + 40 residual; +4 -> 44 residual (< R, no flush)
 K1 = 256 * 3 * 16 + 2 * 3 * 64 * 4 + 44 * 3 * 64 * 2  # codes + 2 pages of scales + residual
 # sliding values: 296 -> 168 + 128; each append flushes one -> 172 quantized + 128 residual
 V1_TOKEN = 172 * 3 * 16 + 172 * 3 * 1 * 4 + 128 * 3 * 64 * 2  # one 64-channel group per token

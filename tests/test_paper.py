@@ -1,6 +1,6 @@
 """Paper reproduction suites (suites/paper/*.yaml) and the comparison printing (kvbench.report.paper).
 
-Right values: the Table 10 bit-widths computed by hand from spec §12's formula (and the
+Right values: the Table 10 bit-widths computed by hand from docs/methods.md#average-bits (and the
 paper's printed values), and hand-made records whose table rows and claim verdicts follow
 from the block's definition.
 """
@@ -60,7 +60,7 @@ def test_unrun_suites_are_marked_and_the_cpu_ones_are_not() -> None:
 
 
 def _hand_table10() -> dict[str, float]:
-    """Spec §12: (N_s * 16 + T_q * (b_eff + m_q / G + m_sal)) / (T_q + N_s), T_q = 32768."""
+    """docs/methods.md#average-bits: (N_s * 16 + T_q * (b_eff + m_q / G + m_sal)) / (T_q + N_s), T_q = 32768."""
     tq = 32768
     return {
         "kivi": 2 + 32 / 128,

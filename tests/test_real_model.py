@@ -159,7 +159,7 @@ def test_pn_mix_reproduces_on_rerun(captured) -> None:
 
 
 def test_8bit_per_channel_greedy_matches_full(model_tok) -> None:
-    """bug-cases KVQ-07 on the real model: 64 greedy tokens equal wherever the top-2 logit
+    """untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested on the real model: 64 greedy tokens equal wherever the top-2 logit
     margin of the full-precision run is clear."""
     from kvbench.workloads.generation import encode_prompt, forced_logprobs, greedy
 

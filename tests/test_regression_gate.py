@@ -1,5 +1,5 @@
 """CI regression gate: rerun ``suites/ci_gate.yaml`` (model-free, seeded) and compare it with the
-committed baseline ``tests/baseline/`` through ``kvbench compare`` (design.md §3).
+committed baseline ``tests/baseline/`` through ``kvbench compare`` (docs/design.md#records).
 
 Deterministic metrics are gated hard (bytes and bits exactly, key/value MSE within 1%); timing
 is not part of this suite (latency is compared as ratios and reported, never gated).  After an

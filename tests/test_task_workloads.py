@@ -289,7 +289,7 @@ def test_ruler_needle_depth_and_quantized_region(tiny) -> None:
     res = w.run(ctx, method)
     for row in res.per_layer["examples"]:
         n = row["context_tokens"]
-        # KIVI keys at prefill (spec §3): T - T mod R quantized, no sinks
+        # KIVI keys at prefill (docs/methods.md#kivi): T - T mod R quantized, no sinks
         assert row["key_quantized_after_prefill"] == n - n % 64
         assert row["quantized_key_range"] == [0, n - n % 64]
         assert row["needles_in_quantized_keys"] is True
@@ -383,7 +383,7 @@ def test_bad_parameters(kind: str, params: dict, match: str) -> None:
 
 # ------------------------------------------------------------------ RoPE-pair studies
 def _np_scores(q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Separable (Eq. 5) and causal-joint scores [H_kv, D/2] by explicit loops (spec §7.2)."""
+    """Separable (Eq. 5) and causal-joint scores [H_kv, D/2] by explicit loops (docs/methods.md#pn-mix)."""
     _, hq, p, d = q.shape
     hkv, half = k.shape[1], d // 2
     rep = hq // hkv

@@ -1,7 +1,7 @@
 """kvbench's attention function for Hugging Face transformers (``attn_implementation="kvbench"``).
 
 transformers calls ``Cache.update(k, v, layer_idx)`` *before* the layer's attention function and
-never passes the cache to it (design.md §2, "Queries for methods that need them").  kvbench
+never passes the cache to it (docs/design.md#queries-for-methods-that-need-them).  kvbench
 therefore registers its own attention function with ``transformers.AttentionInterface`` under
 the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context variable:
 
@@ -11,7 +11,7 @@ the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context v
 2. :func:`kvbench_attention_forward` runs next for the same layer.  When the binding matches
    (same ``module.layer_idx`` *and* the very key tensor ``update`` returned) it
 
-   * refuses a padded batch (design.md §2 "Padding": refused clearly, never mixed);
+   * refuses a padded batch (docs/design.md#padding: refused clearly, never mixed);
    * at prefill hands the post-RoPE queries ``[B, H_q, P, D]`` to the layer cache
      (``provide_queries``; a no-op for methods without ``needs_queries``);
    * computes attention by delegating to transformers' own
@@ -147,7 +147,7 @@ def kvbench_attention_forward(
     Raises
     ------
     PaddedBatchError
-        The batch is padded and a kvbench cache is active (design.md §2 "Padding").
+        The batch is padded and a kvbench cache is active (docs/design.md#padding).
     ValueError
         ``dropout > 0`` on the ``attend`` path (it has no dropout; use ``model.eval()``).
     """
@@ -166,7 +166,7 @@ def kvbench_attention_forward(
     if has_padding(attention_mask):
         raise PaddedBatchError(
             "kvbench caches refuse padded batches (the attention_mask has zeros): quantization "
-            "statistics, sinks and selections would mix padding with real tokens (design.md §2 "
+            "statistics, sinks and selections would mix padding with real tokens (docs/design.md#protocols "
             "'Padding'). Run sequences of different lengths one at a time, or batch only "
             "prompts of equal length without padding."
         )

@@ -7,7 +7,7 @@ dtype, device)`` on its first ``update``.  Usable as ``model(..., **cache_kwarg(
 ``model.generate(..., **cache_kwarg(cache))`` with transformers 5.17 (``past_key_values=``)
 and 5.24 (``cache=``).
 
-Update protocol (design.md §2):
+Update protocol (docs/design.md#protocols):
 
 * the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)`` and the
   *original* full-precision ``k, v`` are returned (prefill attention is full precision);

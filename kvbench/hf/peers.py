@@ -11,7 +11,7 @@ provide instead:
 * ``new_hf_layer()``: one transformers cache layer, fed by ``layer.update(k, v)`` (memory
   workload: captured K/V replayed layer by layer, the same protocol as ``LayerCache``).
 
-Memory honesty (design.md §6).  quanto's quantized tensors are tensor subclasses whose
+Memory honesty (docs/design.md#measuring).  quanto's quantized tensors are tensor subclasses whose
 ``numel() * element_size()`` is the *logical* size (the full-precision size); HQQ keeps its codes
 as a plain uint8 tensor plus a ``meta`` dict holding scale and zero tensors.  The byte count here
 walks every tensor a layer holds, unwraps subclasses through ``__tensor_flatten__`` down to the

@@ -251,7 +251,7 @@ class AffineCodec:
 class PerChannelCodec(AffineCodec):
     """KIVI-sense per-channel: one (scale, zero) per (b, h, channel, G consecutive tokens).
 
-    Source: KIVI (Liu et al., ICML'24) §3.2, keys; spec §3.  ``encode`` needs ``n % G == 0``.
+    Source: KIVI (Liu et al., ICML'24) §3.2, keys; docs/methods.md#kivi.  ``encode`` needs ``n % G == 0``.
     """
 
     group_size: int = 128
@@ -278,7 +278,7 @@ class PerChannelCodec(AffineCodec):
 class PerTokenCodec(AffineCodec):
     """KIVI-sense per-token: one (scale, zero) per (b, h, token, ``channel_group`` channels).
 
-    Source: KIVI §3.2, values; spec §3.  ``channel_group`` must divide head_dim.
+    Source: KIVI §3.2, values; docs/methods.md#kivi.  ``channel_group`` must divide head_dim.
     """
 
     channel_group: int = 128
@@ -300,7 +300,7 @@ class PerTokenCodec(AffineCodec):
 class PerHeadCodec(AffineCodec):
     """One (scale, zero) per (b, h) over all tokens x channels of one flush.
 
-    The textbook's ``PerChannelQuantizedCache`` (it calls per-head "per-channel"); spec §2a.
+    The textbook's ``PerChannelQuantizedCache`` (it calls per-head "per-channel"); docs/methods.md#per-head.
     """
 
     token_group: int = 0
@@ -314,7 +314,7 @@ class PerHeadCodec(AffineCodec):
 
 @dataclass
 class PerTensorCodec(AffineCodec):
-    """One (scale, zero) for the whole flushed tensor (all batch rows and heads); spec §1."""
+    """One (scale, zero) for the whole flushed tensor (all batch rows and heads); docs/methods.md#uniform."""
 
     token_group: int = 0
 

@@ -4,7 +4,7 @@ Layout ``[B, H_kv, T, D]`` (KV heads, never repeated).  Each side (keys, values)
 token order: ``num_sink_tokens`` full-precision sinks, quantized blocks made by the side's
 codec, and a full-precision residual whose size the side's flush schedule controls.
 
-Protocol (design.md §2): prefill attention uses the full-precision prompt (the caller has it);
+Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the caller has it);
 at a decode step the new tokens join the residual, the step attends to sinks + quantized +
 residual, and the flush happens *after* that attention: :meth:`LayerCache.append` only stores,
 and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by

@@ -21,7 +21,7 @@ from kvbench.kv.layer import LayerCache
 from kvbench.kv.quant import check_bits, resolve_scale_dtype
 from kvbench.kv.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
 
-#: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of spec §12
+#: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
 PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
 
 
@@ -38,7 +38,7 @@ class Capabilities:
     needs_queries: bool = False
     keys_values: bool = True
     needs_calibration: bool = False
-    reconstruction: bool = False  # parts of the algorithm are [RECON] (spec labels)
+    reconstruction: bool = False  # parts of the algorithm are [RECON] ([reconstruction] markers, docs/methods.md (introduction))
     #: builds kvbench LayerCaches (``new_layer``); False for peers that wrap a transformers
     #: cache (:mod:`kvbench.hf.peers`), which run only in workloads that accept
     #: ``make_hf_cache`` (memory, latency)
@@ -81,7 +81,7 @@ _int = check_int  # old private name, kept for one release
 
 @dataclass(frozen=True)
 class CacheConfig(MethodConfig):
-    """Fields every quantized cache shares (design.md §4 names).
+    """Fields every quantized cache shares (docs/design.md#names).
 
     Attributes
     ----------
@@ -146,7 +146,7 @@ class CacheConfig(MethodConfig):
 def average_bits(
     b_eff: float, m_q: float, group: float, n_sink: int, tokens: int, m_sal: float = 0.0
 ) -> float:
-    """Nominal average bits per element (spec §12, PN-Mix Table 10 [RECON])::
+    """Nominal average bits per element (docs/methods.md#average-bits, PN-Mix Table 10 [RECON])::
 
         (N_s * 16 + T_q * (b_eff + m_q / G + m_sal)) / (T_q + N_s)
 
@@ -232,7 +232,7 @@ class Method:
         raise NotImplementedError
 
     def key_schedule(self) -> object:
-        """Default: KIVI's key schedule (blocks of R tokens, spec §3)."""
+        """Default: KIVI's key schedule (blocks of R tokens, docs/methods.md#kivi)."""
         return BlockSchedule(self.config.residual_length)
 
     def value_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
@@ -285,7 +285,7 @@ class Method:
 
     # ----------------------------------------------------------- bit budget
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """Terms of spec §12 for keys: ``b_eff``, ``m_q``, ``group`` (elements), ``m_sal``."""
+        """Terms of docs/methods.md#average-bits for keys: ``b_eff``, ``m_q``, ``group`` (elements), ``m_sal``."""
         raise NotImplementedError
 
     def value_bit_terms(self, head_dim: int) -> dict[str, float]:
@@ -300,7 +300,7 @@ class Method:
         }
 
     def average_bits(self, head_dim: int = 128, tokens: int = 32768) -> dict[str, Any]:
-        """Nominal bits per key and value element (spec §12) for ``tokens`` quantized tokens.
+        """Nominal bits per key and value element (docs/methods.md#average-bits) for ``tokens`` quantized tokens.
 
         Returns ``{"key_bits", "value_bits", "key_terms", "value_terms", "num_sink_tokens",
         "tokens", "head_dim"}``.

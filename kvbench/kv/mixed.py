@@ -1,4 +1,4 @@
-"""Mixed-precision per-channel key storage (Kitty, ChanMix, PN-Mix; spec §4, §5, §7, §12).
+"""Mixed-precision per-channel key storage (Kitty, ChanMix, PN-Mix; docs/methods.md#kitty, docs/methods.md#chanmix, docs/methods.md#pn-mix, docs/methods.md#average-bits).
 
 A page of ``G`` tokens of one (batch row, KV head) is quantized per channel (KIVI sense: one
 (scale, zero) per channel per page, statistics over the page's tokens), but the channels fall

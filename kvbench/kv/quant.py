@@ -1,13 +1,13 @@
 """Quantizer primitives: min-max affine quantization of groups, and real bit-packing.
 
-Every method composes these; none re-implements them (design.md §1).
+Every method composes these; none re-implements them (docs/design.md#concepts).
 
 Conventions
 -----------
 * A *group* is the last dimension of the tensor handed to :func:`quantize_groups`; callers
   reshape/transpose so that the elements sharing one (scale, zero) are contiguous in the last
   dimension (per-channel keys: tokens; per-token values: channels).
-* Asymmetric (default, the textbook / KIVI quantizer, spec §0)::
+* Asymmetric (default, the textbook / KIVI quantizer, docs/methods.md#common-conventions)::
 
       mn = min(x), mx = max(x), qmax = 2^b - 1, s = (mx - mn) / qmax
       q  = clamp(round((x - mn) / s), 0, qmax)          # round-half-to-even
@@ -23,8 +23,8 @@ Conventions
 * Zero-range groups (or a scale that underflows ``scale_dtype``) get a zero scale and
   dequantize exactly to the stored min.
 * A group holding NaN or +-Inf gets NaN scale and min, so its whole output is NaN: a non-finite
-  input never becomes a silent finite code (bug-cases, last row).
-* 1-bit midpoint reconstruction (PN-Mix Eq. 7 [RECON], spec §7.5): threshold at the
+  input never becomes a silent finite code (docs/methods.md#non-finite-input).
+* 1-bit midpoint reconstruction (PN-Mix Eq. 7 [RECON], docs/methods.md#one-bit-midpoint-reconstruction): threshold at the
   midpoint and reconstruct at bin centres ``mn + (q + 1/2) * s / 2``.
 
 Codes are packed LSB-first as a bit stream along the last dimension (:func:`pack_bits`):

@@ -1,7 +1,7 @@
 """Method registry over the entry-point group ``kvbench.methods``.
 
 Built-in methods are declared in kvbench's own ``pyproject.toml`` exactly like third-party
-plugins.  Entry points are loaded lazily (on first use of a name).  Rules (design.md §1):
+plugins.  Entry points are loaded lazily (on first use of a name).  Rules (docs/design.md#concepts):
 
 * a plugin that fails to import is reported with its distribution name and does not break the
   others (``kvbench list`` shows the error);

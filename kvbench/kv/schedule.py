@@ -9,7 +9,7 @@ after the sinks:
   of the oldest are quantized now.
 
 The count is always a multiple of the codec's ``token_group`` (checked by the layer cache).
-Spec §3 (KIVI), §4 (Kitty) and Example 16 give the reference schedules.
+docs/methods.md#flush-schedules and docs/methods.md#worked-example-16 give the reference schedules.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BlockSchedule:
-    """KIVI keys (spec §3): quantize whole blocks of ``R`` tokens.
+    """KIVI keys (docs/methods.md#kivi): quantize whole blocks of ``R`` tokens.
 
     Prefill: ``n - n mod R`` tokens (all of them when ``n % R == 0``, none when ``n < R``).
     Decode: when the residual reaches ``R`` it is quantized entirely, so it cycles 0..R-1.
@@ -39,7 +39,7 @@ class BlockSchedule:
 
 @dataclass(frozen=True)
 class SlidingSchedule:
-    """KIVI values (spec §3): a sliding full-precision window of exactly ``R`` newest tokens.
+    """KIVI values (docs/methods.md#kivi): a sliding full-precision window of exactly ``R`` newest tokens.
 
     Prefill: ``max(n - R, 0)`` quantized; decode: the overflow beyond ``R`` (one token per step).
     """
@@ -56,7 +56,7 @@ class SlidingSchedule:
 
 @dataclass(frozen=True)
 class AllButNewestSchedule:
-    """Kitty keys (spec §4, Kitty-sim ``kitty_simulate.py``): "all but the newest".
+    """Kitty keys (docs/methods.md#kitty, Kitty-sim ``kitty_simulate.py``): "all but the newest".
 
     Prefill: when ``n > R``, ``n - n mod G`` tokens are quantized in pages of ``G``.
     Decode: when the residual reaches ``R + 1``, its oldest ``R`` tokens are quantized, so the

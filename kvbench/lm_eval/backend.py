@@ -6,7 +6,7 @@ are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
 
 * ``generate_until`` -> :meth:`KVBenchLM._model_generate`: ``model.generate`` with a fresh
   cache of the method per call.  The prompt is prefilled (full-precision attention,
-  ``docs/design.md`` "When quantization happens"); every generated token decodes through the
+  ``docs/docs/design.md`` "When quantization happens"); every generated token decodes through the
   method's cache.
 * ``loglikelihood`` and ``loglikelihood_rolling`` -> :meth:`KVBenchLM._loglikelihood_tokens`:
   one forward pass over context + continuation reads no cache, so quantization would change
@@ -16,7 +16,7 @@ are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
   (as the ``perplexity`` workload does).  Every scored position therefore reads the quantized
   context once the context is longer than the method's full-precision residual.
 * batches: one request at a time (``batch_size=1``); larger batches are refused because kvbench
-  caches refuse padding (``docs/design.md`` "Padding").
+  caches refuse padding (``docs/docs/design.md`` "Padding").
 
 Model arguments (``--model_args k=v,...`` or keywords): ``pretrained`` (Hugging Face id, local
 folder, ``default`` = HuggingFaceTB/SmolLM2-135M-Instruct, or a loaded model with
@@ -52,7 +52,7 @@ from kvbench.kv.method import Method
 from kvbench.kv.registry import get_method, get_method_class
 
 #: calibration text for methods that need it when none is configured (disjoint from the tasks)
-DEFAULT_CALIBRATION = {"text": "mobydick", "tokens": 2048}
+DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 #: this backend's own arguments (the rest go to the method config or to ``HFLM``)
 OWN_ARGS = ("pretrained", "method", "method_config", "chunk", "dtype", "device", "tokenizer")
 #: ``HFLM`` arguments that load or place a model from a string; meaningless here

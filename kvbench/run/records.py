@@ -1,4 +1,4 @@
-"""Result records: one JSON object per run, versioned, written atomically (design.md §3).
+"""Result records: one JSON object per run, versioned, written atomically (docs/design.md#records).
 
 Layout::
 

@@ -1,4 +1,4 @@
-"""``bits``: nominal average key/value bits (spec §12) of each configuration; needs no model.
+"""``bits``: nominal average key/value bits (docs/methods.md#average-bits) of each configuration; needs no model.
 
 Parameters: ``head_dim`` (default 128), ``tokens`` (quantized tokens T_q, default 32768).
 This is how PN-Mix Table 10 and the "K bits" columns of Tables 2/3 are reproduced.

@@ -1,5 +1,5 @@
 """``fidelity``: key/value MSE, attention KL and attention-output error on real captured
-post-RoPE Q/K/V (design.md §2 "Fidelity metrics").
+post-RoPE Q/K/V (docs/design.md#fidelity-metrics).
 
 Protocol: the full-precision model runs once over ``tokens`` (T) tokens of ``text``; for each
 layer the cache is prefilled with the first ``prefill`` (P) tokens (with their queries), the

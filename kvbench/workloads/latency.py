@@ -1,5 +1,5 @@
 """``latency``: prefill time and per-step decode latency at context depth d, interleaved with a
-baseline in the same call (design.md §6), timed by :mod:`kvbench.measure.timer`.
+baseline in the same call (docs/design.md#measuring), timed by :mod:`kvbench.measure.timer`.
 
 Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
 method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's

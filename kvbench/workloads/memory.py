@@ -1,4 +1,4 @@
-"""``memory``: measured bytes at rest and the transient peak of a decode step (design.md §6).
+"""``memory``: measured bytes at rest and the transient peak of a decode step (docs/design.md#measuring).
 
 Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the model
 (:func:`kvbench.hf.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
@@ -18,7 +18,7 @@ Metrics (summed over layers):
   every tensor inside the transformers layer (:func:`kvbench.hf.peers.hf_layer_nbytes`);
 * ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
   ``effective_value_bits`` per side), residual and sinks included in their stored dtype;
-* ``nominal_key_bits``/``nominal_value_bits``: spec §12's formula (``Method.average_bits`` with
+* ``nominal_key_bits``/``nominal_value_bits``: docs/methods.md#average-bits (``Method.average_bits`` with
   T_q = d; residual excluded);
 * ``analytic_bits`` (``analytic_key_bits``, ``analytic_value_bits``): the same formula applied to
   the cache's actual split, quantized tokens at the nominal per-element cost and full-precision
@@ -225,7 +225,7 @@ class Replay:
 
 
 def per_element_bits(terms: dict[str, float]) -> float:
-    """Bits per quantized element from spec §12 terms: ``b_eff + m_q / G + m_sal``."""
+    """Bits per quantized element from docs/methods.md#average-bits: ``b_eff + m_q / G + m_sal``."""
     if terms["b_eff"] >= 16:
         return float(terms["b_eff"])
     return terms["b_eff"] + terms["m_q"] / terms["group"] + terms["m_sal"]

@@ -1,4 +1,4 @@
-"""The fidelity computations (design.md §2-§3) and metric directions.
+"""The fidelity computations (docs/design.md#protocols and docs/design.md#metrics) and metric directions.
 
 Each workload declares the direction of its metrics in its ``METRICS`` class attribute
 (:mod:`kvbench.workloads`); :func:`direction` looks them up.  ``*_ratio`` metrics (a value
@@ -84,7 +84,7 @@ def attention_fidelity(
     """Attention KL and output error for the queries of positions ``start..T-1``.
 
     ``D_KL(A || A')`` with ``A = softmax(q k^T * scaling)`` causal over keys ``0..t`` from the
-    reference keys and ``A'`` from the quantized keys and the same queries (spec §7 metric
+    reference keys and ``A'`` from the quantized keys and the same queries (docs/methods.md#pn-mix metric
     definitions; reference distribution first, ``A'`` clamped at ``eps``, float64), averaged
     over batch, query heads and positions.  ``attn_out_rel_err`` =
     ``||A V - A' V'||_F / ||A V||_F`` over the same positions.

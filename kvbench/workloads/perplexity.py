@@ -1,5 +1,5 @@
 """``perplexity``: perplexity, next-token KL and top-1 agreement while attending to the
-*quantized* past (design.md §2).
+*quantized* past (docs/design.md#protocols).
 
 Protocol per window of ``tokens`` (T) tokens: prefill ``prefill`` (P) tokens into the method's
 cache, then feed the rest in chunks of ``chunk`` (C) tokens; each chunk attends to the cache's

@@ -2,9 +2,9 @@
 ``ruler``, ``gpqa``, ``infinitebench``): example selection, prompts, greedy decoding through the
 method's cache, per-example records.
 
-Protocol (design.md §6 "Accuracy"): fixed prompts, greedy decoding (``do_sample=False``), one
+Protocol (docs/design.md#accuracy): fixed prompts, greedy decoding (``do_sample=False``), one
 sample per example, the quantized cache built fresh for every example.  The prompt is prefilled
-(prefill attention is full precision, design.md §2) and every new token is decoded one at a time
+(prefill attention is full precision, docs/design.md#protocols) and every new token is decoded one at a time
 through :class:`kvbench.hf.cache.QuantizedKVCache`, so generation reads the quantized past.
 Generation stops at an end-of-sequence token of the tokenizer or the model's generation config,
 at ``new_tokens`` tokens, or at the first stop string (the completion is cut before it, as

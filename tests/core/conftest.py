@@ -1,6 +1,6 @@
 """Shared helpers of the core tests: independent float64 numpy references.
 
-Nothing here calls kvbench; the helpers compute right values from the formulas of spec §0
+Nothing here calls kvbench; the helpers compute right values from the formulas of docs/methods.md#common-conventions
 (min-max asymmetric quantization, round-half-to-even) so that tests compare the code under test
 with an independent computation, never with its own output.
 """
@@ -13,10 +13,10 @@ import torch
 
 
 def np_minmax(x: np.ndarray, bits: int) -> dict[str, np.ndarray]:
-    """Min-max asymmetric quantization of the last axis of ``x`` in float64 (spec §0).
+    """Min-max asymmetric quantization of the last axis of ``x`` in float64 (docs/methods.md#common-conventions).
 
     Returns ``codes`` (int64), ``scale`` and ``mn`` (``[..., 1]``), ``xhat`` and ``mse``.
-    A zero-range group gets scale 0, codes 0 and ``xhat == mn`` (spec Example 5).
+    A zero-range group gets scale 0, codes 0 and ``xhat == mn`` (docs/methods.md#worked-example-5).
     """
     x = np.asarray(x, dtype=np.float64)
     qmax = 2**bits - 1
@@ -31,7 +31,7 @@ def np_minmax(x: np.ndarray, bits: int) -> dict[str, np.ndarray]:
 
 def per_channel_ref(x: np.ndarray, bits: int, group: int) -> dict[str, np.ndarray]:
     """KIVI per-channel quantization of ``x [B, H, T, D]``: groups of ``group`` tokens per
-    channel (spec §3).  Returns ``xhat`` and ``scale`` ``[B, H, T, D]`` (per element)."""
+    channel (docs/methods.md#kivi).  Returns ``xhat`` and ``scale`` ``[B, H, T, D]`` (per element)."""
     b, h, t, d = x.shape
     g = np.asarray(x, dtype=np.float64).reshape(b, h, t // group, group, d).swapaxes(-1, -2)
     r = np_minmax(g, bits)

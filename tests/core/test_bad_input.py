@@ -146,7 +146,7 @@ def test_residual_not_multiple_of_group(name, group, residual) -> None:
 
 @pytest.mark.parametrize("name", ["per-token", "uniform", "per-head"])
 def test_residual_free_for_channel_or_flush_groups(name) -> None:
-    # these methods' groups do not run along tokens: any R >= 0 is valid (spec §1, §3)
+    # these methods' groups do not run along tokens: any R >= 0 is valid (docs/methods.md#uniform and docs/methods.md#flush-schedules)
     m = kvbench.get_method(name, group_size=32, residual_length=100)
     assert m.config.residual_length == 100
 

@@ -2,8 +2,8 @@
 budgets, and the registry.
 
 Right values: float64 numpy references of each method's documented grouping (conftest.py),
-spec §3/§12 bit formulas (2.25 / 2.50 / 3.00), the textbook's per-head vs per-tensor direction
-(spec §2a: INT4 per-head MSE about a fifth below per-tensor), design.md §1 registry rules.
+docs/methods.md#kivi and docs/methods.md#average-bits bit formulas (2.25 / 2.50 / 3.00), the textbook's per-head vs per-tensor direction
+(docs/methods.md#per-head: INT4 per-head MSE about a fifth below per-tensor), docs/design.md#registry.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_per_head_beats_per_tensor_on_heads_of_different_ranges(ref) -> None:
 
 
 def test_per_head_vs_per_tensor_textbook_direction(ref) -> None:
-    # textbook (spec §2a): N(0,1) K of [1, 32, 512, 128], INT4: per-head 0.027155 vs per-tensor
+    # textbook (docs/methods.md#per-head): N(0,1) K of [1, 32, 512, 128], INT4: per-head 0.027155 vs per-tensor
     # 0.034811 (-22%); our draw is computed independently in float64
     k = rand(1, 32, 512, 128, seed=7)
     mse_t, mse_h = _mse_pair(k)
@@ -142,7 +142,7 @@ def test_per_head_vs_per_tensor_textbook_direction(ref) -> None:
     assert mse_t == pytest.approx(0.034811, rel=0.25) and mse_h == pytest.approx(0.027155, rel=0.25)
 
 
-# ------------------------------------------------------------------ bit budgets (spec §12)
+# ------------------------------------------------------------------ bit budgets (docs/methods.md#average-bits)
 
 
 @pytest.mark.parametrize(("group", "want"), [(128, 2.25), (64, 2.50), (32, 3.00)])

@@ -29,7 +29,7 @@ def kvq01_input(t0: int = 0, t1: int = 10) -> torch.Tensor:
     return (t + c * c / 10).float()
 
 
-# ------------------------------------------------------------------ KVQ-01 residual window
+# ------------------------------------------------------------------ residual (full-precision) window semantics; residual longer than the sequence: huggingface/transformers#34189, docs/methods.md#residual-window-semantics residual window
 
 
 def test_kvq01_per_token_window() -> None:
@@ -79,7 +79,7 @@ def test_kvq01_variant_a_window_longer_than_sequence() -> None:
 
 
 def test_kvq01_kivi_keys_follow_their_own_schedule() -> None:
-    # spec §3: key residual holds T mod R after prefill, then cycles 0..R-1; values slide
+    # docs/methods.md#kivi: key residual holds T mod R after prefill, then cycles 0..R-1; values slide
     m = kvbench.get_method(
         "kivi",
         bits=2,
@@ -132,7 +132,7 @@ def test_kvq01_variant_b_decode_only_groups_hold_g_tokens(ref) -> None:
     assert torch.equal(k[:, :, 12:], x[:, :, 12:])
 
 
-# ------------------------------------------------------------------ KVQ-04 crop / batch ops
+# ------------------------------------------------------------------ crop and batch ops (repeat_interleave, select) on the quantized region: huggingface/transformers PR#45510, docs/methods.md#crop-and-batch-operations-on-the-quantized-region crop / batch ops
 
 
 def kvq04_input() -> torch.Tensor:
@@ -233,7 +233,7 @@ def test_kvq04_decode_after_repeat_flushes(name) -> None:
     assert torch.equal(k2[0], k[1]) and torch.equal(k2[1], k[0])
 
 
-# ------------------------------------------------------------------ KVQ-07
+# ------------------------------------------------------------------ untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested
 
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
@@ -267,7 +267,7 @@ def test_kvq07_past_the_residual_8bit(scale_dtype, ref) -> None:
         assert (err[:, :, 8:] == 0).all()  # the newest 2 are exact
 
 
-# ------------------------------------------------------------------ KVQ-08 GQA
+# ------------------------------------------------------------------ GQA with num_kv_heads < num_heads: jy-yuan/KIVI#41 and #33, docs/methods.md#gqa-with-fewer-kv-heads-than-query-heads GQA
 
 
 def test_kvq08_gqa_attention() -> None:
@@ -294,7 +294,7 @@ def test_kvq08_gqa_attention() -> None:
     assert torch.equal(repeat_kv(k, 4)[:, 5], k[:, 1])
 
 
-# ------------------------------------------------------------------ KVQ-10 bytes stored
+# ------------------------------------------------------------------ memory not actually saved; average-bits / byte accounting: jy-yuan/KIVI#17; NVIDIA/kvpress PR#225, docs/methods.md#memory-not-actually-saved bytes stored
 
 
 def test_kvq10_kivi_bytes_and_no_full_precision_copy(ref) -> None:
@@ -356,7 +356,7 @@ def test_views_of_the_prompt_are_not_kept_alive(ref) -> None:
         assert ref.own(t)
 
 
-# ------------------------------------------------------------------ KVQ-13 zero range
+# ------------------------------------------------------------------ zero or near-zero range group: division by zero, NaN: ggml-org/llama.cpp PR#7313 (fixes #7311), docs/methods.md#zero-or-near-zero-range-groups zero range
 
 
 def _no_nonfinite(g, xh):
@@ -392,7 +392,7 @@ def test_kvq13_zero_and_tiny_ranges(bits, symmetric) -> None:
         assert (xh == 0.5).all()  # the min carries the value
 
 
-# ------------------------------------------------------------------ KVQ-14 (integer part)
+# ------------------------------------------------------------------ fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow (integer part)
 
 
 @pytest.mark.parametrize(
@@ -429,7 +429,7 @@ def test_kvq14_subnormal_fp16_scale(symmetric) -> None:
     assert ((xh.double() - x.double()).abs() <= g.scale.double().item() / 2 + 1e-9).all()
 
 
-# ------------------------------------------------------------------ KVQ-15 bf16 small scale
+# ------------------------------------------------------------------ bf16 rounding; scale clamped at eps instead of the smallest normal: pytorch/ao PR#4534, docs/methods.md#scale-clamp-at-the-wrong-floor bf16 small scale
 
 
 def test_kvq15_bf16_small_scale_not_clamped_at_eps() -> None:
@@ -443,7 +443,7 @@ def test_kvq15_bf16_small_scale_not_clamped_at_eps() -> None:
     assert err < 5e-4  # ~3.2e-4 + bf16 rounding; an eps-clamped scale gives 3.9e-3
 
 
-# ------------------------------------------------------------------ KVQ-24 (a)
+# ------------------------------------------------------------------ fp16 overflow in stored block metadata and in the scale range: ggml-org/llama.cpp PR#21652, docs/methods.md#float16-overflow-in-block-metadata-and-range (a)
 
 
 def test_kvq24_large_constant_block() -> None:
@@ -460,7 +460,7 @@ def test_kvq24_large_constant_block() -> None:
     assert (xa == 3000.0).all() and xa.sum().item() == 96000.0
 
 
-# ------------------------------------------------------------------ KVQ-28 bf16
+# ------------------------------------------------------------------ bf16 vs fp16 compute dtype mismatch: dropbox/hqq#7 (formerly mobiusml/hqq); same kind in a KV cache: NVIDIA/kvpress#27, docs/methods.md#compute-dtype-mismatch-between-bf16-and-fp16 bf16
 
 
 def test_kvq28_bf16_cache_with_fp16_scales() -> None:

@@ -1,8 +1,8 @@
 """kvbench.kv.schedule and kvbench.kv.layer.LayerCache: flush rules, the deferred flush, sinks,
 reference attention, crop/reset and byte accounting.
 
-Right values: spec §3 (KIVI flush rules), §4 (Kitty), §13 Example 16 (prefill 300, then 300
-decode steps, G = R = 128), design.md §2 (the flush happens after the step's attention).
+Right values: docs/methods.md#flush-schedules, §4 (Kitty), docs/methods.md#worked-example-16 (prefill 300, then 300
+decode steps, G = R = 128), docs/design.md#when-quantization-happens.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def rand(*shape, seed=0, dtype=F32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-# ------------------------------------------------------------------ schedules (spec §3, §4)
+# ------------------------------------------------------------------ schedules (docs/methods.md#flush-schedules)
 
 
 def test_block_schedule_kivi_keys() -> None:
@@ -65,7 +65,7 @@ def _trail_exact(kv: torch.Tensor, ref: torch.Tensor) -> int:
 
 
 def test_example16_kivi_schedule() -> None:
-    # spec §13 Example 16, KIVI rows: G = R = 128, prompt 300, 300 decode steps
+    # docs/methods.md#worked-example-16, KIVI rows: G = R = 128, prompt 300, 300 decode steps
     m = kvbench.get_method(
         "kivi",
         bits=2,
@@ -101,7 +101,7 @@ def test_example16_kivi_schedule() -> None:
 
 
 def test_example16_kitty_schedule_on_core() -> None:
-    # spec §13 Example 16, Kitty-sim row (sink 32): keys 256 + 12 fp after prefill, flushes at
+    # docs/methods.md#worked-example-16, Kitty-sim row (sink 32): keys 256 + 12 fp after prefill, flushes at
     # steps 117 and 245, final keys 512 + 56; values 140 quantized after prefill, final 440
     layer = LayerCache(
         PerChannelCodec(2, F32, group_size=128),
@@ -132,7 +132,7 @@ def test_example16_kitty_schedule_on_core() -> None:
 
 
 def test_flush_runs_after_the_step() -> None:
-    # design.md §2: the new token joins the residual and the step attends to it in full
+    # docs/design.md#protocols: the new token joins the residual and the step attends to it in full
     # precision; the flush happens after that step (end_step, or the next append)
     m = kvbench.get_method("kivi", bits=2, group_size=4, residual_length=4, scale_dtype="float32")
     layer = m.new_layer(0, 1, 8)

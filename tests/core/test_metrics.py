@@ -2,7 +2,7 @@
 
 * ``attention_fidelity``: a float64 loop over (batch, query head, position) with an explicit
   causal softmax over keys ``0..t`` and ``scipy.special.rel_entr`` for KL(A || A'), the
-  reference distribution first (design.md §2); GQA maps query head ``h`` to KV head
+  reference distribution first (docs/design.md#protocols); GQA maps query head ``h`` to KV head
   ``h // (H_q / H_kv)``.
 * ``key_mse``: numpy float64.
 * ``bootstrap_ci``: coverage of the true mean at its nominal rate on synthetic normal data,

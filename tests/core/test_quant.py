@@ -1,6 +1,6 @@
-"""kvbench.kv.quant: spec §13 worked examples and property tests of the min-max quantizer.
+"""kvbench.kv.quant: docs/methods.md#worked-examples and property tests of the min-max quantizer.
 
-Right values come from spec §13 (numpy float64, round-half-to-even) or from the float64
+Right values come from docs/methods.md#worked-examples (numpy float64, round-half-to-even) or from the float64
 reference in conftest.py; bounds are derived in the docstring of ``_error_bound``.
 """
 
@@ -18,7 +18,7 @@ from kvbench.kv.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
 from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
-# Spec §13 Example 1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]
+# docs/methods.md#worked-example-1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]
 EX1 = [[0.12, 0.9, -0.7, 0.35], [2.0, -1.0, 0.4, 1.1]]
 
 
@@ -34,7 +34,7 @@ def _deq(g, dtype=torch.float64):
     )
 
 
-# ------------------------------------------------------------------ spec §13 examples
+# ------------------------------------------------------------------ docs/methods.md#worked-examples
 
 
 def test_example1_per_channel_primitive() -> None:
@@ -134,7 +134,7 @@ def test_example6_one_bit_plain_and_midpoint() -> None:
 
 
 def test_example6_uniform_data_mse() -> None:
-    # spec §13 Ex. 6: on uniform[0,1], 1-bit MSE 1/12 (plain) vs 1/48 (midpoint)
+    # docs/methods.md#worked-example-6: on uniform[0,1], 1-bit MSE 1/12 (plain) vs 1/48 (midpoint)
     x = torch.rand(1, 200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for midpoint, want in ((False, 1 / 12), (True, 1 / 48)):
         g = quantize_groups(x, 1, midpoint=midpoint, scale_dtype=F32)
@@ -147,7 +147,7 @@ def test_example6_uniform_data_mse() -> None:
     [(2, 1.0, [0, 1, 2, 3]), (4, 0.2, [0, 5, 10, 15]), (8, 3 / 255, [0, 85, 170, 255])],
 )
 def test_kvq02_zero_point_sign(bits, scale, codes) -> None:
-    # bug-cases KVQ-02: [-1, 0, 1, 2], offset = min = -1; a flipped sign gives [1, 2, 3, 4]
+    # zero-point vs shift convention after a backend API change: huggingface/transformers#34848, docs/methods.md#zero-point-versus-shift-convention: [-1, 0, 1, 2], offset = min = -1; a flipped sign gives [1, 2, 3, 4]
     x = torch.tensor([[[[-1.0, 0.0, 1.0, 2.0]]]])
     g = quantize_groups(x, bits, scale_dtype=F32)
     assert g.codes.flatten().tolist() == codes
@@ -304,7 +304,7 @@ def test_property_dequant_is_code_times_scale_plus_min(x, bits) -> None:
 
 
 def test_stats_in_float32_for_half_inputs() -> None:
-    # bug-cases KVQ-24 (b): the range 120000 overflows fp16; computed in fp32 it gives 8000
+    # fp16 overflow in stored block metadata and in the scale range: ggml-org/llama.cpp PR#21652, docs/methods.md#float16-overflow-in-block-metadata-and-range (b): the range 120000 overflows fp16; computed in fp32 it gives 8000
     x = torch.tensor([[-60000.0, 60000.0, 0.0, 1.0]], dtype=torch.float16)
     g = quantize_groups(x, 4)
     assert g.scale.item() == 8000.0 and g.zero.item() == -60000.0

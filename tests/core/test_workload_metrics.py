@@ -4,7 +4,7 @@
 sequences and completions (their model-facing helpers are replaced), and every metric is
 recomputed here by a float64 loop over positions with ``torch.distributions`` KL and
 hand-counted agreement.  Directions: ``next_token_kl`` is KL(P_full || P_method) (the reference
-first, design.md §2) and ``top1_agreement`` compares the method's argmax over the vocabulary with
+first, docs/design.md#protocols) and ``top1_agreement`` compares the method's argmax over the vocabulary with
 the full-precision argmax.  The protocol itself (which positions are scored) is checked on a
 seeded toy Llama (GQA, two layers): the chunked ``full`` run must give the log-probabilities of
 one plain forward pass over the window.

@@ -161,7 +161,9 @@ def test_merge_reference_by_hand():
 def test_rejected_layouts(gen):
     q = torch.randn(1, 2, 1, 96).half()
     k = torch.randn(1, 1, 40, 96).half()
-    with pytest.raises(ValueError, match="head_dim=96"):  # KVQ-25: never truncated
+    with pytest.raises(
+        ValueError, match="head_dim=96"
+    ):  # kernel hard-codes head_dim / block size: triton-lang/triton#621, docs/methods.md#kernel-hard-codes-the-head-dimension: never truncated
         DA.split_kv_attention(q, k, k)
     q64, k64 = torch.randn(1, 2, 2, 64).half(), torch.randn(1, 1, 40, 64).half()
     with pytest.raises(ValueError, match="one decode token"):
@@ -202,7 +204,7 @@ def test_rejected_layouts(gen):
 
 def test_dispatch_paths(gen, monkeypatch):
     lc, q = build("pn-mix", dict(SMALL, num_sink_tokens=2), 1, 1, 2, 64, 40, 1, gen)
-    # CPU tensors: the reference path, without launching anything (KVQ-11)
+    # CPU tensors: the reference path, without launching anything (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch)
     assert dispatch.try_fused_attend(lc, q) is None
     assert dispatch.attend_path(lc) == "reference" and lc.attend_path_reason == "CPU tensors"
     # unsupported layouts: a reason, no kernel

@@ -1,5 +1,5 @@
 """Quantize-and-pack kernels (interpreter): codes, scales and zeros bit-identical to the core
-codecs (kvbench.kv.blocks / kvbench.kv.mixed), and right values from spec §13."""
+codecs (kvbench.kv.blocks / kvbench.kv.mixed), and right values from docs/methods.md#worked-examples."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _same(got, blk):
 
 
 def test_spec_example_1_per_channel(poison):
-    # spec §13 Example 1: channel 0 = [0.12, 0.9, -0.7, 0.35], channel 1 = [2, -1, 0.4, 1.1]
+    # docs/methods.md#worked-example-1: channel 0 = [0.12, 0.9, -0.7, 0.35], channel 1 = [2, -1, 0.4, 1.1]
     # (G = 4 tokens), 2 bits: codes [[2,3,0,2],[3,0,1,2]], min [-0.7, -1], scale [0.5333, 1]
     k = torch.tensor([[0.12, 0.9, -0.7, 0.35], [2.0, -1.0, 0.4, 1.1]], dtype=torch.float32)
     x = torch.zeros(1, 1, 4, 8)
@@ -38,7 +38,7 @@ def test_spec_example_1_per_channel(poison):
 
 
 def test_ties_round_half_to_even(poison):
-    # KVQ-21 / spec Example 4: (x - min)/scale = [0, 0.5, 1.5, 2.5, 3] with scale 1 gives
+    # rounding ties: kernel vs reference (half-to-even): triton-lang/triton#2923 (+ #4449), docs/methods.md#rounding-ties-between-kernel-and-reference / docs/methods.md#worked-example-4: (x - min)/scale = [0, 0.5, 1.5, 2.5, 3] with scale 1 gives
     # half-to-even codes [0, 0, 2, 2, 3]; half-up would give [0, 1, 2, 3, 3]
     col = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0] + [0.0] * 11)
     x = col.view(1, 1, 16, 1).expand(1, 1, 16, 8).contiguous().half()
@@ -48,7 +48,7 @@ def test_ties_round_half_to_even(poison):
 
 
 def test_one_bit_midpoint_example_6(poison):
-    # spec §13 Example 6: x = [0, 0.2, 0.6, 0.9, 1.0, 0.4]: codes [0,0,1,1,1,0] and midpoint
+    # docs/methods.md#worked-example-6: x = [0, 0.2, 0.6, 0.9, 1.0, 0.4]: codes [0,0,1,1,1,0] and midpoint
     # dequant [0.25, 0.25, 0.75, 0.75, 0.75, 0.25]
     col = torch.tensor([0.0, 0.2, 0.6, 0.9, 1.0, 0.4, 0.5, 0.5])
     x = torch.zeros(1, 1, 8, 8)

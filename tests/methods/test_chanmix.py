@@ -1,4 +1,4 @@
-"""ChanMix [RECON] (spec §5, §12): the 2.32-bit budget, class sizes, FP8 e4m3 scale/zero storage,
+"""ChanMix [RECON] (docs/methods.md#chanmix and docs/methods.md#average-bits): the 2.32-bit budget, class sizes, FP8 e4m3 scale/zero storage,
 classification by a key statistic, calibration, hand byte counts and bad input."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fp8 KV cache: bug-cases KVQ-14, 19, 20, 22, 23 with their right values, hand byte counts and
+"""fp8 KV cache: fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow; large outlier channel vs per-tensor fp8 with default scale 1.0: vllm-project/vllm#41343 (and PR#2279 review), docs/methods.md#large-outlier-channel-with-per-tensor-fp8-and-unit-scale; uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8; fp8 rounding (RTNE) and inf handling: triton-lang/triton#5925 (+ #5927, PR#11753), docs/methods.md#fp8-rounding-and-infinity-handling; negative zero and tiny negatives in FNUZ fp8 formats: triton-lang/triton PR#3997, docs/methods.md#negative-zero-and-tiny-negatives-in-fnuz-formats with their right values, hand byte counts and
 the documented inf / NaN / overflow behaviour."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _bytes(x: torch.Tensor) -> list[int]:
     return x.view(torch.uint8).flatten().tolist()
 
 
-# --------------------------------------------------------------------------- KVQ-14
+# --------------------------------------------------------------------------- fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow
 def test_kvq14_fp16_row_scale_to_e5m2_has_no_nan():
     x = torch.tensor([0.0, 0.0, 0.1, 0.1], dtype=torch.float16).reshape(1, 1, 1, 4)
     layer = FP8(format="e5m2", scale="amax", scale_granularity="per-token").new_layer(0, 1, 4)
@@ -50,7 +50,7 @@ def test_kvq14_fp16_row_scale_to_e5m2_has_no_nan():
     assert deq == [0.0, 0.0, 0.1025390625, 0.1025390625]
 
 
-# --------------------------------------------------------------------------- KVQ-19
+# --------------------------------------------------------------------------- large outlier channel vs per-tensor fp8 with default scale 1.0: vllm-project/vllm#41343 (and PR#2279 review), docs/methods.md#large-outlier-channel-with-per-tensor-fp8-and-unit-scale
 def _kvq19_keys() -> torch.Tensor:
     k = torch.zeros(1, 1, 4, 8, dtype=torch.float16)
     k[..., 0] = 60000.0
@@ -101,7 +101,7 @@ def test_kvq19c_per_channel_scale_reference(fmt, tol):
     assert ((back - k).abs() / k.abs()).max() <= tol
 
 
-# --------------------------------------------------------------------------- KVQ-20
+# --------------------------------------------------------------------------- uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8
 def test_kvq20_uint8_buffer_is_reinterpreted_not_value_cast():
     buf = torch.tensor([0x3C, 0xC0, 0x38, 0x00], dtype=torch.uint8)
     assert fp8_decode(buf, "e5m2").tolist() == [1.0, -2.0, 0.5, 0.0]
@@ -112,7 +112,7 @@ def test_kvq20_uint8_buffer_is_reinterpreted_not_value_cast():
         fp8_decode(buf.to(torch.int8), "e5m2")
 
 
-# --------------------------------------------------------------------------- KVQ-22
+# --------------------------------------------------------------------------- fp8 rounding (RTNE) and inf handling: triton-lang/triton#5925 (+ #5927, PR#11753), docs/methods.md#fp8-rounding-and-infinity-handling
 def test_kvq22_e5m2_rtne_reference_and_codec():
     x = torch.tensor([9.0, 11.0, 1.125, 57344.0, float("inf"), -0.0], dtype=torch.float16)
     ref = x.to(torch.float8_e5m2).float()  # the reference side: torch's RTNE cast
@@ -127,7 +127,7 @@ def test_kvq22_e5m2_rtne_reference_and_codec():
     assert got.float()[4] == 57344.0
 
 
-# --------------------------------------------------------------------------- KVQ-23
+# --------------------------------------------------------------------------- negative zero and tiny negatives in FNUZ fp8 formats: triton-lang/triton PR#3997, docs/methods.md#negative-zero-and-tiny-negatives-in-fnuz-formats
 def test_kvq23_fnuz_negative_zero_and_tiny_values():
     x = torch.tensor([-0.0, -1e-9, 1e-9, -0.001]).reshape(1, 1, 1, 4)
     block = FP8Codec("e4m3fnuz").encode(x)

@@ -164,7 +164,7 @@ def test_hqq_bytes_shape_b() -> None:
 
 @needs_quanto
 def test_requantize_all_on_flush() -> None:
-    """transformers' QuantizedLayer re-quantizes everything when the residual fills (spec §10):
+    """transformers' QuantizedLayer re-quantizes everything when the residual fills (docs/methods.md#transformers-peers):
     with residual_length 4, the 4th decode token empties the residual."""
     layer = _fed("hf-quanto", (1, 2, 8, 64), torch.float16, appends=3, nbits=2, residual_length=4)
     assert hf_layer_nbytes(layer)["residual"] == 2 * 3 * 2 * 64 * 2

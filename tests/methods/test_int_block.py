@@ -1,5 +1,5 @@
 """llama.cpp-style int8/int4 blocks: hand-computed blocks of 32, llama.cpp's q4_0 rule in float32
-numpy, bit budgets 8.5 / 4.5, byte counts, and bug-cases KVQ-13, 14, 23."""
+numpy, bit budgets 8.5 / 4.5, byte counts, and zero or near-zero range group: division by zero, NaN: ggml-org/llama.cpp PR#7313 (fixes #7311), docs/methods.md#zero-or-near-zero-range-groups; fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow; negative zero and tiny negatives in FNUZ fp8 formats: triton-lang/triton PR#3997, docs/methods.md#negative-zero-and-tiny-negatives-in-fnuz-formats."""
 
 from __future__ import annotations
 
@@ -127,14 +127,22 @@ def test_kvq14_and_kvq13_tiny_and_zero_blocks(rule):
         codes, scale, deq = _roundtrip(method, x16)
         assert np.isfinite(deq).all() and deq[0] == deq[1] == 0
         np.testing.assert_allclose(deq[2:], x16[2:], atol=abs(scale.item()) / 2)
-        for block in (np.zeros(4), np.full(4, 1e-30)):  # KVQ-13 (a), (b)
+        for block in (
+            np.zeros(4),
+            np.full(4, 1e-30),
+        ):  # zero or near-zero range group: division by zero, NaN: ggml-org/llama.cpp PR#7313 (fixes #7311), docs/methods.md#zero-or-near-zero-range-groups (a), (b)
             _, scale, deq = _roundtrip(method, block)
             assert np.isfinite(deq).all() and np.abs(deq - block).max() <= 1e-30
 
 
 def test_kvq24_large_blocks_no_inf_and_overflow_raises():
     x = np.zeros(32)
-    x[:4] = [-60000.0, 60000.0, 0.0, 1.0]  # KVQ-24 (b): fp16-range values, scales stay finite
+    x[:4] = [
+        -60000.0,
+        60000.0,
+        0.0,
+        1.0,
+    ]  # fp16 overflow in stored block metadata and in the scale range: ggml-org/llama.cpp PR#21652, docs/methods.md#float16-overflow-in-block-metadata-and-range (b): fp16-range values, scales stay finite
     for method in (Int8Block(), Int4Block(), Int4Block(q4_rule="llamacpp")):
         _, scale, deq = _roundtrip(method, x)
         assert torch.isfinite(scale).all() and np.isfinite(deq).all()

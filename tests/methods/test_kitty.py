@@ -1,4 +1,4 @@
-"""Kitty (spec §4): Example 7 (selection, codes, dequant, MSE), Example 16 (flush schedule),
+"""Kitty (docs/methods.md#kitty): Example 7 (selection, codes, dequant, MSE), Example 16 (flush schedule),
 the Table 10 bit budget (2.388), a hand byte count, and float64 properties."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import kvbench
 from kvbench.methods.kitty import Kitty, KittyConfig
 
-# spec §13 Example 7, layout [D=4 channels, T=4 tokens]
+# docs/methods.md#worked-example-7, layout [D=4 channels, T=4 tokens]
 EX7_K = [
     [0.1, 0.3, -0.2, 0.0],
     [4.0, -3.5, 3.8, -4.2],
@@ -44,7 +44,7 @@ def test_example7_selection_codes_dequant_mse():
 
 def test_average_bits_table10():
     bits = kvbench.get_method("kitty").average_bits(128, 32768)
-    # (512 + 32768 * (2.0625 + 0.25 + 0.0625)) / 32800 = 2.388 (spec §4, §12)
+    # (512 + 32768 * (2.0625 + 0.25 + 0.0625)) / 32800 = 2.388 (docs/methods.md#kitty and docs/methods.md#average-bits)
     assert bits["key_bits"] == pytest.approx(2.388, abs=0.005)
     assert bits["key_bits"] == pytest.approx((512 + 32768 * 2.375) / 32800, rel=1e-12)
     assert bits["key_terms"]["m_sal"] == 0.0625 and bits["value_bits"] == 16.0

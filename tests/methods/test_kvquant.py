@@ -4,8 +4,8 @@ References used here, none computed by the code under test:
 * RoPE: the rotate-half / interleaved formulas in float64 numpy (``rope`` also matched
   transformers' ``LlamaRotaryEmbedding`` + ``apply_rotary_pos_emb`` bit for bit when checked by
   hand; that import takes ~10 s, too slow for this file).
-* thresholds: ``np.percentile`` at 100 t and 100 (1 - t), t = 1 - (1 - tau) / 2 (spec §9).
-* bits: spec §12 formula written out by hand.
+* thresholds: ``np.percentile`` at 100 t and 100 (1 - t), t = 1 - (1 - tau) / 2 (docs/methods.md#kvquant).
+* bits: docs/methods.md#average-bits written out by hand.
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def test_nonfinite_keys_propagate_per_element():
 
 
 def test_nominal_bits_add_the_outlier_cost():
-    # spec §12: (N_s*16 + T_q*(b + (1 - tau)*(16 + 32))) / (T_q + N_s), no per-group scales
+    # docs/methods.md#average-bits: (N_s*16 + T_q*(b + (1 - tau)*(16 + 32))) / (T_q + N_s), no per-group scales
     got = make(num_sink_tokens=0).average_bits(128, 32768)["key_bits"]
     assert got == pytest.approx(4 + 0.01 * 48)
     got = make(bits=2, num_sink_tokens=1).average_bits(64, 32768)["key_bits"]
@@ -359,7 +359,7 @@ def test_bad_calibration_inputs_raise():
 def test_values_use_the_core_per_token_codec_when_quantized():
     m = make(pre_rope=False, nuq=False, value_bits=2, num_sink_tokens=0, value_group_size=4)
     m.calibrate({0: grid_calibration()})
-    # spec §12 for KIVI-style values: 2 code bits + 32 bits of (scale, min) per 4 channels
+    # docs/methods.md#average-bits for KIVI-style values: 2 code bits + 32 bits of (scale, min) per 4 channels
     assert m.average_bits(4, 1000)["value_bits"] == pytest.approx(2 + 32 / 4)
     v = (
         torch.tensor([[0.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]])

@@ -1,7 +1,7 @@
 """kvbench.kv.mixed: mixed-width packing, the MixedChannelBlock protocol and MixedChannelCodec.
 
 Right values come from hand-worked bit streams, a pure-Python bit-stream reference and a float64
-numpy min-max reference (spec §0), never from the code under test.
+numpy min-max reference (docs/methods.md#common-conventions), never from the code under test.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _stream_ref(rows: list[list[list[int]]], bits: list[int]) -> list[list[int]]
 
 
 def _np_minmax(x: np.ndarray, bits: int, midpoint: bool = False) -> np.ndarray:
-    """float64 reconstruction of min-max groups along the last axis (spec §0, §7.5)."""
+    """float64 reconstruction of min-max groups along the last axis (docs/methods.md#min-max-affine-quantizer and docs/methods.md#one-bit-midpoint-reconstruction)."""
     mn, mx = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
     s = (mx - mn) / (2**bits - 1)
     if midpoint:

@@ -1,4 +1,4 @@
-"""PM-KVQ (Liu et al., arXiv 2505.18610; spec §8): right values from spec §13 Example 13, float64
+"""PM-KVQ (Liu et al., arXiv 2505.18610; docs/methods.md#pm-kvq): right values from docs/methods.md#worked-example-13, float64
 numpy, hand traces of the budget and hand-solvable allocation instances."""
 
 from __future__ import annotations

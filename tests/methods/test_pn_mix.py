@@ -1,7 +1,7 @@
-"""PN-Mix (spec §7 [RECON]): Examples 8-10, the Table 10 budget (2.263), a hand byte count, the
+"""PN-Mix (docs/methods.md#pn-mix [RECON]): Examples 8-10, the Table 10 budget (2.263), a hand byte count, the
 fixed selection in every page, capabilities, bad input, and float64 properties.
 
-Right values: spec §13 (numpy float64) and independent numpy recomputations of the formulas.
+Right values: docs/methods.md#worked-examples (numpy float64) and independent numpy recomputations of the formulas.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_example9_reconstruction_and_example10_attention_kl():
 
 def test_average_bits_table10():
     bits = kvbench.get_method("pn-mix").average_bits(128, 32768)
-    # b_eff = 3 * 0.5 + 1 * 0.5 = 2; (512 + 32768 * 2.25) / 32800 = 2.2634 (spec §7.7)
+    # b_eff = 3 * 0.5 + 1 * 0.5 = 2; (512 + 32768 * 2.25) / 32800 = 2.2634 (docs/methods.md#pn-mix)
     assert bits["key_bits"] == pytest.approx(2.263, abs=0.005)
     assert bits["key_bits"] == pytest.approx((512 + 32768 * 2.25) / 32800, rel=1e-12)
     # fractional r * D/2 is floored: r = 0.3, D = 8 -> 1 pair -> r_eff = 0.25

@@ -1,4 +1,4 @@
-"""PolarQuant (Wu et al., arXiv 2502.00527; spec §6 (A) [RECON]): right values from spec §13
+"""PolarQuant (Wu et al., arXiv 2502.00527; docs/methods.md#polarquant [RECON]): right values from docs/methods.md#worked-examples
 Example 15, hand byte counts, and float64 numpy references."""
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def test_example15_codes_reconstruction_and_mse():
     k = _keys_from_pair(EX15_X, EX15_Y)
     layer = _layer()
     layer.prefill(k, k.clone())
-    assert layer.quantized_tokens() == (4, 0)  # 4 % R == 0: all keys quantized (spec §3)
+    assert layer.quantized_tokens() == (
+        4,
+        0,
+    )  # 4 % R == 0: all keys quantized (docs/methods.md#kivi)
     block = layer.k.block
     assert block.radius.unpacked_codes().flatten().tolist() == [3, 3, 1, 0]
     assert block.angle.unpacked_codes().flatten().tolist() == [1, 2, 3, 0]
@@ -109,7 +112,7 @@ def test_interleaved_equals_permuted_rotate_half():
 
 def test_average_bits_defaults_and_other_widths():
     bits = PolarQuant().average_bits(128, 32768)
-    assert bits["key_bits"] == pytest.approx(2.25, abs=0.005)  # spec §12 Table 10 row
+    assert bits["key_bits"] == pytest.approx(2.25, abs=0.005)  # docs/methods.md#table-10-check
     assert bits["value_bits"] == 16
     wide = PolarQuant(radius_bits=4, angle_bits=4).average_bits(128, 32768)
     assert wide["key_bits"] == pytest.approx(4 + 32 / 128)

@@ -1,4 +1,4 @@
-"""QJL: spec §13 Example 14, unbiasedness over seeds, attention against a float64 numpy
+"""QJL: docs/methods.md#worked-example-14, unbiasedness over seeds, attention against a float64 numpy
 re-implementation of the estimator and against exact attention for large m, byte counts."""
 
 from __future__ import annotations

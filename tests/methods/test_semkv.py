@@ -134,7 +134,7 @@ def test_bytes_hand_count():
 
 
 def test_nominal_bits_by_hand():
-    # spec §12: b_eff = target, (scale, min) 32 bits per group of min(G, D) channels, 1 mask bit
+    # docs/methods.md#average-bits: b_eff = target, (scale, min) 32 bits per group of min(G, D) channels, 1 mask bit
     # per token and head (1/D per element)
     assert SemKV().average_bits(64, 32768)["key_bits"] == pytest.approx(2.5 + 32 / 64 + 1 / 64)
     bits = SemKV(num_sink_tokens=4, value_group_size=32).average_bits(128, 1000)

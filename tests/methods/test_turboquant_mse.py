@@ -1,4 +1,4 @@
-"""TurboQuant-MSE: Lloyd-Max codebooks against spec §13 Example 12 (and the d = 3 uniform law by
+"""TurboQuant-MSE: Lloyd-Max codebooks against docs/methods.md#worked-example-12 (and the d = 3 uniform law by
 hand), measured MSE on random unit vectors, a float64 numpy reference of the quantizer, bytes."""
 
 from __future__ import annotations
