@@ -164,15 +164,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
     out = args.out or f"results/{suite.name}"
-    check_output(out)
-    args._out = out  # for the Ctrl-C message
     runner = run_suite
     if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
         from kvbench.run.ray_executor import runner_from_args
 
-        runner = runner_from_args(args)
+        runner = runner_from_args(args)  # checks ray and the address before anything is written
     elif getattr(args, "address", None) or getattr(args, "max_parallel", None):
         raise ValueError("--address and --max-parallel need --executor ray")
+    check_output(out)
+    args._out = out  # for the Ctrl-C message
     try:
         records = runner(
             suite,

@@ -6,13 +6,27 @@ pip package) or ``data_helpers.local_data_dir``, which skip with a reason naming
 how to provide it. With
 ``KVBENCH_REQUIRE_DATA=1`` (set by ``.ci/run`` when a data folder is given) a skipped ``data``
 test fails instead, so CI cannot pass by skipping.
+
+Triton: on a machine without CUDA, ``TRITON_INTERPRET=1`` is set here, before any test module is
+collected.  Triton decides interpreted vs compiled when a ``@triton.jit`` function is decorated,
+and importing transformers' generation code (which many tests do) imports torch's inductor and,
+through it, Triton's own jit'd language functions; decorated compiled, those cannot be called
+from the interpreted kernels of ``tests/kernels``.  Without CUDA no compiled Triton kernel can
+run anyway, and torch's CPU compiler does not use Triton.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+
+if importlib.util.find_spec("triton") is not None and "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 REQUIRE_ENV = "KVBENCH_REQUIRE_DATA"
 

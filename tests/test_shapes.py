@@ -195,7 +195,7 @@ def test_runner_refuses_before_loading(monkeypatch, tmp_path):
 
 
 def test_suite_shape_errors():
-    with pytest.raises(ValueError, match=r"models\[0\].*unknown model shape 'nope'.*qwen3-8b"):
+    with pytest.raises(ValueError, match=r"model.*unknown model shape 'nope'.*qwen3-8b"):
         _suite([{"type": "memory"}], model={"shape": "nope"})
     with pytest.raises(ValueError, match=r"layers=99 must be an integer in \[1, 36\]"):
         _suite([{"type": "memory"}], model={"shape": "qwen3-8b", "layers": 99})

@@ -736,7 +736,10 @@ def run_suite_ray(suite: Suite, out_dir: str | Path, **kwargs: Any) -> RayExecut
 def runner_from_args(args: Any) -> Any:
     """A ``run_suite``-compatible callable for ``kvbench run --executor ray`` (the CLI's
     ``--address``, ``--max-parallel``, ``--progress-workers``); after the call its ``failed``
-    attribute lists the failed records and ``executor`` is the :class:`RayExecutor`."""
+    attribute lists the failed records and ``executor`` is the :class:`RayExecutor`.
+
+    Raises :class:`RayUnavailableError` at once (before any folder is made) without ray."""
+    import_ray()
 
     def runner(suite: Suite, out_dir: str | Path, **kwargs: Any) -> list[dict[str, Any]]:
         ex = RayExecutor(

@@ -215,6 +215,8 @@ class Result:
     metrics: dict[str, float]
     per_layer: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # goes to the manifest
+    #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class Workload:

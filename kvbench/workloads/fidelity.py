@@ -28,7 +28,7 @@ import torch
 
 from kvbench.attend.reference import reference_attention
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import LOWER, STORAGE_METRICS, attention_fidelity, key_mse
+from kvbench.workloads.metrics import LOWER, NONE, STORAGE_METRICS, attention_fidelity, key_mse
 
 from . import Result, Workload
 
@@ -77,7 +77,12 @@ def layer_fidelity(
 
 class Fidelity(Workload):
     type = "fidelity"
-    METRICS = {**STORAGE_METRICS, "attn_kl": LOWER, "attn_out_rel_err": LOWER}
+    METRICS = {
+        **STORAGE_METRICS,
+        "attn_kl": LOWER,
+        "attn_out_rel_err": LOWER,
+        "quantized_key_fraction": NONE,  # what the run covered, not a quality
+    }
     LIST_PARAMS = frozenset({"layers"})
     needs_model = False  # ``source: synthetic`` runs without one
     PARAMS = {
