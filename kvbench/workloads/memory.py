@@ -139,11 +139,22 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
     except (AttributeError, RuntimeError) as exc:  # a torch without kineto memory events
         return float("nan"), f"unavailable ({type(exc).__name__}: {exc})"
     events.sort(key=lambda e: e.start_ns())
+    # A free is counted only against a block of that size allocated inside the call: the
+    # profiler also reports frees of older blocks whose address it saw in an earlier profiling
+    # session, which would otherwise lower the running sum below the call's own live bytes.
     cur = peak = 0
+    live: dict[int, int] = {}
     for e in events:
-        cur += e.nbytes()
+        n = e.nbytes()
+        if n >= 0:
+            live[n] = live.get(n, 0) + 1
+        elif live.get(-n, 0) > 0:
+            live[-n] -= 1
+        else:
+            continue
+        cur += n
         peak = max(peak, cur)
-    return peak, "torch.profiler CPU allocator events (profile_memory=True)"
+    return peak, "torch.profiler CPU allocator events (profile_memory=True), frees paired by size"
 
 
 #: what ``Replay.step`` runs for each ``path`` (recorded as ``peak_step_path``)
