@@ -25,7 +25,6 @@ tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (doc
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -41,13 +40,38 @@ from kvbench.kv.schedule import SlidingSchedule
 ROPE_LAYOUTS, NUQ_ITERS, NUQ_SAMPLES = ("rotate_half", "interleaved"), 50, 100_000
 
 
+_ANGLES: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_angles(start: int, n: int, d: int, theta: float, device=None):
+    """``(cos, sin)`` float32 ``[n, D/2]`` of HF's RoPE angles ``pos * theta^(-2i/D)`` at
+    positions ``start .. start+n-1`` (computed in float32 as HF does).  Tables are kept per
+    ``(theta, D, device)`` and grown by doubling, so a decode step reads them instead of
+    recomputing ``n * D / 2`` cosines; each entry equals the direct computation bit for bit."""
+    key = (float(theta), d, str(device or "cpu"))
+    cached = _ANGLES.get(key)
+    if cached is None or cached[0].shape[0] < start + n:
+        cap = max(start + n, 2 * (0 if cached is None else cached[0].shape[0]), 256)
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        ang = torch.arange(0, cap, dtype=torch.float32)[:, None] * inv[None, :]
+        cached = _ANGLES[key] = (ang.cos().to(device), ang.sin().to(device))
+    return cached[0][start : start + n], cached[1][start : start + n]
+
+
+def rope_pairs(d: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel indices ``(first, second)`` ``[D/2]`` of each RoPE pair: ``(i, i + D/2)`` for
+    ``rotate_half``, ``(2i, 2i + 1)`` for ``interleaved``."""
+    if layout == "rotate_half":
+        return torch.arange(d // 2), torch.arange(d // 2, d)
+    return torch.arange(0, d, 2), torch.arange(1, d, 2)
+
+
 def rope(x: torch.Tensor, start: int, theta: float, layout: str, inverse: bool = False):
     """Rotate ``x [..., n, D]`` at positions ``start .. start+n-1`` (HF float32 angles
     ``pos * theta^(-2i/D)``); ``inverse``: the inverse rotation.  Returns float32."""
     n, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    ang = torch.arange(start, start + n, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos().to(x.device), ang.sin().to(x.device) * (-1 if inverse else 1)
+    cos, sin = rope_angles(start, n, d, theta)
+    cos, sin = cos.to(x.device), sin.to(x.device) * (-1 if inverse else 1)
     xf = x.float()
     if layout == "rotate_half":
         a, b = xf[..., : d // 2], xf[..., d // 2 :]
@@ -56,11 +80,24 @@ def rope(x: torch.Tensor, start: int, theta: float, layout: str, inverse: bool =
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """What a pre-RoPE block's reads add: token ``j`` of the block is read rotated by RoPE at
+    position ``start + j`` (base ``theta``, pair ``layout``, see :func:`rope`)."""
+
+    theta: float
+    layout: str
+    start: int
+
+
 @dataclass
 class LUTBlock:
     """Pre-RoPE keys as level indices plus exact outliers.  codes: uint8 ``[B, H_kv, n,
     ceil(D*bits/8)]``; center, half: static ``[H_kv, D]`` (scale dtype); lut: ``[2^bits]`` sorted
-    levels; out_idx: int32 ``[N]`` flat indices into ``[n, B, H_kv, D]``; out_val: fp16 ``[N]``."""
+    levels; out_idx: int32 ``[N]`` flat indices into ``[n, B, H_kv, D]``; out_val: fp16 ``[N]``.
+    rotary: ``None`` for codes read as stored (``pre_rope=False``); else the :class:`Rotary`
+    that reads add (pre-RoPE codes re-rotated at their positions): :meth:`dequantize` returns
+    the post-RoPE keys, and the code-domain kernel rotates the query instead."""
 
     codes: torch.Tensor
     center: torch.Tensor
@@ -70,6 +107,7 @@ class LUTBlock:
     out_val: torch.Tensor
     bits: int
     head_dim: int
+    rotary: Rotary | None = None
 
     @property
     def ntokens(self) -> int:
@@ -85,13 +123,23 @@ class LUTBlock:
         x = u * self.half.float()[:, None, :] + self.center.float()[:, None, :]
         xt = x.permute(2, 0, 1, 3).reshape(-1).clone()
         xt[self.out_idx.long()] = self.out_val.float()
-        return xt.reshape(n, b, h, self.head_dim).permute(1, 2, 0, 3).to(dtype)
+        x = xt.reshape(n, b, h, self.head_dim).permute(1, 2, 0, 3)
+        if self.rotary is not None:
+            r = self.rotary
+            x = rope(x, r.start, r.theta, r.layout)
+        return x.to(dtype)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         meta = [("metadata", t) for t in (self.lut, self.out_idx, self.out_val)]
         return [("codes", self.codes), ("scales", self.center), ("scales", self.half), *meta]
 
     def cat(self, other: LUTBlock) -> LUTBlock:
+        r, o = self.rotary, other.rotary
+        if (r is None) != (o is None) or (
+            r is not None
+            and (o.theta, o.layout, o.start) != (r.theta, r.layout, r.start + self.ntokens)
+        ):
+            raise ValueError("cannot concatenate LUT blocks of different RoPE positions/settings")
         idx = torch.cat([self.out_idx, other.out_idx + self._row() * self.ntokens])
         codes = torch.cat([self.codes, other.codes], 2)
         val = torch.cat([self.out_val, other.out_val])
@@ -111,13 +159,20 @@ class LUTBlock:
 
 
 class LUTAttention:
-    """Code-domain keys of :class:`LUTBlock` for ``kvbench.attend.registry`` (post-RoPE codes,
-    ``pre_rope=False``; pre-RoPE blocks are re-rotated on read and take the reference path).
+    """Code-domain keys of :class:`LUTBlock` for ``kvbench.attend.registry``.
 
-    ``q . k_t = (q * half) . lut[c_t] + q . center`` for the dense part, plus, for each sparse
-    outlier ``(t, d)``, ``q_d (value - dense_{t,d})`` (KVQuant's dense-and-sparse split, Hooper
-    et al., arXiv 2401.18079 §3.4).  Eager: unpack + a ``2^bits``-entry lookup + matmul in
-    chunks of tokens."""
+    Codes read as stored (``pre_rope=False``): ``q . k_t = (q * half) . lut[c_t] + q .
+    center`` for the dense part, plus, for each sparse outlier ``(t, d)``, ``q_d (value -
+    dense_{t,d})`` (KVQuant's dense-and-sparse split, Hooper et al., arXiv 2401.18079 §3.4).
+
+    Pre-RoPE codes (``block.rotary``, KVQuant §3.1): ``q . R(p_t) k~_t = (R(-p_t) q) . k~_t``,
+    with RoPE pairs ``(a, b) = (k~_i, k~_j)`` of the pre-RoPE key ``k~ = lut[c] * half +
+    center`` and ``C, S = cos, sin`` of the angle of pair ``i`` at ``p_t``: the dense part is
+    one product of the query-side ``[h_i q_i, h_j q_j, h_i q_j, -h_j q_i]`` with the key-side
+    ``[u_i C, u_j C, u_i S, u_j S]`` (``u = lut[c]``), the centre part ``[c_i q_i + c_j q_j,
+    c_i q_j - c_j q_i] . [C, S]``, and an outlier at channel ``d`` adds ``(value - dense)
+    (R(-p_t) q)_d``: no rotated key is formed.  Eager: unpack + a ``2^bits``-entry lookup +
+    matmul in chunks of tokens (the angle tables are cached, :func:`rope_angles`)."""
 
     def key_reason(self, block: LUTBlock, head_dim: int) -> str | None:
         return None
@@ -129,19 +184,35 @@ class LUTAttention:
         from kvbench.attend.cpu import EAGER_CHUNK_TOKENS
 
         b, h, n, _ = block.codes.shape
-        d = block.head_dim
-        half = block.half.float().to(q.device)[None, :, None, :]  # [1, H, 1, D]
-        center = block.center.float().to(q.device)[None, :, None, :]
-        lut = block.lut.float().to(q.device)
-        qh = q * half
+        d, rot, dev = block.head_dim, block.rotary, q.device
+        half = block.half.float().to(dev)[None, :, None, :]  # [1, H, 1, D]
+        center = block.center.float().to(dev)[None, :, None, :]
+        lut = block.lut.float().to(dev)
+        if rot is not None:
+            i1, i2 = (i.to(dev) for i in rope_pairs(d, rot.layout))
+            cos, sin = (t.to(dev) for t in rope_angles(rot.start, n, d, rot.theta, dev))
+            q1, q2, h1, h2 = q[..., i1], q[..., i2], half[..., i1], half[..., i2]
+            c1, c2 = center[..., i1], center[..., i2]
+            qk = torch.cat([h1 * q1, h2 * q2, h1 * q2, -(h2 * q1)], -1)  # [B, H, M, 2D]
+            qc = torch.cat([c1 * q1 + c2 * q2, c1 * q2 - c2 * q1], -1)  # [B, H, M, D]
+        else:
+            qk = q * half
         outs = []
         for t0 in range(0, n, EAGER_CHUNK_TOKENS):
             c = unpack_bits(block.codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS], block.bits, d)
-            outs.append(torch.matmul(qh, lut[c.long()].transpose(-1, -2)))
+            u = lut[c.long()]  # [B, H, n_c, D]
+            if rot is not None:
+                cs, sn = cos[t0 : t0 + EAGER_CHUNK_TOKENS], sin[t0 : t0 + EAGER_CHUNK_TOKENS]
+                u1, u2 = u[..., i1], u[..., i2]
+                u = torch.cat([u1 * cs, u2 * cs, u1 * sn, u2 * sn], -1)
+            outs.append(torch.matmul(qk, u.transpose(-1, -2)))
         lg = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
-        lg = lg + (q * center).sum(-1, keepdim=True)
+        if rot is not None:
+            lg = lg + torch.matmul(qc, torch.cat([cos, sin], -1).transpose(0, 1))
+        else:
+            lg = lg + (q * center).sum(-1, keepdim=True)
         if block.out_idx.numel():
-            idx = block.out_idx.long().to(q.device)
+            idx = block.out_idx.long().to(dev)
             t, rem = idx // (b * h * d), idx % (b * h * d)
             bi, hi, di = rem // (h * d), (rem // d) % h, rem % d
             bit0 = di * block.bits
@@ -151,8 +222,19 @@ class LUTAttention:
                 byte = block.codes[bi, hi, t, pos // 8].long()
                 code |= ((byte >> (pos % 8)) & 1) << k
             dense = lut[code] * half[0, hi, 0, di] + center[0, hi, 0, di]
-            delta = block.out_val.float().to(q.device) - dense  # [N]
-            contrib = q[bi, hi, :, di] * delta[:, None]  # [N, M]
+            delta = block.out_val.float().to(dev) - dense  # [N]
+            qd = q[bi, hi, :, di]  # [N, M]
+            if rot is not None:  # (R(-p_t) q)_d: pair i of d, its partner and sign
+                first = torch.zeros(d, dtype=torch.bool, device=dev)
+                first[i1] = True
+                pair = torch.empty(d, dtype=torch.long, device=dev)
+                pair[i1] = pair[i2] = torch.arange(d // 2, device=dev)
+                partner = torch.empty(d, dtype=torch.long, device=dev)
+                partner[i1], partner[i2] = i2, i1
+                pi, sgn = pair[di], torch.where(first[di], 1.0, -1.0)
+                qp = q[bi, hi, :, partner[di]]
+                qd = qd * cos[t, pi][:, None] + (sgn * sin[t, pi])[:, None] * qp
+            contrib = qd * delta[:, None]  # [N, M]
             flat = lg.permute(0, 1, 3, 2).reshape(-1, lg.shape[2])  # rows (b, h, t)
             flat.index_add_(0, (bi * h + hi) * n + t, contrib)
             lg = flat.reshape(b, h, n, -1).permute(0, 1, 3, 2)
@@ -205,10 +287,10 @@ def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: fl
 @dataclass
 class PreRopeSide(Side):
     """Key side whose blocks hold pre-RoPE codes: a flush un-rotates the tokens at their
-    positions (index in the cache); :meth:`read` re-rotates the dequantized block, so the
-    attention backends read it through :meth:`read` (``reads_transformed``)."""
+    positions (index in the cache) and stores them with the :class:`Rotary` that reads add,
+    so the block's layout says what is read (its ``dequantize`` re-rotates; the code-domain
+    kernel rotates the query)."""
 
-    reads_transformed: ClassVar[str | None] = "pre-RoPE keys are re-rotated on read"
     theta: float = 10000.0
     layout: str = "rotate_half"
 
@@ -219,15 +301,8 @@ class PreRopeSide(Side):
         head, rest = self.residual[:, :, :n], self.residual[:, :, n:]
         self.residual = own_storage(rest) if rest.shape[2] else None
         pre = rope(head, start, self.theta, self.layout, inverse=True)
-        self.block = cat_blocks(self.block, self.codec.encode(pre))
-
-    def read(self, dtype: torch.dtype) -> torch.Tensor:
-        blk = self.block
-        if blk is not None:
-            ns = 0 if self.sinks is None else self.sinks.shape[2]
-            blk = rope(blk.dequantize(torch.float32), ns, self.theta, self.layout)
-        parts = [p.to(dtype) for p in (self.sinks, blk, self.residual) if p is not None]
-        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        blk = replace(self.codec.encode(pre), rotary=Rotary(self.theta, self.layout, start))
+        self.block = cat_blocks(self.block, blk)
 
 
 _NUM = (int, float)

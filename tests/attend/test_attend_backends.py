@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 import kvbench
 from kvbench.attend import cpu, registry
 from kvbench.kv.blocks import AffineBlock, PerChannelCodec
-from kvbench.kv.layer import LayerCache
+from kvbench.kv.layer import LayerCache, Side
 from kvbench.kv.mixed import MixedChannelBlock
 from kvbench.kv.schedule import BlockSchedule
 
@@ -243,29 +244,79 @@ def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
     assert lc.attend_path == "fake" and lc.attend_path_reason == ""
 
 
-@pytest.mark.parametrize("d", DIMS)
-def test_kvquant_lut_codes_with_sparse_outliers(d):
-    m = kvbench.get_method("kvquant", **SMALL, pre_rope=False, sparsity_threshold=0.9)
-    g = torch.Generator().manual_seed(2)
+def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2):
+    """KVQuant with sparse outliers, sinks, B > 1, prefill + decode steps (residual 8)."""
+    cfg = dict(pre_rope=pre_rope, rope_layout=layout, sparsity_threshold=0.9)
+    m = kvbench.get_method("kvquant", **cfg, num_sink_tokens=2, residual_length=8)
+    g = torch.Generator().manual_seed(seed)
     m = m.calibrate({0: torch.randn(2, HKV, 64, d, generator=g)})
     lc = m.new_layer(0, HKV, d)
-    k = torch.randn(B, HKV, 40, d, generator=g) * 1.3
-    lc.prefill(k, torch.randn(B, HKV, 40, d, generator=g))
+    k = torch.randn(B, HKV, 43, d, generator=g) * 1.3
+    v = torch.randn(B, HKV, 43, d, generator=g)
+    lc.prefill(k[:, :, :40], v[:, :, :40])
+    for t in range(40, 43):
+        lc.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        lc.end_step()
     assert lc.k.block.out_idx.numel() > 0  # some outliers are stored sparsely
+    return lc, g
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize(
+    "pre_rope,layout", [(False, "rotate_half"), (True, "rotate_half"), (True, "interleaved")]
+)
+def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout):
+    """Pre-RoPE codes: the reference re-rotates the dequantized keys (``keys_values``); the
+    code-domain kernel rotates the query per token instead (KVQuant, arXiv 2401.18079 §3.1)."""
+    lc, g = kvquant_layer(d, pre_rope, layout)
+    assert (lc.k.block.rotary is not None) == pre_rope
     q = torch.randn(B, HQ, 1, d, generator=g)
-    out = lc.attend(q)
+    with cpu.cpu_attention_mode("eager"):
+        out = lc.attend(q)
     assert lc.attend_path == cpu.EAGER_PATH, lc.attend_path_reason
     close_rows(out, ref64(lc, q))
+    q3 = torch.randn(B, HQ, 3, d, generator=g)
+    lengths = torch.tensor([lc.seq_length, lc.seq_length - 4])
+    close_rows(lc.attend(q3, lengths=lengths), ref64(lc, q3, lengths))
+    lc.crop(2 + 13)  # the rotation keeps its positions after a crop and a new flush
+    for _ in range(9):
+        lc.append(torch.randn(B, HKV, 1, d, generator=g), torch.randn(B, HKV, 1, d, generator=g))
+        lc.end_step()
+    close_rows(lc.attend(q), ref64(lc, q))
+    assert lc.attend_path == cpu.EAGER_PATH
+
+
+def test_pre_rope_blocks_read_post_rope_keys():
+    """The block's layout says what is read: its dequantized keys are the RoPE rotation (by
+    the float64 formula here) of its pre-RoPE codes at positions ``start + j``."""
+    lc, _ = kvquant_layer(64, True)
+    blk = lc.k.block
+    pre = replace(blk, rotary=None).dequantize(torch.float64)  # [B, H, n, D]
+    pos = torch.arange(blk.rotary.start, blk.rotary.start + blk.ntokens, dtype=torch.float64)
+    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    cos, sin = (pos[:, None] * inv).cos(), (pos[:, None] * inv).sin()
+    a, b = pre[..., :32], pre[..., 32:]
+    want = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    assert blk.rotary.start == 2  # after the two sinks
+    torch.testing.assert_close(blk.dequantize(torch.float64), want, rtol=0, atol=1e-5)
+
+
+class NegatedSide(Side):
+    """A side whose reads are not its stored parts (keys negated on read)."""
+
+    reads_transformed = "keys negated on read"
+
+    def read(self, dtype):
+        return -super().read(dtype)
 
 
 def test_reads_transformed_declines_the_fast_backends():
-    m = kvbench.get_method("kvquant", **SMALL, pre_rope=True)
-    m = m.calibrate({0: torch.randn(2, HKV, 64, 64)})
-    lc = m.new_layer(0, HKV, 64)
-    lc.prefill(torch.randn(1, HKV, 40, 64), torch.randn(1, HKV, 40, 64))
-    q = torch.randn(1, HQ, 1, 64)
+    lc, g = build("kivi", CASES[0][1], 64, 45, 1)
+    k = lc.k
+    lc.k = NegatedSide(k.codec, k.schedule, k.sinks, k.block, k.residual)
+    q = torch.randn(B, HQ, 1, 64, generator=g)
     close_rows(lc.attend(q), ref64(lc, q))
-    assert lc.attend_path == "reference" and "pre-RoPE" in lc.attend_path_reason
+    assert lc.attend_path == "reference" and "negated" in lc.attend_path_reason
 
 
 def test_an_explicit_compiled_mode_without_compiler_warns_once_then_eager(monkeypatch):
