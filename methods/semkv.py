@@ -23,8 +23,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attend.reference import causal_mask, repeat_kv
-from kvbench.kv.blocks import cat_blocks, own_storage
+from kvbench.attend.cpu import AffineBlockAttention
+from kvbench.attend.reference import length_mask, reference_probabilities
+from kvbench.attend.registry import register_block_kernel
+from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.method import CacheConfig, Capabilities, Method
 from kvbench.kv.quant import pack_bits, quantize_groups, unpack_bits
@@ -94,6 +96,70 @@ class MixedBlock:
         return self._with(self.high()[idx], extra, **sel)
 
 
+class MixedBlockAttention:
+    """Code-domain keys and values of :class:`MixedBlock` for ``kvbench.attend.registry``.
+
+    A token's code is ``c = low + 2^lb up`` (``up`` only for high tokens), so with per-token
+    terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
+    (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + 2^lb sum_g scale_{t,g} (q_g . up_{t,g})``
+    and values ``sum_t p_t x_t`` likewise: the low plane of every token is read by the core's
+    per-token affine kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`, compiled when
+    allowed), and the upper bits of the high tokens are added by a gather of their query rows
+    (keys) or probabilities (values) and one scatter-add.  No dequantized key or value is
+    formed."""
+
+    def key_reason(self, block: MixedBlock, head_dim: int) -> str | None:
+        return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"
+
+    value_reason = key_reason
+
+    @staticmethod
+    def _low(block: MixedBlock) -> AffineBlock:
+        n = block.ntokens
+        return AffineBlock(
+            block.low, block.scale, block.zero, [1] * n, block.low_bits, block.head_dim
+        )
+
+    @staticmethod
+    def _high(block: MixedBlock, dev):
+        """``(t, b, h)`` of each high token (the ``extra`` rows' order), its upper codes
+        float32 ``[N, D]`` and its scales float32 ``[N, NG]``."""
+        t, b, h = block.high().permute(2, 0, 1).nonzero(as_tuple=True)
+        up = unpack_bits(block.extra, block.high_bits - block.low_bits, block.head_dim)
+        sc = block.scale[b, h, t].float() * float(1 << block.low_bits)
+        return (t.to(dev), b.to(dev), h.to(dev)), up.float().to(dev), sc.to(dev)
+
+    def key_logits(self, block: MixedBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
+        if not block.extra.shape[0]:
+            return lg
+        (t, b, h), up, sc = self._high(block, q.device)
+        bsz, hkv, m, n = lg.shape
+        ng = sc.shape[-1]
+        qg = q[b, h].reshape(len(t), m, ng, -1)  # [N, M, NG, cg]
+        dots = (qg * up.reshape(len(t), 1, ng, -1)).sum(-1)  # [N, M, NG]
+        contrib = (dots * sc[:, None]).sum(-1)  # [N, M]
+        flat = lg.permute(0, 1, 3, 2).reshape(-1, m)  # rows (b, h, t)
+        flat.index_add_(0, (b * hkv + h) * n + t, contrib)
+        return flat.reshape(bsz, hkv, n, m).permute(0, 1, 3, 2)
+
+    def value_output(self, block: MixedBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
+        if not block.extra.shape[0]:
+            return out
+        (t, b, h), up, sc = self._high(block, p.device)
+        bsz, hkv, m, d = out.shape
+        w = (up.reshape(len(t), sc.shape[-1], -1) * sc[..., None]).reshape(len(t), 1, d)
+        contrib = p[b, h, :, t][..., None] * w  # [N, M, D]
+        flat = out.reshape(bsz * hkv, m, d).clone()
+        flat.index_add_(0, b * hkv + h, contrib)
+        return flat.reshape(bsz, hkv, m, d)
+
+
+_AFFINE = AffineBlockAttention()
+register_block_kernel(MixedBlock, MixedBlockAttention(), ("cpu",))
+
+
 @dataclass
 class MixedCodec:
     """``encode(x [B, H_kv, n, D], high bool [B, H_kv, n]) -> MixedBlock``: per-token groups
@@ -140,17 +206,25 @@ class SemKVLayer(LayerCache):
             zeros = torch.zeros(*like.shape[:2], new, 2, device=like.device)
             self.stats = zeros if self.stats is None else torch.cat([self.stats, zeros], 2)
 
-    def _observe(self, query: torch.Tensor, keys: torch.Tensor, scaling) -> torch.Tensor:
-        """Causal softmax ``[B, H_q, n_q, T]`` of the newest queries; residual keys' -> stats."""
-        (b, hq, nq, d), (h, t), r = query.shape, keys.shape[1:3], self._rlen()
-        logits = query.float() @ repeat_kv(keys.float(), hq // h).transpose(-1, -2)
-        logits = logits * (1 / math.sqrt(d) if scaling is None else scaling)
-        probs = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf")).softmax(-1)
-        if self.stats is not None and r:
-            self.stats[..., 0] += probs[..., t - r :].reshape(b, h, -1, r).sum(2)
-            pos = torch.arange(t - r, t, device=query.device)
-            self.stats[..., 1] += nq - (pos - (t - nq)).clamp(min=0)
-        return probs
+    @property
+    def observes_attention(self) -> bool:  # the attention score reads every step's softmax
+        return self.c.score == "attention"
+
+    def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """Residual keys' attention mass (summed over the KV head's query heads and the
+        queries) and the number of queries that saw them -> ``stats``.  ``probs``: float32
+        ``[B, H_q, n_q, T]`` of a step (masked keys 0), called by the attention backend."""
+        (b, _, nq, t), r = probs.shape, self._rlen()
+        if self.stats is None or not r:
+            return
+        h = self.stats.shape[1]
+        self.stats[..., 0] += probs[..., t - r :].reshape(b, h, -1, r).sum(2)
+        seen = length_mask(lengths, nq, t, probs.device)[..., t - r :].sum(1)  # [B|1, r]
+        self.stats[..., 1] += seen[:, None].to(self.stats.dtype)
+
+    def _observe(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """Prefill: the causal softmax of the newest queries over the prompt -> stats."""
+        self.observe_attention(reference_probabilities(query, keys), None)
 
     def _scores(self) -> torch.Tensor:
         """``[B, H_kv, r]``: mean attention received, or key-norm when a key was never seen."""
@@ -173,7 +247,7 @@ class SemKVLayer(LayerCache):
         (r, p), self.stats = (self._rlen(), keys.shape[2]), None
         self._grow(r, keys)
         if self.stats is not None and r and queries is not None:
-            self._observe(queries[:, :, max(p - self.c.score_window, 0) :], keys, None)
+            self._observe(queries[:, :, max(p - self.c.score_window, 0) :], keys)
         if n := self.k.schedule.prefill_count(r):
             self._flush(n, math.floor(self.frac * n + 0.5))
         if not self.c.mixed_values:
@@ -197,13 +271,6 @@ class SemKVLayer(LayerCache):
             self._flush(n, ((nh + important).clamp(lo, hi) - nh).clamp(0, n))
         if not self.c.mixed_values:
             self.v.flush(self.v.schedule.flush_count(self._rlen(self.v)))
-
-    def attend(self, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        """The core's reference attention ``[B, H_q, n_q, D]``; also scores the residual keys."""
-        keys, values = self.keys_values(query.dtype)
-        probs = self._observe(query, keys, scaling)
-        out = probs @ repeat_kv(values.float(), probs.shape[1] // values.shape[1])
-        return out.to(query.dtype)
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)

@@ -609,6 +609,8 @@ def _attend(
         lg = lg.reshape(bsz, hkv, hq // hkv, nq, t).masked_fill(~mask[:, None, None], float("-inf"))
         lg = lg.reshape(bsz, hkv, m, t)
     probs = torch.softmax(lg, dim=-1)
+    if getattr(layer_cache, "observes_attention", False):
+        layer_cache.observe_attention(probs.reshape(bsz, hq, nq, t), lengths)
     out, off = None, 0
     for part in (vs.sinks, vs.block, vs.residual):
         if part is None:

@@ -36,6 +36,31 @@ def length_mask(
     return torch.arange(n_k, device=device).view(1, 1, -1) <= qpos
 
 
+def reference_probabilities(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 softmax ``[B, H_q, n_q, T]`` of :func:`reference_attention` (masked keys 0);
+    same parameters and errors (``keys`` ``[B, H_kv, T, D]``)."""
+    b, hq, nq, d = query.shape
+    bk, hkv, t, dk = keys.shape
+    if hq % hkv or d != dk or b != bk:
+        raise ValueError(
+            f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)}"
+        )
+    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    k = repeat_kv(keys.float(), hq // hkv)
+    logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    if lengths is not None:
+        mask = length_mask(lengths, nq, t, query.device).unsqueeze(1)  # [B, 1, n_q, T]
+        logits = logits.masked_fill(~mask, float("-inf"))
+    elif nq > 1:
+        logits = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def reference_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -62,21 +87,11 @@ def reference_attention(
     ValueError
         Head counts that do not divide, or mismatched head_dim / batch.
     """
-    b, hq, nq, d = query.shape
-    bk, hkv, t, dk = keys.shape
-    if hq % hkv or d != dk or b != bk or values.shape[:3] != keys.shape[:3]:
+    if values.shape[:3] != keys.shape[:3]:
         raise ValueError(
             f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)},"
             f" values {tuple(values.shape)}"
         )
-    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
-    k = repeat_kv(keys.float(), hq // hkv)
-    v = repeat_kv(values.float(), hq // hkv)
-    logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
-    if lengths is not None:
-        mask = length_mask(lengths, nq, t, query.device).unsqueeze(1)  # [B, 1, n_q, T]
-        logits = logits.masked_fill(~mask, float("-inf"))
-    elif nq > 1:
-        logits = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = reference_probabilities(query, keys, scaling, lengths)
+    v = repeat_kv(values.float(), query.shape[1] // keys.shape[1])
     return torch.matmul(probs, v).to(query.dtype)

@@ -36,7 +36,12 @@ from typing import Any, Protocol
 
 import torch
 
-from kvbench.attend.reference import length_mask, reference_attention
+from kvbench.attend.reference import (
+    length_mask,
+    reference_attention,
+    reference_probabilities,
+    repeat_kv,
+)
 from kvbench.kv.layer import LayerCache
 
 REFERENCE_PATH = "reference"
@@ -188,6 +193,8 @@ def resolve(layer_cache: Any, query: torch.Tensor, lengths: Any = None):
         if b.device != dev:
             continue
         why = _fits(b, layer_cache) or b.reason(layer_cache, query, lengths)
+        if why is None and getattr(layer_cache, "observes_attention", False):
+            why = "the cache observes the attention probabilities"
         if why is None:
             return (lambda lc, q, s, ln, b=b: (b.run(lc, q, s, ln), b.name)), reasons
         reasons.append(f"{b.name}: {why}")
@@ -222,7 +229,12 @@ def reference_attend(
         if _code_domain is None or _code_domain[0](layer_cache, query, lengths, False):
             raise
         return _code_domain[2](layer_cache, query, scaling, False, lengths)
-    return reference_attention(query, keys, values, scaling, lengths=lengths)
+    if not getattr(layer_cache, "observes_attention", False):
+        return reference_attention(query, keys, values, scaling, lengths=lengths)
+    probs = reference_probabilities(query, keys, scaling, lengths)
+    layer_cache.observe_attention(probs, lengths)
+    v = repeat_kv(values.float(), query.shape[1] // values.shape[1])
+    return torch.matmul(probs, v).to(query.dtype)
 
 
 def attend(

@@ -17,7 +17,10 @@ when :mod:`kvbench.attend` is imported (``import kvbench`` does it), so there is
 between the core folders.  A subclass whose reads differ from its stored parts (sinks, blocks,
 residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
 the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
-reference path (:meth:`LayerCache.keys_values`) runs.
+reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores tokens by the
+attention they receive (SemKV) sets ``observes_attention`` and implements
+:meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
+(code-domain, reference) calls it; whole-cache fused backends decline.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class LayerCache:
 
     #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
     reads_transformed: ClassVar[str | None] = None
+    #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
+    observes_attention: ClassVar[bool] = False
     _attention: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     @classmethod
@@ -284,6 +289,12 @@ class LayerCache:
         if fn is None:
             raise RuntimeError("no attention dispatch installed; import kvbench.attend first")
         return fn(self, query, scaling, lengths)
+
+    def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,
+        n_q, T]`` (masked keys 0; ``lengths`` as in :meth:`attend`) when ``observes_attention``
+        is set; the base cache does nothing."""
+        return None
 
     @property
     def kv_shape(self) -> tuple[int, int, int] | None:

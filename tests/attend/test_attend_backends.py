@@ -46,6 +46,9 @@ CASES = [
     ("turboquant-mse", dict(bits=3, apply_to="both"), 30, 2),
     ("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), 45, 3),
     ("fp8", dict(), 30, 2),
+    ("semkv", dict(SMALL, num_sink_tokens=2), 45, 3),
+    ("semkv", dict(SMALL, score="key-norm", mixed_values=False, value_bits=2), 45, 2),
+    ("semkv", dict(SMALL, high_bits=4, low_bits=1, target_bits=2.0), 40, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-token", num_sink_tokens=2), 30, 2),
     ("fp8", dict(scale="amax", scale_granularity="per-head", residual_length=8), 30, 9),
     ("fp8", dict(scale="amax", scale_granularity="per-tensor", format="e5m2"), 30, 2),
@@ -125,12 +128,14 @@ def test_code_domain_matches_reference(name, cfg, prefill, steps, d):
     [
         ("kivi", dict(SMALL, value_bits=2, num_sink_tokens=2)),
         ("pn-mix", dict(SMALL, num_sink_tokens=2)),
+        ("semkv", dict(SMALL, num_sink_tokens=2)),
     ],
 )
 def test_partly_filled_last_page(name, cfg):
     lc, g = build(name, cfg, 64, 50, 0)
     lc.crop(2 + 16 + 7)  # sinks + one whole page + 7 tokens of the next
-    assert lc.k.block.group_len[-1] == 7 and lc.k.residual is None
+    assert lc.k.residual is None and lc.k.block.ntokens == 23
+    assert name == "semkv" or lc.k.block.group_len[-1] == 7
     q = torch.randn(B, HQ, 1, 64, generator=g)
     ref = ref64(lc, q)
     close_rows(cpu.code_domain_attend(lc, q), ref)
@@ -138,7 +143,7 @@ def test_partly_filled_last_page(name, cfg):
 
 
 @pytest.mark.parametrize(
-    "name,cfg", [c[:2] for c in CASES if c[0] in ("kivi", "kitty", "fp8")][::2]
+    "name,cfg", [c[:2] for c in CASES if c[0] in ("kivi", "kitty", "fp8", "semkv")][::2]
 )
 def test_per_row_lengths(name, cfg):
     lc, g = build(name, cfg, 64, 45, 2)
@@ -361,3 +366,28 @@ def test_qjl_estimator_in_the_code_domain(d):
     with cpu.cpu_attention_mode("reference"):  # the estimator is also the reference path
         close_rows(lc.attend(q), ref)
     assert lc.attend_path == "reference"
+
+
+def test_semkv_scores_from_every_backend_and_records_the_path(monkeypatch):
+    """SemKV's attention score reads each step's softmax through ``observe_attention``: the
+    code-domain and the reference path give it the same statistics, both record their path,
+    and a whole-cache backend (which cannot hand out probabilities) declines with the reason."""
+    from kvbench.methods.semkv import MixedBlock
+
+    cfg = dict(SMALL, num_sink_tokens=2)
+    fake = registry.Backend("fake", "cpu", (MixedBlock,), lambda lc, q, ln: None, None, 5)
+    monkeypatch.setattr(registry, "_BACKENDS", [fake])
+    stats = {}
+    for mode, path in (("eager", cpu.EAGER_PATH), ("reference", "reference")):
+        lc, g = build("semkv", cfg, 64, 45, 0, seed=3)
+        before = lc.stats.clone()
+        q = torch.randn(B, HQ, 1, 64, generator=g)
+        with cpu.cpu_attention_mode(mode):
+            lc.attend(q)
+        assert lc.attend_path == path
+        assert "observes the attention" in lc.attend_path_reason
+        stats[mode] = lc.stats - before
+    r = stats["eager"].shape[2]
+    assert r > 0 and torch.equal(stats["eager"][..., 1], torch.full((B, HKV, r), 1.0))
+    assert float(stats["eager"][..., 0].sum()) > 0
+    torch.testing.assert_close(stats["eager"], stats["reference"], rtol=1e-5, atol=1e-7)
