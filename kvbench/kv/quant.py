@@ -87,13 +87,16 @@ def check_codes(codes: torch.Tensor, bits: int) -> None:
         )
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
     """Pack integer codes along the last dimension into bytes.
 
     Parameters
     ----------
     codes : Tensor ``[..., n]``, integer dtype, values in ``[0, 2^bits - 1]``.
     bits : 1..8 or 16.
+    check : verify the code range (default); ``False`` only for codes in range by
+        construction (:func:`quantize_groups` clamps them), saving a reduction and a host
+        sync per call on the decode path.
 
     Returns
     -------
@@ -110,7 +113,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         unpacking.
     """
     check_bits(bits)
-    check_codes(codes, bits)
+    if check:
+        check_codes(codes, bits)
     if bits == 16:
         return (codes.to(torch.int32) - 32768).to(torch.int16)
     if bits == 8:
@@ -197,8 +201,9 @@ def round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float32:
         return st
     # 2-byte (float16/bfloat16) or 1-byte (float8) storage: step to the next code upwards
+    # (an infinite or NaN ``st`` never compares below ``s >= 0``: no finiteness mask needed)
     itype = torch.int16 if dtype.itemsize == 2 else torch.int8
-    low = (st.float() < s) & torch.isfinite(st.float())
+    low = st.float() < s
     if bool(low.any()):
         bumped = (st.view(itype) + 1).view(dtype)
         st = torch.where(low, bumped, st)
@@ -237,9 +242,12 @@ def quantize_groups(
     if midpoint and bits != 1:
         raise ValueError(f"midpoint reconstruction applies to 1-bit groups only (got bits={bits})")
     xf = x.float()
-    finite = torch.isfinite(xf).all(dim=-1, keepdim=True)
-    xs = torch.where(torch.isfinite(xf), xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
-    nan = torch.full((), float("nan"), device=x.device)
+    isfin = torch.isfinite(xf)
+    if bool(isfin.all()):  # the common case: no masking, no NaN restored at the end
+        finite, xs = None, xf
+    else:
+        finite = isfin.all(dim=-1, keepdim=True)
+        xs = torch.where(isfin, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
     if symmetric:
         half = 1 << (bits - 1)
         qmax_s = half - 1
@@ -249,41 +257,61 @@ def quantize_groups(
         s = scale_st.float()
         q = torch.where(s > 0, torch.round(xs / torch.where(s > 0, s, 1.0)), 0.0)
         codes = (q.clamp(-qmax_s, qmax_s) + half).to(torch.int32)
-        scale_st = torch.where(finite, scale_st, nan.to(scale_dtype))
-        return GroupQuant(codes, scale_st, None, bits, symmetric=True)
+        return GroupQuant(codes, _restore_nan(scale_st, finite), None, bits, symmetric=True)
     qmax = (1 << bits) - 1
-    mn = xs.amin(dim=-1, keepdim=True)
-    mx = xs.amax(dim=-1, keepdim=True)
+    mn, mx = torch.aminmax(xs, dim=-1, keepdim=True)
     mn_st = mn.to(scale_dtype)
-    _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
     mnf = mn_st.float()
     # range measured from the *stored* min so that the max stays covered
     scale_st = round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
-    _check_storable(scale_st, finite, "scale", scale_dtype)
     s = scale_st.float()
-    safe = torch.where(s > 0, s, torch.ones((), device=x.device))
+    # one host sync for both overflow checks; the error names the first that fails
+    bad_mn = _unstorable(mnf, finite, scale_dtype, exact=mn)
+    if bool((bad_mn | _unstorable(s, finite, scale_dtype)).any()):
+        _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
+        _check_storable(scale_st, finite, "scale", scale_dtype)
+    pos = s > 0
     if midpoint:  # Eq. 7 [RECON]: q = 1[x - mn >= (mx - mn) / 2]
-        q = ((xs - mnf) >= 0.5 * s) & (s > 0)
+        q = ((xs - mnf) >= 0.5 * s) & pos
         q = q.float()
     else:
-        q = torch.where(s > 0, torch.round((xs - mnf) / safe), torch.zeros((), device=x.device))
+        safe = torch.where(pos, s, torch.ones((), device=x.device))
+        q = torch.where(pos, torch.round((xs - mnf) / safe), torch.zeros((), device=x.device))
     codes = q.clamp(0, qmax).to(torch.int32)
-    scale_st = torch.where(finite, scale_st, nan.to(scale_dtype))
-    mn_st = torch.where(finite, mn_st, nan.to(scale_dtype))
+    scale_st, mn_st = _restore_nan(scale_st, finite), _restore_nan(mn_st, finite)
     return GroupQuant(codes, scale_st, mn_st, bits, midpoint=midpoint)
+
+
+def _restore_nan(v: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    """``v`` with NaN where its group held a non-finite value (``finite=None``: none did)."""
+    if finite is None:
+        return v
+    return torch.where(finite, v, torch.full((), float("nan"), device=v.device).to(v.dtype))
+
+
+def _unstorable(
+    vf: torch.Tensor,
+    finite: torch.Tensor | None,
+    dtype: torch.dtype,
+    exact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool mask of the groups of finite input (``finite``; ``None``: every group) whose
+    stored value (``vf``: its float32 form) is not finite, i.e. overflowed ``dtype``."""
+    bad = ~torch.isfinite(vf)  # float8 has no isfinite of its own
+    if exact is not None and dtype.itemsize == 1:  # float8 casts saturate instead of overflowing
+        bad = bad | (exact.abs() > torch.finfo(dtype).max)
+    return bad if finite is None else finite & bad
 
 
 def _check_storable(
     v: torch.Tensor,
-    finite: torch.Tensor,
+    finite: torch.Tensor | None,
     what: str,
     dtype: torch.dtype,
     exact: torch.Tensor | None = None,
 ) -> None:
-    bad = finite & ~torch.isfinite(v.float())  # float8 has no isfinite of its own
-    if exact is not None and dtype.itemsize == 1:  # float8 casts saturate instead of overflowing
-        bad = bad | (finite & (exact.abs() > torch.finfo(dtype).max))
-    if bool(bad.any()):
+    """Raise ``ValueError`` when :func:`_unstorable` flags a group of ``v``."""
+    if bool(_unstorable(v.float(), finite, dtype, exact).any()):
         raise ValueError(
             f"the group {what} overflows scale_dtype={dtype}; "
             "use scale_dtype='float32' for inputs of this range"
