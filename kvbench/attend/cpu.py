@@ -531,14 +531,20 @@ register_block_attention(AffineBlock, AffineBlockAttention())
 
 # ------------------------------------------------------------------------------ attention
 def code_domain_reason(
-    layer_cache: Any, query: torch.Tensor, lengths: Any = None, check_mode: bool = True
+    layer_cache: Any,
+    query: torch.Tensor,
+    lengths: Any = None,
+    check_mode: bool = True,
+    common: bool = True,
 ) -> str | None:
     """Why ``layer_cache`` cannot take the CPU code-domain path for ``query`` (``None``: it
-    can): the mode, a non-CPU query, shapes that do not fit, or a block without a CPU kernel."""
+    can): the mode, a non-CPU query, shapes that do not fit, or a block without a CPU kernel.
+    ``common=False``: the caller (the registry's :func:`~kvbench.attend.registry.resolve`)
+    already ran :func:`~kvbench.attend.registry.common_reason`."""
     if check_mode and cpu_mode() == "reference":
         return f"{ENV_MODE}=reference"
     dev = getattr(getattr(query, "device", None), "type", "cpu")
-    why = common_reason(layer_cache, query, lengths)
+    why = common_reason(layer_cache, query, lengths) if common else None
     if why:
         return why
     d = layer_cache.kv_shape[2]

@@ -120,7 +120,8 @@ def install_code_domain(
     reason: Callable[..., str | None], run: Callable[..., Any], eager: Callable[..., Any]
 ) -> None:
     """Install the code-domain composition backend (done by :mod:`kvbench.attend.cpu`):
-    ``reason(layer_cache, query, lengths, check_mode=True)``, ``run(layer_cache, query, scaling,
+    ``reason(layer_cache, query, lengths, check_mode=True, common=True)`` (``common=False``:
+    :func:`common_reason` already ran), ``run(layer_cache, query, scaling,
     lengths) -> (out, path)`` and ``eager(layer_cache, query, scaling, compiled, lengths)``."""
     global _code_domain
     _code_domain = (reason, run, eager)
@@ -199,7 +200,7 @@ def resolve(layer_cache: Any, query: torch.Tensor, lengths: Any = None):
             return (lambda lc, q, s, ln, b=b: (b.run(lc, q, s, ln), b.name)), reasons
         reasons.append(f"{b.name}: {why}")
     if _code_domain is not None:
-        why = _code_domain[0](layer_cache, query, lengths)
+        why = _code_domain[0](layer_cache, query, lengths, common=False)
         if why is None:
             return _code_domain[1], reasons
         reasons.append(why)
