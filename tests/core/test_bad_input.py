@@ -77,6 +77,21 @@ def test_metadata_overflowing_scale_dtype() -> None:
     assert torch.isfinite(xh).all() and xh[0, 0].item() == -1e6
 
 
+def test_overflow_names_the_min_first_and_non_finite_groups_are_not_overflows() -> None:
+    # both checks share one host sync; the message still names the min when it overflows
+    with pytest.raises(ValueError, match=r"zero \(group min\) overflows scale_dtype"):
+        quantize_groups(torch.tensor([[-1e6, 0.0, 1.0, 2.0]]), 4)
+    # a group holding NaN is stored as NaN (its huge scale is not an overflow error); the
+    # finite group beside it is quantized as alone
+    y = torch.tensor([[float("nan"), 1e6, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0]])
+    for sym in (False, True):
+        g = quantize_groups(y, 4, symmetric=sym)
+        alone = quantize_groups(y[1:], 4, symmetric=sym)
+        assert torch.isnan(g.scale[0]).all() and torch.equal(g.scale[1:], alone.scale)
+        assert torch.equal(g.codes[1:], alone.codes)
+        assert sym or (torch.isnan(g.zero[0]).all() and torch.equal(g.zero[1:], alone.zero))
+
+
 @pytest.mark.parametrize("name", ["float64", "fp16", "float8_e4m3fn", "half", torch.float64, 16])
 def test_resolve_scale_dtype(name) -> None:
     with pytest.raises(
