@@ -336,3 +336,48 @@ def test_latency_runs_a_materialized_shape_slice(tmp_path):
     assert rec["model"]["id"] == m["model_id"] == "shape:smollm2-135m[layers=1]"
     assert m["materialized"] and m["random_weights"] and m["shape_slice"] == "first 1 of 30 layers"
     assert rec["metrics"]["decode_ms_p50"] > 0
+
+
+def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
+    """The suite's paper block, run at a short context: PN-Mix Table 5's peaks (19.80 GB FP16,
+    15.95 GB PN-Mix) beside kvbench's KV-cache bytes of the Qwen3-8B shape, the value setting
+    compared named, and what the paper's peak holds that cache bytes do not."""
+    import yaml
+
+    from kvbench.report.paper import comparison_table
+
+    raw = yaml.safe_load(open("suites/memory_shapes.yaml"))
+    block, d = raw["paper"], 260
+    for col in block["columns"]:
+        if "where" in col:
+            assert col["where"] == {"batch": None, "context": 32768}  # the paper's setting
+            col["where"] = {"batch": None, "context": d}
+    keep = {"full", "pn-mix", "kivi-2bit K+V"}
+    methods = [m for m in raw["methods"] if (m if isinstance(m, str) else m.get("label")) in keep]
+    suite = parse_suite(
+        {
+            "seed": 0,
+            "model": {"shape": "qwen3-8b", "dtype": "float16"},
+            "methods": methods,
+            "workloads": [{"type": "memory", "context": d, "appends": 4, "dtype": "float16"}],
+        }
+    )
+    recs = run_suite(suite, tmp_path, quiet=True)
+    text = comparison_table(block, recs)
+    rows = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    # FP16 cache by hand: 36 layers x K and V x 8 KV heads x d tokens x 128 x 2 bytes
+    fp16_gb = 36 * 2 * 8 * d * 128 * 2 * 1e-9
+    assert rows["FP16"] == f"| FP16 | 19.80 | {fp16_gb:.2f} | 16.00 |"
+    assert rows["PN-Mix (1), b_V = 16"].startswith("| PN-Mix (1), b_V = 16 | 15.95 | ")
+    assert rows["KIVI-2 (K and V 2-bit)"].startswith("| KIVI-2 (K and V 2-bit) |  | ")
+    assert "Song & Yoo, PN-Mix, arXiv 2610.19605, Table 5" in text
+    assert "A100-40GB" in text and "shape:qwen3-8b" in text
+    note = " ".join(text.split())
+    assert "FP16 values (b_V = 16)" in note  # the value setting compared
+    for held in ("weights", "activations", "allocator"):  # what the peak has, bytes do not
+        assert held in note
+    by = {r["manifest"].get("label") or r["method"]: r["metrics"] for r in recs}
+    # the row's method stores FP16 values (measured); the KIVI-2 row quantizes them
+    assert by["pn-mix"]["effective_value_bits"] == 16.0
+    assert by["pn-mix"]["effective_key_bits"] < 16.0
+    assert by["kivi-2bit K+V"]["effective_value_bits"] < 16.0
