@@ -5,7 +5,9 @@ Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the
 generator (``source: synthetic``, no model needed), are cast to ``dtype`` (default ``float16``,
 the paper's FP16 storage; recorded) and replayed into a fresh cache of the method: prefill
 ``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
-so the cache holds exactly d tokens at the end.  kvbench methods replay into their
+so the cache holds exactly d tokens at the end.  Each step stores its token and runs the
+deferred flush; only the last two also read the cache by ``path`` (the last is the measured
+step, the one before it warms the kernels it runs): a read changes nothing the cache holds.  kvbench methods replay into their
 :class:`~kvbench.kv.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
 (``capabilities.layer_cache=False``) into the transformers cache layer they wrap
 (``new_hf_layer().update``).
@@ -56,7 +58,9 @@ measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
 
 Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
 ``batch`` x ``context`` are drawn by :mod:`kvbench.workloads.synthetic_kv` (outlier key channels,
-the shape's RoPE) whatever ``source`` says; ``layers: all`` measures layer 0 only, and
+the shape's RoPE) whatever ``source`` says; queries are drawn for the decode steps only, and
+for the prefill only when the method needs them there (``Method.needs_queries``); ``layers:
+all`` measures layer 0 only, and
 ``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
 whose tensors would not fit the device's available memory is refused before allocating.
 """
