@@ -135,3 +135,13 @@ def test_default_suite_resolves_with_the_local_data(monkeypatch):
     local_data_dir("wikitext2/wiki.test.joined.txt")  # skips naming the file when absent
     for name in ("default", "smoke"):
         assert pf.preflight(load_suite(f"suites/{name}.yaml")) == [], name
+
+
+def test_shape_presets_resolve_offline_and_a_hub_shape_does_not():
+    # a preset is kept in the repository: nothing to fetch, even with the hub switched off
+    mem = [{"type": "memory", "context": 64}]
+    assert pf.preflight(suite(mem, model={"shape": "qwen3-8b"})) == []
+    s = suite(mem, model={"shape": "kvbench-tests/no-such-shape"})
+    (m,) = pf.preflight(s)
+    assert (m.kind, m.name) == ("model", "shape:kvbench-tests/no-such-shape")
+    assert "KVBENCH_OFFLINE" in m.reason

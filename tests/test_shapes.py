@@ -57,6 +57,9 @@ def test_shape_model_geometry_equals_published_config(name):
     assert rope == (
         LLAMA3_ROPE if name.startswith(("llama", "deepseek")) else {"rope_type": "default"}
     )
+    # the rotary module transformers built uses that RoPE
+    assert model.model.rotary_emb.rope_type == rope["rope_type"]
+    assert model.model.rotary_emb.config.rope_parameters["rope_theta"] == theta
     # model-specific attention features
     assert hasattr(attn, "q_norm") == (name == "qwen3-8b")
     assert (attn.q_proj.bias is not None) == (name == "qwen2.5-7b")
@@ -121,22 +124,71 @@ def test_same_seed_same_weights():
     assert out.shape == (1, 3, 49152) and torch.isfinite(out).all()
 
 
+# The repositories whose config.json each row of TABLE comes from (the alias has its own)
+HUB = {
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "deepseek-r1-distill-llama-8b": "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "mistral-7b-v0.3": "mistralai/Mistral-7B-Instruct-v0.3",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+# every config key that sets a shape the cache or the attention sees (token ids do not)
+SHAPE_FIELDS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+    "max_position_embeddings",
+)
+
+
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def test_presets_name_their_hub_ids():
+    for name, hub_id in HUB.items():
+        p = preset(name)
+        assert p["hub_id"] == hub_id or hub_id in p["note"], name
+        for k in SHAPE_FIELDS:
+            assert k in p["config"], (name, k)
+
+
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_presets_match_published_config_json(name):
-    from kvbench.data.hub import hub_reachable, offline_requested
+    """With the hub reachable: the preset's shape fields equal the published config.json,
+    and both equal TABLE.  Offline (or a gated repository without a token) it skips, naming
+    the hub id."""
+    from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
-    if offline_requested() or not hub_reachable():
-        pytest.skip("hub unreachable: cannot read the published config.json (offline)")
+    hub_id = HUB[name]
+    if offline_requested() or hf_offline_env() or not hub_reachable():
+        pytest.skip(f"{hub_id}: hub unreachable, its published config.json cannot be read")
     from huggingface_hub import hf_hub_download
 
-    p = preset(name)
     try:
-        published = json.loads(open(hf_hub_download(p["hub_id"], "config.json")).read())
-    except Exception as exc:  # gated repo without a token
-        pytest.skip(f"{p['hub_id']}: config.json not readable ({type(exc).__name__})")
-    for k, v in p["config"].items():
+        with open(hf_hub_download(hub_id, "config.json")) as f:
+            published = json.load(f)
+    except Exception as exc:  # gated repository without a token, rate limit
+        pytest.skip(f"{hub_id}: config.json not readable ({type(exc).__name__})")
+    cfg = preset(name)["config"]
+    for k in SHAPE_FIELDS:
+        assert cfg[k] == published[k], (hub_id, k)
+    assert _head_dim(cfg) == _head_dim(published), hub_id
+    assert cfg.get("rope_scaling") == published.get("rope_scaling"), hub_id
+    for k in ("sliding_window", "use_sliding_window", "attention_bias", "tie_word_embeddings"):
         if k in published:
-            assert published[k] == v, (name, k)
+            assert cfg.get(k) == published[k], (hub_id, k)
+    layers, hidden, hq, hkv, d, inter, vocab, theta, ctx = TABLE[name]
+    got = [published[k] for k in SHAPE_FIELDS[1:]]
+    assert got == [layers, hidden, hq, hkv, inter, vocab, theta, ctx], hub_id
+    assert _head_dim(published) == d, hub_id
 
 
 # ----------------------------------------------------------------------------- synthetic K/V
@@ -284,3 +336,48 @@ def test_latency_runs_a_materialized_shape_slice(tmp_path):
     assert rec["model"]["id"] == m["model_id"] == "shape:smollm2-135m[layers=1]"
     assert m["materialized"] and m["random_weights"] and m["shape_slice"] == "first 1 of 30 layers"
     assert rec["metrics"]["decode_ms_p50"] > 0
+
+
+def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
+    """The suite's paper block, run at a short context: PN-Mix Table 5's peaks (19.80 GB FP16,
+    15.95 GB PN-Mix) beside kvbench's KV-cache bytes of the Qwen3-8B shape, the value setting
+    compared named, and what the paper's peak holds that cache bytes do not."""
+    import yaml
+
+    from kvbench.report.paper import comparison_table
+
+    raw = yaml.safe_load(open("suites/memory_shapes.yaml"))
+    block, d = raw["paper"], 260
+    for col in block["columns"]:
+        if "where" in col:
+            assert col["where"] == {"batch": None, "context": 32768}  # the paper's setting
+            col["where"] = {"batch": None, "context": d}
+    keep = {"full", "pn-mix", "kivi-2bit K+V"}
+    methods = [m for m in raw["methods"] if (m if isinstance(m, str) else m.get("label")) in keep]
+    suite = parse_suite(
+        {
+            "seed": 0,
+            "model": {"shape": "qwen3-8b", "dtype": "float16"},
+            "methods": methods,
+            "workloads": [{"type": "memory", "context": d, "appends": 4, "dtype": "float16"}],
+        }
+    )
+    recs = run_suite(suite, tmp_path, quiet=True)
+    text = comparison_table(block, recs)
+    rows = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    # FP16 cache by hand: 36 layers x K and V x 8 KV heads x d tokens x 128 x 2 bytes
+    fp16_gb = 36 * 2 * 8 * d * 128 * 2 * 1e-9
+    assert rows["FP16"] == f"| FP16 | 19.80 | {fp16_gb:.2f} | 16.00 |"
+    assert rows["PN-Mix (1), b_V = 16"].startswith("| PN-Mix (1), b_V = 16 | 15.95 | ")
+    assert rows["KIVI-2 (K and V 2-bit)"].startswith("| KIVI-2 (K and V 2-bit) |  | ")
+    assert "Song & Yoo, PN-Mix, arXiv 2610.19605, Table 5" in text
+    assert "A100-40GB" in text and "shape:qwen3-8b" in text
+    note = " ".join(text.split())
+    assert "FP16 values (b_V = 16)" in note  # the value setting compared
+    for held in ("weights", "activations", "allocator"):  # what the peak has, bytes do not
+        assert held in note
+    by = {r["manifest"].get("label") or r["method"]: r["metrics"] for r in recs}
+    # the row's method stores FP16 values (measured); the KIVI-2 row quantizes them
+    assert by["pn-mix"]["effective_value_bits"] == 16.0
+    assert by["pn-mix"]["effective_key_bits"] < 16.0
+    assert by["kivi-2bit K+V"]["effective_value_bits"] < 16.0

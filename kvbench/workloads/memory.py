@@ -5,7 +5,9 @@ Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the
 generator (``source: synthetic``, no model needed), are cast to ``dtype`` (default ``float16``,
 the paper's FP16 storage; recorded) and replayed into a fresh cache of the method: prefill
 ``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
-so the cache holds exactly d tokens at the end.  kvbench methods replay into their
+so the cache holds exactly d tokens at the end.  Each step stores its token and runs the
+deferred flush; only the last two also read the cache by ``path`` (the last is the measured
+step, the one before it warms the kernels it runs): a read changes nothing the cache holds.  kvbench methods replay into their
 :class:`~kvbench.kv.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
 (``capabilities.layer_cache=False``) into the transformers cache layer they wrap
 (``new_hf_layer().update``).
@@ -56,7 +58,9 @@ measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
 
 Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
 ``batch`` x ``context`` are drawn by :mod:`kvbench.workloads.synthetic_kv` (outlier key channels,
-the shape's RoPE) whatever ``source`` says; ``layers: all`` measures layer 0 only, and
+the shape's RoPE) whatever ``source`` says; queries are drawn for the decode steps only, and
+for the prefill only when the method needs them there (``Method.needs_queries``); ``layers:
+all`` measures layer 0 only, and
 ``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
 whose tensors would not fit the device's available memory is refused before allocating.
 """
@@ -70,7 +74,7 @@ import torch
 
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 from kvbench.kv.method import Method
-from kvbench.workloads.metrics import LOWER, STORAGE_METRICS, key_mse
+from kvbench.workloads.metrics import LOWER, STORAGE_METRICS
 
 from . import Result, Workload
 
@@ -108,6 +112,18 @@ def synthetic_qkv(
         q = x[:, 2 * hkv :]
         out.append((q.contiguous(), k.contiguous(), v.contiguous()))
     return out
+
+
+def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean squared error of ``got`` vs ``ref`` (both ``[B, H, T, D]``) in float64, as
+    :func:`kvbench.workloads.metrics.key_mse`, one (row, head) at a time so the float64
+    working memory stays one head's (32 MiB at 32K x 128) rather than the whole tensor's."""
+    total = 0.0
+    for b in range(ref.shape[0]):
+        for h in range(ref.shape[1]):
+            diff = ref[b, h].double() - got[b, h].double()
+            total += float(diff.square().sum())
+    return total / max(ref.numel(), 1)
 
 
 def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
@@ -198,6 +214,14 @@ class Replay:
             self.layer.update(k, v)
         else:
             self.layer.prefill(k, v, queries=q)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode token stored and flushed as ``step`` does, without the step's read."""
+        if self.peer:
+            self.layer.update(k, v)
+        else:
+            self.layer.append(k, v)
+            self.layer.end_step()
 
     def step(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> None:
         if self.peer:
@@ -311,8 +335,9 @@ class Memory(Workload):
             self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
             self.qkv, self.layer_ids, self.info = shape_inputs(
                 ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
-                DTYPES[s["dtype"]], self.device, ctx.seed,
+                DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=s["appends"],
             )  # fmt: skip
+            self.config, self.seed = ctx.model.config, ctx.seed
             ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
             return
         if s.get("batch", 1) != 1:
@@ -383,11 +408,16 @@ class Memory(Workload):
         caches, peaks, peak_how, cuda_peak = [], [], "", 0
         for idx, (q, k, v) in zip(self.layer_ids, inputs):
             r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev, path=s["path"])
-            r.prefill(k[:, :, :p], v[:, :, :p], q[:, :, :p])
+            q0 = d - q.shape[2]  # a shape model's queries start at the decode steps
+            r.prefill(k[:, :, :p], v[:, :, :p], self._prefill_queries(method, idx, q, p, r))
             for t in range(p, d - 1):
-                r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t : t + 1])
+                kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
+                if t == d - 2:  # the step before the measured one reads too (warms kernels)
+                    r.step(kt, vt, q[:, :, t - q0 : t - q0 + 1])
+                else:  # earlier steps: store and flush, no read (nothing at rest changes)
+                    r.store(kt, vt)
             t = d - 1
-            kt, vt, qt = k[:, :, t:].clone(), v[:, :, t:].clone(), q[:, :, t:].clone()
+            kt, vt, qt = k[:, :, t:].clone(), v[:, :, t:].clone(), q[:, :, t - q0 :].clone()
             if cuda:  # the allocator's peak so far, before transient_peak resets it
                 cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
             peak, peak_how = transient_peak(
@@ -434,6 +464,20 @@ class Memory(Workload):
             )
         return Result(metrics, per_layer, info)
 
+    def _prefill_queries(self, method: Method, idx: int, q, p: int, r: Replay):
+        """The prefill's post-RoPE queries ``[B, H_q, p, D]``: captured/synthetic ones as held;
+        for a shape model (queries held for the decode steps only) drawn by
+        :func:`~kvbench.workloads.synthetic_kv.synthetic_queries` for a method that needs
+        them at prefill, else ``None``."""
+        if q.shape[2] >= self.spec["context"]:
+            return q[:, :, :p]
+        if r.peer or not method.needs_queries:
+            return None
+        from kvbench.workloads.synthetic_kv import synthetic_queries
+
+        b = q.shape[0]
+        return synthetic_queries(self.config, 0, p, b, self.seed, idx, q.dtype, q.device)
+
     def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
         by: dict[tuple[str, str], int] = {}
         for c in caches:
@@ -471,7 +515,7 @@ class Memory(Workload):
             got = c.read()
             if got is None:
                 return {}
-            ks.append(key_mse(k, got[0])[0])
-            vs.append(key_mse(v, got[1])[0])
+            ks.append(chunked_mse(k, got[0]))
+            vs.append(chunked_mse(v, got[1]))
         out = {"key_mse": sum(ks) / len(ks), "value_mse": sum(vs) / len(vs)}
         return {k: v for k, v in out.items() if math.isfinite(v)}

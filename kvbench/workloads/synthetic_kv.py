@@ -93,6 +93,61 @@ def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
         )
 
 
+def _base_seed(seed: int, layer: int, batch: int) -> int:
+    return (seed * 1_000_003 + layer) * 1009 + batch
+
+
+def _chunk_rope(freq: torch.Tensor, c0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(c0, c0 + CHUNK, dtype=torch.float64)[:n]
+    ang = (pos[:, None] * freq.double()[None, :]).float()
+    return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+
+def _chunk_seed(base: int, c0: int) -> int:
+    return (base * 7919 + c0 // CHUNK) * 2  # K/V: this seed; queries: this seed + 1
+
+
+def _geometry(config: Any) -> tuple[Any, int, int, int]:
+    cfg = getattr(config, "text_config", None) or config
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return cfg, hq, hkv, d
+
+
+def _query_chunk(base: int, c0: int, n: int, batch: int, hq: int, d: int, cos, sin):
+    gq = torch.Generator().manual_seed(_chunk_seed(base, c0) + 1)
+    zq = torch.randn(batch, hq, CHUNK, d, generator=gq)[:, :, :n]
+    return _rope(zq, cos, sin)
+
+
+def synthetic_queries(
+    config: Any,
+    start: int,
+    stop: int,
+    batch: int = 1,
+    seed: int = 0,
+    layer: int = 0,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Post-RoPE queries ``[B, H_q, stop - start, D]`` of positions ``start..stop-1``: the same
+    values as ``synthetic_qkv(...)[0][:, :, start:stop]`` (one generator per chunk of
+    :data:`CHUNK` tokens), drawn without the K/V or the earlier chunks.  Raises
+    ``ValueError`` unless ``0 <= start < stop``."""
+    cfg, hq, _, d = _geometry(config)
+    if not 0 <= start < stop:
+        raise ValueError(f"need 0 <= start < stop, got start={start}, stop={stop}")
+    base, freq = _base_seed(seed, layer, batch), inv_freq(cfg)
+    out = torch.empty(batch, hq, stop - start, d, dtype=dtype, device=device)
+    for c0 in range(start - start % CHUNK, stop, CHUNK):
+        n = min(CHUNK, stop - c0)
+        lo = max(start - c0, 0)
+        q = _query_chunk(base, c0, n, batch, hq, d, *_chunk_rope(freq, c0, n))
+        out[:, :, c0 + lo - start : c0 + n - start] = q[:, :, lo:].to(device, dtype)
+    return out
+
+
 def synthetic_qkv(
     config: Any,
     tokens: int,
@@ -109,16 +164,14 @@ def synthetic_qkv(
     ``dtype`` on ``device`` for the attention geometry of ``config`` (see the module docstring
     for the distribution).  Raises ``ValueError`` for ``outlier_pairs`` outside
     ``[0, D/4]`` or non-positive sizes.  ``queries=False`` returns ``None`` for q (K/V are
-    the same either way: queries come from their own generator)."""
-    cfg = getattr(config, "text_config", None) or config
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    the same either way: queries come from their own generator; :func:`synthetic_queries`
+    draws a range of them alone)."""
+    cfg, hq, hkv, d = _geometry(config)
     if tokens < 1 or batch < 1:
         raise ValueError(f"tokens={tokens} and batch={batch} must be >= 1")
     if not 0 <= outlier_pairs <= d // 4:
         raise ValueError(f"outlier_pairs={outlier_pairs} must be in [0, {d // 4}] (head_dim {d})")
-    base = (seed * 1_000_003 + layer) * 1009 + batch
+    base = _base_seed(seed, layer, batch)
     g = torch.Generator().manual_seed(base)
     half = d // 2
     mu = 0.5 * torch.randn(hkv, d, generator=g)
@@ -135,20 +188,15 @@ def synthetic_qkv(
     out = [torch.empty(batch, n, tokens, d, dtype=dtype, device=device) for n in heads]
     for c0 in range(0, tokens, CHUNK):
         n = min(CHUNK, tokens - c0)
-        pos = torch.arange(c0, c0 + CHUNK, dtype=torch.float64)[:n]
-        ang = (pos[:, None] * freq.double()[None, :]).float()
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        seed_c = (base * 7919 + c0 // CHUNK) * 2  # K/V and queries: separate generators
-        gkv = torch.Generator().manual_seed(seed_c)
+        cos, sin = _chunk_rope(freq, c0, n)
+        gkv = torch.Generator().manual_seed(_chunk_seed(base, c0))
         z = torch.randn(batch, 2 * hkv, CHUNK, d, generator=gkv)[:, :, :n]
         parts = [
             _rope(mu[None, :, None] + s_k[None, :, None] * z[:, :hkv], cos, sin),
             s_v[None, :, None] * z[:, hkv:],
         ]
         if queries:
-            gq = torch.Generator().manual_seed(seed_c + 1)
-            zq = torch.randn(batch, hq, CHUNK, d, generator=gq)[:, :, :n]
-            parts.insert(0, _rope(zq, cos, sin))
+            parts.insert(0, _query_chunk(base, c0, n, batch, hq, d, cos, sin))
         for dst, src in zip(out, parts):
             dst[:, :, c0 : c0 + n] = src.to(device, dtype)
     return (out[0], out[1], out[2]) if queries else (None, out[0], out[1])
@@ -186,9 +234,13 @@ def shape_inputs(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int,
+    query_tokens: int | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int], dict[str, Any]]:
     """The memory workload's inputs for a shape model: per measured layer ``(q, k, v)`` of
     :func:`synthetic_qkv` at ``batch`` x ``context``, the layer ids, and the manifest info.
+    ``query_tokens``: draw queries only for the last that many positions (``q`` is then
+    ``[B, H_q, query_tokens, D]``; :func:`synthetic_queries` draws the earlier ones when a
+    method needs them at prefill); default all ``context``.
 
     ``layers``: ``"all"`` measures layer 0 only (every layer of these models has one shape, so
     the model's total is ``num_hidden_layers`` x that layer's bytes; see :func:`extrapolate`),
@@ -203,6 +255,7 @@ def shape_inputs(
         The estimate exceeds the available memory (nothing has been allocated).
     """
     cfg = getattr(config, "text_config", None) or config
+    query_tokens = context if query_tokens is None else query_tokens
     full = model_info.get("shape_num_hidden_layers") or cfg.num_hidden_layers
     name = model_info.get("model_id", "the shape")
     max_pos = model_info.get("max_position_embeddings") or 1 << 30
@@ -215,10 +268,16 @@ def shape_inputs(
     hq, hkv, d = (model_info[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
     el = torch.empty((), dtype=dtype).element_size()
     side = batch * hkv * context * d * el  # one side (K or V) of one layer in dtype
+    # inputs (K/V, and the prefill queries a method may ask for), one layer's cache (<= K/V),
+    # the quantizer's float32 working copy of a side, the read-back K/V (<= float32)
     need = len(ids) * (qkv_nbytes(batch, hq, hkv, context, d, dtype) + 2 * side)
-    need += 2 * side * 4 // el + 3 * side * 8 // el  # read-back (<= float32), float64 error
+    need += 2 * side * 4 // el + 2 * side * 4 // el
     check_fits(need, device, f"memory run of {name} at batch {batch} x context {context} ({dtype})")
-    qkv = [synthetic_qkv(cfg, context, batch, seed, i, dtype, device) for i in ids]
+    start = max(context - query_tokens, 0)
+    qkv = []
+    for i in ids:
+        _, k, v = synthetic_qkv(cfg, context, batch, seed, i, dtype, device, queries=False)
+        qkv.append((synthetic_queries(cfg, start, context, batch, seed, i, dtype, device), k, v))
     info = {
         "kv_source": "synthetic K/V of the model shape (kvbench.workloads.synthetic_kv)",
         "kv_distribution": f"keys: per-channel offset and lognormal scale, {OUTLIER_PAIRS} "
@@ -230,6 +289,8 @@ def shape_inputs(
         "layers_measured": ids,
         "num_hidden_layers": full,
         "memory_estimate_bytes": need,
+        "queries_drawn": f"last {min(query_tokens, context)} positions; the prefill's only "
+        "for methods that need queries at prefill (Method.needs_queries)",
     }
     return qkv, ids, info
 
