@@ -26,7 +26,7 @@ def _caps(caps: dict[str, bool]) -> str:
     return ",".join(
         k
         for k, v in caps.items()
-        if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values", "layer_cache")
+        if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values", "layer_cache", "padding")
     )
 
 
@@ -42,6 +42,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         caps = _caps(r["capabilities"])
         if r["capabilities"] and not r["capabilities"].get("layer_cache", True):
             caps = ",".join(filter(None, [caps, "transformers-cache"]))
+        if r["capabilities"] and not r["capabilities"].get("padding", True):
+            caps = ",".join(filter(None, [caps, "no-padding"]))
         caps = f"  [{caps}]" if caps else ""
         print(f"{r['name']:<{width}}  {r['distribution']:<{dwidth}}  {desc}{caps}")
     return 0

@@ -155,7 +155,9 @@ class HFPeer(Method):
     :meth:`unavailable_reason` (a missing optional package).
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(layer_cache=False)
+    #: padding=False: kvbench does not check how a transformers cache treats pads (quantized
+    #: peers put them into their statistics)
+    capabilities: ClassVar[Capabilities] = Capabilities(layer_cache=False, padding=False)
     #: the pip requirement that provides the backend (``None``: transformers alone)
     requirement: ClassVar[str | None] = None
 

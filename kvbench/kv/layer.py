@@ -21,17 +21,23 @@ reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores token
 attention they receive (SemKV) sets ``observes_attention`` and implements
 :meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
 (code-domain, reference) calls it; whole-cache fused backends decline.
+
+Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
+one single-row cache per sequence (:mod:`kvbench.kv.ragged`, docs/design.md#padding), so that a
+row's codes never depend on its padding.  Every public operation then dispatches to those rows,
+also the overrides of a subclass (``__init_subclass__`` wraps them).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from kvbench.kv import finite
+from kvbench.kv import finite, ragged
 from kvbench.kv.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.kv.schedule import NeverSchedule
 
@@ -51,6 +57,51 @@ def _len(t: torch.Tensor | Block | None) -> int:
     if t is None:
         return 0
     return t.ntokens if not isinstance(t, torch.Tensor) else t.shape[2]
+
+
+#: public operations that a padded layer (one cache per row) dispatches to :mod:`kvbench.kv.ragged`
+ROW_DISPATCH = (
+    "provide_queries",
+    "append",
+    "end_step",
+    "keys_values",
+    "attend",
+    "crop",
+    "index_batch",
+    "quantized_tokens",
+    "tensors",
+)
+
+
+def _row_dispatch(fn: Callable[..., object]) -> Callable[..., object]:
+    """Run ``fn``, or its :mod:`kvbench.kv.ragged` counterpart once the layer holds rows."""
+    alt = getattr(ragged, fn.__name__)
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self.__dict__.get("_rows") is not None:
+            return alt(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    wrapper._row_dispatch = True
+    return wrapper
+
+
+def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
+    """``prefill(keys, values, queries=None, lengths=None)``: with ``lengths`` the padded path."""
+
+    @functools.wraps(fn)
+    def wrapper(self, keys, values, queries=None, lengths=None):
+        if lengths is None:
+            return fn(self, keys, values, queries)
+        self._check(keys, values)
+        if self.seq_length:
+            raise ValueError("prefill() needs an empty cache; use append() for later tokens")
+        n = ragged.check_lengths(lengths, keys.shape[0], keys.shape[2])
+        return ragged.prefill(self, keys, values, queries, n)
+
+    wrapper._row_dispatch = True
+    return wrapper
 
 
 @dataclass
@@ -124,6 +175,16 @@ class LayerCache:
     observes_attention: ClassVar[bool] = False
     _attention: ClassVar[Callable[..., torch.Tensor] | None] = None
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ROW_DISPATCH:  # a subclass's overrides dispatch to the rows too
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_row_dispatch", False):
+                setattr(cls, name, _row_dispatch(fn))
+        fn = cls.__dict__.get("prefill")
+        if callable(fn) and not getattr(fn, "_row_dispatch", False):
+            cls.prefill = _padded_prefill(fn)
+
     @classmethod
     def install_attention(cls, fn: Callable[..., torch.Tensor]) -> None:
         """Install the attention dispatch ``fn(layer_cache, query, scaling, lengths)`` that
@@ -150,6 +211,8 @@ class LayerCache:
         self.dtype: torch.dtype | None = None
         self._bhd: tuple[int, int, int] | None = None
         self._hd = (num_kv_heads, head_dim)
+        self._rows: list[LayerCache] | None = None  # a padded batch: one cache per row
+        self._pads: list[int] = []
 
     # ---------------------------------------------------------------- inputs
     def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -191,17 +254,27 @@ class LayerCache:
         return keys[:, :, n:], values[:, :, n:]
 
     # ---------------------------------------------------------------- operations
+    @_padded_prefill
     def prefill(
-        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> None:
         """Store the prompt ``[B, H_kv, P, D]`` and quantize what the schedules say.
 
         ``queries``: post-RoPE ``[B, H_q, P, D]``, needed by methods with ``needs_queries``.
+        ``lengths``: optional int ``[B]`` for a left-padded batch: row ``b``'s real tokens are
+        its last ``lengths[b]`` positions; the pads are dropped and each row is cached alone
+        (:mod:`kvbench.kv.ragged`, docs/design.md#padding), so its codes are those of the row
+        run alone.  Later :meth:`append` tokens are real for every row.
 
         Raises
         ------
         ValueError
-            On bad shapes/dtypes, or a prefill into a non-empty cache.
+            On bad shapes/dtypes, a prefill into a non-empty cache, or ``lengths`` that are not
+            ``B`` integers in ``[1, P]`` (the message names the row).
         """
         self._check(keys, values)
         finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.kv.finite)
@@ -215,6 +288,7 @@ class LayerCache:
             return
         self._finish_prefill(keys, queries)
 
+    @_row_dispatch
     def provide_queries(self, queries: torch.Tensor) -> None:
         """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
         if not self._awaiting_queries:
@@ -230,6 +304,7 @@ class LayerCache:
                     side.codec.prepare(x, queries)
                 side.flush(side.schedule.prefill_count(_len(side.residual)))
 
+    @_row_dispatch
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
         :meth:`end_step`."""
@@ -253,6 +328,7 @@ class LayerCache:
         self.v.residual = own_storage(_cat(self.v.residual, v))
         self._pending = True
 
+    @_row_dispatch
     def end_step(self) -> None:
         """Run the flush deferred by the last :meth:`append` (idempotent)."""
         if not self._pending:
@@ -261,6 +337,7 @@ class LayerCache:
         for side in (self.k, self.v):
             side.flush(side.schedule.flush_count(_len(side.residual)))
 
+    @_row_dispatch
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual)."""
         if not self.seq_length:
@@ -268,6 +345,7 @@ class LayerCache:
         dt = dtype or self.dtype
         return self.k.read(dt), self.v.read(dt)
 
+    @_row_dispatch
     def attend(
         self,
         query: torch.Tensor,
@@ -304,17 +382,38 @@ class LayerCache:
     @property
     def awaiting_queries(self) -> bool:
         """A prefill is waiting for its post-RoPE queries (:meth:`provide_queries`)."""
+        if self._rows is not None:
+            return any(r.awaiting_queries for r in self._rows)
         return self._awaiting_queries
 
     @property
     def seq_length(self) -> int:
-        """Tokens held (sinks + quantized + residual)."""
+        """Tokens held (sinks + quantized + residual); a padded batch: the padded length."""
+        if self._rows is not None:
+            return ragged.seq_length(self)
         return len(self.k)
 
+    @property
+    def row_lengths(self) -> list[int] | None:
+        """Real tokens per row of a padded batch (``prefill(..., lengths=...)``), else ``None``."""
+        return None if self._rows is None else ragged.lengths(self)
+
+    @property
+    def rows(self) -> list[LayerCache] | None:
+        """A padded batch's single-row caches (read them, e.g. to compare codes), else ``None``."""
+        return None if self._rows is None else list(self._rows)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Pad positions of a padded batch (never stored; 0 otherwise)."""
+        return sum(self._pads) if self._rows is not None else 0
+
+    @_row_dispatch
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) tokens currently held in quantized form."""
         return _len(self.k.block), _len(self.v.block)
 
+    @_row_dispatch
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
         n = self.seq_length + max_length if max_length < 0 else max_length
@@ -329,6 +428,7 @@ class LayerCache:
                 r = m - nb
                 side.residual = own_storage(side.residual[:, :, :r]) if r > 0 else None
 
+    @_row_dispatch
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -355,12 +455,14 @@ class LayerCache:
 
     def reset(self) -> None:
         """Drop every stored token (codecs keep their configuration)."""
+        self._rows, self._pads = None, []
         for side in (self.k, self.v):
             side.sinks = side.block = side.residual = None
         self._pending = self._awaiting_queries = False
         self._bhd = None
 
     # ---------------------------------------------------------------- accounting
+    @_row_dispatch
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
         return [

@@ -43,6 +43,9 @@ class Capabilities:
     #: cache (:mod:`kvbench.hf.peers`), which run only in workloads that accept
     #: ``make_hf_cache`` (memory, latency)
     layer_cache: bool = True
+    #: a left-padded batch (prompts of different lengths) gives each row the results of that row
+    #: run alone (docs/design.md#padding); False: padded batches are refused, naming the method
+    padding: bool = True
 
     def to_dict(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
@@ -67,6 +70,18 @@ class MethodConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def require_padding(method: Any) -> None:
+    """Raise ``ValueError`` naming ``method`` unless its ``capabilities.padding`` is True (a
+    padded batch would give its rows results that depend on their padding)."""
+    if not method.capabilities.padding:
+        name = getattr(method, "name", "") or type(method).__name__
+        raise ValueError(
+            f"method {name!r} does not support padded batches (capabilities.padding=False): "
+            "run prompts of different lengths one at a time (batch_size: 1), or batch only "
+            "prompts of equal length"
+        )
 
 
 def check_int(value: Any, name: str, low: int = 0) -> None:
