@@ -30,7 +30,7 @@ from transformers import (
 )
 
 import kvbench
-from kvbench.hf.attention import PaddedBatchError, use_kvbench_attention
+from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.hf.capture import capture_qkv
 from kvbench.kv.blocks import PerChannelCodec
@@ -276,21 +276,16 @@ def test_batch_of_two_equal_length_prompts():
         )
 
 
-def test_left_padding_is_refused():
+def test_left_padding_with_a_stock_cache_is_plain_sdpa():
+    """Padded batches through kvbench caches: tests/test_padded_batch.py.  Without a kvbench
+    cache the kvbench attention function is transformers' sdpa, mask included."""
     m = model()
     ids = prompt(batch=2)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding of the first row
-    cache = QuantizedKVCache("kivi", m, method_config=KIVI2)
-    with pytest.raises(PaddedBatchError, match="padded"):
-        m.generate(
-            ids, attention_mask=mask, max_new_tokens=3, do_sample=False, **cache_kwarg(cache, m)
-        )
-    with pytest.raises(ValueError, match="padded"):
-        m(input_ids=ids, attention_mask=mask, **cache_kwarg(QuantizedKVCache("full", m), m))
-    # the refusal belongs to kvbench caches: stock DynamicCache + kvbench attention still runs
     out = m.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert out.shape == (2, PROMPT_LEN + 3)
+    ref = model(attn="sdpa").generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, ref)
 
 
 def test_reset_gives_a_fresh_cache():

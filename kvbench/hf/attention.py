@@ -11,7 +11,8 @@ the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context v
 2. :func:`kvbench_attention_forward` runs next for the same layer.  When the binding matches
    (same ``module.layer_idx`` *and* the very key tensor ``update`` returned) it
 
-   * refuses a padded batch (docs/design.md#padding: refused clearly, never mixed);
+   * refuses a padded batch that reached a cache not prefilled with its per-row lengths
+     (docs/design.md#padding: each left-padded row is cached alone, never mixed);
    * at prefill hands the post-RoPE queries ``[B, H_q, P, D]`` to the layer cache
      (``provide_queries``; a no-op for methods without ``needs_queries``);
    * computes attention by delegating to transformers' own
@@ -26,8 +27,9 @@ A *capture* hook (:func:`capturing`, used by :mod:`kvbench.hf.capture`) sees eve
 Q, K, V.  No model forward is copied or patched: the model selects this function by name.
 
 The mask function registered under the same name is transformers' ``sdpa_mask`` (so masks are
-those of the ``"sdpa"`` path); it only tags masks that contain padding, which the attention
-function then refuses when a kvbench cache is active.  A custom 4D mask passed by the caller is
+those of the ``"sdpa"`` path); it also records the forward's 2-D mask
+(:mod:`kvbench.hf.padding`), from which ``QuantizedKVCache.update`` derives per-row lengths of a
+left-padded batch, and tags masks that contain padding.  A custom 4D mask passed by the caller is
 not inspected.
 """
 
@@ -44,13 +46,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvbench.hf import padding
+from kvbench.hf.padding import PaddedBatchError
+
 #: the name to pass as ``attn_implementation``
 ATTN_IMPLEMENTATION = "kvbench"
 _PADDED_ATTR = "_kvbench_padded"
-
-
-class PaddedBatchError(ValueError):
-    """A batch with padding (an ``attention_mask`` with zeros) reached a kvbench cache."""
 
 
 @dataclass
@@ -105,11 +106,13 @@ def has_padding(attention_mask: torch.Tensor | None) -> bool:
 def kvbench_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' ``sdpa_mask`` (same arguments, same result), tagging padded masks.
 
-    The 2D ``attention_mask`` argument (``[B, kv_len]``, True = real token) with any False
-    entry marks the returned 4D mask, so :func:`kvbench_attention_forward` can refuse it.
+    The 2D ``attention_mask`` argument (``[B, kv_len]``, True = real token) is recorded for
+    the cache (:func:`kvbench.hf.padding.record`); with any False entry it marks the returned 4D
+    mask, so :func:`kvbench_attention_forward` can check that the cache knows the padding.
     """
     mask = sdpa_mask(*args, **kwargs)
     pad = kwargs.get("attention_mask")
+    padding.record(pad)
     if (
         isinstance(mask, torch.Tensor)
         and isinstance(pad, torch.Tensor)
@@ -147,7 +150,8 @@ def kvbench_attention_forward(
     Raises
     ------
     PaddedBatchError
-        The batch is padded and a kvbench cache is active (docs/design.md#padding).
+        The batch is padded but the kvbench cache was not prefilled with its per-row lengths
+        (docs/design.md#padding).
     ValueError
         ``dropout > 0`` on the ``attend`` path (it has no dropout; use ``model.eval()``).
     """
@@ -163,14 +167,20 @@ def kvbench_attention_forward(
     _STEP.set(None)  # one attention call per update; drop the references
     if step.on_consumed is not None:
         step.on_consumed()
-    if has_padding(attention_mask):
-        raise PaddedBatchError(
-            "kvbench caches refuse padded batches (the attention_mask has zeros): quantization "
-            "statistics, sinks and selections would mix padding with real tokens (docs/design.md#protocols "
-            "'Padding'). Run sequences of different lengths one at a time, or batch only "
-            "prompts of equal length without padding."
-        )
     lc = step.layer_cache
+    if has_padding(attention_mask) and getattr(lc, "row_lengths", None) is None:
+        raise PaddedBatchError(
+            f"layer {layer_idx}: the attention_mask has padding but the kvbench cache was not "
+            "prefilled with per-row lengths (statistics, sinks and selections would mix pads "
+            "with real tokens; docs/design.md#padding). Pass the 2-D attention_mask with left "
+            "padding from the first forward on."
+        )
+    if getattr(lc, "row_lengths", None) is not None and not has_padding(attention_mask):
+        raise PaddedBatchError(
+            f"layer {layer_idx}: the kvbench cache holds a left-padded batch but this step's "
+            "mask has no padding (a mask recorded by another forward?); pass the batch's 2-D "
+            "attention_mask at every step"
+        )
     if step.prefill:
         provide = getattr(lc, "provide_queries", None)
         if provide is not None:

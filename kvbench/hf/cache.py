@@ -7,6 +7,13 @@ dtype, device)`` on its first ``update``.  Usable as ``model(..., **cache_kwarg(
 ``model.generate(..., **cache_kwarg(cache))`` with transformers 5.17 (``past_key_values=``)
 and 5.24 (``cache=``).
 
+Padded batches (docs/design.md#padding): with ``attn_implementation="kvbench"`` the first
+``update`` reads the forward's 2-D ``attention_mask`` (:mod:`kvbench.hf.padding`); a left-padded
+batch is prefilled with per-row lengths, so each row is cached as if alone.  Every decode step's
+mask is checked against it; masks that are not left padding, rows without real tokens, and
+methods without ``capabilities.padding`` raise :class:`~kvbench.hf.padding.PaddedBatchError`
+naming the row or the method.
+
 Update protocol (docs/design.md#protocols):
 
 * the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)`` and the
@@ -18,7 +25,7 @@ Update protocol (docs/design.md#protocols):
 
 Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
 :func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
-``needs_queries`` get their post-RoPE prefill queries and how padded batches are refused.
+``needs_queries`` get their post-RoPE prefill queries and how padded batches are detected.
 Without it the cache still works for methods that need no queries, with the flush at the next
 step and no padding check (a warning says so once).
 """
@@ -33,8 +40,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
-from kvbench.kv.method import Method
+from kvbench.kv.method import Method, require_padding
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -131,10 +139,23 @@ class KVBenchLayer(CacheLayerMixin):
             self.owner._attention_not_bound(self.layer_idx)
         prefill = lc.seq_length == 0
         attend = self.owner.attend and not prefill
+        b, _, n, _ = key_states.shape
+        mask = padding.current(b, lc.seq_length + n)
         if prefill:
-            lc.prefill(key_states, value_states)
+            lengths = None
+            if mask is not None:
+                lengths = padding.prefill_lengths(mask)
+                try:
+                    require_padding(self.owner.method)
+                except ValueError as e:
+                    raise padding.PaddedBatchError(str(e)) from None
+            lc.prefill(key_states, value_states, lengths=lengths)
             keys, values = key_states, value_states
         else:
+            held = lc.seq_length
+            rows = getattr(lc, "row_lengths", None)
+            pads = [0] * b if rows is None else [held - r for r in rows]
+            padding.check_decode(mask, pads, held, n)
             if getattr(lc, "awaiting_queries", False):
                 raise ValueError(
                     f"method {self.owner.method_name!r} needs post-RoPE queries at prefill "

@@ -15,8 +15,8 @@ are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
   tokens at a time (default 1: exact decode), each step attending to the cache's quantized past
   (as the ``perplexity`` workload does).  Every scored position therefore reads the quantized
   context once the context is longer than the method's full-precision residual.
-* batches: one request at a time (``batch_size=1``); larger batches are refused because kvbench
-  caches refuse padding (``docs/docs/design.md`` "Padding").
+* batches: one request at a time (``batch_size=1``); larger batches are refused: kvbench caches
+  take left-padded batches only (docs/design.md#padding) and this backend does not batch yet.
 
 Model arguments (``--model_args k=v,...`` or keywords): ``pretrained`` (Hugging Face id, local
 folder, ``default`` = HuggingFaceTB/SmolLM2-135M-Instruct, or a loaded model with
@@ -191,8 +191,8 @@ class KVBenchLM(HFLM):
         if str(batch_size) != "1":
             raise ValueError(
                 f"batch_size={batch_size!r}: the kvbench backend runs one request at a time "
-                "(batch_size=1). Padded batches would mix padding into quantization statistics, "
-                "so kvbench caches refuse them; batched evaluation is not supported yet"
+                "(batch_size=1); batched evaluation is not supported by this backend yet "
+                "(kvbench caches take left-padded batches, docs/design.md#padding)"
             )
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")

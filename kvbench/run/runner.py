@@ -53,7 +53,7 @@ def _load_model(
     spec: dict[str, Any], seed: int = 0, materialize: bool = True
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Load with kvbench's registered attention function (sdpa numerics; it hands post-RoPE
-    queries to methods that need them and refuses padded batches).  A shape model
+    queries to methods that need them and gives left-padded batches per-row lengths).  A shape model
     (``spec['shape']``) is built by :func:`kvbench.hf.shapes.build_shape_model` with weight seed
     ``seed``, on the meta device unless ``materialize``."""
     from kvbench.hf.attention import register

@@ -1,0 +1,205 @@
+"""Left-padded batches through the transformers bridge (kvbench.hf.padding, docs/design.md#padding).
+
+The right value of each row of a padded batch is that prompt generated alone (stock
+transformers computes the same positions from the mask).  A tiny seeded random Llama (GQA:
+4 query heads, 2 KV heads, 2 layers, head_dim 32 so that llama.cpp blocks of 32 channels fit),
+small groups and residuals so that every method quantizes within the few tokens generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvbench
+from kvbench.hf.attention import use_kvbench_attention
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+from kvbench.hf.padding import PaddedBatchError
+from kvbench.kv.method import Capabilities
+from kvbench.kv.registry import get_method, get_method_class
+
+LENS = [9, 4, 7]
+NEW = 8
+PAD_ID = 0
+SMALL = {"group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bits": 2, "bits": 2}
+METHODS = ["full", "kivi", "per-token", "pn-mix", "int4-block", "fp8"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def toy() -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=128,
+        intermediate_size=128,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(0)
+    return use_kvbench_attention(LlamaForCausalLM(cfg).eval())
+
+
+def method(name: str):
+    fields = {f.name for f in dataclasses.fields(get_method_class(name).Config)}
+    cfg = {k: v for k, v in SMALL.items() if k in fields}
+    return get_method(name, **cfg)
+
+
+def prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 128, (n,), generator=g) for n in LENS]
+
+
+def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    p = max(len(r) for r in rows)
+    ids = torch.full((len(rows), p), PAD_ID)
+    mask = torch.zeros(len(rows), p, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, p - len(r) :], mask[b, p - len(r) :] = r, 1
+    return ids, mask
+
+
+def generate(m, ids, mask, cache):
+    with torch.no_grad():
+        return m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **cache_kwarg(cache, m),
+        )
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor, logits) -> str:
+    """Where two greedy continuations part, with the reference's top-2 logit margin there."""
+    i = int((a != b).int().argmax())
+    top = logits[i].topk(2).values
+    return f"first divergence at step {i}: margin {float(top[0] - top[1]):.3g}"
+
+
+@pytest.mark.parametrize("attend", [False, True], ids=["sdpa", "attend"])
+@pytest.mark.parametrize("name", METHODS)
+def test_padded_generation_equals_each_prompt_alone(name, attend):
+    m = toy()
+    rows = prompts()
+    ids, mask = left_pad(rows)
+    cache = QuantizedKVCache(method(name), m, attend=attend)
+    batch = generate(m, ids, mask, cache)
+    lc = cache.layer_caches()[0]
+    assert lc.row_lengths == [n + NEW - 1 for n in LENS]  # the last token is not cached yet
+    stored = 0
+    for b, r in enumerate(rows):
+        alone_cache = QuantizedKVCache(method(name), m, attend=attend)
+        alone = generate(m, r.view(1, -1), torch.ones(1, len(r), dtype=torch.long), alone_cache)
+        got, want = batch.sequences[b, max(LENS) :], alone.sequences[0, len(r) :]
+        ref_logits = [x[0] for x in alone.logits]
+        assert torch.equal(got, want), first_divergence(got, want, ref_logits)
+        diff = max((x[b] - y).abs().max().item() for x, y in zip(batch.logits, ref_logits))
+        assert diff <= 1e-5, (name, b, diff)  # float32 noise; pads in the stats: ~1e-4
+        # the codes stored for the row are the row alone's (float noise of the batched
+        # projections aside, which here leaves every code unchanged)
+        for lb, la in zip(cache.layer_caches(), alone_cache.layer_caches()):
+            for (s, c, x), (_, _, y) in zip(lb.rows[b].tensors(), la.tensors()):
+                if c == "codes":
+                    assert torch.equal(x, y), (name, b, s)
+        stored += alone_cache.nbytes()["total"]
+    assert cache.nbytes()["total"] == stored  # pads are not stored
+    if name != "full":
+        assert cache.quantized_tokens(0)[0] > 0
+
+
+def test_beam_search_reorders_padded_rows():
+    m = toy()
+    ids, mask = left_pad(prompts())
+    cache = QuantizedKVCache(method("kivi"), m)
+    with torch.no_grad():
+        out = m.generate(
+            ids, attention_mask=mask, max_new_tokens=5, num_beams=2, do_sample=False,
+            **cache_kwarg(cache, m),
+        )  # fmt: skip
+    for b, r in enumerate(prompts()):
+        with torch.no_grad():
+            one = m.generate(
+                r.view(1, -1), max_new_tokens=5, num_beams=2, do_sample=False,
+                **cache_kwarg(QuantizedKVCache(method("kivi"), m), m),
+            )  # fmt: skip
+        assert torch.equal(out[b, max(LENS) :], one[0, len(r) :])
+
+
+def forward(m, ids, mask, cache):
+    with torch.no_grad():
+        return m(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwarg(cache, m))
+
+
+@pytest.mark.parametrize(
+    ("row_mask", "match"),
+    [
+        ([1, 1, 1, 1, 0, 0], r"row 1 .*right padding at position 4"),
+        ([0, 1, 1, 0, 1, 1], r"row 1 .*a hole at position 3"),
+        ([0, 0, 0, 0, 0, 0], r"row 1 .*no real token"),
+    ],
+)
+def test_masks_that_are_not_left_padding_name_the_row(row_mask, match):
+    m = toy()
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 6, row_mask])
+    with pytest.raises(PaddedBatchError, match=match):
+        forward(m, ids, mask, QuantizedKVCache(method("kivi"), m))
+
+
+def test_decode_steps_that_add_pads_name_the_row():
+    m = toy()
+    ids, mask = left_pad(prompts())
+    cache = QuantizedKVCache(method("kivi"), m)
+    forward(m, ids, mask, cache)
+    step = torch.tensor([[5], [6], [7]])
+    bad = torch.cat([mask, torch.tensor([[1], [1], [0]])], dim=1)  # row 2's new token a pad
+    with pytest.raises(PaddedBatchError, match=r"row 2 .*right padding followed by decode"):
+        forward(m, step, bad, cache)
+    cache = QuantizedKVCache(method("kivi"), m)
+    forward(m, ids, mask, cache)
+    with pytest.raises(PaddedBatchError, match="without its attention_mask"):
+        forward(m, step, None, cache)
+    # an unpadded prefill then a padded step: right padding after decode
+    full = torch.ones(3, 9, dtype=torch.long)
+    cache = QuantizedKVCache(method("kivi"), m)
+    forward(m, torch.randint(1, 128, (3, 9)), full, cache)
+    with pytest.raises(PaddedBatchError, match=r"row 1 .*right padding followed by decode"):
+        forward(m, step, torch.cat([full, torch.tensor([[1], [0], [1]])], 1), cache)
+
+
+def test_a_method_without_padding_is_refused_by_name():
+    class NoPad(type(get_method("kivi"))):
+        capabilities = Capabilities(padding=False)
+
+    meth = NoPad(**SMALL)
+    meth.name = "no-pad"
+    m = toy()
+    ids, mask = left_pad(prompts())
+    with pytest.raises(PaddedBatchError, match="'no-pad' does not support padded batches"):
+        forward(m, ids, mask, QuantizedKVCache(meth, m))
+    # unpadded batches still run
+    forward(m, ids, torch.ones_like(mask), QuantizedKVCache(meth, m))
+
+
+def test_builtin_methods_declare_padding():
+    rows = [r for r in kvbench.list_methods() if r["distribution"] == "kvbench"]
+    for r in rows:
+        assert r["capabilities"]["padding"] == r["capabilities"]["layer_cache"], r["name"]
