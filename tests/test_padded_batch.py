@@ -203,3 +203,26 @@ def test_builtin_methods_declare_padding():
     rows = [r for r in kvbench.list_methods() if r["distribution"] == "kvbench"]
     for r in rows:
         assert r["capabilities"]["padding"] == r["capabilities"]["layer_cache"], r["name"]
+
+
+@pytest.mark.parametrize("rows_apart", [True, False])
+def test_rows_apart_keeps_per_tensor_statistics_per_row(rows_apart):
+    """``uniform`` has one scale per flushed tensor: in an unpadded batch it is shared by the
+    rows unless ``rows_apart`` caches each row alone (as batched workloads do)."""
+    m = toy()
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    meth = get_method("uniform", bits=2, residual_length=4)
+    cache = QuantizedKVCache(meth, m, rows_apart=rows_apart)
+    forward(m, ids, torch.ones_like(ids), cache)
+    lc = cache.layer_caches()[0]
+    assert (lc.rows is not None) == rows_apart
+    same = []
+    for b in range(2):
+        alone = QuantizedKVCache(meth, m)
+        forward(m, ids[b : b + 1], None, alone)
+        want = [t for _, c, t in alone.layer_caches()[0].tensors() if c == "scales"]
+        src = lc.rows[b] if rows_apart else lc  # shared: the batch's one scale per flush
+        got = [t for _, c, t in src.tensors() if c == "scales"]
+        assert got and len(got) == len(want)
+        same.append(all(torch.equal(x, y) for x, y in zip(got, want)))
+    assert all(same) if rows_apart else not all(same)

@@ -128,6 +128,78 @@ def test_greedy_generate_equals_transformers_greedy(tiny) -> None:
         assert cut["stop_reason"] == f"stop:{piece}"
 
 
+# ------------------------------------------------------------------ batched decoding
+BATCH_TEXTS = [
+    "The pass key is 71432. Remember it.",
+    "Hello.",
+    "Grace Hopper wrote the first compiler in nineteen fifty two, people say.",
+]
+SMALL_KIVI = dict(bits=2, group_size=4, residual_length=4, value_bits=2, num_sink_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [("full", {}), ("kivi", SMALL_KIVI), ("uniform", dict(bits=4, residual_length=4))],
+)
+def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
+    """Prompts of different lengths decoded together (left padding, each row cached alone)
+    give each prompt exactly its batch-1 result; budgets differ per row.  ``uniform`` has
+    per-tensor statistics, kept per row in a batch (``rows_apart``; its codes are checked at the
+    cache level in tests/test_padded_batch.py)."""
+    from kvbench.workloads.taskbase import greedy_generate_batch
+
+    model, tok, _ = tiny
+    prompts = [tok(t, return_tensors="pt")["input_ids"] for t in BATCH_TEXTS]
+    assert len({p.shape[1] for p in prompts}) == 3
+    budgets = [10, 6, 8]
+    got = greedy_generate_batch(model, tok, prompts, get_method(name, **cfg), budgets)
+    for p, n, g in zip(prompts, budgets, got):
+        assert g == greedy_generate(model, tok, p, get_method(name, **cfg), n)
+    if name != "full":
+        assert all(g["key_quantized_after_prefill"] > 0 for g in got[::2])
+    # equal lengths, no padding: still each row alone (per-tensor statistics not shared)
+    same = [prompts[0], prompts[0].flip(-1)]
+    got = greedy_generate_batch(model, tok, same, get_method(name, **cfg), [5, 5])
+    for p, g in zip(same, got):
+        assert g == greedy_generate(model, tok, p, get_method(name, **cfg), 5)
+
+
+def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
+    from kvbench.kv.method import Capabilities
+    from kvbench.workloads import HIGHER
+    from kvbench.workloads.taskbase import COMMON_PARAMS, TaskWorkload
+
+    class Echo(TaskWorkload):
+        type = "echo-test"
+        PARAMS = dict(COMMON_PARAMS)
+        METRICS = {**TaskWorkload.METRICS, "accuracy": HIGHER}
+
+        def load(self, ctx):
+            return [{"plain": t, "gold": None} for t in BATCH_TEXTS], {"dataset": "inline"}
+
+        def score(self, example, completion):
+            return {"scores": {"accuracy": float("a" in completion)}, "extracted": completion}
+
+    model, tok, info = tiny
+    res = {}
+    for bs in (1, 2):
+        w = Echo(Echo.validate({"type": "echo-test", "new_tokens": 6, "batch_size": bs}))
+        ctx = RunContext(model=model, tokenizer=tok, model_info=info, seed=0)
+        w.prepare(ctx)
+        res[bs] = w.run(ctx, get_method("kivi", **SMALL_KIVI))
+    assert res[2].per_layer["examples"] == res[1].per_layer["examples"]
+    assert res[2].metrics == res[1].metrics
+    assert "batch 2" in w.info["decoding"]["strategy"]
+
+    class NoPad(type(get_method("kivi"))):
+        capabilities = Capabilities(padding=False)
+
+    meth = NoPad(**SMALL_KIVI)
+    meth.name = "no-pad"
+    with pytest.raises(ValueError, match="'no-pad' does not support padded batches"):
+        w.run(ctx, meth)
+
+
 # ------------------------------------------------------------------ GSM8K
 @needs_data
 def test_gsm8k_filters_through_the_workload() -> None:
@@ -360,6 +432,7 @@ def test_hub_task_scoring() -> None:
         ("math", {"dataset": "aime24", "subjects": ["Algebra"]}, "subjects"),
         ("math", {"prompt_template": "no placeholder"}, "prompt_template"),
         ("humaneval", {"mode": "fim"}, "mode"),
+        ("humaneval", {"batch_size": 0}, "batch_size"),
         ("humaneval", {"timeout": 0}, "timeout"),
         ("ruler", {"tasks": ["qa_1"]}, "tasks"),
         ("ruler", {"lengths": [32]}, "lengths"),

@@ -175,7 +175,7 @@ def kvbench_attention_forward(
             "with real tokens; docs/design.md#padding). Pass the 2-D attention_mask with left "
             "padding from the first forward on."
         )
-    if getattr(lc, "row_lengths", None) is not None and not has_padding(attention_mask):
+    if getattr(lc, "padding_tokens", 0) and not has_padding(attention_mask):
         raise PaddedBatchError(
             f"layer {layer_idx}: the kvbench cache holds a left-padded batch but this step's "
             "mask has no padding (a mask recorded by another forward?); pass the batch's 2-D "

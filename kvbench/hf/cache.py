@@ -149,6 +149,8 @@ class KVBenchLayer(CacheLayerMixin):
                     require_padding(self.owner.method)
                 except ValueError as e:
                     raise padding.PaddedBatchError(str(e)) from None
+            elif self.owner.rows_apart and b > 1:
+                lengths = torch.full((b,), n)
             lc.prefill(key_states, value_states, lengths=lengths)
             keys, values = key_states, value_states
         else:
@@ -250,6 +252,10 @@ class QuantizedKVCache(Cache):
     attend : route decode attention through ``layer_cache.attend(query)`` (the kernel path)
         instead of sdpa over the returned K/V.  Forced on for methods whose capabilities say
         they have no ``keys_values``.  Needs ``attn_implementation="kvbench"``.
+    rows_apart : cache every row of a batch alone even when the batch has no padding, so that
+        methods with cross-row statistics (per-tensor scales) give each row the results of the
+        row run alone, as a padded batch does (docs/design.md#padding).  Batched workloads set
+        it; default False (an unpadded batch shares such statistics).
 
     Raises
     ------
@@ -265,6 +271,7 @@ class QuantizedKVCache(Cache):
         config_or_model: Any,
         method_config: Mapping[str, Any] | None = None,
         attend: bool = False,
+        rows_apart: bool = False,
     ) -> None:
         if isinstance(method, str):
             from kvbench.kv.registry import get_method
@@ -298,6 +305,7 @@ class QuantizedKVCache(Cache):
                 "windows; this model has sliding_attention layers"
             )
         self.num_layers = config.num_hidden_layers
+        self.rows_apart = bool(rows_apart)
         self._warned = False
         super().__init__(layers=[KVBenchLayer(self, i) for i in range(self.num_layers)])
 

@@ -29,6 +29,8 @@ import string
 from collections import Counter
 from typing import Any
 
+import torch
+
 from kvbench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
@@ -294,12 +296,11 @@ class InfiniteBench(TaskWorkload):
             "budgets": IB_BUDGETS,
         }
 
-    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
-        from .taskbase import encode_text, greedy_generate
+    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        from .taskbase import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
-        n = self.spec["new_tokens"] or example["budget"]
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+        return ids, self.spec["new_tokens"] or example["budget"]
 
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
         s = ib_score(example["task"], completion, example["gold"])

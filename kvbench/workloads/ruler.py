@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kvbench.workloads import HIGHER
 
 from .passkey import chat_wrap
@@ -185,12 +187,11 @@ class Ruler(TaskWorkload):
             "truncation": "none: prompts are generated to fit each length",
         }
 
-    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
-        from .taskbase import encode_text, greedy_generate
+    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        from .taskbase import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
-        n = self.spec["new_tokens"] or example["budget"]
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+        return ids, self.spec["new_tokens"] or example["budget"]
 
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
         from kvbench.tasks.synthetic import score

@@ -25,7 +25,10 @@ with ``random.Random(seed)`` (``sample: random``; the suite's seed), recorded ei
 Common parameters: ``max_examples`` (null = all; per language/task group), ``sample``
 (``first`` | ``random``), ``new_tokens`` (generation budget), ``chat_template`` (apply the
 tokenizer's chat template when it has one; few-shot exemplars become turns), ``stop`` (stop
-strings; null = the task's defaults).
+strings; null = the task's defaults), ``batch_size`` (examples decoded together, default 1:
+prompts of different lengths are left-padded and each row is cached alone, docs/design.md#padding,
+so per-example results equal ``batch_size: 1`` up to float32 noise of the batched matmuls; a
+method without ``capabilities.padding`` is refused, naming it).
 
 Tests replace :meth:`TaskWorkload.generate` with a stub to score hand-made completions without
 a model.
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 
+from kvbench.kv.method import require_padding
 from kvbench.workloads import HIGHER, NONE
 
 from . import Result, Workload
@@ -50,6 +54,7 @@ COMMON_PARAMS: dict[str, Any] = {
     "new_tokens": 256,
     "chat_template": True,
     "stop": None,
+    "batch_size": 1,
 }
 SAMPLES = ("first", "random")
 
@@ -173,6 +178,92 @@ def greedy_generate(
     }
 
 
+def _pad_id(model: Any, tokenizer: Any) -> int:
+    for v in (getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids(model, tokenizer)), 0):
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+@torch.no_grad()
+def greedy_generate_batch(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[torch.Tensor],
+    method: Any,
+    max_new_tokens: Sequence[int],
+    stop: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """:func:`greedy_generate` of several prompts ``[1, P_i]`` at once: left-padded into one
+    batch with its attention mask and positions, one token per step for every row (a finished
+    row keeps stepping, its tokens ignored), each row stopping as :func:`greedy_generate` does
+    with its own ``max_new_tokens[i]``.  Returns one result dict per prompt, in order; the
+    quantized-after-prefill counts are the row's own (docs/design.md#padding).
+
+    Raises ``kvbench.hf.padding.PaddedBatchError`` (a ``ValueError``) naming the method when it
+    lacks ``capabilities.padding`` and the prompts differ in length."""
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+
+    dev = next(model.parameters()).device
+    lens = [int(p.shape[-1]) for p in prompts]
+    b, width = len(prompts), max(lens)
+    ids = torch.full((b, width), _pad_id(model, tokenizer), dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - lens[i] :], mask[i, width - lens[i] :] = p.reshape(-1), 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = QuantizedKVCache(method, model, rows_apart=True)
+    kw = cache_kwarg(cache, model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+    lc = cache.layer_caches()[0]
+    rows = lc.rows if lc is not None and lc.rows is not None else None
+    quant = [r.quantized_tokens() for r in rows] if rows else [cache.quantized_tokens(0)] * b
+    ends = eos_ids(model, tokenizer)
+    new: list[list[int]] = [[] for _ in range(b)]
+    reason = ["length"] * b
+    done = [n <= 0 for n in max_new_tokens]
+    nxt = torch.tensor(lens, device=dev).view(-1, 1)
+    while not all(done):
+        toks = out.logits[:, -1].argmax(-1)
+        for i in range(b):
+            if done[i]:
+                continue
+            tok = int(toks[i])
+            if tok in ends:
+                reason[i], done[i] = "eos", True
+                continue
+            new[i].append(tok)
+            if stop:
+                _, hit = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=False), stop)
+                if hit is not None:
+                    reason[i], done[i] = f"stop:{hit}", True
+                    continue
+            if len(new[i]) >= max_new_tokens[i]:
+                done[i] = True
+        if all(done):
+            break
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+        out = model(
+            input_ids=toks.view(-1, 1), attention_mask=mask, position_ids=nxt, use_cache=True, **kw
+        )
+        nxt = nxt + 1
+    results = []
+    for i in range(b):
+        text, _ = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=True), stop)
+        results.append(
+            {
+                "text": text,
+                "new_tokens": len(new[i]),
+                "stop_reason": reason[i],
+                "prompt_tokens": lens[i],
+                "key_quantized_after_prefill": quant[i][0],
+                "value_quantized_after_prefill": quant[i][1],
+            }
+        )
+    return results
+
+
 class TaskWorkload(Workload):
     """Base of the task workloads; see the module docstring.
 
@@ -199,6 +290,9 @@ class TaskWorkload(Workload):
         n = spec.get("new_tokens")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{pre}new_tokens={n!r} must be a positive integer")
+        bs = spec.get("batch_size", 1)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"{pre}batch_size={bs!r} must be a positive integer")
         if not isinstance(spec.get("chat_template"), bool):
             raise ValueError(f"{pre}chat_template must be true or false")
         stop = spec.get("stop")
@@ -274,7 +368,8 @@ class TaskWorkload(Workload):
             },
             "example_prompt": first.get("prompt"),
             "decoding": {
-                "strategy": "greedy (argmax), one sample per example, batch 1",
+                "strategy": "greedy (argmax), one sample per example, batch "
+                f"{self.spec.get('batch_size', 1)} (left padding, each row cached alone)",
                 "max_new_tokens": self.spec["new_tokens"],
                 "stop": self.stop,
                 "eos": sorted(eos_ids(ctx.model, tok)) if ctx.model is not None else None,
@@ -289,8 +384,9 @@ class TaskWorkload(Workload):
         self.info = info
         ctx.shared[key] = (self.examples, self.info)
 
-    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
-        """Greedy completion of one example (tests replace this with a stub)."""
+    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """The example's prompt ids ``[1, P]`` and its new-token budget.  Raises
+        ``ValueError`` if the prompt does not fit the model's context."""
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
         if ids.shape[1] >= max_pos:
@@ -298,8 +394,21 @@ class TaskWorkload(Workload):
                 f"{self.type} example {example['index']}: prompt of {ids.shape[1]} tokens does "
                 f"not fit the model's context of {max_pos}"
             )
-        n = min(self.spec["new_tokens"], max_pos - ids.shape[1])
+        return ids, min(self.spec["new_tokens"], max_pos - ids.shape[1])
+
+    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
+        """Greedy completion of one example (tests replace this with a stub)."""
+        ids, n = self.prompt_ids(ctx, example)
         return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+
+    def generate_batch(
+        self, ctx: Any, method: Any, examples: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Greedy completions of several examples in one left-padded batch."""
+        if len(examples) == 1:
+            return [self.generate(ctx, method, examples[0])]
+        ids, budgets = zip(*(self.prompt_ids(ctx, ex) for ex in examples))
+        return greedy_generate_batch(ctx.model, ctx.tokenizer, ids, method, budgets, self.stop)
 
     def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
         """Metrics beyond the per-score means (e.g. per-language averages)."""
@@ -308,8 +417,13 @@ class TaskWorkload(Workload):
     def run(self, ctx: Any, method: Any) -> Result:
         rows: list[dict[str, Any]] = []
         sums: dict[str, float] = {}
-        for ex in self.examples:
-            gen = self.generate(ctx, method, ex)
+        bs = self.spec.get("batch_size", 1)
+        if bs > 1:
+            require_padding(method)
+        gens: list[dict[str, Any]] = []
+        for i in range(0, len(self.examples), bs):
+            gens.extend(self.generate_batch(ctx, method, self.examples[i : i + bs]))
+        for ex, gen in zip(self.examples, gens):
             s = self.score(ex, gen["text"])
             for k, v in s["scores"].items():
                 sums[k] = sums.get(k, 0.0) + float(v)
