@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from kvbench.kv.blocks import Codec
+from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.mixed import MixedChannelCodec, channel_scores, rank_classes
+from kvbench.kv.mixed import MixedChannelCodec, channel_scores, mixed_layout, rank_classes
 from kvbench.kv.quant import check_bits
 
 SCORES = {"k-range": "range", "k-magnitude": "magnitude", "k-absmax": "absmax"}
@@ -206,6 +207,7 @@ class ChanMix(Method):
         c = self.config
         c.class_counts(head_dim)  # raises if the class sizes do not fit head_dim
         kw = dict(
+            class_counts=c.class_counts(head_dim),
             group_size=c.group_size,
             scale_dtype=KEY_SCALE_DTYPES[c.key_scale_dtype],
             midpoint=c.midpoint_correction,
@@ -222,9 +224,9 @@ class ChanMix(Method):
             raise ValueError(f"layer {layer_idx} was calibrated with head_dim {classes.shape[-1]}")
         return MixedChannelCodec(c.class_bits, None, classes=classes, **kw)
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """The :class:`~kvbench.kv.mixed.MixedChannelBlock` layout of the configured classes
+        (known before any selection or calibration)."""
         c = self.config
-        counts = c.class_counts(head_dim)
-        b_eff = sum(n * b for n, b in zip(counts, c.class_bits)) / head_dim
-        m_q = 2 * 8 * KEY_SCALE_DTYPES[c.key_scale_dtype].itemsize
-        return {"b_eff": b_eff, "m_q": m_q, "group": c.group_size, "m_sal": 0.0}
+        scale = KEY_SCALE_DTYPES[c.key_scale_dtype]
+        return mixed_layout(c.class_bits, c.class_counts(head_dim), c.group_size, scale, False)

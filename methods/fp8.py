@@ -48,6 +48,7 @@ import torch
 from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, run_compiled
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import round_up_to_dtype
 from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
@@ -192,6 +193,17 @@ class FP8Codec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One fp8 code per element; ``amax``: one scale per token (``per-token``) or per flush
+        of ``flush_tokens`` tokens (``per-head`` / ``per-tensor``) in ``scale_dtype``."""
+        fmt = dtype_name(FORMATS[self.fmt])
+        codes = Codes.uniform(8, head_dim, fmt)
+        if self.scale_mode == "unit":
+            return BlockLayout(codes)
+        tokens = 1 if self.granularity == "per-token" else max(flush_tokens, 1)
+        terms = GroupTerms(("scale",), dtype_name(self.scale_dtype), tokens, head_dim)
+        return BlockLayout(codes, terms, page_len=tokens)
 
     def encode(self, x: torch.Tensor) -> FP8Block:
         b, h, n, d = x.shape
@@ -369,16 +381,3 @@ class FP8(Method):
         return BlockSchedule(r) if self._codec().token_group == 0 else SlidingSchedule(r)
 
     value_schedule = key_schedule
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        if c.scale == "unit":
-            return {"b_eff": 8, "m_q": 0, "group": 1, "m_sal": 0}
-        m_s = torch.finfo(FP8_SCALE_DTYPES[c.scale_dtype]).bits
-        group = (
-            head_dim if c.scale_granularity == "per-token" else max(c.residual_length, 1) * head_dim
-        )
-        return {"b_eff": 8, "m_q": m_s, "group": group, "m_sal": 0}
-
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self.key_bit_terms(head_dim)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.kv.layer import LayerCache
+from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import Capabilities, Method, MethodConfig
 
 
@@ -37,8 +38,8 @@ class FullPrecision(Method):
     ) -> LayerCache:
         return LayerCache(None, None, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        return BlockLayout.full_precision(head_dim)
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self.key_bit_terms(head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        return BlockLayout.full_precision(head_dim)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import MethodConfig
 
 
@@ -40,9 +41,9 @@ class HFDynamic(HFPeer):
 
         return DynamicCache(config=text_config(model))
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+    def key_layout(self, head_dim: int) -> BlockLayout:
         """16 bits per element: the model dtype, assumed 16-bit (fp16/bf16) as in the paper."""
-        return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
+        return BlockLayout.full_precision(head_dim)
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self.key_bit_terms(head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        return self.key_layout(head_dim)

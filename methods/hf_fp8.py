@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.layout import BlockLayout, Codes
 from kvbench.kv.method import MethodConfig
 
 
@@ -52,9 +53,10 @@ class HFFP8(HFPeer):
         self._check_available()
         return QuantizedCache("fp8", text_config(model))
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """8 bits; the one float32 scale per tensor is not amortized here (4 bytes per layer)."""
-        return {"b_eff": 8, "m_q": 0, "group": 1, "m_sal": 0}
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """float8 e4m3 codes; the one float32 scale per tensor is not amortized here (4 bytes
+        per layer)."""
+        return BlockLayout(Codes.uniform(8, head_dim, "float8_e4m3fn"))
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self.key_bit_terms(head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        return self.key_layout(head_dim)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
+
 from .hf_quanto import HFQuantizedConfig, HFQuanto
 
 
@@ -44,7 +46,9 @@ class HFHQQ(HFQuanto):
 
         return cache_utils.HQQQuantizedLayer
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+    def key_layout(self, head_dim: int) -> BlockLayout:
         """``nbits`` + 16-bit scale and zero per ``q_group_size`` elements (16-bit compute dtype
         assumed; 3-bit codes are packed 10 per int32, i.e. 3.2 stored bits, not modelled)."""
-        return super().key_bit_terms(head_dim)
+        c = self.config
+        terms = GroupTerms(("scale", "zero"), "float16", 1, c.q_group_size)
+        return BlockLayout(Codes.uniform(c.nbits, head_dim), terms)

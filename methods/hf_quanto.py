@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbench.hf.peers import HFPeer, text_config
+from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
 from kvbench.kv.method import MethodConfig
 
 
@@ -114,11 +115,12 @@ class HFQuanto(HFPeer):
         self._check_available()
         return QuantizedCache(self.backend, text_config(model), **self.config.cache_kwargs())
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """``nbits`` + a 16-bit scale and a 16-bit shift per ``q_group_size`` elements (scale and
-        shift are stored in the K/V dtype; 16-bit K/V assumed, as in the paper)."""
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """``nbits`` codes + a 16-bit scale and a 16-bit shift per ``q_group_size`` elements
+        (scale and shift are stored in the K/V dtype; 16-bit K/V assumed, as in the paper)."""
         c = self.config
-        return {"b_eff": c.nbits, "m_q": 32, "group": c.q_group_size, "m_sal": 0}
+        terms = GroupTerms(("scale", "shift"), "float16", 1, c.q_group_size)
+        return BlockLayout(Codes.uniform(c.nbits, head_dim), terms)
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self.key_bit_terms(head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        return self.key_layout(head_dim)

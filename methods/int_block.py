@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.kv.blocks import AffineBlock, PerTokenCodec
+from kvbench.kv.blocks import AffineBlock, PerTokenCodec, affine_layout
+from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
@@ -62,6 +63,10 @@ class LlamaCppQ4Codec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """4-bit codes, one float16 scale per token per ``block_size`` channels (q4_0)."""
+        return affine_layout(4, head_dim, torch.float16, True, 1, self.block_size)
 
     def encode(self, x: torch.Tensor) -> AffineBlock:
         b, h, n, dim = x.shape
@@ -166,17 +171,6 @@ class Int8Block(Method):
 
     def value_schedule(self) -> object:
         return self._schedule(self.config.value_type)
-
-    def _terms(self, kind: str) -> dict[str, float]:
-        if kind == "f16":
-            return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
-        return {"b_eff": CODE_BITS[kind], "m_q": 16, "group": self.config.block_size, "m_sal": 0}
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self._terms(self.config.key_type)
-
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self._terms(self.config.value_type)
 
 
 class Int4Block(Int8Block):

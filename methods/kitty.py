@@ -119,16 +119,9 @@ class Kitty(Method):
             group_size=c.group_size,
             scale_dtype=c.torch_scale_dtype,
             per_page=True,
+            class_counts=(k, head_dim - k),
         )
 
     def key_schedule(self) -> object:
         c = self.config
         return AllButNewestSchedule(c.residual_length, c.group_size)
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        k = promoted_channels(head_dim, c.high_ratio)
-        b_eff = (k * c.high_bits + (head_dim - k) * c.low_bits) / head_dim
-        idx_bits = 8 if head_dim <= 256 else 16  # one channel index per channel per page
-        m_sal = idx_bits / c.group_size if 0 < k < head_dim else 0.0
-        return {"b_eff": b_eff, "m_q": c.pair_bits, "group": c.group_size, "m_sal": m_sal}

@@ -44,7 +44,3 @@ class KIVI(Method):
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:
         c = self.config
         return PerChannelCodec(c.bits, c.torch_scale_dtype, group_size=c.group_size)
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.group_size, "m_sal": 0}

@@ -33,6 +33,7 @@ from scipy.cluster.vq import kmeans2
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache, Side
+from kvbench.kv.layout import BlockLayout, Codebook, Codes, Projection, SparseOutliers
 from kvbench.kv.method import CacheConfig, Capabilities, Method
 from kvbench.kv.quant import pack_bits, unpack_bits
 from kvbench.kv.schedule import SlidingSchedule
@@ -247,6 +248,20 @@ class LUTAttention:
 register_block_kernel(LUTBlock, LUTAttention(), ("cpu",))
 
 
+def lut_layout(bits: int, tau: float, head_dim: int, pre_rope: bool = False) -> BlockLayout:
+    """Layout of a :class:`LUTBlock`: ``bits``-bit LUT indices per element (one shared table of
+    ``2^bits`` levels; per-channel calibrated center/half held once per layer), ``1 - tau`` of
+    the elements as sparse float16 outliers with an int32 position each; pre-RoPE keys carry the
+    inverse rotation."""
+    proj = Projection("rope-unrotate", head_dim, head_dim) if pre_rope else None
+    return BlockLayout(
+        Codes.uniform(bits, head_dim, "index"),
+        outliers=SparseOutliers(1 - tau, "float16", "int32"),
+        projection=proj,
+        codebook=Codebook(2**bits, "float16", "shared"),
+    )
+
+
 @dataclass
 class LUTCodec:
     """``encode(x [B, H_kv, n, D]) -> LUTBlock`` with static ``center``/``half`` ``[H_kv, D]``:
@@ -261,6 +276,9 @@ class LUTCodec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        return lut_layout(self.bits, self.tau, head_dim)
 
     def encode(self, x: torch.Tensor) -> LUTBlock:
         c, h = self.center.to(x.device), self.half.to(x.device)
@@ -440,7 +458,7 @@ class KVQuant(Method):
             layer.k = PreRopeSide(k.codec, k.schedule, theta=theta, layout=c.rope_layout)
         return layer
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """:func:`lut_layout` of the config (known before calibration)."""
         c = self.config
-        sal = (1 - c.sparsity_threshold) * (16 + 32)  # fp16 value + int32 index per outlier
-        return {"b_eff": c.bits, "m_q": 0, "group": 1, "m_sal": sal}
+        return lut_layout(c.bits, c.sparsity_threshold, head_dim, c.pre_rope)

@@ -37,13 +37,3 @@ class PerChannel(Method):
     def value_schedule(self) -> object:
         c = self.config
         return NeverSchedule() if c.value_bits == 16 else BlockSchedule(c.residual_length)
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.group_size, "m_sal": 0}
-
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        if c.value_bits == 16:
-            return super().value_bit_terms(head_dim)
-        return {"b_eff": c.value_bits, "m_q": c.pair_bits, "group": c.group_size, "m_sal": 0}

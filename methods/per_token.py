@@ -40,7 +40,3 @@ class PerToken(Method):
 
     def key_schedule(self) -> object:
         return SlidingSchedule(self.config.residual_length)
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        return {"b_eff": c.bits, "m_q": c.pair_bits, "group": c.channel_group(head_dim), "m_sal": 0}

@@ -50,6 +50,7 @@ import torch
 
 from kvbench.kv.blocks import AffineBlock, PerTokenCodec
 from kvbench.kv.layer import LayerCache
+from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits, resolve_scale_dtype
 from kvbench.kv.schedule import BlockSchedule
@@ -319,14 +320,14 @@ class PMKVQ(Method):
         chain = [w for w in WIDTHS if w <= c.init_bits]
         return [next((w for w in chain if w <= b), MIN_BITS) for b in budgets]
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """docs/methods.md#average-bits terms, keys and values alike: b_eff from :meth:`final_bits`."""
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """Per-token (scale, zero) groups of ``value_group_size`` channels; the codes' widths
+        are :meth:`final_bits`, each budget's layers holding an equal share of the tokens."""
+        c = self.config
         widths = self.final_bits()
-        return {
-            "b_eff": sum(widths) / len(widths),
-            "m_q": PAIR_BITS[self.config.scale_dtype],
-            "group": self.config.channel_group(head_dim),
-            "m_sal": 0,
-        }
+        share = 1.0 / len(widths)
+        classes = tuple(CodeClass(w, head_dim, share if len(widths) > 1 else 1.0) for w in widths)
+        terms = GroupTerms(("scale", "zero"), c.scale_dtype, 1, c.channel_group(head_dim))
+        return BlockLayout(Codes(head_dim, classes), terms)
 
-    value_bit_terms = key_bit_terms
+    value_layout = key_layout

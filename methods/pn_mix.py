@@ -207,12 +207,14 @@ class PNMix(Method):
 
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec:
         c = self.config
+        sel = PairSelector(c, head_dim)
         return PairCodec(
             [c.high_bits, c.low_bits],
-            PairSelector(c, head_dim),
+            sel,
             group_size=c.group_size,
             scale_dtype=c.torch_scale_dtype,
             midpoint=c.midpoint_correction,
+            class_counts=(2 * sel.n_high, head_dim - 2 * sel.n_high),
         )
 
     def key_schedule(self) -> object:
@@ -226,10 +228,3 @@ class PNMix(Method):
     ) -> torch.Tensor:
         """PN-Mix's RoPE-pair scores (:func:`pair_scores`), the pair studies' hook."""
         return pair_scores(keys, queries, score, pairing)
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        pair_channels(head_dim)  # odd head_dim -> ValueError
-        r_eff = 2 * high_pairs(head_dim, c.high_ratio) / head_dim
-        b_eff = r_eff * c.high_bits + (1 - r_eff) * c.low_bits
-        return {"b_eff": b_eff, "m_q": c.pair_bits, "group": c.group_size, "m_sal": 0.0}

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvbench.kv.blocks import AffineBlock, Codec, PerChannelCodec
+from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import CacheConfig, Capabilities, Method
 
 PAIRINGS = ("rotate_half", "interleaved")
@@ -221,6 +222,21 @@ class PolarCodec:
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
 
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """``radius_bits`` for each of the D/2 radii and ``angle_bits`` for each of the D/2
+        angles per token; each radius and angle slot has a (scale, zero) per ``group_size``
+        tokens, i.e. one pair per channel per page; the polar map is fixed (no bits)."""
+        check_pairing(head_dim, self.pairing)
+        half = head_dim // 2
+        codes = Codes(
+            head_dim, (CodeClass(self.radius_bits, half), CodeClass(self.angle_bits, half))
+        )
+        g = self.group_size
+        terms = GroupTerms(("scale", "zero"), dtype_name(self.scale_dtype), g, 1)
+        return BlockLayout(
+            codes, terms, projection=Projection("polar", head_dim, head_dim), page_len=g
+        )
+
     def encode(self, x: torch.Tensor) -> PolarBlock:
         b, h, n, _ = x.shape
         g = self.group_size
@@ -288,14 +304,3 @@ class PolarQuant(Method):
         return PolarCodec(
             c.radius_bits, c.angle_bits, c.group_size, c.torch_scale_dtype, c.pairing, c.angle_wrap
         )
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """b_eff = (radius_bits + angle_bits) / 2; one (scale, zero) per G elements."""
-        c = self.config
-        check_pairing(head_dim, c.pairing)
-        return {
-            "b_eff": (c.radius_bits + c.angle_bits) / 2,
-            "m_q": c.pair_bits,
-            "group": c.group_size,
-            "m_sal": 0,
-        }

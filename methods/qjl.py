@@ -36,6 +36,7 @@ import torch
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layer import LayerCache
+from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import CacheConfig, Capabilities, Method, check_int
 from kvbench.kv.quant import pack_bits, unpack_bits
 
@@ -142,6 +143,40 @@ class QJLBlock:
         return logits.reshape(b, hq, nq, -1)
 
 
+def qjl_layout(
+    sketch_dim: int,
+    head_dim: int,
+    group_size: int,
+    outlier_channels: int,
+    outlier_dim: int,
+    norm_dtype: torch.dtype | str,
+) -> BlockLayout:
+    """Layout of a :class:`QJLBlock`: ``sketch_dim`` sign bits per token (and ``outlier_dim``
+    for the outlier channels' own sketch), one key norm per token (and an outlier norm), and
+    with outliers one channel index (uint8; int16 for D > 256) per outlier channel per
+    ``group_size`` tokens; the Gaussian sketch matrix is held once per layer."""
+    nb = dtype_name(norm_dtype)
+    classes = [CodeClass(1, sketch_dim)]
+    if not outlier_channels:
+        return BlockLayout(
+            Codes(head_dim, tuple(classes), "sign"),
+            GroupTerms(("norm",), nb, 1, head_dim),
+            projection=Projection("gaussian-sketch", head_dim, sketch_dim),
+        )
+    classes.append(CodeClass(1, outlier_dim))
+    idx = GroupTerms(
+        ("outlier-index",), "uint8" if head_dim <= 256 else "int16", group_size, head_dim,
+        count=outlier_channels,
+    )  # fmt: skip
+    return BlockLayout(
+        Codes(head_dim, tuple(classes), "sign"),
+        GroupTerms(("norm", "outlier-norm"), nb, 1, head_dim),
+        metadata=(idx,),
+        projection=Projection("gaussian-sketch", head_dim, sketch_dim),
+        page_len=group_size,
+    )
+
+
 @dataclass
 class QJLKeyCodec:
     """Sketches keys ``[B, H_kv, n, D]`` into a :class:`QJLBlock` with ``sketch [m, D]``.
@@ -163,6 +198,12 @@ class QJLKeyCodec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        return qjl_layout(
+            self.sketch.shape[0], head_dim, self.group_size, self.outlier_channels,
+            self.outlier_dim, self.norm_dtype,
+        )  # fmt: skip
 
     def _norm(self, x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         nrm = torch.linalg.vector_norm(x, dim=-1).to(self.norm_dtype)
@@ -292,11 +333,10 @@ class QJL(Method):
         ns = self.config.num_sink_tokens
         return QJLLayerCache(kc, vc, self.key_schedule(), self.value_schedule(), ns)
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """:func:`qjl_layout` of the config."""
         c = self.config
-        nb = torch.finfo(NORM_DTYPES[c.norm_dtype]).bits
-        if not c.outlier_channels:
-            return {"b_eff": c.sketch_dim / head_dim, "m_q": nb, "group": head_dim, "m_sal": 0}
-        m_sal = c.outlier_channels * (8 if head_dim <= 256 else 16) / (c.group_size * head_dim)
-        b_eff = (c.sketch_dim + c.outlier_dim) / head_dim
-        return {"b_eff": b_eff, "m_q": 2 * nb, "group": head_dim, "m_sal": m_sal}
+        return qjl_layout(
+            c.sketch_dim, head_dim, c.group_size, c.outlier_channels, c.outlier_dim,
+            NORM_DTYPES[c.norm_dtype],
+        )  # fmt: skip

@@ -28,6 +28,7 @@ from kvbench.attend.reference import length_mask, reference_probabilities
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache
+from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.kv.method import CacheConfig, Capabilities, Method
 from kvbench.kv.quant import pack_bits, quantize_groups, unpack_bits
 from kvbench.kv.schedule import SlidingSchedule
@@ -358,10 +359,20 @@ class SemKV(Method):
         sched = (self.key_schedule(), self.value_schedule())
         return SemKVLayer(c, *codecs, *sched, c.num_sink_tokens, self.needs_queries, **hd)
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c, g = self.config, self.config.channel_group(head_dim)  # m_sal: 1-bit mask per token
-        return {"b_eff": c.target_bits, "m_q": c.pair_bits, "group": g, "m_sal": 1 / head_dim}
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """Every token's ``low_bits`` plane, the upper ``high_bits - low_bits`` plane for the
+        high share ``f = (target - low) / (high - low)`` of the tokens, a (scale, zero) per token
+        per ``value_group_size`` channels and a 1-bit high/low mask per token."""
+        c, g = self.config, self.config.channel_group(head_dim)
+        lo, hi = c.low_bits, c.high_bits
+        share = (c.target_bits - lo) / (hi - lo)
+        codes = Codes(head_dim, (CodeClass(lo, head_dim), CodeClass(hi - lo, head_dim, share)))
+        return BlockLayout(
+            codes,
+            GroupTerms(("scale", "zero"), c.scale_dtype, 1, g),
+            metadata=(GroupTerms(("high-mask",), "bit", 1, head_dim),),
+        )
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        mixed = self.config.mixed_values
-        return (self.key_bit_terms if mixed else super().value_bit_terms)(head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        """As :meth:`key_layout` with ``mixed_values``; else the KIVI value layout."""
+        return (self.key_layout if self.config.mixed_values else super().value_layout)(head_dim)

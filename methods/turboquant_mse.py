@@ -42,6 +42,7 @@ from kvbench.attend.cpu import (
 )
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import pack_bits, unpack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
@@ -251,6 +252,18 @@ class TurboAttention:
 register_block_kernel(TurboBlock, TurboAttention(), ("cpu",))
 
 
+def turbo_layout(bits: int, head_dim: int, norm_dtype: torch.dtype | str) -> BlockLayout:
+    """Layout of a :class:`TurboBlock`: one ``bits``-bit codebook index per rotated coordinate
+    (a shared table of ``2^bits`` Lloyd-Max levels), one norm per token in ``norm_dtype``; the
+    random rotation is held once per layer."""
+    return BlockLayout(
+        Codes.uniform(bits, head_dim, "index"),
+        GroupTerms(("norm",), dtype_name(norm_dtype), 1, head_dim),
+        projection=Projection("random-orthogonal", head_dim, head_dim),
+        codebook=Codebook(2**bits, "float32", "shared"),
+    )
+
+
 @dataclass
 class TurboQuantCodec:
     """Encodes ``[B, H_kv, n, D]`` tokens (any float dtype) into a :class:`TurboBlock`.
@@ -268,6 +281,9 @@ class TurboQuantCodec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        return turbo_layout(self.bits, head_dim, self.norm_dtype)
 
     def encode(self, x: torch.Tensor) -> TurboBlock:
         d = self.rotation.shape[0]
@@ -372,14 +388,14 @@ class TurboQuantMSE(Method):
         r = self.config.residual_length
         return SlidingSchedule(r) if self._applies("values") else NeverSchedule()
 
-    def _terms(self, side: str, head_dim: int) -> dict[str, float]:
+    def _layout(self, side: str, head_dim: int) -> BlockLayout:
         if not self._applies(side):
-            return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
-        m_q = torch.finfo(NORM_DTYPES[self.config.norm_dtype]).bits
-        return {"b_eff": self.config.bits, "m_q": m_q, "group": head_dim, "m_sal": 0}
+            return BlockLayout.full_precision(head_dim)
+        return turbo_layout(self.config.bits, head_dim, NORM_DTYPES[self.config.norm_dtype])
 
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self._terms("keys", head_dim)
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """:func:`turbo_layout` (full precision when ``apply_to`` leaves keys out)."""
+        return self._layout("keys", head_dim)
 
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        return self._terms("values", head_dim)
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        return self._layout("values", head_dim)

@@ -50,27 +50,3 @@ class Uniform(Method):
     def value_schedule(self) -> object:
         c = self.config
         return NeverSchedule() if c.value_bits == 16 else BlockSchedule(c.residual_length)
-
-    def _flush_elements(self, head_dim: int) -> float:
-        # one (scale, zero) per flush of R tokens (per head for per-head): elements per group
-        return max(self.config.residual_length, 1) * head_dim
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        return {
-            "b_eff": c.bits,
-            "m_q": c.pair_bits,
-            "group": self._flush_elements(head_dim),
-            "m_sal": 0,
-        }
-
-    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        if c.value_bits == 16:
-            return super().value_bit_terms(head_dim)
-        return {
-            "b_eff": c.value_bits,
-            "m_q": c.pair_bits,
-            "group": self._flush_elements(head_dim),
-            "m_sal": 0,
-        }

@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
 from kvbench.kv.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
 
 
@@ -54,6 +55,8 @@ class Block(Protocol):
     ``tensors() -> [(category, tensor)]`` with category in ``codes | scales | metadata``: every
     tensor the block holds (the cache's byte count is their sum), ``cat(other) -> Block``,
     ``crop(n) -> Block`` (keep the first n tokens), ``index_batch(idx) -> Block``.
+    Built-in blocks also describe what they hold as a typed ``layout``
+    (:class:`kvbench.kv.layout.BlockLayout`).
     """
 
     @property
@@ -98,6 +101,17 @@ class AffineBlock:
     @property
     def ntokens(self) -> int:
         return self.codes.shape[2]
+
+    @property
+    def layout(self) -> BlockLayout:
+        """What this block stores (:class:`~kvbench.kv.layout.BlockLayout`): ``bits``-bit codes
+        of ``head_dim`` channels; one scale (and zero) per ``max(group_len)`` tokens x
+        ``head_dim // Dg`` channels in the scale dtype."""
+        tokens = max(self.group_len, default=1)
+        return affine_layout(
+            self.bits, self.head_dim, self.scale.dtype, self.zero is None, tokens,
+            self.head_dim // self.scale.shape[-1],
+        )  # fmt: skip
 
     def unpacked_codes(self) -> torch.Tensor:
         """Codes ``[B, H_kv, n, D]`` (uint8 or int32)."""
@@ -179,6 +193,24 @@ class AffineBlock:
         )
 
 
+def affine_layout(
+    bits: int,
+    head_dim: int,
+    scale_dtype: torch.dtype | str,
+    symmetric: bool,
+    tokens: int,
+    channels: int,
+) -> BlockLayout:
+    """Layout of min-max affine codes: ``bits``-bit codes (LSB-first; int16 for 16 bits), one
+    ``scale`` (and ``zero`` unless ``symmetric``) per ``tokens`` x ``channels`` rectangle."""
+    names = ("scale",) if symmetric else ("scale", "zero")
+    return BlockLayout(
+        Codes.uniform(bits, head_dim, "int16" if bits == 16 else "lsb-first"),
+        GroupTerms(names, dtype_name(scale_dtype), tokens, channels),
+        page_len=tokens,
+    )
+
+
 def cat_blocks(a: Block | None, b: Block | None) -> Block | None:
     """Concatenate two optional blocks along the token axis."""
     if a is None:
@@ -200,11 +232,17 @@ class Codec(Protocol):
     (1 for per-token groups; 0 for codecs whose groups are whole flushes).
     ``prepare(keys, queries)`` is called once at prefill before the first ``encode``
     (channel or pair selection); codecs that select nothing ignore it.
+
+    ``layout(head_dim, flush_tokens)`` describes the blocks ``encode`` makes for ``head_dim``
+    channels (``flush_tokens``: tokens per flush, used by codecs whose group is a whole flush);
+    the nominal bit accounting is derived from it (:func:`kvbench.kv.layout.bit_terms`).
     """
 
     token_group: int
 
     def encode(self, x: torch.Tensor) -> Block: ...
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout: ...
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None: ...
 
@@ -224,6 +262,11 @@ class AffineCodec:
 
     def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         return None
+
+    def _layout(self, head_dim: int, tokens: int, channels: int) -> BlockLayout:
+        return affine_layout(
+            self.bits, head_dim, self.scale_dtype, self.symmetric, max(tokens, 1), channels
+        )
 
     def _quantize(self, groups: torch.Tensor):
         return quantize_groups(
@@ -273,6 +316,10 @@ class PerChannelCodec(AffineCodec):
         q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
         return self._block(codes, q, [g] * (n // g), d)
 
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per channel per ``group_size`` tokens."""
+        return self._layout(head_dim, self.group_size, 1)
+
 
 @dataclass
 class PerTokenCodec(AffineCodec):
@@ -295,6 +342,16 @@ class PerTokenCodec(AffineCodec):
         q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
         return self._block(codes, q, [1] * n, d)
 
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per token per ``channel_group`` channels.  Raises ``ValueError`` if
+        ``channel_group`` does not divide ``head_dim``."""
+        if head_dim % self.channel_group:
+            raise ValueError(
+                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
+                f"choose a divisor of {head_dim}"
+            )
+        return self._layout(head_dim, 1, self.channel_group)
+
 
 @dataclass
 class PerHeadCodec(AffineCodec):
@@ -311,6 +368,10 @@ class PerHeadCodec(AffineCodec):
         codes = q.codes.reshape(b, h, n, d)
         return self._block(codes, q, [n], d)
 
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per (row, head) per flush of ``flush_tokens`` tokens."""
+        return self._layout(head_dim, flush_tokens, head_dim)
+
 
 @dataclass
 class PerTensorCodec(AffineCodec):
@@ -323,3 +384,8 @@ class PerTensorCodec(AffineCodec):
         q = self._quantize(x.reshape(1, 1, 1, b * h * n * d))
         codes = q.codes.reshape(b, h, n, d)
         return replace(self._block(codes, q, [n], d), batch_shared=True)
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per flush of ``flush_tokens`` tokens, shared by all rows and heads
+        (counted per (row, head), the convention of docs/methods.md#uniform)."""
+        return self._layout(head_dim, flush_tokens, head_dim)

@@ -4,12 +4,14 @@ A method is a class registered under the entry-point group ``kvbench.methods``. 
 ``Config`` (a frozen dataclass, validated in ``__post_init__``), ``capabilities``, a one-line
 ``description``, and builds one :class:`~kvbench.kv.layer.LayerCache` per attention layer.  The
 common machinery (residual window, sinks, value quantization, flush schedules, bit formula)
-lives here; a method usually only supplies its key codec and its key bit terms.
+lives here; a method usually only supplies its key codec (and a schedule): its nominal bits are
+derived from the codec's stored layout (:mod:`kvbench.kv.layout`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -18,6 +20,8 @@ import torch
 from kvbench.kv import finite
 from kvbench.kv.blocks import Codec, PerTokenCodec
 from kvbench.kv.layer import LayerCache
+from kvbench.kv.layout import BlockLayout, bit_terms
+from kvbench.kv.layout import average_bits as average_bits  # re-export (old home)
 from kvbench.kv.quant import check_bits, resolve_scale_dtype
 from kvbench.kv.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
 
@@ -158,26 +162,13 @@ class CacheConfig(MethodConfig):
         return cg
 
 
-def average_bits(
-    b_eff: float, m_q: float, group: float, n_sink: int, tokens: int, m_sal: float = 0.0
-) -> float:
-    """Nominal average bits per element (docs/methods.md#average-bits, PN-Mix Table 10 [RECON])::
-
-        (N_s * 16 + T_q * (b_eff + m_q / G + m_sal)) / (T_q + N_s)
-
-    ``b_eff``: average code bits; ``m_q``: bits of (scale, zero) per group; ``group``: elements
-    per group; ``m_sal``: saliency metadata bits per element; ``tokens``: quantized tokens T_q
-    (the full-precision residual is excluded; sinks count at 16 bits).
-    """
-    per = b_eff + m_q / group + m_sal
-    return (n_sink * 16 + tokens * per) / (tokens + n_sink)
-
-
 class Method:
     """Base class of KV-cache quantization methods.
 
     Subclasses set ``Config``, ``description``, ``source`` and ``capabilities`` and implement
-    :meth:`key_codec` and :meth:`key_bit_terms` (or override :meth:`new_layer`).
+    :meth:`key_codec` (or override :meth:`new_layer`).  The nominal bits follow from
+    :meth:`key_layout` / :meth:`value_layout`, by default the layouts of the codecs; a method
+    whose codec cannot be built without data (calibration) overrides those two.
     """
 
     Config: ClassVar[type[MethodConfig]] = CacheConfig
@@ -299,29 +290,59 @@ class Method:
         return None
 
     # ----------------------------------------------------------- bit budget
+    def _flush_tokens(self) -> int:
+        """Tokens per flush for codecs whose group is a whole flush (R, at least 1)."""
+        return max(getattr(self.config, "residual_length", 1), 1)
+
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """What a key block stores for ``head_dim`` channels (:class:`~kvbench.kv.layout.BlockLayout`).
+
+        Default: the layout of :meth:`key_codec` (layer 0); full precision without a codec."""
+        codec = self.key_codec(0, head_dim)
+        if codec is None:
+            return BlockLayout.full_precision(head_dim)
+        return codec.layout(head_dim, self._flush_tokens())
+
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        """What a value block stores; default: the layout of :meth:`value_codec`."""
+        codec = self.value_codec(0, head_dim)
+        if codec is None:
+            return BlockLayout.full_precision(head_dim)
+        return codec.layout(head_dim, self._flush_tokens())
+
+    def _side_terms(self, side: str, head_dim: int) -> dict[str, float]:
+        name = f"{side}_bit_terms"
+        if getattr(type(self), name) is not getattr(Method, name):
+            warnings.warn(
+                f"{type(self).__name__}.{name} is deprecated and will be removed in the next "
+                f"release: the bit terms are derived from {side}_layout() (the codec's "
+                "layout(); docs/design.md#stored-layouts)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return getattr(self, name)(head_dim)
+        layout = self.key_layout(head_dim) if side == "key" else self.value_layout(head_dim)
+        return bit_terms(layout).to_dict()
+
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        """Terms of docs/methods.md#average-bits for keys: ``b_eff``, ``m_q``, ``group`` (elements), ``m_sal``."""
-        raise NotImplementedError
+        """Terms of docs/methods.md#average-bits for keys (``b_eff``, ``m_q``, ``group`` elements,
+        ``m_sal``), derived from :meth:`key_layout`.  Overriding it is deprecated (one release):
+        describe the stored layout instead."""
+        return bit_terms(self.key_layout(head_dim)).to_dict()
 
     def value_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        if c.value_bits == 16:
-            return {"b_eff": 16, "m_q": 0, "group": 1, "m_sal": 0}
-        return {
-            "b_eff": c.value_bits,
-            "m_q": c.pair_bits,
-            "group": c.channel_group(head_dim),
-            "m_sal": 0,
-        }
+        """As :meth:`key_bit_terms` for values (:meth:`value_layout`)."""
+        return bit_terms(self.value_layout(head_dim)).to_dict()
 
     def average_bits(self, head_dim: int = 128, tokens: int = 32768) -> dict[str, Any]:
         """Nominal bits per key and value element (docs/methods.md#average-bits) for ``tokens`` quantized tokens.
 
         Returns ``{"key_bits", "value_bits", "key_terms", "value_terms", "num_sink_tokens",
-        "tokens", "head_dim"}``.
+        "tokens", "head_dim"}``; the terms are :func:`kvbench.kv.layout.bit_terms` of
+        :meth:`key_layout` / :meth:`value_layout`.
         """
         ns = getattr(self.config, "num_sink_tokens", 0)
-        kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
+        kt, vt = self._side_terms("key", head_dim), self._side_terms("value", head_dim)
         return {
             "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
             "value_bits": average_bits(

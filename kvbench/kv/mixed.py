@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Permutation, dtype_name
 from kvbench.kv.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
 
 #: ``selector(x [..., T, D], queries [B, H_q, T, D] | None) -> LongTensor [..., D]`` classes
@@ -197,6 +198,31 @@ def _perm_dtype(d: int) -> torch.dtype:
     return torch.uint8 if d <= 256 else torch.int16
 
 
+def mixed_layout(
+    class_bits: Sequence[int],
+    class_counts: Sequence[int],
+    group_size: int,
+    scale_dtype: torch.dtype | str,
+    per_page: bool,
+) -> BlockLayout:
+    """Layout of a :class:`MixedChannelBlock`: ``class_counts[c]`` channels at
+    ``class_bits[c]`` bits (one LSB-first stream per token), a (scale, zero) per channel per
+    page of ``group_size`` tokens, and the class permutation (per page or fixed) when more than
+    one class is non-empty."""
+    d = sum(class_counts)
+    classes = tuple(CodeClass(b, n) for b, n in zip(class_bits, class_counts))
+    live = sum(1 for n in class_counts if n)
+    perm = None
+    if live > 1:
+        perm = Permutation(dtype_name(_perm_dtype(d)), per_page, group_size)
+    return BlockLayout(
+        Codes(d, classes),
+        GroupTerms(("scale", "zero"), dtype_name(scale_dtype), group_size, 1),
+        permutation=perm,
+        page_len=group_size,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # block
 # --------------------------------------------------------------------------------------------
@@ -234,6 +260,14 @@ class MixedChannelBlock:
     @property
     def ntokens(self) -> int:
         return self.codes.shape[2]
+
+    @property
+    def layout(self) -> BlockLayout:
+        """What this block stores (:func:`mixed_layout`; page length ``max(group_len)``)."""
+        return mixed_layout(
+            self.class_bits, self.class_counts, max(self.group_len, default=1),
+            self.scale.dtype, self.per_page,
+        )  # fmt: skip
 
     def _token_perm(self) -> torch.Tensor:
         """``perm`` per token: LongTensor ``[B, H, n, D]``."""
@@ -364,6 +398,9 @@ class MixedChannelCodec:
     per_page : see ``selector``.
     classes : a fixed assignment ``[B|1, H_kv, D]`` given up front (calibrated ChanMix); then
         ``selector`` may be ``None`` and :meth:`prepare` keeps it.
+    class_counts : channels of each class when the config fixes them (Kitty, PN-Mix, ChanMix):
+        :meth:`layout` needs them before any selection, and a selection with other counts
+        raises ``ValueError``.
 
     Every row (batch, head, page) must assign the same number of channels to each class.
     """
@@ -378,6 +415,7 @@ class MixedChannelCodec:
         midpoint: bool = False,
         per_page: bool = False,
         classes: torch.Tensor | None = None,
+        class_counts: Sequence[int] | None = None,
     ) -> None:
         if not class_bits:
             raise ValueError("class_bits must name at least one class")
@@ -396,6 +434,12 @@ class MixedChannelCodec:
         self.per_page = per_page
         self.perm: torch.Tensor | None = None  # fixed assignment, [B|1, H, D]
         self.class_counts: tuple[int, ...] | None = None
+        self.expected_counts = None if class_counts is None else tuple(class_counts)
+        if self.expected_counts is not None and len(self.expected_counts) != len(class_bits):
+            raise ValueError(
+                f"class_counts {list(class_counts)} must give one count per class of "
+                f"class_bits {list(class_bits)}"
+            )
         self.perm_shared = False
         if classes is not None:
             self.set_classes(classes, shared=classes.dim() == 3 and classes.shape[0] == 1)
@@ -408,10 +452,34 @@ class MixedChannelCodec:
         if classes.dim() != 3:
             raise ValueError(f"fixed classes must be [B, H_kv, D]; got {tuple(classes.shape)}")
         perm, counts = perm_from_classes(classes, len(self.class_bits))
+        self._check_counts(counts)
         self.class_counts = tuple(counts)
         self.perm_shared = shared
         live = sum(1 for c in counts if c)
         self.perm = None if live <= 1 else perm.to(_perm_dtype(classes.shape[-1])).unsqueeze(2)
+
+    def _check_counts(self, counts: Sequence[int]) -> None:
+        if self.expected_counts is not None and tuple(counts) != self.expected_counts:
+            raise ValueError(
+                f"channel classes hold {list(counts)} channels per class; the codec was "
+                f"configured for class_counts {list(self.expected_counts)}"
+            )
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """The layout of the blocks :meth:`encode` makes (:func:`mixed_layout`).  Raises
+        ``ValueError`` when the class counts are neither configured nor selected yet, or do not
+        sum to ``head_dim``."""
+        counts = self.expected_counts or self.class_counts
+        if counts is None:
+            raise ValueError(
+                "the channel classes are chosen at prefill; give class_counts to know the "
+                "layout before"
+            )
+        if sum(counts) != head_dim:
+            raise ValueError(f"class_counts {list(counts)} do not sum to head_dim={head_dim}")
+        return mixed_layout(
+            self.class_bits, counts, self.group_size, self.scale_dtype, self.per_page
+        )
 
     @property
     def classes(self) -> torch.Tensor | None:
@@ -454,6 +522,7 @@ class MixedChannelCodec:
         pages = x.reshape(b, h, n // g, g, d)
         if self.per_page:
             perm, counts = perm_from_classes(self.selector(pages, None), len(self.class_bits))
+            self._check_counts(counts)
             live = sum(1 for c in counts if c)
             perm = None if live <= 1 else perm.to(_perm_dtype(d))
         else:
