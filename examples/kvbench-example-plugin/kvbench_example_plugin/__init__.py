@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from kvbench import CacheConfig, Capabilities, Method
 from kvbench.kv.blocks import PerTokenCodec
 from kvbench.kv.quant import check_bits
@@ -43,8 +41,3 @@ class SignMagnitude(Method):
 
     def key_schedule(self) -> SlidingSchedule:
         return SlidingSchedule(self.config.residual_length)  # quantize tokens leaving the window
-
-    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
-        c = self.config
-        scale_bits = torch.finfo(c.torch_scale_dtype).bits  # one scale per group, no zero
-        return {"b_eff": c.bits, "m_q": scale_bits, "group": c.channel_group(head_dim), "m_sal": 0}
