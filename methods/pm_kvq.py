@@ -173,8 +173,8 @@ class ProgressiveLayerCache(LayerCache):
                 "budget_bits/budget_bytes or budget_tokens, or set on_overflow='allow'"
             )
 
-    def _finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
-        super()._finish_prefill(keys, queries)
+    def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        super().finish_prefill(keys, queries)
         self._enforce_budget()
 
     def end_step(self) -> None:

@@ -244,7 +244,7 @@ class SemKVLayer(LayerCache):
         if self.stats is not None:
             self.stats = own_storage(self.stats[:, :, n:])
 
-    def _finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+    def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         (r, p), self.stats = (self._rlen(), keys.shape[2]), None
         self._grow(r, keys)
         if self.stats is not None and r and queries is not None:

@@ -286,7 +286,7 @@ class LayerCache:
         if self.needs_queries and queries is None:
             self._awaiting_queries = True
             return
-        self._finish_prefill(keys, queries)
+        self.finish_prefill(keys, queries)
 
     @_row_dispatch
     def provide_queries(self, queries: torch.Tensor) -> None:
@@ -295,9 +295,12 @@ class LayerCache:
             return
         keys = self.k.read(self.dtype)
         self._awaiting_queries = False
-        self._finish_prefill(keys, queries)
+        self.finish_prefill(keys, queries)
 
-    def _finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+    def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        """Hook run once the prefill keys ``[B, H_kv, P, D]`` (and post-RoPE queries, or
+        ``None``) are in: prepares the codecs (channel selection) and flushes what the schedules
+        quantize at prefill.  Subclasses that extend it call ``super().finish_prefill``."""
         for side, x in ((self.k, keys), (self.v, None)):
             if side.codec is not None:
                 if x is not None:
