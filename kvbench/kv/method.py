@@ -294,21 +294,27 @@ class Method:
         """Tokens per flush for codecs whose group is a whole flush (R, at least 1)."""
         return max(getattr(self.config, "residual_length", 1), 1)
 
+    def _codec_layout(self, codec: Any, side: str, head_dim: int) -> BlockLayout:
+        if codec is None:
+            return BlockLayout.full_precision(head_dim)
+        if not callable(getattr(codec, "layout", None)):
+            raise TypeError(
+                f"{type(self).__name__}: {side} codec {type(codec).__name__} has no "
+                f"layout(head_dim, flush_tokens) to derive the nominal bits from; implement it "
+                f"(kvbench.kv.layout, docs/design.md#stored-layouts) or override {side}_layout()"
+            )
+        return codec.layout(head_dim, self._flush_tokens())
+
     def key_layout(self, head_dim: int) -> BlockLayout:
         """What a key block stores for ``head_dim`` channels (:class:`~kvbench.kv.layout.BlockLayout`).
 
-        Default: the layout of :meth:`key_codec` (layer 0); full precision without a codec."""
-        codec = self.key_codec(0, head_dim)
-        if codec is None:
-            return BlockLayout.full_precision(head_dim)
-        return codec.layout(head_dim, self._flush_tokens())
+        Default: the layout of :meth:`key_codec` (layer 0); full precision without a codec.
+        Raises ``TypeError`` for a codec without ``layout``."""
+        return self._codec_layout(self.key_codec(0, head_dim), "key", head_dim)
 
     def value_layout(self, head_dim: int) -> BlockLayout:
         """What a value block stores; default: the layout of :meth:`value_codec`."""
-        codec = self.value_codec(0, head_dim)
-        if codec is None:
-            return BlockLayout.full_precision(head_dim)
-        return codec.layout(head_dim, self._flush_tokens())
+        return self._codec_layout(self.value_codec(0, head_dim), "value", head_dim)
 
     def _side_terms(self, side: str, head_dim: int) -> dict[str, float]:
         name = f"{side}_bit_terms"

@@ -185,3 +185,17 @@ def test_deprecated_key_bit_terms_override_still_counts():
         bits = Legacy(group_size=64, residual_length=64).average_bits(128, 1024)
     assert bits["key_bits"] == 3.5  # the override's terms, not the codec's 2.5
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+
+
+def test_codec_without_layout_names_what_to_implement():
+    class Bare:
+        token_group = 1
+
+    class NoLayout(Method):
+        Config = CacheConfig
+
+        def key_codec(self, layer_idx, head_dim):
+            return Bare()
+
+    with pytest.raises(TypeError, match=r"key codec Bare has no layout\(head_dim, flush_tokens\)"):
+        NoLayout().average_bits(64)
