@@ -10,7 +10,7 @@ SUITE ?= suites/default.yaml
 OUT ?= results/default
 PYTEST_ARGS ?=
 
-.PHONY: env test lint format baseline baseline-all baseline-model mutants \
+.PHONY: env test lint format baseline baseline-model mutants \
 	bench bench-generation bench-export bench-smoke bench-micro bench-memory \
 	bench-memory-shapes bench-latency bench-shape-attention clean
 
@@ -37,18 +37,18 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# Regenerate the CI regression baseline (tests/baseline/) from suites/ci_gate.yaml: stale
-# records are removed first so the folder holds exactly the runs the suite expands to.
+# Regenerate the CI regression baseline (tests/baseline/) from suites/ci_gate.yaml (every built-in
+# method, model-free): stale records are removed first so the folder holds exactly the runs the
+# suite expands to.
 baseline: $(STAMP)
 	rm -f tests/baseline/*.json
 	$(BIN)/kvbench run suites/ci_gate.yaml --out tests/baseline --force
 
-# Every built-in method (suites/ci_gate_all.yaml) and the model-quality gate: not yet in `make test`.
-baseline-all: $(STAMP)
-	$(BIN)/kvbench run suites/ci_gate_all.yaml --out results/ci_gate_all --force
-
+# The model-quality gate's baseline (tests/baseline_model/, suites/ci_gate_model.yaml: the real
+# default model, next-token KL; checked by the slow tests of tests/test_regression_gate.py).
 baseline-model: $(STAMP)
-	$(BIN)/kvbench run suites/ci_gate_model.yaml --out results/ci_gate_model --force
+	rm -f tests/baseline_model/*.json
+	OMP_NUM_THREADS=2 $(BIN)/kvbench run suites/ci_gate_model.yaml --out tests/baseline_model --force
 
 # Mutation testing (docs/mutation.md): resumable (mutmut keeps its results in mutants/; rerun to
 # continue).  MUTANTS restricts the run, e.g. MUTANTS='kvbench.kv.quant*'.

@@ -1,10 +1,13 @@
 """CI regression gate: rerun ``suites/ci_gate.yaml`` (model-free, seeded) and compare it with the
 committed baseline ``tests/baseline/`` through ``kvbench compare`` (docs/design.md#records).
 
-Deterministic metrics are gated hard (bytes and bits exactly, key/value MSE within 1%); timing
-is not part of this suite (latency is compared as ratios and reported, never gated).  After an
-intended change, regenerate the baseline with
-``kvbench run suites/ci_gate.yaml --out tests/baseline --force``.
+The suite holds every built-in method (transformers peers other than hf-dynamic, and plugins,
+excluded) at one operating point; :func:`test_every_builtin_method_is_gated` fails when a
+built-in method is missing from it.  Deterministic metrics are gated: bytes and bits exactly,
+key/value MSE, attention KL and attention-output error within 1% (the float64 reference is
+exact on one machine; 1% absorbs another CPU's kernels).  Timing is not part of this suite.
+After an intended change, regenerate the baseline with ``make baseline``;
+:func:`test_baseline_is_not_stale` fails while it holds other runs than the suite expands to.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ GATES = [
     "bytes_metadata:0",
     "bytes_residual:0",
     "bytes_sinks:0",
+    "bytes_key_total:0",
+    "bytes_value_total:0",
     "effective_bits:0",
     "effective_key_bits:0",
     "effective_value_bits:0",
@@ -36,6 +41,8 @@ GATES = [
     "nominal_value_bits:0",
     "key_mse:1%",
     "value_mse:1%",
+    "attn_kl:1%",
+    "attn_out_rel_err:1%",
 ]
 
 
@@ -61,7 +68,47 @@ def test_baseline_is_committed() -> None:
     recs = sorted(BASELINE.glob("*.json"))
     assert recs, "tests/baseline/ has no records; run the suite into it (module docstring)"
     methods = {json.loads(p.read_text())["method"] for p in recs}
-    assert {"full", "kivi", "hf-dynamic", "per-channel"} <= methods
+    assert {"full", "kivi", "hf-dynamic", "per-channel", "kvquant"} <= methods
+
+
+def _gated_builtins() -> set[str]:
+    """Built-in methods the gate must hold: every method of kvbench's own distribution with
+    kvbench layer caches (transformers peers wrap another library's cache and are excluded)."""
+    from kvbench.kv.registry import discover, get_method_class
+
+    return {
+        name
+        for name, entry in discover().items()
+        if entry.builtin and get_method_class(name).capabilities.layer_cache
+    }
+
+
+def test_every_builtin_method_is_gated() -> None:
+    suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
+    gated = {m.name for m in suite.methods}
+    want = _gated_builtins()
+    assert len(want) >= 18, sorted(want)  # the registry really was enumerated
+    assert want <= gated, (
+        f"built-in methods missing from suites/ci_gate.yaml: {sorted(want - gated)}"
+    )
+
+
+def test_gate_records_cover_quantization() -> None:
+    """Each quantizing method quantized most key tokens in the fidelity run and reports an
+    attention metric; every method has a memory record with bytes by category."""
+    by = {}
+    for p in BASELINE.glob("*.json"):
+        rec = json.loads(p.read_text())
+        by[(rec["method"], rec["workload"]["type"])] = rec["metrics"]
+    for name in _gated_builtins():
+        fid, mem = by[(name, "fidelity")], by[(name, "memory")]
+        assert mem["bytes_total"] == sum(
+            mem[f"bytes_{c}"] for c in ("codes", "scales", "metadata", "residual", "sinks")
+        ), name
+        assert "attn_kl" in fid or "attn_out_rel_err" in fid, name
+        if name != "full":
+            assert fid["quantized_key_fraction"] >= 0.5, (name, fid["quantized_key_fraction"])
+            assert mem["effective_bits"] < 16, name
 
 
 def test_gate_passes_on_rerun(fresh: Path, capsys: pytest.CaptureFixture) -> None:
@@ -82,7 +129,7 @@ def _inject(src: Path, dst: Path, method: str, metric: str, factor: float) -> No
 
 @pytest.mark.parametrize(
     "metric, factor",
-    [("bytes_total", 1.0001), ("effective_bits", 1.01), ("key_mse", 1.02)],
+    [("bytes_total", 1.0001), ("effective_bits", 1.01), ("key_mse", 1.02), ("attn_kl", 1.02)],
 )
 def test_gate_fails_on_injected_regression(
     fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture, metric: str, factor: float

@@ -75,8 +75,14 @@ def peak(per_run: bool) -> dict[str, Any]:
 
 def release() -> None:
     """Collect garbage, empty the CUDA caching allocator and give glibc's free heap pages back
-    to the OS (``malloc_trim``), so memory freed by one run does not stay resident."""
+    to the OS (``malloc_trim``), so memory freed by one run does not stay resident.
+
+    The objects that survive the collection are then frozen (``gc.freeze()``), so the next
+    call scans only what was allocated since: without it every call walks the whole heap of
+    imported modules (torch, transformers), about a second each.  :func:`unfreeze` (the end of
+    a sweep) hands them back to the collector."""
     gc.collect()
+    gc.freeze()
     try:
         import torch
 
@@ -89,3 +95,8 @@ def release() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+
+
+def unfreeze() -> None:
+    """Undo the freezing of :func:`release` (call once a sweep is over)."""
+    gc.unfreeze()

@@ -74,7 +74,7 @@ def _datasets(suite: Any) -> dict[str, list[str]]:
                 calibrated.append(m.label)
         except Exception:  # a bad config is the suite validation's to report
             continue
-    if calibrated:
+    if calibrated and any(m is not None for m in suite.models):  # model-free: synthetic
         text = suite.calibration["text"]
         need.setdefault(text, []).append(f"calibration of {', '.join(calibrated)}")
     return need

@@ -102,6 +102,27 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
     return {"calibration": info}
 
 
+def calibrate_model_free(
+    ctx: RunContext, workload: Workload, method: Any, spec: dict[str, Any], run: Any
+) -> dict[str, Any]:
+    """Calibrate ``method`` in a model-free suite on the workload's own synthetic K/V
+    (:meth:`Workload.calibration_kv`: ``spec['tokens']`` tokens disjoint from the measured
+    ones); ``ValueError`` when the workload has none (it needs a model to calibrate on)."""
+    key = ("calibration", "model-free", repr(sorted(workload.spec.items())), spec["tokens"])
+    if key not in ctx.shared:
+        got = workload.calibration_kv(ctx.seed, spec["tokens"])
+        if got is None:
+            raise ValueError(
+                f"method {run.method.name!r} needs calibration on a model "
+                f"(capability needs_calibration); the suite has none and workload "
+                f"{workload.type!r} draws no synthetic calibration K/V (source: synthetic does)"
+            )
+        ctx.shared[key] = got
+    keys, values, info = ctx.shared[key]
+    method.calibrate(keys, values, source=f"synthetic[:{spec['tokens']} tokens]")
+    return {"calibration": info}
+
+
 def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
     if not base:
         return {}
@@ -200,13 +221,11 @@ def execute_run(
     against ``baseline``.  Returns (metrics, manifest extras, result, method)."""
     method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
     calib_info: dict[str, Any] = {}
-    if method.needs_calibration:
+    if method.needs_calibration and workload.builds_caches:
         if ctx.model is None:
-            raise ValueError(
-                f"method {run.method.name!r} needs calibration on a model "
-                "(capability needs_calibration); the suite has none"
-            )
-        calib_info = calibrate(ctx, method, calibration)
+            calib_info = calibrate_model_free(ctx, workload, method, calibration, run)
+        else:
+            calib_info = calibrate(ctx, method, calibration)
     per_run = memstat.reset_peak()
     t0 = time.perf_counter()
     result: Result = workload.run(ctx, method)
@@ -425,55 +444,62 @@ def run_suite(
         if not quiet:
             bar.write(msg, sys.stderr)
 
-    for model_runs in group_by_model(runs):
-        ctx = RunContext(model_spec=model_runs[0].model_spec, seed=suite.seed, limit=limit)
-        for _, group in itertools.groupby(model_runs, key=lambda r: r.workload_index):
-            group = list(group)
-            workload: Workload = workload_class(group[0].workload_spec["type"])(
-                group[0].workload_spec
-            )
-            baseline: dict[str, float] | None = None
-            prepared = False
-            for i, run in enumerate(group):
-                bar.set_postfix_str(f"{eta.text()}{run.title}")
-                rec = finished_record(run, force)
-                if rec is None:
-                    why = skip_reason(get_method(run.method.name, **run.method.config), workload)
-                    if why:
-                        note(f"skipped {run.title}: {why}")
-                        eta.done(run, None)
-                        bar.update(1)
-                        continue
-                    if ctx.model is None and ctx.model_spec is not None:
-                        ensure_model(ctx, materialize)
-                        validate.check_methods_for_model(suite.methods, ctx.model_info, suite.path)
+    try:  # memstat.release() freezes what survives each run; thawed however the sweep ends
+        for model_runs in group_by_model(runs):
+            ctx = RunContext(model_spec=model_runs[0].model_spec, seed=suite.seed, limit=limit)
+            for _, group in itertools.groupby(model_runs, key=lambda r: r.workload_index):
+                group = list(group)
+                workload: Workload = workload_class(group[0].workload_spec["type"])(
+                    group[0].workload_spec
+                )
+                baseline: dict[str, float] | None = None
+                prepared = False
+                for i, run in enumerate(group):
+                    bar.set_postfix_str(f"{eta.text()}{run.title}")
+                    rec = finished_record(run, force)
+                    if rec is None:
+                        why = skip_reason(
+                            get_method(run.method.name, **run.method.config), workload
+                        )
+                        if why:
+                            note(f"skipped {run.title}: {why}")
+                            eta.done(run, None)
+                            bar.update(1)
+                            continue
+                        if ctx.model is None and ctx.model_spec is not None:
+                            ensure_model(ctx, materialize)
+                            validate.check_methods_for_model(
+                                suite.methods, ctx.model_info, suite.path
+                            )
 
-                    if not prepared:
-                        try:
-                            prepare_workload(ctx, workload, suite.seed)
-                        except FileNotFoundError as exc:
-                            if not skip_unavailable:
-                                raise
-                            note(f"skipped workload {run.workload_spec['type']}: {exc}")
-                            for r in group[i:]:
-                                eta.done(r, None)
-                            bar.update(len(group) - i)
-                            break
-                        prepared = True
-                    t0 = time.perf_counter()
-                    rec = compute_record(suite, ctx, workload, run, baseline, threads)
-                    for flag in rec["manifest"].get("flags") or []:
-                        note(f"warning: {run.title}: {flag}")
-                    write_run(run.path, rec)
-                    memstat.release()
-                    eta.done(run, time.perf_counter() - t0)
-                else:
-                    eta.done(run, None)
-                records.append(rec)
-                if run.is_baseline:
-                    baseline = rec["metrics"]
-                bar.update(1)
-            del workload  # its prepared tensors (captures, reference logits) go before the next
-            memstat.release()
+                        if not prepared:
+                            try:
+                                prepare_workload(ctx, workload, suite.seed)
+                            except FileNotFoundError as exc:
+                                if not skip_unavailable:
+                                    raise
+                                note(f"skipped workload {run.workload_spec['type']}: {exc}")
+                                for r in group[i:]:
+                                    eta.done(r, None)
+                                bar.update(len(group) - i)
+                                break
+                            prepared = True
+                        t0 = time.perf_counter()
+                        rec = compute_record(suite, ctx, workload, run, baseline, threads)
+                        for flag in rec["manifest"].get("flags") or []:
+                            note(f"warning: {run.title}: {flag}")
+                        write_run(run.path, rec)
+                        memstat.release()
+                        eta.done(run, time.perf_counter() - t0)
+                    else:
+                        eta.done(run, None)
+                    records.append(rec)
+                    if run.is_baseline:
+                        baseline = rec["metrics"]
+                    bar.update(1)
+                del workload  # its prepared tensors (captures, reference logits) go before the next
+                memstat.release()
+    finally:
+        memstat.unfreeze()
     bar.close()
     return records

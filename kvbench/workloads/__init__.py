@@ -234,6 +234,9 @@ class Workload:
     #: with a shape model: True runs a forward (the model is materialized with seeded random
     #: weights on the target device), False reads only the config (built on the meta device)
     shape_forward: ClassVar[bool] = True
+    #: builds the method's caches; False (a formula of the config alone, e.g. ``bits``): the
+    #: runner does not calibrate methods with ``needs_calibration`` for it
+    builds_caches: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
     #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
     METRICS: ClassVar[dict[str, str]] = {}
@@ -282,6 +285,13 @@ class Workload:
 
     def prepare(self, ctx: Any) -> None:
         """Work shared by every method on one model (called once before the runs)."""
+
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
+        tokens, D]}, {layer: v}, info)`` float32 from the workload's own synthetic generator,
+        disjoint from the tokens it measures, or ``None`` (the default: such a workload needs a
+        model to calibrate on).  Called by the runner for methods with ``needs_calibration``."""
+        return None
 
     def run(self, ctx: Any, method: Any) -> Result:
         raise NotImplementedError

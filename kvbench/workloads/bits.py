@@ -18,6 +18,7 @@ class Bits(Workload):
     METRICS = {"nominal_key_bits": LOWER, "nominal_value_bits": LOWER}
     needs_model = False
     accepts_random_weights = True  # formula and geometry only
+    builds_caches = False  # no cache is built: nothing to calibrate
     shape_forward = False
     layer_cache = False  # only the bit formula; peers have one too
     PARAMS = {"head_dim": 128, "tokens": 32768}

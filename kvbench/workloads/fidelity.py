@@ -118,21 +118,39 @@ class Fidelity(Workload):
                 f"with num_heads a multiple of num_kv_heads; got {shape}"
             )
 
-    def _synthetic(self, seed: int) -> tuple[Any, dict[str, Any]]:
+    def _synthetic(self, seed: int, calibration: int = 0) -> tuple[Any, dict[str, Any]]:
+        """Seeded Q/K/V (module docstring); ``calibration`` > 0 also draws that many further
+        K/V tokens per layer with the same key channel scales, after the measured ones (the
+        measured tensors do not depend on it), in ``cap.calib_keys`` / ``cap.calib_values``."""
         s = self.spec
         g = torch.Generator().manual_seed(seed)
-        t, d = s["tokens"], s["head_dim"]
-        qs, ks, vs = [], [], []
+        t, d, hkv = s["tokens"], s["head_dim"], s["num_kv_heads"]
+        qs, ks, vs, chans = [], [], [], []
         for _ in range(s["num_layers"]):
             chan = torch.logspace(-1, 1, d)[torch.randperm(d, generator=g)]  # key outliers
             qs.append(torch.randn(1, s["num_heads"], t, d, generator=g))
-            ks.append(torch.randn(1, s["num_kv_heads"], t, d, generator=g) * chan)
-            vs.append(torch.randn(1, s["num_kv_heads"], t, d, generator=g))
+            ks.append(torch.randn(1, hkv, t, d, generator=g) * chan)
+            vs.append(torch.randn(1, hkv, t, d, generator=g))
+            chans.append(chan)
         n = s["num_layers"]
         cap = SimpleNamespace(
             layer_ids=list(range(n)), queries=qs, keys=ks, values=vs, scaling=[None] * n
         )
+        if calibration:
+            cap.calib_keys = [torch.randn(1, hkv, calibration, d, generator=g) * c for c in chans]
+            cap.calib_values = [torch.randn(1, hkv, calibration, d, generator=g) for _ in chans]
         return cap, {"kv_source": "synthetic", "seed": seed}
+
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """``source: synthetic``: ``tokens`` further K/V per layer from the same generator and
+        key channel scales as the measured ones (none of the measured tokens)."""
+        if self.spec["source"] != "synthetic":
+            return None
+        cap, _ = self._synthetic(seed, calibration=tokens)
+        keys = dict(enumerate(cap.calib_keys))
+        values = dict(enumerate(cap.calib_values))
+        info = {"source": "synthetic (fidelity workload, drawn after the measured Q/K/V)"}
+        return keys, values, {"dataset": {**info, "seed": seed}, "tokens": tokens}
 
     def prepare(self, ctx: Any) -> None:
         from kvbench.data.loaders import load_text, token_windows

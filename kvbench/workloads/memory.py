@@ -325,6 +325,22 @@ class Memory(Workload):
             )
 
     # ------------------------------------------------------------------ inputs
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """``source: synthetic``: the ``tokens`` positions after the measured ``context`` of
+        the same seeded generator (:func:`synthetic_qkv` is prefix-stable), so calibration sees
+        the measured channels' distribution but none of the measured tokens."""
+        s = self.spec
+        if s["source"] != "synthetic":
+            return None
+        d = s["context"]
+        qkv = synthetic_qkv(
+            s["num_layers"], s["num_heads"], s["num_kv_heads"], d + tokens, s["head_dim"], seed
+        )
+        keys = {i: k[:, :, d:].contiguous() for i, (_, k, _) in enumerate(qkv)}
+        values = {i: v[:, :, d:].contiguous() for i, (_, _, v) in enumerate(qkv)}
+        info = {"source": "synthetic (memory workload, positions after context)", "seed": seed}
+        return keys, values, {"dataset": info, "tokens": tokens}
+
     def prepare(self, ctx: Any) -> None:
         s = self.spec
         d = s["context"]

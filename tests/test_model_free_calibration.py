@@ -1,0 +1,64 @@
+"""Model-free calibration (``Workload.calibration_kv``): methods with ``needs_calibration`` run
+in ``model: none`` suites on synthetic K/V of the workload, disjoint from the measured tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.workloads import workload_class
+from kvbench.workloads.memory import synthetic_qkv
+
+
+def _wl(kind: str, **spec):
+    cls = workload_class(kind)
+    return cls(cls.validate({"type": kind, "source": "synthetic", **spec}))
+
+
+def test_memory_calibration_is_the_positions_after_context() -> None:
+    wl = _wl("memory", context=40, appends=2, num_layers=2, num_heads=4, num_kv_heads=2)
+    keys, values, info = wl.calibration_kv(0, 24)
+    full = synthetic_qkv(2, 4, 2, 64, 64, 0)
+    for i in range(2):
+        assert keys[i].shape == (1, 2, 24, 64)
+        assert torch.equal(keys[i], full[i][1][:, :, 40:])
+        assert torch.equal(values[i], full[i][2][:, :, 40:])
+    assert info["tokens"] == 24
+
+
+def test_fidelity_calibration_leaves_measured_tensors_and_shares_channels() -> None:
+    wl = _wl("fidelity", tokens=64, prefill=32, num_layers=2)
+    plain, _ = wl._synthetic(0)
+    with_cal, _ = wl._synthetic(0, calibration=48)
+    for a, b in zip(plain.keys + plain.values, with_cal.keys + with_cal.values):
+        assert torch.equal(a, b)
+    keys, _, _ = wl.calibration_kv(0, 48)
+    for i in range(2):
+        assert keys[i].shape == (1, 2, 48, 64)
+        assert not torch.equal(keys[i][:, :, :32], plain.keys[i][:, :, :32])
+        # the same outlier channels: per-channel spread agrees within sampling noise
+        ratio = keys[i].std(dim=(0, 1, 2)) / plain.keys[i].std(dim=(0, 1, 2))
+        assert ratio.min() > 0.6 and ratio.max() < 1.6
+
+
+def test_model_free_workload_without_synthetic_kv_refuses_calibration(tmp_path) -> None:
+    from kvbench.run.runner import run_suite
+    from kvbench.run.suite import load_suite
+
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "name: t\nseed: 0\nthreads: 1\nmodel: none\nmethods: [kvquant]\n"
+        "workloads:\n  - {type: memory, source: synthetic, context: 40, appends: 2,"
+        " num_layers: 1, num_heads: 2, num_kv_heads: 1}\n  - {type: bits, head_dim: 64}\n"
+    )
+    recs = run_suite(load_suite(path), tmp_path / "out", quiet=True)
+    mem = next(r for r in recs if r["workload"]["type"] == "memory")
+    assert mem["manifest"]["calibration"]["tokens"] == 2048  # the suite's default
+    assert "calibration" not in next(r for r in recs if r["workload"]["type"] == "bits")["manifest"]
+    with pytest.raises(ValueError, match="draws no synthetic calibration"):
+        from kvbench.run.runner import RunContext, calibrate_model_free
+
+        wl = _wl("memory", context=40, appends=2)
+        wl.spec["source"] = "model"
+        run = type("R", (), {"method": type("M", (), {"name": "kvquant"})()})()
+        calibrate_model_free(RunContext(model_spec=None, seed=0), wl, None, {"tokens": 8}, run)
