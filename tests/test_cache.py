@@ -249,13 +249,77 @@ def test_crop_full_matches_dynamic_cache_and_kivi_runs():
     assert kc.get_seq_length() == n - 2
 
 
+def fake_q8_0(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """llama.cpp q8_0 quantize-dequantize of ``x`` [..., D], written out independently of
+    kvbench: per block of ``block`` channels ``d = absmax / 127`` stored in float16 rounded up
+    (so no code leaves [-127, 127]), ``q = round(x / d)`` half-to-even, ``x^ = q d``."""
+    xb = x.float().unflatten(-1, (-1, block))
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    d16 = d.to(torch.float16)
+    d16 = torch.where(d16.float() < d, torch.nextafter(d16, torch.tensor(torch.inf).half()), d16)
+    q = torch.where(d16 > 0, torch.round(xb / d16.float().clamp_min(1e-30)), torch.zeros_like(xb))
+    return (q.clamp(-127, 127) * d16.float()).flatten(-2).to(x.dtype)
+
+
+class FakeQ8Cache(DynamicCache):
+    """Stock DynamicCache that stores every written K/V token q8_0 quantize-dequantized (what a
+    llama.cpp ``-ctk q8_0 -ctv q8_0`` cache holds), in transformers' own cache and beam logic,
+    under kvbench's protocol (docs/design.md#when-quantization-happens): prefill attends the
+    original prompt K/V, and a decode step attends its own new token before that token is
+    quantized (it is flushed after the step's attention)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kw):
+        k, v = super().update(
+            fake_q8_0(key_states), fake_q8_0(value_states), layer_idx, *args, **kw
+        )
+        n = key_states.shape[2]
+        if k.shape[2] == n:  # prefill
+            return key_states, value_states
+        return torch.cat([k[:, :, :-n], key_states], 2), torch.cat([v[:, :, :-n], value_states], 2)
+
+
+def beams(m, cache, **kw):
+    return greedy(
+        m, prompt(), cache, num_beams=2, num_return_sequences=2, output_scores=True,
+        length_penalty=0.0, **kw,
+    )  # fmt: skip
+
+
 def test_beam_search():
     ref = reference(num_beams=2)
     m = model()
     out = greedy(m, prompt(), QuantizedKVCache("full", m), num_beams=2)
     assert torch.equal(out.sequences, ref.sequences)  # reorder_cache keeps beams exact
-    kq = greedy(m, prompt(), QuantizedKVCache("kivi", m, method_config=KIVI2), num_beams=2)
-    assert kq.sequences.shape == ref.sequences.shape
+
+
+def test_beam_search_int8_block_equals_fake_q8_0_dynamic_cache():
+    """Beams and their scores through kvbench's int8-block cache (block 16 = the model's
+    head_dim) equal those of a stock DynamicCache holding q8_0-rounded K/V (independent
+    quantizer above): the quantized store and its beam reordering are both right."""
+    m = model()
+    cfg = dict(block_size=16)
+    got = beams(m, QuantizedKVCache("int8-block", m, method_config=cfg))
+    ref = beams(m, FakeQ8Cache(config=m.config))
+    assert torch.equal(got.sequences, ref.sequences)
+    assert torch.allclose(got.sequences_scores, ref.sequences_scores, atol=1e-6, rtol=0)
+    plain = beams(m, None)  # the quantization is visible: scores differ from full precision
+    assert (plain.sequences_scores - ref.sequences_scores).abs().min() > 1e-3
+
+
+def test_beam_search_kivi_scores_equal_teacher_forced_rescoring():
+    """KIVI's statistics are per sequence, so each returned beam, rescored alone through a
+    fresh KIVI cache with its tokens fed one by one (the same prefill/decode schedule), must
+    give the beam's score (sum of log-probabilities, length_penalty 0): a reorder that mixed
+    the beams' quantized blocks or residuals would not."""
+    m = model()
+    out = beams(m, QuantizedKVCache("kivi", m, method_config=KIVI2))
+    assert out.sequences.shape == (2, PROMPT_LEN + NEW)
+    for b in range(2):
+        toks = out.sequences[b, PROMPT_LEN:]
+        cache = QuantizedKVCache("kivi", m, method_config=KIVI2)
+        logits = teacher_forced(m, cache, out.sequences[b : b + 1, :PROMPT_LEN], toks)
+        logp = torch.log_softmax(logits.double(), -1).gather(1, toks[:, None]).sum()
+        assert logp.item() == pytest.approx(out.sequences_scores[b].item(), abs=1e-4)
 
 
 def test_batch_of_two_equal_length_prompts():
