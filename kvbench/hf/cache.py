@@ -408,7 +408,10 @@ def decode_route(method: Method, model: Any, path: str = "attend") -> tuple[bool
         raise ValueError(f"path={path!r} is not supported; allowed: {list(DECODE_PATHS)}")
     if not method.capabilities.layer_cache or method.transformers_cache(model) is not None:
         return False, "the method's own transformers cache (sdpa over the K/V it returns)"
-    if "sliding_attention" in _layer_types(_text_config(model)):
+    config = getattr(model, "config", model)
+    if isinstance(getattr(config, "num_hidden_layers", None), int) and (
+        "sliding_attention" in _layer_types(_text_config(config))
+    ):
         return False, "the model has sliding-window layers (the attend path has no window mask)"
     if path == "reference" and method.capabilities.keys_values:
         return False, "path=reference (sdpa over keys_values())"

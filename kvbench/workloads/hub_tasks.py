@@ -299,7 +299,9 @@ class InfiniteBench(TaskWorkload):
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         n = self.spec["new_tokens"] or example["budget"]
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+        return greedy_generate(
+            ctx.model, ctx.tokenizer, ids, method, n, self.stop, self.spec.get("path", "attend")
+        )
 
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
         s = ib_score(example["task"], completion, example["gold"])

@@ -50,6 +50,7 @@ COMMON_PARAMS: dict[str, Any] = {
     "new_tokens": 256,
     "chat_template": True,
     "stop": None,
+    "path": "attend",  # decode attention: LayerCache.attend, or "reference" (sdpa, keys_values)
 }
 SAMPLES = ("first", "random")
 
@@ -128,17 +129,33 @@ def greedy_generate(
     method: Any,
     max_new_tokens: int,
     stop: Sequence[str] = (),
+    path: str = "attend",
 ) -> dict[str, Any]:
-    """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step.
+    """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step;
+    decode attention through ``LayerCache.attend`` (``path="attend"``: the attention-backend
+    registry's code-domain kernels) or sdpa over ``keys_values()`` (``"reference"``), see
+    :func:`kvbench.hf.cache.decode_route`.
 
     Returns ``text`` (decoded without special tokens, cut at the first stop string),
     ``new_tokens``, ``stop_reason`` (``eos``, ``stop:<string>`` or ``length``),
     ``prompt_tokens`` and ``key_quantized_after_prefill`` / ``value_quantized_after_prefill``
-    (tokens of layer 0 held quantized right after the prefill).
+    (tokens of layer 0 held quantized right after the prefill) and ``decode_attention``
+    (:func:`kvbench.hf.cache.decode_info`: the route and the paths that ran).
     """
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+    from kvbench.hf.attention import kvbench_attention
+    from kvbench.hf.cache import QuantizedKVCache, decode_info, decode_route
 
-    cache = QuantizedKVCache(method, model)
+    attend, why = decode_route(method, model, path)
+    cache = QuantizedKVCache(method, model, attend=attend)
+    with kvbench_attention(model):
+        return _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) | {
+            "decode_attention": decode_info([cache], cache.attend, why)
+        }
+
+
+def _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) -> dict[str, Any]:
+    from kvbench.hf.cache import cache_kwarg
+
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
@@ -206,6 +223,12 @@ class TaskWorkload(Workload):
             isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
         ):
             raise ValueError(f"{pre}stop must be a list of non-empty strings or null")
+        from kvbench.hf.cache import DECODE_PATHS
+
+        if spec.get("path", "attend") not in DECODE_PATHS:
+            raise ValueError(
+                f"{pre}path={spec.get('path')!r} is not supported; allowed: {list(DECODE_PATHS)}"
+            )
         cls.check_task(spec, pre)
 
     @classmethod
@@ -299,7 +322,9 @@ class TaskWorkload(Workload):
                 f"not fit the model's context of {max_pos}"
             )
         n = min(self.spec["new_tokens"], max_pos - ids.shape[1])
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+        return greedy_generate(
+            ctx.model, ctx.tokenizer, ids, method, n, self.stop, self.spec.get("path", "attend")
+        )
 
     def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
         """Metrics beyond the per-score means (e.g. per-language averages)."""
@@ -308,8 +333,11 @@ class TaskWorkload(Workload):
     def run(self, ctx: Any, method: Any) -> Result:
         rows: list[dict[str, Any]] = []
         sums: dict[str, float] = {}
+        decode: list[dict[str, Any]] = []
         for ex in self.examples:
-            gen = self.generate(ctx, method, ex)
+            gen = dict(self.generate(ctx, method, ex))
+            if "decode_attention" in gen:
+                decode.append(gen.pop("decode_attention"))
             s = self.score(ex, gen["text"])
             for k, v in s["scores"].items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -329,4 +357,19 @@ class TaskWorkload(Workload):
         metrics.update(self.extra_metrics(rows))
         metrics["task_score"] = metrics.get(self.PRIMARY, float("nan"))
         metrics["num_examples"] = len(rows)
-        return Result(metrics, {"examples": rows}, self.info)
+        info = dict(self.info)
+        if decode:
+            info["decode_attention"] = merge_decode_info(decode)
+        return Result(metrics, {"examples": rows}, info)
+
+
+def merge_decode_info(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``decode_attention`` record from several (per example): paths summed, reasons
+    united, the route and its reason of the first."""
+    paths: dict[str, int] = {}
+    reasons: set[str] = set()
+    for d in parts:
+        for k, n in d.get("paths", {}).items():
+            paths[k] = paths.get(k, 0) + n
+        reasons |= set(d.get("path_reasons", []))
+    return {**parts[0], "paths": dict(sorted(paths.items())), "path_reasons": sorted(reasons)}
