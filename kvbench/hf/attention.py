@@ -217,7 +217,8 @@ def kvbench_attention(model: Any) -> Iterator[Any]:
     ``"sdpa"`` or ``"eager"`` still routes decode steps through ``LayerCache.attend``."""
     register()
     prev = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    switch = prev != ATTN_IMPLEMENTATION
+    # an object without transformers' switch (a stand-in model) has nothing to switch
+    switch = prev != ATTN_IMPLEMENTATION and hasattr(model, "set_attn_implementation")
     if switch:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
