@@ -51,6 +51,8 @@ from kvbench.hf.padding import PaddedBatchError
 
 #: the name to pass as ``attn_implementation``
 ATTN_IMPLEMENTATION = "kvbench"
+#: the recorded path of a decode step on the reference route (sdpa over ``keys_values()``)
+SDPA_PATH = "sdpa-keys-values"
 _PADDED_ATTR = "_kvbench_padded"
 
 
@@ -66,6 +68,7 @@ class StepBinding:
     prefill : this call was the layer's prefill (queries go to ``provide_queries``).
     attend : route this (decode) step through ``layer_cache.attend`` instead of sdpa.
     on_consumed : called when the attention function has used the binding.
+    on_attended : called after a decode step's attention with ``(path, reason)``.
     """
 
     layer_cache: Any
@@ -74,6 +77,9 @@ class StepBinding:
     prefill: bool
     attend: bool = False
     on_consumed: Callable[[], None] | None = None
+    #: called after a decode step's attention with the path that ran (the registry's
+    #: ``attend_path`` on the attend route, :data:`SDPA_PATH` on the reference route) and why
+    on_attended: Callable[[str, str], None] | None = None
 
 
 _STEP: ContextVar[StepBinding | None] = ContextVar("kvbench_step", default=None)
@@ -192,10 +198,15 @@ def kvbench_attention_forward(
             )
         out = lc.attend(query, scaling)  # [B, H_q, T, D]
         result = (out.transpose(1, 2).contiguous(), None)
+        path = getattr(lc, "attend_path", None) or "unknown"
+        reason = getattr(lc, "attend_path_reason", "") or ""
     else:
         result = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+        path, reason = SDPA_PATH, ""
+    if not step.prefill and step.on_attended is not None:
+        step.on_attended(path, reason)
     lc.end_step()
     return result
 
@@ -206,6 +217,25 @@ def register() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvbench_mask)
     return ATTN_IMPLEMENTATION
+
+
+@contextlib.contextmanager
+def kvbench_attention(model: Any) -> Iterator[Any]:
+    """Inside the ``with`` block ``model`` runs ``attn_implementation="kvbench"`` (switched with
+    ``set_attn_implementation`` when it runs another one, and switched back afterwards, also on
+    an error); yields the model.  Workloads wrap their runs in it, so that a model loaded with
+    ``"sdpa"`` or ``"eager"`` still routes decode steps through ``LayerCache.attend``."""
+    register()
+    prev = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    # an object without transformers' switch (a stand-in model) has nothing to switch
+    switch = prev != ATTN_IMPLEMENTATION and hasattr(model, "set_attn_implementation")
+    if switch:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield model
+    finally:
+        if switch and prev is not None:
+            model.set_attn_implementation(prev)
 
 
 def use_kvbench_attention(model: Any) -> Any:

@@ -168,11 +168,35 @@ class KVBenchLayer(CacheLayerMixin):
             lc.append(key_states, value_states)
             keys, values = (key_states, value_states) if attend else lc.keys_values()
         self._unconsumed = True
-        bind_step(StepBinding(lc, self.layer_idx, keys, prefill, attend, self._consumed))
+        bind_step(
+            StepBinding(
+                lc, self.layer_idx, keys, prefill, attend, self._consumed, self.owner._attended
+            )
+        )
         return keys, values
 
     def _consumed(self) -> None:
         self._unconsumed = False
+
+    def prefill_from(
+        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None = None
+    ) -> None:
+        """Prefill this (empty) layer directly with a prompt's K/V ``[B, H_kv, P, D]`` and its
+        post-RoPE queries ``[B, H_q, P, D]`` (used by methods with ``needs_queries``), exactly
+        what the model's own prefill through this cache stores (its prefill attention is full
+        precision, so the prompt's K/V do not depend on the method).
+
+        Raises ``ValueError`` when the layer already holds tokens."""
+        if not self.is_initialized or self.layer_cache is None:
+            self.lazy_initialization(keys, values)
+        lc = self.layer_cache
+        if lc.seq_length:
+            raise ValueError(f"layer {self.layer_idx}: prefill_from needs an empty layer")
+        # exactly the model's prefill: update() stores, the attention function hands queries
+        lc.prefill(keys, values)
+        provide = getattr(lc, "provide_queries", None)
+        if provide is not None and queries is not None:
+            provide(queries)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones.
@@ -307,6 +331,9 @@ class QuantizedKVCache(Cache):
         self.num_layers = config.num_hidden_layers
         self.rows_apart = bool(rows_apart)
         self._warned = False
+        #: decode steps (layer calls) per attention path that ran, and the reasons recorded
+        self.decode_paths: dict[str, int] = {}
+        self.decode_path_reasons: set[str] = set()
         super().__init__(layers=[KVBenchLayer(self, i) for i in range(self.num_layers)])
 
     def __repr__(self) -> str:
@@ -326,6 +353,26 @@ class QuantizedKVCache(Cache):
                 "flushes run at the next step and padded batches are not detected",
                 stacklevel=3,
             )
+
+    def _attended(self, path: str, reason: str) -> None:
+        self.decode_paths[path] = self.decode_paths.get(path, 0) + 1
+        if reason:
+            self.decode_path_reasons.add(reason)
+
+    def prefill_from(self, captured: Any) -> None:
+        """Prefill every (empty) layer from a prompt's captured post-RoPE Q/K/V
+        (:class:`kvbench.hf.capture.CapturedQKV`, e.g. of :func:`kvbench.hf.capture.capture_prompt`,
+        in the model's dtype and device): the state the model's own prefill through this cache
+        leaves, without running the model.  Queries go to methods with ``needs_queries``.
+
+        Raises ``ValueError`` when the capture does not cover exactly this cache's layers."""
+        if sorted(captured.layer_ids) != list(range(self.num_layers)):
+            raise ValueError(
+                f"the capture holds layers {captured.layer_ids}; this cache has "
+                f"{self.num_layers} layers"
+            )
+        for i, k, v, q in zip(captured.layer_ids, captured.keys, captured.values, captured.queries):
+            self.layers[i].prefill_from(k, v, q)
 
     # ------------------------------------------------------------------ kvbench views
     def layer_caches(self) -> list[Any]:
@@ -347,7 +394,15 @@ class QuantizedKVCache(Cache):
         return (0, 0) if lc is None else lc.quantized_tokens()
 
 
-__all__ = ["KVBenchLayer", "QuantizedKVCache", "cache_kwarg"]
+__all__ = [
+    "DECODE_PATHS",
+    "KVBenchLayer",
+    "QuantizedKVCache",
+    "cache_kwarg",
+    "decode_info",
+    "decode_route",
+    "make_hf_cache",
+]
 
 
 def make_hf_cache(method: Method, model: Any, attend: bool = False) -> Cache:
@@ -359,3 +414,54 @@ def make_hf_cache(method: Method, model: Any, attend: bool = False) -> Cache:
     """
     own = method.transformers_cache(model, attend=attend)
     return own if own is not None else QuantizedKVCache(method, model, attend=attend)
+
+
+#: ``path`` values of the workloads that decode through a model (perplexity, generation,
+#: passkey, task workloads): ``attend`` routes kvbench caches' decode steps through
+#: ``LayerCache.attend`` (the attention-backend registry: code-domain kernels, fused kernels,
+#: else the reference path, each step recorded); ``reference`` through sdpa over the
+#: dequantized ``keys_values()``.  Both agree within the registry's tolerance (1e-5 relative
+#: per attention row, ``tests/attend/test_attend_backends.py``).
+DECODE_PATHS = ("attend", "reference")
+
+
+def decode_route(method: Method, model: Any, path: str = "attend") -> tuple[bool, str]:
+    """``(attend, why)`` for ``method``'s cache on ``model`` under the workload's ``path``:
+    whether decode steps go through ``LayerCache.attend``, and why not when they do not (the
+    method brings its own transformers cache; the model has sliding-window layers, which the
+    attend path does not mask; ``path="reference"``).  A method without ``keys_values``
+    always attends (its cache forces it).
+
+    Raises ``ValueError`` for a ``path`` not in :data:`DECODE_PATHS`."""
+    if path not in DECODE_PATHS:
+        raise ValueError(f"path={path!r} is not supported; allowed: {list(DECODE_PATHS)}")
+    if not method.capabilities.layer_cache or method.transformers_cache(model) is not None:
+        return False, "the method's own transformers cache (sdpa over the K/V it returns)"
+    config = getattr(model, "config", model)
+    if isinstance(getattr(config, "num_hidden_layers", None), int) and (
+        "sliding_attention" in _layer_types(_text_config(config))
+    ):
+        return False, "the model has sliding-window layers (the attend path has no window mask)"
+    if path == "reference" and method.capabilities.keys_values:
+        return False, "path=reference (sdpa over keys_values())"
+    return True, ""
+
+
+def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
+    """What a workload records about its decode attention (manifest ``decode_attention``):
+    ``route`` (``attend`` or ``reference``), ``route_reason``, and summed over ``caches``
+    ``paths`` (layer decode calls per path that ran: ``cpu-compiled``, ``cpu-eager``,
+    ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the reference
+    route) and ``path_reasons`` (why faster backends declined)."""
+    paths: dict[str, int] = {}
+    reasons: set[str] = set()
+    for c in caches:
+        for k, n in getattr(c, "decode_paths", {}).items():
+            paths[k] = paths.get(k, 0) + n
+        reasons |= set(getattr(c, "decode_path_reasons", ()))
+    return {
+        "route": "attend" if attend else "reference",
+        "route_reason": why,
+        "paths": dict(sorted(paths.items())),
+        "path_reasons": sorted(reasons),
+    }

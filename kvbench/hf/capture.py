@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvbench.hf.attention import ATTN_IMPLEMENTATION, capturing, register
+from kvbench.hf.attention import capturing, kvbench_attention
 
 
 @dataclass
@@ -58,7 +58,6 @@ def capture_qkv(
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a [B, T] tensor of token ids")
-    register()
     found: dict[int, tuple] = {}
     keep = None if layers is None else set(layers)
 
@@ -68,16 +67,8 @@ def capture_qkv(
                 t.detach().to("cpu", torch.float32) for t in (query, key, value)
             ) + (scaling,)
 
-    prev = getattr(model.config, "_attn_implementation", None)
-    switch = prev != ATTN_IMPLEMENTATION
-    if switch:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
-        with torch.no_grad(), capturing(record):
-            model(input_ids=input_ids.to(model.device), use_cache=False)
-    finally:
-        if switch and prev is not None:
-            model.set_attn_implementation(prev)
+    with kvbench_attention(model), torch.no_grad(), capturing(record):
+        model(input_ids=input_ids.to(model.device), use_cache=False)
     if not found:
         raise ValueError(
             "no attention call was captured: the model does not use transformers' "
@@ -92,3 +83,57 @@ def capture_qkv(
         out.scaling.append(s)
         out.layer_ids.append(idx)
     return out
+
+
+@dataclass
+class PromptState:
+    """A prompt's per-layer post-RoPE Q, K, V in the model's own dtype and device (what a cache
+    prefilled with the prompt stores) and the logits predicting the next token.
+
+    Attributes
+    ----------
+    captured : :class:`CapturedQKV` (queries ``[B, H_q, P, D]``, keys/values ``[B, H_kv, P, D]``).
+    last_logits : float32 ``[B, V]``, the model's logits at the prompt's last position.
+    """
+
+    captured: CapturedQKV
+    last_logits: torch.Tensor
+
+
+def capture_prompt(model: Any, input_ids: torch.Tensor) -> PromptState:
+    """Run the full-precision prefill of ``input_ids`` ``[B, P]`` once (no cache) and keep every
+    layer's post-RoPE Q, K, V as they are (model dtype and device) with the last position's
+    logits.  A kvbench cache's prefill attention is full precision (docs/design.md#protocols),
+    so the prompt's K/V and logits are the same for every method: workloads prefill each
+    method's cache from this state (:meth:`kvbench.hf.cache.QuantizedKVCache.prefill_from`)
+    instead of rerunning the prompt through the model per method.
+
+    Raises ``ValueError`` as :func:`capture_qkv`."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a [B, T] tensor of token ids")
+    found: dict[int, tuple] = {}
+
+    def record(layer_idx, query, key, value, scaling) -> None:
+        found[layer_idx] = (query.detach(), key.detach(), value.detach(), scaling)
+
+    kw = {}
+    import inspect
+
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1  # the prompt's other logits are never read
+    with kvbench_attention(model), torch.no_grad(), capturing(record):
+        out = model(input_ids=input_ids.to(model.device), use_cache=False, **kw)
+    if not found:
+        raise ValueError(
+            "no attention call was captured: the model does not use transformers' "
+            "AttentionInterface"
+        )
+    cap = CapturedQKV()
+    for idx in sorted(found, key=lambda i: -1 if i is None else i):
+        q, k, v, s = found[idx]
+        cap.queries.append(q)
+        cap.keys.append(k)
+        cap.values.append(v)
+        cap.scaling.append(s)
+        cap.layer_ids.append(idx)
+    return PromptState(cap, out.logits[:, -1].float())

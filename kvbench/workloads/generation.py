@@ -12,10 +12,16 @@ generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, p
   (``drift_kl_b<i>``, ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
 
 Bootstrap intervals over prompts for the first divergence and match rate (none with one prompt).
+Decode attention (``path``): ``attend`` (default) runs a kvbench cache's decode steps through
+``LayerCache.attend`` (the attention-backend registry's code-domain kernels on the CPU, instead of
+dequantizing the whole cache at every step); ``reference`` through sdpa over ``keys_values()``.
+They agree within the registry's tolerance; the path that ran is recorded (manifest
+``decode_attention``; peers and sliding-window models take the reference path).
 Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_tokens`` (128),
 ``bucket`` (32), ``context_tokens`` (0: with n > 0, each prompt is preceded by a different
 n-token window of ``context_text`` (default ``essays``), so that a method with a residual window
-of R tokens has quantized pages to read while generating; recorded with the workload).
+of R tokens has quantized pages to read while generating; recorded with the workload), ``path``
+(``attend`` | ``reference``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 import torch
 
-from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.attention import kvbench_attention
+from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
 from kvbench.kv.method import Method
 from kvbench.workloads import HIGHER, LOWER
 from kvbench.workloads.metrics import add_ci
@@ -49,37 +56,69 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
+def _note(info: dict[str, Any] | None, cache: Any, attend: bool, why: str) -> None:
+    """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
+    if info is None:
+        return
+    new = decode_info([cache], getattr(cache, "attend", attend), why)
+    paths = dict(info.get("paths", {}))
+    for k, n in new["paths"].items():
+        paths[k] = paths.get(k, 0) + n
+    reasons = sorted(set(info.get("path_reasons", [])) | set(new["path_reasons"]))
+    info.update(new, paths=dict(sorted(paths.items())), path_reasons=reasons)
+
+
 @torch.no_grad()
-def greedy(model: Any, ids: torch.Tensor, method: Method, new_tokens: int) -> torch.Tensor:
-    """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache."""
+def greedy(
+    model: Any,
+    ids: torch.Tensor,
+    method: Method,
+    new_tokens: int,
+    path: str = "attend",
+    info: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache; decode
+    attention by ``path`` (module docstring); ``info``: filled with the paths that ran."""
     from kvbench.hf.cache import cache_kwarg
 
-    cache = make_hf_cache(method, model)
-    out = model.generate(
-        ids,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        **cache_kwarg(cache, model),
-    )
+    attend, why = decode_route(method, model, path)
+    cache = make_hf_cache(method, model, attend=attend)
+    with kvbench_attention(model):
+        out = model.generate(
+            ids,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **cache_kwarg(cache, model),
+        )
+    _note(info, cache, attend, why)
     return out[0, ids.shape[1] :].cpu()
 
 
 @torch.no_grad()
 def forced_logprobs(
-    model: Any, ids: torch.Tensor, cont: torch.Tensor, method: Method
+    model: Any,
+    ids: torch.Tensor,
+    cont: torch.Tensor,
+    method: Method,
+    path: str = "attend",
+    info: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
-    token at a time through the method's cache after prefilling ``ids``."""
+    token at a time through the method's cache after prefilling ``ids``; decode attention by
+    ``path``; ``info``: filled with the paths that ran."""
     from kvbench.hf.cache import cache_kwarg
 
-    cache = make_hf_cache(method, model)
+    attend, why = decode_route(method, model, path)
+    cache = make_hf_cache(method, model, attend=attend)
     kw = cache_kwarg(cache, model)
-    out = model(input_ids=ids, use_cache=True, **kw)
-    rows = [out.logits[0, -1].float()]
-    for tok in cont[:-1]:
-        out = model(input_ids=tok.view(1, 1).to(ids.device), use_cache=True, **kw)
-        rows.append(out.logits[0, -1].float())
+    with kvbench_attention(model):
+        out = model(input_ids=ids, use_cache=True, **kw)
+        rows = [out.logits[0, -1].float()]
+        for tok in cont[:-1]:
+            out = model(input_ids=tok.view(1, 1).to(ids.device), use_cache=True, **kw)
+            rows.append(out.logits[0, -1].float())
+    _note(info, cache, attend, why)
     return torch.log_softmax(torch.stack(rows), dim=-1)
 
 
@@ -101,6 +140,7 @@ class Generation(Workload):
         "bucket": 32,
         "context_tokens": 0,
         "context_text": "essays",
+        "path": "attend",
     }
 
     @classmethod
@@ -114,6 +154,10 @@ class Generation(Workload):
             isinstance(spec["prompts"], list) and all(isinstance(p, str) for p in spec["prompts"])
         ):
             raise ValueError(f"{pre}prompts must be a list of strings")
+        if spec["path"] not in DECODE_PATHS:
+            raise ValueError(
+                f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
+            )
 
     def prepare(self, ctx: Any) -> None:
         from kvbench.kv.registry import get_method
@@ -129,7 +173,7 @@ class Generation(Workload):
             win, _ = token_windows(ctx.tokenizer, text, n_ctx, len(prompts))
             docs = [ctx.tokenizer.decode(w) for w in win]
             prompts = [f"{d}\n\nThe text above is background. {p}" for d, p in zip(docs, prompts)]
-        key = ("generation", tuple(prompts), self.spec["new_tokens"])
+        key = ("generation", tuple(prompts), self.spec["new_tokens"], self.spec["path"])
         if key in ctx.shared:
             self.items = ctx.shared[key]
             return
@@ -137,20 +181,21 @@ class Generation(Workload):
         self.items = []
         for p in prompts:
             ids = encode_prompt(ctx.tokenizer, p)
-            ref = greedy(ctx.model, ids, full, self.spec["new_tokens"])
-            ref_lp = forced_logprobs(ctx.model, ids, ref, full)
+            ref = greedy(ctx.model, ids, full, self.spec["new_tokens"], self.spec["path"])
+            ref_lp = forced_logprobs(ctx.model, ids, ref, full, self.spec["path"])
             self.items.append((ids, ref, ref_lp))
         ctx.shared[key] = self.items
 
     def run(self, ctx: Any, method: Method) -> Result:
         n, bucket = self.spec["new_tokens"], self.spec["bucket"]
         first, match, kl_steps, top1_steps = [], [], [], []
+        route, decode = self.spec["path"], {}
         for ids, ref, ref_lp in self.items:
-            gen = greedy(ctx.model, ids, method, n)
+            gen = greedy(ctx.model, ids, method, n, route, info=decode)
             same = (gen == ref).tolist()
             first.append(same.index(False) if False in same else n)
             match.append(sum(same) / n)
-            lp = forced_logprobs(ctx.model, ids, ref, method)
+            lp = forced_logprobs(ctx.model, ids, ref, method, route, info=decode)
             r = ref_lp.float()
             kl_steps.append((r.exp() * (r - lp)).sum(-1))
             top1_steps.append((r.argmax(-1) == lp.argmax(-1)).float())
@@ -167,4 +212,7 @@ class Generation(Workload):
             metrics[f"drift_kl_b{i // bucket}"] = kl[i : i + bucket].mean().item()
             metrics[f"drift_top1_b{i // bucket}"] = top1[i : i + bucket].mean().item()
         per = {"first_divergence": first, "match_rate": match}
-        return Result(metrics, per, {"prompts": len(self.items), "bucket": bucket})
+        info: dict[str, Any] = {"prompts": len(self.items), "bucket": bucket}
+        if decode:
+            info["decode_attention"] = decode
+        return Result(metrics, per, info)

@@ -48,12 +48,19 @@ class Passkey(Workload):
         "new_tokens": 12,
         "protect_prefix": 64,
         "protect_suffix": 256,
+        "path": "attend",  # decode attention: LayerCache.attend, or "reference" (sdpa)
     }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         if not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in spec["depths"]):
             raise ValueError(f"{pre}depths must be fractions in [0, 1]")
+        from kvbench.hf.cache import DECODE_PATHS
+
+        if spec["path"] not in DECODE_PATHS:
+            raise ValueError(
+                f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
+            )
         if spec["protect_prefix"] + spec["protect_suffix"] >= spec["length"] // 2:
             raise ValueError(
                 f"{pre}protect_prefix + protect_suffix must leave at least half of "
@@ -91,17 +98,23 @@ class Passkey(Workload):
 
     @torch.no_grad()
     def run(self, ctx: Any, method: Method) -> Result:
-        from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+        from kvbench.hf.attention import kvbench_attention
+        from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
 
-        rows, correct = [], 0
+        from .taskbase import merge_decode_info
+
+        rows, correct, decode = [], 0, []
+        attend, why = decode_route(method, ctx.model, self.spec["path"])
         for ex, ids in self.examples:
-            cache = QuantizedKVCache(method, ctx.model)
-            out = ctx.model.generate(
-                ids,
-                max_new_tokens=self.spec["new_tokens"],
-                do_sample=False,
-                **cache_kwarg(cache, ctx.model),
-            )
+            cache = QuantizedKVCache(method, ctx.model, attend=attend)
+            with kvbench_attention(ctx.model):
+                out = ctx.model.generate(
+                    ids,
+                    max_new_tokens=self.spec["new_tokens"],
+                    do_sample=False,
+                    **cache_kwarg(cache, ctx.model),
+                )
+            decode.append(decode_info([cache], getattr(cache, "attend", attend), why))
             text = ctx.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             ok = ex["answers"][0] in text
             correct += ok
@@ -116,6 +129,7 @@ class Passkey(Workload):
                     "context_tokens": ex["context_tokens"],
                 }
             )
-        return Result(
-            {"passkey_acc": correct / len(rows)}, {"examples": rows}, {"examples": len(rows)}
-        )
+        info: dict[str, Any] = {"examples": len(rows)}
+        if decode:
+            info["decode_attention"] = merge_decode_info(decode)
+        return Result({"passkey_acc": correct / len(rows)}, {"examples": rows}, info)

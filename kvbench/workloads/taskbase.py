@@ -55,6 +55,7 @@ COMMON_PARAMS: dict[str, Any] = {
     "chat_template": True,
     "stop": None,
     "batch_size": 1,
+    "path": "attend",  # decode attention: LayerCache.attend, or "reference" (sdpa, keys_values)
 }
 SAMPLES = ("first", "random")
 
@@ -133,17 +134,33 @@ def greedy_generate(
     method: Any,
     max_new_tokens: int,
     stop: Sequence[str] = (),
+    path: str = "attend",
 ) -> dict[str, Any]:
-    """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step.
+    """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step;
+    decode attention through ``LayerCache.attend`` (``path="attend"``: the attention-backend
+    registry's code-domain kernels) or sdpa over ``keys_values()`` (``"reference"``), see
+    :func:`kvbench.hf.cache.decode_route`.
 
     Returns ``text`` (decoded without special tokens, cut at the first stop string),
     ``new_tokens``, ``stop_reason`` (``eos``, ``stop:<string>`` or ``length``),
     ``prompt_tokens`` and ``key_quantized_after_prefill`` / ``value_quantized_after_prefill``
-    (tokens of layer 0 held quantized right after the prefill).
+    (tokens of layer 0 held quantized right after the prefill) and ``decode_attention``
+    (:func:`kvbench.hf.cache.decode_info`: the route and the paths that ran).
     """
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+    from kvbench.hf.attention import kvbench_attention
+    from kvbench.hf.cache import QuantizedKVCache, decode_info, decode_route
 
-    cache = QuantizedKVCache(method, model)
+    attend, why = decode_route(method, model, path)
+    cache = QuantizedKVCache(method, model, attend=attend)
+    with kvbench_attention(model):
+        return _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) | {
+            "decode_attention": decode_info([cache], cache.attend, why)
+        }
+
+
+def _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) -> dict[str, Any]:
+    from kvbench.hf.cache import cache_kwarg
+
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
@@ -193,16 +210,30 @@ def greedy_generate_batch(
     method: Any,
     max_new_tokens: Sequence[int],
     stop: Sequence[str] = (),
+    path: str = "attend",
 ) -> list[dict[str, Any]]:
     """:func:`greedy_generate` of several prompts ``[1, P_i]`` at once: left-padded into one
     batch with its attention mask and positions, one token per step for every row (a finished
     row keeps stepping, its tokens ignored), each row stopping as :func:`greedy_generate` does
-    with its own ``max_new_tokens[i]``.  Returns one result dict per prompt, in order; the
-    quantized-after-prefill counts are the row's own (docs/design.md#padding).
+    with its own ``max_new_tokens[i]``; ``path`` chooses the decode attention as in
+    :func:`greedy_generate`.  Returns one result dict per prompt, in order; the
+    quantized-after-prefill counts are the row's own (docs/design.md#padding), and each carries
+    the batch's ``decode_attention``.
 
     Raises ``kvbench.hf.padding.PaddedBatchError`` (a ``ValueError``) naming the method when it
     lacks ``capabilities.padding`` and the prompts differ in length."""
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+    from kvbench.hf.attention import kvbench_attention
+    from kvbench.hf.cache import decode_route
+
+    attend, why = decode_route(method, model, path)
+    with kvbench_attention(model):
+        return _greedy_batch_loop(
+            model, tokenizer, prompts, method, max_new_tokens, stop, attend, why
+        )
+
+
+def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, attend, why):
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info
 
     dev = next(model.parameters()).device
     lens = [int(p.shape[-1]) for p in prompts]
@@ -213,7 +244,7 @@ def greedy_generate_batch(
         ids[i, width - lens[i] :], mask[i, width - lens[i] :] = p.reshape(-1), 1
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = QuantizedKVCache(method, model, rows_apart=True)
+    cache = QuantizedKVCache(method, model, rows_apart=True, attend=attend)
     kw = cache_kwarg(cache, model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
     lc = cache.layer_caches()[0]
@@ -259,6 +290,7 @@ def greedy_generate_batch(
                 "prompt_tokens": lens[i],
                 "key_quantized_after_prefill": quant[i][0],
                 "value_quantized_after_prefill": quant[i][1],
+                "decode_attention": decode_info([cache], cache.attend, why),
             }
         )
     return results
@@ -300,6 +332,12 @@ class TaskWorkload(Workload):
             isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
         ):
             raise ValueError(f"{pre}stop must be a list of non-empty strings or null")
+        from kvbench.hf.cache import DECODE_PATHS
+
+        if spec.get("path", "attend") not in DECODE_PATHS:
+            raise ValueError(
+                f"{pre}path={spec.get('path')!r} is not supported; allowed: {list(DECODE_PATHS)}"
+            )
         cls.check_task(spec, pre)
 
     @classmethod
@@ -399,7 +437,9 @@ class TaskWorkload(Workload):
     def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
         """Greedy completion of one example (tests replace this with a stub)."""
         ids, n = self.prompt_ids(ctx, example)
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop)
+        return greedy_generate(
+            ctx.model, ctx.tokenizer, ids, method, n, self.stop, self.spec.get("path", "attend")
+        )
 
     def generate_batch(
         self, ctx: Any, method: Any, examples: list[dict[str, Any]]
@@ -408,7 +448,15 @@ class TaskWorkload(Workload):
         if len(examples) == 1:
             return [self.generate(ctx, method, examples[0])]
         ids, budgets = zip(*(self.prompt_ids(ctx, ex) for ex in examples))
-        return greedy_generate_batch(ctx.model, ctx.tokenizer, ids, method, budgets, self.stop)
+        return greedy_generate_batch(
+            ctx.model,
+            ctx.tokenizer,
+            ids,
+            method,
+            budgets,
+            self.stop,
+            self.spec.get("path", "attend"),
+        )
 
     def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
         """Metrics beyond the per-score means (e.g. per-language averages)."""
@@ -423,7 +471,11 @@ class TaskWorkload(Workload):
         gens: list[dict[str, Any]] = []
         for i in range(0, len(self.examples), bs):
             gens.extend(self.generate_batch(ctx, method, self.examples[i : i + bs]))
+        decode: list[dict[str, Any]] = []
         for ex, gen in zip(self.examples, gens):
+            gen = dict(gen)
+            if "decode_attention" in gen:
+                decode.append(gen.pop("decode_attention"))
             s = self.score(ex, gen["text"])
             for k, v in s["scores"].items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -443,4 +495,19 @@ class TaskWorkload(Workload):
         metrics.update(self.extra_metrics(rows))
         metrics["task_score"] = metrics.get(self.PRIMARY, float("nan"))
         metrics["num_examples"] = len(rows)
-        return Result(metrics, {"examples": rows}, self.info)
+        info = dict(self.info)
+        if decode:
+            info["decode_attention"] = merge_decode_info(decode)
+        return Result(metrics, {"examples": rows}, info)
+
+
+def merge_decode_info(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``decode_attention`` record from several (per example): paths summed, reasons
+    united, the route and its reason of the first."""
+    paths: dict[str, int] = {}
+    reasons: set[str] = set()
+    for d in parts:
+        for k, n in d.get("paths", {}).items():
+            paths[k] = paths.get(k, 0) + n
+        reasons |= set(d.get("path_reasons", []))
+    return {**parts[0], "paths": dict(sorted(paths.items())), "path_reasons": sorted(reasons)}

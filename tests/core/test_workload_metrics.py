@@ -220,7 +220,7 @@ def test_passkey_accuracy_counts_answers_in_the_completion(monkeypatch) -> None:
             return torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], dim=1)
 
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: next(completions))
-    monkeypatch.setattr(hf_cache, "QuantizedKVCache", lambda method, model: None)
+    monkeypatch.setattr(hf_cache, "QuantizedKVCache", lambda method, model, **kw: None)
     monkeypatch.setattr(hf_cache, "cache_kwarg", lambda cache, model: {})
     wl = Passkey(Passkey.validate({"type": "passkey", "depths": [0.5]}))
     answers = ["12345", "54321", "12345", "99999"]
