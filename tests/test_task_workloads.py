@@ -152,16 +152,24 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     prompts = [tok(t, return_tensors="pt")["input_ids"] for t in BATCH_TEXTS]
     assert len({p.shape[1] for p in prompts}) == 3
     budgets = [10, 6, 8]
+    def alone(p, n):
+        return greedy_generate(model, tok, p, get_method(name, **cfg), n)
+
+    def drop_paths(g):  # the batch's decode_attention counts every row's layer calls
+        return {k: v for k, v in g.items() if k != "decode_attention"}
+
     got = greedy_generate_batch(model, tok, prompts, get_method(name, **cfg), budgets)
     for p, n, g in zip(prompts, budgets, got):
-        assert g == greedy_generate(model, tok, p, get_method(name, **cfg), n)
+        one = alone(p, n)
+        assert drop_paths(g) == drop_paths(one)
+        assert g["decode_attention"]["route"] == one["decode_attention"]["route"] == "attend"
     if name != "full":
         assert all(g["key_quantized_after_prefill"] > 0 for g in got[::2])
     # equal lengths, no padding: still each row alone (per-tensor statistics not shared)
     same = [prompts[0], prompts[0].flip(-1)]
     got = greedy_generate_batch(model, tok, same, get_method(name, **cfg), [5, 5])
     for p, g in zip(same, got):
-        assert g == greedy_generate(model, tok, p, get_method(name, **cfg), 5)
+        assert drop_paths(g) == drop_paths(alone(p, 5))
 
 
 def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
