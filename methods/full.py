@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvbench.kv.layer import LayerCache
 from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import Capabilities, Method, MethodConfig
 
@@ -28,15 +25,17 @@ class FullPrecision(Method):
     source = "docs/design.md#baseline"
     capabilities = Capabilities()
 
-    def new_layer(
-        self,
-        layer_idx: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ) -> LayerCache:
-        return LayerCache(None, None, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    def key_codec(self, layer_idx: int, head_dim: int) -> None:
+        """No codec: every key stays in the residual, in the model's dtype."""
+        return None
+
+    value_codec = key_codec
+
+    def key_schedule(self) -> None:
+        """Nothing is ever flushed (the layer cache's default never-schedule)."""
+        return None
+
+    value_schedule = key_schedule
 
     def key_layout(self, head_dim: int) -> BlockLayout:
         return BlockLayout.full_precision(head_dim)

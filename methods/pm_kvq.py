@@ -118,21 +118,21 @@ class BudgetTooShort(ValueError):
 
 class ProgressiveLayerCache(LayerCache):
     """:class:`LayerCache` whose main cache shrinks while the layer exceeds ``budget`` (bytes per
-    sequence).  Window, sinks, ``budget_scope`` and ``on_overflow`` come from ``config``;
-    ``num_kv_heads``/``head_dim`` as in :class:`LayerCache`; ``bits`` is the width now."""
+    sequence).  Codecs, schedules, sinks and ``num_kv_heads``/``head_dim`` as in
+    :class:`LayerCache` (built by :meth:`PMKVQ.new_layer` through
+    :meth:`~kvbench.kv.method.Method.layer_cache`); ``budget_scope`` and ``on_overflow`` come
+    from ``config``; ``bits`` is the width now."""
 
     def __init__(
         self,
         key_codec: ProgressiveCodec,
         value_codec: ProgressiveCodec,
+        *args: Any,
         config: PMKVQConfig,
         budget: float,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        sched = BlockSchedule(config.residual_length)
-        n_s = config.num_sink_tokens
-        super().__init__(key_codec, value_codec, sched, sched, n_s, False, num_kv_heads, head_dim)
+        super().__init__(key_codec, value_codec, *args, **kwargs)
         self.budget, self.scope, self.on_overflow = budget, config.budget_scope, config.on_overflow
         self.init_bits = key_codec.init_bits
         #: the width the budget names (``budget_bits``); below it the budget is too short
@@ -293,6 +293,10 @@ class PMKVQ(Method):
 
     value_codec = key_codec
 
+    def value_schedule(self) -> BlockSchedule:
+        """Values flush with the keys, in blocks of ``residual_length`` tokens."""
+        return self.key_schedule()
+
     def new_layer(
         self,
         layer_idx: int,
@@ -303,8 +307,9 @@ class PMKVQ(Method):
     ) -> ProgressiveLayerCache:
         c = self.config
         budget = c.layer_budget(layer_idx, num_kv_heads, head_dim)
-        k, v = self.key_codec(layer_idx, head_dim), self.value_codec(layer_idx, head_dim)
-        layer = ProgressiveLayerCache(k, v, c, budget, num_kv_heads, head_dim)
+        layer = self.layer_cache(
+            layer_idx, num_kv_heads, head_dim, ProgressiveLayerCache, config=c, budget=budget
+        )
         if c.budget_bytes is None:  # a budget_bits row: the width it names
             widths = self.final_bits()
             layer.named_bits = widths[layer_idx] if isinstance(c.bits_budget, tuple) else widths[0]

@@ -30,7 +30,7 @@ def test_peak_is_per_run() -> None:
 
 
 @linux
-def test_many_runs_do_not_grow_resident_memory(tmp_path) -> None:
+def test_many_runs_do_not_grow_resident_memory(tmp_path, monkeypatch) -> None:
     # 4 layers x 3 KV heads x 4096 tokens x 64 channels x 4 B x (K, V) = 24 MiB of full-precision
     # cache per run: a leak of one run's cache would show as +24 MiB per run
     suite = parse_suite(
@@ -62,9 +62,67 @@ def test_many_runs_do_not_grow_resident_memory(tmp_path) -> None:
         },
         "sweep.yaml",
     )
+    after: list[int] = []  # resident memory after each run's release
+
+    def release() -> None:
+        real()
+        after.append(memstat.rss_bytes())
+
+    real = memstat.release
+    monkeypatch.setattr(memstat, "release", release)
     recs = run_suite(suite, tmp_path, quiet=True)
     assert len(recs) == 14
-    peaks = [r["manifest"]["memory"]["peak_rss_bytes"] for r in recs]
     assert all(r["manifest"]["memory"]["rss_peak_scope"] == "run" for r in recs)
-    first, last = max(peaks[:4]), max(peaks[-4:])
-    assert last - first < 24 * 2**20, [p // 2**20 for p in peaks]
+    # the first runs warm up (imports, allocator pools); from run 5 on, resident memory after a
+    # run moves only by allocator noise: the growth from run 5 to the last must stay below one
+    # run's cache plus twice the largest step seen between consecutive warmed-up runs (a leak of
+    # one cache per run would add 9 x 24 MiB)
+    runs = after[:14]
+    steps = [abs(b - a) for a, b in zip(runs[4:], runs[5:])]
+    mib = [r // 2**20 for r in runs]
+    assert runs[-1] - runs[4] < 24 * 2**20 + 2 * max(steps), mib
+    peaks = [r["manifest"]["memory"]["peak_rss_bytes"] for r in recs]
+    assert max(peaks[-4:]) - max(peaks[4:8]) < 24 * 2**20, [p // 2**20 for p in peaks]
+
+
+@pytest.mark.parametrize("name", ["full", "kivi", "per-token", "hf-dynamic"])
+def test_a_dropped_cache_is_freed_without_the_cyclic_collector(name: str) -> None:
+    """A cache used by a model forward is freed as soon as its last reference goes: no
+    reference cycle keeps its K/V alive until Python's cyclic collector happens to run (the
+    latency workload drops 2 x prefill_repeats caches per run; a cycle per cache piled them up
+    over a sweep)."""
+    import gc
+    import weakref
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.hf.attention import use_kvbench_attention
+    from kvbench.hf.cache import cache_kwarg, make_hf_cache
+    from kvbench.kv.registry import get_method
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    model = use_kvbench_attention(LlamaForCausalLM(cfg).eval())
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1))
+    for attend in (False, True):
+        cache = make_hf_cache(get_method(name), model, attend=attend)
+        with torch.no_grad():
+            model(input_ids=ids[:, :39], use_cache=True, **cache_kwarg(cache, model))
+            model(input_ids=ids[:, 39:], use_cache=True, **cache_kwarg(cache, model))
+        ref = weakref.ref(cache)
+        gc.disable()
+        try:
+            del cache
+            assert ref() is None, f"{name} (attend={attend}): the cache is in a reference cycle"
+        finally:
+            gc.enable()

@@ -152,6 +152,7 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     prompts = [tok(t, return_tensors="pt")["input_ids"] for t in BATCH_TEXTS]
     assert len({p.shape[1] for p in prompts}) == 3
     budgets = [10, 6, 8]
+
     def alone(p, n):
         return greedy_generate(model, tok, p, get_method(name, **cfg), n)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,10 +99,22 @@ class KVBenchLayer(CacheLayerMixin):
 
     def __init__(self, owner: QuantizedKVCache, layer_idx: int) -> None:
         super().__init__()
-        self.owner = owner
+        # a weak reference: owner.layers holds this layer, and a strong back-reference made
+        # every cache a reference cycle, freed only when Python's cyclic collector happened to
+        # run (a latency sweep's discarded caches, each up to the whole K/V, piled up for GBs)
+        self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.layer_cache = None
         self._unconsumed = False
+
+    @property
+    def owner(self) -> QuantizedKVCache:
+        """The :class:`QuantizedKVCache` this layer belongs to (``RuntimeError`` once it is
+        gone: a layer is not used without its cache)."""
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError(f"KVBenchLayer {self.layer_idx}: its QuantizedKVCache was freed")
+        return owner
 
     def __repr__(self) -> str:
         return f"KVBenchLayer({self.layer_idx}, {self.owner.method!r})"

@@ -265,16 +265,31 @@ class Method:
     ) -> LayerCache:
         """One empty :class:`LayerCache` for layer ``layer_idx`` with ``num_kv_heads`` heads of
         ``head_dim`` channels.  Raises ``ValueError`` if the config does not fit ``head_dim``."""
-        c = self.config
-        return LayerCache(
+        return self.layer_cache(layer_idx, num_kv_heads, head_dim)
+
+    def layer_cache(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cls: type[LayerCache] = LayerCache,
+        **extra: Any,
+    ) -> LayerCache:
+        """``cls`` (a :class:`LayerCache` subclass taking LayerCache's arguments, then
+        ``extra``) built from this method's parts: :meth:`key_codec`, :meth:`value_codec`,
+        :meth:`key_schedule`, :meth:`value_schedule`, the config's ``num_sink_tokens`` (0 if
+        it has none) and :attr:`needs_queries`.  The one place a method's layer is assembled;
+        a ``new_layer`` override that needs its own layer class calls this."""
+        return cls(
             self.key_codec(layer_idx, head_dim),
             self.value_codec(layer_idx, head_dim),
             self.key_schedule(),
             self.value_schedule(),
-            num_sink_tokens=getattr(c, "num_sink_tokens", 0),
+            num_sink_tokens=getattr(self.config, "num_sink_tokens", 0),
             needs_queries=self.needs_queries,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            **extra,
         )
 
     def transformers_cache(self, model: Any, attend: bool = False) -> Any | None:

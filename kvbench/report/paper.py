@@ -36,6 +36,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvbench.run.validate import check_entry
+
 PAPER_KEYS = {
     "title",
     "source",
@@ -56,11 +58,7 @@ STATUSES = ("run", "unrun")
 def validate(paper: Any, where: str = "paper") -> dict[str, Any]:
     """Check a ``paper:`` block; returns it.  ``ValueError`` names the bad key and what is
     allowed."""
-    if not isinstance(paper, dict):
-        raise ValueError(f"{where}: 'paper' must be a mapping")
-    bad = set(paper) - PAPER_KEYS
-    if bad:
-        raise ValueError(f"{where}: unknown key(s) {sorted(bad)}; allowed: {sorted(PAPER_KEYS)}")
+    check_entry(paper, where, PAPER_KEYS, shape="'paper' must be a mapping")
     if paper.get("status", "run") not in STATUSES:
         raise ValueError(f"{where}: status must be one of {list(STATUSES)}")
     cols = paper.get("columns") or []
@@ -68,14 +66,7 @@ def validate(paper: Any, where: str = "paper") -> dict[str, Any]:
         raise ValueError(f"{where}: 'columns' must be a non-empty list")
     names = []
     for i, c in enumerate(cols):
-        if not isinstance(c, dict) or "name" not in c:
-            raise ValueError(f"{where}: columns[{i}] must be a mapping with 'name'")
-        bad = set(c) - COLUMN_KEYS
-        if bad:
-            raise ValueError(
-                f"{where}: columns[{i}]: unknown key(s) {sorted(bad)}; allowed: "
-                f"{sorted(COLUMN_KEYS)}"
-            )
+        check_entry(c, f"{where}: columns[{i}]", COLUMN_KEYS, "name")
         if "where" in c and not isinstance(c["where"], dict):
             raise ValueError(f"{where}: columns[{i}].where must be a mapping")
         names.append(str(c["name"]))
@@ -83,13 +74,7 @@ def validate(paper: Any, where: str = "paper") -> dict[str, Any]:
         raise ValueError(f"{where}: column names must be unique, got {names}")
     labels = []
     for i, r in enumerate(paper.get("rows") or []):
-        if not isinstance(r, dict) or "label" not in r:
-            raise ValueError(f"{where}: rows[{i}] must be a mapping with 'label'")
-        bad = set(r) - ROW_KEYS
-        if bad:
-            raise ValueError(
-                f"{where}: rows[{i}]: unknown key(s) {sorted(bad)}; allowed: {sorted(ROW_KEYS)}"
-            )
+        check_entry(r, f"{where}: rows[{i}]", ROW_KEYS, "label")
         unknown = set(r.get("paper") or {}) - set(names)
         if unknown:
             raise ValueError(

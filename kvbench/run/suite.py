@@ -49,6 +49,8 @@ TOP_KEYS = {
 #: calibration text for methods that need it (must differ from every evaluation text)
 DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 MODEL_KEYS = {"id", "dtype", "device"}
+#: keys of a ``methods:`` entry
+METHOD_KEYS = {"name", "config", "label"}
 #: ``resources:`` keys (per worker, i.e. per model per device, under ``--executor ray``)
 RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "custom")
 #: ``model: {shape: NAME}``: a preset or hub config with seeded random weights (kvbench.hf.shapes)
@@ -134,11 +136,7 @@ def _model(entry: Any, where: str) -> dict[str, Any] | None:
         return _shape_model(entry, where)
     if not isinstance(entry, dict) or "id" not in entry:
         raise ValueError(f"{where}: a model is an id string or a mapping with 'id'")
-    unknown = set(entry) - MODEL_KEYS
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown model key(s) {sorted(unknown)}; allowed: {sorted(MODEL_KEYS)}"
-        )
+    validate.check_keys(entry, MODEL_KEYS, where, "model")
     model = {**DEFAULT_MODEL, **entry}
     validate.check_model(model, where)
     return model
@@ -171,11 +169,7 @@ def parse_resources(entry: Any, where: str) -> dict[str, Any] | None:
         return None
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: 'resources' is a mapping with keys {list(RESOURCE_KEYS)}")
-    unknown = set(entry) - set(RESOURCE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown resources key(s) {sorted(unknown)}; allowed: {list(RESOURCE_KEYS)}"
-        )
+    validate.check_keys(entry, RESOURCE_KEYS, where, "resources")
     for key, low, strict in (("num_cpus", 0, True), ("num_gpus", 0, False), ("memory", 0, True)):
         if key in entry:
             v = entry[key]
@@ -193,11 +187,7 @@ def parse_resources(entry: Any, where: str) -> dict[str, Any] | None:
 def _shape_model(entry: dict[str, Any], where: str) -> dict[str, Any]:
     from kvbench.hf.shapes import check_shape_spec
 
-    unknown = set(entry) - SHAPE_KEYS
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown shape-model key(s) {sorted(unknown)}; allowed: {sorted(SHAPE_KEYS)}"
-        )
+    validate.check_keys(entry, SHAPE_KEYS, where, "shape-model")
     try:
         check_shape_spec(entry["shape"], entry.get("layers"))
     except ValueError as exc:
@@ -226,12 +216,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
 
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a suite is a YAML mapping")
-    unknown = set(data) - TOP_KEYS
-    if unknown:
-        raise ValueError(
-            f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(TOP_KEYS)}"
-            + validate.close_matches(sorted(unknown)[0], sorted(TOP_KEYS))
-        )
+    validate.check_keys(data, TOP_KEYS, path)
     seed = validate.check_int(data.get("seed", 0), path, "seed", 0)
     threads = validate.check_threads(data.get("threads"), path)
     calibration = validate.check_calibration(data.get("calibration"), path, DEFAULT_CALIBRATION)
@@ -259,13 +244,8 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         where = f"{path}: methods[{i}]"
         if isinstance(entry, str):
             entry = {"name": entry}
-        if not isinstance(entry, dict) or "name" not in entry:
-            raise ValueError(f"{where}: a method is a name or a mapping with 'name'")
-        extra = set(entry) - {"name", "config", "label"}
-        if extra:
-            raise ValueError(
-                f"{where}: unknown key(s) {sorted(extra)}; allowed: ['config', 'label', 'name']"
-            )
+        shape = "a method is a name or a mapping with 'name'"
+        validate.check_entry(entry, where, METHOD_KEYS, "name", shape=shape)
         if "label" in entry and (not isinstance(entry["label"], str) or not entry["label"]):
             raise ValueError(f"{where}: label={entry['label']!r} must be a non-empty string")
         config = entry.get("config") or {}

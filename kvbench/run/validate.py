@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,36 @@ def close_matches(word: Any, allowed: list[str]) -> str:
     """``"; did you mean 'x'?"`` for a near miss of ``word`` among ``allowed``, else ``""``."""
     near = difflib.get_close_matches(str(word), allowed, n=2, cutoff=0.6)
     return f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+
+
+def check_keys(entry: dict[str, Any], allowed: Iterable[str], where: str, kind: str = "") -> None:
+    """``ValueError`` ``"<where>: unknown <kind> key(s) [...]; allowed: [...]"`` (with "did you
+    mean") when ``entry`` has a key outside ``allowed``."""
+    names = sorted(allowed)
+    unknown = sorted(set(entry) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown {kind + ' ' if kind else ''}key(s) {unknown}; allowed: {names}"
+            + close_matches(unknown[0], names)
+        )
+
+
+def check_entry(
+    entry: Any,
+    where: str,
+    allowed: Iterable[str],
+    required: str | None = None,
+    kind: str = "",
+    shape: str | None = None,
+) -> dict[str, Any]:
+    """``entry`` as a mapping that holds ``required`` (when given) and only ``allowed`` keys
+    (:func:`check_keys`).  Otherwise ``ValueError`` ``"<where>: <shape>"``, ``shape``
+    defaulting to "must be a mapping [with '<required>']"."""
+    if not isinstance(entry, dict) or (required is not None and required not in entry):
+        with_key = f" with {required!r}" if required is not None else ""
+        raise ValueError(f"{where}: {shape or 'must be a mapping' + with_key}")
+    check_keys(entry, allowed, where, kind)
+    return entry
 
 
 def check_int(value: Any, where: str, field: str, low: int = 0) -> int:
@@ -58,13 +89,8 @@ def check_calibration(block: Any, where: str, default: dict[str, Any]) -> dict[s
     checked with the data (pre-flight), its type and the token count here."""
     if block is None:
         return dict(default)
-    if not isinstance(block, dict):
-        raise ValueError(f"{where}: calibration must be a mapping {{text: NAME, tokens: N}}")
-    unknown = sorted(set(block) - set(default))
-    if unknown:
-        raise ValueError(
-            f"{where}: calibration: unknown key(s) {unknown}; allowed: {sorted(default)}"
-        )
+    shape = "calibration must be a mapping {text: NAME, tokens: N}"
+    check_entry(block, where, default, kind="calibration", shape=shape)
     out = {**default, **block}
     if not isinstance(out["text"], str) or not out["text"]:
         raise ValueError(f"{where}: calibration.text={out['text']!r} must be a text name")
