@@ -130,3 +130,19 @@ def test_readme_table_matches_the_committed_records():
         )
     assert COMMITTED in blocks, f"README.md has no headline block for {COMMITTED}"
     assert blocks[COMMITTED] == ex.readme_block(ROOT / COMMITTED, COMMITTED)
+
+
+def test_section_follows_the_measured_value_bits_not_the_config_field():
+    """A method whose ``value_bits`` field says 16 but whose values are stored quantized (SemKV's
+    mixed values) is deployed (a); one whose measured values are 16-bit while its keys are
+    quantized is keys only (b); a 16-bit peer (keys and values unquantized) is not keys only."""
+    out = records()
+    for label, kb, vb, cfg in (
+        ("mixed", 3.9, 3.8, {"value_bits": 16}),
+        ("konly", 2.3, 16.0, {}),
+        ("peer", 16.0, 16.0, {}),
+    ):
+        m = {"bytes_total": 500, "effective_key_bits": kb, "effective_value_bits": vb}
+        out.append(rec(label, "x", "memory", m, cfg, dtype="float16"))
+    by = {r["label"]: r["section"] for r in rows(out)}
+    assert (by["mixed"], by["konly"], by["peer"]) == ("a", "b", "a")

@@ -7,8 +7,11 @@ Rows join a configuration's records by label: ``memory`` (bytes at rest of every
 
 * **(a) deployed**: keys and values quantized (every configuration whose values are not kept at
   16 bits);
-* **(b) keys only**: configurations with ``value_bits: 16`` (the PN-Mix paper's b_V = 16
-  setting).
+* **(b) keys only**: configurations whose values are stored unquantized while their keys are
+  quantized (the PN-Mix paper's b_V = 16 setting), decided from the measured bits per element of
+  the memory record (a method's ``value_bits`` field alone can mislead: SemKV keeps
+  ``value_bits: 16`` but stores values at each token's mixed width); from ``value_bits: 16`` in
+  the configuration only when the record has no measured bits.
 
 ``bytes vs 16-bit`` = ``bytes_total`` / the bytes of a 16-bit cache of the same tokens: the
 ``full`` configuration's ``bytes_total`` scaled to 16 bits per element from the dtype its memory
@@ -31,8 +34,15 @@ def _label(rec: dict[str, Any]) -> str:
     return rec.get("manifest", {}).get("label") or rec["method"]
 
 
-def _keys_only(rec: dict[str, Any]) -> bool:
-    return rec["method"] != BASELINE and rec.get("config", {}).get("value_bits") == 16
+def _keys_only(rec: dict[str, Any], e: dict[str, Any]) -> bool:
+    """Values stored at the full width of the memory workload's dtype, keys below it (measured);
+    the configuration's ``value_bits == 16`` when nothing was measured."""
+    if rec["method"] == BASELINE:
+        return False
+    full, kb, vb = e.get("dtype_bits", 16), e.get("key_bits"), e.get("value_bits")
+    if kb is not None and vb is not None:
+        return vb >= full - 1e-9 and kb < full - 1e-9
+    return rec.get("config", {}).get("value_bits") == 16
 
 
 def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -66,7 +76,7 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if e.get("bytes") is None:
             continue
         rec = e.pop("rec")
-        e["section"] = "base" if rec["method"] == BASELINE else ("b" if _keys_only(rec) else "a")
+        e["section"] = "base" if rec["method"] == BASELINE else ("b" if _keys_only(rec, e) else "a")
         e["bytes_ratio"] = e["bytes"] / bytes16
         out.append(e)
     return out
