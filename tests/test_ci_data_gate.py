@@ -69,7 +69,8 @@ def test_ci_script_parses():
 
 def test_ci_script_finds_a_data_folder_beside_the_checkout(tmp_path):
     """Run the data-folder part of ``.ci/run`` (up to ``make lint``) on a fake checkout with a
-    data folder at ``../shared/data``: it must export that folder and the requirement flag."""
+    data folder where ``.ci/run`` looks for one (beside the checkout; ``.ci/run`` is the only file
+    that names that path): it must export that folder and the requirement flag."""
     text = _ci_script().read_text()
     head = text.split("make lint", 1)[0]
     checkout = tmp_path / "repo"
