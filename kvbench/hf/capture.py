@@ -74,6 +74,12 @@ def capture_qkv(
             "no attention call was captured: the model does not use transformers' "
             "AttentionInterface, or `layers` names no attention layer"
         )
+    return _assemble(found)
+
+
+def _assemble(found: dict[int, tuple]) -> CapturedQKV:
+    """The recorded ``{layer_idx: (q, k, v, scaling)}`` as a :class:`CapturedQKV`, in layer
+    order."""
     out = CapturedQKV()
     for idx in sorted(found, key=lambda i: -1 if i is None else i):
         q, k, v, s = found[idx]
@@ -128,12 +134,4 @@ def capture_prompt(model: Any, input_ids: torch.Tensor) -> PromptState:
             "no attention call was captured: the model does not use transformers' "
             "AttentionInterface"
         )
-    cap = CapturedQKV()
-    for idx in sorted(found, key=lambda i: -1 if i is None else i):
-        q, k, v, s = found[idx]
-        cap.queries.append(q)
-        cap.keys.append(k)
-        cap.values.append(v)
-        cap.scaling.append(s)
-        cap.layer_ids.append(idx)
-    return PromptState(cap, out.logits[:, -1].float())
+    return PromptState(_assemble(found), out.logits[:, -1].float())
