@@ -43,3 +43,16 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"data test skipped while {REQUIRE_ENV}=1 (a data folder is given): {reason}"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test module (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): tiny models gain nothing from more and only spin on a busy machine; the
+    previous setting is restored for the other modules."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -50,14 +50,8 @@ KIVI2 = dict(bits=2, group_size=4, residual_length=4, value_bits=2)
 PC8 = dict(bits=8, group_size=4, residual_length=4, value_bits=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads (they only spin on a busy machine);
-    the previous setting is restored for the other test modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -22,13 +22,8 @@ from kvbench.run.runner import run_suite
 from kvbench.run.suite import parse_suite
 from kvbench.workloads.latency import CPU_NOTE, Latency
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_model() -> LlamaForCausalLM:

@@ -23,12 +23,8 @@ from kvbench.workloads.memory import Memory, Replay, synthetic_qkv, transient_pe
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ctx(seed: int = 0):

@@ -29,12 +29,8 @@ SMALL = {"group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bit
 METHODS = ["full", "kivi", "per-token", "pn-mix", "int4-block", "fp8"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -38,12 +38,8 @@ needs_quanto = pytest.mark.skipif(not HAVE_QUANTO, reason="optimum-quanto not in
 needs_hqq = pytest.mark.skipif(not HAVE_HQQ, reason="hqq not installed")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _kv(shape, dtype, seed=0):
