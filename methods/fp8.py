@@ -45,7 +45,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, run_compiled
+from kvbench.attend import native
+from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
@@ -289,7 +290,12 @@ class FP8Attention:
 
     def key_logits(self, block: FP8Block, q: torch.Tensor, compiled: bool) -> torch.Tensor:
         codes, lut = _bytes(block), fp8_table(block.fmt, q.device)
-        out = run_compiled(_fp8_logits, [(codes, 2)], codes, q, lut, 8) if compiled else None
+        out = None
+        if compiled and native_allowed() and native.supports(codes, 8, q.shape[-1]):
+            out = native.keys_lut(codes, q, lut, 8)
+            note_impl("native")
+        elif compiled:
+            out = run_compiled(_fp8_logits, [(codes, 2), (q, 2)], codes, q, lut, 8)
         if out is None:
             outs = []
             for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
@@ -303,7 +309,14 @@ class FP8Attention:
         s = _token_scale(block)
         ps = p if s is None else p * s
         codes, lut = _bytes(block), fp8_table(block.fmt, p.device)
-        out = run_compiled(_fp8_values, [(codes, 2)], codes, ps, lut, 8) if compiled else None
+        if compiled and native_allowed() and native.supports(codes, 8, codes.shape[-1]):
+            note_impl("native")
+            return native.values_lut(codes, ps, lut, 8, codes.shape[-1])
+        out = (
+            run_compiled(_fp8_values, [(codes, 2), (ps, 3)], codes, ps, lut, 8)
+            if compiled
+            else None
+        )
         if out is not None:
             return out
         out = 0

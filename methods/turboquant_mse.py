@@ -33,9 +33,12 @@ import numpy as np
 import torch
 from scipy import special
 
+from kvbench.attend import native
 from kvbench.attend.cpu import (
     EAGER_CHUNK_TOKENS,
     code_layout,
+    native_allowed,
+    note_impl,
     run_compiled,
     subcodes,
     to_subcode_order,
@@ -220,7 +223,10 @@ class TurboAttention:
         qr = q @ rot.T  # [B, H, M, D]
         d, bits = rot.shape[0], block.bits
         out = None
-        if compiled:
+        if compiled and native_allowed() and native.supports(block.codes, bits, d):
+            out = native.keys_lut(block.codes, qr, cent, bits)
+            note_impl("native")
+        elif compiled:
             qsub = to_subcode_order(qr, bits)
             out = run_compiled(_tq_logits, [(block.codes, 2)], block.codes, qsub, cent, bits)
         if out is None:
@@ -238,7 +244,10 @@ class TurboAttention:
         ps = p * block.norms.float()[..., 0].unsqueeze(2)
         d, bits = rot.shape[0], block.bits
         out = None
-        if compiled:
+        if compiled and native_allowed() and native.supports(block.codes, bits, d):
+            out = native.values_lut(block.codes, ps, cent, bits, d)
+            note_impl("native")
+        elif compiled:
             out = run_compiled(_tq_values, [(block.codes, 2)], block.codes, ps, cent, bits)
         if out is None:
             out = 0

@@ -25,6 +25,16 @@ from kvbench.kv.layer import LayerCache
 from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
 
 
+@pytest.fixture(autouse=True)
+def _without_native(monkeypatch):
+    """These tests are about the ``torch.compile`` / eager kernels and the mode rules between
+    them; the native C kernels, which ``auto`` mode prefers where built, are tested in
+    tests/attend/test_native.py and tests/attend/test_attend_backends.py."""
+    from kvbench.attend import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+
+
 def ref64(lc: LayerCache, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """Float64 attention of ``query [B, H_q, n_q, D]`` over ``lc.keys_values(float64)``."""
     k, v = lc.keys_values(torch.float64)

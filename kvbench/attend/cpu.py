@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from kvbench.attend import native
 from kvbench.attend.reference import length_mask
 from kvbench.attend.registry import (
     BlockKernel,
@@ -74,8 +75,9 @@ from kvbench.kv.blocks import AffineBlock
 from kvbench.kv.quant import unpack_bits
 
 ENV_MODE = "KVBENCH_CPU_ATTENTION"
-MODES = ("auto", "compiled", "eager", "reference")
+MODES = ("auto", "native", "compiled", "eager", "reference")
 COMPILED_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-compiled", "cpu-eager", "reference"
+NATIVE_PATH = "cpu-native"
 #: in ``auto`` mode, quantized tokens (keys + values of one layer) from which the compiled
 #: kernels are used
 COMPILE_MIN_TOKENS = 1024
@@ -85,6 +87,42 @@ EAGER_CHUNK_TOKENS = 1024
 _mode_override: str | None = None
 _compiled: dict[tuple[str, int], Callable[..., Any]] = {}
 _compile_error: str | None = None
+
+
+class _StepState:
+    """What the running :func:`_registry_run` allows (``native``, ``inductor``) and which
+    implementation each quantized block used (``used``, for the recorded path)."""
+
+    native = False
+    inductor = True
+    used: list[str] = []
+
+
+_state = _StepState()
+
+
+KERNEL_KINDS = ("native", "compiled", "eager")
+
+
+def path_kinds(path: str) -> set[str]:
+    """The kernel kinds a recorded code-domain path names: ``"cpu-native+eager"`` ->
+    ``{"native", "eager"}``; ``ValueError`` for a path that is not a ``cpu-`` path of
+    :data:`KERNEL_KINDS`."""
+    kinds = set(path.removeprefix("cpu-").split("+")) if path.startswith("cpu-") else set()
+    if not kinds or not kinds <= set(KERNEL_KINDS):
+        raise ValueError(f"{path!r} is not a CPU code-domain path (cpu-<kinds of {KERNEL_KINDS}>)")
+    return kinds
+
+
+def native_allowed() -> bool:
+    """Whether a block kernel may use :mod:`kvbench.attend.native` in the running step."""
+    return _state.native
+
+
+def note_impl(impl: str) -> None:
+    """A block kernel reports the implementation it ran (``"native"``, ``"compiled"``,
+    ``"eager"``): the recorded path names them (``cpu-native``, ``cpu-compiled+native``)."""
+    _state.used.append(impl)
 
 
 def cpu_mode() -> str:
@@ -362,7 +400,10 @@ def _fresh_function(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
 def _compiled_kernel(fn: Callable[..., Any], bits: int) -> Callable[..., Any]:
     key = (fn.__name__, bits)
     if key not in _compiled:
-        _compiled[key] = torch.compile(_fresh_function(fn, f"b{bits}"), dynamic=False)
+        # dynamic=None: besides the dims the caller marks, any dim that changes between calls
+        # (a context-sized operand the caller did not list) becomes dynamic at its first
+        # change, instead of one recompile per decode step up to dynamo's limit
+        _compiled[key] = torch.compile(_fresh_function(fn, f"b{bits}"), dynamic=None)
     return _compiled[key]
 
 
@@ -371,12 +412,14 @@ def _run(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
     failed; ``dyn``: (tensor, dim) pairs whose size grows with the context, marked dynamic so
     that a longer cache reuses the compiled code."""
     global _compile_error
-    if _compile_error is not None:
+    if _compile_error is not None or not _state.inductor:
         return None
     for t, dim in dyn:
         torch._dynamo.maybe_mark_dynamic(t, dim)
     try:
-        return _compiled_kernel(fn, args[-1])(*args)
+        out = _compiled_kernel(fn, args[-1])(*args)
+        note_impl("compiled")
+        return out
     except Exception as e:  # noqa: BLE001 - no compiler, inductor bug: eager is still right
         _compile_error = f"{type(e).__name__}: {e}"
         warnings.warn(
@@ -480,8 +523,26 @@ class AffineBlockAttention:
             and (lens[-1] <= lens[0])
         )
 
+    def _native_keys(self, block: AffineBlock, q: torch.Tensor) -> torch.Tensor | None:
+        d, bits = q.shape[-1], block.bits
+        if not (native_allowed() and native.supports(block.codes, bits, d)):
+            return None
+        a, b = affine_terms(block)
+        if len(block.group_len) == block.ntokens:
+            if (d // a.shape[-1]) % code_layout(bits)[1]:
+                return None
+            return native.keys_groups(block.codes, q, a, b, bits)
+        if not self._pages(block):
+            return None
+        a, b = _per_channel(a, d), _per_channel(b, d)
+        return native.keys_rows(block.codes, q, a, b, block.group_len[0], bits)
+
     def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
         compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
+        out = self._native_keys(block, q) if compiled else None
+        if out is not None:
+            note_impl("native")
+            return out
         if len(block.group_len) == block.ntokens:
             a, b = affine_terms(block)
             return key_tokens(block.codes, q, a, b, block.bits, compiled)
@@ -518,6 +579,14 @@ class AffineBlockAttention:
         if len(block.group_len) != block.ntokens:  # token groups (per-head, per-tensor values)
             a, b = _per_channel(a, d), _per_channel(b, d)
             return value_groups_eager(pk, p, a, b, block.group_len, bits, d)
+        if (
+            compiled
+            and native_allowed()
+            and native.supports(pk, bits, d)
+            and (d // a.shape[-1]) % code_layout(bits)[1] == 0
+        ):
+            note_impl("native")
+            return native.values_groups(pk, p, a, b, bits, d)
         if compiled and d % code_layout(bits)[1] == 0:
             ps, pb = value_token_terms(p, a, b, bits)
             out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)
@@ -633,9 +702,16 @@ def _attend(
 
 
 def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
-    """The registry's code-domain backend: ``(out, path)``; the mode picks compiled/eager."""
+    """The registry's code-domain backend: ``(out, path)``; the mode picks the kernels.
+
+    ``auto``: the native kernels (:mod:`kvbench.attend.native`) wherever a block supports them
+    (no per-shape compile cost), else ``torch.compile`` for single-query decode steps once a
+    layer holds :data:`COMPILE_MIN_TOKENS` quantized tokens, else eager.  ``native``: native,
+    else eager.  ``compiled``: ``torch.compile``, else eager.  The path names what ran:
+    ``cpu-native``, ``cpu-compiled``, ``cpu-eager``, or a ``+`` join when blocks differed."""
     mode = cpu_mode()
-    compiled = query.device.type == "cpu" and (
+    cpu = query.device.type == "cpu"
+    inductor = cpu and (
         mode == "compiled"
         or (
             mode == "auto"
@@ -643,13 +719,22 @@ def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, 
             and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
         )
     )
-    compiled = compiled and _compile_error is None
-    out = _attend(layer_cache, query, scaling, compiled, lengths)
-    compiled = compiled and _compile_error is None  # a failed compile fell back to eager
+    inductor = inductor and _compile_error is None
+    nat = cpu and mode in ("auto", "native") and native.available()
+    _state.native, _state.inductor, _state.used = nat, inductor, []
+    try:
+        out = _attend(layer_cache, query, scaling, nat or inductor, lengths)
+    finally:
+        used, _state.used = _state.used, []
+        _state.native, _state.inductor = False, True
     dev = query.device.type
     if dev != "cpu":  # a block kernel registered for another device (QJL's on CUDA): eager
         return out, f"{dev}-eager"
-    return out, COMPILED_PATH if compiled else EAGER_PATH
+    blocks = sum(side.block is not None for side in (layer_cache.k, layer_cache.v))
+    if len(used) < blocks:  # a kernel that did not report ran its eager code
+        used.append("eager")
+    kinds = sorted(set(used) or {"eager"}, key=("native", "compiled", "eager").index)
+    return out, "cpu-" + "+".join(kinds)
 
 
 install_code_domain(code_domain_reason, _registry_run, _attend)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.attend import native
 from kvbench.attend.cpu import (
     EAGER_CHUNK_TOKENS,
     _run,
     code_layout,
     key_pages_fused,
+    native_allowed,
+    note_impl,
     to_subcode_order,
 )
 from kvbench.attend.registry import register_block_kernel
@@ -56,10 +59,12 @@ def _pages(
     a: torch.Tensor,
     b: torch.Tensor,
     compiled: bool,
+    inductor: bool = True,
 ) -> torch.Tensor:
     """Logits ``[B, H, M, np * L]`` of ``np`` pages of ``L`` tokens: ``codes`` uint8
     ``[B, H, np, L, nbytes]``, ``qp`` the class-sorted query ``[B, H, M, np|1, D]``, ``a, b``
-    ``[B, H, np, D]``."""
+    ``[B, H, np, D]``.  ``compiled``: fast kernels allowed (native where available, else
+    ``torch.compile`` when ``inductor``); else unpack + matmul."""
     bsz, h, npg, length, nbytes = codes.shape
     m = qp.shape[2]
     qs_all = qp * a.unsqueeze(2)  # [B, H, M, np, D]
@@ -72,7 +77,17 @@ def _pages(
         qs = qs_all[..., off : off + cnt]
         nb = (cnt * bits + 7) // 8
         res = None
-        if aligned and compiled and cnt % code_layout(bits)[1] == 0:
+        flat = codes.reshape(bsz, h, npg * length, nbytes)[..., boff : boff + nb]
+        if (
+            aligned
+            and compiled
+            and native_allowed()
+            and cnt % code_layout(bits)[1] == 0
+            and native.supports(flat, bits, cnt)
+        ):
+            res = native.keys_raw_rows(flat, qs, length, bits).reshape(bsz, h, m, npg, length)
+            note_impl("native")
+        if res is None and aligned and compiled and inductor and cnt % code_layout(bits)[1] == 0:
             seg = codes[..., boff : boff + nb]
             qsub = to_subcode_order(qs, bits)  # [B, H, M, np, cpw, W]
             zero = torch.zeros(bsz, h, m, npg, device=qs.device)
@@ -104,6 +119,28 @@ def _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned) -> torch.Te
     return torch.cat(outs, 3) if len(outs) > 1 else outs[0]
 
 
+def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: int):
+    """All pages (a shorter last one included) in one native call over the bit stream of the
+    class codes (:func:`kvbench.attend.native.keys_stream_rows`): ``[B, H, M, n]``, or
+    ``None`` when the native kernels cannot take the block."""
+    codes = block.codes
+    d = qp.shape[-1]
+    if codes.dtype != torch.uint8 or not native.available() or d > native.MAX_HEAD_DIM:
+        return None
+    npg = -(-n // length)
+    a, b = _class_terms(block, slice(0, npg))  # [B, H, np, D]
+    qs = qp * a.unsqueeze(2)  # [B, H, M, np, D]
+    bias = (qp * b.unsqueeze(2)).sum(-1)  # [B, H, M, np]
+    widths = torch.repeat_interleave(
+        torch.tensor(block.class_bits), torch.tensor(block.class_counts)
+    )
+    out = native.keys_stream_rows(codes[:, :, :n], qs, widths, length)
+    bsz, h, m = out.shape[:3]
+    pad = npg * length - n
+    bias = bias.unsqueeze(-1).expand(bsz, h, m, npg, length).reshape(bsz, h, m, npg * length)
+    return out + (bias[..., :n] if pad else bias)
+
+
 class MixedChannelAttention:
     """:class:`~kvbench.attend.registry.BlockKernel` of
     :class:`~kvbench.kv.mixed.MixedChannelBlock` keys (see the module docstring)."""
@@ -130,6 +167,15 @@ class MixedChannelAttention:
             perm = block.perm.long().expand(bsz, h, -1, d)  # [B, H, NP|1, D]
             qx = q.unsqueeze(3).expand(bsz, h, m, perm.shape[2], d)
             qp = qx.gather(-1, perm.unsqueeze(2).expand(bsz, h, m, perm.shape[2], d))
+        if (
+            compiled
+            and native_allowed()
+            and not _byte_aligned(block.class_bits, block.class_counts)
+        ):
+            out = _native_stream(block, qp, n, length)
+            if out is not None:
+                note_impl("native")
+                return out
         parts = []
         if full:
             sl = slice(0, full)
@@ -142,7 +188,7 @@ class MixedChannelAttention:
             a, b = _class_terms(block, sl)
             ck = codes[:, :, full * length :].unsqueeze(2)
             qt = qp if qp.shape[3] == 1 else qp[:, :, :, sl]
-            parts.append(_pages(block, ck, qt, a, b, False))
+            parts.append(_pages(block, ck, qt, a, b, compiled, inductor=False))
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
     def value_output(self, block: MixedChannelBlock, p: torch.Tensor, compiled: bool):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend import cpu, registry
+from kvbench.attend import cpu, native, registry
 from kvbench.kv.blocks import AffineBlock, PerChannelCodec
 from kvbench.kv.layer import LayerCache, Side
 from kvbench.kv.mixed import MixedChannelBlock
@@ -54,6 +54,15 @@ CASES = [
     ("fp8", dict(scale="amax", scale_granularity="per-tensor", format="e5m2"), 30, 2),
 ]
 DIMS = (64, 96, 128, 256)
+#: methods whose key and value blocks both have native kernels (kvbench.attend.native)
+NATIVE_BOTH = {"kivi", "per-token", "int8-block", "int4-block", "kitty", "pn-mix", "chanmix",
+               "fp8", "semkv", "turboquant-mse"}  # fmt: skip
+
+
+def auto_path(kinds=("native",)) -> str:
+    """The path ``auto`` mode records for blocks whose kernels are ``kinds`` when the native
+    kernels are built (else eager)."""
+    return "cpu-" + "+".join(kinds) if native.available() else cpu.EAGER_PATH
 
 
 def ref64(lc: LayerCache, query: torch.Tensor, lengths=None, scaling=None) -> torch.Tensor:
@@ -121,6 +130,15 @@ def test_code_domain_matches_reference(name, cfg, prefill, steps, d):
     # several queries (a chunk): causal within them
     q3 = torch.randn(B, HQ, 3, d, generator=g)
     close_rows(cpu.code_domain_attend(lc, q3), ref64(lc, q3))
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    with cpu.cpu_attention_mode("native"):  # the C kernels (kvbench/attend/csrc/codes.c)
+        close_rows(lc.attend(q), ref)
+        kinds = cpu.path_kinds(lc.attend_path)
+        close_rows(lc.attend(q3), ref64(lc, q3))
+    assert kinds <= {"native", "eager"}
+    if name in NATIVE_BOTH and not (name == "pm-kvq" and "init_bits" not in cfg):
+        assert kinds == {"native"}, lc.attend_path
 
 
 @pytest.mark.parametrize(
@@ -152,7 +170,7 @@ def test_per_row_lengths(name, cfg):
     q = torch.randn(B, HQ, 2, 64, generator=g)
     ref = ref64(lc, q, lengths)
     close_rows(lc.attend(q, lengths=lengths), ref)
-    assert lc.attend_path == cpu.EAGER_PATH
+    assert lc.attend_path == auto_path()
     close_rows(compiled_source(lc, q, lengths), ref)
     with cpu.cpu_attention_mode("reference"):
         close_rows(lc.attend(q, lengths=lengths), ref)
@@ -288,7 +306,7 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout):
         lc.append(torch.randn(B, HKV, 1, d, generator=g), torch.randn(B, HKV, 1, d, generator=g))
         lc.end_step()
     close_rows(lc.attend(q), ref64(lc, q))
-    assert lc.attend_path == cpu.EAGER_PATH
+    assert lc.attend_path in (cpu.EAGER_PATH, auto_path(("native", "eager")))
 
 
 def test_pre_rope_blocks_read_post_rope_keys():
@@ -362,7 +380,7 @@ def test_qjl_estimator_in_the_code_domain(d):
     lg = q.double() @ kq.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(d)
     ref = torch.softmax(lg, -1) @ vv.repeat_interleave(rep, 1)
     close_rows(lc.attend(q), ref)
-    assert lc.attend_path == cpu.EAGER_PATH
+    assert lc.attend_path == auto_path(("native", "eager"))  # QJL's estimator is eager
     with cpu.cpu_attention_mode("reference"):  # the estimator is also the reference path
         close_rows(lc.attend(q), ref)
     assert lc.attend_path == "reference"

@@ -1,0 +1,210 @@
+/* CPU code-domain decode attention over packed KV-cache codes (kvbench.attend.native).
+ *
+ * One decode step reads each stored token once: its codes are decoded into a small float
+ * buffer (registers / L1, never a dequantized cache) and used by all M query rows of its KV
+ * head before the next token is read.
+ *
+ * Codes: kvbench.kv.quant.pack_bits's LSB-first bit stream, one row of `nbytes` bytes per
+ * token; a "word" of BPW bytes holds CPW whole codes (2 bits: 1 byte, 4 codes; 3 bits:
+ * 3 bytes, 8 codes).  A token's D = CPW * W codes are decoded in *sub-code order*: position
+ * i * W + w holds channel w * CPW + i (code i of word w), so that every sub-code plane is a
+ * contiguous run of W floats and the decode loop vectorizes; the caller gives the query, the
+ * affine terms and receives value outputs in the same order (kvbench/attend/native.py).
+ *
+ * Decoding (mode):
+ *   MODE_AFFINE_ROWS:  x = c * A[row, k] + Z[row, k], row = t / L, terms per channel k in
+ *                      sub-code order (per-channel key pages of L tokens: KIVI keys);
+ *   MODE_AFFINE_GROUPS: x = c * A[t, g] + Z[t, g], g = w / WG (channel groups of WG words;
+ *                      per-token keys and values);
+ *   MODE_LUT:          x = LUT[c] (a table of 2^bits floats: fp8 bytes, codebooks);
+ *   MODE_RAW:          x = c (the caller folded the terms into a per-row query);
+ *   MODE_STREAM:       x = c, channel k's code read at bit offset OFF[k] of the row with
+ *                      width WID[k] (mixed-precision classes whose boundaries are not on a
+ *                      byte, kvbench.kv.mixed.pack_mixed), channels in stored order.
+ *
+ * Keys:   out[b, h, m, t] = sum_k q[b, h, m, r, k] x[t, k]               ([B, H, M, T])
+ *         with r = t / L when the query has rows (q_sr != 0: one query per key page),
+ * Values: out[b, h, m, k] = sum_t p[b, h, m, t] x[t, k]                  ([B, H, M, D])
+ * float32 throughout; sums in float32 (as the reference matmul).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MODE_AFFINE_ROWS 0
+#define MODE_AFFINE_GROUPS 1
+#define MODE_LUT 2
+#define MODE_RAW 3
+#define MODE_STREAM 4
+#define MAXD 1024
+
+typedef struct {
+    const uint8_t *codes; /* token t of (b, h): codes + b*cs_b + h*cs_h + t*cs_t (bytes) */
+    int64_t cs_b, cs_h, cs_t;
+    int64_t B, H, T, W;   /* W words per token */
+    int64_t M;
+    int mode;
+    const float *A, *Z;   /* affine terms; element (b, h, row, k): b*as_b + h*as_h + row*as_r + k */
+    int64_t as_b, as_h, as_r;
+    int64_t L;            /* rows: tokens per row of A/Z (MODE_AFFINE_ROWS) */
+    int64_t WG;           /* words per channel group (MODE_AFFINE_GROUPS) */
+    const float *lut;     /* MODE_LUT: 2^bits entries */
+    const float *qp;      /* keys: query [B, H, M, (R,) D]; values: probabilities [B, H, M, T] */
+    int64_t q_sm, q_sr;   /* keys: query strides (floats) over m and over rows (0: no rows) */
+    const int32_t *off;   /* MODE_STREAM: bit offset of each of the D channels */
+    const uint8_t *wid;   /* MODE_STREAM: code width of each channel (1..8) */
+    int64_t nbytes;       /* MODE_STREAM: bytes per row (D = W, the channel count) */
+    float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
+} kv_args;
+
+/* codes of one token -> float c[D] in sub-code order */
+#define DEFINE_UNPACK(BITS)                                                                   \
+    static inline void unpack_##BITS(const uint8_t *row, int64_t W, float *c) {                \
+        enum { G = (BITS % 8 == 0) ? 8 : (BITS % 4 == 0) ? 4 : (BITS % 2 == 0) ? 2 : 1 };      \
+        enum { BPW = BITS / G, CPW = 8 / G };                                                  \
+        const uint32_t mask = (1u << BITS) - 1u;                                               \
+        if (BPW == 1) {                                                                        \
+            for (int i = 0; i < CPW; i++) {                                                    \
+                float *ci = c + i * W;                                                         \
+                _Pragma("omp simd")                                                            \
+                for (int64_t w = 0; w < W; w++)                                                \
+                    ci[w] = (float)(((uint32_t)row[w] >> (i * BITS)) & mask);                   \
+            }                                                                                  \
+        } else {                                                                               \
+            for (int64_t w = 0; w < W; w++) {                                                  \
+                uint64_t word = 0;                                                             \
+                for (int k = 0; k < BPW; k++) word |= (uint64_t)row[w * BPW + k] << (8 * k);   \
+                for (int i = 0; i < CPW; i++)                                                  \
+                    c[i * W + w] = (float)((word >> (i * BITS)) & mask);                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_UNPACK(1)
+DEFINE_UNPACK(2)
+DEFINE_UNPACK(3)
+DEFINE_UNPACK(4)
+DEFINE_UNPACK(5)
+DEFINE_UNPACK(6)
+DEFINE_UNPACK(7)
+DEFINE_UNPACK(8)
+
+static inline int cpw_of(int bits) {
+    if (bits == 0) return 1; /* MODE_STREAM: W counts channels */
+    int g = (bits % 8 == 0) ? 8 : (bits % 4 == 0) ? 4 : (bits % 2 == 0) ? 2 : 1;
+    return 8 / g;
+}
+
+/* decode token t of (b, h) into x[D] (sub-code order) */
+static inline void decode(const kv_args *a, int bits, int64_t b, int64_t h, int64_t t,
+                          float *x) {
+    const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
+    const int64_t W = a->W;
+    if (a->mode == MODE_STREAM) {
+        const int64_t nb = a->nbytes;
+        for (int64_t k = 0; k < W; k++) {
+            const int32_t o = a->off[k], byte = o >> 3;
+            uint32_t v = row[byte];
+            if (byte + 1 < nb) v |= (uint32_t)row[byte + 1] << 8;
+            x[k] = (float)((v >> (o & 7)) & ((1u << a->wid[k]) - 1u));
+        }
+        return;
+    }
+    const int cpw = cpw_of(bits);
+    const int64_t D = W * cpw;
+    if (a->mode == MODE_LUT) {
+        uint8_t idx[MAXD];
+        /* codes as integers first (reuse the float unpack, then look up) */
+        float c[MAXD];
+        switch (bits) {
+        case 1: unpack_1(row, W, c); break;
+        case 2: unpack_2(row, W, c); break;
+        case 3: unpack_3(row, W, c); break;
+        case 4: unpack_4(row, W, c); break;
+        case 5: unpack_5(row, W, c); break;
+        case 6: unpack_6(row, W, c); break;
+        case 7: unpack_7(row, W, c); break;
+        default: unpack_8(row, W, c); break;
+        }
+        for (int64_t k = 0; k < D; k++) idx[k] = (uint8_t)c[k];
+        for (int64_t k = 0; k < D; k++) x[k] = a->lut[idx[k]];
+        return;
+    }
+    switch (bits) {
+    case 1: unpack_1(row, W, x); break;
+    case 2: unpack_2(row, W, x); break;
+    case 3: unpack_3(row, W, x); break;
+    case 4: unpack_4(row, W, x); break;
+    case 5: unpack_5(row, W, x); break;
+    case 6: unpack_6(row, W, x); break;
+    case 7: unpack_7(row, W, x); break;
+    default: unpack_8(row, W, x); break;
+    }
+    if (a->mode == MODE_RAW) return;
+    if (a->mode == MODE_AFFINE_ROWS) {
+        const int64_t r = t / a->L;
+        const float *A = a->A + b * a->as_b + h * a->as_h + r * a->as_r;
+        const float *Z = a->Z + b * a->as_b + h * a->as_h + r * a->as_r;
+#pragma omp simd
+        for (int64_t k = 0; k < D; k++) x[k] = x[k] * A[k] + Z[k];
+    } else { /* MODE_AFFINE_GROUPS */
+        const float *A = a->A + b * a->as_b + h * a->as_h + t * a->as_r;
+        const float *Z = a->Z + b * a->as_b + h * a->as_h + t * a->as_r;
+        const int64_t WG = a->WG;
+        for (int i = 0; i < cpw; i++) {
+            float *xi = x + i * W;
+            for (int64_t w0 = 0; w0 < W; w0 += WG) {
+                const float s = A[w0 / WG], z = Z[w0 / WG];
+#pragma omp simd
+                for (int64_t w = w0; w < w0 + WG; w++) xi[w] = xi[w] * s + z;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 for an unsupported size (D above MAXD). */
+int kv_keys(const kv_args *a, int bits) {
+    const int64_t D = a->W * cpw_of(bits);
+    if (D > MAXD) return -1;
+    float x[MAXD];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
+            float *o = a->out + (b * a->H + h) * a->M * a->T;
+            for (int64_t t = 0; t < a->T; t++) {
+                decode(a, bits, b, h, t, x);
+                const float *qr = q + (t / a->L) * a->q_sr;
+                for (int64_t m = 0; m < a->M; m++) {
+                    const float *qm = qr + m * a->q_sm;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t k = 0; k < D; k++) acc += qm[k] * x[k];
+                    o[m * a->T + t] = acc;
+                }
+            }
+        }
+    return 0;
+}
+
+int kv_values(const kv_args *a, int bits) {
+    const int64_t D = a->W * cpw_of(bits);
+    if (D > MAXD) return -1;
+    float x[MAXD];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *p = a->qp + (b * a->H + h) * a->M * a->T;
+            float *o = a->out + (b * a->H + h) * a->M * D;
+            memset(o, 0, sizeof(float) * a->M * D);
+            for (int64_t t = 0; t < a->T; t++) {
+                decode(a, bits, b, h, t, x);
+                for (int64_t m = 0; m < a->M; m++) {
+                    const float pm = p[m * a->T + t];
+                    float *om = o + m * D;
+#pragma omp simd
+                    for (int64_t k = 0; k < D; k++) om[k] += pm * x[k];
+                }
+            }
+        }
+    return 0;
+}
+
+int kv_abi_version(void) { return 3; }

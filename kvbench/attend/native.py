@@ -1,0 +1,361 @@
+"""Native (C) CPU kernels of the code-domain decode attention: one read of each stored token.
+
+:mod:`kvbench.attend.cpu` computes a decode step's attention on the stored codes.  Its
+``torch.compile`` kernels pay two costs that dwarf the bytes a 2-bit cache holds: dynamo's
+guard and wrapper overhead on every call (about 0.5 ms per call, two calls per layer and step),
+and inductor's loop order for these shapes (the query rows outermost, so every token's codes
+are unpacked once per query row, and a horizontal reduction per token and row).  This module
+compiles ``kvbench/attend/csrc/codes.c`` once per machine (the system C compiler, ``cc``;
+``-O3 -march=native``) and calls it through :mod:`ctypes` (a few microseconds per call): per
+KV head, each token's codes are decoded into a float buffer in L1 and used by all ``M`` query
+rows before the next token is read (see the C file's header for the math).
+
+Layouts served (exactly :func:`kvbench.kv.quant.dequantize_groups`'s affine terms, or a table):
+
+* :func:`keys_rows`: keys with per-channel terms per row of ``L`` tokens (KIVI per-channel key
+  pages, per-head pages; mixed-precision classes, one class at a time);
+* :func:`keys_groups` / :func:`values_groups`: per-token terms over channel groups
+  (per-token keys and values, llama.cpp-style blocks, PM-KVQ);
+* :func:`keys_lut` / :func:`values_lut`: codes looked up in a ``2^bits``-entry float table
+  (fp8 bytes; codebooks).
+
+Build: the shared object is cached under ``$KVBENCH_CACHE/native`` (else
+``$XDG_CACHE_HOME/kvbench/native``, else ``~/.cache/kvbench/native``), keyed by the source, the
+flags, the compiler's version and the CPU's flags, so an upgraded compiler or another machine
+rebuilds.  No compiler, or a failed build: :func:`available` is ``False`` with the reason
+(:func:`unavailable_reason`), and the callers use the ``torch.compile`` / eager kernels.
+``KVBENCH_NATIVE=0`` disables this module.
+
+Shapes: ``codes`` uint8 ``[B, H_kv, T, nbytes]`` (any strides with contiguous rows; a view of a
+byte slice of each row for a mixed class), ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
+applied), ``p`` float32 ``[B, H_kv, M, T]``; ``D = nbytes * 8 / bits``, a multiple of the codes
+per word (:func:`kvbench.attend.cpu.code_layout`), at most :data:`MAX_HEAD_DIM`.  Results are
+float32; sums in float32 in token order per row (the reference matmul's precision).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+ENV_DISABLE = "KVBENCH_NATIVE"
+SOURCE = Path(__file__).with_name("csrc") / "codes.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+ABI_VERSION = 3
+MAX_HEAD_DIM = 1024
+MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_lock = threading.Lock()
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("cs_b", ctypes.c_int64),
+        ("cs_h", ctypes.c_int64),
+        ("cs_t", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("T", ctypes.c_int64),
+        ("W", ctypes.c_int64),
+        ("M", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("A", ctypes.c_void_p),
+        ("Z", ctypes.c_void_p),
+        ("as_b", ctypes.c_int64),
+        ("as_h", ctypes.c_int64),
+        ("as_r", ctypes.c_int64),
+        ("L", ctypes.c_int64),
+        ("WG", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("qp", ctypes.c_void_p),
+        ("q_sm", ctypes.c_int64),
+        ("q_sr", ctypes.c_int64),
+        ("off", ctypes.c_void_p),
+        ("wid", ctypes.c_void_p),
+        ("nbytes", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+    ]
+
+
+def _cache_root() -> Path:
+    if os.environ.get("KVBENCH_CACHE"):
+        return Path(os.environ["KVBENCH_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvbench"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc) on PATH")
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (SOURCE.read_text(), " ".join(FLAGS), ver, _cpu_flags()))
+    ).hexdigest()[:16]
+    out = _cache_root() / "native" / f"codes-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            so = Path(tmp) / out.name
+            r = subprocess.run(
+                [cc, *FLAGS, str(SOURCE), "-o", str(so)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:300]}")
+            os.replace(so, out)  # atomic: a concurrent build never loads half a file
+    lib = ctypes.CDLL(str(out))
+    if lib.kv_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{out} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
+    for fn in (lib.kv_keys, lib.kv_values):
+        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _reason
+    if _lib is not None or _reason is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _reason is None:
+            if os.environ.get(ENV_DISABLE, "1") == "0":
+                _reason = f"{ENV_DISABLE}=0"
+            else:
+                try:
+                    _lib = _build()
+                except Exception as e:  # noqa: BLE001 - no compiler, odd platform: fall back
+                    _reason = f"native kernels unavailable: {type(e).__name__}: {e}"
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (builds them on first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """``None`` when :func:`available`, else why not (no compiler, build error, disabled)."""
+    _load()
+    return _reason
+
+
+# ------------------------------------------------------------------------------ helpers
+def _layout(bits: int) -> tuple[int, int]:
+    """``(bytes_per_word, codes_per_word)`` (:func:`kvbench.attend.cpu.code_layout`)."""
+    if bits == 0:  # a bit stream of per-channel widths: one "word" per channel
+        return 0, 1
+    g = math.gcd(bits, 8)
+    return bits // g, 8 // g
+
+
+def _sub(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` channel order -> float32 contiguous sub-code order (position ``i * W + w``
+    holds channel ``w * cpw + i``)."""
+    cpw = _layout(bits)[1]
+    x = x.float()
+    return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).reshape(x.shape).contiguous()
+
+
+def _unsub(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_sub`."""
+    cpw = _layout(bits)[1]
+    return x.reshape(*x.shape[:-1], cpw, -1).transpose(-1, -2).reshape(x.shape)
+
+
+def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
+    """Whether the native kernels take ``codes`` (uint8 rows, contiguous last dim, on the
+    CPU) of ``bits``-bit codes for ``head_dim`` channels."""
+    if not (1 <= bits <= 8) or codes.dtype != torch.uint8 or codes.device.type != "cpu":
+        return False
+    _, cpw = _layout(bits)
+    return (
+        head_dim % cpw == 0
+        and head_dim <= MAX_HEAD_DIM
+        and codes.shape[-1] * 8 >= head_dim * bits
+        and (codes.shape[-1] == 1 or codes.stride(-1) == 1)
+        and available()
+    )
+
+
+def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=None, rows=0):
+    b, h, t, _ = codes.shape
+    w = d // _layout(bits)[1]
+    args = _Args()
+    args.codes = codes.data_ptr()
+    args.cs_b, args.cs_h, args.cs_t = (
+        codes.stride(i) if codes.shape[i] > 1 else 0 for i in range(3)
+    )
+    args.B, args.H, args.T, args.W, args.M = b, h, t, w, m
+    args.mode = mode
+    if a is not None:
+        args.A, args.Z = a.data_ptr(), z.data_ptr()
+        args.as_b = a.stride(0) if a.shape[0] > 1 else 0
+        args.as_h = a.stride(1) if a.shape[1] > 1 else 0
+        args.as_r = a.stride(2)
+    args.L, args.WG = length, wg
+    if lut is not None:
+        args.lut = lut.data_ptr()
+    args.qp, args.out = qp.data_ptr(), out.data_ptr()
+    args.q_sm, args.q_sr = (rows * d, d) if rows else (d, 0)
+    args.keep = (codes, qp, out, a, z, lut)  # the raw pointers' owners live as long as args
+    return args
+
+
+def _call(fn_name: str, args: _Args, bits: int) -> None:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(_reason)
+    rc = getattr(lib, fn_name)(ctypes.byref(args), bits)
+    if rc != 0:
+        raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
+
+
+def _check_terms(a: torch.Tensor, z: torch.Tensor, codes: torch.Tensor) -> None:
+    for name, x in (("A", a), ("Z", z)):
+        if (
+            x.dim() != 4
+            or x.shape[0] not in (1, codes.shape[0])
+            or x.shape[1]
+            not in (
+                1,
+                codes.shape[1],
+            )
+        ):
+            raise ValueError(f"affine term {name} of shape {tuple(x.shape)} does not fit codes "
+                             f"{tuple(codes.shape)}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ kernels
+def keys_rows(codes, q, a, z, length: int, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``q . (c_t * a_r + z_r)`` with ``r = t // length``.
+
+    ``a, z``: float ``[B|1, H|1, R, D]`` per channel per row (``R >= ceil(T / length)``)."""
+    _check_terms(a, z, codes)
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    qs, a_s, z_s = _sub(q, bits), _sub(a, bits), _sub(z, bits)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, qs, out, MODE_AFFINE_ROWS, a_s, z_s, length=length)
+    _call("kv_keys", args, bits)
+    return out
+
+
+def _group_terms(a, z, codes, bits, d):
+    _check_terms(a, z, codes)
+    cpw = _layout(bits)[1]
+    cg = d // a.shape[-1]
+    if cg % cpw:
+        raise ValueError(f"channel groups of {cg} do not hold whole words of {cpw} codes")
+    return a.float().contiguous(), z.float().contiguous(), cg // cpw
+
+
+def keys_groups(codes, q, a, z, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]`` of per-token groups: ``a, z`` float ``[B|1, H|1, T, Dg]``
+    (``x = c * a_{t,g} + z_{t,g}``, ``D / Dg`` channels per group, whole words)."""
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    a, z, wg = _group_terms(a, z, codes, bits, d)
+    qs = _sub(q, bits)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    _call("kv_keys", _args(codes, bits, d, m, qs, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
+    return out
+
+
+def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
+    """``sum_t p_t (c_t * a_t + z_t)`` ``[B, H, M, D]`` over per-token groups (see
+    :func:`keys_groups`); ``p`` float ``[B, H, M, T]``."""
+    bsz, h, t, _ = codes.shape
+    m = p.shape[2]
+    a, z, wg = _group_terms(a, z, codes, bits, d)
+    p = p.float().contiguous()
+    out = torch.empty(bsz, h, m, d, dtype=torch.float32)
+    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
+    return _unsub(out, bits)
+
+
+def keys_raw_rows(codes, qs, length: int, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` with ``r = t // length`` (raw codes; the
+    caller folded the scales into ``qs`` float ``[B, H, M, R, D]``, one query per row, and adds
+    the zero-point terms)."""
+    bsz, h, t, _ = codes.shape
+    m, rows, d = qs.shape[2], qs.shape[3], qs.shape[4]
+    if rows * length < t:
+        raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
+    qs = _sub(qs, bits)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, qs, out, MODE_RAW, length=length, rows=rows)
+    _call("kv_keys", args, bits)
+    return out
+
+
+def keys_stream_rows(codes, qs, widths, length: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` (``r = t // length``) with the codes of a
+    row read as one LSB-first bit stream of per-channel ``widths`` (1..8 bits each, in stored
+    order: :func:`kvbench.kv.mixed.pack_mixed`); ``qs`` float ``[B, H, M, R, D]`` in the same
+    channel order, the scales folded in (the caller adds the zero-point terms)."""
+    bsz, h, t, nbytes = codes.shape
+    m, rows, d = qs.shape[2], qs.shape[3], qs.shape[4]
+    wid = torch.as_tensor(widths, dtype=torch.uint8)
+    if wid.numel() != d or int(wid.min()) < 1 or int(wid.max()) > 8:
+        raise ValueError(f"widths must be {d} values in 1..8, got {wid.tolist()}")
+    off = torch.cumsum(wid.to(torch.int32), 0, dtype=torch.int32) - wid.to(torch.int32)
+    if int(off[-1]) + int(wid[-1]) > nbytes * 8:
+        raise ValueError(f"{int(wid.sum())} bits of codes do not fit rows of {nbytes} bytes")
+    if rows * length < t:
+        raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
+    if not (codes.dtype == torch.uint8 and (nbytes == 1 or codes.stride(-1) == 1)):
+        raise ValueError("codes must be uint8 rows with a contiguous last dimension")
+    qs = qs.float().contiguous()
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, 0, d, m, qs, out, MODE_STREAM, length=length, rows=rows)
+    args.off, args.wid, args.nbytes = off.data_ptr(), wid.data_ptr(), nbytes
+    args.keep = (*args.keep, off, wid)
+    _call("kv_keys", args, 0)
+    return out
+
+
+def keys_lut(codes, q, lut, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``q . lut[c_t]`` (``lut`` float ``[2^bits]``)."""
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    lut = lut.float().contiguous()
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    _call("kv_keys", _args(codes, bits, d, m, _sub(q, bits), out, MODE_LUT, lut=lut), bits)
+    return out
+
+
+def values_lut(codes, p, lut, bits: int, d: int) -> torch.Tensor:
+    """``sum_t p_t lut[c_t]`` ``[B, H, M, D]``."""
+    bsz, h, t, _ = codes.shape
+    m = p.shape[2]
+    lut = lut.float().contiguous()
+    p = p.float().contiguous()
+    out = torch.empty(bsz, h, m, d, dtype=torch.float32)
+    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut), bits)
+    return _unsub(out, bits)

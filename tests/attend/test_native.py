@@ -1,0 +1,153 @@
+"""The native C kernels of the code-domain decode attention (kvbench.attend.native).
+
+Right values: float64 attention terms computed here from the integer codes (drawn first, then
+packed with :func:`kvbench.kv.quant.pack_bits` / :func:`kvbench.kv.mixed.pack_mixed`) and the
+affine terms or table, by broadcasting and matmul; tolerance ``max |out - ref| / max |ref| <=
+1e-5`` (float32 sums over a few hundred tokens).  Fallbacks: a failed build, ``KVBENCH_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.attend import cpu, native
+from kvbench.kv.mixed import pack_mixed
+from kvbench.kv.quant import pack_bits
+
+B, H, T, M = 2, 3, 300, 5
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels: {native.unavailable_reason()}"
+)
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def cases():
+    for bits in range(1, 9):
+        for d in (64, 96, 128, 256):
+            if d % native._layout(bits)[1] == 0:
+                yield bits, d
+
+
+@pytest.fixture
+def g():
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("bits,d", list(cases()))
+def test_affine_kernels_match_float64(bits, d, g):
+    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
+    pk = pack_bits(c, bits)
+    q = torch.randn(B, H, M, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(B, H, M, T, generator=g, dtype=torch.float64), -1)
+    # per-channel rows of L = 128 tokens (the last one partly filled), broadcast over B
+    rows = -(-T // 128)
+    a, z = torch.rand(1, H, rows, d, generator=g), torch.randn(1, H, rows, d, generator=g)
+    x = c.double() * a.double().repeat_interleave(128, 2)[:, :, :T]
+    x = x + z.double().repeat_interleave(128, 2)[:, :, :T]
+    assert rel(native.keys_rows(pk, q.float(), a, z, 128, bits), q @ x.transpose(-1, -2)) < 1e-5
+    # per-token groups of 32 channels (one group where a word holds more than 32 channels)
+    dg = d // 32 if 32 % native._layout(bits)[1] == 0 else 1
+    ag, zg = torch.rand(B, H, T, dg, generator=g), torch.randn(B, H, T, dg, generator=g)
+    xg = c.double() * ag.double().repeat_interleave(d // dg, -1)
+    xg = xg + zg.double().repeat_interleave(d // dg, -1)
+    assert rel(native.keys_groups(pk, q.float(), ag, zg, bits), q @ xg.transpose(-1, -2)) < 1e-5
+    assert rel(native.values_groups(pk, p.float(), ag, zg, bits, d), p @ xg) < 1e-5
+    # a table of 2^bits levels (fp8 bytes, codebooks)
+    lut = torch.randn(1 << bits, generator=g)
+    y = lut.double()[c]
+    assert rel(native.keys_lut(pk, q.float(), lut, bits), q @ y.transpose(-1, -2)) < 1e-5
+    assert rel(native.values_lut(pk, p.float(), lut, bits, d), p @ y) < 1e-5
+    # raw codes with one query per row (scales folded in by the caller)
+    qs = torch.randn(B, H, M, rows, d, generator=g, dtype=torch.float64)
+    qt = qs.repeat_interleave(128, 3)[:, :, :, :T]  # [B, H, M, T, D]
+    ref = (qt * c.double().unsqueeze(2)).sum(-1)
+    assert rel(native.keys_raw_rows(pk, qs.float(), 128, bits), ref) < 1e-5
+
+
+def test_a_byte_slice_of_each_row(g):
+    """A mixed-precision class: a view of bytes [4, 12) of 20-byte rows (strided codes)."""
+    c = torch.randint(0, 16, (B, H, T, 16), generator=g)
+    rows = torch.randint(0, 256, (B, H, T, 20), generator=g, dtype=torch.uint8)
+    rows[..., 4:12] = pack_bits(c, 4)
+    view = rows[..., 4:12]
+    assert view.stride(2) == 20
+    q = torch.randn(B, H, M, 16, generator=g)
+    lut = torch.randn(16, generator=g)
+    ref = q.double() @ lut.double()[c].transpose(-1, -2)
+    assert rel(native.keys_lut(view, q, lut, 4), ref) < 1e-5
+
+
+@pytest.mark.parametrize("widths", [(3, 1, 2), (4, 2, 1), (8, 3, 5)])
+def test_bit_stream_of_mixed_widths(widths, g):
+    """Class boundaries off the byte (ChanMix's 12-channel classes): one LSB-first stream."""
+    counts = (12, 12, 40)
+    codes = [torch.randint(0, 1 << b, (B, H, T, n), generator=g) for b, n in zip(widths, counts)]
+    pk = pack_mixed(codes, widths)
+    w = torch.repeat_interleave(torch.tensor(widths), torch.tensor(counts))
+    rows = -(-T // 64)
+    qs = torch.randn(B, H, M, rows, sum(counts), generator=g, dtype=torch.float64)
+    c = torch.cat(codes, -1).double()
+    ref = (qs.repeat_interleave(64, 3)[:, :, :, :T] * c.unsqueeze(2)).sum(-1)
+    assert rel(native.keys_stream_rows(pk, qs.float(), w, 64), ref) < 1e-5
+    with pytest.raises(ValueError, match="widths"):
+        native.keys_stream_rows(pk, qs.float(), w.clamp(max=0), 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.keys_stream_rows(pk[..., :-2], qs.float(), w, 64)
+    with pytest.raises(ValueError, match="cover"):
+        native.keys_stream_rows(pk, qs[:, :, :, :1].float(), w, 64)
+
+
+def test_supports_names_the_limits():
+    pk = torch.zeros(1, 1, 4, 16, dtype=torch.uint8)
+    assert native.supports(pk, 2, 64)
+    assert not native.supports(pk, 3, 60)  # 3-bit words hold 8 codes
+    assert not native.supports(pk.to(torch.int16), 2, 64)
+    assert not native.supports(pk, 16, 64)  # int16 codes: the eager kernels
+    big = torch.zeros(1, 1, 4, 2048, dtype=torch.uint8)
+    assert not native.supports(big, 8, 2048)  # above MAX_HEAD_DIM
+
+
+def _reset(monkeypatch):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_reason", None)
+
+
+def test_a_failed_build_falls_back_to_eager(monkeypatch):
+    import kvbench
+
+    _reset(monkeypatch)
+
+    def broken():
+        raise RuntimeError("cc: not found")
+
+    monkeypatch.setattr(native, "_build", broken)
+    assert not native.available()
+    assert "cc: not found" in native.unavailable_reason()
+    lc = kvbench.get_method("kivi", bits=2, group_size=16, residual_length=16).new_layer(0, H, 64)
+    lc.prefill(torch.randn(1, H, 70, 64), torch.randn(1, H, 70, 64))
+    q = torch.randn(1, 2 * H, 1, 64)
+    out = lc.attend(q)
+    assert lc.attend_path == cpu.EAGER_PATH
+    with cpu.cpu_attention_mode("reference"):
+        ref = lc.attend(q)
+    assert rel(out, ref.double()) < 1e-5
+
+
+def test_disabled_by_the_environment(monkeypatch):
+    _reset(monkeypatch)
+    monkeypatch.setenv(native.ENV_DISABLE, "0")
+    assert not native.available() and native.unavailable_reason() == "KVBENCH_NATIVE=0"
+
+
+def test_built_once_into_the_cache(monkeypatch, tmp_path):
+    _reset(monkeypatch)
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    assert native.available()
+    (so,) = (tmp_path / "native").glob("codes-*.so")
+    mtime = so.stat().st_mtime_ns
+    _reset(monkeypatch)
+    assert native.available() and so.stat().st_mtime_ns == mtime  # loaded, not rebuilt
