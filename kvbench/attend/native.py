@@ -86,6 +86,7 @@ class _Args(ctypes.Structure):
         ("off", ctypes.c_void_p),
         ("wid", ctypes.c_void_p),
         ("nbytes", ctypes.c_int64),
+        ("no_tiles", ctypes.c_int),
         ("out", ctypes.c_void_p),
     ]
 
@@ -223,6 +224,7 @@ def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=
         args.lut = lut.data_ptr()
     args.qp, args.out = qp.data_ptr(), out.data_ptr()
     args.q_sm, args.q_sr = (rows * d, d) if rows else (d, 0)
+    args.no_tiles = int(os.environ.get("KVBENCH_NATIVE_TILES", "1") == "0")
     args.keep = (codes, qp, out, a, z, lut)  # the raw pointers' owners live as long as args
     return args
 

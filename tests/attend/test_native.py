@@ -151,3 +151,27 @@ def test_built_once_into_the_cache(monkeypatch, tmp_path):
     mtime = so.stat().st_mtime_ns
     _reset(monkeypatch)
     assert native.available() and so.stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_per_token_loop_where_tiles_apply(bits, g, monkeypatch):
+    """The 8-token tiles (1, 2, 4, 8 bits) and the per-token loop give the same logits."""
+    d = 64
+    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
+    pk = pack_bits(c, bits)
+    q = torch.randn(B, H, M, d, generator=g)
+    a, z = torch.rand(B, H, T, 2, generator=g), torch.randn(B, H, T, 2, generator=g)
+    lut = torch.randn(1 << bits, generator=g)
+    ar, zr = torch.rand(B, H, 3, d, generator=g), torch.randn(B, H, 3, d, generator=g)
+
+    def run():
+        return (
+            native.keys_groups(pk, q, a, z, bits),
+            native.keys_lut(pk, q, lut, bits),
+            native.keys_rows(pk, q, ar, zr, 128, bits),
+        )
+
+    tiled = run()
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")
+    for x, y in zip(tiled, run()):
+        assert rel(x, y.double()) < 1e-6

@@ -53,6 +53,7 @@ typedef struct {
     const int32_t *off;   /* MODE_STREAM: bit offset of each of the D channels */
     const uint8_t *wid;   /* MODE_STREAM: code width of each channel (1..8) */
     int64_t nbytes;       /* MODE_STREAM: bytes per row (D = W, the channel count) */
+    int no_tiles;         /* keys: 1 = the per-token loop even where the tiled one applies */
     float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
 } kv_args;
 
@@ -95,8 +96,8 @@ static inline int cpw_of(int bits) {
 }
 
 /* decode token t of (b, h) into x[D] (sub-code order) */
-static inline void decode(const kv_args *a, int bits, int64_t b, int64_t h, int64_t t,
-                          float *x) {
+static inline __attribute__((always_inline)) void decode(const kv_args *a, int bits, int64_t b,
+                                                          int64_t h, int64_t t, float *x) {
     const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
     const int64_t W = a->W;
     if (a->mode == MODE_STREAM) {
@@ -161,10 +162,136 @@ static inline void decode(const kv_args *a, int bits, int64_t b, int64_t h, int6
     }
 }
 
-/* Returns 0, or -1 for an unsupported size (D above MAXD). */
-int kv_keys(const kv_args *a, int bits) {
+
+/* ---------------------------------------------------------------- tiled keys (1, 2, 4, 8 bits)
+ * Rows of D * BITS / 8 bytes that are whole 32-bit words (D * BITS % 32 == 0): 8 tokens at a
+ * time, channel by channel, with the codes of the 8 tokens in one vector and the 8 logits of
+ * each query row in registers (no horizontal sums).  The query (terms folded in per row of A/Z
+ * for MODE_AFFINE_ROWS) is rebuilt in natural channel order once per row. */
+#define TT 8
+static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, int bits) {
+    const int cpw = cpw_of(bits);
+    const int64_t W = a->W, D = W * cpw, M = a->M, T = a->T;
+    const int per32 = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    int32_t pos[MAXD]; /* natural channel -> sub-code position */
+    for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
+    float qn[16 * MAXD], bias[16];
+    const int64_t cg = a->mode == MODE_AFFINE_GROUPS ? a->WG * cpw : D; /* channels per group */
+    const int64_t ng = D / cg;
+    static __thread float qsum[16 * (MAXD / 8)];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *q = a->qp + (b * a->H + h) * M * a->q_sm;
+            float *o = a->out + (b * a->H + h) * M * T;
+            const uint8_t *base = a->codes + b * a->cs_b + h * a->cs_h;
+            int64_t row = -1, row_end = 0;
+            for (int64_t t = 0; t < T;) {
+                if (t >= row_end) { /* a new row of terms / queries */
+                    const int rows = a->mode == MODE_AFFINE_ROWS || a->mode == MODE_RAW;
+                    row = rows ? t / a->L : 0;
+                    row_end = rows ? (row + 1) * a->L : T;
+                    const float *qr = q + row * a->q_sr;
+                    const float *A = a->A ? a->A + b * a->as_b + h * a->as_h + row * a->as_r : 0;
+                    const float *Z = a->Z ? a->Z + b * a->as_b + h * a->as_h + row * a->as_r : 0;
+                    for (int64_t m = 0; m < M; m++) {
+                        float bm = 0.f;
+                        for (int64_t ch = 0; ch < D; ch++) {
+                            const float qv = qr[m * a->q_sm + pos[ch]];
+                            if (a->mode == MODE_AFFINE_ROWS) {
+                                qn[m * D + ch] = qv * A[pos[ch]];
+                                bm += qv * Z[pos[ch]];
+                            } else {
+                                qn[m * D + ch] = qv;
+                            }
+                        }
+                        bias[m] = bm;
+                        if (a->mode == MODE_AFFINE_GROUPS) /* per group: sum of q */
+                            for (int64_t g = 0; g < D / cg; g++) {
+                                float sq = 0.f;
+                                for (int64_t ch = g * cg; ch < (g + 1) * cg; ch++)
+                                    sq += qn[m * D + ch];
+                                qsum[m * (MAXD / 8) + g] = sq;
+                            }
+                    }
+                }
+                const int64_t end = row_end < T ? row_end : T;
+                for (; t + TT <= end; t += TT) {
+                    float acc[16][TT];
+                    for (int64_t m = 0; m < M; m++)
+                        for (int k = 0; k < TT; k++) acc[m][k] = bias[m];
+                    for (int64_t g = 0; g < ng; g++) {
+                        float accg[16][TT];
+                        for (int64_t m = 0; m < M; m++)
+                            for (int k = 0; k < TT; k++) accg[m][k] = 0.f;
+                        for (int64_t j = g * cg / per32; j < (g + 1) * cg / per32; j++) {
+                            uint32_t wv[TT];
+                            for (int k = 0; k < TT; k++)
+                                memcpy(&wv[k], base + (t + k) * a->cs_t + 4 * j, 4);
+                            for (int c = 0; c < per32; c++) {
+                                float cv[TT];
+                                if (a->mode == MODE_LUT) {
+                                    for (int k = 0; k < TT; k++)
+                                        cv[k] = a->lut[(wv[k] >> (c * bits)) & mask];
+                                } else {
+#pragma omp simd
+                                    for (int k = 0; k < TT; k++)
+                                        cv[k] = (float)((wv[k] >> (c * bits)) & mask);
+                                }
+                                const int64_t ch = j * per32 + c;
+                                for (int64_t m = 0; m < M; m++) {
+                                    const float qv = qn[m * D + ch];
+#pragma omp simd
+                                    for (int k = 0; k < TT; k++) accg[m][k] += qv * cv[k];
+                                }
+                            }
+                        }
+                        if (a->mode == MODE_AFFINE_GROUPS) {
+                            const float *A = a->A + b * a->as_b + h * a->as_h + g;
+                            const float *Z = a->Z + b * a->as_b + h * a->as_h + g;
+                            for (int64_t m = 0; m < M; m++) {
+                                const float sq = qsum[m * (MAXD / 8) + g];
+                                for (int k = 0; k < TT; k++)
+                                    acc[m][k] += A[(t + k) * a->as_r] * accg[m][k] +
+                                                 Z[(t + k) * a->as_r] * sq;
+                            }
+                        } else {
+                            for (int64_t m = 0; m < M; m++)
+                                for (int k = 0; k < TT; k++) acc[m][k] += accg[m][k];
+                        }
+                    }
+                    for (int64_t m = 0; m < M; m++)
+                        for (int k = 0; k < TT; k++) o[m * T + t + k] = acc[m][k];
+                }
+                for (; t < end; t++) { /* the row's last tokens, one at a time */
+                    float x[MAXD];
+                    decode(a, bits, b, h, t, x); /* sub-code order */
+                    const float *qr = q + row * a->q_sr;
+                    for (int64_t m = 0; m < M; m++) {
+                        const float *qm = qr + m * a->q_sm;
+                        float s = 0.f;
+                        for (int64_t k = 0; k < D; k++) s += qm[k] * x[k];
+                        o[m * T + t] = s;
+                    }
+                }
+            }
+        }
+}
+
+static inline int tiled_ok(const kv_args *a, int bits) {
+    return (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
+           a->mode != MODE_STREAM && a->M <= 16 && (a->W * cpw_of(bits) * bits) % 32 == 0 &&
+           (a->mode != MODE_AFFINE_GROUPS ||
+            ((a->WG * cpw_of(bits) * bits) % 32 == 0 && a->W / a->WG <= MAXD / 8));
+}
+
+static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int bits) {
     const int64_t D = a->W * cpw_of(bits);
     if (D > MAXD) return -1;
+    if (tiled_ok(a, bits) && !a->no_tiles) {
+        keys_tiled(a, bits);
+        return 0;
+    }
     float x[MAXD];
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->H; h++) {
@@ -185,7 +312,7 @@ int kv_keys(const kv_args *a, int bits) {
     return 0;
 }
 
-int kv_values(const kv_args *a, int bits) {
+static inline __attribute__((always_inline)) int values_impl(const kv_args *a, int bits) {
     const int64_t D = a->W * cpw_of(bits);
     if (D > MAXD) return -1;
     float x[MAXD];
@@ -205,6 +332,33 @@ int kv_values(const kv_args *a, int bits) {
             }
         }
     return 0;
+}
+
+#define SPECIALISE(BITS)                                                                      \
+    static int keys_b##BITS(const kv_args *a) { return keys_impl(a, BITS); }                  \
+    static int values_b##BITS(const kv_args *a) { return values_impl(a, BITS); }
+SPECIALISE(0)
+SPECIALISE(1)
+SPECIALISE(2)
+SPECIALISE(3)
+SPECIALISE(4)
+SPECIALISE(5)
+SPECIALISE(6)
+SPECIALISE(7)
+SPECIALISE(8)
+
+/* bits 1..8, or 0 for MODE_STREAM.  Returns 0, or -1 for an unsupported size (D above MAXD) */
+int kv_keys(const kv_args *a, int bits) {
+    static int (*const fn[9])(const kv_args *) = {keys_b0, keys_b1, keys_b2, keys_b3, keys_b4,
+                                                   keys_b5, keys_b6, keys_b7, keys_b8};
+    return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
+}
+
+int kv_values(const kv_args *a, int bits) {
+    static int (*const fn[9])(const kv_args *) = {values_b0, values_b1, values_b2, values_b3,
+                                                   values_b4, values_b5, values_b6, values_b7,
+                                                   values_b8};
+    return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
 int kv_abi_version(void) { return 3; }
