@@ -137,7 +137,7 @@ def test_code_domain_matches_reference(name, cfg, prefill, steps, d):
         kinds = cpu.path_kinds(lc.attend_path)
         close_rows(lc.attend(q3), ref64(lc, q3))
     assert kinds <= {"native", "eager"}
-    if name in NATIVE_BOTH and not (name == "pm-kvq" and "init_bits" not in cfg):
+    if name in NATIVE_BOTH:
         assert kinds == {"native"}, lc.attend_path
 
 
