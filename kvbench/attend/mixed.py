@@ -119,6 +119,14 @@ def _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned) -> torch.Te
     return torch.cat(outs, 3) if len(outs) > 1 else outs[0]
 
 
+def _native_classes(block: MixedChannelBlock) -> bool:
+    """Whether every class can take the per-class native kernel (byte-aligned class
+    boundaries, whole code words per class); else one bit-stream call reads the block."""
+    return _byte_aligned(block.class_bits, block.class_counts) and all(
+        n % code_layout(b)[1] == 0 for b, n in zip(block.class_bits, block.class_counts) if n
+    )
+
+
 def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: int):
     """All pages (a shorter last one included) in one native call over the bit stream of the
     class codes (:func:`kvbench.attend.native.keys_stream_rows`): ``[B, H, M, n]``, or
@@ -167,11 +175,7 @@ class MixedChannelAttention:
             perm = block.perm.long().expand(bsz, h, -1, d)  # [B, H, NP|1, D]
             qx = q.unsqueeze(3).expand(bsz, h, m, perm.shape[2], d)
             qp = qx.gather(-1, perm.unsqueeze(2).expand(bsz, h, m, perm.shape[2], d))
-        if (
-            compiled
-            and native_allowed()
-            and not _byte_aligned(block.class_bits, block.class_counts)
-        ):
+        if compiled and native_allowed() and not _native_classes(block):
             out = _native_stream(block, qp, n, length)
             if out is not None:
                 note_impl("native")
