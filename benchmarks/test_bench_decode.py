@@ -9,16 +9,17 @@ float32 accumulation bound of :func:`_check`.
 Groups (read the ratios within a group, all in one run):
 
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
-  softmax), the eager code-domain path, the compiled code-domain path
-  (:mod:`kvbench.attend.cpu`);
+  softmax), the eager, compiled and native code-domain paths (:mod:`kvbench.attend.cpu`,
+  :mod:`kvbench.attend.native`);
 * ``keys``: the key logits of the 32 quantized pages, by the candidate kernels
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
   a byte + matmul, (c) per-page partial sums: a query-side table of the partial dot product
   of each byte value per page, then gathers only, and (a) the ``torch.compile``d sub-code
-  kernel (the one the fast path uses);
+  kernel, and the native C kernel (:func:`kvbench.attend.native.keys_rows`, what ``auto``
+  mode runs where it is built);
 * ``values``: the attention-weighted value sum over 3968 per-token quantized values:
-  dequantize + matmul, eager code domain, compiled code domain.
+  dequantize + matmul, eager code domain, compiled code domain, native.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 import kvbench
 from kvbench.attend import cpu as fastpath
+from kvbench.attend import native
 from kvbench.kv.quant import unpack_bits
 
 B, HKV, T, D, REP = 1, 3, 4096, 64, 3
@@ -73,7 +75,7 @@ def _attend_scale(lc, q: torch.Tensor) -> torch.Tensor:
     return p @ vr.abs()
 
 
-@pytest.mark.parametrize("mode", ["reference", "eager", "compiled"])
+@pytest.mark.parametrize("mode", ["reference", "eager", "compiled", "native"])
 def test_attend(benchmark, mode):
     lc, q, ref = _cache()
     benchmark.group = "attend [1,3,4096,64] 2-bit"
@@ -126,9 +128,28 @@ def keys_compiled(blk, pk, q, a, b):
     return fastpath._run(fastpath.key_pages_fused, [], pk, qs, qb, 2)
 
 
+def _need_native():
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+
+
+def keys_native(blk, pk, q, a, b):
+    _need_native()
+    return native.keys_rows(
+        blk.codes, q, fastpath._per_channel(a, D), fastpath._per_channel(b, D), 128, 2
+    )
+
+
 @pytest.mark.parametrize(
     "fn",
-    [keys_dequantize, keys_unpack_matmul, keys_lut_matmul, keys_page_tables, keys_compiled],
+    [
+        keys_dequantize,
+        keys_unpack_matmul,
+        keys_lut_matmul,
+        keys_page_tables,
+        keys_compiled,
+        keys_native,
+    ],
     ids=lambda f: f.__name__,
 )
 def test_keys(benchmark, fn):
@@ -165,8 +186,16 @@ def values_compiled(blk, p):
     return fastpath._run(fastpath.value_tokens_fused, [], blk.codes, ps, 2) + pb
 
 
+def values_native(blk, p):
+    _need_native()
+    a, b = fastpath.affine_terms(blk)
+    return native.values_groups(blk.codes, p, a, b, 2, D)
+
+
 @pytest.mark.parametrize(
-    "fn", [values_dequantize, values_eager, values_compiled], ids=lambda f: f.__name__
+    "fn",
+    [values_dequantize, values_eager, values_compiled, values_native],
+    ids=lambda f: f.__name__,
 )
 def test_values(benchmark, fn):
     args = _value_inputs()
