@@ -58,39 +58,9 @@ def run_stub(kind: str, completions: dict[int, str], limit: int, **params):
 @pytest.fixture(scope="module")
 def tiny():
     """A byte-level BPE (trained offline on the essays) and a random 2-layer Llama on it."""
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_lm import tiny_lm
 
-    from kvbench.hf.attention import use_kvbench_attention
-    from kvbench.tasks.haystack import haystack_sentences
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<eos>"],
-        show_progress=False,
-    )
-    bpe.train_from_iterator(haystack_sentences("essay")[:600], trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=len(tok),
-        intermediate_size=128,
-        max_position_embeddings=4096,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = use_kvbench_attention(LlamaForCausalLM(cfg).eval())
-    info = {"max_position_embeddings": 4096, "head_dim": 16}
-    return model, tok, info
+    return tiny_lm(16)
 
 
 # ------------------------------------------------------------------ generic machinery
@@ -156,10 +126,11 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     def alone(p, n):
         return greedy_generate(model, tok, p, get_method(name, **cfg), n)
 
-    def drop_paths(g):  # the batch's decode_attention counts every row's layer calls
-        return {k: v for k, v in g.items() if k != "decode_attention"}
+    def drop_paths(g):  # the batch's side fields: decode calls of every row, pads stored
+        return {k: v for k, v in g.items() if k not in ("decode_attention", "pad_tokens_stored")}
 
     got = greedy_generate_batch(model, tok, prompts, get_method(name, **cfg), budgets)
+    assert [g["pad_tokens_stored"] for g in got] == [0, 0, 0]  # measured from the caches
     for p, n, g in zip(prompts, budgets, got):
         one = alone(p, n)
         assert drop_paths(g) == drop_paths(one)
@@ -199,6 +170,10 @@ def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
     assert res[2].per_layer["examples"] == res[1].per_layer["examples"]
     assert res[2].metrics == res[1].metrics
     assert "batch 2" in w.info["decoding"]["strategy"]
+    lens = [r["prompt_tokens"] for r in res[2].per_layer["examples"]]  # batches [0, 1], [2]
+    pad = res[2].info["padding"]
+    assert pad["pad_tokens"] == abs(lens[0] - lens[1]) > 0 and pad["batches"] == 2
+    assert pad["pad_tokens_stored"] == 0 and res[1].info["padding"]["pad_tokens"] == 0
 
     class NoPad(type(get_method("kivi"))):
         capabilities = Capabilities(padding=False)

@@ -21,7 +21,10 @@ Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_t
 ``bucket`` (32), ``context_tokens`` (0: with n > 0, each prompt is preceded by a different
 n-token window of ``context_text`` (default ``essays``), so that a method with a residual window
 of R tokens has quantized pages to read while generating; recorded with the workload), ``path``
-(``attend`` | ``reference``).
+(``attend`` | ``reference``), ``batch_size`` (1: prompts decoded together, left-padded, each
+row cached alone, docs/design.md#padding; the reference is batched alike; per-prompt results equal
+``batch_size: 1`` up to float32 noise of the batched matmuls; a method without
+``capabilities.padding`` is refused, naming it; ``info["padding"]`` says what padding cost).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import torch
 
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
-from kvbench.kv.method import Method
+from kvbench.kv.method import Method, require_padding
 from kvbench.workloads import HIGHER, LOWER
+from kvbench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
 from kvbench.workloads.metrics import add_ci
 
 from . import Result, Workload
@@ -122,6 +126,121 @@ def forced_logprobs(
     return torch.log_softmax(torch.stack(rows), dim=-1)
 
 
+def _batch_cache(method: Method, model: Any, path: str) -> tuple[Any, bool, str]:
+    from kvbench.hf.cache import QuantizedKVCache
+
+    attend, why = decode_route(method, model, path)
+    return QuantizedKVCache(method, model, rows_apart=True, attend=attend), attend, why
+
+
+@torch.no_grad()
+def greedy_batch(
+    model: Any,
+    prompts: list[torch.Tensor],
+    method: Method,
+    new_tokens: int,
+    path: str = "attend",
+    info: dict[str, Any] | None = None,
+    ledger: PadLedger | None = None,
+) -> list[torch.Tensor]:
+    """:func:`greedy` of several prompts ``[1, P_i]`` at once (left-padded, each row cached
+    alone: ``QuantizedKVCache(rows_apart=True)``): one continuation ``[new_tokens]`` per
+    prompt.  ``ledger``: the batch is added to it."""
+    from kvbench.hf.cache import cache_kwarg
+
+    dev = prompts[0].device
+    pad = pad_id(model)
+    ids, mask, _ = left_pad(prompts, pad, dev)
+    cache, attend, why = _batch_cache(method, model, path)
+    with kvbench_attention(model):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            **cache_kwarg(cache, model),
+        )
+    _note(info, cache, attend, why)
+    if ledger is not None:
+        ledger.add([p.shape[-1] for p in prompts], cache)
+    return [row[ids.shape[1] :].cpu() for row in out]
+
+
+@torch.no_grad()
+def forced_logprobs_batch(
+    model: Any,
+    prompts: list[torch.Tensor],
+    conts: list[torch.Tensor],
+    method: Method,
+    path: str = "attend",
+    info: dict[str, Any] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`forced_logprobs` of several prompts at once: prompts left-padded with their
+    positions, then every row's continuation (all of one length) fed one token per step; one
+    ``[len(cont), V]`` per prompt."""
+    from kvbench.hf.cache import cache_kwarg
+
+    dev = prompts[0].device
+    ids, mask, pos = left_pad(prompts, pad_id(model), dev)
+    cont = torch.stack([c.reshape(-1) for c in conts]).to(dev)
+    cache, attend, why = _batch_cache(method, model, path)
+    kw = cache_kwarg(cache, model)
+    nxt = torch.tensor([p.shape[-1] for p in prompts], device=dev).view(-1, 1)
+    one = torch.ones(len(prompts), 1, dtype=mask.dtype, device=dev)
+    with kvbench_attention(model):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        rows = [out.logits[:, -1].float()]
+        for t in range(cont.shape[1] - 1):
+            mask = torch.cat([mask, one], dim=1)
+            out = model(
+                input_ids=cont[:, t : t + 1],
+                attention_mask=mask,
+                position_ids=nxt + t,
+                use_cache=True,
+                **kw,
+            )
+            rows.append(out.logits[:, -1].float())
+    _note(info, cache, attend, why)
+    lp = torch.log_softmax(torch.stack(rows, dim=1), dim=-1)
+    return list(lp.unbind(0))
+
+
+def run_batched(
+    model: Any,
+    prompts: list[torch.Tensor],
+    method: Method,
+    new_tokens: int,
+    path: str,
+    batch_size: int,
+    refs: list[torch.Tensor] | None = None,
+    info: dict[str, Any] | None = None,
+    ledger: PadLedger | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Greedy continuations of ``prompts`` and the log-probs of teacher-forcing ``refs`` (their
+    own continuations when ``None``), ``batch_size`` prompts at a time (batch 1: :func:`greedy`
+    and :func:`forced_logprobs`, any transformers cache)."""
+    gens: list[torch.Tensor] = []
+    lps: list[torch.Tensor] = []
+    for idx in chunks(range(len(prompts)), batch_size):
+        ps = [prompts[i] for i in idx]
+        if len(ps) == 1:
+            g = [greedy(model, ps[0], method, new_tokens, path, info=info)]
+            if ledger is not None:
+                ledger.add([ps[0].shape[-1]])
+        else:
+            g = greedy_batch(model, ps, method, new_tokens, path, info=info, ledger=ledger)
+        cs = g if refs is None else [refs[i] for i in idx]
+        if len(ps) == 1:
+            lp = [forced_logprobs(model, ps[0], cs[0], method, path, info=info)]
+        else:
+            lp = forced_logprobs_batch(model, ps, cs, method, path, info=info)
+        gens += g
+        lps += lp
+    return gens, lps
+
+
 class Generation(Workload):
     type = "generation"
     METRICS = {
@@ -141,6 +260,7 @@ class Generation(Workload):
         "context_tokens": 0,
         "context_text": "essays",
         "path": "attend",
+        "batch_size": 1,
     }
 
     @classmethod
@@ -150,6 +270,7 @@ class Generation(Workload):
             raise ValueError(f"{pre}new_tokens and bucket must be positive integers")
         if not (isinstance(c, int) and c >= 0):
             raise ValueError(f"{pre}context_tokens must be an integer >= 0")
+        check_batch_size(spec.get("batch_size", 1), pre)
         if spec["prompts"] is not None and not (
             isinstance(spec["prompts"], list) and all(isinstance(p, str) for p in spec["prompts"])
         ):
@@ -173,29 +294,32 @@ class Generation(Workload):
             win, _ = token_windows(ctx.tokenizer, text, n_ctx, len(prompts))
             docs = [ctx.tokenizer.decode(w) for w in win]
             prompts = [f"{d}\n\nThe text above is background. {p}" for d, p in zip(docs, prompts)]
-        key = ("generation", tuple(prompts), self.spec["new_tokens"], self.spec["path"])
+        bs, route = self.spec.get("batch_size", 1), self.spec["path"]
+        key = ("generation", tuple(prompts), self.spec["new_tokens"], route, bs)
         if key in ctx.shared:
             self.items = ctx.shared[key]
             return
-        full = get_method("full")
-        self.items = []
-        for p in prompts:
-            ids = encode_prompt(ctx.tokenizer, p)
-            ref = greedy(ctx.model, ids, full, self.spec["new_tokens"], self.spec["path"])
-            ref_lp = forced_logprobs(ctx.model, ids, ref, full, self.spec["path"])
-            self.items.append((ids, ref, ref_lp))
+        ids = [encode_prompt(ctx.tokenizer, p) for p in prompts]
+        refs, ref_lps = run_batched(
+            ctx.model, ids, get_method("full"), self.spec["new_tokens"], route, bs
+        )
+        self.items = list(zip(ids, refs, ref_lps))
         ctx.shared[key] = self.items
 
     def run(self, ctx: Any, method: Method) -> Result:
         n, bucket = self.spec["new_tokens"], self.spec["bucket"]
         first, match, kl_steps, top1_steps = [], [], [], []
         route, decode = self.spec["path"], {}
-        for ids, ref, ref_lp in self.items:
-            gen = greedy(ctx.model, ids, method, n, route, info=decode)
+        bs = self.spec.get("batch_size", 1)
+        if bs > 1:
+            require_padding(method)
+        ledger = PadLedger(bs)
+        ids, refs, ref_lps = (list(x) for x in zip(*self.items))
+        gens, lps = run_batched(ctx.model, ids, method, n, route, bs, refs, decode, ledger)
+        for gen, ref, ref_lp, lp in zip(gens, refs, ref_lps, lps):
             same = (gen == ref).tolist()
             first.append(same.index(False) if False in same else n)
             match.append(sum(same) / n)
-            lp = forced_logprobs(ctx.model, ids, ref, method, route, info=decode)
             r = ref_lp.float()
             kl_steps.append((r.exp() * (r - lp)).sum(-1))
             top1_steps.append((r.argmax(-1) == lp.argmax(-1)).float())
@@ -211,8 +335,16 @@ class Generation(Workload):
         for i in range(0, n, bucket):
             metrics[f"drift_kl_b{i // bucket}"] = kl[i : i + bucket].mean().item()
             metrics[f"drift_top1_b{i // bucket}"] = top1[i : i + bucket].mean().item()
-        per = {"first_divergence": first, "match_rate": match}
-        info: dict[str, Any] = {"prompts": len(self.items), "bucket": bucket}
+        per = {
+            "first_divergence": first,
+            "match_rate": match,
+            "next_token_kl": [float(x.mean()) for x in kl_steps],
+        }
+        info: dict[str, Any] = {
+            "prompts": len(self.items),
+            "bucket": bucket,
+            "padding": ledger.info(),
+        }
         if decode:
             info["decode_attention"] = decode
         return Result(metrics, per, info)

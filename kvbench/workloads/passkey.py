@@ -10,7 +10,12 @@ residual), so what is read back was quantized; the realized needle positions are
 Metric: ``passkey_acc``; per-example predictions in ``per_layer['examples']``.
 
 Parameters: ``length`` (1024), ``depths`` (list, default [0.25, 0.5, 0.75]), ``seeds`` (2),
-``new_tokens`` (12), ``protect_prefix`` (64), ``protect_suffix`` (256).
+``new_tokens`` (12), ``protect_prefix`` (64), ``protect_suffix`` (256), ``path``
+(``attend`` | ``reference``), ``batch_size`` (1: examples decoded together, left-padded, each
+row cached alone, docs/design.md#padding; per-example predictions equal ``batch_size: 1`` up to
+float32 noise of the batched matmuls; a method without ``capabilities.padding`` is refused,
+naming it; ``info["padding"]`` says what padding cost).  A completion is cut at the first
+end-of-sequence token (a finished row of a batch keeps stepping; its tokens are dropped).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from typing import Any
 
 import torch
 
-from kvbench.kv.method import Method
+from kvbench.kv.method import Method, require_padding
 from kvbench.workloads import HIGHER
+from kvbench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
 
 from . import Result, Workload
 
@@ -49,6 +55,7 @@ class Passkey(Workload):
         "protect_prefix": 64,
         "protect_suffix": 256,
         "path": "attend",  # decode attention: LayerCache.attend, or "reference" (sdpa)
+        "batch_size": 1,
     }
 
     @classmethod
@@ -56,6 +63,8 @@ class Passkey(Workload):
         if not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in spec["depths"]):
             raise ValueError(f"{pre}depths must be fractions in [0, 1]")
         from kvbench.hf.cache import DECODE_PATHS
+
+        check_batch_size(spec.get("batch_size", 1), pre)
 
         if spec["path"] not in DECODE_PATHS:
             raise ValueError(
@@ -101,35 +110,52 @@ class Passkey(Workload):
         from kvbench.hf.attention import kvbench_attention
         from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
 
-        from .taskbase import merge_decode_info
+        from .taskbase import eos_ids, merge_decode_info
 
         rows, correct, decode = [], 0, []
+        bs = self.spec.get("batch_size", 1)
+        if bs > 1:
+            require_padding(method)
+        ledger = PadLedger(bs)
         attend, why = decode_route(method, ctx.model, self.spec["path"])
-        for ex, ids in self.examples:
-            cache = QuantizedKVCache(method, ctx.model, attend=attend)
+        ends = eos_ids(ctx.model, ctx.tokenizer)
+        pad = pad_id(ctx.model, ctx.tokenizer)
+        for batch in chunks(self.examples, bs):
+            prompts = [ids for _, ids in batch]
+            if len(batch) == 1:
+                ids, mask = prompts[0], torch.ones_like(prompts[0])
+            else:
+                ids, mask, _ = left_pad(prompts, pad)
+            cache = QuantizedKVCache(method, ctx.model, attend=attend, rows_apart=False)
             with kvbench_attention(ctx.model):
                 out = ctx.model.generate(
                     ids,
+                    attention_mask=mask,
                     max_new_tokens=self.spec["new_tokens"],
                     do_sample=False,
+                    pad_token_id=pad,
                     **cache_kwarg(cache, ctx.model),
                 )
             decode.append(decode_info([cache], getattr(cache, "attend", attend), why))
-            text = ctx.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-            ok = ex["answers"][0] in text
-            correct += ok
-            rows.append(
-                {
-                    "depth": ex["depth"],
-                    "seed": ex["seed"],
-                    "answer": ex["answers"][0],
-                    "prediction": text,
-                    "correct": ok,
-                    "needle_token_positions": ex["needle_token_positions"],
-                    "context_tokens": ex["context_tokens"],
-                }
-            )
-        info: dict[str, Any] = {"examples": len(rows)}
+            ledger.add([p.shape[-1] for p in prompts], cache)
+            for (ex, p), new in zip(batch, out[:, ids.shape[1] :].tolist()):
+                cut = next((i for i, t in enumerate(new) if t in ends), len(new))
+                text = ctx.tokenizer.decode(new[:cut], skip_special_tokens=True)
+                ok = ex["answers"][0] in text
+                correct += ok
+                rows.append(
+                    {
+                        "depth": ex["depth"],
+                        "seed": ex["seed"],
+                        "answer": ex["answers"][0],
+                        "prediction": text,
+                        "correct": ok,
+                        "needle_token_positions": ex["needle_token_positions"],
+                        "context_tokens": ex["context_tokens"],
+                        "prompt_tokens": int(p.shape[-1]),
+                    }
+                )
+        info: dict[str, Any] = {"examples": len(rows), "padding": ledger.info()}
         if decode:
             info["decode_attention"] = merge_decode_info(decode)
         return Result({"passkey_acc": correct / len(rows)}, {"examples": rows}, info)

@@ -44,6 +44,7 @@ import torch
 
 from kvbench.kv.method import require_padding
 from kvbench.workloads import HIGHER, NONE
+from kvbench.workloads.batching import PadLedger, stored_pad_tokens
 
 from . import Result, Workload
 
@@ -280,6 +281,7 @@ def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, 
         )
         nxt = nxt + 1
     results = []
+    stored = stored_pad_tokens(cache, lens, width)
     for i in range(b):
         text, _ = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=True), stop)
         results.append(
@@ -291,6 +293,7 @@ def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, 
                 "key_quantized_after_prefill": quant[i][0],
                 "value_quantized_after_prefill": quant[i][1],
                 "decode_attention": decode_info([cache], cache.attend, why),
+                "pad_tokens_stored": stored if i == 0 else 0,  # the batch's, on its first row
             }
         )
     return results
@@ -469,11 +472,16 @@ class TaskWorkload(Workload):
         if bs > 1:
             require_padding(method)
         gens: list[dict[str, Any]] = []
+        ledger = PadLedger(bs)
         for i in range(0, len(self.examples), bs):
-            gens.extend(self.generate_batch(ctx, method, self.examples[i : i + bs]))
+            part = [dict(g) for g in self.generate_batch(ctx, method, self.examples[i : i + bs])]
+            lens = [g.get("prompt_tokens") for g in part]
+            stored = [g.pop("pad_tokens_stored", 0) for g in part]
+            if all(isinstance(n, int) for n in lens):
+                ledger.add(lens, stored=None if None in stored else sum(stored))
+            gens.extend(part)
         decode: list[dict[str, Any]] = []
         for ex, gen in zip(self.examples, gens):
-            gen = dict(gen)
             if "decode_attention" in gen:
                 decode.append(gen.pop("decode_attention"))
             s = self.score(ex, gen["text"])
@@ -496,6 +504,8 @@ class TaskWorkload(Workload):
         metrics["task_score"] = metrics.get(self.PRIMARY, float("nan"))
         metrics["num_examples"] = len(rows)
         info = dict(self.info)
+        if ledger.batches:
+            info["padding"] = ledger.info()
         if decode:
             info["decode_attention"] = merge_decode_info(decode)
         return Result(metrics, {"examples": rows}, info)
