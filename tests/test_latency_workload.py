@@ -220,3 +220,98 @@ def test_context_beyond_model_maximum() -> None:
     ctx = SimpleNamespace(model_info={"max_position_embeddings": 8192, "model_id": "m"}, shared={})
     with pytest.raises(ValueError, match="context=8200 exceeds the model's maximum context 8192"):
         w.prepare(ctx)
+
+
+# ------------------------------------------------------------------ batches
+class MaskRecorder(Recorder):
+    """Records the ids, mask and positions of every call (a padded batch passes them)."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
+        self.calls.append((input_ids, attention_mask, position_ids))
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw
+        )
+
+    __call__ = forward
+
+
+def _batched(model, bs: int, **params):
+    w, ctx = _workload(model, batch_size=bs, **params)
+    w.ids = torch.randint(
+        0, 128, (bs, w.spec["context"]), generator=torch.Generator().manual_seed(2)
+    )
+    return w, ctx
+
+
+def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
+    """B = 3, d = 40, 3 timed + 1 warm-up steps: P = 36, rows keep 36 - (b * 18) // 2 = 36, 27,
+    18 prompt tokens; the prefill masks the pads, positions restart at each row's first real
+    token, every decode step feeds position lengths[b] + j and a mask one wider."""
+    model = MaskRecorder(_tiny_model())
+    w, ctx = _batched(model, 3, context=40, steps=3, warmup=1, prefill_repeats=1, padding="left")
+    res = w.run(ctx, kvbench.get_method("full"))
+    lens = [36, 27, 18]
+    ids, mask, pos = model.calls[0]
+    assert ids.shape == mask.shape == pos.shape == (3, 36)
+    assert mask.sum(-1).tolist() == lens and mask[:, -1].all()
+    for b, k in enumerate(lens):
+        assert pos[b, 36 - k :].tolist() == list(range(k))
+        assert torch.equal(ids[b, 36 - k :], w.ids[b, 36 - k : 36])  # the row's own text
+    decode = [c for c in model.calls[2:] if c[0].shape[1] == 1]
+    assert len(decode) == 8  # 4 rounds x (method, baseline)
+    for j, (_, mask, pos) in enumerate(decode[::2]):
+        assert pos.view(-1).tolist() == [k + j for k in lens]
+        assert mask.shape == (3, 37 + j) and mask.sum(-1).tolist() == [k + j + 1 for k in lens]
+    batch = res.info["batch"]
+    assert batch["batch_size"] == 3 and batch["padding"] == "left"
+    assert batch["row_prompt_tokens"] == lens and batch["pad_tokens"] == 0 + 9 + 18
+    assert batch["pad_tokens_stored"] == 0 and batch["row_context_tokens"] == [40, 31, 22]
+    # bytes held: each row its real tokens (prompt + 4 decoded), 512 bytes a token
+    # (2 layers x K and V x 2 heads x 16 x 4 bytes): nothing is stored for pads
+    assert res.metrics["bytes_total"] == (40 + 31 + 22) * 512
+    # an unpadded batch: no mask, one batched cache of 3 x 40 tokens
+    model = MaskRecorder(_tiny_model())
+    w, ctx = _batched(model, 3, context=40, steps=3, warmup=1, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("full"))
+    assert all(m is None and p is None for _, m, p in model.calls)
+    assert res.metrics["bytes_total"] == 3 * 40 * 512
+    assert res.info["batch"]["pad_tokens"] == 0 and res.info["batch"]["padding"] == "none"
+
+
+def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B = 4: a batch step of 5 ms (mean) generates 4 tokens: 800 tokens/s; the baseline's 2 ms
+    steps give a ratio of 2 / 5."""
+    import kvbench.workloads.latency as lat
+
+    meth, base = [4.0, 4.0, 4.0, 8.0], [2.0] * 4
+    seq = [30.0, 10.0]
+    for i in range(4):
+        seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
+    ScriptedTimer.samples = seq
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
+    w, ctx = _batched(_tiny_model(), 4, context=40, steps=4, warmup=2, prefill_repeats=1)
+    m = w.run(ctx, kvbench.get_method("full")).metrics
+    assert ScriptedTimer.samples == []
+    assert m["decode_ms_mean"] == 5.0 and m["tokens_per_s"] == pytest.approx(800.0)
+    assert m["tokens_per_s_ratio"] == pytest.approx(0.4)
+
+
+def test_padded_batch_refuses_a_method_without_padding() -> None:
+    w, ctx = _batched(_tiny_model(), 2, context=40, steps=3, warmup=1, padding="left")
+    with pytest.raises(ValueError, match="'hf-dynamic' does not support padded batches"):
+        w.run(ctx, kvbench.get_method("hf-dynamic"))
+    w, ctx = _batched(_tiny_model(), 2, context=40, steps=3, warmup=1, prefill_repeats=1)
+    assert w.run(ctx, kvbench.get_method("hf-dynamic")).metrics["bytes_total"] > 0  # unpadded
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
+        ({"batch_size": 2, "padding": "right"}, r"padding='right' is not allowed.*'left'"),
+        ({"padding": "left"}, "needs batch_size >= 2"),
+    ],
+)
+def test_bad_batch_params(params: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Latency.validate({"type": "latency", **params})

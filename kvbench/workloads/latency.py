@@ -26,7 +26,7 @@ steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_st
 the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
 ``decode_ms_amortized`` = steady mean + (flush mean - steady mean) / period, the cost per token
 of a long decode, with the period (steps between flushes) from the tokens one flush quantized
-(recorded with its source); ``tokens_per_s`` = 1000 / ``decode_ms_amortized``.  Each has a
+(recorded with its source); ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized`` (B rows).  Each has a
 ``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
 baseline ms / method ms; the runner keeps these).  ``bytes_total`` of the method's cache at
 the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
@@ -43,9 +43,21 @@ which reads the dequantized K/V of ``keys_values()`` with sdpa (the reference pa
 ``LayerCache.attend`` (``path: attend``, and ``auto`` for methods with a fused kernel or without
 ``keys_values``); peers run transformers' cache ``update`` then sdpa over the K/V it returns.
 
+Batches (``batch_size`` B, default 1; ``padding``).  Row b reads text window ``window + b``, so
+the rows hold different tokens; every step feeds one token per row and is timed for the whole
+batch (``decode_ms_*`` are per batch step, ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized``,
+generated tokens over all rows).  ``padding: none``: every row has the prompt's P tokens (one
+batched cache, no mask).  ``padding: left`` (B >= 2, a method and baseline with
+``capabilities.padding``): row b's prompt is the last ``P - (b * (P // 2)) // (B - 1)`` of its P
+tokens (row 0 all, the last row about half), left-padded to P, fed with its attention mask and
+per-row positions at every call, so kvbench caches hold each row alone (docs/design.md#padding);
+row b's last timed step attends to d minus its pads.  ``info.batch`` records B, the padding
+mode, each row's prompt tokens, the pad tokens and the pad tokens the cache stored (measured).
+The same code runs on CPU and CUDA (inputs, mask and positions on the model's device).
+
 Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_repeats`` (3),
 ``baseline`` (a method name, ``full``), ``path`` (``auto`` | ``reference`` | ``attend``),
-``text`` (``essays``), ``window`` (0).
+``text`` (``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ import torch
 
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import cache_nbytes
-from kvbench.kv.method import Method
+from kvbench.kv.method import Method, require_padding
 from kvbench.measure import (
     PERCENTILE_RULE,
     Timer,
@@ -69,6 +81,7 @@ from kvbench.measure import (
     system_state,
 )
 from kvbench.workloads import HIGHER, LOWER, NONE
+from kvbench.workloads.batching import check_batch_size, stored_pad_tokens
 
 from . import Result, Workload
 
@@ -76,6 +89,17 @@ CPU_NOTE = (
     "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
     "unpacking), not by memory bandwidth; do not read it as GPU decode speed"
 )
+
+
+PADDINGS = ("none", "left")
+
+
+def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
+    """Real prompt tokens of each row: all ``prompt`` for ``padding="none"``; for ``"left"``
+    row b keeps ``prompt - (b * (prompt // 2)) // (batch - 1)`` (row 0 all, the last about half)."""
+    if padding == "none" or batch == 1:
+        return [prompt] * batch
+    return [prompt - (b * (prompt // 2)) // (batch - 1) for b in range(batch)]
 
 
 STEADY_NOTE = (
@@ -149,6 +173,8 @@ class Latency(Workload):
         "text": "essays",
         "window": 0,
         "prefill_repeats": 3,
+        "batch_size": 1,
+        "padding": "none",
     }
 
     @classmethod
@@ -169,6 +195,18 @@ class Latency(Workload):
                 f"{pre}path={spec['path']!r} is not allowed; allowed: "
                 "['attend', 'auto', 'reference']"
             )
+        check_batch_size(spec["batch_size"], pre)
+        if spec["padding"] not in PADDINGS:
+            raise ValueError(
+                f"{pre}padding={spec['padding']!r} is not allowed; allowed: {list(PADDINGS)}"
+            )
+        if spec["padding"] == "left" and spec["batch_size"] < 2:
+            raise ValueError(
+                f"{pre}padding='left' needs batch_size >= 2 (rows of different lengths); "
+                f"got batch_size={spec['batch_size']}"
+            )
+        if spec["padding"] == "left" and (d - n - w) // 2 < 1:
+            raise ValueError(f"{pre}padding='left' needs a prefill of at least 2 tokens")
         if not isinstance(spec["baseline"], str):
             raise ValueError(f"{pre}baseline must be a registered method name")
         from kvbench.kv.registry import get_method_class
@@ -185,12 +223,13 @@ class Latency(Workload):
                 f"context={s['context']} exceeds the model's maximum context {max_pos} "
                 f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
             )
-        key = ("latency-ids", s["text"], s["window"], s["context"])
+        bs = s["batch_size"]
+        key = ("latency-ids", s["text"], s["window"], s["context"], bs)
         if key not in ctx.shared:
             text, tinfo = load_text(s["text"])
-            ids, winfo = token_windows(ctx.tokenizer, text, s["context"], s["window"] + 1)
+            ids, winfo = token_windows(ctx.tokenizer, text, s["context"], s["window"] + bs)
             ctx.shared[key] = (
-                ids[s["window"] : s["window"] + 1],
+                ids[s["window"] : s["window"] + bs],
                 {"dataset": tinfo, "windows": winfo},
             )
         self.ids, self.info = ctx.shared[key]
@@ -213,10 +252,25 @@ class Latency(Workload):
         ids = self.ids.to(dev)
         d, n, w, reps = s["context"], s["steps"], s["warmup"], s["prefill_repeats"]
         p = d - n - w
+        bs, padding = s["batch_size"], s["padding"]
+        if ids.shape[0] != bs:
+            raise ValueError(f"latency: {ids.shape[0]} text windows for batch_size={bs}")
         base = get_method(s["baseline"])
         why = base.unavailable_reason()
         if why:
             raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
+        lens = row_prompt_lengths(p, bs, padding)
+        mask = pos = None
+        if padding == "left":
+            for m in (method, base):
+                require_padding(m)
+            from kvbench.workloads.batching import pad_id
+
+            mask = torch.ones(bs, d, dtype=torch.long, device=dev)
+            for b, k in enumerate(lens):
+                mask[b, : p - k] = 0
+            ids = ids.masked_fill(mask == 0, pad_id(model, getattr(ctx, "tokenizer", None)))
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)
@@ -230,7 +284,15 @@ class Latency(Workload):
                 kw[name]["logits_to_keep"] = 1  # logits of the last position only, as generate()
 
         def call(name: str, sl: slice) -> Any:
-            return model(input_ids=ids[:, sl], use_cache=True, **kw[name])
+            if mask is None:
+                return model(input_ids=ids[:, sl], use_cache=True, **kw[name])
+            return model(
+                input_ids=ids[:, sl],
+                attention_mask=mask[:, : sl.stop],
+                position_ids=pos[:, sl],
+                use_cache=True,
+                **kw[name],
+            )
 
         # prefill: `prefill_repeats` rounds, each on fresh caches, rotating which goes first;
         # the last round's caches decode
@@ -270,7 +332,7 @@ class Latency(Workload):
         mine, ref = split["method"].metrics(), split["baseline"].metrics()
         pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
         metrics: dict[str, float] = {"prefill_ms": pm.median, **mine}
-        metrics["tokens_per_s"] = 1000.0 / mine["decode_ms_amortized"]
+        metrics["tokens_per_s"] = bs * 1000.0 / mine["decode_ms_amortized"]
         metrics["prefill_ms_ratio"] = pm.median / pb.median if pb.median else float("nan")
         for k in ("decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean"):
             metrics[f"{k}_ratio"] = mine[k] / ref[k] if ref[k] else float("nan")
@@ -282,8 +344,17 @@ class Latency(Workload):
         nb = cache_nbytes(caches["method"])
         if nb:
             metrics["bytes_total"] = nb["total"]
+        batch = {
+            "batch_size": bs,
+            "padding": padding,
+            "row_prompt_tokens": lens,
+            "pad_tokens": sum(p - k for k in lens),
+            "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
+            "row_context_tokens": [d - (p - k) for k in lens],
+        }
         info = {
             **self.info,
+            "batch": batch,
             **system_state(),
             "timing": timer.how,
             "percentiles": PERCENTILE_RULE,
