@@ -148,7 +148,7 @@ def greedy_batch(
     prompt.  ``ledger``: the batch is added to it."""
     from kvbench.hf.cache import cache_kwarg
 
-    dev = prompts[0].device
+    dev = next(model.parameters()).device
     pad = pad_id(model)
     ids, mask, _ = left_pad(prompts, pad, dev)
     cache, attend, why = _batch_cache(method, model, path)
@@ -182,7 +182,7 @@ def forced_logprobs_batch(
     ``[len(cont), V]`` per prompt."""
     from kvbench.hf.cache import cache_kwarg
 
-    dev = prompts[0].device
+    dev = next(model.parameters()).device
     ids, mask, pos = left_pad(prompts, pad_id(model), dev)
     cont = torch.stack([c.reshape(-1) for c in conts]).to(dev)
     cache, attend, why = _batch_cache(method, model, path)

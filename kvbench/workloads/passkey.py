@@ -125,7 +125,7 @@ class Passkey(Workload):
             if len(batch) == 1:
                 ids, mask = prompts[0], torch.ones_like(prompts[0])
             else:
-                ids, mask, _ = left_pad(prompts, pad)
+                ids, mask, _ = left_pad(prompts, pad, next(ctx.model.parameters()).device)
             cache = QuantizedKVCache(method, ctx.model, attend=attend, rows_apart=False)
             with kvbench_attention(ctx.model):
                 out = ctx.model.generate(
