@@ -79,10 +79,11 @@ def test_generation_batch_3_equals_batch_1_per_prompt(name):
         assert torch.equal(r1, r3)
     assert three.per_layer["first_divergence"] == one.per_layer["first_divergence"]
     assert three.per_layer["match_rate"] == one.per_layer["match_rate"]
-    # next-token KL (~1e-5 here): float32 noise of the batched matmuls only; the log-probs
-    # themselves are compared in the next test
+    # next-token KL (1e-6..1e-4 here) moves by less than the log-probs do: float32 noise of the
+    # batched matmuls (seen up to 1.2e-7; a code at a rounding boundary may flip); the log-probs
+    # themselves are bounded (1e-5) in the next test
     for a, b in zip(three.per_layer["next_token_kl"], one.per_layer["next_token_kl"]):
-        assert a == pytest.approx(b, rel=2e-2, abs=1e-8)
+        assert a == pytest.approx(b, abs=1e-6)
     pad = three.info["padding"]
     assert pad["batch_size"] == 3 and pad["batches"] == 2 and pad["padded_batches"] == 1
     assert pad["prompt_tokens"] == sum(lens)
