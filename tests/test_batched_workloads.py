@@ -137,6 +137,35 @@ def test_passkey_batch_3_equals_batch_1_per_example(name):
     assert pad["pad_tokens_stored"] == 0 and pad["batches"] == 2
 
 
+def test_unpadded_passkey_batch_keeps_per_tensor_statistics_per_row(monkeypatch):
+    """Haystack prompts of one length make an unpadded batch; ``uniform`` has one scale per
+    flushed tensor, which a shared batched cache would compute over all rows: each row is
+    cached alone (``rows_apart``), so its stored scales are those of batch 1."""
+    import kvbench.hf.cache as hfc
+
+    made = []
+
+    class Recording(hfc.QuantizedKVCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(hfc, "QuantizedKVCache", Recording)
+    params = dict(length=256, depths=[0.3, 0.7], seeds=2, new_tokens=6)
+    w, three = run("passkey", "uniform", 3, **params)
+    batched, made[:] = made[0], []
+    _, one = run("passkey", "uniform", 1, **params)
+    assert len({int(ids.shape[1]) for _, ids in w.examples}) == 1
+    assert three.info["padding"]["pad_tokens"] == 0
+    assert three.per_layer["examples"] == one.per_layer["examples"]
+    for b in range(3):
+        for lb, la in zip(batched.layer_caches(), made[b].layer_caches()):
+            got = [t for _, c, t in lb.rows[b].tensors() if c == "scales"]
+            want = [t for _, c, t in la.tensors() if c == "scales"]
+            assert got and len(got) == len(want)
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_batched_generation_and_passkey_refuse_a_method_without_padding():
     class NoPad(type(get_method("kivi"))):
         capabilities = Capabilities(padding=False)

@@ -126,7 +126,7 @@ class Passkey(Workload):
                 ids, mask = prompts[0], torch.ones_like(prompts[0])
             else:
                 ids, mask, _ = left_pad(prompts, pad, next(ctx.model.parameters()).device)
-            cache = QuantizedKVCache(method, ctx.model, attend=attend, rows_apart=False)
+            cache = QuantizedKVCache(method, ctx.model, attend=attend, rows_apart=len(batch) > 1)
             with kvbench_attention(ctx.model):
                 out = ctx.model.generate(
                     ids,
