@@ -227,8 +227,8 @@ def run_batched(
         ps = [prompts[i] for i in idx]
         if len(ps) == 1:
             g = [greedy(model, ps[0], method, new_tokens, path, info=info)]
-            if ledger is not None:
-                ledger.add([ps[0].shape[-1]])
+            if ledger is not None and isinstance(ps[0], torch.Tensor):
+                ledger.add([ps[0].shape[-1]])  # one prompt: no pads
         else:
             g = greedy_batch(model, ps, method, new_tokens, path, info=info, ledger=ledger)
         cs = g if refs is None else [refs[i] for i in idx]
