@@ -127,7 +127,7 @@ def table(summary: dict) -> str:
     labs = summary["configs"]
     lines = ["| method | " + " | ".join(labs) + " | relative spread | tolerance |"]
     lines.append("|---" * (len(labs) + 3) + "|")
-    for e in summary["runs"].values():
+    for e in sorted(summary["runs"].values(), key=lambda e: e["method"]):
         kl = e["next_token_kl"]
         rs = kl["relative_spread"]
         cells = [f"{kl['values'][lab]:.6g}" for lab in labs]
