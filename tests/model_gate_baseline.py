@@ -5,15 +5,18 @@ length; the gated numbers are ``next_token_kl`` (KL(P_full || P_method), nats pe
 ``bytes_total``.  They are deterministic on one CPU at a fixed number of threads, but not across
 thread counts or instruction sets (the matrix products reduce in another order; a calibrated
 method such as KVQuant moves its levels and outlier thresholds with that round-off).  So the
-baseline is committed together with the spread measured across four configurations of this
+baseline is committed together with the spread measured across five configurations of this
 machine -- 1 and 2 intra-op threads, each with ``ATEN_CPU_CAPABILITY=default`` (generic kernels)
-and the native instruction set -- and each method's tolerance is derived from its own spread:
+and the native instruction set, with the eager code-domain attention kernels
+(``KVBENCH_CPU_ATTENTION=eager``), and the suite's own configuration (2 threads, native, ``auto``
+kernels: the native C ones where a compiler exists) -- and each method's tolerance is derived
+from its own spread:
 
     tol = max(SAFETY * spread, FLOOR_REL * |baseline|, FLOOR_ABS)     (per method and metric)
 
-with ``spread = max - min`` over the four configurations.  ``SAFETY`` covers a CPU whose spread
+with ``spread = max - min`` over the five configurations.  ``SAFETY`` covers a CPU whose spread
 exceeds the one measured here (the generic-vs-native difference stands in for "another
-instruction set"); the floors keep a method whose four runs agreed exactly from failing on
+instruction set"); the floors keep a method whose runs agreed exactly from failing on
 another machine's round-off (relative) and ``full`` (KL exactly 0) from a zero tolerance.
 
 Regenerate both files with one command (``make baseline-model``)::
@@ -22,7 +25,7 @@ Regenerate both files with one command (``make baseline-model``)::
 
 It writes the records of the suite's own configuration (its ``threads``, native instruction set)
 into ``tests/baseline_model/`` and the measured values, spreads and tolerances into
-``tests/baseline_model_tolerance.json``.  ``--work`` keeps the four runs' records so that an
+``tests/baseline_model_tolerance.json``.  ``--work`` keeps the five runs' records so that an
 interrupted regeneration resumes (``kvbench run`` skips runs whose record exists).
 """
 
@@ -45,13 +48,22 @@ TOLERANCE = ROOT / "tests" / "baseline_model_tolerance.json"
 #: the gated metrics and their floors: (relative to the baseline value, absolute)
 GATED = {"next_token_kl": (0.005, 1e-6), "bytes_total": (0.0, 0.0)}
 SAFETY = 3.0
-#: (intra-op threads, ATEN_CPU_CAPABILITY or None for the native instruction set)
-CONFIGS = [(1, None), (1, "default"), (2, None), (2, "default")]
+#: (intra-op threads, ATEN_CPU_CAPABILITY or None for the native instruction set,
+#: KVBENCH_CPU_ATTENTION or None for auto): the last one is the suite's own configuration (the
+#: baseline); the others run the eager code-domain kernels, the one choice every CPU has
+CONFIGS = [
+    (1, None, "eager"),
+    (1, "default", "eager"),
+    (2, None, "eager"),
+    (2, "default", "eager"),
+    (2, None, None),
+]
 
 
-def label(threads: int, capability: str | None) -> str:
-    """``t2-native``, ``t1-default``, ...: the configuration's name and its folder in ``--work``."""
-    return f"t{threads}-{capability or 'native'}"
+def label(threads: int, capability: str | None, attention: str | None = None) -> str:
+    """``t2-native``, ``t1-default-eager``, ...: the configuration's name and its folder in
+    ``--work``."""
+    return f"t{threads}-{capability or 'native'}" + (f"-{attention}" if attention else "")
 
 
 def tolerance(values: list[float], base: float, floor_rel: float, floor_abs: float) -> float:
@@ -89,14 +101,20 @@ def gate_failures(base: dict[str, dict], new: dict[str, dict], tol: dict) -> lis
     return bad
 
 
-def _run(threads: int, capability: str | None, out: Path) -> None:
+def environment(threads: int, capability: str | None, attention: str | None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if capability:
-        env["ATEN_CPU_CAPABILITY"] = capability
+    for key, value in (("ATEN_CPU_CAPABILITY", capability), ("KVBENCH_CPU_ATTENTION", attention)):
+        env.pop(key, None)
+        if value:
+            env[key] = value
+    return env
+
+
+def _run(threads: int, capability: str | None, attention: str | None, out: Path) -> None:
+    env = environment(threads, capability, attention)
     cmd = [sys.executable, "-m", "kvbench.cli", "run", str(SUITE), "--out", str(out)]
     cmd += ["--set", f"threads={threads}", "--quiet"]
-    print(f"[{label(threads, capability)}] {' '.join(cmd)}", flush=True)
+    print(f"[{label(threads, capability, attention)}] {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, env=env, check=True)
 
 
@@ -140,18 +158,18 @@ def table(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, help="keep the four runs here (resumable)")
+    ap.add_argument("--work", type=Path, help="keep the runs here (resumable)")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvbench-model-gate-"))
     from kvbench.run.suite import load_suite
 
-    suite_threads = load_suite(SUITE).threads or 2
+    assert CONFIGS[-1] == (load_suite(SUITE).threads, None, None), "baseline config last"
     runs = {}
-    for threads, cap in CONFIGS:
-        folder = work / label(threads, cap)
-        _run(threads, cap, folder)
-        runs[label(threads, cap)] = records(folder)
-    ref = label(suite_threads, None)
+    for cfg in CONFIGS:
+        folder = work / label(*cfg)
+        _run(*cfg, folder)
+        runs[label(*cfg)] = records(folder)
+    ref = label(*CONFIGS[-1])
     summary = summarize(runs, ref)
     BASELINE.mkdir(exist_ok=True)
     for p in BASELINE.glob("*.json"):

@@ -102,20 +102,20 @@ def main() -> int:
         print(json.dumps(measure()))
         return 0
     sys.path.insert(0, str(HERE))
-    from model_gate_baseline import CONFIGS, SAFETY, label, tolerance
+    from model_gate_baseline import CONFIGS, SAFETY, environment, label, tolerance
 
     runs = {}
-    for threads, cap in CONFIGS:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        env.pop("ATEN_CPU_CAPABILITY", None)
-        if cap:
-            env["ATEN_CPU_CAPABILITY"] = cap
+    for cfg in CONFIGS:
         done = subprocess.run(
-            [sys.executable, __file__, "--one"], env=env, check=True, capture_output=True, text=True
+            [sys.executable, __file__, "--one"],
+            env=environment(*cfg),
+            check=True,
+            capture_output=True,
+            text=True,
         )
-        runs[label(threads, cap)] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(label(threads, cap), runs[label(threads, cap)], flush=True)
-    ref = label(THREADS, None)
+        runs[label(*cfg)] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(label(*cfg), runs[label(*cfg)], flush=True)
+    ref = label(*CONFIGS[-1])
     out = {"baseline_config": ref, "safety": SAFETY, "load_average": list(os.getloadavg())}
     out["values"] = {}
     for key, value in runs[ref].items():
