@@ -1,0 +1,185 @@
+"""The model-quality regression gate's baseline and tolerance (docs/mutation.md#model-quality-gate).
+
+``suites/ci_gate_model.yaml`` runs every built-in method on the real default model at a short
+length; the gated numbers are ``next_token_kl`` (KL(P_full || P_method), nats per position) and
+``bytes_total``.  They are deterministic on one CPU at a fixed number of threads, but not across
+thread counts or instruction sets (the matrix products reduce in another order; a calibrated
+method such as KVQuant moves its levels and outlier thresholds with that round-off).  So the
+baseline is committed together with the spread measured across five configurations of this
+machine -- 1 and 2 intra-op threads, each with ``ATEN_CPU_CAPABILITY=default`` (generic kernels)
+and the native instruction set, with the eager code-domain attention kernels
+(``KVBENCH_CPU_ATTENTION=eager``), and the suite's own configuration (2 threads, native, ``auto``
+kernels: the native C ones where a compiler exists) -- and each method's tolerance is derived
+from its own spread:
+
+    tol = max(SAFETY * spread, FLOOR_REL * |baseline|, FLOOR_ABS)     (per method and metric)
+
+with ``spread = max - min`` over the five configurations.  ``SAFETY`` covers a CPU whose spread
+exceeds the one measured here (the generic-vs-native difference stands in for "another
+instruction set"); the floors keep a method whose runs agreed exactly from failing on
+another machine's round-off (relative) and ``full`` (KL exactly 0) from a zero tolerance.
+
+Regenerate both files with one command (``make baseline-model``)::
+
+    KVBENCH_DATA_DIR=<data folder> python tests/model_gate_baseline.py [--work DIR]
+
+It writes the records of the suite's own configuration (its ``threads``, native instruction set)
+into ``tests/baseline_model/`` and the measured values, spreads and tolerances into
+``tests/baseline_model_tolerance.json``.  ``--work`` keeps the five runs' records so that an
+interrupted regeneration resumes (``kvbench run`` skips runs whose record exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "suites" / "ci_gate_model.yaml"
+BASELINE = ROOT / "tests" / "baseline_model"
+TOLERANCE = ROOT / "tests" / "baseline_model_tolerance.json"
+
+#: the gated metrics and their floors: (relative to the baseline value, absolute)
+GATED = {"next_token_kl": (0.005, 1e-6), "bytes_total": (0.0, 0.0)}
+SAFETY = 3.0
+#: (intra-op threads, ATEN_CPU_CAPABILITY or None for the native instruction set,
+#: KVBENCH_CPU_ATTENTION or None for auto): the last one is the suite's own configuration (the
+#: baseline); the others run the eager code-domain kernels, the one choice every CPU has
+CONFIGS = [
+    (1, None, "eager"),
+    (1, "default", "eager"),
+    (2, None, "eager"),
+    (2, "default", "eager"),
+    (2, None, None),
+]
+
+
+def label(threads: int, capability: str | None, attention: str | None = None) -> str:
+    """``t2-native``, ``t1-default-eager``, ...: the configuration's name and its folder in
+    ``--work``."""
+    return f"t{threads}-{capability or 'native'}" + (f"-{attention}" if attention else "")
+
+
+def tolerance(values: list[float], base: float, floor_rel: float, floor_abs: float) -> float:
+    """``max(SAFETY * (max - min), floor_rel * |base|, floor_abs)`` (see the module docstring)."""
+    return max(SAFETY * (max(values) - min(values)), floor_rel * abs(base), floor_abs)
+
+
+def records(folder: Path) -> dict[str, dict]:
+    """``run_id -> record`` of a result folder."""
+    out = {}
+    for p in sorted(folder.glob("*.json")):
+        rec = json.loads(p.read_text())
+        out[rec["run_id"]] = rec
+    return out
+
+
+def gate_failures(base: dict[str, dict], new: dict[str, dict], tol: dict) -> list[str]:
+    """One line per gated metric of ``new`` that left the baseline's tolerance band, per run
+    missing from ``new`` and per baseline run without a tolerance entry (empty: the gate
+    passes)."""
+    bad = []
+    for run_id, rec in sorted(base.items(), key=lambda kv: kv[1]["method"]):
+        name = rec["method"]
+        if run_id not in new:
+            bad.append(f"{name}: no fresh record for run {run_id}")
+            continue
+        if run_id not in tol["runs"]:
+            bad.append(f"{name}: no tolerance for run {run_id}; run `make baseline-model`")
+            continue
+        for metric in GATED:
+            b, v = rec["metrics"][metric], new[run_id]["metrics"][metric]
+            t = tol["runs"][run_id][metric]["tolerance"]
+            if not abs(v - b) <= t:
+                bad.append(f"{name}: {metric} {v:.6g} vs baseline {b:.6g} (|diff| > {t:.3g})")
+    return bad
+
+
+def environment(threads: int, capability: str | None, attention: str | None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for key, value in (("ATEN_CPU_CAPABILITY", capability), ("KVBENCH_CPU_ATTENTION", attention)):
+        env.pop(key, None)
+        if value:
+            env[key] = value
+    return env
+
+
+def _run(threads: int, capability: str | None, attention: str | None, out: Path) -> None:
+    env = environment(threads, capability, attention)
+    cmd = [sys.executable, "-m", "kvbench.cli", "run", str(SUITE), "--out", str(out)]
+    cmd += ["--set", f"threads={threads}", "--quiet"]
+    print(f"[{label(threads, capability, attention)}] {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, env=env, check=True)
+
+
+def summarize(runs: dict[str, dict[str, dict]], ref: str) -> dict:
+    """The tolerance file's content from ``label -> records``; ``ref`` is the baseline's label."""
+    out: dict = {"configs": list(runs), "baseline_config": ref, "safety": SAFETY}
+    out["floors"] = {m: {"relative": r, "absolute": a} for m, (r, a) in GATED.items()}
+    out["load_average"] = list(os.getloadavg())
+    out["runs"] = {}
+    for run_id, rec in sorted(runs[ref].items(), key=lambda kv: kv[1]["method"]):
+        entry: dict = {"method": rec["method"]}
+        for metric, (fr, fa) in GATED.items():
+            vals = {lab: runs[lab][run_id]["metrics"][metric] for lab in runs}
+            base = rec["metrics"][metric]
+            spread = max(vals.values()) - min(vals.values())
+            entry[metric] = {
+                "values": vals,
+                "spread": spread,
+                "relative_spread": spread / abs(base) if base else None,
+                "tolerance": tolerance(list(vals.values()), base, fr, fa),
+            }
+        out["runs"][run_id] = entry
+    return out
+
+
+def table(summary: dict) -> str:
+    """Markdown: each method's next-token KL per configuration, its spread and tolerance."""
+    labs = summary["configs"]
+    lines = ["| method | " + " | ".join(labs) + " | relative spread | tolerance |"]
+    lines.append("|---" * (len(labs) + 3) + "|")
+    for e in sorted(summary["runs"].values(), key=lambda e: e["method"]):
+        kl = e["next_token_kl"]
+        rs = kl["relative_spread"]
+        cells = [f"{kl['values'][lab]:.6g}" for lab in labs]
+        rs_txt = f"{rs:.3%}" if rs is not None else "-"
+        lines.append(
+            f"| `{e['method']}` | " + " | ".join(cells) + f" | {rs_txt} | {kl['tolerance']:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, help="keep the runs here (resumable)")
+    args = ap.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="kvbench-model-gate-"))
+    from kvbench.run.suite import load_suite
+
+    assert CONFIGS[-1] == (load_suite(SUITE).threads, None, None), "baseline config last"
+    runs = {}
+    for cfg in CONFIGS:
+        folder = work / label(*cfg)
+        _run(*cfg, folder)
+        runs[label(*cfg)] = records(folder)
+    ref = label(*CONFIGS[-1])
+    summary = summarize(runs, ref)
+    BASELINE.mkdir(exist_ok=True)
+    for p in BASELINE.glob("*.json"):
+        p.unlink()
+    for p in (work / ref).glob("*.json"):
+        shutil.copy(p, BASELINE / p.name)
+    TOLERANCE.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    print(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
