@@ -69,15 +69,16 @@ def shrink_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         q_c = ((q (2^2c - 2^c + 1) + 2^(3c-1) - 2^(2c-1) + 2^(c-1)) >> 3c) & (2^c - 1)
 
     equals ``round(q / (2^c + 1))`` for every code in ``[0, 2^bits)``; no ties exist since
-    2^c + 1 is odd.  int64 arithmetic (16 -> 8 exceeds 2^31).  Integer codes of any shape ->
-    int64.  ``ValueError`` for odd ``bits``.
+    2^c + 1 is odd.  int64 arithmetic above 8 bits (16 -> 8 exceeds 2^31), int32 up to 8 bits
+    (the numerator stays below 2^17), in place on one working copy.  Integer codes of any
+    shape -> int64 (``bits > 8``) or int32.  ``ValueError`` for odd ``bits``.
     """
     if bits < 2 or bits % 2:
         raise ValueError(f"bits={bits} must be even and >= 2 to halve")
     c = bits // 2
-    q = codes.to(torch.int64)
-    num = q * ((1 << 2 * c) - (1 << c) + 1) + (1 << 3 * c - 1) - (1 << 2 * c - 1) + (1 << c - 1)
-    return (num >> 3 * c) & ((1 << c) - 1)
+    q = codes.to(torch.int64 if bits > 8 else torch.int32, copy=True)
+    q.mul_((1 << 2 * c) - (1 << c) + 1).add_((1 << 3 * c - 1) - (1 << 2 * c - 1) + (1 << c - 1))
+    return q.bitwise_right_shift_(3 * c).bitwise_and_((1 << c) - 1)
 
 
 def shrink_block(block: AffineBlock) -> AffineBlock:

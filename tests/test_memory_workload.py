@@ -206,6 +206,28 @@ def test_transient_peak_counts_live_allocations() -> None:
     assert peak == 12_000_000 and "profiler" in how
 
 
+def test_transient_peak_ignores_the_free_of_an_older_block_of_the_same_size() -> None:
+    """A block allocated during an earlier profiling session (the profiler's allocator then
+    knows its size) is freed inside the measured call between two 4 MB allocations of the
+    same size: the call's own live bytes peak at 8 MB.  Pairing frees by size would match the
+    older block's free with the call's first allocation and report 4 MB (the order-dependent
+    half peak of the full cache's step, whose old K has a new K's size from an earlier test)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        older = [torch.ones(1000, 1000)]
+    x = torch.ones(1000, 1000)
+
+    def step():
+        y = x + x
+        older.clear()  # frees the older 4 MB block inside the call
+        z = y + x
+        return y, z
+
+    peak, how = transient_peak(step, torch.device("cpu"))
+    assert peak == 8_000_000 and "address" in how
+
+
 def test_peak_step_of_full_is_the_regrown_cache() -> None:
     """On the reference path the full cache's step concatenates one token onto K and V: 300
     tokens of K and V in float16 are allocated (3 * 300 * 64 * 2 bytes each) and nothing is

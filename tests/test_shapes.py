@@ -320,6 +320,46 @@ def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
     assert 32 * 2 * 1 * hkv * 32768 * 128 * 2 == 4 * 2**30
 
 
+def test_memory_peers_at_llama_shape_count_their_inner_storage(tmp_path):
+    """transformers peers in the memory workload at the Llama-3.1-8B shape, batch 2 x 516
+    tokens (512 prefill + 4 appends), bytes from the tensors inside their cache layers:
+    ``hf-dynamic`` holds fp16 K/V (the full cache's count); ``hf-quanto`` 2-bit (when
+    installed) quantizes the whole prompt in per-token groups of 64 elements (2-bit codes +
+    fp16 scale and shift per group) and keeps the 4 appended tokens in fp16 (residual 128 not
+    reached)."""
+    import importlib.util
+
+    b, d, hkv, p = 2, 516, 8, 512
+    methods = ["hf-dynamic"]
+    quanto = importlib.util.find_spec("optimum") is not None and (
+        importlib.util.find_spec("optimum.quanto") is not None
+    )
+    if quanto:
+        methods.append({"name": "hf-quanto", "config": {"nbits": 2}})
+    suite = parse_suite(
+        {
+            "seed": 0,
+            "model": {"shape": "llama-3.1-8b", "dtype": "float16"},
+            "methods": methods,
+            "workloads": [{"type": "memory", "context": d, "batch": b, "appends": 4}],
+        }
+    )
+    recs = {r["method"]: r["metrics"] for r in run_suite(suite, tmp_path, quiet=True)}
+    dyn = recs["hf-dynamic"]
+    assert dyn["bytes_total"] == dyn["bytes_residual"] == 2 * b * hkv * d * 128 * 2
+    assert dyn["bytes_total_all_layers"] == 32 * dyn["bytes_total"]
+    if quanto:
+        q = recs["hf-quanto"]
+        side = {
+            "codes": b * hkv * p * 128 * 2 // 8,
+            "scales": b * hkv * p * 128 // 64 * (2 + 2),
+            "residual": b * hkv * (d - p) * 128 * 2,
+        }
+        for cat, n in side.items():
+            assert q[f"bytes_{cat}"] == 2 * n, cat
+        assert q["bytes_total"] == 2 * sum(side.values())
+
+
 def test_latency_runs_a_materialized_shape_slice(tmp_path):
     """Latency runs a forward: the runner materializes the slice (seeded, on the target
     device); the record names the shape, the slice and the random weights."""

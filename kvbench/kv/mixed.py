@@ -114,15 +114,16 @@ def unpack_mixed(
             off += nbytes
     else:
         stream = unpack_bits(packed, 1, sum(b * n for b, n in live))
-        weights = [1 << i for i in range(8)]
         off = 0
         for b, n in zip(bits, counts):
             if not n:
                 out.append(None)
                 continue
             seg = stream[..., off : off + n * b].reshape(*lead, n, b)
-            w = torch.tensor(weights[:b], dtype=torch.uint8, device=packed.device)
-            out.append((seg * w).sum(-1, dtype=torch.int32).to(torch.uint8))
+            code = seg[..., 0].clone()  # bit planes LSB first, assembled by shift-or in uint8
+            for i in range(1, b):
+                code |= seg[..., i] << i
+            out.append(code)
             off += n * b
     empty = torch.zeros(*lead, 0, dtype=torch.uint8, device=packed.device)
     return [empty if o is None else o for o in out]

@@ -274,10 +274,12 @@ def quantize_groups(
     if midpoint:  # Eq. 7 [RECON]: q = 1[x - mn >= (mx - mn) / 2]
         q = ((xs - mnf) >= 0.5 * s) & pos
         q = q.float()
-    else:
+    else:  # in place on one float32 working buffer (the inputs can be GBs)
         safe = torch.where(pos, s, torch.ones((), device=x.device))
-        q = torch.where(pos, torch.round((xs - mnf) / safe), torch.zeros((), device=x.device))
-    codes = q.clamp(0, qmax).to(torch.int32)
+        q = (xs - mnf).div_(safe).round_()
+        if not bool(pos.all()):
+            q.masked_fill_(~pos, 0.0)
+    codes = q.clamp_(0, qmax).to(torch.int32)
     scale_st, mn_st = _restore_nan(scale_st, finite), _restore_nan(mn_st, finite)
     return GroupQuant(codes, scale_st, mn_st, bits, midpoint=midpoint)
 

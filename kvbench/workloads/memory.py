@@ -121,8 +121,8 @@ def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
     total = 0.0
     for b in range(ref.shape[0]):
         for h in range(ref.shape[1]):
-            diff = ref[b, h].double() - got[b, h].double()
-            total += float(diff.square().sum())
+            diff = ref[b, h].double().sub_(got[b, h]).flatten()  # one float64 buffer
+            total += float(torch.dot(diff, diff))
     return total / max(ref.numel(), 1)
 
 
@@ -131,9 +131,15 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
 
     CUDA: ``max_memory_allocated()`` after ``reset_peak_memory_stats()`` minus
     ``memory_allocated()`` before.  CPU: the running sum of the CPU allocator's allocation and
-    free events recorded by ``torch.profiler`` (``profile_memory=True``); frees of blocks
-    allocated before the call are not seen, so the figure is the peak of the call's own live
+    free events recorded by ``torch.profiler`` (``profile_memory=True``), a free counted only
+    when it releases a block allocated inside the call (paired by address): frees of blocks
+    allocated before the call are left out, so the figure is the peak of the call's own live
     allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
+
+    Pairing by address, not by size: the profiler reports a free of an older block whose size
+    it learnt in an earlier profiling session (and, for a block freed while no session ran, the
+    stale size of whatever block last lived at that address); matched by size against a block
+    of the call, such a free would lower the running sum below the call's own live bytes.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -147,30 +153,43 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     try:
-        events = [
-            e
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-        ]
-    except (AttributeError, RuntimeError) as exc:  # a torch without kineto memory events
+        events = cpu_allocator_events(prof)
+    except (AttributeError, RuntimeError) as exc:  # a torch without allocation events
         return float("nan"), f"unavailable ({type(exc).__name__}: {exc})"
-    events.sort(key=lambda e: e.start_ns())
-    # A free is counted only against a block of that size allocated inside the call: the
-    # profiler also reports frees of older blocks whose address it saw in an earlier profiling
-    # session, which would otherwise lower the running sum below the call's own live bytes.
+    return live_peak(events), (
+        "torch.profiler CPU allocator events (profile_memory=True), frees paired by address"
+    )
+
+
+def cpu_allocator_events(prof: Any) -> list[tuple[int, int, int]]:
+    """``(time ns, address, signed bytes)`` of every CPU allocation (+) and free (-) a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order.  Raises
+    ``AttributeError``/``RuntimeError`` where the torch build has no allocation events."""
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        f = e.extra_fields
+        if hasattr(f, "alloc_size") and str(f.device).startswith("cpu"):
+            out.append((e.start_time_ns, f.ptr, f.alloc_size))
+    out.sort()
+    return out
+
+
+def live_peak(events: list[tuple[int, int, int]]) -> int:
+    """Peak of the running sum of ``(time, address, signed bytes)`` allocator events, counting
+    a free only against the live block allocated at its address within the events (its own
+    size): frees of blocks from before the events are not the call's."""
     cur = peak = 0
     live: dict[int, int] = {}
-    for e in events:
-        n = e.nbytes()
+    for _, ptr, n in events:
         if n >= 0:
-            live[n] = live.get(n, 0) + 1
-        elif live.get(-n, 0) > 0:
-            live[-n] -= 1
-        else:
-            continue
-        cur += n
-        peak = max(peak, cur)
-    return peak, "torch.profiler CPU allocator events (profile_memory=True), frees paired by size"
+            live[ptr] = n
+            cur += n
+            peak = max(peak, cur)
+        elif ptr in live:
+            cur -= live.pop(ptr)
+    return peak
 
 
 #: what ``Replay.step`` runs for each ``path`` (recorded as ``peak_step_path``)
