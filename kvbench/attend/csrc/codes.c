@@ -174,9 +174,12 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
     const int64_t W = a->W, D = W * cpw, M = a->M, T = a->T;
     const int per32 = 32 / bits;
     const uint32_t mask = (1u << bits) - 1u;
+    /* codes enter the sums centred (c - half; the offset moves into the bias): the sums of
+     * q * A * c and q * (Z + half * A) then do not cancel, so float32 keeps its precision */
+    const float half = 0.5f * (float)mask;
     int32_t pos[MAXD]; /* natural channel -> sub-code position */
     for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
-    float qn[16 * MAXD], bias[16];
+    float qn[16 * MAXD], bias[16], an[MAXD], zn[MAXD];
     const int64_t cg = a->mode == MODE_AFFINE_GROUPS ? a->WG * cpw : D; /* channels per group */
     const int64_t ng = D / cg;
     static __thread float qsum[16 * (MAXD / 8)];
@@ -198,12 +201,18 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                         float bm = 0.f;
                         for (int64_t ch = 0; ch < D; ch++) {
                             const float qv = qr[m * a->q_sm + pos[ch]];
-                            if (a->mode == MODE_AFFINE_ROWS) {
-                                qn[m * D + ch] = qv * A[pos[ch]];
-                                bm += qv * Z[pos[ch]];
-                            } else {
-                                qn[m * D + ch] = qv;
+                            qn[m * D + ch] = qv;
+                        }
+                        if (a->mode == MODE_AFFINE_ROWS && m == 0)
+                            for (int64_t ch = 0; ch < D; ch++) { /* the row's terms */
+                                an[ch] = A[pos[ch]];
+                                zn[ch] = Z[pos[ch]];
                             }
+                        if (a->mode == MODE_RAW || a->mode == MODE_AFFINE_GROUPS) {
+                            /* codes are used centred: c - half */
+                            float sq = 0.f;
+                            for (int64_t ch = 0; ch < D; ch++) sq += qn[m * D + ch];
+                            if (a->mode == MODE_RAW) bm += half * sq;
                         }
                         bias[m] = bm;
                         if (a->mode == MODE_AFFINE_GROUPS) /* per group: sum of q */
@@ -230,15 +239,21 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                                 memcpy(&wv[k], base + (t + k) * a->cs_t + 4 * j, 4);
                             for (int c = 0; c < per32; c++) {
                                 float cv[TT];
+                                const int64_t ch = j * per32 + c;
                                 if (a->mode == MODE_LUT) {
                                     for (int k = 0; k < TT; k++)
                                         cv[k] = a->lut[(wv[k] >> (c * bits)) & mask];
+                                } else if (a->mode == MODE_AFFINE_ROWS) {
+                                    /* dequantized in registers: the reference's rounding */
+                                    const float s = an[ch], z = zn[ch];
+#pragma omp simd
+                                    for (int k = 0; k < TT; k++)
+                                        cv[k] = (float)((wv[k] >> (c * bits)) & mask) * s + z;
                                 } else {
 #pragma omp simd
                                     for (int k = 0; k < TT; k++)
-                                        cv[k] = (float)((wv[k] >> (c * bits)) & mask);
+                                        cv[k] = (float)((wv[k] >> (c * bits)) & mask) - half;
                                 }
-                                const int64_t ch = j * per32 + c;
                                 for (int64_t m = 0; m < M; m++) {
                                     const float qv = qn[m * D + ch];
 #pragma omp simd
@@ -253,7 +268,8 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                                 const float sq = qsum[m * (MAXD / 8) + g];
                                 for (int k = 0; k < TT; k++)
                                     acc[m][k] += A[(t + k) * a->as_r] * accg[m][k] +
-                                                 Z[(t + k) * a->as_r] * sq;
+                                                 (Z[(t + k) * a->as_r] +
+                                                  half * A[(t + k) * a->as_r]) * sq;
                             }
                         } else {
                             for (int64_t m = 0; m < M; m++)
