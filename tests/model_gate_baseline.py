@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,6 +155,17 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def portable(text: str) -> str:
+    """A record's text with this machine's data folder written as ``$KVBENCH_DATA_DIR``, so the
+    committed baseline names no local path (the checksum identifies the file)."""
+    root = os.environ.get("KVBENCH_DATA_DIR")
+    if not root:
+        return text
+    return text.replace(str(Path(root).resolve()), "$KVBENCH_DATA_DIR").replace(
+        root.rstrip("/"), "$KVBENCH_DATA_DIR"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, help="keep the runs here (resumable)")
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in BASELINE.glob("*.json"):
         p.unlink()
     for p in (work / ref).glob("*.json"):
-        shutil.copy(p, BASELINE / p.name)
+        (BASELINE / p.name).write_text(portable(p.read_text()))
     TOLERANCE.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     print(table(summary))
     return 0
