@@ -89,6 +89,20 @@ DEFINE_UNPACK(6)
 DEFINE_UNPACK(7)
 DEFINE_UNPACK(8)
 
+static inline __attribute__((always_inline)) void unpack_any(int bits, const uint8_t *row,
+                                                             int64_t W, float *c) {
+    switch (bits) {
+    case 1: unpack_1(row, W, c); break;
+    case 2: unpack_2(row, W, c); break;
+    case 3: unpack_3(row, W, c); break;
+    case 4: unpack_4(row, W, c); break;
+    case 5: unpack_5(row, W, c); break;
+    case 6: unpack_6(row, W, c); break;
+    case 7: unpack_7(row, W, c); break;
+    default: unpack_8(row, W, c); break;
+    }
+}
+
 static inline int cpw_of(int bits) {
     if (bits == 0) return 1; /* MODE_STREAM: W counts channels */
     int g = (bits % 8 == 0) ? 8 : (bits % 4 == 0) ? 4 : (bits % 2 == 0) ? 2 : 1;
@@ -116,30 +130,12 @@ static inline __attribute__((always_inline)) void decode(const kv_args *a, int b
         uint8_t idx[MAXD];
         /* codes as integers first (reuse the float unpack, then look up) */
         float c[MAXD];
-        switch (bits) {
-        case 1: unpack_1(row, W, c); break;
-        case 2: unpack_2(row, W, c); break;
-        case 3: unpack_3(row, W, c); break;
-        case 4: unpack_4(row, W, c); break;
-        case 5: unpack_5(row, W, c); break;
-        case 6: unpack_6(row, W, c); break;
-        case 7: unpack_7(row, W, c); break;
-        default: unpack_8(row, W, c); break;
-        }
+        unpack_any(bits, row, W, c);
         for (int64_t k = 0; k < D; k++) idx[k] = (uint8_t)c[k];
         for (int64_t k = 0; k < D; k++) x[k] = a->lut[idx[k]];
         return;
     }
-    switch (bits) {
-    case 1: unpack_1(row, W, x); break;
-    case 2: unpack_2(row, W, x); break;
-    case 3: unpack_3(row, W, x); break;
-    case 4: unpack_4(row, W, x); break;
-    case 5: unpack_5(row, W, x); break;
-    case 6: unpack_6(row, W, x); break;
-    case 7: unpack_7(row, W, x); break;
-    default: unpack_8(row, W, x); break;
-    }
+    unpack_any(bits, row, W, x);
     if (a->mode == MODE_RAW) return;
     if (a->mode == MODE_AFFINE_ROWS) {
         const int64_t r = t / a->L;
