@@ -129,8 +129,21 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     def drop_paths(g):  # the batch's side fields: decode calls of every row, pads stored
         return {k: v for k, v in g.items() if k not in ("decode_attention", "pad_tokens_stored")}
 
-    got = greedy_generate_batch(model, tok, prompts, get_method(name, **cfg), budgets)
+    sizes: list[int] = []  # rows of every decode forward
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        got = greedy_generate_batch(model, tok, prompts, get_method(name, **cfg), budgets)
+    finally:
+        hook.remove()
     assert [g["pad_tokens_stored"] for g in got] == [0, 0, 0]  # measured from the caches
+    # a finished row leaves the batch: it takes part in the decode forwards that produced its
+    # tokens 2..n (and, ended by EOS, the one whose argmax was EOS), no more
+    part = [g["new_tokens"] - (g["stop_reason"] != "eos") for g in got]
+    assert sizes[0] == 3 and sizes[1:] == [
+        sum(p >= s for p in part) for s in range(1, max(part) + 1)
+    ]
     for p, n, g in zip(prompts, budgets, got):
         one = alone(p, n)
         assert drop_paths(g) == drop_paths(one)

@@ -214,8 +214,9 @@ def greedy_generate_batch(
     path: str = "attend",
 ) -> list[dict[str, Any]]:
     """:func:`greedy_generate` of several prompts ``[1, P_i]`` at once: left-padded into one
-    batch with its attention mask and positions, one token per step for every row (a finished
-    row keeps stepping, its tokens ignored), each row stopping as :func:`greedy_generate` does
+    batch with its attention mask and positions, one token per step for every unfinished row (a
+    finished row leaves the batch: ``Cache.batch_select_indices`` drops its cache rows, so later
+    steps neither compute nor attend for it), each row stopping as :func:`greedy_generate` does
     with its own ``max_new_tokens[i]``; ``path`` chooses the decode attention as in
     :func:`greedy_generate`.  Returns one result dict per prompt, in order; the
     quantized-after-prefill counts are the row's own (docs/design.md#padding), and each carries
@@ -256,12 +257,14 @@ def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, 
     reason = ["length"] * b
     done = [n <= 0 for n in max_new_tokens]
     nxt = torch.tensor(lens, device=dev).view(-1, 1)
+    active = list(range(b))  # original index of each row still in the batch
+    stored = None
     while not all(done):
         toks = out.logits[:, -1].argmax(-1)
-        for i in range(b):
+        for j, i in enumerate(active):
             if done[i]:
                 continue
-            tok = int(toks[i])
+            tok = int(toks[j])
             if tok in ends:
                 reason[i], done[i] = "eos", True
                 continue
@@ -275,13 +278,22 @@ def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, 
                 done[i] = True
         if all(done):
             break
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)
+        keep = [j for j, i in enumerate(active) if not done[i]]
+        if len(keep) < len(active):  # retire finished rows: later steps decode only the rest
+            if stored is None:  # measured while every row is still held
+                stored = stored_pad_tokens(cache, lens, width)
+            sel = torch.tensor(keep, device=dev)
+            cache.batch_select_indices(sel)
+            toks, mask, nxt = toks[sel], mask[sel], nxt[sel]
+            active = [active[j] for j in keep]
+        mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=dev)], dim=1)
         out = model(
             input_ids=toks.view(-1, 1), attention_mask=mask, position_ids=nxt, use_cache=True, **kw
         )
         nxt = nxt + 1
     results = []
-    stored = stored_pad_tokens(cache, lens, width)
+    if stored is None:
+        stored = stored_pad_tokens(cache, lens, width)
     for i in range(b):
         text, _ = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=True), stop)
         results.append(
