@@ -164,14 +164,34 @@ def test_per_token_loop_where_tiles_apply(bits, g, monkeypatch):
     lut = torch.randn(1 << bits, generator=g)
     ar, zr = torch.rand(B, H, 3, d, generator=g), torch.randn(B, H, 3, d, generator=g)
 
+    p = torch.softmax(torch.randn(B, H, M, T, generator=g), -1)
+
     def run():
         return (
             native.keys_groups(pk, q, a, z, bits),
             native.keys_lut(pk, q, lut, bits),
             native.keys_rows(pk, q, ar, zr, 128, bits),
+            native.values_groups(pk, p, a, z, bits, d),  # vectorised blocks vs token by token
         )
 
     tiled = run()
     monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")
-    for x, y in zip(tiled, run()):
-        assert rel(x, y.double()) < 1e-6
+    # logits: the same sums in another order; values: centred codes with the group terms added
+    # once (vectorised) vs per token (the loop), two float32 roundings of one sum
+    for x, y, tol in zip(tiled, run(), (1e-6, 1e-6, 1e-6, 1e-5)):
+        assert rel(x, y.double()) < tol
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_values_of_every_query_row_count(m, groups, g):
+    """Values of per-token groups in blocks of 4 query rows x 16 channels: every row count
+    (a last block of 1..4 rows) and channel groups per token, against float64."""
+    bits, d = 2, 128
+    c = torch.randint(0, 4, (B, H, T, d), generator=g)
+    a, z = torch.rand(B, H, T, groups, generator=g), torch.randn(B, H, T, groups, generator=g)
+    x = c.double() * a.double().repeat_interleave(d // groups, -1)
+    x = x + z.double().repeat_interleave(d // groups, -1)
+    p = torch.softmax(torch.randn(B, H, m, T, generator=g, dtype=torch.float64), -1)
+    out = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
+    assert rel(out, p @ x) < 1e-5

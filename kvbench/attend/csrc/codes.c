@@ -324,9 +324,124 @@ static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int
     return 0;
 }
 
+/* ------------------------------------------------- vectorised values of per-token groups
+ * MODE_AFFINE_GROUPS with one code word per byte (1, 2, 4, 8 bits), W and WG multiples of 8:
+ *   out[m, k] = sum_t (p[m, t] A[t, g]) (c[t, k] - half) + sum_t p[m, t] (Z[t, g] + half A[t, g])
+ * The second sum is one number per (m, group).  The first runs over blocks of MC query rows x
+ * VC vectors of 8 channels (sub-code order), the MC x VC accumulators in registers, the codes
+ * of 8 channels of a token unpacked into one vector (GCC/Clang vector extensions: SSE, AVX or
+ * NEON as the machine has).  Codes enter centred, as in the tiled keys. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define VMC 4
+#define VVC 2
+
+/* 8 consecutive bytes -> 8 lanes (vpmovzxbd where the machine has AVX2) */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) v8u bytes8(const uint8_t *p) {
+    return (v8u)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p));
+}
+#else
+static inline __attribute__((always_inline)) v8u bytes8(const uint8_t *p) {
+    v8u u;
+    for (int l = 0; l < 8; l++) u[l] = p[l];
+    return u;
+}
+#endif
+
+/* sub-code `shift` of 8 consecutive code words (bytes) -> 8 centred floats */
+static inline __attribute__((always_inline)) v8f codes8(const uint8_t *p, uint32_t shift,
+                                                        uint32_t mask, float half) {
+    const v8u u = (bytes8(p) >> shift) & mask;
+    return __builtin_convertvector((v8i)u, v8f) - half;
+}
+
+static inline int values_vec_ok(const kv_args *a, int bits) {
+    return a->mode == MODE_AFFINE_GROUPS && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
+           a->W % 8 == 0 && a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8 &&
+           a->M <= 16 && !a->no_tiles;
+}
+
+static inline __attribute__((always_inline)) void values_vec_block(
+    const kv_args *a, int bits, const float *p, const uint8_t *base, const float *A,
+    const float *Z, float *o, int64_t m0, int64_t v0, const int mc, const int vc) {
+    (void)Z;
+    const int64_t W = a->W, T = a->T, D = W * (8 / bits);
+    const uint32_t mask = (1u << bits) - 1u;
+    const float half = 0.5f * (float)mask;
+    int64_t off[VVC], gi[VVC];
+    uint32_t sh[VVC];
+    for (int j = 0; j < vc; j++) {
+        const int64_t pos = (v0 + j) * 8; /* sub-code position: plane pos / W, word pos % W */
+        off[j] = pos % W;
+        sh[j] = (uint32_t)(pos / W) * (uint32_t)bits;
+        gi[j] = off[j] / a->WG;
+    }
+    v8f acc[VMC][VVC];
+    for (int m = 0; m < mc; m++)
+        for (int j = 0; j < vc; j++) acc[m][j] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *row = base + t * a->cs_t;
+        const float *At = A + t * a->as_r;
+        float pm[VMC];
+        for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
+        for (int j = 0; j < vc; j++) {
+            const v8f c = codes8(row + off[j], sh[j], mask, half);
+            const float s = At[gi[j]];
+            for (int m = 0; m < mc; m++) acc[m][j] += (pm[m] * s) * c;
+        }
+    }
+    for (int m = 0; m < mc; m++)
+        for (int j = 0; j < vc; j++) memcpy(o + (m0 + m) * D + (v0 + j) * 8, &acc[m][j], 32);
+}
+
+static void values_groups_vec(const kv_args *a, int bits) {
+    const int64_t W = a->W, D = W * (8 / bits), M = a->M, T = a->T, WG = a->WG;
+    const int64_t ng = W / WG, nv = D / 8;
+    const float half = 0.5f * (float)((1u << bits) - 1u);
+    float zs[16 * (MAXD / 8)];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *p = a->qp + (b * a->H + h) * M * T;
+            float *o = a->out + (b * a->H + h) * M * D;
+            const uint8_t *base = a->codes + b * a->cs_b + h * a->cs_h;
+            const float *A = a->A + b * a->as_b + h * a->as_h;
+            const float *Z = a->Z + b * a->as_b + h * a->as_h;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t g = 0; g < ng; g++) {
+                    float s = 0.f;
+                    for (int64_t t = 0; t < T; t++)
+                        s += p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
+                    zs[m * ng + g] = s;
+                }
+            for (int64_t m0 = 0; m0 < M; m0 += VMC)
+                for (int64_t v0 = 0; v0 < nv; v0 += VVC) {
+                    const int mc = M - m0 < VMC ? (int)(M - m0) : VMC;
+                    const int vc = nv - v0 < VVC ? (int)(nv - v0) : VVC;
+#define VB(MC, VC)                                                                            \
+    case MC * 8 + VC:                                                                         \
+        values_vec_block(a, bits, p, base, A, Z, o, m0, v0, MC, VC);                          \
+        break;
+                    switch (mc * 8 + vc) {
+                        VB(1, 1) VB(1, 2) VB(2, 1) VB(2, 2) VB(3, 1) VB(3, 2) VB(4, 1) VB(4, 2)
+                    }
+#undef VB
+                }
+            /* the group terms, added per channel (sub-code position -> word -> group) */
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t pos = 0; pos < D; pos++) o[m * D + pos] += zs[m * ng + (pos % W) / WG];
+        }
+}
+
 static inline __attribute__((always_inline)) int values_impl(const kv_args *a, int bits) {
     const int64_t D = a->W * cpw_of(bits);
     if (D > MAXD) return -1;
+    if (values_vec_ok(a, bits)) {
+        values_groups_vec(a, bits);
+        return 0;
+    }
     float x[MAXD];
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->H; h++) {
