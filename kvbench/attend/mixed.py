@@ -39,6 +39,24 @@ def _byte_aligned(bits: tuple[int, ...], counts: tuple[int, ...]) -> bool:
     return all(n * b % 8 == 0 for b, n in live[:-1])
 
 
+def _word_counts(bits: tuple[int, ...], counts: tuple[int, ...], nbytes: int) -> list[int] | None:
+    """Channels per class as the native per-class kernel reads them: each class's count rounded
+    up to whole code words (:func:`kvbench.attend.cpu.code_layout`), or ``None`` when a class
+    does not end on a whole word and the row has no room for the rounded-up last class.  Only
+    the last class can end inside a word (class boundaries are on bytes); the extra channels
+    read the row's trailing bits and get a zero query, so they add nothing."""
+    live = [i for i, n in enumerate(counts) if n]
+    out, boff = [], 0
+    for i, (b, n) in enumerate(zip(bits, counts)):
+        cpw = code_layout(b)[1]
+        wide = -(-n // cpw) * cpw
+        if wide != n and (i != live[-1] or boff + wide * b // 8 > nbytes):
+            return None
+        out.append(wide)
+        boff += (n * b + 7) // 8
+    return out
+
+
 def _class_terms(block: MixedChannelBlock, pages: slice):
     """Float32 ``(a, b)`` ``[B, H, np, D]`` in class-sorted order for ``pages``."""
     s = block.scale[:, :, pages].float()
@@ -70,6 +88,7 @@ def _pages(
     qs_all = qp * a.unsqueeze(2)  # [B, H, M, np, D]
     out = (qp * b.unsqueeze(2)).sum(-1).unsqueeze(-1)  # [B, H, M, np, 1]
     aligned = _byte_aligned(block.class_bits, block.class_counts)
+    wide = _word_counts(block.class_bits, block.class_counts, nbytes) if aligned else None
     off = boff = 0
     for ci, (bits, cnt) in enumerate(zip(block.class_bits, block.class_counts)):
         if not cnt:
@@ -77,16 +96,14 @@ def _pages(
         qs = qs_all[..., off : off + cnt]
         nb = (cnt * bits + 7) // 8
         res = None
-        flat = codes.reshape(bsz, h, npg * length, nbytes)[..., boff : boff + nb]
-        if (
-            aligned
-            and compiled
-            and native_allowed()
-            and cnt % code_layout(bits)[1] == 0
-            and native.supports(flat, bits, cnt)
-        ):
-            res = native.keys_raw_rows(flat, qs, length, bits).reshape(bsz, h, m, npg, length)
-            note_impl("native")
+        if wide is not None and compiled and native_allowed():
+            nw = wide[ci] * bits // 8  # whole words (the last class may read trailing bits)
+            flat = codes.reshape(bsz, h, npg * length, nbytes)[..., boff : boff + nw]
+            if native.supports(flat, bits, wide[ci]):
+                qw = torch.nn.functional.pad(qs, (0, wide[ci] - cnt))  # zero query: no term
+                res = native.keys_raw_rows(flat, qw, length, bits)
+                res = res.reshape(bsz, h, m, npg, length)
+                note_impl("native")
         if res is None and aligned and compiled and inductor and cnt % code_layout(bits)[1] == 0:
             seg = codes[..., boff : boff + nb]
             qsub = to_subcode_order(qs, bits)  # [B, H, M, np, cpw, W]
@@ -121,9 +138,10 @@ def _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned) -> torch.Te
 
 def _native_classes(block: MixedChannelBlock) -> bool:
     """Whether every class can take the per-class native kernel (byte-aligned class
-    boundaries, whole code words per class); else one bit-stream call reads the block."""
-    return _byte_aligned(block.class_bits, block.class_counts) and all(
-        n % code_layout(b)[1] == 0 for b, n in zip(block.class_bits, block.class_counts) if n
+    boundaries, whole code words per class but perhaps the last, :func:`_word_counts`); else
+    one bit-stream call reads the block."""
+    return _byte_aligned(block.class_bits, block.class_counts) and (
+        _word_counts(block.class_bits, block.class_counts, block.codes.shape[-1]) is not None
     )
 
 

@@ -141,6 +141,42 @@ def test_code_domain_matches_reference(name, cfg, prefill, steps, d):
         assert kinds == {"native"}, lc.attend_path
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kitty_classes_take_the_per_class_kernels(d, monkeypatch):
+    """Kitty's low class at head_dim 64 (62 channels at 2 bits) does not end on a whole code
+    word; it is read as whole words with a zero query on the extra channels (the bit-stream
+    kernel is never called) and agrees with the float64 reference.  (At head_dim 96 the 3
+    high channels end inside a byte: that layout is read as one bit stream.)"""
+    from kvbench.attend import mixed
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    lc, g = build("kitty", dict(SMALL, value_bits=2, num_sink_tokens=2), d, 45, 3)
+    blk = lc.k.block
+    partial = any(n % cpu.code_layout(b)[1] for b, n in zip(blk.class_bits, blk.class_counts))
+    assert partial == (d == 64)
+
+    def no_stream(*a, **k):
+        raise AssertionError("the bit-stream kernel ran")
+
+    monkeypatch.setattr(native, "keys_stream_rows", no_stream)
+    assert mixed._native_classes(blk)
+    q = torch.randn(B, HQ, 1, d, generator=g)
+    with cpu.cpu_attention_mode("native"):
+        close_rows(lc.attend(q), ref64(lc, q))
+    assert cpu.path_kinds(lc.attend_path) == {"native"}, lc.attend_path
+
+
+def test_word_counts_of_class_layouts():
+    from kvbench.attend.mixed import _word_counts
+
+    assert _word_counts((4, 2), (2, 62), 17) == [2, 64]  # 1 + 16 bytes: room for 64 codes
+    assert _word_counts((3, 1), (32, 32), 16) == [32, 32]  # whole words already
+    assert _word_counts((2,), (62,), 15) is None  # 16 bytes of whole words do not fit 15
+    assert _word_counts((3,), (10,), 6) == [16]  # 3-bit words: 8 codes in 3 bytes
+    assert _word_counts((3,), (10,), 5) is None
+
+
 @pytest.mark.parametrize(
     "name,cfg",
     [

@@ -153,9 +153,10 @@ def test_built_once_into_the_cache(monkeypatch, tmp_path):
     assert native.available() and so.stat().st_mtime_ns == mtime  # loaded, not rebuilt
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7, 8])
 def test_per_token_loop_where_tiles_apply(bits, g, monkeypatch):
-    """The 8-token tiles (1, 2, 4, 8 bits) and the per-token loop give the same logits."""
+    """The 8-token tiles (whole 32-bit words of 1, 2, 4, 8-bit codes; 32 codes in 3, 5, 6, 7
+    words) and the per-token loop give the same logits."""
     d = 64
     c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
     pk = pack_bits(c, bits)
