@@ -173,13 +173,14 @@ def test_per_token_loop_where_tiles_apply(bits, g, monkeypatch):
             native.keys_lut(pk, q, lut, bits),
             native.keys_rows(pk, q, ar, zr, 128, bits),
             native.values_groups(pk, p, a, z, bits, d),  # vectorised blocks vs token by token
+            native.values_lut(pk, p, lut, bits, d),  # a vector permute (1, 2, 4 bits) vs loads
         )
 
     tiled = run()
     monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")
     # logits: the same sums in another order; values: centred codes with the group terms added
     # once (vectorised) vs per token (the loop), two float32 roundings of one sum
-    for x, y, tol in zip(tiled, run(), (1e-6, 1e-6, 1e-6, 1e-5)):
+    for x, y, tol in zip(tiled, run(), (1e-6, 1e-6, 1e-6, 1e-5, 1e-6), strict=True):
         assert rel(x, y.double()) < tol
 
 

@@ -382,7 +382,8 @@ static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int
  * The second sum is one number per (m, group).  The first runs over blocks of MC query rows x
  * VC vectors of 8 channels (sub-code order), the MC x VC accumulators in registers, the codes
  * of 8 channels of a token unpacked into one vector (GCC/Clang vector extensions: SSE, AVX or
- * NEON as the machine has).  Codes enter centred, as in the tiled keys. */
+ * NEON as the machine has).  Codes enter centred, as in the tiled keys.  MODE_LUT with 1-, 2-
+ * and 4-bit codes runs the same blocks with x = LUT[c] by a vector permute (no group terms). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -410,16 +411,44 @@ static inline __attribute__((always_inline)) v8f codes8(const uint8_t *p, uint32
     return __builtin_convertvector((v8i)u, v8f) - half;
 }
 
+/* table lookup of 8 codes (< 16): `lo` holds entries 0..7, `hi` 8..15 (vpermps on AVX2) */
+static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t shift,
+                                                      uint32_t mask, const float *lut, v8f lo,
+                                                      v8f hi) {
+    const v8u u = (bytes8(p) >> shift) & mask;
+#if defined(__AVX2__)
+    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
+    if (mask < 8) return (v8f)l;
+    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
+    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
+    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
+#else
+    (void)lo;
+    (void)hi;
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = lut[u[l]];
+    return x;
+#endif
+}
+
 static inline int values_vec_ok(const kv_args *a, int bits) {
+    if (a->M > 16 || a->no_tiles || a->W % 8) return 0;
+    if (a->mode == MODE_LUT) return bits == 1 || bits == 2 || bits == 4;
     return a->mode == MODE_AFFINE_GROUPS && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
-           a->W % 8 == 0 && a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8 &&
-           a->M <= 16 && !a->no_tiles;
+           a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8;
 }
 
 static inline __attribute__((always_inline)) void values_vec_block(
     const kv_args *a, int bits, const float *p, const uint8_t *base, const float *A,
     const float *Z, float *o, int64_t m0, int64_t v0, const int mc, const int vc) {
     (void)Z;
+    const int is_lut = a->mode == MODE_LUT;
+    v8f lo = {0, 0, 0, 0, 0, 0, 0, 0}, hi = lo;
+    if (is_lut)
+        for (int l = 0; l < 8; l++) {
+            lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
+            hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
+        }
     const int64_t W = a->W, T = a->T, D = W * (8 / bits);
     const uint32_t mask = (1u << bits) - 1u;
     const float half = 0.5f * (float)mask;
@@ -429,28 +458,40 @@ static inline __attribute__((always_inline)) void values_vec_block(
         const int64_t pos = (v0 + j) * 8; /* sub-code position: plane pos / W, word pos % W */
         off[j] = pos % W;
         sh[j] = (uint32_t)(pos / W) * (uint32_t)bits;
-        gi[j] = off[j] / a->WG;
+        gi[j] = is_lut ? 0 : off[j] / a->WG;
     }
     v8f acc[VMC][VVC];
     for (int m = 0; m < mc; m++)
         for (int j = 0; j < vc; j++) acc[m][j] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t t = 0; t < T; t++) {
-        const uint8_t *row = base + t * a->cs_t;
-        const float *At = A + t * a->as_r;
-        float pm[VMC];
-        for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
-        for (int j = 0; j < vc; j++) {
-            const v8f c = codes8(row + off[j], sh[j], mask, half);
-            const float s = At[gi[j]];
-            for (int m = 0; m < mc; m++) acc[m][j] += (pm[m] * s) * c;
+    if (is_lut)
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *row = base + t * a->cs_t;
+            float pm[VMC];
+            for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
+            for (int j = 0; j < vc; j++) {
+                const v8f x = lut8(row + off[j], sh[j], mask, a->lut, lo, hi);
+                for (int m = 0; m < mc; m++) acc[m][j] += pm[m] * x;
+            }
         }
-    }
+    else
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *row = base + t * a->cs_t;
+            const float *At = A + t * a->as_r;
+            float pm[VMC];
+            for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
+            for (int j = 0; j < vc; j++) {
+                const v8f c = codes8(row + off[j], sh[j], mask, half);
+                const float s = At[gi[j]];
+                for (int m = 0; m < mc; m++) acc[m][j] += (pm[m] * s) * c;
+            }
+        }
     for (int m = 0; m < mc; m++)
         for (int j = 0; j < vc; j++) memcpy(o + (m0 + m) * D + (v0 + j) * 8, &acc[m][j], 32);
 }
 
 static void values_groups_vec(const kv_args *a, int bits) {
-    const int64_t W = a->W, D = W * (8 / bits), M = a->M, T = a->T, WG = a->WG;
+    const int is_lut = a->mode == MODE_LUT; /* a table: no group terms */
+    const int64_t W = a->W, D = W * (8 / bits), M = a->M, T = a->T, WG = is_lut ? W : a->WG;
     const int64_t ng = W / WG, nv = D / 8;
     const float half = 0.5f * (float)((1u << bits) - 1u);
     float zs[16 * (MAXD / 8)];
@@ -459,12 +500,12 @@ static void values_groups_vec(const kv_args *a, int bits) {
             const float *p = a->qp + (b * a->H + h) * M * T;
             float *o = a->out + (b * a->H + h) * M * D;
             const uint8_t *base = a->codes + b * a->cs_b + h * a->cs_h;
-            const float *A = a->A + b * a->as_b + h * a->as_h;
-            const float *Z = a->Z + b * a->as_b + h * a->as_h;
+            const float *A = is_lut ? 0 : a->A + b * a->as_b + h * a->as_h;
+            const float *Z = is_lut ? 0 : a->Z + b * a->as_b + h * a->as_h;
             for (int64_t m = 0; m < M; m++)
                 for (int64_t g = 0; g < ng; g++) {
                     float s = 0.f;
-                    for (int64_t t = 0; t < T; t++)
+                    for (int64_t t = 0; t < T && !is_lut; t++)
                         s += p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
                     zs[m * ng + g] = s;
                 }
