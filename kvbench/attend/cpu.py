@@ -498,7 +498,7 @@ class AffineBlockAttention:
     Keys and values: per-token groups (per-token, int8/int4-block and llama.cpp ``q4_0``),
     pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``; keys), or
     token groups of any lengths (per-head / per-tensor flushes; eager).  Bits 1..8, and 16
-    (int16 codes, e.g. PM-KVQ before its first shrink; eager)."""
+    (int16 codes, e.g. PM-KVQ before its first shrink; native, else eager)."""
 
     @staticmethod
     def _common(block: AffineBlock, head_dim: int) -> str | None:
@@ -523,26 +523,38 @@ class AffineBlockAttention:
             and (lens[-1] <= lens[0])
         )
 
+    @staticmethod
+    def _native_codes(block: AffineBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes as uint8 rows, a, b)`` for the native kernels: 16-bit codes are int16
+        ``c - 32768`` (:func:`kvbench.kv.quant.pack_bits`), read signed, so ``b`` takes the
+        offset (``c a + b = (c - 32768) a + (b + 32768 a)``, terms in float32)."""
+        a, b = affine_terms(block)
+        if block.bits != 16:
+            return block.codes, a, b
+        return block.codes.view(torch.uint8), a, b + 32768.0 * a
+
     def _native_keys(self, block: AffineBlock, q: torch.Tensor) -> torch.Tensor | None:
         d, bits = q.shape[-1], block.bits
-        if not (native_allowed() and native.supports(block.codes, bits, d)):
+        if not native_allowed():
             return None
-        a, b = affine_terms(block)
+        codes, a, b = self._native_codes(block)
+        if not native.supports(codes, bits, d):
+            return None
         if len(block.group_len) == block.ntokens:
             if (d // a.shape[-1]) % code_layout(bits)[1]:
                 return None
-            return native.keys_groups(block.codes, q, a, b, bits)
+            return native.keys_groups(codes, q, a, b, bits)
         if not self._pages(block):
             return None
         a, b = _per_channel(a, d), _per_channel(b, d)
-        return native.keys_rows(block.codes, q, a, b, block.group_len[0], bits)
+        return native.keys_rows(codes, q, a, b, block.group_len[0], bits)
 
     def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
         out = self._native_keys(block, q) if compiled else None
         if out is not None:
             note_impl("native")
             return out
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
         if len(block.group_len) == block.ntokens:
             a, b = affine_terms(block)
             return key_tokens(block.codes, q, a, b, block.bits, compiled)
@@ -572,21 +584,18 @@ class AffineBlockAttention:
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
     def value_output(self, block: AffineBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): eager
         d, bits = block.head_dim, block.bits
         a, b = affine_terms(block)
         pk = block.codes
         if len(block.group_len) != block.ntokens:  # token groups (per-head, per-tensor values)
             a, b = _per_channel(a, d), _per_channel(b, d)
             return value_groups_eager(pk, p, a, b, block.group_len, bits, d)
-        if (
-            compiled
-            and native_allowed()
-            and native.supports(pk, bits, d)
-            and (d // a.shape[-1]) % code_layout(bits)[1] == 0
-        ):
-            note_impl("native")
-            return native.values_groups(pk, p, a, b, bits, d)
+        if compiled and native_allowed():
+            nk, na, nb = self._native_codes(block)
+            if native.supports(nk, bits, d) and (d // na.shape[-1]) % code_layout(bits)[1] == 0:
+                note_impl("native")
+                return native.values_groups(nk, p, na, nb, bits, d)
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
         if compiled and d % code_layout(bits)[1] == 0:
             ps, pb = value_token_terms(p, a, b, bits)
             out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)

@@ -192,7 +192,11 @@ def _unsub(x: torch.Tensor, bits: int) -> torch.Tensor:
 def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
     """Whether the native kernels take ``codes`` (uint8 rows, contiguous last dim, on the
     CPU) of ``bits``-bit codes for ``head_dim`` channels."""
-    if not (1 <= bits <= 8) or codes.dtype != torch.uint8 or codes.device.type != "cpu":
+    if (
+        not (1 <= bits <= 8 or bits == 16)
+        or codes.dtype != torch.uint8
+        or codes.device.type != "cpu"
+    ):
         return False
     _, cpw = _layout(bits)
     return (

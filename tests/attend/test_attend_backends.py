@@ -56,7 +56,7 @@ CASES = [
 DIMS = (64, 96, 128, 256)
 #: methods whose key and value blocks both have native kernels (kvbench.attend.native)
 NATIVE_BOTH = {"kivi", "per-token", "int8-block", "int4-block", "kitty", "pn-mix", "chanmix",
-               "fp8", "semkv", "turboquant-mse"}  # fmt: skip
+               "fp8", "semkv", "turboquant-mse", "pm-kvq"}  # fmt: skip
 
 
 def auto_path(kinds=("native",)) -> str:

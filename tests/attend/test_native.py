@@ -197,3 +197,27 @@ def test_values_of_every_query_row_count(m, groups, g):
     p = torch.softmax(torch.randn(B, H, m, T, generator=g, dtype=torch.float64), -1)
     out = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
     assert rel(out, p @ x) < 1e-5
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_signed_16_bit_codes(d, g, monkeypatch):
+    """16-bit codes are stored as int16 ``c - 32768`` (kvbench.kv.quant.pack_bits) and read
+    signed: ``x = (c - 32768) a + z`` per token group and per channel row, tiled and not."""
+    c = torch.randint(0, 1 << 16, (B, H, T, d), generator=g)
+    pk = pack_bits(c, 16).view(torch.uint8)
+    v = (c - 32768).double()
+    q = torch.randn(B, H, M, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(B, H, M, T, generator=g, dtype=torch.float64), -1)
+    a, z = torch.rand(B, H, T, 2, generator=g) / 65535, torch.randn(B, H, T, 2, generator=g)
+    x = v * a.double().repeat_interleave(d // 2, -1) + z.double().repeat_interleave(d // 2, -1)
+    rows = -(-T // 128)
+    ar, zr = torch.rand(1, H, rows, d, generator=g) / 65535, torch.randn(1, H, rows, d, generator=g)
+    xr = v * ar.double().repeat_interleave(128, 2)[:, :, :T]
+    xr = xr + zr.double().repeat_interleave(128, 2)[:, :, :T]
+    for tiles in ("1", "0"):
+        monkeypatch.setenv("KVBENCH_NATIVE_TILES", tiles)
+        assert rel(native.keys_groups(pk, q.float(), a, z, 16), q @ x.transpose(-1, -2)) < 1e-5
+        assert rel(native.values_groups(pk, p.float(), a, z, 16, d), p @ x) < 1e-5
+        assert (
+            rel(native.keys_rows(pk, q.float(), ar, zr, 128, 16), q @ xr.transpose(-1, -2)) < 1e-5
+        )

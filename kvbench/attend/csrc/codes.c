@@ -6,7 +6,7 @@
  *
  * Codes: kvbench.kv.quant.pack_bits's LSB-first bit stream, one row of `nbytes` bytes per
  * token; a "word" of BPW bytes holds CPW whole codes (2 bits: 1 byte, 4 codes; 3 bits:
- * 3 bytes, 8 codes).  A token's D = CPW * W codes are decoded in *sub-code order*: position
+ * 3 bytes, 8 codes; 16 bits: int16 codes, signed, 2 bytes each).  A token's D = CPW * W codes are decoded in *sub-code order*: position
  * i * W + w holds channel w * CPW + i (code i of word w), so that every sub-code plane is a
  * contiguous run of W floats and the decode loop vectorizes; the caller gives the query, the
  * affine terms and receives value outputs in the same order (kvbench/attend/native.py).
@@ -75,7 +75,8 @@ typedef struct {
                 uint64_t word = 0;                                                             \
                 for (int k = 0; k < BPW; k++) word |= (uint64_t)row[w * BPW + k] << (8 * k);   \
                 for (int i = 0; i < CPW; i++)                                                  \
-                    c[i * W + w] = (float)((word >> (i * BITS)) & mask);                       \
+                    c[i * W + w] = BITS == 16 ? (float)(int16_t)(uint16_t)word /* signed */    \
+                                              : (float)((word >> (i * BITS)) & mask);          \
             }                                                                                  \
         }                                                                                      \
     }
@@ -88,6 +89,7 @@ DEFINE_UNPACK(5)
 DEFINE_UNPACK(6)
 DEFINE_UNPACK(7)
 DEFINE_UNPACK(8)
+DEFINE_UNPACK(16)
 
 static inline __attribute__((always_inline)) void unpack_any(int bits, const uint8_t *row,
                                                              int64_t W, float *c) {
@@ -99,6 +101,7 @@ static inline __attribute__((always_inline)) void unpack_any(int bits, const uin
     case 5: unpack_5(row, W, c); break;
     case 6: unpack_6(row, W, c); break;
     case 7: unpack_7(row, W, c); break;
+    case 16: unpack_16(row, W, c); break;
     default: unpack_8(row, W, c); break;
     }
 }
@@ -166,6 +169,8 @@ static inline __attribute__((always_inline)) void decode(const kv_args *a, int b
  * each query row in registers (no horizontal sums).  The query (terms folded in per row of A/Z
  * for MODE_AFFINE_ROWS) is rebuilt in natural channel order once per row. */
 #define TT 8
+/* a code's value from its low bits: unsigned, or signed for 16-bit codes (int16 storage) */
+#define CODEF(x) (bits == 16 ? (float)(int16_t)(uint16_t)(x) : (float)((x) & mask))
 /* one channel `ch` of a tile: its codes in 8 tokens' words w0 (>> sh; with the low bits of w1
  * where the code straddles two words) -> accg[m][k] += q[m, ch] x */
 static inline __attribute__((always_inline)) void tile_code(
@@ -203,7 +208,7 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
     const uint32_t mask = (1u << bits) - 1u;
     /* codes enter the sums centred (c - half; the offset moves into the bias): the sums of
      * q * A * c and q * (Z + half * A) then do not cancel, so float32 keeps its precision */
-    const float half = 0.5f * (float)mask;
+    const float half = bits == 16 ? 0.f : 0.5f * (float)mask; /* 16 bits: signed codes */
     int32_t pos[MAXD]; /* natural channel -> sub-code position */
     for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
     float qn[16 * MAXD], bias[16], an[MAXD], zn[MAXD];
@@ -277,11 +282,11 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                                         const float s = an[ch], z = zn[ch];
 #pragma omp simd
                                         for (int k = 0; k < TT; k++)
-                                            cv[k] = (float)((wv[k] >> (c * bits)) & mask) * s + z;
+                                            cv[k] = CODEF(wv[k] >> (c * bits)) * s + z;
                                     } else {
 #pragma omp simd
                                         for (int k = 0; k < TT; k++)
-                                            cv[k] = (float)((wv[k] >> (c * bits)) & mask) - half;
+                                            cv[k] = CODEF(wv[k] >> (c * bits)) - half;
                                     }
                                     for (int64_t m = 0; m < M; m++) {
                                         const float qv = qn[m * D + ch];
@@ -343,7 +348,8 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
 static inline int tiled_ok(const kv_args *a, int bits) {
     /* whole units of codes per token and per group: 32-bit words (1, 2, 4, 8 bits) or 32 codes */
     const int64_t unit = (bits & (bits - 1)) == 0 ? 32 / bits : 32;
-    return bits >= 1 && bits <= 8 && a->mode != MODE_STREAM && a->M <= 16 &&
+    return ((bits >= 1 && bits <= 8) || bits == 16) && a->mode != MODE_STREAM &&
+           a->mode != (bits == 16 ? MODE_LUT : -1) && a->M <= 16 &&
            (a->W * cpw_of(bits)) % unit == 0 &&
            (a->mode != MODE_AFFINE_GROUPS ||
             ((a->WG * cpw_of(bits)) % unit == 0 && a->W / a->WG <= MAXD / 8));
@@ -566,11 +572,14 @@ SPECIALISE(5)
 SPECIALISE(6)
 SPECIALISE(7)
 SPECIALISE(8)
+SPECIALISE(16)
 
-/* bits 1..8, or 0 for MODE_STREAM.  Returns 0, or -1 for an unsupported size (D above MAXD) */
+/* bits 1..8, 16 (signed int16 codes, affine modes), or 0 for MODE_STREAM.  Returns 0, or -1
+ * for an unsupported width or size (D above MAXD) */
 int kv_keys(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {keys_b0, keys_b1, keys_b2, keys_b3, keys_b4,
                                                    keys_b5, keys_b6, keys_b7, keys_b8};
+    if (bits == 16) return a->mode == MODE_LUT ? -1 : keys_b16(a);
     return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
@@ -578,6 +587,7 @@ int kv_values(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {values_b0, values_b1, values_b2, values_b3,
                                                    values_b4, values_b5, values_b6, values_b7,
                                                    values_b8};
+    if (bits == 16) return a->mode == MODE_LUT ? -1 : values_b16(a);
     return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
