@@ -17,6 +17,8 @@ matmul, eager).  Bit-plane packed layouts (a class boundary not on a byte,
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvbench.attend import native
@@ -54,6 +56,44 @@ def _word_counts(bits: tuple[int, ...], counts: tuple[int, ...], nbytes: int) ->
             return None
         out.append(wide)
         boff += (n * b + 7) // 8
+    return out
+
+
+def _tile_unit(bits: int) -> int:
+    """Codes per unit of the native tiled keys: a 32-bit word (1, 2, 4, 8 bits) or 32 codes."""
+    return 32 // bits if bits & (bits - 1) == 0 else 32
+
+
+def _native_offbyte(
+    block: MixedChannelBlock, flat: torch.Tensor, qs_all: torch.Tensor, length: int
+) -> torch.Tensor | None:
+    """Logits of a block whose class boundaries are off the byte (ChanMix): each class read
+    by the tiled raw kernel from its first bit (``bit0``), padded to whole tile units with a
+    zero query (the extra channels read the next class's bits, or zeros past the row, and add
+    nothing).  ``flat`` uint8 ``[B, H, T, nbytes]``, ``qs_all`` ``[B, H, M, np, D]`` (scales
+    folded in, class-sorted).  ``None`` where the native kernels are unavailable."""
+    if flat.dtype != torch.uint8 or not native.available() or flat.stride(-1) != 1:
+        return None
+    out, off, bo = None, 0, 0
+    rest: list[tuple[int, int, int, int]] = []  # small classes: (bits, count, channel, bit)
+    for bits, cnt in zip(block.class_bits, block.class_counts):
+        if not cnt:
+            continue
+        wide = -(-cnt // _tile_unit(bits)) * _tile_unit(bits)
+        if 2 * cnt < wide or wide > native.MAX_HEAD_DIM:  # mostly padding: read channel-wise
+            rest.append((bits, cnt, off, bo))
+        else:
+            qw = torch.nn.functional.pad(qs_all[..., off : off + cnt], (0, wide - cnt))
+            res = native.keys_raw_rows(flat[..., bo // 8 :], qw, length, bits, bit0=bo % 8)
+            out = res if out is None else out + res
+        off += cnt
+        bo += cnt * bits
+    if rest:  # one bit-stream call over the small classes' channels
+        chans = torch.cat([torch.arange(o, o + n) for _, n, o, _ in rest])
+        widths = torch.cat([torch.full((n,), b) for b, n, _, _ in rest])
+        offsets = torch.cat([bit + b * torch.arange(n) for b, n, _, bit in rest])
+        res = native.keys_stream_rows(flat, qs_all[..., chans], widths, length, offsets)
+        out = res if out is None else out + res
     return out
 
 
@@ -146,9 +186,10 @@ def _native_classes(block: MixedChannelBlock) -> bool:
 
 
 def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: int):
-    """All pages (a shorter last one included) in one native call over the bit stream of the
-    class codes (:func:`kvbench.attend.native.keys_stream_rows`): ``[B, H, M, n]``, or
-    ``None`` when the native kernels cannot take the block."""
+    """All pages (a shorter last one included) in native calls over the bit stream of the
+    class codes: per class from its first bit (:func:`_native_offbyte`), else one call of
+    :func:`kvbench.attend.native.keys_stream_rows`: ``[B, H, M, n]``, or ``None`` when the
+    native kernels cannot take the block."""
     codes = block.codes
     d = qp.shape[-1]
     if codes.dtype != torch.uint8 or not native.available() or d > native.MAX_HEAD_DIM:
@@ -157,10 +198,14 @@ def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: i
     a, b = _class_terms(block, slice(0, npg))  # [B, H, np, D]
     qs = qp * a.unsqueeze(2)  # [B, H, M, np, D]
     bias = (qp * b.unsqueeze(2)).sum(-1)  # [B, H, M, np]
-    widths = torch.repeat_interleave(
-        torch.tensor(block.class_bits), torch.tensor(block.class_counts)
-    )
-    out = native.keys_stream_rows(codes[:, :, :n], qs, widths, length)
+    out = None
+    if os.environ.get("KVBENCH_NATIVE_CLASSES", "1") != "0":
+        out = _native_offbyte(block, codes[:, :, :n], qs, length)
+    if out is None:
+        widths = torch.repeat_interleave(
+            torch.tensor(block.class_bits), torch.tensor(block.class_counts)
+        )
+        out = native.keys_stream_rows(codes[:, :, :n], qs, widths, length)
     bsz, h, m = out.shape[:3]
     pad = npg * length - n
     bias = bias.unsqueeze(-1).expand(bsz, h, m, npg, length).reshape(bsz, h, m, npg * length)

@@ -51,7 +51,7 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_HEAD_DIM = 1024
 MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
 
@@ -88,6 +88,7 @@ class _Args(ctypes.Structure):
         ("nbytes", ctypes.c_int64),
         ("no_tiles", ctypes.c_int),
         ("out", ctypes.c_void_p),
+        ("bit0", ctypes.c_int64),
     ]
 
 
@@ -305,22 +306,27 @@ def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
     return _unsub(out, bits)
 
 
-def keys_raw_rows(codes, qs, length: int, bits: int) -> torch.Tensor:
+def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Tensor:
     """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` with ``r = t // length`` (raw codes; the
     caller folded the scales into ``qs`` float ``[B, H, M, R, D]``, one query per row, and adds
-    the zero-point terms)."""
-    bsz, h, t, _ = codes.shape
+    the zero-point terms).  ``bit0`` (0..7): the codes start at that bit of each row of
+    ``codes`` (a class of a bit stream, :func:`kvbench.kv.mixed.pack_mixed`); bits past the
+    row's bytes read as 0, so channels beyond the class with a zero query add nothing."""
+    bsz, h, t, nbytes = codes.shape
     m, rows, d = qs.shape[2], qs.shape[3], qs.shape[4]
     if rows * length < t:
         raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
+    if not 0 <= bit0 < 8:
+        raise ValueError(f"bit0={bit0} must be in 0..7 (a bit within the first byte)")
     qs = _sub(qs, bits)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args = _args(codes, bits, d, m, qs, out, MODE_RAW, length=length, rows=rows)
+    args.bit0, args.nbytes = bit0, nbytes
     _call("kv_keys", args, bits)
     return out
 
 
-def keys_stream_rows(codes, qs, widths, length: int) -> torch.Tensor:
+def keys_stream_rows(codes, qs, widths, length: int, offsets=None) -> torch.Tensor:
     """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` (``r = t // length``) with the codes of a
     row read as one LSB-first bit stream of per-channel ``widths`` (1..8 bits each, in stored
     order: :func:`kvbench.kv.mixed.pack_mixed`); ``qs`` float ``[B, H, M, R, D]`` in the same
@@ -330,8 +336,13 @@ def keys_stream_rows(codes, qs, widths, length: int) -> torch.Tensor:
     wid = torch.as_tensor(widths, dtype=torch.uint8)
     if wid.numel() != d or int(wid.min()) < 1 or int(wid.max()) > 8:
         raise ValueError(f"widths must be {d} values in 1..8, got {wid.tolist()}")
-    off = torch.cumsum(wid.to(torch.int32), 0, dtype=torch.int32) - wid.to(torch.int32)
-    if int(off[-1]) + int(wid[-1]) > nbytes * 8:
+    if offsets is None:  # consecutive channels of the stream
+        off = torch.cumsum(wid.to(torch.int32), 0, dtype=torch.int32) - wid.to(torch.int32)
+    else:  # a subset: each channel's first bit
+        off = torch.as_tensor(offsets, dtype=torch.int32)
+        if off.numel() != d or int(off.min()) < 0:
+            raise ValueError(f"offsets must be {d} bit positions >= 0, got {off.tolist()}")
+    if int((off + wid.to(torch.int32)).max()) > nbytes * 8:
         raise ValueError(f"{int(wid.sum())} bits of codes do not fit rows of {nbytes} bytes")
     if rows * length < t:
         raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")

@@ -82,8 +82,9 @@ def test_a_byte_slice_of_each_row(g):
 
 
 @pytest.mark.parametrize("widths", [(3, 1, 2), (4, 2, 1), (8, 3, 5)])
-def test_bit_stream_of_mixed_widths(widths, g):
-    """Class boundaries off the byte (ChanMix's 12-channel classes): one LSB-first stream."""
+def test_bit_stream_of_mixed_widths(widths, g, monkeypatch):
+    """Class boundaries off the byte (ChanMix's 12-channel classes): one LSB-first stream, in
+    tiles of 8 tokens and token by token."""
     counts = (12, 12, 40)
     codes = [torch.randint(0, 1 << b, (B, H, T, n), generator=g) for b, n in zip(widths, counts)]
     pk = pack_mixed(codes, widths)
@@ -93,6 +94,9 @@ def test_bit_stream_of_mixed_widths(widths, g):
     c = torch.cat(codes, -1).double()
     ref = (qs.repeat_interleave(64, 3)[:, :, :, :T] * c.unsqueeze(2)).sum(-1)
     assert rel(native.keys_stream_rows(pk, qs.float(), w, 64), ref) < 1e-5
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")
+    assert rel(native.keys_stream_rows(pk, qs.float(), w, 64), ref) < 1e-5
+    monkeypatch.delenv("KVBENCH_NATIVE_TILES")
     with pytest.raises(ValueError, match="widths"):
         native.keys_stream_rows(pk, qs.float(), w.clamp(max=0), 64)
     with pytest.raises(ValueError, match="do not fit"):
@@ -221,3 +225,29 @@ def test_signed_16_bit_codes(d, g, monkeypatch):
         assert (
             rel(native.keys_rows(pk, q.float(), ar, zr, 128, 16), q @ xr.transpose(-1, -2)) < 1e-5
         )
+
+
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_a_class_off_the_byte(tiles, g, monkeypatch):
+    """One class of a bit stream read from its first bit (``bit0``), its channel count padded
+    to whole tile units with a zero query, and the small classes' channels by explicit bit
+    offsets: each agrees with float64 from the integer codes (ChanMix's class layout)."""
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", tiles)
+    widths, counts = (4, 3, 2, 1), (6, 6, 46, 6)
+    codes = [torch.randint(0, 1 << b, (B, H, T, n), generator=g) for b, n in zip(widths, counts)]
+    pk = pack_mixed(codes, widths)
+    rows = -(-T // 64)
+    bo = 4 * 6 + 3 * 6  # the 2-bit class starts at bit 42: byte 5, bit 2
+    qs = torch.randn(B, H, M, rows, 46, generator=g, dtype=torch.float64)
+    ref = (qs.repeat_interleave(64, 3)[:, :, :, :T] * codes[2].double().unsqueeze(2)).sum(-1)
+    qw = torch.nn.functional.pad(qs.float(), (0, 2))  # 48 = 3 words of 16 codes
+    assert rel(native.keys_raw_rows(pk[..., bo // 8 :], qw, 64, 2, bit0=bo % 8), ref) < 1e-5
+    # the 3-bit and 1-bit classes (bits 24.. and 134..) by offsets, in one stream call
+    off = torch.cat([24 + 3 * torch.arange(6), 134 + torch.arange(6)])
+    w = torch.tensor([3] * 6 + [1] * 6)
+    q2 = torch.randn(B, H, M, rows, 12, generator=g, dtype=torch.float64)
+    c2 = torch.cat([codes[1], codes[3]], -1).double()
+    ref2 = (q2.repeat_interleave(64, 3)[:, :, :, :T] * c2.unsqueeze(2)).sum(-1)
+    assert rel(native.keys_stream_rows(pk, q2.float(), w, 64, off), ref2) < 1e-5
+    with pytest.raises(ValueError, match="bit0"):
+        native.keys_raw_rows(pk, qw, 64, 2, bit0=8)

@@ -55,7 +55,22 @@ typedef struct {
     int64_t nbytes;       /* MODE_STREAM: bytes per row (D = W, the channel count) */
     int no_tiles;         /* keys: 1 = the per-token loop even where the tiled one applies */
     float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
+    int64_t bit0;         /* MODE_RAW keys: codes start at this bit of the row (0..7; a class
+                           * of a bit stream), the row holding `nbytes` bytes from `codes` */
 } kv_args;
+
+/* 32 bits of a row from bit 8 * byte + sh (sh < 8; byte < nb).  Bits past the row's nb bytes
+ * are the next row's (`more`: a next token follows, at least 8 bytes on) or read as 0; callers
+ * give them a zero query. */
+static inline __attribute__((always_inline)) uint32_t fetch32(const uint8_t *row, int64_t byte,
+                                                              int sh, int64_t nb, int more) {
+    uint64_t v = 0;
+    if (byte + 8 <= nb || more)
+        memcpy(&v, row + byte, 8);
+    else
+        for (int64_t i = 0; byte + i < nb && i < 8; i++) v |= (uint64_t)row[byte + i] << (8 * i);
+    return (uint32_t)(v >> sh);
+}
 
 /* codes of one token -> float c[D] in sub-code order */
 #define DEFINE_UNPACK(BITS)                                                                   \
@@ -129,6 +144,14 @@ static inline __attribute__((always_inline)) void decode(const kv_args *a, int b
     }
     const int cpw = cpw_of(bits);
     const int64_t D = W * cpw;
+    if (a->bit0) { /* MODE_RAW, codes off the byte: channel by channel, in sub-code order */
+        const uint32_t mask = (1u << bits) - 1u;
+        for (int64_t p = 0; p < D; p++) {
+            const int64_t bit = a->bit0 + ((p % W) * cpw + p / W) * bits;
+            x[p] = (float)(fetch32(row, bit >> 3, (int)(bit & 7), a->nbytes, 0) & mask);
+        }
+        return;
+    }
     if (a->mode == MODE_LUT) {
         uint8_t idx[MAXD];
         /* codes as integers first (reuse the float unpack, then look up) */
@@ -204,8 +227,9 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
     /* a unit of U codes in NW 32-bit words: 32 / bits codes in one word (1, 2, 4, 8 bits), or
      * 32 codes in `bits` words (3, 5, 6, 7 bits; a code may straddle two words) */
     const int pow2 = (bits & (bits - 1)) == 0;
-    const int U = pow2 ? 32 / bits : 32, NW = pow2 ? 1 : bits;
+    const int U = pow2 && bits ? 32 / bits : 32, NW = pow2 ? 1 : bits;
     const uint32_t mask = (1u << bits) - 1u;
+    const int stream = a->mode == MODE_STREAM; /* bits 0: per-channel widths and offsets */
     /* codes enter the sums centred (c - half; the offset moves into the bias): the sums of
      * q * A * c and q * (Z + half * A) then do not cancel, so float32 keeps its precision */
     const float half = bits == 16 ? 0.f : 0.5f * (float)mask; /* 16 bits: signed codes */
@@ -223,7 +247,7 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
             int64_t row = -1, row_end = 0;
             for (int64_t t = 0; t < T;) {
                 if (t >= row_end) { /* a new row of terms / queries */
-                    const int rows = a->mode == MODE_AFFINE_ROWS || a->mode == MODE_RAW;
+                    const int rows = a->mode == MODE_AFFINE_ROWS || a->mode == MODE_RAW || stream;
                     row = rows ? t / a->L : 0;
                     row_end = rows ? (row + 1) * a->L : T;
                     const float *qr = q + row * a->q_sr;
@@ -246,6 +270,9 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                             for (int64_t ch = 0; ch < D; ch++) sq += qn[m * D + ch];
                             if (a->mode == MODE_RAW) bm += half * sq;
                         }
+                        if (stream) /* centred per channel: c - (2^w - 1) / 2 */
+                            for (int64_t ch = 0; ch < D; ch++)
+                                bm += qn[m * D + ch] * 0.5f * (float)((1u << a->wid[ch]) - 1u);
                         bias[m] = bm;
                         if (a->mode == MODE_AFFINE_GROUPS) /* per group: sum of q */
                             for (int64_t g = 0; g < D / cg; g++) {
@@ -265,11 +292,39 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                         float accg[16][TT];
                         for (int64_t m = 0; m < M; m++)
                             for (int k = 0; k < TT; k++) accg[m][k] = 0.f;
-                        for (int64_t j = g * cg / U; j < (g + 1) * cg / U; j++) {
+                        for (int64_t ch = 0; stream && ch < D; ch++) { /* bit stream */
+                            const int32_t o = a->off[ch], byte = o >> 3, sh = o & 7;
+                            const int w = a->wid[ch];
+                            const uint32_t wm = (1u << w) - 1u;
+                            const float hw = 0.5f * (float)wm;
+                            const uint8_t *p0 = base + t * a->cs_t + byte;
+                            float cv[TT];
+                            if (sh + w <= 8) /* within one byte (never reads past a row) */
+                                for (int k = 0; k < TT; k++)
+                                    cv[k] = (float)(((uint32_t)p0[k * a->cs_t] >> sh) & wm) - hw;
+                            else
+                                for (int k = 0; k < TT; k++) {
+                                    const uint32_t v = (uint32_t)p0[k * a->cs_t] |
+                                                       (uint32_t)p0[k * a->cs_t + 1] << 8;
+                                    cv[k] = (float)((v >> sh) & wm) - hw;
+                                }
+                            for (int64_t m = 0; m < M; m++) {
+                                const float qv = qn[m * D + ch];
+#pragma omp simd
+                                for (int k = 0; k < TT; k++) accg[m][k] += qv * cv[k];
+                            }
+                        }
+                        for (int64_t j = g * cg / U; !stream && j < (g + 1) * cg / U; j++) {
                             if (pow2) { /* one word of U codes */
                                 uint32_t wv[TT];
-                                for (int k = 0; k < TT; k++)
-                                    memcpy(&wv[k], base + (t + k) * a->cs_t + 4 * j, 4);
+                                if (a->bit0)
+                                    for (int k = 0; k < TT; k++)
+                                        wv[k] = fetch32(base + (t + k) * a->cs_t, 4 * j,
+                                                        (int)a->bit0, a->nbytes,
+                                                        t + k + 1 < T && a->cs_t >= 8);
+                                else
+                                    for (int k = 0; k < TT; k++)
+                                        memcpy(&wv[k], base + (t + k) * a->cs_t + 4 * j, 4);
                                 /* (written out rather than through tile_code: GCC 12 compiles
                                  * this form 10-30% faster for these widths) */
                                 for (int c = 0; c < U; c++) {
@@ -298,9 +353,15 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
                             }
                             uint32_t wv[8][TT]; /* 32 codes in NW words */
                             for (int k = 0; k < TT; k++)
-                                for (int w = 0; w < NW; w++)
-                                    memcpy(&wv[w][k], base + (t + k) * a->cs_t + 4 * (NW * j + w),
-                                           4);
+                                for (int w = 0; w < NW; w++) {
+                                    const uint8_t *rk = base + (t + k) * a->cs_t;
+                                    if (a->bit0)
+                                        wv[w][k] = fetch32(rk, 4 * (NW * j + w), (int)a->bit0,
+                                                           a->nbytes,
+                                                           t + k + 1 < T && a->cs_t >= 8);
+                                    else
+                                        memcpy(&wv[w][k], rk + 4 * (NW * j + w), 4);
+                                }
 #pragma GCC unroll 32
                             for (int c = 0; c < U; c++) { /* unrolled: lo, sh are constants */
                                 const int bit = c * bits, lo = bit >> 5, sh = bit & 31;
@@ -347,8 +408,10 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
 
 static inline int tiled_ok(const kv_args *a, int bits) {
     /* whole units of codes per token and per group: 32-bit words (1, 2, 4, 8 bits) or 32 codes */
+    if (a->mode == MODE_STREAM) return bits == 0 && a->M <= 16;
+    if (bits < 1) return 0;
     const int64_t unit = (bits & (bits - 1)) == 0 ? 32 / bits : 32;
-    return ((bits >= 1 && bits <= 8) || bits == 16) && a->mode != MODE_STREAM &&
+    return ((bits >= 1 && bits <= 8) || bits == 16) &&
            a->mode != (bits == 16 ? MODE_LUT : -1) && a->M <= 16 &&
            (a->W * cpw_of(bits)) % unit == 0 &&
            (a->mode != MODE_AFFINE_GROUPS ||
@@ -591,4 +654,4 @@ int kv_values(const kv_args *a, int bits) {
     return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
-int kv_abi_version(void) { return 3; }
+int kv_abi_version(void) { return 4; }
