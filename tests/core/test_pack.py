@@ -113,6 +113,15 @@ def test_packed_size_by_hand(bits: int) -> None:
 
 
 @pytest.mark.parametrize("bits", ALL_BITS)
+def test_unpacked_code_dtype(bits: int) -> None:
+    # documented: uint8 codes (int32 for 16 bits), whichever unpacking path the width takes
+    codes = torch.tensor([[0, 2**bits - 1, 1, 0, 1, 0, 1, 1, 0]])
+    out = unpack_bits(pack_bits(codes, bits), bits, 9)
+    assert out.dtype == (torch.int32 if bits == 16 else torch.uint8)
+    assert out.tolist() == codes.tolist()
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
 def test_unpack_of_no_rows(bits: int) -> None:
     packed = pack_bits(torch.zeros(0, 5, dtype=torch.int64), bits)
     out = unpack_bits(packed, bits, 5)
