@@ -124,6 +124,8 @@ def test_unpacked_code_dtype(bits: int) -> None:
 @pytest.mark.parametrize("bits", ALL_BITS)
 def test_unpack_of_no_rows(bits: int) -> None:
     packed = pack_bits(torch.zeros(0, 5, dtype=torch.int64), bits)
+    assert packed.shape == (0, 5 if bits == 16 else math.ceil(5 * bits / 8))
+    assert packed.dtype == (torch.int16 if bits == 16 else torch.uint8)
     out = unpack_bits(packed, bits, 5)
     assert out.shape == (0, 5)
     assert out.dtype == (torch.int32 if bits == 16 else torch.uint8)

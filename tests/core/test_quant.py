@@ -332,6 +332,8 @@ def test_fake_quantize_one_bit_midpoint_by_hand() -> None:
     x = torch.tensor([[0.0, 2.0, 4.0]])
     assert fake_quantize(x, 1, midpoint=True).tolist() == [[1.0, 3.0, 3.0]]
     assert fake_quantize(x, 1).tolist() == [[0.0, 0.0, 4.0]]
+    half = fake_quantize(x.half(), 1, midpoint=True)
+    assert half.dtype == torch.float16 and half.tolist() == [[1.0, 3.0, 3.0]]
 
 
 def test_fake_quantize_keeps_the_scale_dtype() -> None:
