@@ -42,6 +42,14 @@ def _in_scope(path: str, name: str) -> bool:
     return funcs is None or name.split(".")[-1].rsplit("__mutmut_", 1)[0] in funcs
 
 
+def _listed(doc: str) -> set[str]:
+    """Mutant names of the equivalence table rows ``| `<function>` | 3, 17 | <reason> |``."""
+    out = set()
+    for fn, nums in re.findall(r"^\| `(kvbench\.[\wǁ.]+)` \| ([\d, ]+) \|", doc, re.M):
+        out |= {f"{fn}__mutmut_{n.strip()}" for n in nums.split(",")}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", action="store_true", help="score every mutated function")
@@ -50,9 +58,7 @@ def main() -> int:
     if not metas:
         print("no mutmut results in mutants/: run `make mutants` first", file=sys.stderr)
         return 2
-    listed = set(
-        re.findall(r"`(kvbench\.[\w.ǁ]+__mutmut_\d+)`", (ROOT / "docs/mutation.md").read_text())
-    )
+    listed = _listed((ROOT / "docs/mutation.md").read_text())
     print("| file | mutants | killed | survived | timeout | no tests | not run | score |")
     print("|---|---|---|---|---|---|---|---|")
     unlisted = []

@@ -354,3 +354,18 @@ def test_float8_scale_storage_rejects_a_min_beyond_its_range() -> None:
     x = torch.tensor([[-1000.0, -999.0, -998.5]])
     with pytest.raises(ValueError, match=r"zero \(group min\) overflows scale_dtype=torch.float8"):
         quantize_groups(x, 4, scale_dtype=torch.float8_e4m3fn)
+
+
+def test_round_up_to_dtype_by_hand() -> None:
+    from kvbench.kv.quant import round_up_to_dtype
+
+    # float16 spacing in [0.25, 0.5) is 2^-12: 1/3 rounds down to 0.333251953125, so the stored
+    # scale steps one code up; 0.5 is exact
+    got = round_up_to_dtype(torch.tensor([1 / 3, 0.5]), torch.float16)
+    assert got.dtype == torch.float16
+    assert got.float().tolist() == [0.333251953125 + 2**-12, 0.5]
+    # float8 e4m3 (1 byte, 3 mantissa bits): spacing 2^-5 in [0.25, 0.5); 0.29 rounds down to
+    # 0.28125 -> 0.3125, 0.3 rounds up to 0.3125 already, 1.0 is exact
+    got = round_up_to_dtype(torch.tensor([0.29, 0.3, 1.0]), torch.float8_e4m3fn)
+    assert got.dtype == torch.float8_e4m3fn
+    assert got.float().tolist() == [0.3125, 0.3125, 1.0]
