@@ -354,6 +354,9 @@ def test_float8_scale_storage_rejects_a_min_beyond_its_range() -> None:
     x = torch.tensor([[-1000.0, -999.0, -998.5]])
     with pytest.raises(ValueError, match=r"zero \(group min\) overflows scale_dtype=torch.float8"):
         quantize_groups(x, 4, scale_dtype=torch.float8_e4m3fn)
+    # its largest finite value, 448, is storable: min -448, max 0, scale 448 / 15 = 29.87 (-> 30)
+    g = quantize_groups(torch.tensor([[-448.0, 0.0]]), 4, scale_dtype=torch.float8_e4m3fn)
+    assert g.zero.float().item() == -448.0 and g.scale.float().item() == 30.0
 
 
 def test_round_up_to_dtype_by_hand() -> None:
