@@ -254,7 +254,6 @@ class LayerCache:
         return keys[:, :, n:], values[:, :, n:]
 
     # ---------------------------------------------------------------- operations
-    @_padded_prefill
     def prefill(
         self,
         keys: torch.Tensor,
@@ -288,7 +287,6 @@ class LayerCache:
             return
         self.finish_prefill(keys, queries)
 
-    @_row_dispatch
     def provide_queries(self, queries: torch.Tensor) -> None:
         """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
         if not self._awaiting_queries:
@@ -307,7 +305,6 @@ class LayerCache:
                     side.codec.prepare(x, queries)
                 side.flush(side.schedule.prefill_count(_len(side.residual)))
 
-    @_row_dispatch
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
         :meth:`end_step`."""
@@ -331,7 +328,6 @@ class LayerCache:
         self.v.residual = own_storage(_cat(self.v.residual, v))
         self._pending = True
 
-    @_row_dispatch
     def end_step(self) -> None:
         """Run the flush deferred by the last :meth:`append` (idempotent)."""
         if not self._pending:
@@ -340,7 +336,6 @@ class LayerCache:
         for side in (self.k, self.v):
             side.flush(side.schedule.flush_count(_len(side.residual)))
 
-    @_row_dispatch
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual)."""
         if not self.seq_length:
@@ -348,7 +343,6 @@ class LayerCache:
         dt = dtype or self.dtype
         return self.k.read(dt), self.v.read(dt)
 
-    @_row_dispatch
     def attend(
         self,
         query: torch.Tensor,
@@ -411,12 +405,10 @@ class LayerCache:
         """Pad positions of a padded batch (never stored; 0 otherwise)."""
         return sum(self._pads) if self._rows is not None else 0
 
-    @_row_dispatch
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) tokens currently held in quantized form."""
         return _len(self.k.block), _len(self.v.block)
 
-    @_row_dispatch
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
         n = self.seq_length + max_length if max_length < 0 else max_length
@@ -431,7 +423,6 @@ class LayerCache:
                 r = m - nb
                 side.residual = own_storage(side.residual[:, :, :r]) if r > 0 else None
 
-    @_row_dispatch
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -465,7 +456,6 @@ class LayerCache:
         self._bhd = None
 
     # ---------------------------------------------------------------- accounting
-    @_row_dispatch
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
         return [
@@ -485,3 +475,12 @@ class LayerCache:
             out[f"{side}_total"] += n
         out["total"] = out["key_total"] + out["value_total"]
         return out
+
+
+# The base class's own operations dispatch to the rows like a subclass's overrides
+# (``__init_subclass__``).  Wrapped here rather than decorated in the class body so that they
+# stay plain functions in the source: mutmut skips decorated functions (docs/mutation.md).
+for _name in ROW_DISPATCH:
+    setattr(LayerCache, _name, _row_dispatch(LayerCache.__dict__[_name]))
+LayerCache.prefill = _padded_prefill(LayerCache.__dict__["prefill"])
+del _name

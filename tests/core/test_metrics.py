@@ -61,6 +61,18 @@ def test_attention_fidelity_matches_loop(start: int, scaling: float | None) -> N
     assert abs(rev - kl) > 1e-3 * kl
 
 
+def test_attention_output_error_is_relative_for_small_values() -> None:
+    # ||A V||_F far below 1 (values of 1e-4): the relative error is the same ratio as for the
+    # values scaled up (the clamp only guards an all-zero output)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    kq, vq = k + 0.3 * torch.randn_like(k), v + 0.2 * torch.randn_like(v)
+    kl, rel = _loop_attention(q, k[:, :1], v[:, :1], kq[:, :1], vq[:, :1], 2, 0.5)
+    small = attention_fidelity(q, k[:, :1], 1e-4 * v[:, :1], kq[:, :1], 1e-4 * vq[:, :1], 2, 0.5)
+    assert small["attn_out_rel_err"] == pytest.approx(rel, rel=1e-9)
+    assert small["attn_kl"] == pytest.approx(kl, rel=1e-9)
+
+
 def test_attention_fidelity_zero_for_identical_keys() -> None:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
@@ -76,6 +88,16 @@ def test_key_mse_matches_numpy() -> None:
     mse, rel = key_mse(ref, quant)
     assert mse == pytest.approx(((r - qn) ** 2).mean(), rel=1e-12)
     assert rel == pytest.approx(((r - qn) ** 2).sum() / (r**2).sum(), rel=1e-12)
+
+
+def test_key_mse_relative_error_of_small_keys() -> None:
+    # ||ref||^2 far below 1 (keys of a few 1e-3): the relative error is still a plain ratio,
+    # the clamp only guards an all-zero reference
+    ref = torch.tensor([[1e-3, -2e-3], [3e-3, 0.0]], dtype=torch.float64)
+    quant = torch.tensor([[2e-3, -2e-3], [3e-3, 1e-3]], dtype=torch.float64)
+    mse, rel = key_mse(ref, quant)
+    assert mse == pytest.approx((1e-6 + 1e-6) / 4, rel=1e-9)
+    assert rel == pytest.approx(2e-6 / 14e-6, rel=1e-9)  # (1 + 1) / (1 + 4 + 9), in 1e-6
 
 
 def test_bootstrap_interval_covers_the_mean_at_its_nominal_rate() -> None:
@@ -108,6 +130,29 @@ def test_bootstrap_interval_width_matches_standard_error() -> None:
     se = x.std() / math.sqrt(len(x))
     assert (hi - lo) / (2 * stats.norm.ppf(0.975) * se) == pytest.approx(1.0, abs=0.08)
     assert lo < x.mean() < hi
+
+
+def test_bootstrap_resamples_every_value_and_is_reproducible() -> None:
+    # one outlier first: a resample that never draws index 0 has mean 0, one that draws it k
+    # times has mean k; with 10 draws P(no index 0) = 0.9^10 = 0.35, so the 97.5% quantile is
+    # at least 1 and the 2.5% quantile 0
+    x = [10.0] + [0.0] * 9
+    lo, hi = bootstrap_ci(x)
+    assert lo == 0.0 and hi >= 1.0
+    # the interval a record carries is reproducible from its seed (default 0) and depends on it
+    y = np.random.default_rng(3).normal(size=30).tolist()
+    assert bootstrap_ci(y) == bootstrap_ci(y, seed=0) == bootstrap_ci(y, seed=0)
+    assert bootstrap_ci(y, seed=4) == bootstrap_ci(y, seed=4) != bootstrap_ci(y, seed=0)
+    # equal tails: the same resamples of -y have exactly the negated means, so the percentile
+    # interval of -y is the mirror image of y's (alpha/2 on each side, not more on one)
+    lo, hi = bootstrap_ci(y, seed=4)
+    lo_neg, hi_neg = bootstrap_ci([-v for v in y], seed=4)
+    assert (lo_neg, hi_neg) == pytest.approx((-hi, -lo), rel=1e-9, abs=1e-12)
+    m: dict[str, float] = {}
+    add_ci(m, "kl", y, seed=4)
+    assert (m["kl_ci_low"], m["kl_ci_high"]) == bootstrap_ci(y, seed=4)
+    add_ci(m, "kl0", y)
+    assert (m["kl0_ci_low"], m["kl0_ci_high"]) == bootstrap_ci(y, seed=0)
 
 
 def test_bootstrap_with_one_value_reports_no_interval() -> None:

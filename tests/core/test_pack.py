@@ -6,6 +6,8 @@ bit stream built independently (code ``i`` occupies stream bits ``i*b .. i*b+b-1
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -96,6 +98,37 @@ def test_pack_rejects_out_of_range_codes(codes: list[int], bits: int, bad: int) 
         ValueError, match=rf"code {bad} is outside \[0, {2**bits - 1}\] for bits={bits}"
     ):
         pack_bits(torch.tensor(codes), bits)
+    # and it says how to store a signed code: add 2^(bits-1)
+    with pytest.raises(ValueError, match=rf"add 2\^\(bits-1\) = {2 ** (bits - 1)} before packing"):
+        pack_bits(torch.tensor(codes), bits)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_packed_size_by_hand(bits: int) -> None:
+    for n in (0, 1, 5, 8, 13):
+        want = 2 * n if bits == 16 else math.ceil(n * bits / 8)
+        assert packed_size(n, bits) == want
+        packed = pack_bits(torch.zeros(2, n, dtype=torch.int64), bits)
+        assert packed.numel() * packed.element_size() == 2 * want  # int16 for 16 bits
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_unpacked_code_dtype(bits: int) -> None:
+    # documented: uint8 codes (int32 for 16 bits), whichever unpacking path the width takes
+    codes = torch.tensor([[0, 2**bits - 1, 1, 0, 1, 0, 1, 1, 0]])
+    out = unpack_bits(pack_bits(codes, bits), bits, 9)
+    assert out.dtype == (torch.int32 if bits == 16 else torch.uint8)
+    assert out.tolist() == codes.tolist()
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+def test_unpack_of_no_rows(bits: int) -> None:
+    packed = pack_bits(torch.zeros(0, 5, dtype=torch.int64), bits)
+    assert packed.shape == (0, 5 if bits == 16 else math.ceil(5 * bits / 8))
+    assert packed.dtype == (torch.int16 if bits == 16 else torch.uint8)
+    out = unpack_bits(packed, bits, 5)
+    assert out.shape == (0, 5)
+    assert out.dtype == (torch.int32 if bits == 16 else torch.uint8)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 16])

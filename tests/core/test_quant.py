@@ -313,3 +313,62 @@ def test_stats_in_float32_for_half_inputs() -> None:
     xh = _deq(g, torch.float16)
     assert xh.flatten().tolist() == [-60000.0, 60000.0, 4000.0, 4000.0]
     assert math.isfinite(float(xh.float().abs().max()))
+
+
+# ------------------------------------------------------------------ fake_quantize, by hand
+def test_fake_quantize_symmetric_by_hand() -> None:
+    # absmax 3-bit: qmax = 2^2 - 1 = 3, s = 1/3 (float32 storage, no rounding up);
+    # round([-1, 0.3, 0.9] / s) = [-3, 1, 3] (0.9 and 2.7 round to 1 and 3): x^ = q * s
+    x = torch.tensor([[-1.0, 0.3, 0.9]], dtype=torch.float16)
+    out = fake_quantize(x, 3, symmetric=True, scale_dtype=torch.float32)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    want = torch.tensor([[-1.0, 1 / 3, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(out.double(), want, atol=1e-3, rtol=0)  # float16 output
+
+
+def test_fake_quantize_one_bit_midpoint_by_hand() -> None:
+    # mn = 0, mx = 4, s = 4: midpoint codes 1[x >= 2] = [0, 1, 1], bin centres mn + (q + 1/2) s/2
+    # = [1, 3, 3]; plain rounding would give round-half-even [0, 0, 1] -> [0, 0, 4]
+    x = torch.tensor([[0.0, 2.0, 4.0]])
+    assert fake_quantize(x, 1, midpoint=True).tolist() == [[1.0, 3.0, 3.0]]
+    assert fake_quantize(x, 1).tolist() == [[0.0, 0.0, 4.0]]
+    half = fake_quantize(x.half(), 1, midpoint=True)
+    assert half.dtype == torch.float16 and half.tolist() == [[1.0, 3.0, 3.0]]
+
+
+def test_fake_quantize_keeps_the_scale_dtype() -> None:
+    # 2-bit, mn = 0, mx = 3.1: s = 3.1 / 3 in float32; float16 storage would round it up to
+    # the next float16 (1.0342 > 1.03333), 1e-3 off at the top code
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.1]])
+    s = float(torch.tensor(3.1)) / 3  # float64 of the float32 range / qmax
+    out = fake_quantize(x, 2, scale_dtype=torch.float32).double()
+    torch.testing.assert_close(
+        out, torch.tensor([[0.0, s, 2 * s, 3 * s]]).double(), atol=1e-6, rtol=0
+    )
+    s16 = fake_quantize(x, 2).double()[0, 3].item()
+    assert s16 - 3 * s > 1e-4  # the default float16 scale is a different, rounded-up number
+
+
+def test_float8_scale_storage_rejects_a_min_beyond_its_range() -> None:
+    # float8 e4m3 casts saturate at 448 instead of overflowing to inf: the check uses the exact min
+    x = torch.tensor([[-1000.0, -999.0, -998.5]])
+    with pytest.raises(ValueError, match=r"zero \(group min\) overflows scale_dtype=torch.float8"):
+        quantize_groups(x, 4, scale_dtype=torch.float8_e4m3fn)
+    # its largest finite value, 448, is storable: min -448, max 0, scale 448 / 15 = 29.87 (-> 30)
+    g = quantize_groups(torch.tensor([[-448.0, 0.0]]), 4, scale_dtype=torch.float8_e4m3fn)
+    assert g.zero.float().item() == -448.0 and g.scale.float().item() == 30.0
+
+
+def test_round_up_to_dtype_by_hand() -> None:
+    from kvbench.kv.quant import round_up_to_dtype
+
+    # float16 spacing in [0.25, 0.5) is 2^-12: 1/3 rounds down to 0.333251953125, so the stored
+    # scale steps one code up; 0.5 is exact
+    got = round_up_to_dtype(torch.tensor([1 / 3, 0.5]), torch.float16)
+    assert got.dtype == torch.float16
+    assert got.float().tolist() == [0.333251953125 + 2**-12, 0.5]
+    # float8 e4m3 (1 byte, 3 mantissa bits): spacing 2^-5 in [0.25, 0.5); 0.29 rounds down to
+    # 0.28125 -> 0.3125, 0.3 rounds up to 0.3125 already, 1.0 is exact
+    got = round_up_to_dtype(torch.tensor([0.29, 0.3, 1.0]), torch.float8_e4m3fn)
+    assert got.dtype == torch.float8_e4m3fn
+    assert got.float().tolist() == [0.3125, 0.3125, 1.0]
