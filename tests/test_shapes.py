@@ -421,3 +421,35 @@ def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
     assert by["pn-mix"]["effective_value_bits"] == 16.0
     assert by["pn-mix"]["effective_key_bits"] < 16.0
     assert by["kivi-2bit K+V"]["effective_value_bits"] < 16.0
+
+
+@pytest.mark.parametrize("name", ["kivi", "semkv", "hf-dynamic"])
+def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
+    """A shape model at batch 2: bytes and peak from both rows, ``key_mse``/``value_mse`` from
+    batch row 0 (``errors_cover`` says so), equal to the float64 error of row 0 of a full
+    read-back of the same replay (an independent cache fed the same tensors)."""
+    from types import SimpleNamespace
+
+    import kvbench
+    from kvbench.workloads.memory import Memory, Replay
+
+    model, _, info = build_shape_model("llama-3.1-8b", materialize=False)
+    spec = {**Memory.PARAMS, "context": 260, "batch": 2, "appends": 4}
+    Memory.check(spec, "")
+    w = Memory(spec)
+    w.prepare(SimpleNamespace(model=model, model_info=info, model_spec={}, seed=0, shared={}))
+    method = kvbench.get_method(name).for_model(info)
+    res = w.run(None, method)
+    assert res.info["errors_cover"].startswith("batch rows [0, 1) of 2")
+    q, k, v = w.qkv[0]
+    r = Replay(method, 0, 8, 128, torch.float16, torch.device("cpu"))
+    r.prefill(k[:, :, :256], v[:, :, :256], w._prefill_queries(method, 0, q, 256, r))
+    for t in range(256, 260):  # as the workload: the last two steps read, earlier ones store
+        kt, vt, qt = k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t - 256 : t - 255]
+        r.step(kt, vt, qt) if t >= 258 else r.store(kt, vt)
+    assert sum(n for _, _, n in r.nbytes()) == res.metrics["bytes_total"]  # both rows stored
+    kq, vq = r.read()
+    assert kq.shape[0] == 2
+    for ref, got, key in ((k, kq, "key_mse"), (v, vq, "value_mse")):
+        err = ((ref[:1].double() - got[:1].double()) ** 2).mean().item()
+        assert res.metrics[key] == pytest.approx(err, rel=1e-12), key

@@ -10,7 +10,8 @@ inherits the check, because it runs where tokens enter the cache, before any cod
 
 Opt-out: ``KVBENCH_NONFINITE=propagate`` in the environment, or ``with nonfinite("propagate"):``
 around the calls, stores the tensors as they are (NaN/Inf then propagate to the outputs, as in
-a model that overflowed).  Cost: one ``isfinite`` reduction per side and call.
+a model that overflowed).  Cost: one min/max reduction per side and call (:func:`all_finite`),
+with no tensor-sized temporary.
 """
 
 from __future__ import annotations
@@ -51,10 +52,25 @@ def nonfinite(mode: str) -> Iterator[None]:
         _override.pop()
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` (any shape; float16/bfloat16/float32/float64, or an
+    integer/bool dtype, always finite) is finite, with one ``torch.aminmax`` reduction: a NaN
+    propagates into both the min and the max and an infinity of either sign becomes the min or
+    the max, so both are finite exactly when every element is.  Same answer as
+    ``bool(torch.isfinite(x).all())`` without its tensor-sized bool temporary (at a 32K-token,
+    batch-8 prefill of one layer: 256 MiB per side, and ~25x the time on CPU)."""
+    if x.numel() == 0 or not (x.dtype.is_floating_point or x.dtype.is_complex):
+        return True
+    if x.dtype.is_complex or x.dtype.itemsize == 1:  # no aminmax for complex / float8
+        return bool(torch.isfinite(x).all())
+    mn, mx = torch.aminmax(x)
+    return bool(torch.isfinite(mn) & torch.isfinite(mx))
+
+
 def check(keys: torch.Tensor, values: torch.Tensor, cache: Any, op: str) -> None:
     """Apply the policy to ``keys``/``values`` ``[B, H_kv, n, D]`` entering ``cache`` by ``op``
     (``"prefill"`` or ``"append"``).  Raises ``ValueError`` (policy ``raise``)."""
-    if bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all()):
+    if all_finite(keys) and all_finite(values):
         return
     if policy() == "propagate":
         return

@@ -242,24 +242,36 @@ def quantize_groups(
     if midpoint and bits != 1:
         raise ValueError(f"midpoint reconstruction applies to 1-bit groups only (got bits={bits})")
     xf = x.float()
-    isfin = torch.isfinite(xf)
-    if bool(isfin.all()):  # the common case: no masking, no NaN restored at the end
+    # the group min and max first: a NaN or an infinity in a group makes its min or max
+    # non-finite (NaN propagates through both; +-inf is the max or the min), so the common
+    # all-finite case needs no tensor-sized isfinite mask (kvbench.kv.finite.all_finite)
+    mn, mx = torch.aminmax(xf, dim=-1, keepdim=True)
+    if bool((torch.isfinite(mn) & torch.isfinite(mx)).all()):  # no masking, no NaN restored
         finite, xs = None, xf
     else:
+        isfin = torch.isfinite(xf)
         finite = isfin.all(dim=-1, keepdim=True)
         xs = torch.where(isfin, xf, torch.zeros((), dtype=xf.dtype, device=xf.device))
+        mn, mx = torch.aminmax(xs, dim=-1, keepdim=True)
+    # xs is this call's own float32 working copy unless x was float32 (x.float() is x)
+    own = xs.data_ptr() != x.data_ptr() or xs.numel() == 0
     if symmetric:
         half = 1 << (bits - 1)
         qmax_s = half - 1
-        amax = xs.abs().amax(dim=-1, keepdim=True)
+        # max |x| of the group from its min and max (exact; abs() maps -0.0 to 0.0 as
+        # xs.abs().amax() does), without a tensor-sized abs() temporary
+        amax = torch.maximum(mx, -mn).abs()
         scale_st = round_up_to_dtype(amax / qmax_s, scale_dtype)
         _check_storable(scale_st, finite, "scale", scale_dtype)
         s = scale_st.float()
-        q = torch.where(s > 0, torch.round(xs / torch.where(s > 0, s, 1.0)), 0.0)
-        codes = (q.clamp(-qmax_s, qmax_s) + half).to(torch.int32)
+        pos = s > 0
+        safe = torch.where(pos, s, torch.ones((), device=x.device))
+        q = (xs.div_(safe) if own else xs / safe).round_()  # in place on the working copy
+        if not bool(pos.all()):
+            q.masked_fill_(~pos, 0.0)
+        codes = q.clamp_(-qmax_s, qmax_s).add_(half).to(torch.int32)
         return GroupQuant(codes, _restore_nan(scale_st, finite), None, bits, symmetric=True)
     qmax = (1 << bits) - 1
-    mn, mx = torch.aminmax(xs, dim=-1, keepdim=True)
     mn_st = mn.to(scale_dtype)
     mnf = mn_st.float()
     # range measured from the *stored* min so that the max stays covered
@@ -276,7 +288,7 @@ def quantize_groups(
         q = q.float()
     else:  # in place on one float32 working buffer (the inputs can be GBs)
         safe = torch.where(pos, s, torch.ones((), device=x.device))
-        q = (xs - mnf).div_(safe).round_()
+        q = (xs.sub_(mnf) if own else xs - mnf).div_(safe).round_()
         if not bool(pos.all()):
             q.masked_fill_(~pos, 0.0)
     codes = q.clamp_(0, qmax).to(torch.int32)

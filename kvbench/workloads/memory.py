@@ -39,7 +39,10 @@ Metrics (summed over layers):
   (``profile_memory=True``) on CPU, and as ``torch.cuda.max_memory_allocated()`` after
   ``reset_peak_memory_stats()`` minus the allocation before the step on CUDA;
 * ``key_mse``/``value_mse``: error of the dequantized K/V held at the end vs the replayed ones
-  (float64; kvbench methods with ``keys_values`` and peers);
+  (float64; kvbench methods with ``keys_values`` and peers).  A shape model at ``batch`` > 1
+  reads back batch row 0 only (all KV heads and tokens; its rows are i.i.d. draws, and the
+  whole read-back cost about as much as the rest of the run), after the bytes and the peak
+  were taken from all rows; the record's ``errors_cover`` says which rows;
 * CUDA only: ``cuda_bytes_total`` = ``torch.cuda.memory_allocated()`` with every layer's cache
   alive minus the allocation before the first cache was built (weights and inputs already on
   the device): the allocator's view of bytes at rest, block rounding included;
@@ -79,6 +82,8 @@ from kvbench.workloads.metrics import LOWER, STORAGE_METRICS
 from . import Result, Workload
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
+ERROR_ROWS = 1
 BYTE_CATEGORIES = ("codes", "scales", "metadata", "residual", "sinks")
 
 
@@ -270,11 +275,20 @@ class Replay:
             return [(s, c, t.untyped_storage().nbytes()) for s, c, t in self.tensors()]
         return [(s, c, t.numel() * t.element_size()) for s, c, t in self.tensors()]
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dequantized K/V at rest ``[B, H_kv, T, D]`` (``None`` without ``keys_values``).
+
+        ``rows``: only the first ``rows`` batch rows ``[rows, H_kv, T, D]``.  A kvbench cache
+        first drops its other rows (``LayerCache.index_batch``, in place: the last use of the
+        cache, after its bytes and peak are taken), so only those rows are dequantized; a peer
+        dequantizes all and the rows are sliced."""
         if self.peer:
-            return hf_layer_keys_values(self.layer)
+            k, v = hf_layer_keys_values(self.layer)
+            return (k, v) if rows is None else (k[:rows], v[:rows])
         if not self.method.capabilities.keys_values:
             return None
+        if rows is not None and rows < self.layer.batch_size:
+            self.layer.index_batch(torch.arange(rows))
         return self.layer.keys_values()
 
 
@@ -492,6 +506,14 @@ class Memory(Workload):
             "the step's read of the cache, flush; max over layers",
             "process": "shared by all configurations of the suite",
         }
+        if "key_mse" in metrics:
+            rows = self.error_rows(inputs[0][1].shape[0])
+            info["errors_cover"] = (
+                "every batch row"
+                if rows is None
+                else f"batch rows [0, {rows}) of "
+                f"{inputs[0][1].shape[0]} (all KV heads and tokens); bytes and peak: all rows"
+            )
         if self.shape:
             info["bytes_total_all_layers_is"] = (
                 f"{self.info['num_hidden_layers']} layers x bytes_per_layer measured on "
@@ -544,12 +566,21 @@ class Memory(Workload):
         m["peak_step_bytes"] = max(peaks)
         return m
 
+    def error_rows(self, batch: int) -> int | None:
+        """Batch rows the K/V errors read back: a shape model's first row (:data:`ERROR_ROWS`)
+        when ``batch`` exceeds it (the rows are i.i.d. draws of one distribution, and reading
+        back all of them cost as much as the rest of the run); else every row (``None``)."""
+        return ERROR_ROWS if self.shape and batch > ERROR_ROWS else None
+
     def _errors(self, caches: list[Replay], inputs) -> dict[str, float]:
         ks, vs = [], []
+        rows = self.error_rows(inputs[0][1].shape[0])
         for c, (_, k, v) in zip(caches, inputs):
-            got = c.read()
+            got = c.read(rows)  # after _bytes: a kvbench cache drops its other rows here
             if got is None:
                 return {}
+            if rows is not None:
+                k, v = k[:rows], v[:rows]
             ks.append(chunked_mse(k, got[0]))
             vs.append(chunked_mse(v, got[1]))
         out = {"key_mse": sum(ks) / len(ks), "value_mse": sum(vs) / len(vs)}

@@ -372,3 +372,92 @@ def test_round_up_to_dtype_by_hand() -> None:
     got = round_up_to_dtype(torch.tensor([0.29, 0.3, 1.0]), torch.float8_e4m3fn)
     assert got.dtype == torch.float8_e4m3fn
     assert got.float().tolist() == [0.3125, 0.3125, 1.0]
+
+
+# ------------------------------------------------------------------ codes vs a per-group loop
+
+
+def _loop_reference(x, bits, symmetric, midpoint, scale_dtype):
+    """The documented min-max / absmax quantizer one group at a time, each step on float32
+    scalars of the group (stats, stored-min-relative range, scale rounded up to the next
+    ``scale_dtype`` value, round half to even): codes ``[G, n]`` int, scales, zeros (or None)."""
+    rows = x.reshape(-1, x.shape[-1])
+    codes, scales, zeros = [], [], []
+    for r in rows:
+        r = r.float()
+        if not bool(torch.isfinite(r).all()):  # a non-finite group: NaN metadata (codes unused)
+            codes.append(None)
+            scales.append(float("nan"))
+            zeros.append(float("nan"))
+            continue
+
+        def up(v):  # float32 scalar v >= 0 -> smallest scale_dtype value >= v
+            st_ = v.to(scale_dtype)
+            if scale_dtype != F32 and st_.float() < v:
+                st_ = (st_.view(torch.int16) + 1).view(scale_dtype)
+            return st_
+
+        if symmetric:
+            half = 1 << (bits - 1)
+            sc = up(r.abs().max() / (half - 1))
+            s = sc.float()
+            q = torch.round(r / s) if s > 0 else torch.zeros_like(r)
+            codes.append((q.clamp(-(half - 1), half - 1) + half).to(torch.int64))
+            scales.append(float(sc))
+            continue
+        mn = r.min().to(scale_dtype)
+        mnf = mn.float()
+        sc = up((r.max() - mnf).clamp_min(0) / ((1 << bits) - 1))
+        s = sc.float()
+        if midpoint:
+            q = (((r - mnf) >= 0.5 * s) & (s > 0)).float()
+        else:
+            q = torch.round((r - mnf) / s) if s > 0 else torch.zeros_like(r)
+        codes.append(q.clamp(0, (1 << bits) - 1).to(torch.int64))
+        scales.append(float(sc))
+        zeros.append(float(mn))
+    return codes, scales, None if symmetric else zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "bits,symmetric,midpoint", [(1, False, False), (1, False, True), (2, False, False),
+                                (3, True, False), (4, False, False), (8, True, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("scale_dtype", [torch.float16, F32])
+def test_codes_equal_a_per_group_loop(dtype, bits, symmetric, midpoint, scale_dtype) -> None:
+    # quantize_groups works in place on its float32 working copy and takes finiteness from the
+    # group min/max; its codes and metadata must equal a plain per-group loop, a non-finite
+    # group must still come out NaN, and a float32 input (no copy made) must stay unchanged
+    gen = torch.Generator().manual_seed(bits * 31 + int(symmetric) + 7 * int(midpoint))
+    x = torch.randn(3, 4, 33, generator=gen) * torch.exp(torch.randn(3, 4, 1, generator=gen))
+    x[0, 1] = 0.25  # constant group: scale 0 for absmax-free min-max, codes 0
+    x[1, 2, :] = 0.0  # all-zero group (scale 0 for both kinds)
+    x[2, 3, 5] = float("nan")  # a non-finite group
+    x[2, 0, 7] = float("-inf")
+    x0 = x.to(dtype).transpose(0, 1)  # a non-contiguous view, as the per-channel codec passes
+    # all groups finite (the path without a mask) and with the non-finite groups
+    for x in (x0.nan_to_num(0.0, 0.0, 0.0), x0):
+        before = x.clone()
+        q = quantize_groups(
+            x, bits, symmetric=symmetric, midpoint=midpoint, scale_dtype=scale_dtype
+        )
+        assert torch.equal(x.isnan(), before.isnan())
+        assert torch.equal(x.nan_to_num(), before.nan_to_num())
+        _check_against_loop(q, x, bits, symmetric, midpoint, scale_dtype)
+
+
+def _check_against_loop(g, x, bits, symmetric, midpoint, scale_dtype) -> None:
+    codes, scales, zeros = _loop_reference(x, bits, symmetric, midpoint, scale_dtype)
+    got_c = g.codes.reshape(len(codes), -1)
+    got_s = g.scale.float().flatten().tolist()
+    got_z = None if g.zero is None else g.zero.float().flatten().tolist()
+    assert (got_z is None) == (zeros is None)
+    for i, c in enumerate(codes):
+        if c is None:
+            assert math.isnan(got_s[i]) and (got_z is None or math.isnan(got_z[i]))
+            continue
+        assert torch.equal(got_c[i].long(), c), i
+        assert got_s[i] == scales[i], i
+        if zeros is not None:
+            assert got_z[i] == zeros[i], i
