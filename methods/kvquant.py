@@ -35,7 +35,7 @@ from kvbench.kv.blocks import cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache, Side
 from kvbench.kv.layout import BlockLayout, Codebook, Codes, Projection, SparseOutliers
 from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.quant import pack_bits, unpack_bits
+from kvbench.kv.quant import bucket_index, pack_bits, unpack_bits
 from kvbench.kv.schedule import SlidingSchedule
 
 ROPE_LAYOUTS, NUQ_ITERS, NUQ_SAMPLES = ("rotate_half", "interleaved"), 50, 100_000
@@ -284,7 +284,7 @@ class LUTCodec:
         c, h = self.center.to(x.device), self.half.to(x.device)
         u, out = normalize(x.float(), c, h, self.tau)
         lut = self.lut.to(x.device)
-        codes = torch.bucketize(u, (lut[1:].float() + lut[:-1].float()) / 2)
+        codes = bucket_index(u, (lut[1:].float() + lut[:-1].float()) / 2)
         idx = out.permute(2, 0, 1, 3).reshape(-1).nonzero().flatten()
         val = x.permute(2, 0, 1, 3).reshape(-1)[idx].half()
         packed = pack_bits(codes, self.bits)

@@ -47,7 +47,7 @@ from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import pack_bits, unpack_bits
+from kvbench.kv.quant import bucket_index, pack_bits, unpack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
 APPLY_TO = ("keys", "values", "both")
@@ -310,7 +310,7 @@ class TurboQuantCodec:
         rot = self.rotation.to(x.device)
         y = u @ rot.T  # y = Pi u, per row
         c = self.centroids.to(x.device)
-        idx = torch.bucketize(y, (c[1:] + c[:-1]) / 2)  # nearest centroid
+        idx = bucket_index(y, (c[1:] + c[:-1]) / 2)  # nearest centroid
         return TurboBlock(
             pack_bits(idx, self.bits), norm_st, rot, c, self.bits, self.store_rotation
         )

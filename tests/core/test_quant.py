@@ -461,3 +461,20 @@ def _check_against_loop(g, x, bits, symmetric, midpoint, scale_dtype) -> None:
         assert got_s[i] == scales[i], i
         if zeros is not None:
             assert got_z[i] == zeros[i], i
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 15, 16, 40])
+def test_bucket_index_is_bucketize(n) -> None:
+    # equal to torch.bucketize (right=False) including elements equal to a boundary, the
+    # comparison passes (<= 15 boundaries) and the fallback alike; non-finite x falls back
+    from kvbench.kv.quant import bucket_index
+
+    gen = torch.Generator().manual_seed(n)
+    bnd = torch.sort(torch.randn(n, generator=gen)).values
+    x = torch.randn(4, 3, 257, generator=gen) * 2
+    x.view(-1)[: 3 * n : 3] = bnd.repeat(1)  # ties with every boundary
+    got = bucket_index(x, bnd)
+    assert torch.equal(got.long(), torch.bucketize(x, bnd))
+    assert got.dtype == (torch.uint8 if n <= 15 else torch.int64)
+    x[0, 0, 0] = float("nan")
+    assert torch.equal(bucket_index(x, bnd), torch.bucketize(x, bnd))
