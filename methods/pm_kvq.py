@@ -81,13 +81,20 @@ def shrink_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return q.bitwise_right_shift_(3 * c).bitwise_and_((1 << c) - 1)
 
 
-def shrink_block(block: AffineBlock) -> AffineBlock:
-    """Halve a block's width: codes by :func:`shrink_codes`, scale x (2^c + 1) (float32 math,
-    stored in the scale dtype), zero unchanged."""
-    c = block.bits // 2
-    codes = shrink_codes(block.unpacked_codes(), block.bits)
-    scale = (block.scale.float() * ((1 << c) + 1)).to(block.scale.dtype)
-    return replace(block, codes=pack_bits(codes, c), scale=scale, bits=c)
+def shrink_block(block: AffineBlock, bits: int | None = None) -> AffineBlock:
+    """Halve a block's width (``bits``: halve repeatedly down to that width, default one
+    halving): codes by :func:`shrink_codes`, scale x (2^c + 1) per halving (float32 math,
+    stored in the scale dtype after each, as one halving at a time stores it), zero
+    unchanged.  The codes stay unpacked between halvings and are packed once at the end
+    (packing is lossless, so the stored codes equal those of one halving at a time)."""
+    target = block.bits // 2 if bits is None else bits
+    codes, scale, b = block.unpacked_codes(), block.scale, block.bits
+    while b > target:
+        c = b // 2
+        codes = shrink_codes(codes, b)
+        scale = (scale.float() * ((1 << c) + 1)).to(block.scale.dtype)
+        b = c
+    return replace(block, codes=pack_bits(codes, b), scale=scale, bits=b)
 
 
 @dataclass
@@ -107,9 +114,7 @@ class ProgressiveCodec:
         """``x [B, H_kv, n, D]`` -> :class:`AffineBlock` at ``bits``."""
         block = PerTokenCodec(self.init_bits, self.scale_dtype, channel_group=self.channel_group)
         block = block.encode(x)
-        while block.bits > self.bits:
-            block = shrink_block(block)
-        return block
+        return shrink_block(block, self.bits) if block.bits > self.bits else block
 
 
 class BudgetTooShort(ValueError):

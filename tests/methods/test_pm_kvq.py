@@ -46,6 +46,28 @@ def test_every_code_equals_round_q_over_2c_plus_1(bits):
     assert np.array_equal(got.numpy(), expect)
 
 
+@pytest.mark.parametrize("target", [8, 4, 2])
+def test_shrink_to_width_stores_what_one_halving_at_a_time_stores(target):
+    # the encode path halves 16 -> target with the codes unpacked between halvings; its stored
+    # codes, scales and zeros must equal halving one step at a time, and the codes the shift
+    # formula gives from the 16-bit codes directly (fp16 scales rounded after each halving)
+    g = torch.Generator().manual_seed(target)
+    x = (torch.randn(2, 3, 7, 16, generator=g) * 3).half()
+    block = PerTokenCodec(16, torch.float16, channel_group=8).encode(x)
+    step = block
+    while step.bits > target:
+        step = shrink_block(step)
+    direct = shrink_block(block, target)
+    assert direct.bits == step.bits == target
+    for a, b in zip(direct.tensors(), step.tensors()):
+        assert a[0] == b[0] and a[1].dtype == b[1].dtype and torch.equal(a[1], b[1])
+    codes, b = block.unpacked_codes().long(), 16
+    while b > target:  # round(q / (2^c + 1)), no ties (odd divisor), one halving at a time
+        c = b // 2
+        codes, b = torch.div(2 * codes + (1 << c) + 1, 2 * ((1 << c) + 1), rounding_mode="floor"), c
+    assert torch.equal(direct.unpacked_codes().long(), codes)
+
+
 def test_shrink_block_stays_within_half_new_scale():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 5, 16, generator=g) * 3
