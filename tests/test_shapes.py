@@ -453,3 +453,18 @@ def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
     for ref, got, key in ((k, kq, "key_mse"), (v, vq, "value_mse")):
         err = ((ref[:1].double() - got[:1].double()) ** 2).mean().item()
         assert res.metrics[key] == pytest.approx(err, rel=1e-12), key
+
+
+def test_memory_shapes_pm_kvq_budget_covers_the_suite_context():
+    """pm-kvq's budget (budget_bits 2 named by default) holds the suite's context: a run of T
+    tokens keeps 2 bits when budget_tokens >= T + (16/2 - 1)(R + N_s) (methods/pm_kvq.py;
+    at the default budget_tokens = T = 32768 the layer overflows and raises MemoryError)."""
+    import yaml
+
+    import kvbench
+
+    raw = yaml.safe_load(open("suites/memory_shapes.yaml"))
+    (ctx,) = {w["context"] for w in raw["workloads"]}
+    (pm,) = [m for m in raw["methods"] if isinstance(m, dict) and m["name"] == "pm-kvq"]
+    c = kvbench.get_method("pm-kvq", **pm["config"]).config
+    assert c.budget_tokens >= ctx + 7 * (c.residual_length + c.num_sink_tokens)
