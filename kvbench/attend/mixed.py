@@ -17,7 +17,7 @@ matmul, eager).  Bit-plane packed layouts (a class boundary not on a byte,
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
@@ -74,27 +74,43 @@ def _native_offbyte(
     folded in, class-sorted).  ``None`` where the native kernels are unavailable."""
     if flat.dtype != torch.uint8 or not native.available() or flat.stride(-1) != 1:
         return None
-    out, off, bo = None, 0, 0
-    rest: list[tuple[int, int, int, int]] = []  # small classes: (bits, count, channel, bit)
-    for bits, cnt in zip(block.class_bits, block.class_counts):
+    big, small = _offbyte_plan(block.class_bits, block.class_counts)
+    out = None
+    for bits, cnt, wide, off, bo in big:
+        qw = torch.nn.functional.pad(qs_all[..., off : off + cnt], (0, wide - cnt))
+        res = native.keys_raw_rows(flat[..., bo // 8 :], qw, length, bits, bit0=bo % 8)
+        out = res if out is None else out + res
+    if small is not None:  # one bit-stream call over the small classes' channels
+        chans, widths, offsets = small
+        res = native.keys_stream_rows(flat, qs_all[..., chans], widths, length, offsets)
+        out = res if out is None else out + res
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _offbyte_plan(class_bits: tuple[int, ...], class_counts: tuple[int, ...]):
+    """What :func:`_native_offbyte` reads, per class layout (computed once): ``big`` =
+    ``(bits, count, padded count, first channel, first bit)`` of the classes read whole,
+    ``small`` = ``(channels, widths, bit
+    offsets)`` of the classes that would be mostly padding (``None`` if there are none)."""
+    big, rest, off, bo = [], [], 0, 0
+    for bits, cnt in zip(class_bits, class_counts):
         if not cnt:
             continue
         wide = -(-cnt // _tile_unit(bits)) * _tile_unit(bits)
         if 2 * cnt < wide or wide > native.MAX_HEAD_DIM:  # mostly padding: read channel-wise
             rest.append((bits, cnt, off, bo))
         else:
-            qw = torch.nn.functional.pad(qs_all[..., off : off + cnt], (0, wide - cnt))
-            res = native.keys_raw_rows(flat[..., bo // 8 :], qw, length, bits, bit0=bo % 8)
-            out = res if out is None else out + res
+            big.append((bits, cnt, wide, off, bo))
         off += cnt
         bo += cnt * bits
-    if rest:  # one bit-stream call over the small classes' channels
+    small = None
+    if rest:
         chans = torch.cat([torch.arange(o, o + n) for _, n, o, _ in rest])
         widths = torch.cat([torch.full((n,), b) for b, n, _, _ in rest])
         offsets = torch.cat([bit + b * torch.arange(n) for b, n, _, bit in rest])
-        res = native.keys_stream_rows(flat, qs_all[..., chans], widths, length, offsets)
-        out = res if out is None else out + res
-    return out
+        small = (chans, widths, offsets)
+    return big, small
 
 
 def _class_terms(block: MixedChannelBlock, pages: slice):
@@ -198,9 +214,7 @@ def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: i
     a, b = _class_terms(block, slice(0, npg))  # [B, H, np, D]
     qs = qp * a.unsqueeze(2)  # [B, H, M, np, D]
     bias = (qp * b.unsqueeze(2)).sum(-1)  # [B, H, M, np]
-    out = None
-    if os.environ.get("KVBENCH_NATIVE_CLASSES", "1") != "0":
-        out = _native_offbyte(block, codes[:, :, :n], qs, length)
+    out = _native_offbyte(block, codes[:, :, :n], qs, length)
     if out is None:
         widths = torch.repeat_interleave(
             torch.tensor(block.class_bits), torch.tensor(block.class_counts)
