@@ -33,6 +33,8 @@ from functools import lru_cache
 
 import torch
 
+from kvbench.attend import native
+from kvbench.attend.cpu import native_allowed, note_impl
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layer import LayerCache
@@ -120,6 +122,23 @@ class QJLBlock:
         tok, grp = self._fields()
         idx = idx.to(self.signs.device)
         return replace(self, **{f: getattr(self, f).index_select(0, idx) for f in tok + grp})
+
+    def native_scores(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The estimator of :meth:`scores` without outliers, in the code domain of the native
+        kernels (:mod:`kvbench.attend.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
+        one KV head) -> ``[B, H_kv, M, n]`` float32, or ``None`` where the kernels do not take
+        the block (outlier channels, ``m`` not a multiple of 8, no native build).
+
+        With sign bits ``b_j`` (``sign = 2 b_j - 1``) and ``c_t = sqrt(pi/2) / m * |k_t|``:
+        ``c_t <S q, sign(S k_t)> = sum_j (S q)_j (b_j a_t + z_t)``, ``a_t = 2 c_t``, ``z_t =
+        -c_t``: the per-token affine key kernel over the ``m`` sketch coordinates (one group),
+        after sketching the query once (``S q``, ``M x D x m`` multiply-adds per KV head)."""
+        m = self.sketch.shape[0]
+        if self.outlier_idx is not None or not native.supports(self.signs, 1, m):
+            return None
+        sq = q @ self.sketch.to(q.device).T  # [B, H, M, m]
+        c = (math.sqrt(math.pi / 2) / m * self.norms.float()).unsqueeze(-1)  # [B, H, n, 1]
+        return native.keys_groups(self.signs, sq, 2 * c, -c, 1)
 
     def scores(self, query: torch.Tensor) -> torch.Tensor:
         """Estimated ``<q, k>``: ``query [B, H_q, n_q, D]`` -> ``[B, H_q, n_q, n]`` float32; query
@@ -238,8 +257,9 @@ class QJLKeyCodec:
 class QJLAttention:
     """Code-domain keys of :class:`QJLBlock` for ``kvbench.attend.registry``: the estimator
     :meth:`QJLBlock.scores` (the query sketched once per step, ``S q``, then dotted with the
-    stored signs).  Keys only; it is also the reference of these keys (they have no
-    dequantized form)."""
+    stored signs), on the native per-token kernel where it takes the block
+    (:meth:`QJLBlock.native_scores`), else eager.  Keys only; the eager estimator is also the
+    reference of these keys (they have no dequantized form)."""
 
     def key_reason(self, block: QJLBlock, head_dim: int) -> str | None:
         return None
@@ -248,7 +268,12 @@ class QJLAttention:
         return "QJL sketches keys only"
 
     def key_logits(self, block: QJLBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        return block.scores(q)  # q [B, H_kv, M, D] (one row group per KV head) -> [B, H, M, n]
+        # q [B, H_kv, M, D] (one row group per KV head) -> [B, H, M, n]
+        out = block.native_scores(q) if compiled and native_allowed() else None
+        if out is not None:
+            note_impl("native")
+            return out
+        return block.scores(q)
 
     def value_output(self, block: QJLBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
         raise ValueError(self.value_reason(block, 0))

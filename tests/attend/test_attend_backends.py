@@ -397,18 +397,20 @@ def test_an_explicit_compiled_mode_without_compiler_warns_once_then_eager(monkey
 
 
 @pytest.mark.parametrize("d", DIMS)
-def test_qjl_estimator_in_the_code_domain(d):
+@pytest.mark.parametrize("m", [64, 256, 60])
+def test_qjl_estimator_in_the_code_domain(d, m):
     """QJL keys have no dequantized form: the reference is the estimator of QJL (Zandieh et
     al., arXiv 2406.03482, Eq. 2) written out here in float64 from the stored signs and norms:
-    ``<q, k> ~ sqrt(pi/2) / m * |k| * <S q, sign(S k)>``."""
-    cfg = dict(SMALL, sketch_dim=64, num_sink_tokens=2, value_bits=2)
+    ``<q, k> ~ sqrt(pi/2) / m * |k| * <S q, sign(S k)>``.  Sketch widths that are whole bytes
+    take the native per-token kernel; ``m = 60`` the eager estimator."""
+    cfg = dict(SMALL, sketch_dim=m, num_sink_tokens=2, value_bits=2)
     lc, g = build("qjl", cfg, d, 45, 2)
     blk = lc.k.block
     q = torch.randn(B, HQ, 1, d, generator=g)
     rep = HQ // HKV
     s_mat = blk.sketch.double()
-    signs = ((blk.signs.unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)[..., :64] * 2.0 - 1
-    est = math.sqrt(math.pi / 2) / 64 * blk.norms.double().unsqueeze(-1) * signs.double()
+    signs = ((blk.signs.unsqueeze(-1) >> torch.arange(8)) & 1).flatten(-2)[..., :m] * 2.0 - 1
+    est = math.sqrt(math.pi / 2) / m * blk.norms.double().unsqueeze(-1) * signs.double()
     kq = torch.cat(
         [lc.k.sinks.double(), est @ s_mat, lc.k.residual.double()], 2
     )  # <q, k> = q . (S^T est)
@@ -416,7 +418,10 @@ def test_qjl_estimator_in_the_code_domain(d):
     lg = q.double() @ kq.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(d)
     ref = torch.softmax(lg, -1) @ vv.repeat_interleave(rep, 1)
     close_rows(lc.attend(q), ref)
-    assert lc.attend_path == auto_path(("native", "eager"))  # QJL's estimator is eager
+    assert lc.attend_path == auto_path(("native",) if m % 8 == 0 else ("native", "eager"))
+    with cpu.cpu_attention_mode("eager"):  # the estimator in torch
+        close_rows(lc.attend(q), ref)
+    assert lc.attend_path == cpu.EAGER_PATH
     with cpu.cpu_attention_mode("reference"):  # the estimator is also the reference path
         close_rows(lc.attend(q), ref)
     assert lc.attend_path == "reference"
