@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from scipy.cluster.vq import kmeans2
 
+from kvbench.attend import native
+from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache, Side
@@ -95,7 +97,8 @@ class Rotary:
 class LUTBlock:
     """Pre-RoPE keys as level indices plus exact outliers.  codes: uint8 ``[B, H_kv, n,
     ceil(D*bits/8)]``; center, half: static ``[H_kv, D]`` (scale dtype); lut: ``[2^bits]`` sorted
-    levels; out_idx: int32 ``[N]`` flat indices into ``[n, B, H_kv, D]``; out_val: fp16 ``[N]``.
+    levels; out_idx: int32 ``[N]`` flat indices into ``[n, B, H_kv, D]``, ascending; out_val: fp16
+    ``[N]``.
     rotary: ``None`` for codes read as stored (``pre_rope=False``); else the :class:`Rotary`
     that reads add (pre-RoPE codes re-rotated at their positions): :meth:`dequantize` returns
     the post-RoPE keys, and the code-domain kernel rotates the query instead."""
@@ -156,7 +159,26 @@ class LUTBlock:
         t, rem = self.out_idx.long() // row, self.out_idx.long() % row
         i, j = (rem[:, None] // hd == idx[None, :]).nonzero(as_tuple=True)
         new_idx, codes = (t[i] * (len(idx) * hd) + j * hd + rem[i] % hd).int(), self.codes[idx]
-        return replace(self, codes=codes, out_idx=new_idx, out_val=self.out_val[i])
+        order = torch.argsort(new_idx)  # kept ascending (the native kernel walks them in order)
+        return replace(self, codes=codes, out_idx=new_idx[order], out_val=self.out_val[i][order])
+
+
+def _dense_eager(block: LUTBlock, qk: torch.Tensor, lut: torch.Tensor, rot) -> torch.Tensor:
+    """The dense logits of :class:`LUTAttention` in torch, in chunks of tokens: ``qk [B, H, M,
+    D]`` (``q * half``) against ``lut[c_t]``, or with ``rot = (cos, sin, first, second)`` ``qk
+    [B, H, M, 2D]`` against ``[u_i C, u_j C, u_i S, u_j S]``."""
+    d, n, chunk = block.head_dim, block.ntokens, EAGER_CHUNK_TOKENS
+    outs = []
+    for t0 in range(0, n, chunk):
+        c = unpack_bits(block.codes[:, :, t0 : t0 + chunk], block.bits, d)
+        u = lut[c.long()]  # [B, H, n_c, D]
+        if rot is not None:
+            cos, sin, i1, i2 = rot
+            cs, sn = cos[t0 : t0 + chunk], sin[t0 : t0 + chunk]
+            u1, u2 = u[..., i1], u[..., i2]
+            u = torch.cat([u1 * cs, u2 * cs, u1 * sn, u2 * sn], -1)
+        outs.append(torch.matmul(qk, u.transpose(-1, -2)))
+    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
 
 class LUTAttention:
@@ -173,7 +195,10 @@ class LUTAttention:
     ``[u_i C, u_j C, u_i S, u_j S]`` (``u = lut[c]``), the centre part ``[c_i q_i + c_j q_j,
     c_i q_j - c_j q_i] . [C, S]``, and an outlier at channel ``d`` adds ``(value - dense)
     (R(-p_t) q)_d``: no rotated key is formed.  Eager: unpack + a ``2^bits``-entry lookup +
-    matmul in chunks of tokens (the angle tables are cached, :func:`rope_angles`)."""
+    matmul in chunks of tokens (the angle tables are cached, :func:`rope_angles`).  Native
+    where allowed (:func:`kvbench.attend.native.keys_lut_outliers`): each token's key is
+    dequantized in registers (table, half, centre, its outliers placed), turned by its cos/sin
+    row and dotted with the query rows; nothing is written back."""
 
     def key_reason(self, block: LUTBlock, head_dim: int) -> str | None:
         return None
@@ -182,32 +207,28 @@ class LUTAttention:
         return "KVQuant's LUT codes are a key layout"
 
     def key_logits(self, block: LUTBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        from kvbench.attend.cpu import EAGER_CHUNK_TOKENS
-
         b, h, n, _ = block.codes.shape
         d, rot, dev = block.head_dim, block.rotary, q.device
-        half = block.half.float().to(dev)[None, :, None, :]  # [1, H, 1, D]
-        center = block.center.float().to(dev)[None, :, None, :]
         lut = block.lut.float().to(dev)
         if rot is not None:
             i1, i2 = (i.to(dev) for i in rope_pairs(d, rot.layout))
             cos, sin = (t.to(dev) for t in rope_angles(rot.start, n, d, rot.theta, dev))
+        if compiled and native_allowed() and native.supports(block.codes, block.bits, d):
+            note_impl("native")
+            return native.keys_lut_outliers(
+                block.codes, q, lut, block.half, block.center, block.out_idx, block.out_val,
+                block.bits, None if rot is None else (cos, sin, i1, i2),
+            )  # fmt: skip
+        half = block.half.float().to(dev)[None, :, None, :]  # [1, H, 1, D]
+        center = block.center.float().to(dev)[None, :, None, :]
+        if rot is not None:
             q1, q2, h1, h2 = q[..., i1], q[..., i2], half[..., i1], half[..., i2]
             c1, c2 = center[..., i1], center[..., i2]
             qk = torch.cat([h1 * q1, h2 * q2, h1 * q2, -(h2 * q1)], -1)  # [B, H, M, 2D]
             qc = torch.cat([c1 * q1 + c2 * q2, c1 * q2 - c2 * q1], -1)  # [B, H, M, D]
         else:
             qk = q * half
-        outs = []
-        for t0 in range(0, n, EAGER_CHUNK_TOKENS):
-            c = unpack_bits(block.codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS], block.bits, d)
-            u = lut[c.long()]  # [B, H, n_c, D]
-            if rot is not None:
-                cs, sn = cos[t0 : t0 + EAGER_CHUNK_TOKENS], sin[t0 : t0 + EAGER_CHUNK_TOKENS]
-                u1, u2 = u[..., i1], u[..., i2]
-                u = torch.cat([u1 * cs, u2 * cs, u1 * sn, u2 * sn], -1)
-            outs.append(torch.matmul(qk, u.transpose(-1, -2)))
-        lg = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+        lg = _dense_eager(block, qk, lut, None if rot is None else (cos, sin, i1, i2))
         if rot is not None:
             lg = lg + torch.matmul(qc, torch.cat([cos, sin], -1).transpose(0, 1))
         else:

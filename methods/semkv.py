@@ -102,12 +102,14 @@ class MixedBlockAttention:
 
     A token's code is ``c = low + 2^lb up`` (``up`` only for high tokens), so with per-token
     terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
-    (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + 2^lb sum_g scale_{t,g} (q_g . up_{t,g})``
-    and values ``sum_t p_t x_t`` likewise: the low plane of every token is read by the core's
-    per-token affine kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`, compiled when
-    allowed), and the upper bits of the high tokens are added by a gather of their query rows
-    (keys) or probabilities (values) and one scatter-add.  No dequantized key or value is
-    formed."""
+    (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + sum_g 2^lb scale_{t,g} (q_g . up_{t,g})``
+    and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
+    kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`: native, compiled or eager): the
+    low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
+    token with terms ``(2^lb scale, 0)``, the high tokens' stored rows placed at their
+    positions and zero codes for the low tokens (a transient of ``(hb - lb) / 8`` bytes per
+    element, built once per read from the ``extra`` rows and the mask).  No dequantized key or
+    value is formed."""
 
     def key_reason(self, block: MixedBlock, head_dim: int) -> str | None:
         return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"
@@ -122,39 +124,27 @@ class MixedBlockAttention:
         )
 
     @staticmethod
-    def _high(block: MixedBlock, dev):
-        """``(t, b, h)`` of each high token (the ``extra`` rows' order), its upper codes
-        float32 ``[N, D]`` and its scales float32 ``[N, NG]``."""
-        t, b, h = block.high().permute(2, 0, 1).nonzero(as_tuple=True)
-        up = unpack_bits(block.extra, block.high_bits - block.low_bits, block.head_dim)
-        sc = block.scale[b, h, t].float() * float(1 << block.low_bits)
-        return (t.to(dev), b.to(dev), h.to(dev)), up.float().to(dev), sc.to(dev)
+    def _upper(block: MixedBlock) -> AffineBlock:
+        """The upper plane of every token: uint8 ``[B, H_kv, n, ceil(D (hb - lb) / 8)]`` (zero
+        rows for low tokens), scale float32 ``2^lb scale``, zero 0."""
+        b, h, n, _ = block.low.shape
+        dense = block.extra.new_zeros(b, h, n, block.extra.shape[-1])
+        dense.permute(2, 0, 1, 3)[block.high().permute(2, 0, 1)] = block.extra  # [n, B, H] rows
+        scale = block.scale.float() * float(1 << block.low_bits)
+        bits = block.high_bits - block.low_bits
+        return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
 
     def key_logits(self, block: MixedBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
         lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
         if not block.extra.shape[0]:
             return lg
-        (t, b, h), up, sc = self._high(block, q.device)
-        bsz, hkv, m, n = lg.shape
-        ng = sc.shape[-1]
-        qg = q[b, h].reshape(len(t), m, ng, -1)  # [N, M, NG, cg]
-        dots = (qg * up.reshape(len(t), 1, ng, -1)).sum(-1)  # [N, M, NG]
-        contrib = (dots * sc[:, None]).sum(-1)  # [N, M]
-        flat = lg.permute(0, 1, 3, 2).reshape(-1, m)  # rows (b, h, t)
-        flat.index_add_(0, (b * hkv + h) * n + t, contrib)
-        return flat.reshape(bsz, hkv, n, m).permute(0, 1, 3, 2)
+        return lg + _AFFINE.key_logits(self._upper(block), q, compiled)
 
     def value_output(self, block: MixedBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
         out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
         if not block.extra.shape[0]:
             return out
-        (t, b, h), up, sc = self._high(block, p.device)
-        bsz, hkv, m, d = out.shape
-        w = (up.reshape(len(t), sc.shape[-1], -1) * sc[..., None]).reshape(len(t), 1, d)
-        contrib = p[b, h, :, t][..., None] * w  # [N, M, D]
-        flat = out.reshape(bsz * hkv, m, d).clone()
-        flat.index_add_(0, b * hkv + h, contrib)
-        return flat.reshape(bsz, hkv, m, d)
+        return out + _AFFINE.value_output(self._upper(block), p, compiled)
 
 
 _AFFINE = AffineBlockAttention()

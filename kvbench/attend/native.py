@@ -51,7 +51,7 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_HEAD_DIM = 1024
 MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
 
@@ -89,6 +89,32 @@ class _Args(ctypes.Structure):
         ("no_tiles", ctypes.c_int),
         ("out", ctypes.c_void_p),
         ("bit0", ctypes.c_int64),
+    ]
+
+
+class _LutArgs(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("cs_b", ctypes.c_int64),
+        ("cs_h", ctypes.c_int64),
+        ("cs_t", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("T", ctypes.c_int64),
+        ("M", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("hs", ctypes.c_void_p),
+        ("hz", ctypes.c_void_p),
+        ("out_idx", ctypes.c_void_p),
+        ("out_val", ctypes.c_void_p),
+        ("N", ctypes.c_int64),
+        ("qp", ctypes.c_void_p),
+        ("cosv", ctypes.c_void_p),
+        ("sinv", ctypes.c_void_p),
+        ("pi", ctypes.c_void_p),
+        ("pj", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
     ]
 
 
@@ -137,6 +163,8 @@ def _build() -> ctypes.CDLL:
     for fn in (lib.kv_keys, lib.kv_values):
         fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.kv_keys_lut_outliers.argtypes = [ctypes.POINTER(_LutArgs), ctypes.c_int]
+    lib.kv_keys_lut_outliers.restype = ctypes.c_int
     return lib
 
 
@@ -376,3 +404,77 @@ def values_lut(codes, p, lut, bits: int, d: int) -> torch.Tensor:
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
     _call("kv_values", _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut), bits)
     return _unsub(out, bits)
+
+
+def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, rope=None):
+    """Key logits ``[B, H, M, T]`` of codes looked up in a shared table, with per-channel
+    half-range and centre and sparse exact outliers (KVQuant, Hooper et al., arXiv 2401.18079
+    §3.1, §3.4): ``x_d = lut[c_d] * half[h, d] + center[h, d]``, except ``out_val[k]`` at the flat
+    position ``out_idx[k]`` of ``[T, B, H, D]``; logits ``q . x``.  ``rope = (cos, sin, first,
+    second)`` (float32 ``[T, D/2]`` each token's angles, int ``[D/2]`` the pairs' channels): the
+    key is read rotated by RoPE at its position, ``x_i C - x_j S, x_j C + x_i S`` per pair.
+
+    ``codes`` uint8 ``[B, H, T, ceil(D bits / 8)]`` (:func:`kvbench.kv.quant.pack_bits` order);
+    ``q`` float ``[B, H, M, D]``; ``half``, ``center`` float ``[H, D]``; ``out_idx`` int
+    ``[N]``, ascending (a block's outliers are kept in that order).  Raises ``ValueError`` for
+    shapes that do not fit, pair indices outside ``[0, D)``, or outliers not ascending."""
+    bsz, h, t, nbytes = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    bad = (
+        not 1 <= bits <= 8
+        or d > MAX_HEAD_DIM
+        or tuple(q.shape) != (bsz, h, m, d)
+        or nbytes * 8 < d * bits
+        or codes.dtype != torch.uint8
+        or (nbytes > 1 and codes.stride(-1) != 1)
+        or tuple(half.shape) != (h, d)
+        or tuple(center.shape) != (h, d)
+        or out_idx.shape != out_val.shape
+    )
+    qp = q.float()
+    keep = [lut.float().contiguous(), half.float().contiguous(), center.float().contiguous()]
+    keep += [out_idx.to(torch.int64).contiguous(), out_val.float().contiguous()]
+    if rope is not None:
+        cos, sin, first, second = rope
+        p = d // 2
+        bad = bad or (
+            d % 2
+            or tuple(cos.shape) != (t, p)
+            or tuple(sin.shape) != (t, p)
+            or tuple(first.shape) != (p,)
+            or tuple(second.shape) != (p,)
+            or not 0 <= min(int(first.min()), int(second.min()))
+            or max(int(first.max()), int(second.max())) >= d
+        )
+        if not bad:
+            qp = torch.cat([qp[..., first], qp[..., second]], -1)  # pair order
+            keep += [cos.float().contiguous(), sin.float().contiguous()]
+            keep += [first.to(torch.int32).contiguous(), second.to(torch.int32).contiguous()]
+    if bad:
+        raise ValueError(
+            f"keys_lut_outliers: codes {tuple(codes.shape)}, q {tuple(q.shape)}, half "
+            f"{tuple(half.shape)}, bits {bits} do not fit (head_dim <= {MAX_HEAD_DIM})"
+        )
+    keep.append(qp.contiguous())
+    args = _LutArgs()
+    args.codes = codes.data_ptr()
+    args.cs_b, args.cs_h, args.cs_t = (
+        codes.stride(i) if codes.shape[i] > 1 else 0 for i in range(3)
+    )
+    args.B, args.H, args.T, args.M, args.D = bsz, h, t, m, d
+    args.lut, args.hs, args.hz, args.out_idx, args.out_val = (x.data_ptr() for x in keep[:5])
+    args.N = out_idx.numel()
+    args.qp = keep[-1].data_ptr()
+    if rope is not None:
+        args.cosv, args.sinv, args.pi, args.pj = (x.data_ptr() for x in keep[5:9])
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args.out = out.data_ptr()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(_reason)
+    rc = lib.kv_keys_lut_outliers(ctypes.byref(args), bits)
+    if rc == -2:
+        raise ValueError("keys_lut_outliers: out_idx must be ascending")
+    if rc != 0:
+        raise ValueError(f"keys_lut_outliers: head_dim {d} or bits {bits} not supported")
+    return out

@@ -303,9 +303,9 @@ def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
     assert lc.attend_path == "fake" and lc.attend_path_reason == ""
 
 
-def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2):
+def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2, bits=4):
     """KVQuant with sparse outliers, sinks, B > 1, prefill + decode steps (residual 8)."""
-    cfg = dict(pre_rope=pre_rope, rope_layout=layout, sparsity_threshold=0.9)
+    cfg = dict(pre_rope=pre_rope, rope_layout=layout, sparsity_threshold=0.9, bits=bits)
     m = kvbench.get_method("kvquant", **cfg, num_sink_tokens=2, residual_length=8)
     g = torch.Generator().manual_seed(seed)
     m = m.calibrate({0: torch.randn(2, HKV, 64, d, generator=g)})
@@ -322,17 +322,24 @@ def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2):
 
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize(
-    "pre_rope,layout", [(False, "rotate_half"), (True, "rotate_half"), (True, "interleaved")]
-)
-def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout):
+    "pre_rope,layout,bits",
+    [(False, "rotate_half", 4), (True, "rotate_half", 4), (True, "interleaved", 4),
+     (True, "rotate_half", 3), (False, "interleaved", 3)],
+)  # fmt: skip
+def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
     """Pre-RoPE codes: the reference re-rotates the dequantized keys (``keys_values``); the
-    code-domain kernel rotates the query per token instead (KVQuant, arXiv 2401.18079 §3.1)."""
-    lc, g = kvquant_layer(d, pre_rope, layout)
+    code-domain kernel rotates the query per token instead (KVQuant, arXiv 2401.18079 §3.1),
+    eager and native (3-bit codes straddle bytes)."""
+    lc, g = kvquant_layer(d, pre_rope, layout, bits=bits)
     assert (lc.k.block.rotary is not None) == pre_rope
     q = torch.randn(B, HQ, 1, d, generator=g)
     with cpu.cpu_attention_mode("eager"):
         out = lc.attend(q)
     assert lc.attend_path == cpu.EAGER_PATH, lc.attend_path_reason
+    close_rows(out, ref64(lc, q))
+    with cpu.cpu_attention_mode("native"):
+        out = lc.attend(q)
+    assert lc.attend_path == auto_path(), lc.attend_path_reason
     close_rows(out, ref64(lc, q))
     q3 = torch.randn(B, HQ, 3, d, generator=g)
     lengths = torch.tensor([lc.seq_length, lc.seq_length - 4])
@@ -342,7 +349,10 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout):
         lc.append(torch.randn(B, HKV, 1, d, generator=g), torch.randn(B, HKV, 1, d, generator=g))
         lc.end_step()
     close_rows(lc.attend(q), ref64(lc, q))
-    assert lc.attend_path in (cpu.EAGER_PATH, auto_path(("native", "eager")))
+    assert lc.attend_path == auto_path()
+    lc.index_batch(torch.tensor([1, 0]))  # rows swapped (beam reorder): outliers stay ascending
+    close_rows(lc.attend(q), ref64(lc, q))
+    assert lc.attend_path == auto_path(), lc.attend_path_reason
 
 
 def test_pre_rope_blocks_read_post_rope_keys():

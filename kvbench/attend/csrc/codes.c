@@ -654,4 +654,106 @@ int kv_values(const kv_args *a, int bits) {
     return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
-int kv_abi_version(void) { return 4; }
+/* ------------------------------------------------- table codes with sparse outliers (KVQuant)
+ * KVQuant's keys (methods/kvquant.py, LUTAttention; Hooper et al., arXiv 2401.18079 §3.1,
+ * §3.4): channel d of token t is x_d = lut[c_d] * HS[h, d] + HZ[h, d] (a shared table of
+ * 2^bits levels, per-channel half-range and centre), except the sparse outliers, stored
+ * exactly: out_val[k] at flat position out_idx[k] of [T, B, H, D] (ascending).  Without
+ * rotation the logit of query row m is q_m . x.  Pre-RoPE keys are read rotated by RoPE at
+ * their positions: pair p of channels (i_p, j_p) turns by the angle with cosine C[t, p] and
+ * sine S[t, p], so with (a, b) = (x_i, x_j):
+ *   q . R k = sum_p C (q_i a + q_j b) + S (q_j a - q_i b).
+ * The key is dequantized and turned in registers, one token at a time; nothing is written back.
+ * Codes in kvbench.kv.quant.pack_bits order (code d at bits d*bits .. d*bits + bits - 1). */
+typedef struct {
+    const uint8_t *codes;
+    int64_t cs_b, cs_h, cs_t;
+    int64_t B, H, T, M, D;
+    const float *lut;       /* 2^bits levels */
+    const float *hs, *hz;   /* [H, D] half-range and centre */
+    const int64_t *out_idx; /* [N] ascending flat positions in [T, B, H, D] */
+    const float *out_val;   /* [N] */
+    int64_t N;
+    const float *qp;   /* [B, H, M, D]; rotated: [B, H, M, 2, D/2] = (q_i, q_j) in pair order */
+    const float *cosv; /* [T, D/2], or NULL: no rotation */
+    const float *sinv; /* [T, D/2] */
+    const int32_t *pi; /* [D/2] first channel of each pair */
+    const int32_t *pj; /* [D/2] second channel */
+    float *out;        /* [B, H, M, T] */
+} kv_lut_args;
+
+static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args *a, int bits) {
+    const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D;
+    if (D > MAXD || (a->cosv && D % 2) || M < 1) return -1;
+    for (int64_t k = 1; k < a->N; k++)
+        if (a->out_idx[k] <= a->out_idx[k - 1]) return -2; /* not ascending */
+    const uint32_t mask = (1u << bits) - 1u;
+    float x[MAXD], xa[MAXD / 2], xb[MAXD / 2];
+    int64_t k = 0; /* next outlier */
+    while (k < a->N && a->out_idx[k] < 0) k++;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t b = 0; b < a->B; b++)
+            for (int64_t h = 0; h < a->H; h++) {
+                const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
+                const float *hs = a->hs + h * D, *hz = a->hz + h * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const int64_t bit = d * bits, byte = bit >> 3;
+                    const int sh = (int)(bit & 7);
+                    uint32_t v = row[byte];
+                    if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* within the row */
+                    x[d] = a->lut[(v >> sh) & mask] * hs[d] + hz[d];
+                }
+                const int64_t base = t * BHD + (b * a->H + h) * D;
+                for (; k < a->N && a->out_idx[k] < base + D; k++)
+                    if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
+                const float *q = a->qp + (b * a->H + h) * M * D;
+                float *o = a->out + (b * a->H + h) * M * T + t;
+                if (!a->cosv) {
+                    for (int64_t m = 0; m < M; m++) {
+                        const float *qm = q + m * D;
+                        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                        for (int64_t d = 0; d < D; d++) acc += qm[d] * x[d];
+                        o[m * T] = acc;
+                    }
+                    continue;
+                }
+                const float *C = a->cosv + t * P, *S = a->sinv + t * P;
+                for (int64_t p = 0; p < P; p++) {
+                    xa[p] = x[a->pi[p]];
+                    xb[p] = x[a->pj[p]];
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const float *qi = q + m * D, *qj = qi + P; /* pair order */
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t p = 0; p < P; p++)
+                        acc += C[p] * (qi[p] * xa[p] + qj[p] * xb[p]) +
+                               S[p] * (qj[p] * xa[p] - qi[p] * xb[p]);
+                    o[m * T] = acc;
+                }
+            }
+    }
+    return 0;
+}
+
+#define SPECIALISE_LUT(BITS) \
+    static int lut_keys_b##BITS(const kv_lut_args *a) { return lut_keys_impl(a, BITS); }
+SPECIALISE_LUT(1)
+SPECIALISE_LUT(2)
+SPECIALISE_LUT(3)
+SPECIALISE_LUT(4)
+SPECIALISE_LUT(5)
+SPECIALISE_LUT(6)
+SPECIALISE_LUT(7)
+SPECIALISE_LUT(8)
+
+/* bits 1..8.  Returns 0; -1 for an unsupported width or size; -2 for outliers not ascending */
+int kv_keys_lut_outliers(const kv_lut_args *a, int bits) {
+    static int (*const fn[9])(const kv_lut_args *) = {0,           lut_keys_b1, lut_keys_b2,
+                                                       lut_keys_b3, lut_keys_b4, lut_keys_b5,
+                                                       lut_keys_b6, lut_keys_b7, lut_keys_b8};
+    return (bits < 1 || bits > 8) ? -1 : fn[bits](a);
+}
+
+int kv_abi_version(void) { return 5; }
