@@ -135,8 +135,9 @@ class PolarAttention:
     For pair ``j`` of token ``t`` in page ``P``, ``q . k = r_tj (qa_j cos θ_tj + qb_j sin θ_tj)``
     with ``r = c^r a^r_P + b^r_P`` and ``θ`` one of the page's ``2^angle_bits`` levels, so the
     step builds the table ``T_P[j, l] = qa_j cos θ_l + qb_j sin θ_l`` per page (once per query)
-    and reads it at the angle codes (PolarQuant's table lookup, Wu et al. §3); eager, in chunks
-    of pages.  Keys only."""
+    and reads it at the angle codes (PolarQuant's table lookup, Wu et al. §3): native where
+    allowed (:func:`kvbench.attend.native.keys_polar`, one pass over the codes), else eager in
+    chunks of pages.  Keys only."""
 
     def key_reason(self, block: PolarBlock, head_dim: int) -> str | None:
         lens = block.radius.group_len
@@ -150,7 +151,8 @@ class PolarAttention:
         return "PolarQuant is a key layout"
 
     def key_logits(self, block: PolarBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, affine_terms
+        from kvbench.attend import native
+        from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, affine_terms, native_allowed, note_impl
         from kvbench.kv.quant import unpack_bits
 
         rad, ang = block.radius, block.angle
@@ -160,6 +162,22 @@ class PolarAttention:
         ar, br = affine_terms(rad)
         at, bt = affine_terms(ang)
         lv = torch.arange(1 << ang.bits, device=q.device, dtype=torch.float32)
+        if (
+            compiled
+            and native_allowed()
+            and rad.codes.device.type == "cpu"
+            and max(rad.bits, ang.bits) <= 8
+            and native.available()
+        ):  # the page tables for every query row, then one pass over the codes
+            theta = at[..., None] * lv + bt[..., None]  # [B, H, NP, D/2, K]
+            tab = qa[:, :, None, :, :, None] * torch.cos(theta).unsqueeze(3) + qb[
+                :, :, None, :, :, None
+            ] * torch.sin(theta).unsqueeze(3)  # [B, H, NP, M, D/2, K]
+            tab = tab.expand(bsz, h, *tab.shape[2:])
+            npg = tab.shape[2]
+            ar, br = (x.expand(bsz, h, npg, d2) for x in (ar, br))
+            note_impl("native")
+            return native.keys_polar(rad.codes, ang.codes, ar, br, tab, length, rad.bits, ang.bits)
         step = max(1, EAGER_CHUNK_TOKENS // length)
         outs = []
         for p0 in range(0, len(rad.group_len), step):

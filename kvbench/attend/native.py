@@ -118,6 +118,19 @@ class _LutArgs(ctypes.Structure):
     ]
 
 
+class _PolarArgs(ctypes.Structure):
+    _fields_ = [
+        ("rc", ctypes.c_void_p),
+        ("ac", ctypes.c_void_p),
+        *((f, ctypes.c_int64) for f in ("rs_b", "rs_h", "rs_t", "as_b", "as_h", "as_t")),
+        *((f, ctypes.c_int64) for f in ("B", "H", "T", "M", "P", "L", "NP")),
+        ("ar", ctypes.c_void_p),
+        ("br", ctypes.c_void_p),
+        ("tab", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+    ]
+
+
 def _cache_root() -> Path:
     if os.environ.get("KVBENCH_CACHE"):
         return Path(os.environ["KVBENCH_CACHE"]).expanduser()
@@ -165,6 +178,8 @@ def _build() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.kv_keys_lut_outliers.argtypes = [ctypes.POINTER(_LutArgs), ctypes.c_int]
     lib.kv_keys_lut_outliers.restype = ctypes.c_int
+    lib.kv_keys_polar.argtypes = [ctypes.POINTER(_PolarArgs), ctypes.c_int, ctypes.c_int]
+    lib.kv_keys_polar.restype = ctypes.c_int
     return lib
 
 
@@ -477,4 +492,52 @@ def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, 
         raise ValueError("keys_lut_outliers: out_idx must be ascending")
     if rc != 0:
         raise ValueError(f"keys_lut_outliers: head_dim {d} or bits {bits} not supported")
+    return out
+
+
+def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]`` of polar codes (PolarQuant, Wu et al., arXiv 2502.00527 §3):
+    ``sum_j (cr_tj ar[P, j] + br[P, j]) tab[P, m, j, ca_tj]`` for token ``t`` in page ``P = t //
+    length``.  ``rcodes`` / ``acodes``: uint8 ``[B, H, T, *]`` radius and angle codes of the
+    ``D/2`` pairs (:func:`kvbench.kv.quant.pack_bits` order); ``ar, br`` float ``[B, H, NP,
+    D/2]``; ``tab`` float ``[B, H, NP, M, D/2, 2^abits]`` (the query's table per page).
+
+    Raises ``ValueError`` for shapes that do not fit."""
+    bsz, h, t, _ = rcodes.shape
+    np_, m, p, k = tab.shape[2:]
+    ok = (
+        1 <= rbits <= 8
+        and 1 <= abits <= 8
+        and k == 1 << abits
+        and tab.shape[:2] == (bsz, h)
+        and acodes.shape[:3] == (bsz, h, t)
+        and tuple(ar.shape) == (bsz, h, np_, p)
+        and tuple(br.shape) == (bsz, h, np_, p)
+        and rcodes.shape[-1] * 8 >= p * rbits
+        and acodes.shape[-1] * 8 >= p * abits
+        and rcodes.dtype == acodes.dtype == torch.uint8
+        and all(c.shape[-1] == 1 or c.stride(-1) == 1 for c in (rcodes, acodes))
+        and length >= 1
+        and -(-t // length) <= np_
+        and p <= MAX_HEAD_DIM // 2
+    )
+    if not ok:
+        raise ValueError(
+            f"keys_polar: codes {tuple(rcodes.shape)} / {tuple(acodes.shape)}, table "
+            f"{tuple(tab.shape)}, page length {length}, bits {rbits}/{abits} do not fit"
+        )
+    keep = [x.float().contiguous() for x in (ar, br, tab)]
+    args = _PolarArgs()
+    args.rc, args.ac = rcodes.data_ptr(), acodes.data_ptr()
+    st = [c.stride(i) if c.shape[i] > 1 else 0 for c in (rcodes, acodes) for i in range(3)]
+    args.rs_b, args.rs_h, args.rs_t, args.as_b, args.as_h, args.as_t = st
+    args.B, args.H, args.T, args.M, args.P, args.L, args.NP = bsz, h, t, m, p, length, np_
+    args.ar, args.br, args.tab = (x.data_ptr() for x in keep)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args.out = out.data_ptr()
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(_reason)
+    if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
+        raise ValueError("keys_polar: shapes not supported")
     return out

@@ -45,6 +45,12 @@ CASES = [
     ("turboquant-mse", dict(bits=2, residual_length=8, num_sink_tokens=2), 30, 3),
     ("turboquant-mse", dict(bits=3, apply_to="both"), 30, 2),
     ("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), 45, 3),
+    (
+        "polarquant",
+        dict(SMALL, radius_bits=3, angle_bits=4, pairing="interleaved", value_bits=4),
+        40,
+        2,
+    ),
     ("fp8", dict(), 30, 2),
     ("semkv", dict(SMALL, num_sink_tokens=2), 45, 3),
     ("semkv", dict(SMALL, score="key-norm", mixed_values=False, value_bits=2), 45, 2),
@@ -56,7 +62,7 @@ CASES = [
 DIMS = (64, 96, 128, 256)
 #: methods whose key and value blocks both have native kernels (kvbench.attend.native)
 NATIVE_BOTH = {"kivi", "per-token", "int8-block", "int4-block", "kitty", "pn-mix", "chanmix",
-               "fp8", "semkv", "turboquant-mse", "pm-kvq"}  # fmt: skip
+               "fp8", "semkv", "turboquant-mse", "pm-kvq", "polarquant"}  # fmt: skip
 
 
 def auto_path(kinds=("native",)) -> str:
@@ -353,6 +359,22 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
     lc.index_batch(torch.tensor([1, 0]))  # rows swapped (beam reorder): outliers stay ascending
     close_rows(lc.attend(q), ref64(lc, q))
     assert lc.attend_path == auto_path(), lc.attend_path_reason
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_polar_pages_native_after_a_crop(d):
+    """A crop leaves a partly filled last page of polar codes; the native kernel reads its
+    tokens with that page's terms, batched rows of different lengths included."""
+    lc, g = build("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), d, 60, 0)
+    lc.crop(2 + 16 + 9)  # sinks, one whole page, 9 tokens of the next
+    assert lc.k.block.radius.group_len == [16, 9] or lc.k.block.ntokens < 25
+    q = torch.randn(B, HQ, 1, d, generator=g)
+    with cpu.cpu_attention_mode("native"):
+        close_rows(lc.attend(q), ref64(lc, q))
+        assert lc.attend_path == auto_path(), lc.attend_path_reason
+        q3 = torch.randn(B, HQ, 3, d, generator=g)
+        lengths = torch.tensor([lc.seq_length, lc.seq_length - 5])
+        close_rows(lc.attend(q3, lengths=lengths), ref64(lc, q3, lengths))
 
 
 def test_pre_rope_blocks_read_post_rope_keys():

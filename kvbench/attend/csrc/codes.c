@@ -756,4 +756,61 @@ int kv_keys_lut_outliers(const kv_lut_args *a, int bits) {
     return (bits < 1 || bits > 8) ? -1 : fn[bits](a);
 }
 
+/* ------------------------------------------------------------------- polar keys (PolarQuant)
+ * PolarQuant's keys (methods/polarquant.py, PolarAttention; Wu et al., arXiv 2502.00527 §3):
+ * per RoPE pair j of token t a radius code cr and an angle code ca, each with per-channel
+ * terms per page of L tokens.  The caller builds, per page P, query row m and pair j, the table
+ * TAB[P, m, j, l] = qa_j cos(theta_l) + qb_j sin(theta_l) over the page's 2^abits angle levels;
+ * the logit is sum_j (cr_j AR[P, j] + BR[P, j]) TAB[P, m, j, ca_j]. */
+typedef struct {
+    const uint8_t *rc, *ac; /* radius and angle codes, pack_bits order, rows of tokens */
+    int64_t rs_b, rs_h, rs_t, as_b, as_h, as_t;
+    int64_t B, H, T, M, P, L, NP;
+    const float *ar, *br; /* [B, H, NP, P] radius scale and zero per page */
+    const float *tab;     /* [B, H, NP, M, P, 2^abits] */
+    float *out;           /* [B, H, M, T] */
+} kv_polar_args;
+
+static inline __attribute__((always_inline)) uint32_t code_at(const uint8_t *row, int64_t d,
+                                                              int bits, uint32_t mask) {
+    const int64_t bit = d * bits, byte = bit >> 3;
+    const int sh = (int)(bit & 7);
+    uint32_t v = row[byte];
+    if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* within the row */
+    return (v >> sh) & mask;
+}
+
+int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
+    const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits;
+    if (rbits < 1 || rbits > 8 || abits < 1 || abits > 8 || P > MAXD / 2 || M < 1 || a->L < 1)
+        return -1;
+    if ((T + a->L - 1) / a->L > a->NP) return -1;
+    const uint32_t rmask = (1u << rbits) - 1u, amask = (1u << abits) - 1u;
+    float r[MAXD / 2];
+    int32_t idx[MAXD / 2];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const int64_t bh = b * a->H + h;
+            float *o = a->out + bh * M * T;
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t pg = t / a->L;
+                const uint8_t *rr = a->rc + b * a->rs_b + h * a->rs_h + t * a->rs_t;
+                const uint8_t *ra = a->ac + b * a->as_b + h * a->as_h + t * a->as_t;
+                const float *ar = a->ar + (bh * a->NP + pg) * P, *br = a->br + (bh * a->NP + pg) * P;
+                for (int64_t j = 0; j < P; j++) {
+                    r[j] = (float)code_at(rr, j, rbits, rmask) * ar[j] + br[j];
+                    idx[j] = (int32_t)(j * K + code_at(ra, j, abits, amask));
+                }
+                const float *tab = a->tab + (bh * a->NP + pg) * M * P * K;
+                for (int64_t m = 0; m < M; m++) {
+                    const float *tm = tab + m * P * K;
+                    float acc = 0.f;
+                    for (int64_t j = 0; j < P; j++) acc += r[j] * tm[idx[j]];
+                    o[m * T + t] = acc;
+                }
+            }
+        }
+    return 0;
+}
+
 int kv_abi_version(void) { return 5; }
