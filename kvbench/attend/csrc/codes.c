@@ -28,6 +28,7 @@
  * float32 throughout; sums in float32 (as the reference matmul).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MODE_AFFINE_ROWS 0
@@ -688,21 +689,42 @@ static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args
     for (int64_t k = 1; k < a->N; k++)
         if (a->out_idx[k] <= a->out_idx[k - 1]) return -2; /* not ascending */
     const uint32_t mask = (1u << bits) - 1u;
+    const int64_t K = (int64_t)1 << bits;
     float x[MAXD], xa[MAXD / 2], xb[MAXD / 2];
+    /* per head and channel, the dequantized value of every code: x_d = TD[h][d][c_d] */
+    float *td = (float *)malloc(sizeof(float) * (size_t)(a->H * D * K));
+    if (!td) return -1;
+    for (int64_t h = 0; h < a->H; h++)
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t l = 0; l < K; l++)
+                td[(h * D + d) * K + l] = a->lut[l] * a->hs[h * D + d] + a->hz[h * D + d];
+    /* rotate_half pairs (i, i + D/2): the halves of x, no gather */
+    int halves = a->cosv != 0;
+    for (int64_t p = 0; halves && p < P; p++) halves = a->pi[p] == p && a->pj[p] == P + p;
     int64_t k = 0; /* next outlier */
     while (k < a->N && a->out_idx[k] < 0) k++;
     for (int64_t t = 0; t < T; t++) {
         for (int64_t b = 0; b < a->B; b++)
             for (int64_t h = 0; h < a->H; h++) {
                 const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
-                const float *hs = a->hs + h * D, *hz = a->hz + h * D;
-                for (int64_t d = 0; d < D; d++) {
-                    const int64_t bit = d * bits, byte = bit >> 3;
-                    const int sh = (int)(bit & 7);
-                    uint32_t v = row[byte];
-                    if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* within the row */
-                    x[d] = a->lut[(v >> sh) & mask] * hs[d] + hz[d];
-                }
+                const float *tdh = td + h * D * K;
+                if (8 % bits == 0) { /* whole codes per byte */
+                    const int cpb = 8 / bits;
+                    for (int64_t j = 0; j < D / cpb; j++) {
+                        const uint32_t v = row[j];
+                        for (int c = 0; c < cpb; c++) {
+                            const int64_t d = j * cpb + c;
+                            x[d] = tdh[d * K + ((v >> (c * bits)) & mask)];
+                        }
+                    }
+                } else
+                    for (int64_t d = 0; d < D; d++) {
+                        const int64_t bit = d * bits, byte = bit >> 3;
+                        const int sh = (int)(bit & 7);
+                        uint32_t v = row[byte];
+                        if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* in the row */
+                        x[d] = tdh[d * K + ((v >> sh) & mask)];
+                    }
                 const int64_t base = t * BHD + (b * a->H + h) * D;
                 for (; k < a->N && a->out_idx[k] < base + D; k++)
                     if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
@@ -719,21 +741,27 @@ static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args
                     continue;
                 }
                 const float *C = a->cosv + t * P, *S = a->sinv + t * P;
-                for (int64_t p = 0; p < P; p++) {
-                    xa[p] = x[a->pi[p]];
-                    xb[p] = x[a->pj[p]];
+                const float *pa = x, *pb = x + P;
+                if (!halves) {
+                    for (int64_t p = 0; p < P; p++) {
+                        xa[p] = x[a->pi[p]];
+                        xb[p] = x[a->pj[p]];
+                    }
+                    pa = xa;
+                    pb = xb;
                 }
                 for (int64_t m = 0; m < M; m++) {
                     const float *qi = q + m * D, *qj = qi + P; /* pair order */
                     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
                     for (int64_t p = 0; p < P; p++)
-                        acc += C[p] * (qi[p] * xa[p] + qj[p] * xb[p]) +
-                               S[p] * (qj[p] * xa[p] - qi[p] * xb[p]);
+                        acc += C[p] * (qi[p] * pa[p] + qj[p] * pb[p]) +
+                               S[p] * (qj[p] * pa[p] - qi[p] * pb[p]);
                     o[m * T] = acc;
                 }
             }
     }
+    free(td);
     return 0;
 }
 
