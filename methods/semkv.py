@@ -75,7 +75,8 @@ class MixedBlock:
         return [(cat, getattr(self, k)) for cat, k in (*parts, ("scales", "zero"))]
 
     def _with(self, high: torch.Tensor, extra: torch.Tensor, **kw) -> MixedBlock:
-        return replace(self, mask=pack_bits(high.to(torch.uint8), 1), extra=extra, **kw)
+        mask = pack_bits(high.to(torch.uint8), 1, check=False)  # 0/1 by construction
+        return replace(self, mask=mask, extra=extra, **kw)
 
     def cat(self, other: MixedBlock) -> MixedBlock:
         high = torch.cat([self.high(), other.high()], dim=2)
@@ -169,8 +170,11 @@ class MixedCodec:
         ql, qh = (quantize_groups(g, bits, scale_dtype=sd) for bits in (lb, hb))
         codes = torch.where(high[..., None, None], qh.codes, ql.codes).reshape(b, h, n, d)
         scale = torch.where(high[..., None], qh.scale[..., 0], ql.scale[..., 0])
-        extra = pack_bits((codes >> lb).permute(2, 0, 1, 3)[high.permute(2, 0, 1)], hb - lb)
-        low, mask = pack_bits(codes & ((1 << lb) - 1), lb), pack_bits(high.to(torch.uint8), 1)
+        # codes in range by construction (quantize_groups clamps; shifts and masks keep them)
+        up = (codes >> lb).permute(2, 0, 1, 3)[high.permute(2, 0, 1)]
+        extra = pack_bits(up, hb - lb, check=False)
+        low = pack_bits(codes & ((1 << lb) - 1), lb, check=False)
+        mask = pack_bits(high.to(torch.uint8), 1, check=False)
         return MixedBlock(low, extra, mask, scale, ql.zero[..., 0], lb, hb, d)
 
 

@@ -17,7 +17,11 @@ Layouts served (exactly :func:`kvbench.kv.quant.dequantize_groups`'s affine term
 * :func:`keys_groups` / :func:`values_groups`: per-token terms over channel groups
   (per-token keys and values, llama.cpp-style blocks, PM-KVQ);
 * :func:`keys_lut` / :func:`values_lut`: codes looked up in a ``2^bits``-entry float table
-  (fp8 bytes; codebooks).
+  (fp8 bytes; codebooks);
+* :func:`keys_lut_outliers`: a shared table with per-channel half-range and centre, sparse
+  exact outliers, optionally read rotated by RoPE (KVQuant's pre-RoPE keys);
+* :func:`keys_polar`: radius and angle codes of RoPE pairs with a per-page query table
+  (PolarQuant).
 
 Build: the shared object is cached under ``$KVBENCH_CACHE/native`` (else
 ``$XDG_CACHE_HOME/kvbench/native``, else ``~/.cache/kvbench/native``), keyed by the source, the
