@@ -13,12 +13,19 @@ and importing transformers' generation code (which many tests do) imports torch'
 through it, Triton's own jit'd language functions; decorated compiled, those cannot be called
 from the interpreted kernels of ``tests/kernels``.  Without CUDA no compiled Triton kernel can
 run anyway, and torch's CPU compiler does not use Triton.
+
+Mutation testing (docs/mutation.md): while mutmut runs a mutant's tests (``MUTANT_UNDER_TEST``
+names a mutant) the tests that took over half a second in mutmut's recorded stats run last, in
+their collected order otherwise: a mutant is killed at its first failing test (``-x``), usually a
+fast one.  The same tests run either way; only a killed mutant's wait changes.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +36,20 @@ if importlib.util.find_spec("triton") is not None and "TRITON_INTERPRET" not in 
         os.environ["TRITON_INTERPRET"] = "1"
 
 REQUIRE_ENV = "KVBENCH_REQUIRE_DATA"
+
+
+SLOW_UNDER_MUTATION_S = 0.5
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under mutmut (a mutant's run, not its stats or clean runs): slow tests last."""
+    if "__mutmut_" not in os.environ.get("MUTANT_UNDER_TEST", ""):
+        return
+    stats = Path("mutmut-stats.json")  # mutmut runs the tests from mutants/, beside its stats
+    if not stats.is_file():
+        return
+    dur = json.loads(stats.read_text()).get("duration_by_test", {})
+    items.sort(key=lambda it: dur.get(it.nodeid, 0.0) > SLOW_UNDER_MUTATION_S)  # stable
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -6,6 +6,7 @@ per-head) and LayerCache inputs (rank, layout, shapes, dtypes, order of calls).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,20 @@ def test_metadata_overflowing_scale_dtype() -> None:
     assert torch.isfinite(xh).all() and xh[0, 0].item() == -1e6
 
 
+def test_symmetric_scale_overflowing_scale_dtype() -> None:
+    # absmax 1e6 at 4 bits: s = 1e6 / 7 = 142857 > 65504, the largest float16
+    x = torch.tensor([[-1e6, 0.0, 2.0]])
+    with pytest.raises(
+        ValueError,
+        match=r"^the group scale overflows scale_dtype=torch\.float16; use scale_dtype='float32' "
+        r"for inputs of this range$",
+    ):
+        quantize_groups(x, 4, symmetric=True)
+    g = quantize_groups(x, 4, symmetric=True, scale_dtype=torch.float32)  # the suggested fix
+    assert g.scale.item() == float(np.float32(1e6) / np.float32(7))
+    assert g.codes.tolist() == [[1, 8, 8]]  # round(x / s) + 2^3: -7, 0, 0 (2 / s rounds to 0)
+
+
 def test_overflow_names_the_min_first_and_non_finite_groups_are_not_overflows() -> None:
     # both checks share one host sync; the message still names the min when it overflows
     with pytest.raises(ValueError, match=r"zero \(group min\) overflows scale_dtype"):
@@ -90,6 +105,17 @@ def test_overflow_names_the_min_first_and_non_finite_groups_are_not_overflows() 
         assert torch.isnan(g.scale[0]).all() and torch.equal(g.scale[1:], alone.scale)
         assert torch.equal(g.codes[1:], alone.codes)
         assert sym or (torch.isnan(g.zero[0]).all() and torch.equal(g.zero[1:], alone.zero))
+
+
+def test_overflow_error_names_the_finite_group_that_overflows() -> None:
+    # row 0 holds NaN (stored as NaN), so its min -1e6 is no overflow; row 1 is finite and its
+    # 1-bit scale (60000 - -60000) / 1 = 120000 overflows float16 (max 65504) while its min fits:
+    # the error names the scale, not the NaN group's min
+    x = torch.tensor([[float("nan"), -1e6, 0.0, 1.0], [-60000.0, 60000.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"^the group scale overflows scale_dtype=torch\.float16"):
+        quantize_groups(x, 1)
+    g = quantize_groups(x[:1], 1)  # the NaN group alone: no error, NaN metadata
+    assert torch.isnan(g.scale).all() and torch.isnan(g.zero).all()
 
 
 @pytest.mark.parametrize("name", ["float64", "fp16", "float8_e4m3fn", "half", torch.float64, 16])

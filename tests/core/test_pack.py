@@ -90,7 +90,9 @@ def test_block_codes_are_packed(bits, d) -> None:
 @pytest.mark.parametrize(
     "codes, bits, bad",
     [([-8, 7, -1], 4, -8), ([0, 16], 4, 16), ([3, 256], 8, 256), ([2], 1, 2), ([8], 3, 8)]
-    + [([0, 65536], 16, 65536), ([-1], 16, -1), ([4], 2, 4), ([0, 32], 5, 32)],
+    + [([0, 65536], 16, 65536), ([-1], 16, -1), ([4], 2, 4), ([0, 32], 5, 32)]
+    # the largest valid code (2^b - 1) before the offender is not the one named
+    + [([15, 3, 16], 4, 16), ([1, 2], 1, 2), ([255, 0, 300], 8, 300)],
 )
 def test_pack_rejects_out_of_range_codes(codes: list[int], bits: int, bad: int) -> None:
     # pack_bits(tensor([-8, 7, -1]), 4) used to unpack to [8, 6, 15]: the sign bits spilled

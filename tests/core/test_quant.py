@@ -444,6 +444,7 @@ def test_codes_equal_a_per_group_loop(dtype, bits, symmetric, midpoint, scale_dt
         )
         assert torch.equal(x.isnan(), before.isnan())
         assert torch.equal(x.nan_to_num(), before.nan_to_num())
+        assert (q.bits, q.symmetric, q.midpoint) == (bits, symmetric, midpoint)
         _check_against_loop(q, x, bits, symmetric, midpoint, scale_dtype)
 
 
@@ -478,3 +479,17 @@ def test_bucket_index_is_bucketize(n) -> None:
     assert got.dtype == (torch.uint8 if n <= 15 else torch.int64)
     x[0, 0, 0] = float("nan")
     assert torch.equal(bucket_index(x, bnd), torch.bucketize(x, bnd))
+
+
+def test_stored_min_above_the_true_min_clamps_codes_at_zero() -> None:
+    # float16 stores the min 4099 as 4100 (the float16 step is 4 there and 4099 is nearer
+    # 4100), so (x - 4100) / s = -15 for the elements below the stored min: they must come out
+    # as code 0 (dequantizing to the stored min), never as a negative code
+    x = torch.tensor([[4099.0, 4099.0, 4101.0, 4100.5]])
+    g = quantize_groups(x, 4)
+    assert float(np.float16(4099.0)) == 4100.0 and g.zero.item() == 4100.0
+    # s = (4101 - 4100) / 15 rounded up to float16: float16(1/15) = 0.06665 is below it, the
+    # next float16 up is 0.06671142578125 (the step is 2^-14 there)
+    assert float(np.float16(np.float32(1) / 15)) < 1 / 15
+    assert g.scale.item() == float(np.float16(np.float32(1) / 15)) + 2.0**-14
+    assert g.codes.tolist() == [[0, 0, 15, 7]]  # 1 / s = 14.99, 0.5 / s = 7.495
