@@ -8,6 +8,7 @@ decode steps, G = R = 128), docs/design.md#when-quantization-happens.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import kvbench
@@ -239,6 +240,7 @@ def test_nbytes_is_sum_of_tensors_and_reset() -> None:
     assert nb["scales"] == 2 * 2 * (b * h * 4 * 8 + b * h * 11 * 2)
     layer.reset()
     assert layer.seq_length == 0 and layer.nbytes()["total"] == 0
+    assert layer.awaiting_queries is False and layer.kv_shape is None
     layer.prefill(rand(1, 2, 3, 8), rand(1, 2, 3, 8))  # reusable after reset, new batch size
     assert layer.seq_length == 3 and layer.batch_size == 1
 
@@ -264,3 +266,177 @@ def test_crop_negative_and_seq_length() -> None:
     assert layer.quantized_tokens() == (7, 6)
     layer.crop(0)
     assert layer.seq_length == 0 and layer.nbytes()["total"] == 0
+
+
+# ------------------------------------------------------------------ a subclass on a padded batch
+
+
+def test_subclass_overrides_dispatch_to_the_rows_of_a_padded_batch() -> None:
+    # LayerCache.__init_subclass__ wraps a subclass's own overrides (docs/design.md#padding):
+    # on a left-padded batch each runs once per row cache, never on the container, and the
+    # subclass's prefill accepts ``lengths``; each row holds what a cache of that row alone holds
+    calls = []
+
+    class Logged(LayerCache):
+        def prefill(self, keys, values, queries=None):
+            calls.append(("prefill", keys.shape[0], keys.shape[2]))
+            super().prefill(keys, values, queries)
+
+        def append(self, keys, values):
+            calls.append(("append", keys.shape[0]))
+            super().append(keys, values)
+
+        def quantized_tokens(self):
+            calls.append(("quantized_tokens", self.seq_length))
+            return super().quantized_tokens()
+
+    def new(cls):
+        return cls(PerTokenCodec(2, F32, channel_group=4), None, SlidingSchedule(2))
+
+    x = rand(2, 1, 6, 4, seed=3)
+    layer = new(Logged)
+    layer.prefill(x[:, :, :5], x[:, :, :5], lengths=torch.tensor([3, 5]))
+    assert calls == [("prefill", 1, 3), ("prefill", 1, 5)]
+    calls.clear()
+    layer.append(x[:, :, 5:6], x[:, :, 5:6])
+    layer.end_step()
+    assert calls == [("append", 1), ("append", 1)]
+    calls.clear()
+    # row 0: 3 + 1 tokens, 2 quantized (R = 2); row 1: 5 + 1, 4 quantized; the most is reported
+    assert layer.quantized_tokens() == (4, 0)
+    assert calls == [("quantized_tokens", 4), ("quantized_tokens", 6)]
+    for b, n in enumerate((3, 5)):
+        alone = new(LayerCache)
+        alone.prefill(x[b : b + 1, :, 5 - n : 5], x[b : b + 1, :, 5 - n : 5])
+        alone.append(x[b : b + 1, :, 5:6], x[b : b + 1, :, 5:6])
+        alone.end_step()
+        for got, want in zip(layer.rows[b].keys_values(), alone.keys_values(), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_crop_with_sinks_at_every_length() -> None:
+    # 3 sinks + 4 quantized (per-token codes, exact under crop) + 2 residual: cropping to n keeps
+    # the first n tokens of the uncropped read, min(n, 3) of them as sinks
+    def new():
+        return LayerCache(
+            PerTokenCodec(2, F32, channel_group=4),
+            PerTokenCodec(2, F32, channel_group=4),
+            SlidingSchedule(2),
+            SlidingSchedule(2),
+            num_sink_tokens=3,
+        )
+
+    x = rand(1, 2, 9, 4, seed=5)
+    full = new()
+    full.prefill(x, x)
+    k_full, v_full = full.keys_values()
+    assert full.quantized_tokens() == (4, 4)
+    sink_bytes = 2 * 4 * 4  # H x D x float32, per sink token
+    for n in [*range(10), -1, -4, -9]:
+        layer = new()
+        layer.prefill(x, x)
+        layer.crop(n)
+        m = n % 9 if n < 0 else n
+        assert layer.seq_length == m, n
+        assert layer.nbytes()["sinks"] == 2 * sink_bytes * min(m, 3), n
+        assert layer.quantized_tokens() == (min(max(m - 3, 0), 4),) * 2, n
+        if m:
+            k, v = layer.keys_values()
+            assert torch.equal(k, k_full[:, :, :m]) and torch.equal(v, v_full[:, :, :m]), n
+
+
+def test_install_attention_is_what_attend_calls() -> None:
+    # attend() is a thin wrapper of the installed dispatch: the layer, the query, the scaling
+    # and the lengths go to it unchanged and its result comes back
+    before = LayerCache._attention
+    seen = []
+
+    def fake(layer, query, scaling, lengths):
+        seen.append((layer, scaling, lengths))
+        return query * 2
+
+    try:
+        LayerCache.install_attention(fake)
+        layer = LayerCache(None, None)
+        q, lens = torch.ones(1, 1, 1, 4), torch.tensor([3])
+        assert torch.equal(layer.attend(q, 0.5, lens), q * 2)
+        assert seen == [(layer, 0.5, lens)]
+        LayerCache._attention = None
+        with pytest.raises(RuntimeError, match="no attention dispatch installed; import kvbench"):
+            layer.attend(q)
+    finally:
+        LayerCache._attention = before
+
+
+def test_index_batch_keeps_sinks_and_codec_state() -> None:
+    # beam search / batch select (index_batch) reorders every stored part, the sinks too, and
+    # hands the rows to a codec that keeps per-sequence state (a selection)
+    seen = []
+
+    class Selecting(PerTokenCodec):
+        def index_batch(self, idx):
+            seen.append(idx.tolist())
+
+    def new():
+        return LayerCache(
+            Selecting(2, F32, channel_group=4),
+            PerTokenCodec(2, F32, channel_group=4),
+            SlidingSchedule(2),
+            SlidingSchedule(2),
+            num_sink_tokens=2,
+        )
+
+    x = rand(3, 2, 7, 4, seed=6)  # per side: 2 sinks + 3 quantized + 2 residual
+    full = new()
+    full.prefill(x, x)
+    k_full, v_full = full.keys_values()
+    layer = new()
+    layer.prefill(x, x)
+    layer.index_batch([2, 0])
+    assert seen == [[2, 0]] and layer.batch_size == 2
+    k, v = layer.keys_values()
+    assert torch.equal(k, k_full[[2, 0]]) and torch.equal(v, v_full[[2, 0]])
+    assert layer.nbytes()["sinks"] == 2 * full.nbytes()["sinks"] // 3
+
+
+def test_keys_values_in_a_requested_dtype() -> None:
+    # a float16 cache read as float32: every part (sinks, dequantized blocks, residual) comes
+    # back float32; the full-precision parts exact, the quantized ones the float16 read widened
+    layer = LayerCache(
+        PerTokenCodec(4, F32, channel_group=4), None, SlidingSchedule(2), num_sink_tokens=1
+    )
+    x = rand(1, 1, 6, 4, seed=7, dtype=torch.float16)
+    layer.prefill(x, x)
+    k16, v16 = layer.keys_values()
+    k32, v32 = layer.keys_values(torch.float32)
+    assert (k16.dtype, v16.dtype, k32.dtype, v32.dtype) == (torch.float16,) * 2 + (F32,) * 2
+    assert torch.equal(v32, x.float()) and torch.equal(v16, x)  # no value codec
+    assert torch.equal(k32[:, :, :1], x[:, :, :1].float())  # the sink
+    assert torch.equal(k32[:, :, -2:], x[:, :, -2:].float())  # the residual (R = 2)
+    assert layer.quantized_tokens() == (3, 0)
+    assert torch.equal(k32.half(), k16)  # dequantized in float32 either way
+
+
+def test_prefill_waits_for_its_queries() -> None:
+    # needs_queries (PN-Mix's channel selection): a prefill without post-RoPE queries stores the
+    # prompt and quantizes nothing until provide_queries(), which prepares the key codec with
+    # the prompt keys and those queries, then flushes; a second call does nothing
+    seen = []
+
+    class Preparing(PerTokenCodec):
+        def prepare(self, keys, queries):
+            seen.append((keys.clone(), None if queries is None else queries.clone()))
+
+    layer = LayerCache(
+        Preparing(2, F32, channel_group=4), None, SlidingSchedule(2), needs_queries=True
+    )
+    x, q = rand(1, 1, 6, 4, seed=8), rand(1, 2, 6, 4, seed=9)
+    layer.prefill(x, x)
+    assert layer.awaiting_queries is True and layer.quantized_tokens() == (0, 0) and not seen
+    with pytest.raises(ValueError, match=r"needs queries at prefill .* provide_queries\(\)"):
+        layer.append(x[:, :, :1], x[:, :, :1])
+    layer.provide_queries(q)
+    assert layer.awaiting_queries is False and layer.quantized_tokens() == (4, 0)
+    assert len(seen) == 1 and torch.equal(seen[0][0], x) and torch.equal(seen[0][1], q)
+    layer.provide_queries(q)
+    assert len(seen) == 1 and layer.quantized_tokens() == (4, 0)
