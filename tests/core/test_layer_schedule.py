@@ -313,6 +313,17 @@ def test_subclass_overrides_dispatch_to_the_rows_of_a_padded_batch() -> None:
         for got, want in zip(layer.rows[b].keys_values(), alone.keys_values(), strict=True):
             assert torch.equal(got, want)
 
+    # a subclass that overrides nothing keeps the base operations, padded or not
+    class Plain(LayerCache):
+        pass
+
+    for lengths in (None, torch.tensor([3, 5])):
+        plain = new(Plain)
+        plain.prefill(x[:, :, :5], x[:, :, :5], lengths=lengths)
+        plain.append(x[:, :, 5:6], x[:, :, 5:6])
+        plain.end_step()
+        assert plain.seq_length == 6 and plain.quantized_tokens() == (4, 0)  # 6 - R
+
 
 def test_crop_with_sinks_at_every_length() -> None:
     # 3 sinks + 4 quantized (per-token codes, exact under crop) + 2 residual: cropping to n keeps
