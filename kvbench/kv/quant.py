@@ -34,9 +34,6 @@ Codes are packed LSB-first as a bit stream along the last dimension (:func:`pack
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +123,6 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Te
     *lead, n = codes.shape
     if codes.numel() == 0:  # e.g. no rows: reshape(..., -1, ...) below would be ambiguous
         return torch.zeros(*lead, packed_size(n, bits), dtype=torch.uint8, device=codes.device)
-    if bits in (1, 2, 4) and lead and n % (8 // bits) == 0 and _chunked(codes):
-        return _pack_in_chunks(codes, bits)
     c = codes.to(torch.uint8)
     if bits in (1, 2, 4):  # fast path, same layout: 8/b codes per byte, LSB first
         per = 8 // bits
@@ -147,20 +142,6 @@ def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Te
     packed = (stream * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
     packed = packed.reshape(*lead, -1)
     return packed[..., : packed_size(n, bits)].contiguous()
-
-
-def _pack_in_chunks(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`pack_bits`' 1/2/4-bit fast path (``n`` a multiple of ``8 / bits``) over
-    :data:`CHUNK_ELEMENTS`-element pieces of the leading dims of a large CPU input: the same
-    bytes without whole-tensor uint8 temporaries."""
-    *lead, n = codes.shape
-    per = 8 // bits
-    out = torch.empty(*lead, n // per, dtype=torch.uint8, device=codes.device)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    for idx in chunk_index(tuple(lead), max(1, CHUNK_ELEMENTS // n)):
-        c = codes[idx].to(torch.uint8)
-        out[idx] = (c.reshape(*c.shape[:-1], -1, per) << shifts).sum(-1, dtype=torch.uint8)
-    return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -285,10 +266,6 @@ def quantize_groups(
         raise ValueError("symmetric quantization needs bits >= 2 (got bits=1)")
     if midpoint and bits != 1:
         raise ValueError(f"midpoint reconstruction applies to 1-bit groups only (got bits={bits})")
-    if _chunked(x) and not midpoint:
-        got = _quantize_large(x, bits, symmetric, scale_dtype)
-        if got is not None:
-            return got
     xf = x.float()
     # the group min and max first: a NaN or an infinity in a group makes its min or max
     # non-finite (NaN propagates through both; +-inf is the max or the min), so the common
@@ -342,116 +319,6 @@ def quantize_groups(
     codes = q.clamp_(0, qmax).to(torch.int32)
     scale_st, mn_st = _restore_nan(scale_st, finite), _restore_nan(mn_st, finite)
     return GroupQuant(codes, scale_st, mn_st, bits, midpoint=midpoint)
-
-
-#: CPU inputs of at least this many elements are quantized chunk by chunk (:func:`_quantize_large`)
-CHUNKED_MIN_ELEMENTS = 1 << 24
-#: elements per chunk there (16 MiB of float32 working memory: few enough operations that
-#: two threads rarely wait on each other)
-CHUNK_ELEMENTS = 1 << 22
-
-
-def _chunked(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.numel() >= CHUNKED_MIN_ELEMENTS
-
-
-def chunk_index(shape: tuple[int, ...], limit: int) -> Iterator[tuple]:
-    """Index tuples (ints and slices over the leading dims) that split a tensor of ``shape`` into
-    pieces of at most ``limit`` elements where the shape allows (a piece never splits a dim
-    below one index of the dims before it), in memory order of a contiguous tensor; together
-    they cover every element once."""
-    size, k = math.prod(shape), 0
-    while k < len(shape) and size > limit:
-        size //= max(shape[k], 1)
-        k += 1
-    if k == 0:
-        yield ()
-        return
-    step = max(1, limit // max(size, 1))
-    for pre in itertools.product(*(range(n) for n in shape[: k - 1])):
-        for a in range(0, shape[k - 1], step):
-            yield (*pre, slice(a, a + step))
-
-
-def _group_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 group min and max ``[..., 1]`` of ``x [..., n]``, read in ``x``'s own dtype (min
-    and max are exact, and the widening cast is monotone: equal to those of ``x.float()``);
-    a last dim with a stride and a unit-stride dim before it (the per-channel codec's
-    transposed view) is reduced along that contiguous layout."""
-    if x.dim() >= 2 and x.stride(-1) != 1 and x.stride(-2) == 1:
-        mn, mx = torch.aminmax(x.transpose(-1, -2), dim=-2, keepdim=True)
-        mn, mx = mn.transpose(-1, -2), mx.transpose(-1, -2)
-    else:
-        mn, mx = torch.aminmax(x, dim=-1, keepdim=True)
-    return mn.float(), mx.float()
-
-
-def _codes_in_chunks(
-    x: torch.Tensor,
-    sub: torch.Tensor | None,
-    div: torch.Tensor,
-    zero_scale: torch.Tensor | None,
-    lo: int,
-    hi: int,
-    add: int,
-) -> torch.Tensor:
-    """int32 codes ``clamp(round((x - sub) / div), lo, hi) + add`` (0 where ``zero_scale``;
-    ``sub``/``div``/``zero_scale`` ``[..., 1]``), in ``x``'s strides, computed in float32 one
-    :data:`CHUNK_ELEMENTS` piece at a time: the same elementwise operations as the whole-tensor
-    path, so the same codes, without a float32 copy of the whole input."""
-    out = torch.empty_like(x, dtype=torch.int32)
-    lead = x.dim() - 1
-    for idx in chunk_index(tuple(x.shape), CHUNK_ELEMENTS):
-        g = idx[:lead]  # the per-group terms: the leading dims only
-        xc = x[idx].to(torch.float32, copy=True)  # never x itself: the ops run in place
-        if sub is not None:
-            xc.sub_(sub[g])
-        xc.div_(div[g]).round_()
-        if zero_scale is not None:
-            xc.masked_fill_(zero_scale[g], 0.0)
-        xc.clamp_(lo, hi)
-        if add:
-            xc.add_(add)
-        out[idx].copy_(xc)
-    return out
-
-
-def _quantize_large(
-    x: torch.Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype
-) -> GroupQuant | None:
-    """:func:`quantize_groups` (not midpoint) of a large CPU input, equal to the whole-tensor
-    path value for value (tested): the statistics from :func:`_group_minmax`, the codes from
-    :func:`_codes_in_chunks`.  ``None`` when a group holds a non-finite value (the caller's
-    masked path handles it)."""
-    mn, mx = _group_minmax(x)
-    if not bool((torch.isfinite(mn) & torch.isfinite(mx)).all()):
-        return None
-    one = torch.ones((), device=x.device)
-    if symmetric:
-        half = 1 << (bits - 1)
-        qmax_s = half - 1
-        scale_st = round_up_to_dtype(torch.maximum(mx, -mn).abs() / qmax_s, scale_dtype)
-        _check_storable(scale_st, None, "scale", scale_dtype)
-        s = scale_st.float()
-        pos = s > 0
-        zero_scale = None if bool(pos.all()) else ~pos
-        codes = _codes_in_chunks(
-            x, None, torch.where(pos, s, one), zero_scale, -qmax_s, qmax_s, half
-        )
-        return GroupQuant(codes, scale_st, None, bits, symmetric=True)
-    qmax = (1 << bits) - 1
-    mn_st = mn.to(scale_dtype)
-    mnf = mn_st.float()
-    scale_st = round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
-    s = scale_st.float()
-    bad_mn = _unstorable(mnf, None, scale_dtype, exact=mn)
-    if bool((bad_mn | _unstorable(s, None, scale_dtype)).any()):
-        _check_storable(mn_st, None, "zero (group min)", scale_dtype, exact=mn)
-        _check_storable(scale_st, None, "scale", scale_dtype)
-    pos = s > 0
-    zero_scale = None if bool(pos.all()) else ~pos
-    codes = _codes_in_chunks(x, mnf, torch.where(pos, s, one), zero_scale, 0, qmax, 0)
-    return GroupQuant(codes, scale_st, mn_st, bits)
 
 
 def _restore_nan(v: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:

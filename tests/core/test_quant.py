@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.kv.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
-from kvbench.kv.quant import dequantize_groups, fake_quantize, pack_bits, quantize_groups
+from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
 # docs/methods.md#worked-example-1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]
@@ -478,63 +478,3 @@ def test_bucket_index_is_bucketize(n) -> None:
     assert got.dtype == (torch.uint8 if n <= 15 else torch.int64)
     x[0, 0, 0] = float("nan")
     assert torch.equal(bucket_index(x, bnd), torch.bucketize(x, bnd))
-
-
-@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 3, 4, 6), (1, 1, 1, 50)])
-@pytest.mark.parametrize("limit", [1, 4, 9, 1000])
-def test_chunk_index_covers_every_element_once(shape, limit) -> None:
-    from kvbench.kv.quant import chunk_index
-
-    seen = torch.zeros(shape, dtype=torch.int64)
-    for idx in chunk_index(shape, limit):
-        seen[idx] += 1
-        assert seen[idx].numel() <= limit
-    assert bool((seen == 1).all())
-
-
-def _layouts(dtype):
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(2, 3, 64, 16, generator=g) * 3 + 1).to(dtype)
-    x[0, 1, :8] = 0.5  # constant per-channel groups (zero scale) in the first page
-    x[1, 2, 3] = 0.0  # an all-zero token (zero scale per token)
-    b, h, n, d = x.shape
-    yield x.reshape(b, h, n // 8, 8, d).transpose(-1, -2)  # per-channel codec's view
-    yield x.reshape(b, h, n, d // 8, 8)  # per-token groups
-    yield x.reshape(b, h, 1, n * d)  # per-head groups
-    yield x.reshape(1, 1, 1, -1)  # one group
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, F32])
-@pytest.mark.parametrize(
-    "bits,symmetric", [(1, False), (2, False), (3, True), (4, False), (8, True)]
-)
-def test_chunked_quantizer_equals_the_whole_tensor_path(monkeypatch, dtype, bits, symmetric):
-    # large CPU inputs are quantized and packed chunk by chunk (kvbench.kv.quant
-    # CHUNKED_MIN_ELEMENTS); forced on for small tensors with odd chunk sizes, every code,
-    # scale, zero and packed byte must equal the whole-tensor path's, the input unchanged
-    import kvbench.kv.quant as kq
-
-    for x in _layouts(dtype):
-        before = x.clone()
-        monkeypatch.setattr(kq, "CHUNKED_MIN_ELEMENTS", 1 << 62)
-        ref = quantize_groups(x, bits, symmetric=symmetric)
-        ref_packed = pack_bits(ref.codes, bits)
-        monkeypatch.setattr(kq, "CHUNKED_MIN_ELEMENTS", 1)
-        for chunk in (7, 100, 1 << 20):
-            monkeypatch.setattr(kq, "CHUNK_ELEMENTS", chunk)
-            got = quantize_groups(x, bits, symmetric=symmetric)
-            assert got.codes.dtype == torch.int32 and got.codes.stride() == ref.codes.stride()
-            assert torch.equal(got.codes, ref.codes)
-            assert torch.equal(got.scale, ref.scale) and got.scale.dtype == ref.scale.dtype
-            assert (got.zero is None) == symmetric
-            if not symmetric:
-                assert torch.equal(got.zero, ref.zero)
-            assert torch.equal(pack_bits(got.codes, bits), ref_packed)
-            assert torch.equal(x, before)
-        x_bad = x.clone()
-        x_bad.reshape(-1)[3] = float("nan")  # a non-finite group: the masked path, NaN metadata
-        got = quantize_groups(x_bad, bits, symmetric=symmetric)
-        monkeypatch.setattr(kq, "CHUNKED_MIN_ELEMENTS", 1 << 62)
-        ref = quantize_groups(x_bad, bits, symmetric=symmetric)
-        assert torch.equal(got.codes, ref.codes)
-        assert torch.equal(got.scale.isnan(), ref.scale.isnan())
