@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvbench.attend.cpu import AffineBlockAttention
-from kvbench.attend.reference import length_mask, reference_probabilities
+from kvbench.attend.reference import causal_mask, length_mask
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache
@@ -178,6 +178,31 @@ class MixedCodec:
         return MixedBlock(low, extra, mask, scale, ql.zero[..., 0], lb, hb, d)
 
 
+def prefill_probabilities(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:func:`kvbench.attend.reference.reference_probabilities` (causal, default scaling) of
+    ``query [B, H_q, n_q, D]`` over ``keys [B, H_kv, T, D]``, float32 ``[B, H_q, n_q, T]``,
+    one query head at a time against its KV head's float32 keys: the same per-head products,
+    mask and softmax (equal bit for bit, tested), without the ``H_q / H_kv`` repeated float32
+    copy of every key (4 GiB for 8 rows x 8 KV heads x 32K tokens at GQA 4:1)."""
+    b, hq, nq, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    if hq % hkv or d != keys.shape[3] or b != keys.shape[0]:
+        raise ValueError(
+            f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)}"
+        )
+    g, scale = hq // hkv, 1.0 / math.sqrt(d)
+    masked = ~causal_mask(nq, t, query.device) if nq > 1 else None
+    out = torch.empty(b, hq, nq, t, device=query.device)
+    for h in range(hkv):
+        kt = keys[:, h].float().transpose(-1, -2)
+        for j in range(h * g, (h + 1) * g):
+            lg = torch.matmul(query[:, j].float(), kt) * scale
+            if masked is not None:
+                lg = lg.masked_fill(masked, float("-inf"))
+            out[:, j] = torch.softmax(lg, dim=-1)
+    return out
+
+
 def _ranks(scores: torch.Tensor) -> torch.Tensor:
     """Rank along the last dim, 0 = highest score; ties: lower index first."""
     return torch.argsort(torch.argsort(-scores, dim=-1, stable=True), dim=-1)
@@ -219,7 +244,7 @@ class SemKVLayer(LayerCache):
 
     def _observe(self, query: torch.Tensor, keys: torch.Tensor) -> None:
         """Prefill: the causal softmax of the newest queries over the prompt -> stats."""
-        self.observe_attention(reference_probabilities(query, keys), None)
+        self.observe_attention(prefill_probabilities(query, keys), None)
 
     def _scores(self) -> torch.Tensor:
         """``[B, H_kv, r]``: mean attention received, or key-norm when a key was never seen."""

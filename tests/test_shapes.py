@@ -219,6 +219,49 @@ def test_synthetic_keys_have_fixed_outlier_pairs_and_rope():
     assert torch.equal(k2, k[:, :, :1500]) and torch.equal(v2, v[:, :, :1500])
 
 
+def test_synthetic_draw_equals_the_plain_formula_bit_for_bit():
+    # the draw works in place with half-size RoPE temporaries; it must equal, bit for bit,
+    # the plain float32 formula x * cos + rotate_half(x) * sin on the same generator draws
+    # (keys mu + s_k z, values s_v z, queries z_q), cast to float16 at the end
+    from kvbench.workloads import synthetic_kv as skv
+
+    cfg, _ = shape_config("qwen3-8b")
+    b, t, hq, hkv, d = 2, skv.CHUNK + 37, 32, 8, 128
+    q, k, v = synthetic_qkv(cfg, t, batch=b, seed=3, layer=1)
+    base = skv._base_seed(3, 1, b)
+    g = torch.Generator().manual_seed(base)
+    mu, s_k = (
+        0.5 * torch.randn(hkv, d, generator=g),
+        torch.exp(0.25 * torch.randn(hkv, d, generator=g)),
+    )
+    s_k = s_k / s_k.median(dim=-1, keepdim=True).values
+    s_v = torch.exp(0.25 * torch.randn(hkv, d, generator=g))
+    for h in range(hkv):
+        pairs = d // 4 + torch.randperm(d // 2 - d // 4, generator=g)[: skv.OUTLIER_PAIRS]
+        for i in pairs.tolist():
+            s_k[h, i] = s_k[h, i + d // 2] = skv.OUTLIER_SCALE
+            mu[h, i] = mu[h, i + d // 2] = (
+                0.5 * skv.OUTLIER_SCALE * float(torch.randn(1, generator=g))
+            )
+    for c0 in range(0, t, skv.CHUNK):
+        n = min(skv.CHUNK, t - c0)
+        cos, sin = skv._chunk_rope(inv_freq(cfg), c0, n)
+
+        def plain(x, cos=cos, sin=sin):
+            return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+        gkv = torch.Generator().manual_seed(skv._chunk_seed(base, c0))
+        z = torch.randn(b, 2 * hkv, skv.CHUNK, d, generator=gkv)[:, :, :n]
+        gq = torch.Generator().manual_seed(skv._chunk_seed(base, c0) + 1)
+        zq = torch.randn(b, hq, skv.CHUNK, d, generator=gq)[:, :, :n]
+        sl = slice(c0, c0 + n)
+        assert torch.equal(
+            k[:, :, sl], plain(mu[None, :, None] + s_k[None, :, None] * z[:, :hkv]).half()
+        )
+        assert torch.equal(v[:, :, sl], (s_v[None, :, None] * z[:, hkv:]).half())
+        assert torch.equal(q[:, :, sl], plain(zq).half())
+
+
 # ----------------------------------------------------------------------------- suites
 def _suite(workloads, methods=("full",), model=None):
     model = model or {"shape": "llama-3.1-8b", "dtype": "float16"}

@@ -540,15 +540,23 @@ class Memory(Workload):
         """The prefill's post-RoPE queries ``[B, H_q, p, D]``: captured/synthetic ones as held;
         for a shape model (queries held for the decode steps only) drawn by
         :func:`~kvbench.workloads.synthetic_kv.synthetic_queries` for a method that needs
-        them at prefill, else ``None``."""
+        them at prefill (once per workload, then shared), else ``None``."""
         if q.shape[2] >= self.spec["context"]:
             return q[:, :, :p]
         if r.peer or not method.needs_queries:
             return None
         from kvbench.workloads.synthetic_kv import synthetic_queries
 
-        b = q.shape[0]
-        return synthetic_queries(self.config, 0, p, b, self.seed, idx, q.dtype, q.device)
+        # drawn once per workload and layer, shared by the methods that ask (the draw is
+        # seeded, so every method sees the same queries either way; methods only read them)
+        key = (idx, p, q.shape[0], q.dtype, q.device)
+        cache = self.__dict__.setdefault("_prefill_q", {})
+        if key not in cache:
+            cache.clear()
+            cache[key] = synthetic_queries(
+                self.config, 0, p, q.shape[0], self.seed, idx, q.dtype, q.device
+            )
+        return cache[key]
 
     def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
         by: dict[tuple[str, str], int] = {}

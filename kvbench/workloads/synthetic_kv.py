@@ -55,9 +55,18 @@ def inv_freq(config: Any) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (``cos``/``sin`` ``[n, D]``, halves equal) with
+    one output and half-size temporaries: the first half ``x1 cos - x2 sin`` (equal bit for
+    bit to ``x1 cos + (-x2) sin``: negation is exact), the second ``x2 cos + x1 sin``."""
     half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.mul(x1, c, out=out[..., :half])
+    out[..., :half].sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:])
+    out[..., half:].add_(x1 * s)
+    return out
 
 
 def qkv_nbytes(batch: int, hq: int, hkv: int, tokens: int, head_dim: int, dtype) -> int:
@@ -144,7 +153,7 @@ def synthetic_queries(
         n = min(CHUNK, stop - c0)
         lo = max(start - c0, 0)
         q = _query_chunk(base, c0, n, batch, hq, d, *_chunk_rope(freq, c0, n))
-        out[:, :, c0 + lo - start : c0 + n - start] = q[:, :, lo:].to(device, dtype)
+        out[:, :, c0 + lo - start : c0 + n - start].copy_(q[:, :, lo:])
     return out
 
 
@@ -191,14 +200,15 @@ def synthetic_qkv(
         cos, sin = _chunk_rope(freq, c0, n)
         gkv = torch.Generator().manual_seed(_chunk_seed(base, c0))
         z = torch.randn(batch, 2 * hkv, CHUNK, d, generator=gkv)[:, :, :n]
+        # in place on the draw (products and sums commute exactly): mu + s_k z, s_v z
         parts = [
-            _rope(mu[None, :, None] + s_k[None, :, None] * z[:, :hkv], cos, sin),
-            s_v[None, :, None] * z[:, hkv:],
+            _rope(z[:, :hkv].mul_(s_k[None, :, None]).add_(mu[None, :, None]), cos, sin),
+            z[:, hkv:].mul_(s_v[None, :, None]),
         ]
         if queries:
             parts.insert(0, _query_chunk(base, c0, n, batch, hq, d, cos, sin))
         for dst, src in zip(out, parts):
-            dst[:, :, c0 : c0 + n] = src.to(device, dtype)
+            dst[:, :, c0 : c0 + n].copy_(src)  # the cast to dtype (and device) in the copy
     return (out[0], out[1], out[2]) if queries else (None, out[0], out[1])
 
 

@@ -249,3 +249,20 @@ def test_all_low_or_all_high_and_empty_planes(target, n_high):
         xhat, s = np_per_token(x[i], bits)
         got = layer.keys_values()[0][0, 0, i].double().numpy()
         np.testing.assert_allclose(got, xhat, atol=4e-3 * (x[i].max() - x[i].min()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("b,hq,hkv,nq,t", [(2, 8, 2, 5, 300), (1, 3, 3, 1, 64), (3, 6, 1, 7, 7)])
+def test_prefill_probabilities_equal_the_reference_bit_for_bit(dtype, b, hq, hkv, nq, t) -> None:
+    # the prefill score's softmax runs one query head at a time against its KV head (no
+    # repeated float32 keys); it must equal reference_probabilities exactly, so the ranks,
+    # the chosen tokens and the errors stay those of the reference path
+    from kvbench.attend.reference import reference_probabilities
+    from kvbench.methods.semkv import prefill_probabilities
+
+    g = torch.Generator().manual_seed(b * 100 + hq + t)
+    q = (3 * torch.randn(b, hq, nq, 16, generator=g)).to(dtype)
+    k = (3 * torch.randn(b, hkv, t, 16, generator=g)).to(dtype)
+    assert torch.equal(prefill_probabilities(q, k), reference_probabilities(q, k))
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_probabilities(q[:, :, :, :8], k)
