@@ -360,8 +360,9 @@ def faults_of_alloc():
 faults_of_alloc()
 out = [faults_of_alloc()]
 with heap_reuse() as applied:
-    faults_of_alloc()
-    out.append(faults_of_alloc())
+    for _ in range(3):  # the heap grows to hold the block (once or twice: see the test)
+        faults_of_alloc()
+    out.append(max(faults_of_alloc() for _ in range(3)))
 print(applied, *out)
 """
 
@@ -369,8 +370,12 @@ print(applied, *out)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_heap_reuse_serves_a_freed_large_block_without_new_page_faults() -> None:
     """Outside ``heap_reuse`` a 64 MiB tensor is a fresh mmap each time (~16K page faults on
-    first touch); inside, the second one reuses the freed heap pages (almost no faults).  In a
-    fresh process: a long-lived one's heap may hold trimmed (unbacked) free chunks."""
+    first touch); inside, once the heap has grown to hold it, every later one reuses the freed
+    heap pages (almost no faults).  The growth takes one allocation, in about a third of fresh
+    processes two (a small allocation between free and malloc takes the freed block's start, so
+    the next block extends the heap once more); so the three allocations measured follow three
+    warm-up ones.  In a fresh process: a long-lived one's heap may hold trimmed (unbacked) free
+    chunks."""
     import subprocess
 
     got = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
