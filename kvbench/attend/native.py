@@ -261,9 +261,7 @@ def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=
     w = d // _layout(bits)[1]
     args = _Args()
     args.codes = codes.data_ptr()
-    args.cs_b, args.cs_h, args.cs_t = (
-        codes.stride(i) if codes.shape[i] > 1 else 0 for i in range(3)
-    )
+    args.cs_b, args.cs_h, args.cs_t = _row_strides(codes)
     args.B, args.H, args.T, args.W, args.M = b, h, t, w, m
     args.mode = mode
     if a is not None:
@@ -281,11 +279,21 @@ def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=
     return args
 
 
-def _call(fn_name: str, args: _Args, bits: int) -> None:
+def _loaded() -> ctypes.CDLL:
+    """The loaded kernels; ``RuntimeError`` with the reason when they are unavailable."""
     lib = _load()
     if lib is None:
         raise RuntimeError(_reason)
-    rc = getattr(lib, fn_name)(ctypes.byref(args), bits)
+    return lib
+
+
+def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """Element strides of ``x``'s batch, head and token dims (0 where a dim has size 1)."""
+    return tuple(x.stride(i) if x.shape[i] > 1 else 0 for i in range(3))
+
+
+def _call(fn_name: str, args: _Args, bits: int) -> None:
+    rc = getattr(_loaded(), fn_name)(ctypes.byref(args), bits)
     if rc != 0:
         raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
 
@@ -477,9 +485,7 @@ def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, 
     keep.append(qp.contiguous())
     args = _LutArgs()
     args.codes = codes.data_ptr()
-    args.cs_b, args.cs_h, args.cs_t = (
-        codes.stride(i) if codes.shape[i] > 1 else 0 for i in range(3)
-    )
+    args.cs_b, args.cs_h, args.cs_t = _row_strides(codes)
     args.B, args.H, args.T, args.M, args.D = bsz, h, t, m, d
     args.lut, args.hs, args.hz, args.out_idx, args.out_val = (x.data_ptr() for x in keep[:5])
     args.N = out_idx.numel()
@@ -488,9 +494,7 @@ def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, 
         args.cosv, args.sinv, args.pi, args.pj = (x.data_ptr() for x in keep[5:9])
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(_reason)
+    lib = _loaded()
     rc = lib.kv_keys_lut_outliers(ctypes.byref(args), bits)
     if rc == -2:
         raise ValueError("keys_lut_outliers: out_idx must be ascending")
@@ -533,15 +537,13 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
     keep = [x.float().contiguous() for x in (ar, br, tab)]
     args = _PolarArgs()
     args.rc, args.ac = rcodes.data_ptr(), acodes.data_ptr()
-    st = [c.stride(i) if c.shape[i] > 1 else 0 for c in (rcodes, acodes) for i in range(3)]
-    args.rs_b, args.rs_h, args.rs_t, args.as_b, args.as_h, args.as_t = st
+    args.rs_b, args.rs_h, args.rs_t = _row_strides(rcodes)
+    args.as_b, args.as_h, args.as_t = _row_strides(acodes)
     args.B, args.H, args.T, args.M, args.P, args.L, args.NP = bsz, h, t, m, p, length, np_
     args.ar, args.br, args.tab = (x.data_ptr() for x in keep)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(_reason)
+    lib = _loaded()
     if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
         raise ValueError("keys_polar: shapes not supported")
     return out

@@ -655,6 +655,16 @@ int kv_values(const kv_args *a, int bits) {
     return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
 }
 
+/* code `d` of a row in kvbench.kv.quant.pack_bits order (bits d*bits .. d*bits + bits - 1) */
+static inline __attribute__((always_inline)) uint32_t code_at(const uint8_t *row, int64_t d,
+                                                              int bits, uint32_t mask) {
+    const int64_t bit = d * bits, byte = bit >> 3;
+    const int sh = (int)(bit & 7);
+    uint32_t v = row[byte];
+    if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* within the row */
+    return (v >> sh) & mask;
+}
+
 /* ------------------------------------------------- table codes with sparse outliers (KVQuant)
  * KVQuant's keys (methods/kvquant.py, LUTAttention; Hooper et al., arXiv 2401.18079 §3.1,
  * §3.4): channel d of token t is x_d = lut[c_d] * HS[h, d] + HZ[h, d] (a shared table of
@@ -718,13 +728,7 @@ static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args
                         }
                     }
                 } else
-                    for (int64_t d = 0; d < D; d++) {
-                        const int64_t bit = d * bits, byte = bit >> 3;
-                        const int sh = (int)(bit & 7);
-                        uint32_t v = row[byte];
-                        if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* in the row */
-                        x[d] = tdh[d * K + ((v >> sh) & mask)];
-                    }
+                    for (int64_t d = 0; d < D; d++) x[d] = tdh[d * K + code_at(row, d, bits, mask)];
                 const int64_t base = t * BHD + (b * a->H + h) * D;
                 for (; k < a->N && a->out_idx[k] < base + D; k++)
                     if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
@@ -798,15 +802,6 @@ typedef struct {
     const float *tab;     /* [B, H, NP, M, P, 2^abits] */
     float *out;           /* [B, H, M, T] */
 } kv_polar_args;
-
-static inline __attribute__((always_inline)) uint32_t code_at(const uint8_t *row, int64_t d,
-                                                              int bits, uint32_t mask) {
-    const int64_t bit = d * bits, byte = bit >> 3;
-    const int sh = (int)(bit & 7);
-    uint32_t v = row[byte];
-    if (sh + bits > 8) v |= (uint32_t)row[byte + 1] << 8; /* within the row */
-    return (v >> sh) & mask;
-}
 
 int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits;
