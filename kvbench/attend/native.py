@@ -55,7 +55,11 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 5
+ABI_VERSION = 6
+# KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
+# (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
+# the vectorised keys apply (a check of the vectorised keys against the tiles)
+_KERNEL_CHOICE = {"1": 0, "0": 1, "tiled": 2}
 MAX_HEAD_DIM = 1024
 MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
 
@@ -274,7 +278,7 @@ def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=
         args.lut = lut.data_ptr()
     args.qp, args.out = qp.data_ptr(), out.data_ptr()
     args.q_sm, args.q_sr = (rows * d, d) if rows else (d, 0)
-    args.no_tiles = int(os.environ.get("KVBENCH_NATIVE_TILES", "1") == "0")
+    args.no_tiles = _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0)
     args.keep = (codes, qp, out, a, z, lut)  # the raw pointers' owners live as long as args
     return args
 

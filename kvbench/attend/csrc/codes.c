@@ -54,7 +54,8 @@ typedef struct {
     const int32_t *off;   /* MODE_STREAM: bit offset of each of the D channels */
     const uint8_t *wid;   /* MODE_STREAM: code width of each channel (1..8) */
     int64_t nbytes;       /* MODE_STREAM: bytes per row (D = W, the channel count) */
-    int no_tiles;         /* keys: 1 = the per-token loop even where the tiled one applies */
+    int no_tiles;         /* 0: the fastest kernel that applies; 1: the per-token loops; 2: the
+                           * 8-token tiles for keys even where the vectorised kernel applies */
     float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
     int64_t bit0;         /* MODE_RAW keys: codes start at this bit of the row (0..7; a class
                            * of a bit stream), the row holding `nbytes` bytes from `codes` */
@@ -419,33 +420,6 @@ static inline int tiled_ok(const kv_args *a, int bits) {
             ((a->WG * cpw_of(bits)) % unit == 0 && a->W / a->WG <= MAXD / 8));
 }
 
-static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int bits) {
-    const int64_t D = a->W * cpw_of(bits);
-    if (D > MAXD) return -1;
-    if (tiled_ok(a, bits) && !a->no_tiles) {
-        keys_tiled(a, bits);
-        return 0;
-    }
-    float x[MAXD];
-    for (int64_t b = 0; b < a->B; b++)
-        for (int64_t h = 0; h < a->H; h++) {
-            const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
-            float *o = a->out + (b * a->H + h) * a->M * a->T;
-            for (int64_t t = 0; t < a->T; t++) {
-                decode(a, bits, b, h, t, x);
-                const float *qr = q + (t / a->L) * a->q_sr;
-                for (int64_t m = 0; m < a->M; m++) {
-                    const float *qm = qr + m * a->q_sm;
-                    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t k = 0; k < D; k++) acc += qm[k] * x[k];
-                    o[m * a->T + t] = acc;
-                }
-            }
-        }
-    return 0;
-}
-
 /* ------------------------------------------------- vectorised values of per-token groups
  * MODE_AFFINE_GROUPS with one code word per byte (1, 2, 4, 8 bits), W and WG multiples of 8:
  *   out[m, k] = sum_t (p[m, t] A[t, g]) (c[t, k] - half) + sum_t p[m, t] (Z[t, g] + half A[t, g])
@@ -501,8 +475,216 @@ static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t
 #endif
 }
 
+/* ------------------------------------------------------------- vectorised keys (byte words)
+ * Codes of 1, 2, 4 or 8 bits (one code word per byte, W a multiple of 8) starting on a byte,
+ * in MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_RAW or MODE_LUT.  A token's D codes are read as
+ * D / 8 vectors of 8 sub-code positions (8 consecutive bytes at one sub-code shift) and
+ * multiplied with MC query rows at a time; the MC partial-sum vectors of 8 tokens are reduced to
+ * 8 logits each by one transpose-add.  Codes enter centred (c - half), the offset in the bias:
+ *   ROWS:   sum_k (q_k A_k) (c_k - half) + sum_k q_k (Z_k + half A_k)   (terms of the row);
+ *   GROUPS: sum_g A[t, g] sum_{k in g} q_k (c_k - half) + sum_g (Z + half A)[t, g] Q_g, Q_g the
+ *           sum of q over group g;
+ *   RAW:    sum_k q_k (c_k - half) + half sum_k q_k   (one query per row of L tokens, or one);
+ *   LUT:    sum_k q_k LUT[c_k]. */
+
+/* lane l of the result = the sum of the 8 lanes of v[l] */
+static inline __attribute__((always_inline)) v8f hsum8(const v8f *v) {
+#if defined(__AVX2__)
+    const __m256 s01 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]);
+    const __m256 s23 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+    const __m256 s45 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]);
+    const __m256 s67 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23); /* lanes 0-3 / 4-7 of v0..v3 */
+    const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    v8f r;
+    for (int l = 0; l < 8; l++) {
+        float s = 0.f;
+        for (int k = 0; k < 8; k++) s += v[l][k];
+        r[l] = s;
+    }
+    return r;
+#endif
+}
+
+/* 8 byte codes -> 8 table entries (a table of 256) */
+static inline __attribute__((always_inline)) v8f gather8(const uint8_t *p, const float *lut) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_i32gather_ps(lut, (__m256i)bytes8(p), 4);
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = lut[p[l]];
+    return x;
+#endif
+}
+
+static inline int keys_vec_ok(const kv_args *a, int bits) {
+    if (a->no_tiles || a->bit0 || a->M > 16 || a->W % 8) return 0;
+    if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) return 0;
+    if (a->mode == MODE_LUT || a->mode == MODE_RAW || a->mode == MODE_AFFINE_ROWS) return 1;
+    return a->mode == MODE_AFFINE_GROUPS && a->WG % 8 == 0 && a->W % a->WG == 0;
+}
+
+/* query rows m0 .. m0 + MC - 1 of (b, h) */
+static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a, const int bits,
+                                                                int64_t b, int64_t h, int64_t m0,
+                                                                const int MC, const int mode) {
+    const int64_t W = a->W, D = W * (8 / bits), nv = D / 8, T = a->T;
+    const uint32_t mask = (1u << bits) - 1u;
+    const float half = mode == MODE_LUT ? 0.f : 0.5f * (float)mask;
+    const int64_t WG = mode == MODE_AFFINE_GROUPS ? a->WG : W, ng = W / WG;
+    const int per_row = mode == MODE_AFFINE_ROWS || (mode == MODE_RAW && a->q_sr);
+    const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
+    float *o = a->out + (b * a->H + h) * a->M * T;
+    const uint8_t *base = a->codes + b * a->cs_b + h * a->cs_h;
+    const float *A0 = a->A ? a->A + b * a->as_b + h * a->as_h : 0;
+    const float *Z0 = a->Z ? a->Z + b * a->as_b + h * a->as_h : 0;
+    v8f lo = {0, 0, 0, 0, 0, 0, 0, 0}, hi = lo;
+    if (mode == MODE_LUT && bits < 8)
+        for (int l = 0; l < 8; l++) {
+            lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
+            hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
+        }
+    static __thread v8f qv[4][MAXD / 8];
+    static __thread float qs[4][MAXD / 8];
+    int32_t off[MAXD / 8], gi[MAXD / 8];
+    uint32_t sh[MAXD / 8];
+    for (int64_t j = 0; j < nv; j++) { /* vector j: sub-code plane j*8 / W, words from j*8 % W */
+        off[j] = (int32_t)((j * 8) % W);
+        sh[j] = (uint32_t)((j * 8) / W) * (uint32_t)bits;
+        gi[j] = (int32_t)(off[j] / WG);
+    }
+    float bias[4];
+    int64_t row_end = 0;
+    for (int64_t t = 0; t < T;) {
+        if (t >= row_end) { /* a new row of terms / queries */
+            const int64_t row = per_row ? t / a->L : 0;
+            row_end = per_row ? (row + 1) * a->L : T;
+            const float *qr = q + row * a->q_sr;
+            const float *A = mode == MODE_AFFINE_ROWS ? A0 + row * a->as_r : 0;
+            const float *Z = mode == MODE_AFFINE_ROWS ? Z0 + row * a->as_r : 0;
+            for (int m = 0; m < MC; m++) {
+                const float *qm = qr + (m0 + m) * a->q_sm;
+                float bm = 0.f;
+                for (int64_t g = 0; g < ng; g++) qs[m][g] = 0.f;
+                for (int64_t j = 0; j < nv; j++)
+                    for (int l = 0; l < 8; l++) {
+                        const int64_t k = j * 8 + l;
+                        const float v = qm[k];
+                        if (mode == MODE_AFFINE_ROWS) {
+                            qv[m][j][l] = v * A[k];
+                            bm += v * (Z[k] + half * A[k]);
+                        } else {
+                            qv[m][j][l] = v;
+                            bm += half * v; /* RAW; 0 for LUT; GROUPS: its terms below */
+                            qs[m][gi[j]] += v;
+                        }
+                    }
+                bias[m] = mode == MODE_AFFINE_GROUPS ? 0.f : bm;
+            }
+        }
+        const int64_t end = row_end < T ? row_end : T;
+        const int n = end - t < 8 ? (int)(end - t) : 8;
+        v8f buf[4][8];
+        for (int k = 0; k < 8; k++) {
+            v8f acc[4];
+            for (int m = 0; m < MC; m++) acc[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+            if (k < n) {
+                const uint8_t *row = base + (t + k) * a->cs_t;
+                const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
+                for (int64_t j = 0; j < nv; j++) {
+                    v8f x;
+                    if (mode == MODE_LUT)
+                        x = bits == 8 ? gather8(row + off[j], a->lut)
+                                      : lut8(row + off[j], sh[j], mask, a->lut, lo, hi);
+                    else
+                        x = codes8(row + off[j], sh[j], mask, half);
+                    if (mode == MODE_AFFINE_GROUPS) x *= At[gi[j]];
+                    for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
+                }
+            }
+            for (int m = 0; m < MC; m++) buf[m][k] = acc[m];
+        }
+        v8f e[4];
+        for (int m = 0; m < MC; m++) e[m] = hsum8(buf[m]) + bias[m];
+        for (int64_t g = 0; mode == MODE_AFFINE_GROUPS && g < ng; g++) {
+            v8f zv = {0, 0, 0, 0, 0, 0, 0, 0}; /* (Z + half A)[t + k, g] of the 8 tokens */
+            for (int k = 0; k < n; k++) {
+                const int64_t r = (t + k) * a->as_r + g;
+                zv[k] = Z0[r] + half * A0[r];
+            }
+            for (int m = 0; m < MC; m++) e[m] += qs[m][g] * zv;
+        }
+        for (int m = 0; m < MC; m++) {
+            float *om = o + (m0 + m) * T + t;
+            if (n == 8)
+                memcpy(om, &e[m], 32);
+            else
+                for (int k = 0; k < n; k++) om[k] = e[m][k];
+        }
+        t += n;
+    }
+}
+
+static inline __attribute__((always_inline)) void keys_vec_mode(const kv_args *a, const int bits,
+                                                                const int mode) {
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++)
+            for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+                const int64_t mc = a->M - m0 < 4 ? a->M - m0 : 4;
+                switch (mc) {
+                case 1: keys_vec_rows(a, bits, b, h, m0, 1, mode); break;
+                case 2: keys_vec_rows(a, bits, b, h, m0, 2, mode); break;
+                case 3: keys_vec_rows(a, bits, b, h, m0, 3, mode); break;
+                default: keys_vec_rows(a, bits, b, h, m0, 4, mode); break;
+                }
+            }
+}
+
+static inline __attribute__((always_inline)) void keys_vec(const kv_args *a, const int bits) {
+    switch (a->mode) {
+    case MODE_AFFINE_ROWS: keys_vec_mode(a, bits, MODE_AFFINE_ROWS); break;
+    case MODE_AFFINE_GROUPS: keys_vec_mode(a, bits, MODE_AFFINE_GROUPS); break;
+    case MODE_LUT: keys_vec_mode(a, bits, MODE_LUT); break;
+    default: keys_vec_mode(a, bits, MODE_RAW); break;
+    }
+}
+
+static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int bits) {
+    const int64_t D = a->W * cpw_of(bits);
+    if (D > MAXD) return -1;
+    if (keys_vec_ok(a, bits)) {
+        keys_vec(a, bits);
+        return 0;
+    }
+    if (tiled_ok(a, bits) && a->no_tiles != 1) {
+        keys_tiled(a, bits);
+        return 0;
+    }
+    float x[MAXD];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
+            float *o = a->out + (b * a->H + h) * a->M * a->T;
+            for (int64_t t = 0; t < a->T; t++) {
+                decode(a, bits, b, h, t, x);
+                const float *qr = q + (t / a->L) * a->q_sr;
+                for (int64_t m = 0; m < a->M; m++) {
+                    const float *qm = qr + m * a->q_sm;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t k = 0; k < D; k++) acc += qm[k] * x[k];
+                    o[m * a->T + t] = acc;
+                }
+            }
+        }
+    return 0;
+}
+
 static inline int values_vec_ok(const kv_args *a, int bits) {
-    if (a->M > 16 || a->no_tiles || a->W % 8) return 0;
+    if (a->M > 16 || a->no_tiles == 1 || a->W % 8) return 0;
     if (a->mode == MODE_LUT) return bits == 1 || bits == 2 || bits == 4;
     return a->mode == MODE_AFFINE_GROUPS && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
            a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8;
@@ -574,9 +756,12 @@ static void values_groups_vec(const kv_args *a, int bits) {
             const float *Z = is_lut ? 0 : a->Z + b * a->as_b + h * a->as_h;
             for (int64_t m = 0; m < M; m++)
                 for (int64_t g = 0; g < ng; g++) {
-                    float s = 0.f;
+                    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* 8 chains, not one */
                     for (int64_t t = 0; t < T && !is_lut; t++)
-                        s += p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
+                        part[t & 7] +=
+                            p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
+                    float s = 0.f;
+                    for (int k = 0; k < 8; k++) s += part[k];
                     zs[m * ng + g] = s;
                 }
             for (int64_t m0 = 0; m0 < M; m0 += VMC)
@@ -836,4 +1021,4 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     return 0;
 }
 
-int kv_abi_version(void) { return 5; }
+int kv_abi_version(void) { return 6; }
