@@ -123,6 +123,7 @@ class _LutArgs(ctypes.Structure):
         ("pi", ctypes.c_void_p),
         ("pj", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
     ]
 
 
@@ -498,6 +499,7 @@ def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, 
         args.cosv, args.sinv, args.pi, args.pj = (x.data_ptr() for x in keep[5:9])
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
     lib = _loaded()
     rc = lib.kv_keys_lut_outliers(ctypes.byref(args), bits)
     if rc == -2:

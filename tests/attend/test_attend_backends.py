@@ -332,10 +332,10 @@ def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2, bits=4):
     [(False, "rotate_half", 4), (True, "rotate_half", 4), (True, "interleaved", 4),
      (True, "rotate_half", 3), (False, "interleaved", 3)],
 )  # fmt: skip
-def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
+def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits, monkeypatch):
     """Pre-RoPE codes: the reference re-rotates the dequantized keys (``keys_values``); the
     code-domain kernel rotates the query per token instead (KVQuant, arXiv 2401.18079 §3.1),
-    eager and native (3-bit codes straddle bytes)."""
+    eager and native (3-bit codes straddle bytes), the native kernel vectorised and scalar."""
     lc, g = kvquant_layer(d, pre_rope, layout, bits=bits)
     assert (lc.k.block.rotary is not None) == pre_rope
     q = torch.randn(B, HQ, 1, d, generator=g)
@@ -347,6 +347,10 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
         out = lc.attend(q)
     assert lc.attend_path == auto_path(), lc.attend_path_reason
     close_rows(out, ref64(lc, q))
+    with cpu.cpu_attention_mode("native"), monkeypatch.context() as mp:
+        mp.setenv("KVBENCH_NATIVE_TILES", "0")  # the scalar loop
+        close_rows(lc.attend(q), ref64(lc, q))
+        assert lc.attend_path == auto_path(), lc.attend_path_reason
     q3 = torch.randn(B, HQ, 3, d, generator=g)
     lengths = torch.tensor([lc.seq_length, lc.seq_length - 4])
     close_rows(lc.attend(q3, lengths=lengths), ref64(lc, q3, lengths))

@@ -876,13 +876,121 @@ typedef struct {
     const int32_t *pi; /* [D/2] first channel of each pair */
     const int32_t *pj; /* [D/2] second channel */
     float *out;        /* [B, H, M, T] */
+    int scalar;        /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_lut_args;
+
+/* lane l of the result = the sum of the 8 lanes of v */
+static inline __attribute__((always_inline)) float hsum1(v8f v) {
+#if defined(__AVX2__)
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+#else
+    float s = 0.f;
+    for (int l = 0; l < 8; l++) s += v[l];
+    return s;
+#endif
+}
+
+/* table entries of 8 codes (< 16) already in lanes: `lo` holds entries 0..7, `hi` 8..15 */
+static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f lo, v8f hi) {
+#if defined(__AVX2__)
+    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
+    if (mask < 8) return (v8f)l;
+    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
+    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
+    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = u[l] < 8 ? lo[u[l]] : hi[u[l] - 8];
+    return x;
+#endif
+}
+
+static inline __attribute__((always_inline)) v8f loadv(const float *p) {
+    v8f v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+/* KVQuant keys with 1- to 4-bit codes and head_dim a multiple of 8 (16 when rotated): 8
+ * channels' codes are `bits` whole bytes, shifted apart in 8 lanes and looked up in the table
+ * by a vector permute, times the channels' half-range plus centre; the outliers are written
+ * over; a pre-RoPE key is turned once per token, (a C - b S, b C + a S) per pair, and then
+ * dotted with every query row.  Same order of tokens and outliers as lut_keys_impl. */
+static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args *a, const int bits) {
+    const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D, nv = D / 8;
+    const uint32_t mask = (1u << bits) - 1u;
+    v8f lo = {0, 0, 0, 0, 0, 0, 0, 0}, hi = lo;
+    for (int l = 0; l < 8; l++) {
+        lo[l] = l <= (int)mask ? a->lut[l] : 0.f;
+        hi[l] = l + 8 <= (int)mask ? a->lut[l + 8] : 0.f;
+    }
+    const v8u shv = {0, (uint32_t)bits, 2u * bits, 3u * bits, 4u * bits, 5u * bits, 6u * bits,
+                     7u * bits};
+    int halves = a->cosv != 0;
+    for (int64_t p = 0; halves && p < P; p++) halves = a->pi[p] == p && a->pj[p] == P + p;
+    float x[MAXD] __attribute__((aligned(32))), ra[MAXD / 2], rb[MAXD / 2];
+    int64_t k = 0; /* next outlier */
+    while (k < a->N && a->out_idx[k] < 0) k++;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < a->B; b++)
+            for (int64_t h = 0; h < a->H; h++) {
+                const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
+                const float *hs = a->hs + h * D, *hz = a->hz + h * D;
+                for (int64_t j = 0; j < nv; j++) {
+                    uint32_t w = 0;
+                    memcpy(&w, row + j * bits, (size_t)bits); /* 8 codes in `bits` bytes */
+                    const v8u u = ((v8u){w, w, w, w, w, w, w, w} >> shv) & mask;
+                    const v8f v = lut8u(u, mask, lo, hi) * loadv(hs + 8 * j) + loadv(hz + 8 * j);
+                    memcpy(x + 8 * j, &v, 32);
+                }
+                const int64_t base = t * BHD + (b * a->H + h) * D;
+                for (; k < a->N && a->out_idx[k] < base + D; k++)
+                    if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
+                const float *q = a->qp + (b * a->H + h) * M * D;
+                float *o = a->out + (b * a->H + h) * M * T + t;
+                if (!a->cosv) {
+                    for (int64_t m = 0; m < M; m++) {
+                        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        for (int64_t j = 0; j < nv; j++) acc += loadv(q + m * D + 8 * j) * loadv(x + 8 * j);
+                        o[m * T] = hsum1(acc);
+                    }
+                    continue;
+                }
+                const float *C = a->cosv + t * P, *S = a->sinv + t * P;
+                const float *pa = x, *pb = x + P;
+                if (!halves) {
+                    for (int64_t p = 0; p < P; p++) {
+                        ra[p] = x[a->pi[p]];
+                        rb[p] = x[a->pj[p]];
+                    }
+                    pa = ra;
+                    pb = rb;
+                }
+                float kr[MAXD] __attribute__((aligned(32))); /* the turned key, pair order */
+                for (int64_t i = 0; i < P / 8; i++) {
+                    const v8f av = loadv(pa + 8 * i), bv = loadv(pb + 8 * i);
+                    const v8f c = loadv(C + 8 * i), s = loadv(S + 8 * i);
+                    const v8f r1 = av * c - bv * s, r2 = bv * c + av * s;
+                    memcpy(kr + 8 * i, &r1, 32);
+                    memcpy(kr + P + 8 * i, &r2, 32);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (int64_t j = 0; j < nv; j++) acc += loadv(q + m * D + 8 * j) * loadv(kr + 8 * j);
+                    o[m * T] = hsum1(acc);
+                }
+            }
+    return 0;
+}
 
 static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args *a, int bits) {
     const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D;
     if (D > MAXD || (a->cosv && D % 2) || M < 1) return -1;
     for (int64_t k = 1; k < a->N; k++)
         if (a->out_idx[k] <= a->out_idx[k - 1]) return -2; /* not ascending */
+    if (bits <= 4 && D % (a->cosv ? 16 : 8) == 0 && !a->scalar) return lut_keys_vec(a, bits);
     const uint32_t mask = (1u << bits) - 1u;
     const int64_t K = (int64_t)1 << bits;
     float x[MAXD], xa[MAXD / 2], xb[MAXD / 2];
