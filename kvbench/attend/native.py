@@ -55,7 +55,7 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 6
+ABI_VERSION = 7
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -137,6 +137,7 @@ class _PolarArgs(ctypes.Structure):
         ("br", ctypes.c_void_p),
         ("tab", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
     ]
 
 
@@ -540,7 +541,8 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
             f"keys_polar: codes {tuple(rcodes.shape)} / {tuple(acodes.shape)}, table "
             f"{tuple(tab.shape)}, page length {length}, bits {rbits}/{abits} do not fit"
         )
-    keep = [x.float().contiguous() for x in (ar, br, tab)]
+    # the table as [B, H, NP, M, 2^abits, D/2]: one level's entries of 8 pairs are one vector
+    keep = [x.float().contiguous() for x in (ar, br, tab.transpose(-1, -2))]
     args = _PolarArgs()
     args.rc, args.ac = rcodes.data_ptr(), acodes.data_ptr()
     args.rs_b, args.rs_h, args.rs_t = _row_strides(rcodes)
@@ -549,6 +551,7 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
     args.ar, args.br, args.tab = (x.data_ptr() for x in keep)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
     lib = _loaded()
     if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
         raise ValueError("keys_polar: shapes not supported")

@@ -366,10 +366,16 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits, monke
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_polar_pages_native_after_a_crop(d):
+@pytest.mark.parametrize("kernel", ["1", "0"])  # vectorised, scalar
+@pytest.mark.parametrize("bits", [(2, 2), (3, 4), (2, 1), (5, 3)])
+def test_polar_pages_native_after_a_crop(d, kernel, bits, monkeypatch):
     """A crop leaves a partly filled last page of polar codes; the native kernel reads its
-    tokens with that page's terms, batched rows of different lengths included."""
-    lc, g = build("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), d, 60, 0)
+    tokens with that page's terms, batched rows of different lengths included; radius and
+    angle widths whose tables are selected (1, 2 bits) or gathered (3, 4), or read by the
+    scalar loop (5 bits), vectorised and scalar."""
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", kernel)
+    cfg = dict(SMALL, value_bits=2, num_sink_tokens=2, radius_bits=bits[0], angle_bits=bits[1])
+    lc, g = build("polarquant", cfg, d, 60, 0)
     lc.crop(2 + 16 + 9)  # sinks, one whole page, 9 tokens of the next
     assert lc.k.block.radius.group_len == [16, 9] or lc.k.block.ntokens < 25
     q = torch.randn(B, HQ, 1, d, generator=g)

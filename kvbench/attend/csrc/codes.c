@@ -1084,26 +1084,51 @@ int kv_keys_lut_outliers(const kv_lut_args *a, int bits) {
 /* ------------------------------------------------------------------- polar keys (PolarQuant)
  * PolarQuant's keys (methods/polarquant.py, PolarAttention; Wu et al., arXiv 2502.00527 §3):
  * per RoPE pair j of token t a radius code cr and an angle code ca, each with per-channel
- * terms per page of L tokens.  The caller builds, per page P, query row m and pair j, the table
- * TAB[P, m, j, l] = qa_j cos(theta_l) + qb_j sin(theta_l) over the page's 2^abits angle levels;
- * the logit is sum_j (cr_j AR[P, j] + BR[P, j]) TAB[P, m, j, ca_j]. */
+ * terms per page of L tokens.  The caller builds, per page P, query row m and angle level l,
+ * the table TAB[P, m, l, j] = qa_j cos(theta_l) + qb_j sin(theta_l) over the page's 2^abits
+ * levels; the logit is sum_j (cr_j AR[P, j] + BR[P, j]) TAB[P, m, ca_j, j].
+ * Vectorised (pairs a multiple of 8, radius and angle codes of at most 4 bits): 8 pairs'
+ * codes are `bits` whole bytes shifted apart in 8 lanes; the table entries of 1- and 2-bit
+ * angles are selected from the 2 or 4 level rows by the code's bits, wider angles gathered. */
 typedef struct {
     const uint8_t *rc, *ac; /* radius and angle codes, pack_bits order, rows of tokens */
     int64_t rs_b, rs_h, rs_t, as_b, as_h, as_t;
     int64_t B, H, T, M, P, L, NP;
     const float *ar, *br; /* [B, H, NP, P] radius scale and zero per page */
-    const float *tab;     /* [B, H, NP, M, P, 2^abits] */
+    const float *tab;     /* [B, H, NP, M, 2^abits, P] */
     float *out;           /* [B, H, M, T] */
+    int scalar;           /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_polar_args;
 
-int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
-    const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits;
-    if (rbits < 1 || rbits > 8 || abits < 1 || abits > 8 || P > MAXD / 2 || M < 1 || a->L < 1)
-        return -1;
-    if ((T + a->L - 1) / a->L > a->NP) return -1;
+/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane */
+static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int bits) {
+    uint32_t w = 0;
+    memcpy(&w, p, (size_t)bits);
+    const uint32_t b = (uint32_t)bits;
+    const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
+    return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
+}
+
+/* lanes of `a1` where bit `k` of `c` is set, else of `a0` */
+static inline __attribute__((always_inline)) v8f select_bit(v8u c, int k, v8f a0, v8f a1) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_blendv_ps((__m256)a0, (__m256)a1, (__m256)(c << (31 - k)));
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = (c[l] >> k) & 1u ? a1[l] : a0[l];
+    return x;
+#endif
+}
+
+static inline __attribute__((always_inline)) int polar_impl(const kv_polar_args *a, int rbits,
+                                                            int abits) {
+    const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits, nv = P / 8;
     const uint32_t rmask = (1u << rbits) - 1u, amask = (1u << abits) - 1u;
+    const int vec = P % 8 == 0 && rbits <= 4 && abits <= 4 && !a->scalar;
     float r[MAXD / 2];
-    int32_t idx[MAXD / 2];
+    int32_t ca[MAXD / 2];
+    v8f rv[MAXD / 16];
+    v8u cv[MAXD / 16];
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->H; h++) {
             const int64_t bh = b * a->H + h;
@@ -1113,15 +1138,50 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
                 const uint8_t *rr = a->rc + b * a->rs_b + h * a->rs_h + t * a->rs_t;
                 const uint8_t *ra = a->ac + b * a->as_b + h * a->as_h + t * a->as_t;
                 const float *ar = a->ar + (bh * a->NP + pg) * P, *br = a->br + (bh * a->NP + pg) * P;
+                const float *tab = a->tab + (bh * a->NP + pg) * M * K * P;
+                if (vec) {
+                    for (int64_t i = 0; i < nv; i++) {
+                        const v8u cr = codes_of8(rr + i * rbits, rbits);
+                        rv[i] = __builtin_convertvector((v8i)cr, v8f) * loadv(ar + 8 * i) +
+                                loadv(br + 8 * i);
+                        cv[i] = codes_of8(ra + i * abits, abits);
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        const float *tm = tab + m * K * P;
+                        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        for (int64_t i = 0; i < nv; i++) {
+                            v8f tv;
+                            if (abits == 1) {
+                                tv = select_bit(cv[i], 0, loadv(tm + 8 * i), loadv(tm + P + 8 * i));
+                            } else if (abits == 2) {
+                                const v8f lo = select_bit(cv[i], 0, loadv(tm + 8 * i),
+                                                          loadv(tm + P + 8 * i));
+                                const v8f hi = select_bit(cv[i], 0, loadv(tm + 2 * P + 8 * i),
+                                                          loadv(tm + 3 * P + 8 * i));
+                                tv = select_bit(cv[i], 1, lo, hi);
+                            } else {
+                                const v8u j = {0, 1, 2, 3, 4, 5, 6, 7};
+                                const v8u idx = cv[i] * (uint32_t)P + j + (uint32_t)(8 * i);
+#if defined(__AVX2__)
+                                tv = (v8f)_mm256_i32gather_ps(tm, (__m256i)idx, 4);
+#else
+                                for (int l = 0; l < 8; l++) tv[l] = tm[idx[l]];
+#endif
+                            }
+                            acc += rv[i] * tv;
+                        }
+                        o[m * T + t] = hsum1(acc);
+                    }
+                    continue;
+                }
                 for (int64_t j = 0; j < P; j++) {
                     r[j] = (float)code_at(rr, j, rbits, rmask) * ar[j] + br[j];
-                    idx[j] = (int32_t)(j * K + code_at(ra, j, abits, amask));
+                    ca[j] = (int32_t)code_at(ra, j, abits, amask);
                 }
-                const float *tab = a->tab + (bh * a->NP + pg) * M * P * K;
                 for (int64_t m = 0; m < M; m++) {
-                    const float *tm = tab + m * P * K;
+                    const float *tm = tab + m * K * P;
                     float acc = 0.f;
-                    for (int64_t j = 0; j < P; j++) acc += r[j] * tm[idx[j]];
+                    for (int64_t j = 0; j < P; j++) acc += r[j] * tm[ca[j] * P + j];
                     o[m * T + t] = acc;
                 }
             }
@@ -1129,4 +1189,25 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     return 0;
 }
 
-int kv_abi_version(void) { return 6; }
+#define SPECIALISE_POLAR(R, A) \
+    case R * 16 + A: return polar_impl(a, R, A);
+
+int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
+    const int64_t P = a->P, M = a->M, T = a->T;
+    if (rbits < 1 || rbits > 8 || abits < 1 || abits > 8 || P > MAXD / 2 || M < 1 || a->L < 1)
+        return -1;
+    if ((T + a->L - 1) / a->L > a->NP) return -1;
+    switch (rbits * 16 + abits) { /* the widths of the vectorised loop as constants */
+        SPECIALISE_POLAR(2, 2) SPECIALISE_POLAR(2, 3) SPECIALISE_POLAR(2, 4)
+        SPECIALISE_POLAR(3, 2) SPECIALISE_POLAR(3, 3) SPECIALISE_POLAR(3, 4)
+        SPECIALISE_POLAR(4, 2) SPECIALISE_POLAR(4, 3) SPECIALISE_POLAR(4, 4)
+        SPECIALISE_POLAR(1, 1) SPECIALISE_POLAR(1, 2) SPECIALISE_POLAR(2, 1)
+    default: {
+        kv_polar_args s = *a; /* other widths: the scalar loop */
+        s.scalar = 1;
+        return polar_impl(&s, rbits, abits);
+    }
+    }
+}
+
+int kv_abi_version(void) { return 7; }
