@@ -255,3 +255,30 @@ def test_a_class_off_the_byte(tiles, g, monkeypatch):
     assert rel(native.keys_stream_rows(pk, q2.float(), w, 64, off), ref2) < 1e-5
     with pytest.raises(ValueError, match="bit0"):
         native.keys_raw_rows(pk, qw, 64, 2, bit0=8)
+
+
+@pytest.mark.parametrize("bits,d", [(1, 72), (2, 48), (4, 24), (8, 20), (2, 40)])
+@pytest.mark.parametrize("kernel", ["1", "tiled", "0"])
+def test_rows_of_words_not_a_multiple_of_8(bits, d, kernel, g, monkeypatch):
+    """A mixed-precision class whose words are not a whole number of 8-word vectors (Kitty's
+    48 2-bit channels: 12 bytes): the vectorised keys read its last vector partly, the lanes
+    past its words (the next class's bytes, here random) with a zero query, and the tensor's
+    very last row from a copy (never past the end).  Per-channel rows and raw codes with one
+    query per row, against float64 from the integer codes."""
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", kernel)
+    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
+    nb = d * bits // 8
+    rows_ = torch.randint(0, 256, (B, H, T, nb + 5), generator=g, dtype=torch.uint8)
+    rows_[..., :nb] = pack_bits(c, bits)
+    view = rows_[..., :nb]  # the class's bytes, then 5 bytes of another class
+    q = torch.randn(B, H, M, d, generator=g, dtype=torch.float64)
+    nr = -(-T // 128)
+    a, z = torch.rand(1, H, nr, d, generator=g), torch.randn(1, H, nr, d, generator=g)
+    x = c.double() * a.double().repeat_interleave(128, 2)[:, :, :T]
+    x = x + z.double().repeat_interleave(128, 2)[:, :, :T]
+    assert rel(native.keys_rows(view, q.float(), a, z, 128, bits), q @ x.transpose(-1, -2)) < 1e-5
+    qs = torch.randn(B, H, M, nr, d, generator=g, dtype=torch.float64)
+    ref = (qs.repeat_interleave(128, 3)[:, :, :, :T] * c.double().unsqueeze(2)).sum(-1)
+    assert rel(native.keys_raw_rows(view, qs.float(), 128, bits), ref) < 1e-5
+    last = pack_bits(c, bits)  # contiguous: the last row ends the tensor's storage
+    assert rel(native.keys_raw_rows(last, qs.float(), 128, bits), ref) < 1e-5

@@ -521,17 +521,20 @@ static inline __attribute__((always_inline)) v8f gather8(const uint8_t *p, const
 }
 
 static inline int keys_vec_ok(const kv_args *a, int bits) {
-    if (a->no_tiles || a->bit0 || a->M > 16 || a->W % 8) return 0;
+    if (a->no_tiles || a->bit0 || a->M > 16) return 0;
     if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) return 0;
-    if (a->mode == MODE_LUT || a->mode == MODE_RAW || a->mode == MODE_AFFINE_ROWS) return 1;
-    return a->mode == MODE_AFFINE_GROUPS && a->WG % 8 == 0 && a->W % a->WG == 0;
+    /* W not a multiple of 8 (mixed-precision classes): the last vector of a plane is partial */
+    if (a->mode == MODE_RAW || a->mode == MODE_AFFINE_ROWS) return 1;
+    if (a->W % 8) return 0; /* a table may hold non-finite entries: no lanes past the words */
+    return a->mode == MODE_LUT ||
+           (a->mode == MODE_AFFINE_GROUPS && a->WG % 8 == 0 && a->W % a->WG == 0);
 }
 
 /* query rows m0 .. m0 + MC - 1 of (b, h) */
 static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a, const int bits,
                                                                 int64_t b, int64_t h, int64_t m0,
                                                                 const int MC, const int mode) {
-    const int64_t W = a->W, D = W * (8 / bits), nv = D / 8, T = a->T;
+    const int64_t W = a->W, D = W * (8 / bits), T = a->T, wv = (W + 7) / 8, nv = (8 / bits) * wv;
     const uint32_t mask = (1u << bits) - 1u;
     const float half = mode == MODE_LUT ? 0.f : 0.5f * (float)mask;
     const int64_t WG = mode == MODE_AFFINE_GROUPS ? a->WG : W, ng = W / WG;
@@ -547,15 +550,21 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
             hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
         }
-    static __thread v8f qv[4][MAXD / 8];
+    static __thread v8f qv[4][MAXD / 8 + 8];
     static __thread float qs[4][MAXD / 8];
-    int32_t off[MAXD / 8], gi[MAXD / 8];
-    uint32_t sh[MAXD / 8];
-    for (int64_t j = 0; j < nv; j++) { /* vector j: sub-code plane j*8 / W, words from j*8 % W */
-        off[j] = (int32_t)((j * 8) % W);
-        sh[j] = (uint32_t)((j * 8) / W) * (uint32_t)bits;
+    int32_t off[MAXD / 8 + 8], gi[MAXD / 8 + 8], pos0[MAXD / 8 + 8], nval[MAXD / 8 + 8];
+    uint32_t sh[MAXD / 8 + 8];
+    for (int64_t j = 0; j < nv; j++) { /* vector j: words off .. off + 7 of sub-code plane j / wv */
+        const int64_t i = j / wv;
+        off[j] = (int32_t)((j % wv) * 8);
+        nval[j] = (int32_t)(W - off[j] < 8 ? W - off[j] : 8); /* lanes past the words: q = 0 */
+        pos0[j] = (int32_t)(i * W + off[j]);                  /* its first sub-code position */
+        sh[j] = (uint32_t)i * (uint32_t)bits;
         gi[j] = (int32_t)(off[j] / WG);
     }
+    /* a partial vector reads up to 7 bytes past the row's words: the next row's (a next token
+     * at least 8 bytes on), else from a copy */
+    const int tail = W % 8 != 0;
     float bias[4];
     int64_t row_end = 0;
     for (int64_t t = 0; t < T;) {
@@ -571,7 +580,11 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
                 for (int64_t g = 0; g < ng; g++) qs[m][g] = 0.f;
                 for (int64_t j = 0; j < nv; j++)
                     for (int l = 0; l < 8; l++) {
-                        const int64_t k = j * 8 + l;
+                        const int64_t k = pos0[j] + l;
+                        if (l >= nval[j]) {
+                            qv[m][j][l] = 0.f;
+                            continue;
+                        }
                         const float v = qm[k];
                         if (mode == MODE_AFFINE_ROWS) {
                             qv[m][j][l] = v * A[k];
@@ -594,6 +607,12 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             if (k < n) {
                 const uint8_t *row = base + (t + k) * a->cs_t;
                 const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
+                uint8_t last[MAXD + 8];
+                if (tail && !(t + k + 1 < T && a->cs_t >= 8)) { /* the last row: a copy */
+                    memset(last, 0, (size_t)W + 8);
+                    memcpy(last, row, (size_t)W);
+                    row = last;
+                }
                 for (int64_t j = 0; j < nv; j++) {
                     v8f x;
                     if (mode == MODE_LUT)
