@@ -261,10 +261,11 @@ def test_a_class_off_the_byte(tiles, g, monkeypatch):
 @pytest.mark.parametrize("kernel", ["1", "tiled", "0"])
 def test_rows_of_words_not_a_multiple_of_8(bits, d, kernel, g, monkeypatch):
     """A mixed-precision class whose words are not a whole number of 8-word vectors (Kitty's
-    48 2-bit channels: 12 bytes): the vectorised keys read its last vector partly, the lanes
-    past its words (the next class's bytes, here random) with a zero query, and the tensor's
-    very last row from a copy (never past the end).  Per-channel rows and raw codes with one
-    query per row, against float64 from the integer codes."""
+    48 2-bit channels: 12 bytes), a view beside another class's (random) bytes and a
+    contiguous tensor whose last row ends the storage: the vectorised keys read 8 channels
+    at a time from their whole bytes (never a byte past the class).  Per-channel rows and raw
+    codes with one query per row, against float64 from the integer codes; vectorised, tiled
+    and token by token."""
     monkeypatch.setenv("KVBENCH_NATIVE_TILES", kernel)
     c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
     nb = d * bits // 8

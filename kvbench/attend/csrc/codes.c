@@ -476,11 +476,13 @@ static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t
 }
 
 /* ------------------------------------------------------------- vectorised keys (byte words)
- * Codes of 1, 2, 4 or 8 bits (one code word per byte, W a multiple of 8) starting on a byte,
- * in MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_RAW or MODE_LUT.  A token's D codes are read as
- * D / 8 vectors of 8 sub-code positions (8 consecutive bytes at one sub-code shift) and
- * multiplied with MC query rows at a time; the MC partial-sum vectors of 8 tokens are reduced to
- * 8 logits each by one transpose-add.  Codes enter centred (c - half), the offset in the bias:
+ * Codes of 1, 2, 4 or 8 bits (one code word per byte) starting on a byte, D a multiple of 8,
+ * in MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_RAW or MODE_LUT.  A token's D codes are read
+ * as D / 8 vectors of 8 consecutive channels in natural order (their `bits` whole bytes,
+ * shifted apart in 8 lanes; 8-bit codes: 8 bytes) and multiplied with MC query rows at a time
+ * (the query and terms, given in sub-code order, are placed in natural order once per row);
+ * the MC partial-sum vectors of 8 tokens are reduced to 8 logits each by one transpose-add.
+ * Codes enter centred (c - half), the offset in the bias:
  *   ROWS:   sum_k (q_k A_k) (c_k - half) + sum_k q_k (Z_k + half A_k)   (terms of the row);
  *   GROUPS: sum_g A[t, g] sum_{k in g} q_k (c_k - half) + sum_g (Z + half A)[t, g] Q_g, Q_g the
  *           sum of q over group g;
@@ -520,21 +522,44 @@ static inline __attribute__((always_inline)) v8f gather8(const uint8_t *p, const
 #endif
 }
 
+/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane */
+static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int bits) {
+    uint32_t w = 0;
+    memcpy(&w, p, (size_t)bits);
+    const uint32_t b = (uint32_t)bits;
+    const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
+    return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
+}
+
+/* table entries of 8 codes (< 16) already in lanes: `lo` holds entries 0..7, `hi` 8..15 */
+static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f lo, v8f hi) {
+#if defined(__AVX2__)
+    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
+    if (mask < 8) return (v8f)l;
+    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
+    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
+    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = u[l] < 8 ? lo[u[l]] : hi[u[l] - 8];
+    return x;
+#endif
+}
+
 static inline int keys_vec_ok(const kv_args *a, int bits) {
     if (a->no_tiles || a->bit0 || a->M > 16) return 0;
     if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) return 0;
-    /* W not a multiple of 8 (mixed-precision classes): the last vector of a plane is partial */
-    if (a->mode == MODE_RAW || a->mode == MODE_AFFINE_ROWS) return 1;
-    if (a->W % 8) return 0; /* a table may hold non-finite entries: no lanes past the words */
-    return a->mode == MODE_LUT ||
-           (a->mode == MODE_AFFINE_GROUPS && a->WG % 8 == 0 && a->W % a->WG == 0);
+    const int64_t cpw = 8 / bits;
+    if ((a->W * cpw) % 8) return 0;
+    /* per-token groups: whole vectors of channels per group */
+    return a->mode != MODE_AFFINE_GROUPS || ((a->WG * cpw) % 8 == 0 && a->W % a->WG == 0);
 }
 
 /* query rows m0 .. m0 + MC - 1 of (b, h) */
 static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a, const int bits,
                                                                 int64_t b, int64_t h, int64_t m0,
                                                                 const int MC, const int mode) {
-    const int64_t W = a->W, D = W * (8 / bits), T = a->T, wv = (W + 7) / 8, nv = (8 / bits) * wv;
+    const int64_t W = a->W, cpw = 8 / bits, D = W * cpw, nv = D / 8, T = a->T;
     const uint32_t mask = (1u << bits) - 1u;
     const float half = mode == MODE_LUT ? 0.f : 0.5f * (float)mask;
     const int64_t WG = mode == MODE_AFFINE_GROUPS ? a->WG : W, ng = W / WG;
@@ -550,21 +575,11 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
             hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
         }
-    static __thread v8f qv[4][MAXD / 8 + 8];
+    static __thread v8f qv[4][MAXD / 8];
     static __thread float qs[4][MAXD / 8];
-    int32_t off[MAXD / 8 + 8], gi[MAXD / 8 + 8], pos0[MAXD / 8 + 8], nval[MAXD / 8 + 8];
-    uint32_t sh[MAXD / 8 + 8];
-    for (int64_t j = 0; j < nv; j++) { /* vector j: words off .. off + 7 of sub-code plane j / wv */
-        const int64_t i = j / wv;
-        off[j] = (int32_t)((j % wv) * 8);
-        nval[j] = (int32_t)(W - off[j] < 8 ? W - off[j] : 8); /* lanes past the words: q = 0 */
-        pos0[j] = (int32_t)(i * W + off[j]);                  /* its first sub-code position */
-        sh[j] = (uint32_t)i * (uint32_t)bits;
-        gi[j] = (int32_t)(off[j] / WG);
-    }
-    /* a partial vector reads up to 7 bytes past the row's words: the next row's (a next token
-     * at least 8 bytes on), else from a copy */
-    const int tail = W % 8 != 0;
+    int32_t pos[MAXD], gi[MAXD / 8];
+    for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
+    for (int64_t j = 0; j < nv; j++) gi[j] = (int32_t)((8 * j / cpw) / WG); /* its group */
     float bias[4];
     int64_t row_end = 0;
     for (int64_t t = 0; t < T;) {
@@ -580,11 +595,7 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
                 for (int64_t g = 0; g < ng; g++) qs[m][g] = 0.f;
                 for (int64_t j = 0; j < nv; j++)
                     for (int l = 0; l < 8; l++) {
-                        const int64_t k = pos0[j] + l;
-                        if (l >= nval[j]) {
-                            qv[m][j][l] = 0.f;
-                            continue;
-                        }
+                        const int64_t k = pos[8 * j + l]; /* sub-code position of the channel */
                         const float v = qm[k];
                         if (mode == MODE_AFFINE_ROWS) {
                             qv[m][j][l] = v * A[k];
@@ -607,19 +618,16 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             if (k < n) {
                 const uint8_t *row = base + (t + k) * a->cs_t;
                 const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
-                uint8_t last[MAXD + 8];
-                if (tail && !(t + k + 1 < T && a->cs_t >= 8)) { /* the last row: a copy */
-                    memset(last, 0, (size_t)W + 8);
-                    memcpy(last, row, (size_t)W);
-                    row = last;
-                }
                 for (int64_t j = 0; j < nv; j++) {
                     v8f x;
-                    if (mode == MODE_LUT)
-                        x = bits == 8 ? gather8(row + off[j], a->lut)
-                                      : lut8(row + off[j], sh[j], mask, a->lut, lo, hi);
-                    else
-                        x = codes8(row + off[j], sh[j], mask, half);
+                    if (bits == 8) /* 8 channels = 8 bytes */
+                        x = mode == MODE_LUT ? gather8(row + 8 * j, a->lut)
+                                             : codes8(row + 8 * j, 0, mask, half);
+                    else { /* 8 channels = `bits` bytes */
+                        const v8u u = codes_of8(row + j * bits, bits);
+                        x = mode == MODE_LUT ? lut8u(u, mask, lo, hi)
+                                             : __builtin_convertvector((v8i)u, v8f) - half;
+                    }
                     if (mode == MODE_AFFINE_GROUPS) x *= At[gi[j]];
                     for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
                 }
@@ -911,21 +919,6 @@ static inline __attribute__((always_inline)) float hsum1(v8f v) {
 #endif
 }
 
-/* table entries of 8 codes (< 16) already in lanes: `lo` holds entries 0..7, `hi` 8..15 */
-static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f lo, v8f hi) {
-#if defined(__AVX2__)
-    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
-    if (mask < 8) return (v8f)l;
-    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
-    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
-    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
-#else
-    v8f x;
-    for (int l = 0; l < 8; l++) x[l] = u[l] < 8 ? lo[u[l]] : hi[u[l] - 8];
-    return x;
-#endif
-}
-
 static inline __attribute__((always_inline)) v8f loadv(const float *p) {
     v8f v;
     memcpy(&v, p, 32);
@@ -1118,15 +1111,6 @@ typedef struct {
     float *out;           /* [B, H, M, T] */
     int scalar;           /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_polar_args;
-
-/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane */
-static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int bits) {
-    uint32_t w = 0;
-    memcpy(&w, p, (size_t)bits);
-    const uint32_t b = (uint32_t)bits;
-    const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
-    return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
-}
 
 /* lanes of `a1` where bit `k` of `c` is set, else of `a0` */
 static inline __attribute__((always_inline)) v8f select_bit(v8u c, int k, v8f a0, v8f a1) {
