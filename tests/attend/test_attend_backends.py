@@ -176,7 +176,11 @@ def test_kitty_classes_take_the_per_class_kernels(d, monkeypatch):
 def test_word_counts_of_class_layouts():
     from kvbench.attend.mixed import _word_counts
 
-    assert _word_counts((4, 2), (2, 62), 17) == [2, 64]  # 1 + 16 bytes: room for 64 codes
+    # 1 + 16 bytes: room for 64 codes; the two 4-bit channels read as 8 (4 bytes, the next
+    # class's bytes with a zero query) for the vectorised kernel
+    assert _word_counts((4, 2), (2, 62), 17) == [8, 64]
+    assert _word_counts((4,), (2,), 1) == [2]  # no room for 8: whole words
+    assert _word_counts((4,), (2,), 4) == [8]  # trailing bytes in the row
     assert _word_counts((3, 1), (32, 32), 16) == [32, 32]  # whole words already
     assert _word_counts((2,), (62,), 15) is None  # 16 bytes of whole words do not fit 15
     assert _word_counts((3,), (10,), 6) == [16]  # 3-bit words: 8 codes in 3 bytes

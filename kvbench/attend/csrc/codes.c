@@ -476,7 +476,7 @@ static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t
 }
 
 /* ------------------------------------------------------------- vectorised keys (byte words)
- * Codes of 1, 2, 4 or 8 bits (one code word per byte) starting on a byte, D a multiple of 8,
+ * Codes of 1 to 4 or 8 bits starting on a byte, D a multiple of 8,
  * in MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_RAW or MODE_LUT.  A token's D codes are read
  * as D / 8 vectors of 8 consecutive channels in natural order (their `bits` whole bytes,
  * shifted apart in 8 lanes; 8-bit codes: 8 bytes) and multiplied with MC query rows at a time
@@ -548,8 +548,8 @@ static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f
 
 static inline int keys_vec_ok(const kv_args *a, int bits) {
     if (a->no_tiles || a->bit0 || a->M > 16) return 0;
-    if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) return 0;
-    const int64_t cpw = 8 / bits;
+    if (!(bits >= 1 && bits <= 4) && bits != 8) return 0;
+    const int64_t cpw = cpw_of(bits);
     if ((a->W * cpw) % 8) return 0;
     /* per-token groups: whole vectors of channels per group */
     return a->mode != MODE_AFFINE_GROUPS || ((a->WG * cpw) % 8 == 0 && a->W % a->WG == 0);
@@ -559,7 +559,7 @@ static inline int keys_vec_ok(const kv_args *a, int bits) {
 static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a, const int bits,
                                                                 int64_t b, int64_t h, int64_t m0,
                                                                 const int MC, const int mode) {
-    const int64_t W = a->W, cpw = 8 / bits, D = W * cpw, nv = D / 8, T = a->T;
+    const int64_t W = a->W, cpw = cpw_of(bits), D = W * cpw, nv = D / 8, T = a->T;
     const uint32_t mask = (1u << bits) - 1u;
     const float half = mode == MODE_LUT ? 0.f : 0.5f * (float)mask;
     const int64_t WG = mode == MODE_AFFINE_GROUPS ? a->WG : W, ng = W / WG;
@@ -618,6 +618,8 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             if (k < n) {
                 const uint8_t *row = base + (t + k) * a->cs_t;
                 const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
+                v8f pg[4]; /* GROUPS: the sums of the group so far, times its scale at its end */
+                for (int m = 0; m < MC; m++) pg[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
                 for (int64_t j = 0; j < nv; j++) {
                     v8f x;
                     if (bits == 8) /* 8 channels = 8 bytes */
@@ -628,8 +630,18 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
                         x = mode == MODE_LUT ? lut8u(u, mask, lo, hi)
                                              : __builtin_convertvector((v8i)u, v8f) - half;
                     }
-                    if (mode == MODE_AFFINE_GROUPS) x *= At[gi[j]];
-                    for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
+                    if (mode != MODE_AFFINE_GROUPS) {
+                        for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
+                        continue;
+                    }
+                    for (int m = 0; m < MC; m++) pg[m] += qv[m][j] * x;
+                    if (j + 1 == nv || gi[j + 1] != gi[j]) { /* the group ends */
+                        const float s = At[gi[j]];
+                        for (int m = 0; m < MC; m++) {
+                            acc[m] += s * pg[m];
+                            pg[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+                        }
+                    }
                 }
             }
             for (int m = 0; m < MC; m++) buf[m][k] = acc[m];
