@@ -55,7 +55,7 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 7
+ABI_VERSION = 8
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -97,6 +97,7 @@ class _Args(ctypes.Structure):
         ("no_tiles", ctypes.c_int),
         ("out", ctypes.c_void_p),
         ("bit0", ctypes.c_int64),
+        ("natural", ctypes.c_int),
     ]
 
 
@@ -300,8 +301,29 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 def _call(fn_name: str, args: _Args, bits: int) -> None:
     rc = getattr(_loaded(), fn_name)(ctypes.byref(args), bits)
+    if rc == -3:
+        raise RuntimeError(f"{fn_name}: natural channel order given where the kernel needs "
+                           "sub-code order")  # fmt: skip
     if rc != 0:
         raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
+
+
+def _vectorised_keys(bits: int, d: int, m: int, wg: int | None = None) -> bool:
+    """Whether the vectorised keys take codes of ``bits`` bits, ``d`` channels and ``m``
+    query rows (the C side's ``keys_vec_ok``, codes starting on a byte): their query and row
+    terms are then passed in natural channel order, without the sub-code reorder.  ``wg``:
+    words per channel group of per-token keys."""
+    if _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) or m > 16:
+        return False
+    if not (1 <= bits <= 4 or bits == 8) or d % 8:
+        return False
+    cpw = _layout(bits)[1]
+    return wg is None or ((wg * cpw) % 8 == 0 and (d // cpw) % wg == 0)
+
+
+def _keys_order(x: torch.Tensor, bits: int, natural: bool) -> torch.Tensor:
+    """``x [..., D]`` float32 contiguous in natural order, or in sub-code order (:func:`_sub`)."""
+    return x.float().contiguous() if natural else _sub(x, bits)
 
 
 def _check_terms(a: torch.Tensor, z: torch.Tensor, codes: torch.Tensor) -> None:
@@ -327,9 +349,11 @@ def keys_rows(codes, q, a, z, length: int, bits: int) -> torch.Tensor:
     _check_terms(a, z, codes)
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
-    qs, a_s, z_s = _sub(q, bits), _sub(a, bits), _sub(z, bits)
+    nat = _vectorised_keys(bits, d, m)
+    qs, a_s, z_s = (_keys_order(x, bits, nat) for x in (q, a, z))
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args = _args(codes, bits, d, m, qs, out, MODE_AFFINE_ROWS, a_s, z_s, length=length)
+    args.natural = int(nat)
     _call("kv_keys", args, bits)
     return out
 
@@ -349,9 +373,11 @@ def keys_groups(codes, q, a, z, bits: int) -> torch.Tensor:
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
     a, z, wg = _group_terms(a, z, codes, bits, d)
-    qs = _sub(q, bits)
+    nat = _vectorised_keys(bits, d, m, wg)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    _call("kv_keys", _args(codes, bits, d, m, qs, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
     return out
 
 
@@ -379,10 +405,11 @@ def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Ten
         raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
     if not 0 <= bit0 < 8:
         raise ValueError(f"bit0={bit0} must be in 0..7 (a bit within the first byte)")
-    qs = _sub(qs, bits)
+    nat = bit0 == 0 and _vectorised_keys(bits, d, m)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    args = _args(codes, bits, d, m, qs, out, MODE_RAW, length=length, rows=rows)
-    args.bit0, args.nbytes = bit0, nbytes
+    args = _args(codes, bits, d, m, _keys_order(qs, bits, nat), out, MODE_RAW, length=length,
+                 rows=rows)  # fmt: skip
+    args.bit0, args.nbytes, args.natural = bit0, nbytes, int(nat)
     _call("kv_keys", args, bits)
     return out
 
@@ -423,8 +450,11 @@ def keys_lut(codes, q, lut, bits: int) -> torch.Tensor:
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
     lut = lut.float().contiguous()
+    nat = _vectorised_keys(bits, d, m)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    _call("kv_keys", _args(codes, bits, d, m, _sub(q, bits), out, MODE_LUT, lut=lut), bits)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_LUT, lut=lut)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
     return out
 
 

@@ -59,6 +59,8 @@ typedef struct {
     float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
     int64_t bit0;         /* MODE_RAW keys: codes start at this bit of the row (0..7; a class
                            * of a bit stream), the row holding `nbytes` bytes from `codes` */
+    int natural;          /* keys: 1 = query and row terms in natural channel order (only the
+                           * vectorised keys take it; the others: -3) */
 } kv_args;
 
 /* 32 bits of a row from bit 8 * byte + sh (sh < 8; byte < nb).  Bits past the row's nb bytes
@@ -236,7 +238,8 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
      * q * A * c and q * (Z + half * A) then do not cancel, so float32 keeps its precision */
     const float half = bits == 16 ? 0.f : 0.5f * (float)mask; /* 16 bits: signed codes */
     int32_t pos[MAXD]; /* natural channel -> sub-code position */
-    for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
+    for (int64_t ch = 0; ch < D; ch++)
+        pos[ch] = a->natural ? (int32_t)ch : (int32_t)((ch % cpw) * W + ch / cpw);
     float qn[16 * MAXD], bias[16], an[MAXD], zn[MAXD];
     const int64_t cg = a->mode == MODE_AFFINE_GROUPS ? a->WG * cpw : D; /* channels per group */
     const int64_t ng = D / cg;
@@ -578,7 +581,8 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
     static __thread v8f qv[4][MAXD / 8];
     static __thread float qs[4][MAXD / 8];
     int32_t pos[MAXD], gi[MAXD / 8];
-    for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
+    for (int64_t ch = 0; ch < D; ch++)
+        pos[ch] = a->natural ? (int32_t)ch : (int32_t)((ch % cpw) * W + ch / cpw);
     for (int64_t j = 0; j < nv; j++) gi[j] = (int32_t)((8 * j / cpw) / WG); /* its group */
     float bias[4];
     int64_t row_end = 0;
@@ -698,6 +702,7 @@ static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int
         keys_vec(a, bits);
         return 0;
     }
+    if (a->natural) return -3; /* the caller checks keys_vec_ok's conditions first */
     if (tiled_ok(a, bits) && a->no_tiles != 1) {
         keys_tiled(a, bits);
         return 0;
@@ -1225,4 +1230,4 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     }
 }
 
-int kv_abi_version(void) { return 7; }
+int kv_abi_version(void) { return 8; }
