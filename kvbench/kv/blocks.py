@@ -283,20 +283,19 @@ class AffineCodec:
         """The block from the native one-pass quantizer (:mod:`kvbench.kv.native_quant`:
         the same codes, scales and zeros as the torch path) for groups of ``tokens`` x
         ``channels``, or ``None`` where it does not serve the input (the torch path runs)."""
-        if self.midpoint and self.bits == 1:
-            return None
         from kvbench.kv.native_quant import quantize_pack
 
         got = quantize_pack(
             x, self.bits, tokens, channels, symmetric=self.symmetric,
-            scale_dtype=self.scale_dtype, shared=shared,
+            midpoint=self.midpoint and self.bits == 1, scale_dtype=self.scale_dtype,
+            shared=shared,
         )  # fmt: skip
         if got is None:
             return None
         codes, scale, zero = got
         return AffineBlock(
             codes, scale, zero, group_len, self.bits, x.shape[-1], symmetric=self.symmetric,
-            batch_shared=shared,
+            midpoint=self.midpoint and self.bits == 1, batch_shared=shared,
         )  # fmt: skip
 
     def _block(self, codes, q, group_len, head_dim) -> AffineBlock:

@@ -16,9 +16,11 @@ adversarial inputs: ties at .5, constant groups, float16 extremes and subnormals
 Groups are rectangles of ``token_group`` consecutive tokens x ``channel_group`` consecutive
 channels of one (batch row, KV head): KIVI's per-channel groups (G x 1), per-token groups
 (1 x channel group), per-head groups (the flush x D), optionally one set shared by all rows
-(per-tensor).  Not served (:func:`quantize_pack` returns ``None`` and the caller uses the torch
-path): a non-finite element anywhere in the input (the reference's NaN/Inf policy,
-:mod:`kvbench.kv.finite`, applies), 16-bit codes, 1-bit midpoint codes, non-CPU tensors,
+(per-tensor), and the per-channel classes of a mixed-precision codec (one code per byte, packed
+by :func:`kvbench.kv.mixed.pack_mixed`; PN-Mix's 1-bit midpoint codes included).  Not served
+(:func:`quantize_pack` returns ``None`` and the caller uses the torch path): a non-finite
+element anywhere in the input (the reference's NaN/Inf policy, :mod:`kvbench.kv.finite`,
+applies), 16-bit codes, non-CPU tensors,
 float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, no C compiler.
 
 Build: the system C compiler (``cc``; ``-O3 -march=native -ffp-contract=off``, IEEE
@@ -51,7 +53,7 @@ FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
     "-std=gnu11",
 )  # fmt: skip
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 #: inputs with fewer elements per thread than this run on one thread
 MIN_PER_THREAD = 1 << 20
@@ -125,6 +127,8 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
         ctypes.c_int64,
         ctypes.c_int,
         ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_int64,
     ]
@@ -184,8 +188,10 @@ def quantize_pack(
     channel_group: int,
     *,
     symmetric: bool = False,
+    midpoint: bool = False,
     scale_dtype: torch.dtype = torch.float16,
     shared: bool = False,
+    packed: bool = True,
     lib: ctypes.CDLL | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Min-max quantize ``x [B, H_kv, T, D]`` in groups of ``token_group`` tokens x
@@ -193,10 +199,12 @@ def quantize_pack(
     (see the module docstring; the caller then runs the torch path).
 
     Returns ``(codes, scale, zero)``: ``codes`` uint8 ``[B, H_kv, T, ceil(D * bits / 8)]``
-    (:func:`~kvbench.kv.quant.pack_bits` order), ``scale``/``zero`` ``[B, H_kv, T / token_group,
+    (:func:`~kvbench.kv.quant.pack_bits` order; ``packed=False``: ``[B, H_kv, T, D]``, one
+    code per byte), ``scale``/``zero`` ``[B, H_kv, T / token_group,
     D / channel_group]`` in ``scale_dtype`` (``[1, 1, ...]`` when ``shared``: one set of groups
     over all rows, KV heads too), ``zero`` ``None`` when ``symmetric``: equal to
-    ``quantize_groups`` on the same groups.  ``lib``: a loaded build (default: the cached
+    ``quantize_groups`` on the same groups (``midpoint``: its 1-bit midpoint codes, PN-Mix
+    Eq. 7).  ``lib``: a loaded build (default: the cached
     one).  Raises ``ValueError`` when a scale or zero overflows ``scale_dtype`` (as the
     reference does) or the group sizes do not divide ``T`` and ``D``."""
     if (
@@ -205,6 +213,7 @@ def quantize_pack(
         or x.dim() != 4
         or not 1 <= bits <= 8
         or (symmetric and bits < 2)
+        or (midpoint and (bits != 1 or symmetric))
         or x.numel() == 0
         or (x.stride(3) != 1 and x.shape[3] > 1)
     ):
@@ -237,11 +246,11 @@ def quantize_pack(
     else:
         scale_st, zero_st, s, z = affine_terms(mn, mx, bits, scale_dtype)
     s, z = s.contiguous(), z.contiguous()
-    nbytes = packed_size(d, bits)
+    nbytes = packed_size(d, bits) if packed else d
     codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8)
     ssb, ssh = (0, 0) if shared else (h * nt * nc, nt * nc)
     rc = _run(lib, "kq_codes", base, parts, s.data_ptr(), z.data_ptr(), ssb, ssh, bits,
-              int(symmetric), codes.data_ptr(), nbytes)  # fmt: skip
+              int(symmetric), int(midpoint), int(packed), codes.data_ptr(), nbytes)  # fmt: skip
     if any(rc):
         raise MemoryError("native quantizer: out of memory for a row buffer")
     return codes, scale_st, zero_st

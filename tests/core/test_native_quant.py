@@ -14,6 +14,7 @@ import torch
 
 from kvbench.kv import native_quant as nq
 from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
+from kvbench.kv.mixed import MixedChannelCodec, rank_classes
 
 pytestmark = pytest.mark.skipif(not nq.available(), reason="no C compiler")
 
@@ -117,6 +118,37 @@ def test_codecs_bit_for_bit(monkeypatch, dtype, which):
     assert n >= 10
 
 
+def _by_magnitude(high: int):
+    def select(pages, queries):
+        return rank_classes(pages.float().abs().mean(-2), [high, pages.shape[-1] - high])
+
+    return select
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "bits,high,midpoint,per_page",
+    [((3, 1), 8, True, False), ((4, 2), 5, False, False), ((2, 1), 3, True, True)],
+)
+def test_mixed_classes_bit_for_bit(monkeypatch, dtype, bits, high, midpoint, per_page):
+    """Mixed-precision channel classes (Kitty, ChanMix, PN-Mix with its 1-bit midpoint codes):
+    each class's per-channel groups one code per byte from the native pass, packed together;
+    the same block as the torch path, fixed or per-page classes, byte-aligned or not."""
+    x = adversarial(dtype)
+    codec = MixedChannelCodec(
+        list(bits), _by_magnitude(high), group_size=8, midpoint=midpoint,
+        scale_dtype=torch.float32, per_page=per_page,
+    )  # fmt: skip
+    codec.prepare(x, None)
+    a, b = codec.encode(x), torch_path(monkeypatch, codec, x)
+    for name in ("codes", "scale", "zero", "perm"):
+        assert bitwise_equal(getattr(a, name), getattr(b, name)), name
+    assert (a.class_counts, a.group_len) == (b.class_counts, b.group_len)
+    assert nq.quantize_pack(x[..., :high], bits[0], 8, 1, packed=False)[0].shape == (
+        *x.shape[:3], high,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("d,bits", [(6, 3), (6, 2), (10, 5), (3, 7), (12, 1)])
 def test_odd_head_dims_and_strided_input(monkeypatch, d, bits):
     """Packing of rows whose codes do not fill whole bytes or words; a strided view (a token
@@ -175,8 +207,7 @@ def test_not_served_cases():
     assert nq.quantize_pack(x.transpose(-1, -2), 2, 8, 1) is None  # strided channels
     with pytest.raises(ValueError, match="do not tile"):
         nq.quantize_pack(x, 2, 3, 1)
-    midpoint = PerChannelCodec(1, group_size=8, midpoint=True)
-    assert midpoint._native(x, 8, 1, [8]) is None  # PN-Mix's 1-bit midpoint codes
+    assert nq.quantize_pack(x, 2, 8, 1, midpoint=True) is None  # midpoint: 1-bit codes only
 
 
 def test_portable_float16_conversion_matches_the_compiler():

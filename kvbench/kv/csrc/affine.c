@@ -15,9 +15,11 @@
  *                asymmetric: q = rint((x - z) / s), clamp to [0, 2^b - 1]
  *                symmetric:  q = rint(x / s),       clamp to [-(2^(b-1) - 1), 2^(b-1) - 1],
  *                            plus 2^(b-1) (offset binary)
+ *                1-bit midpoint (PN-Mix Eq. 7): q = (x - z >= 0.5 s)
  *              (s <= 0: code 0 before the clamp), rint rounding half to even (the default
  *              rounding mode, as torch.round), then packed per token row LSB first (code i at
- *              bits i*b .. i*b + b - 1 of the row's byte stream, zero padding to nbytes).
+ *              bits i*b .. i*b + b - 1 of the row's byte stream, zero padding to nbytes), or
+ *              one code per byte (packed = 0; a mixed-precision codec packs its classes).
  *
  * Build flags keep IEEE results: no -ffast-math, -ffp-contract=off (no fused multiply-add);
  * -fno-trapping-math only lets rint and the clamps vectorize (no value changes).
@@ -28,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KQ_ABI_VERSION 1
+#define KQ_ABI_VERSION 2
 
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 
@@ -173,9 +175,10 @@ static void pack_row(const uint8_t *restrict c, int64_t D, int bits, uint8_t *re
 
 /* s, z: float32 scale and zero of row r's groups at s + (r / H) * ssb + (r % H) * ssh, then
  * [T / Lt, D / Lc] contiguous (ssb = ssh = 0: one set shared by every row); z unused when
- * symmetric.  out: uint8 [B * H, T, nbytes] contiguous.  Returns -1 when out of memory. */
+ * symmetric.  out: uint8 [B * H, T, nbytes] contiguous (nbytes = D when not packed).
+ * Returns -1 when out of memory. */
 int kq_codes(const kq_in *a, const float *s, const float *z, int64_t ssb, int64_t ssh, int bits,
-             int symmetric, uint8_t *out, int64_t nbytes) {
+             int symmetric, int midpoint, int packed, uint8_t *out, int64_t nbytes) {
     const int64_t D = a->D, NT = a->T / a->Lt, NC = D / a->Lc;
     const float lo = symmetric ? -(float)((1 << (bits - 1)) - 1) : 0.0f;
     const float hi = symmetric ? (float)((1 << (bits - 1)) - 1) : (float)((1 << bits) - 1);
@@ -201,14 +204,20 @@ int kq_codes(const kq_in *a, const float *s, const float *z, int64_t ssb, int64_
             }
             for (int64_t t = p * a->Lt; t < (p + 1) * a->Lt; t++) {
                 load_row(a, base + t * a->st, row);
-                for (int64_t c = 0; c < D; c++) {
-                    /* symmetric: zr is +0, and x - (+0) == x for every x (-0 - +0 == -0) */
-                    float q = rintf((row[c] - zr[c]) / sr[c]);
-                    q = keep[c] > 0.0f ? q : 0.0f;
-                    q = q < lo ? lo : (q > hi ? hi : q);
-                    codes[c] = (uint8_t)(int)(q + off);
+                uint8_t *o = out + (r * a->T + t) * nbytes, *dst = packed ? codes : o;
+                if (midpoint) {
+                    for (int64_t c = 0; c < D; c++) /* 0.5 s is exact; sr == s where s > 0 */
+                        dst[c] = (uint8_t)(keep[c] > 0.0f && row[c] - zr[c] >= 0.5f * sr[c]);
+                } else {
+                    for (int64_t c = 0; c < D; c++) {
+                        /* symmetric: zr is +0, and x - (+0) == x for every x (-0 - +0 == -0) */
+                        float q = rintf((row[c] - zr[c]) / sr[c]);
+                        q = keep[c] > 0.0f ? q : 0.0f;
+                        q = q < lo ? lo : (q > hi ? hi : q);
+                        dst[c] = (uint8_t)(int)(q + off);
+                    }
                 }
-                pack_row(codes, D, bits, out + (r * a->T + t) * nbytes, nbytes);
+                if (packed) pack_row(codes, D, bits, o, nbytes);
             }
         }
     }
