@@ -30,6 +30,7 @@ from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.kv.native_quant import quantize_pack
 from kvbench.kv.quant import pack_bits, quantize_groups, unpack_bits
 from kvbench.kv.schedule import SlidingSchedule
 
@@ -163,19 +164,31 @@ class MixedCodec:
     scale_dtype: torch.dtype = torch.float16
     token_group: int = 1  # (no ``prepare``: SemKVLayer calls ``encode`` itself)
 
-    def encode(self, x: torch.Tensor, high: torch.Tensor) -> MixedBlock:
+    def _quantize(self, x: torch.Tensor, bits: int):
+        """``(codes [B, H_kv, n, D], scale, zero [B, H_kv, n, D / channel_group])`` of
+        ``quantize_groups`` on the channel groups: from the native one-pass quantizer
+        (:mod:`kvbench.kv.native_quant`, the same values, one uint8 code per channel) where it
+        serves ``x``, else from ``quantize_groups``."""
+        cg, sd = self.channel_group, self.scale_dtype
+        got = quantize_pack(x, bits, 1, cg, scale_dtype=sd, packed=False)
+        if got is not None:
+            return got
         b, h, n, d = x.shape
-        g = x.reshape(b, h, n, d // self.channel_group, self.channel_group)
-        lb, hb, sd = self.low_bits, self.high_bits, self.scale_dtype
-        ql, qh = (quantize_groups(g, bits, scale_dtype=sd) for bits in (lb, hb))
-        codes = torch.where(high[..., None, None], qh.codes, ql.codes).reshape(b, h, n, d)
-        scale = torch.where(high[..., None], qh.scale[..., 0], ql.scale[..., 0])
+        q = quantize_groups(x.reshape(b, h, n, d // cg, cg), bits, scale_dtype=sd)
+        return q.codes.reshape(b, h, n, d), q.scale[..., 0], q.zero[..., 0]
+
+    def encode(self, x: torch.Tensor, high: torch.Tensor) -> MixedBlock:
+        d = x.shape[-1]
+        lb, hb = self.low_bits, self.high_bits
+        (cl, sl, zl), (ch, sh, _) = (self._quantize(x, bits) for bits in (lb, hb))
+        codes = torch.where(high[..., None], ch, cl)
+        scale = torch.where(high[..., None], sh, sl)
         # codes in range by construction (quantize_groups clamps; shifts and masks keep them)
         up = (codes >> lb).permute(2, 0, 1, 3)[high.permute(2, 0, 1)]
         extra = pack_bits(up, hb - lb, check=False)
         low = pack_bits(codes & ((1 << lb) - 1), lb, check=False)
         mask = pack_bits(high.to(torch.uint8), 1, check=False)
-        return MixedBlock(low, extra, mask, scale, ql.zero[..., 0], lb, hb, d)
+        return MixedBlock(low, extra, mask, scale, zl, lb, hb, d)
 
 
 def prefill_probabilities(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -277,6 +277,27 @@ class AffineCodec:
             scale_dtype=self.scale_dtype,
         )
 
+    def _native(
+        self, x: torch.Tensor, tokens: int, channels: int, group_len: list[int], shared=False
+    ) -> AffineBlock | None:
+        """The block from the native one-pass quantizer (:mod:`kvbench.kv.native_quant`:
+        the same codes, scales and zeros as the torch path) for groups of ``tokens`` x
+        ``channels``, or ``None`` where it does not serve the input (the torch path runs)."""
+        from kvbench.kv.native_quant import quantize_pack
+
+        got = quantize_pack(
+            x, self.bits, tokens, channels, symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1, scale_dtype=self.scale_dtype,
+            shared=shared,
+        )  # fmt: skip
+        if got is None:
+            return None
+        codes, scale, zero = got
+        return AffineBlock(
+            codes, scale, zero, group_len, self.bits, x.shape[-1], symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1, batch_shared=shared,
+        )  # fmt: skip
+
     def _block(self, codes, q, group_len, head_dim) -> AffineBlock:
         return AffineBlock(
             pack_bits(codes, self.bits, check=False),  # clamped by quantize_groups
@@ -310,6 +331,9 @@ class PerChannelCodec(AffineCodec):
             raise ValueError(
                 f"per-channel groups need a multiple of group_size={g} tokens, got {n}"
             )
+        fast = self._native(x, g, 1, [g] * (n // g))
+        if fast is not None:
+            return fast
         xg = x.reshape(b, h, n // g, g, d).transpose(-1, -2)  # [B, H, NP, D, G]
         q = self._quantize(xg)
         codes = q.codes.transpose(-1, -2).reshape(b, h, n, d)
@@ -337,6 +361,9 @@ class PerTokenCodec(AffineCodec):
             raise ValueError(
                 f"value_group_size={cg} does not divide head_dim={d}; choose a divisor of {d}"
             )
+        fast = self._native(x, 1, cg, [1] * n)
+        if fast is not None:
+            return fast
         q = self._quantize(x.reshape(b, h, n, d // cg, cg))
         codes = q.codes.reshape(b, h, n, d)
         q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
@@ -364,6 +391,9 @@ class PerHeadCodec(AffineCodec):
 
     def encode(self, x: torch.Tensor) -> AffineBlock:
         b, h, n, d = x.shape
+        fast = self._native(x, n, d, [n])
+        if fast is not None:
+            return fast
         q = self._quantize(x.reshape(b, h, 1, n * d))
         codes = q.codes.reshape(b, h, n, d)
         return self._block(codes, q, [n], d)
@@ -381,6 +411,9 @@ class PerTensorCodec(AffineCodec):
 
     def encode(self, x: torch.Tensor) -> AffineBlock:
         b, h, n, d = x.shape
+        fast = self._native(x, n, d, [n], shared=True)
+        if fast is not None:
+            return fast
         q = self._quantize(x.reshape(1, 1, 1, b * h * n * d))
         codes = q.codes.reshape(b, h, n, d)
         return replace(self._block(codes, q, [n], d), batch_shared=True)

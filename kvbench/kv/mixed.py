@@ -32,6 +32,7 @@ import torch
 
 from kvbench.kv.blocks import own_storage
 from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Permutation, dtype_name
+from kvbench.kv.native_quant import quantize_pack
 from kvbench.kv.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
 
 #: ``selector(x [..., T, D], queries [B, H_q, T, D] | None) -> LongTensor [..., D]`` classes
@@ -551,6 +552,15 @@ class MixedChannelCodec:
                 codes.append(torch.zeros(b, h, n, 0, dtype=torch.int32, device=x.device))
                 continue
             mid = self.midpoint and bits == 1
+            got = quantize_pack(  # native one-pass (kvbench.kv.native_quant), same codes
+                xp.reshape(b, h, n, d)[..., off - cnt : off], bits, g, 1, midpoint=mid,
+                scale_dtype=self.scale_dtype, packed=False,
+            )  # fmt: skip
+            if got is not None:
+                codes.append(got[0])
+                scales.append(got[1])
+                zeros.append(got[2])
+                continue
             q = quantize_groups(seg, bits, midpoint=mid, scale_dtype=self.scale_dtype)
             codes.append(q.codes.transpose(-1, -2).reshape(b, h, n, cnt))
             scales.append(q.scale.squeeze(-1))

@@ -235,6 +235,51 @@ def round_up_to_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return st
 
 
+def affine_terms(
+    mn: torch.Tensor,
+    mx: torch.Tensor,
+    bits: int,
+    scale_dtype: torch.dtype,
+    finite: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored terms of asymmetric min-max groups from their float32 ``mn``/``mx`` (any shape):
+    ``(scale, zero, scale_f32, zero_f32)``, ``zero`` = the min cast to ``scale_dtype``,
+    ``scale`` = ``(mx - zero) / (2^bits - 1)`` rounded *up* to ``scale_dtype`` (the range is
+    measured from the stored min so that the max stays covered).  ``finite``: bool mask of the
+    groups held finite (``None``: all).  Raises ``ValueError`` when a finite group's zero or
+    scale overflows ``scale_dtype``.  :func:`quantize_groups` and the native quantizer
+    (:mod:`kvbench.kv.native_quant`) both take their terms from here."""
+    qmax = (1 << bits) - 1
+    mn_st = mn.to(scale_dtype)
+    mnf = mn_st.float()
+    scale_st = round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
+    s = scale_st.float()
+    # one host sync for both overflow checks; the error names the first that fails
+    bad_mn = _unstorable(mnf, finite, scale_dtype, exact=mn)
+    if bool((bad_mn | _unstorable(s, finite, scale_dtype)).any()):
+        _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
+        _check_storable(scale_st, finite, "scale", scale_dtype)
+    return scale_st, mn_st, s, mnf
+
+
+def symmetric_terms(
+    mn: torch.Tensor,
+    mx: torch.Tensor,
+    bits: int,
+    scale_dtype: torch.dtype,
+    finite: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored scale of absmax groups from their float32 ``mn``/``mx``: ``(scale, scale_f32)``,
+    ``max |x| / (2^(bits-1) - 1)`` rounded up to ``scale_dtype``.  Raises ``ValueError`` when a
+    finite group's scale overflows ``scale_dtype``."""
+    # max |x| of the group from its min and max (exact; abs() maps -0.0 to 0.0 as
+    # xs.abs().amax() does), without a tensor-sized abs() temporary
+    amax = torch.maximum(mx, -mn).abs()
+    scale_st = round_up_to_dtype(amax / ((1 << (bits - 1)) - 1), scale_dtype)
+    _check_storable(scale_st, finite, "scale", scale_dtype)
+    return scale_st, scale_st.float()
+
+
 def quantize_groups(
     x: torch.Tensor,
     bits: int,
@@ -283,12 +328,7 @@ def quantize_groups(
     if symmetric:
         half = 1 << (bits - 1)
         qmax_s = half - 1
-        # max |x| of the group from its min and max (exact; abs() maps -0.0 to 0.0 as
-        # xs.abs().amax() does), without a tensor-sized abs() temporary
-        amax = torch.maximum(mx, -mn).abs()
-        scale_st = round_up_to_dtype(amax / qmax_s, scale_dtype)
-        _check_storable(scale_st, finite, "scale", scale_dtype)
-        s = scale_st.float()
+        scale_st, s = symmetric_terms(mn, mx, bits, scale_dtype, finite)
         pos = s > 0
         safe = torch.where(pos, s, torch.ones((), device=x.device))
         q = (xs.div_(safe) if own else xs / safe).round_()  # in place on the working copy
@@ -297,16 +337,7 @@ def quantize_groups(
         codes = q.clamp_(-qmax_s, qmax_s).add_(half).to(torch.int32)
         return GroupQuant(codes, _restore_nan(scale_st, finite), None, bits, symmetric=True)
     qmax = (1 << bits) - 1
-    mn_st = mn.to(scale_dtype)
-    mnf = mn_st.float()
-    # range measured from the *stored* min so that the max stays covered
-    scale_st = round_up_to_dtype((mx - mnf).clamp_min(0) / qmax, scale_dtype)
-    s = scale_st.float()
-    # one host sync for both overflow checks; the error names the first that fails
-    bad_mn = _unstorable(mnf, finite, scale_dtype, exact=mn)
-    if bool((bad_mn | _unstorable(s, finite, scale_dtype)).any()):
-        _check_storable(mn_st, finite, "zero (group min)", scale_dtype, exact=mn)
-        _check_storable(scale_st, finite, "scale", scale_dtype)
+    scale_st, mn_st, s, mnf = affine_terms(mn, mx, bits, scale_dtype, finite)
     pos = s > 0
     if midpoint:  # Eq. 7 [RECON]: q = 1[x - mn >= (mx - mn) / 2]
         q = ((xs - mnf) >= 0.5 * s) & pos

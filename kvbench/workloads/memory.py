@@ -7,8 +7,10 @@ the paper's FP16 storage; recorded) and replayed into a fresh cache of the metho
 ``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
 so the cache holds exactly d tokens at the end.  Each step stores its token and runs the
 deferred flush; only the last two also read the cache by ``path`` (the last is the measured
-step, the one before it warms the kernels it runs): a read changes nothing the cache holds.  kvbench methods replay into their
-:class:`~kvbench.kv.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
+step; the one before it warms the kernels it runs, so first-call allocations stay out of the
+measured peak, and feeds a method that observes attention, e.g. SemKV, as a real step would:
+without it such records change).  Otherwise a read changes nothing the cache holds.  kvbench
+methods replay into their :class:`~kvbench.kv.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
 (``capabilities.layer_cache=False``) into the transformers cache layer they wrap
 (``new_hf_layer().update``).
 

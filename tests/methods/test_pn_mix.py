@@ -372,3 +372,19 @@ def test_query_weighted_pairs_qk_score_beats_key_only_scores():
         kl[score] = _kl(q_decode[0].numpy(), k[0].numpy(), kq[0].numpy())
     assert layer.k.codec.selected_pairs.shape == (1, 1, 8)  # same bits for every score
     assert kl["qk-pair-norm"] < 0.5 * min(kl["k-range"], kl["k-magnitude"], kl["k-pair-norm"])
+
+
+def test_pair_scores_gather_then_cast_is_bit_for_bit():
+    """The pair norms gather each half in the input dtype and then cast (no float32 copy of
+    the whole queries): equal bit for bit to casting everything first."""
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(2, 2, 24, 16, generator=g) * 4).half()
+    q = (torch.randn(2, 4, 24, 16, generator=g) * 4).half()
+    pc = pair_channels(16, "rotate-half")
+    kf, qf = k.float(), q.float()
+    kn = torch.hypot(kf[..., pc[:, 0]], kf[..., pc[:, 1]])
+    qn = torch.hypot(qf[..., pc[:, 0]], qf[..., pc[:, 1]]).reshape(2, 2, 2, 24, 8)
+    assert torch.equal(pair_scores(k, q, "qk-pair-norm"), qn.mean(dim=(2, 3)) * kn.mean(dim=2))
+    causal = (qn * kn.cumsum(dim=2).unsqueeze(2)).sum(dim=3).mean(dim=2)
+    assert torch.equal(pair_scores(k, q, "qk-pair-norm-causal"), causal)
+    assert torch.equal(pair_scores(k, None, "k-pair-norm"), kn.mean(dim=2))

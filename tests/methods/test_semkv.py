@@ -266,3 +266,27 @@ def test_prefill_probabilities_equal_the_reference_bit_for_bit(dtype, b, hq, hkv
     assert torch.equal(prefill_probabilities(q, k), reference_probabilities(q, k))
     with pytest.raises(ValueError, match="do not fit"):
         prefill_probabilities(q[:, :, :, :8], k)
+
+
+@pytest.mark.parametrize("bits", [(2, 4), (3, 8), (1, 3)])
+def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
+    """The two-width per-token encode from the native one-pass quantizer is bit for bit the
+    torch path's (quantize_groups at both widths): every stored tensor of the block."""
+    from kvbench.kv import native_quant
+    from kvbench.methods.semkv import MixedCodec
+
+    if not native_quant.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(sum(bits))
+    x = (torch.randn(2, 3, 20, 16, generator=g) * 3).half()
+    x[0, 1, 4] = 0.5  # a constant group (scale 0)
+    x[1, 0, :, :8] = (torch.arange(20 * 8).reshape(20, 8) % 7).half() * 0.5  # ties
+    high = torch.rand(2, 3, 20, generator=g) < 0.4
+    codec = MixedCodec(*bits, channel_group=8)
+    fast = codec.encode(x, high)
+    with monkeypatch.context() as m:
+        m.setattr(native_quant, "_load", lambda: None)
+        ref = codec.encode(x, high)
+    for name in ("low", "extra", "mask", "scale", "zero"):
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
