@@ -55,7 +55,7 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 8
+ABI_VERSION = 9
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -238,12 +238,6 @@ def _sub(x: torch.Tensor, bits: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).reshape(x.shape).contiguous()
 
 
-def _unsub(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_sub`."""
-    cpw = _layout(bits)[1]
-    return x.reshape(*x.shape[:-1], cpw, -1).transpose(-1, -2).reshape(x.shape)
-
-
 def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
     """Whether the native kernels take ``codes`` (uint8 rows, contiguous last dim, on the
     CPU) of ``bits``-bit codes for ``head_dim`` channels."""
@@ -389,8 +383,10 @@ def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
     a, z, wg = _group_terms(a, z, codes, bits, d)
     p = p.float().contiguous()
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
-    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
-    return _unsub(out, bits)
+    args = _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = 1  # written in natural channel order
+    _call("kv_values", args, bits)
+    return out
 
 
 def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Tensor:
@@ -465,8 +461,10 @@ def values_lut(codes, p, lut, bits: int, d: int) -> torch.Tensor:
     lut = lut.float().contiguous()
     p = p.float().contiguous()
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
-    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut), bits)
-    return _unsub(out, bits)
+    args = _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut)
+    args.natural = 1  # written in natural channel order
+    _call("kv_values", args, bits)
+    return out
 
 
 def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, rope=None):

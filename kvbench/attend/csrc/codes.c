@@ -60,7 +60,8 @@ typedef struct {
     int64_t bit0;         /* MODE_RAW keys: codes start at this bit of the row (0..7; a class
                            * of a bit stream), the row holding `nbytes` bytes from `codes` */
     int natural;          /* keys: 1 = query and row terms in natural channel order (only the
-                           * vectorised keys take it; the others: -3) */
+                           * vectorised keys take it; the others: -3); values: 1 = the output
+                           * in natural channel order */
 } kv_args;
 
 /* 32 bits of a row from bit 8 * byte + sh (sh < 8; byte < nb).  Bits past the row's nb bytes
@@ -827,11 +828,23 @@ static void values_groups_vec(const kv_args *a, int bits) {
         }
 }
 
+/* values written in sub-code order -> natural channel order, per (b, h, m) row (a->natural) */
+static void values_to_natural(const kv_args *a, int bits) {
+    const int64_t W = a->W, cpw = cpw_of(bits), D = W * cpw;
+    float tmp[MAXD];
+    for (int64_t r = 0; r < a->B * a->H * a->M; r++) {
+        float *o = a->out + r * D;
+        memcpy(tmp, o, sizeof(float) * (size_t)D);
+        for (int64_t pos = 0; pos < D; pos++) o[(pos % W) * cpw + pos / W] = tmp[pos];
+    }
+}
+
 static inline __attribute__((always_inline)) int values_impl(const kv_args *a, int bits) {
     const int64_t D = a->W * cpw_of(bits);
     if (D > MAXD) return -1;
     if (values_vec_ok(a, bits)) {
         values_groups_vec(a, bits);
+        if (a->natural && cpw_of(bits) > 1) values_to_natural(a, bits);
         return 0;
     }
     float x[MAXD];
@@ -850,6 +863,7 @@ static inline __attribute__((always_inline)) int values_impl(const kv_args *a, i
                 }
             }
         }
+    if (a->natural && a->mode != MODE_STREAM && cpw_of(bits) > 1) values_to_natural(a, bits);
     return 0;
 }
 
@@ -1230,4 +1244,4 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     }
 }
 
-int kv_abi_version(void) { return 8; }
+int kv_abi_version(void) { return 9; }
