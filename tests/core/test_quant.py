@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kv.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
+from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
 from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
@@ -493,3 +493,109 @@ def test_stored_min_above_the_true_min_clamps_codes_at_zero() -> None:
     assert float(np.float16(np.float32(1) / 15)) < 1 / 15
     assert g.scale.item() == float(np.float16(np.float32(1) / 15)) + 2.0**-14
     assert g.codes.tolist() == [[0, 0, 15, 7]]  # 1 / s = 14.99, 0.5 / s = 7.495
+
+
+# ------------------------------------------------------------------ codec layouts (kv.blocks)
+def _affine(bits, d, dtype, names, tokens, channels, packing="lsb-first"):
+    """The layout of docs/methods.md#common-conventions written out: ``bits``-bit codes of
+    ``d`` channels, one of each of ``names`` per ``tokens`` x ``channels`` rectangle."""
+    from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
+
+    terms = GroupTerms(names, dtype, tokens, channels)
+    return BlockLayout(Codes.uniform(bits, d, packing), terms, page_len=tokens)
+
+
+SZ = ("scale", "zero")
+
+
+@pytest.mark.parametrize(
+    "codec, args, want",
+    [
+        # KIVI per-channel: one fp16 (scale, zero) per channel per G tokens
+        (PerChannelCodec(2, torch.float16, group_size=4), (16,), _affine(2, 16, "float16", SZ, 4, 1)),
+        (PerChannelCodec(2, torch.float16, group_size=4), (16, 64), _affine(2, 16, "float16", SZ, 4, 1)),
+        # 16-bit codes are stored as int16; symmetric codes keep no zero
+        (PerChannelCodec(16, F32, symmetric=True, group_size=2), (8,),
+         _affine(16, 8, "float32", ("scale",), 2, 1, "int16")),
+        # per-token: one (scale, zero) per token per channel group
+        (PerTokenCodec(4, torch.bfloat16, channel_group=8), (16,), _affine(4, 16, "bfloat16", SZ, 1, 8)),
+        (PerTokenCodec(8, torch.float16, symmetric=True, channel_group=4), (8, 32),
+         _affine(8, 8, "float16", ("scale",), 1, 4)),
+        # whole-flush groups: one per flush of `flush_tokens` tokens x all channels; a flush of
+        # 1 token when not given, at least 1 token when 0
+        (PerHeadCodec(3), (16, 5), _affine(3, 16, "float16", SZ, 5, 16)),
+        (PerHeadCodec(3), (16,), _affine(3, 16, "float16", SZ, 1, 16)),
+        (PerHeadCodec(3), (16, 0), _affine(3, 16, "float16", SZ, 1, 16)),
+        (PerTensorCodec(5, F32), (8, 3), _affine(5, 8, "float32", SZ, 3, 8)),
+        (PerTensorCodec(5, F32), (8,), _affine(5, 8, "float32", SZ, 1, 8)),
+    ],
+)  # fmt: skip
+def test_codec_layout_by_hand(codec, args, want) -> None:
+    assert codec.layout(*args) == want
+
+
+@pytest.mark.parametrize(
+    "codec, n",
+    [
+        (PerChannelCodec(2, torch.float16, group_size=4), 8),
+        (PerChannelCodec(16, F32, symmetric=True, group_size=2), 4),
+        (PerTokenCodec(3, torch.bfloat16, channel_group=4), 3),
+        (PerTokenCodec(8, torch.float16, symmetric=True, channel_group=8), 2),
+        (PerHeadCodec(4, F32), 6),
+    ],
+)
+def test_codec_layout_bits_are_the_bytes_its_blocks_hold(codec, n) -> None:
+    # bytes actually stored by a block of n tokens = elements x the layout's bits / 8
+    from kvbench.kv.layout import layout_bits
+
+    b, h, d = 2, 3, 8
+    x = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(n))
+    blk = codec.encode(x)
+    held = sum(t.numel() * t.element_size() for _, t in blk.tensors())
+    assert held * 8 == b * h * n * d * layout_bits(codec.layout(d, n))
+
+
+def test_per_token_layout_rejects_a_channel_group_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match=r"value_group_size=8 does not divide head_dim=12; "
+                                          r"choose a divisor of 12"):  # fmt: skip
+        PerTokenCodec(2, channel_group=8).layout(12)
+    with pytest.raises(ValueError, match=r"value_group_size=8 does not divide head_dim=12; "
+                                          r"choose a divisor of 12"):  # fmt: skip
+        PerTokenCodec(2, channel_group=8).encode(torch.zeros(1, 1, 2, 12))
+
+
+@pytest.mark.parametrize("which", ["per-channel", "per-token", "per-head", "per-tensor"])
+def test_codecs_with_codes_not_filling_whole_bytes(ref, which) -> None:
+    # 3-bit codes of D = 6 channels: 18 bits in 3 bytes, so unpacking must trim to head_dim
+    b, h, n, d, bits = 2, 2, 4, 6, 3
+    x = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(5))
+    xn = x.double().numpy()
+    if which == "per-channel":
+        codec, want = PerChannelCodec(bits, F32, group_size=2), ref.per_channel(xn, bits, 2)["xhat"]
+    elif which == "per-token":
+        codec, want = PerTokenCodec(bits, F32, channel_group=3), ref.per_token(xn, bits, 3)["xhat"]
+    elif which == "per-head":
+        codec, want = PerHeadCodec(bits, F32), ref.minmax(xn.reshape(b, h, n * d), bits)["xhat"]
+    else:
+        codec, want = PerTensorCodec(bits, F32), ref.minmax(xn.reshape(-1), bits)["xhat"]
+    blk = codec.encode(x)
+    assert blk.codes.shape == (b, h, n, 3)
+    np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want.reshape(b, h, n, d),
+                               atol=1e-5)  # fmt: skip
+    assert blk.layout == codec.layout(d, n)
+
+
+@pytest.mark.parametrize("keep, lens", [(0, []), (1, [1]), (2, [2]), (3, [2, 1]), (4, [2, 2]),
+                                        (6, [2, 2, 2])])  # fmt: skip
+def test_block_crop_keeps_the_groups_it_covers(ref, keep, lens) -> None:
+    x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(keep))
+    blk = PerChannelCodec(2, F32, group_size=2).encode(x)
+    cut = blk.crop(keep)
+    # a group cut in two keeps its (scale, zero); no group beyond the kept tokens is stored
+    assert cut.group_len == lens and cut.scale.shape[2] == cut.zero.shape[2] == len(lens)
+    assert all(ref.own(t) for _, t in cut.tensors())
+    held = sum(t.numel() * t.element_size() for _, t in cut.tensors())
+    assert held == keep * 2 * 1 + len(lens) * 2 * 4 * 2 * 4  # 2-bit codes; fp32 (scale, zero)
+    if keep:
+        want = ref.per_channel(x.double().numpy(), 2, 2)["xhat"][:, :, :keep]
+        np.testing.assert_allclose(cut.dequantize(torch.float64).numpy(), want, atol=1e-5)
