@@ -599,3 +599,55 @@ def test_block_crop_keeps_the_groups_it_covers(ref, keep, lens) -> None:
     if keep:
         want = ref.per_channel(x.double().numpy(), 2, 2)["xhat"][:, :, :keep]
         np.testing.assert_allclose(cut.dequantize(torch.float64).numpy(), want, atol=1e-5)
+
+
+def test_block_crop_of_symmetric_codes_keeps_no_zero() -> None:
+    x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(9))
+    blk = PerChannelCodec(2, F32, symmetric=True, group_size=2).encode(x)
+    cut = blk.crop(3)
+    assert cut.zero is None and cut.group_len == [2, 1] and cut.scale.shape[2] == 2
+    torch.testing.assert_close(cut.dequantize(F32), blk.dequantize(F32)[:, :, :3])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_block_cat_appends_tokens_and_groups(symmetric) -> None:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 2, 4, generator=g)
+    codec = PerChannelCodec(2, F32, symmetric=symmetric, group_size=2)
+    ba, bb = codec.encode(a), codec.encode(b)
+    both = ba.cat(bb)
+    assert both.group_len == [2, 2, 2] and both.ntokens == 6 and both.scale.shape[2] == 3
+    assert (both.zero is None) == symmetric
+    torch.testing.assert_close(
+        both.dequantize(F32), torch.cat([ba.dequantize(F32), bb.dequantize(F32)], dim=2)
+    )
+    # the codes and metadata of the two parts, in order, nothing else
+    held = sum(t.numel() * t.element_size() for _, t in both.tensors())
+    assert held == sum(t.numel() * t.element_size() for blk in (ba, bb) for _, t in blk.tensors())
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        PerTokenCodec(3, F32, channel_group=4),  # bits
+        PerTokenCodec(2, F32, symmetric=True, channel_group=4),  # symmetric
+        PerTokenCodec(2, F32, channel_group=2),  # channel groups
+    ],
+)
+def test_block_cat_refuses_other_settings(other) -> None:
+    x = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(0))
+    blk = PerTokenCodec(2, F32, channel_group=4).encode(x)
+    msg = "cannot concatenate blocks of different quantizer settings"
+    with pytest.raises(ValueError, match=msg):
+        blk.cat(other.encode(x))
+    with pytest.raises(ValueError, match=msg):
+        other.encode(x).cat(blk)
+
+
+def test_block_cat_refuses_one_bit_midpoint_with_plain() -> None:
+    x = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(1))
+    mid = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
+    plain = PerTokenCodec(1, F32, channel_group=4).encode(x)
+    with pytest.raises(ValueError, match="different quantizer settings"):
+        mid.cat(plain)
+    assert mid.cat(mid).ntokens == 4
