@@ -467,3 +467,85 @@ def test_generation_batched_run_pads_and_refuses_methods_without_padding(monkeyp
     wl1 = Generation(Generation.validate({**spec, "batch_size": 1}))
     wl1.items = wl.items
     assert wl1.run(_ctx(), no_pad).info["padding"]["pad_tokens"] == 0
+
+
+# ------------------------------------------------------------------------------ plumbing
+def _bootstrap_by_hand(values, seed, n_boot=1000):
+    """Percentile bootstrap of the mean (Efron & Tibshirani 1993, ch. 13) with the documented
+    seeding (a torch generator seeded ``seed`` draws the resample indices), float64 numpy."""
+    x = np.asarray(values, dtype=np.float64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(x), (n_boot, len(x)), generator=g).numpy()
+    return tuple(np.quantile(x[idx].mean(-1), [0.025, 0.975]))
+
+
+@pytest.mark.parametrize("head_dim", [64, None])
+def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measured(
+    monkeypatch, head_dim
+) -> None:
+    prefill, t, n = 4, 12, 3
+    g = torch.Generator().manual_seed(3)
+    windows = [torch.randint(0, V, (t,), generator=g) for _ in range(n)]
+    refs = [_logprobs(t - prefill, 50 + w) for w in range(n)]
+    lps = [torch.log_softmax(r + _logprobs(t - prefill, 60 + w), -1) for w, r in enumerate(refs)]
+    method = get_method("per-head", bits=2, residual_length=4)
+    model, prompts, calls = object(), [object() for _ in range(n)], []
+
+    def fake(*args, info=None):
+        calls.append(args)
+        info["paths"] = {"code-domain": len(calls)}
+        return lps[len(calls) - 1], {"total": 100 * len(calls)}
+
+    monkeypatch.setattr(ppl_mod, "chunked_logits", fake)
+    spec = {"type": "perplexity", "tokens": t, "prefill": prefill, "chunk": 3, "windows": n,
+            "path": "reference"}  # fmt: skip
+    wl = Perplexity(Perplexity.validate(spec))
+    wl.windows, wl.ref, wl.prompts, wl.info = windows, refs, prompts, {"dataset": "d"}
+    info = {} if head_dim is None else {"head_dim": head_dim}
+    ctx = SimpleNamespace(model=model, seed=5, model_info=info, shared={})
+    res = wl.run(ctx, method)
+    for (m_, ids, meth, p, c, path, prompt), w, pr in zip(calls, windows, prompts):
+        assert m_ is model and meth is method and prompt is pr
+        assert ids.tolist() == [w.tolist()] and (p, c, path) == (prefill, 3, "reference")
+    assert len(calls) == n
+    m = res.metrics
+    assert m["bytes_total"] == 300  # the last window's cache
+    # nominal bits by hand: 2 bits + an fp16 (scale, zero) per flush of R = 4 tokens x
+    # head_dim channels (128 when the model does not say)
+    d = head_dim or 128
+    assert m["nominal_key_bits"] == 2 + 32 / (4 * d) and m["nominal_value_bits"] == 16
+    # per-window values and their intervals, by float64 loops and a bootstrap by hand
+    nll, nll_ref, kls, agree = [], [], [], []
+    for w, ref, lp in zip(windows, refs, lps):
+        tgt = w[prefill:].tolist()
+        nll.append(-sum(lp[i, k].double().item() for i, k in enumerate(tgt)) / len(tgt))
+        nll_ref.append(-sum(ref[i, k].double().item() for i, k in enumerate(tgt)) / len(tgt))
+        kls.append(sum(_kl_loop(ref, lp)) / len(tgt))
+        agree.append(sum(_agree_loop(ref, lp)) / len(tgt))
+    per = res.per_layer
+    assert per["window_nll"] == pytest.approx(nll, rel=1e-5)
+    assert per["window_nll_ref"] == pytest.approx(nll_ref, rel=1e-5)
+    assert per["window_kl"] == pytest.approx(kls, rel=1e-5)
+    assert per["window_top1"] == pytest.approx(agree, abs=1e-7)
+    deltas = [math.exp(a) - math.exp(b) for a, b in zip(nll, nll_ref)]
+    for name, vals in (("ppl_delta", deltas), ("next_token_kl", kls), ("top1_agreement", agree)):
+        lo, hi = _bootstrap_by_hand(vals, seed=5)
+        assert m[f"{name}_ci_low"] == pytest.approx(lo, rel=1e-5, abs=1e-7), name
+        assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-5, abs=1e-7), name
+    assert res.info == {"dataset": "d", "decode_attention": {"paths": {"code-domain": 3}}}
+    assert wl.info == {"dataset": "d"}  # the workload's shared info is not changed
+
+
+def test_perplexity_run_without_prompts_prefills_through_the_model(monkeypatch) -> None:
+    seen = []
+
+    def fake(*args, info=None):
+        seen.append(args[6])  # the prompt state handed to chunked_logits
+        return _logprobs(6, 1), {}
+
+    monkeypatch.setattr(ppl_mod, "chunked_logits", fake)
+    wl = Perplexity(Perplexity.validate({"type": "perplexity", "tokens": 10, "prefill": 4}))
+    wl.windows, wl.ref, wl.info = [torch.arange(10) % V] * 2, [_logprobs(6, 2)] * 2, {}
+    res = wl.run(_ctx(), get_method("full"))
+    assert seen == [None, None]  # no captured prompt: each window's prefill runs the model
+    assert "bytes_total" not in res.metrics and "decode_attention" not in res.info
