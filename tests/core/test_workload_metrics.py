@@ -384,9 +384,16 @@ def test_fidelity_run_averages_layers(layers) -> None:
 
 
 # ------------------------------------------------------------------------------ batching
-def _fake_model_calls(monkeypatch, calls):
+def _fake_model_calls(monkeypatch, calls, seen=None):
     """Replace the four model-facing helpers by recorders: a continuation is the prompt's
-    first id repeated, a log-prob matrix is a constant that names the prompt and continuation."""
+    first id repeated, a log-prob matrix is a constant that names the prompt and continuation;
+    ``seen`` gets each call's (model, method) and its ``info`` is marked."""
+    seen = [] if seen is None else seen
+
+    def note(model, method, info):
+        seen.append((model, method))
+        if info is not None:
+            info["paths"] = {"reference": len(seen)}
 
     def cont(p, n):
         return torch.full((n,), int(p.reshape(-1)[0]))
@@ -396,20 +403,24 @@ def _fake_model_calls(monkeypatch, calls):
 
     def greedy(model, p, method, n, path, info=None):
         calls.append(("greedy", int(p.reshape(-1)[0]), n, path))
+        note(model, method, info)
         return cont(p, n)
 
     def greedy_batch(model, ps, method, n, path, info=None, ledger=None):
         calls.append(("greedy_batch", [int(p.reshape(-1)[0]) for p in ps], n, path))
+        note(model, method, info)
         ledger.add([p.shape[-1] for p in ps])
         return [cont(p, n) for p in ps]
 
     def forced(model, p, c, method, path, info=None):
         calls.append(("forced", int(p.reshape(-1)[0]), c.tolist(), path))
+        note(model, method, info)
         return lp(p, c)
 
     def forced_batch(model, ps, cs, method, path, info=None):
         calls.append(("forced_batch", [int(p.reshape(-1)[0]) for p in ps],
                       [c.tolist() for c in cs], path))  # fmt: skip
+        note(model, method, info)
         return [lp(p, c) for p, c in zip(ps, cs)]
 
     monkeypatch.setattr(gen_mod, "greedy", greedy)
@@ -549,3 +560,45 @@ def test_perplexity_run_without_prompts_prefills_through_the_model(monkeypatch) 
     res = wl.run(_ctx(), get_method("full"))
     assert seen == [None, None]  # no captured prompt: each window's prefill runs the model
     assert "bytes_total" not in res.metrics and "decode_attention" not in res.info
+
+
+def test_generation_run_teacher_forces_the_reference_and_reports_per_prompt(monkeypatch) -> None:
+    calls, seen = [], []
+    _fake_model_calls(monkeypatch, calls, seen)
+    spec = {"type": "generation", "new_tokens": 2, "bucket": 1, "path": "reference"}
+    wl = Generation(Generation.validate(spec))
+    prompts = [torch.tensor([[1] * 3]), torch.tensor([[2] * 2]), torch.tensor([[3] * 4])]
+    refs = [torch.tensor([1, 4]), torch.tensor([2, 2]), torch.tensor([0, 3])]
+    ref_lps = [torch.log_softmax(_logprobs(2, 70 + i)[:, :3], -1) for i in range(3)]
+    wl.items = list(zip(prompts, refs, ref_lps))
+    model, method = object(), get_method("full")
+    res = wl.run(SimpleNamespace(model=model, seed=5, model_info={}, shared={}), method)
+    # one prompt at a time: its greedy continuation, then its *reference* teacher-forced
+    assert calls == [
+        c for i, r in zip((1, 2, 3), refs)
+        for c in (("greedy", i, 2, "reference"), ("forced", i, r.tolist(), "reference"))
+    ]  # fmt: skip
+    assert all(m_ is model and meth is method for m_, meth in seen) and len(seen) == 6
+    # greedy continuations [1, 1], [2, 2], [3, 3] against the references, by hand
+    first, match = [1, 2, 0], [0.5, 1.0, 0.5]
+    per = res.per_layer
+    assert per["first_divergence"] == first and per["match_rate"] == match
+    # the forced log-probs are constants 100 * prompt + first token, so one per prompt
+    lps = [torch.full((2, 3), float(100 * i + int(r[0]))) for i, r in zip((1, 2, 3), refs)]
+    assert len(per["next_token_kl"]) == 3
+    for r, q, want in zip(ref_lps, lps, per["next_token_kl"]):  # sum_v p_ref (log p_ref - lp)
+        steps = [sum(math.exp(a) * (a - b) for a, b in zip(r[i].tolist(), q[i].tolist()))
+                 for i in range(2)]  # fmt: skip
+        assert want == pytest.approx(sum(steps) / 2, rel=1e-5)
+    m = res.metrics
+    assert m["gen_first_divergence"] == 1 and m["gen_match_rate"] == pytest.approx(2 / 3)
+    for name, vals in (("gen_first_divergence", first), ("gen_match_rate", match)):
+        lo, hi = _bootstrap_by_hand(vals, seed=5)
+        assert m[f"{name}_ci_low"] == pytest.approx(lo, rel=1e-9, abs=1e-12), name
+        assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-9, abs=1e-12), name
+    assert res.info["prompts"] == 3 and res.info["bucket"] == 1
+    assert res.info["decode_attention"] == {"paths": {"reference": 6}}
+    pad = res.info["padding"]
+    assert (pad["batch_size"], pad["batches"], pad["prompt_tokens"], pad["pad_tokens"]) == (
+        1, 3, 9, 0,
+    )  # fmt: skip
