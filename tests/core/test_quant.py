@@ -580,6 +580,8 @@ def test_codecs_with_codes_not_filling_whole_bytes(ref, which) -> None:
         codec, want = PerTensorCodec(bits, F32), ref.minmax(xn.reshape(-1), bits)["xhat"]
     blk = codec.encode(x)
     assert blk.codes.shape == (b, h, n, 3)
+    for dtype in (torch.float16, torch.float64):  # read in the dtype asked for
+        assert blk.dequantize(dtype).dtype == dtype
     np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want.reshape(b, h, n, d),
                                atol=1e-5)  # fmt: skip
     assert blk.layout == codec.layout(d, n)
@@ -651,3 +653,22 @@ def test_block_cat_refuses_one_bit_midpoint_with_plain() -> None:
     with pytest.raises(ValueError, match="different quantizer settings"):
         mid.cat(plain)
     assert mid.cat(mid).ntokens == 4
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_per_token_block_by_hand(bits) -> None:
+    # symmetric codes: s = max|x| / (2^(b-1) - 1) per group, x^ = round(x / s) * s
+    x = torch.randn(2, 1, 3, 8, generator=torch.Generator().manual_seed(bits))
+    blk = PerTokenCodec(bits, F32, symmetric=True, channel_group=4).encode(x)
+    g = x.double().numpy().reshape(2, 1, 3, 2, 4)
+    s = np.abs(g).max(-1, keepdims=True) / (2 ** (bits - 1) - 1)
+    want = (np.round(g / s) * s).reshape(2, 1, 3, 8)
+    assert blk.zero is None
+    np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_per_channel_encode_needs_whole_groups() -> None:
+    with pytest.raises(
+        ValueError, match="per-channel groups need a multiple of group_size=4 tokens, got 6"
+    ):
+        PerChannelCodec(2, group_size=4).encode(torch.zeros(1, 1, 6, 2))
