@@ -672,3 +672,23 @@ def test_per_channel_encode_needs_whole_groups() -> None:
         ValueError, match="per-channel groups need a multiple of group_size=4 tokens, got 6"
     ):
         PerChannelCodec(2, group_size=4).encode(torch.zeros(1, 1, 6, 2))
+
+
+def test_one_bit_midpoint_codec_thresholds_at_the_midpoint() -> None:
+    # PN-Mix Eq. 7: q = 1[x - mn >= (mx - mn) / 2]; 0.5 lies on the midpoint, where plain
+    # rounding (half to even) gives 0; reconstruction mn + (q + 1/2) * s / 2 with s = 1
+    x = torch.tensor([0.0, 0.5, 1.0, 0.25]).reshape(1, 1, 1, 4)
+    blk = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
+    assert blk.unpacked_codes().flatten().tolist() == [0, 1, 1, 0]
+    assert blk.dequantize(F32).flatten().tolist() == [0.25, 0.75, 0.75, 0.25]
+
+
+def test_own_storage_keeps_an_owning_tensor_and_compacts_a_view() -> None:
+    from kvbench.kv.blocks import own_storage
+
+    t = torch.randn(2, 4, 3)
+    assert own_storage(t) is t  # spans its whole allocation: no copy
+    view = t[0].t()  # [3, 4], strides (1, 3): dense, but a third of a 24-float allocation
+    kept = own_storage(view)
+    assert torch.equal(kept, view) and kept.is_contiguous()
+    assert kept.untyped_storage().nbytes() == 12 * 4
