@@ -681,6 +681,10 @@ def test_one_bit_midpoint_codec_thresholds_at_the_midpoint() -> None:
     blk = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
     assert blk.unpacked_codes().flatten().tolist() == [0, 1, 1, 0]
     assert blk.dequantize(F32).flatten().tolist() == [0.25, 0.75, 0.75, 0.25]
+    # a plain 1-bit codec rounds (x - mn) / s: 0.5 goes to the even code 0
+    plain = PerTokenCodec(1, F32, channel_group=4).encode(x)
+    assert plain.unpacked_codes().flatten().tolist() == [0, 0, 1, 0]
+    assert plain.dequantize(F32).flatten().tolist() == [0.0, 0.0, 1.0, 0.0]
 
 
 def test_own_storage_keeps_an_owning_tensor_and_compacts_a_view() -> None:
