@@ -602,3 +602,22 @@ def test_generation_run_teacher_forces_the_reference_and_reports_per_prompt(monk
     assert (pad["batch_size"], pad["batches"], pad["prompt_tokens"], pad["pad_tokens"]) == (
         1, 3, 9, 0,
     )  # fmt: skip
+
+
+def test_generation_intervals_resample_with_the_run_seed(monkeypatch) -> None:
+    _fake_model_calls(monkeypatch, [])
+    firsts = [0, 3, 7, 1, 10]  # prompt i's greedy run ([i] * 10) leaves its reference there
+    refs = [torch.tensor([i] * k + [99] * (10 - k)) for i, k in enumerate(firsts)]
+    wl = Generation(Generation.validate({"type": "generation", "new_tokens": 10, "bucket": 5}))
+    wl.items = [(torch.tensor([[i]]), r, torch.zeros(10, 3)) for i, r in enumerate(refs)]
+    m = wl.run(SimpleNamespace(model=None, seed=7, model_info={}, shared={}), get_method("full"))
+    assert m.per_layer["first_divergence"] == firsts
+    for name, vals in (
+        ("gen_first_divergence", firsts),
+        ("gen_match_rate", [k / 10 for k in firsts]),
+    ):
+        lo, hi = _bootstrap_by_hand(vals, seed=7)
+        assert (m.metrics[f"{name}_ci_low"], m.metrics[f"{name}_ci_high"]) == pytest.approx(
+            (lo, hi)
+        )
+        assert _bootstrap_by_hand(vals, seed=0) != pytest.approx((lo, hi))  # the seed matters here
