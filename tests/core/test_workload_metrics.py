@@ -390,10 +390,10 @@ def _fake_model_calls(monkeypatch, calls, seen=None):
     ``seen`` gets each call's (model, method) and its ``info`` is marked."""
     seen = [] if seen is None else seen
 
-    def note(model, method, info):
+    def note(kind, model, method, info):
         seen.append((model, method))
-        if info is not None:
-            info["paths"] = {"reference": len(seen)}
+        if info is not None:  # the decode record each call adds to
+            info.setdefault("calls", []).append(kind)
 
     def cont(p, n):
         return torch.full((n,), int(p.reshape(-1)[0]))
@@ -403,24 +403,24 @@ def _fake_model_calls(monkeypatch, calls, seen=None):
 
     def greedy(model, p, method, n, path, info=None):
         calls.append(("greedy", int(p.reshape(-1)[0]), n, path))
-        note(model, method, info)
+        note("greedy", model, method, info)
         return cont(p, n)
 
     def greedy_batch(model, ps, method, n, path, info=None, ledger=None):
         calls.append(("greedy_batch", [int(p.reshape(-1)[0]) for p in ps], n, path))
-        note(model, method, info)
+        note("greedy_batch", model, method, info)
         ledger.add([p.shape[-1] for p in ps])
         return [cont(p, n) for p in ps]
 
     def forced(model, p, c, method, path, info=None):
         calls.append(("forced", int(p.reshape(-1)[0]), c.tolist(), path))
-        note(model, method, info)
+        note("forced", model, method, info)
         return lp(p, c)
 
     def forced_batch(model, ps, cs, method, path, info=None):
         calls.append(("forced_batch", [int(p.reshape(-1)[0]) for p in ps],
                       [c.tolist() for c in cs], path))  # fmt: skip
-        note(model, method, info)
+        note("forced_batch", model, method, info)
         return [lp(p, c) for p, c in zip(ps, cs)]
 
     monkeypatch.setattr(gen_mod, "greedy", greedy)
@@ -437,9 +437,11 @@ def test_run_batched_cuts_batches_and_teacher_forces_the_right_continuation(
     _fake_model_calls(monkeypatch, calls)
     prompts = [torch.tensor([[p] * n]) for p, n in ((1, 3), (2, 5), (3, 4))]  # [1, P_i]
     refs = [torch.tensor([7, 8]), torch.tensor([6, 6]), torch.tensor([9, 5])]
-    ledger = gen_mod.PadLedger(2)
+    ledger, info = gen_mod.PadLedger(2), {}
     gens, lps = run_batched(None, prompts, get_method("full"), 2, "reference", 2,
-                            refs if with_refs else None, {}, ledger)  # fmt: skip
+                            refs if with_refs else None, info, ledger)  # fmt: skip
+    # every call records its decode paths in the one info record
+    assert info == {"calls": ["greedy_batch", "forced_batch", "greedy", "forced"]}
     # batches [0, 1] and [2]; greedy continuations are the prompt id repeated
     assert [g.tolist() for g in gens] == [[1, 1], [2, 2], [3, 3]]
     forced = refs if with_refs else gens
@@ -597,7 +599,7 @@ def test_generation_run_teacher_forces_the_reference_and_reports_per_prompt(monk
         assert m[f"{name}_ci_low"] == pytest.approx(lo, rel=1e-9, abs=1e-12), name
         assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-9, abs=1e-12), name
     assert res.info["prompts"] == 3 and res.info["bucket"] == 1
-    assert res.info["decode_attention"] == {"paths": {"reference": 6}}
+    assert res.info["decode_attention"] == {"calls": ["greedy", "forced"] * 3}
     pad = res.info["padding"]
     assert (pad["batch_size"], pad["batches"], pad["prompt_tokens"], pad["pad_tokens"]) == (
         1, 3, 9, 0,
