@@ -433,13 +433,14 @@ def _fake_model_calls(monkeypatch, calls, seen=None):
 def test_run_batched_cuts_batches_and_teacher_forces_the_right_continuation(
     monkeypatch, with_refs
 ) -> None:
-    calls = []
-    _fake_model_calls(monkeypatch, calls)
+    calls, seen = [], []
+    _fake_model_calls(monkeypatch, calls, seen)
     prompts = [torch.tensor([[p] * n]) for p, n in ((1, 3), (2, 5), (3, 4))]  # [1, P_i]
     refs = [torch.tensor([7, 8]), torch.tensor([6, 6]), torch.tensor([9, 5])]
-    ledger, info = gen_mod.PadLedger(2), {}
-    gens, lps = run_batched(None, prompts, get_method("full"), 2, "reference", 2,
+    ledger, info, model, method = gen_mod.PadLedger(2), {}, object(), get_method("full")
+    gens, lps = run_batched(model, prompts, method, 2, "reference", 2,
                             refs if with_refs else None, info, ledger)  # fmt: skip
+    assert seen == [(model, method)] * 4  # every call gets the model and the method
     # every call records its decode paths in the one info record
     assert info == {"calls": ["greedy_batch", "forced_batch", "greedy", "forced"]}
     # batches [0, 1] and [2]; greedy continuations are the prompt id repeated
