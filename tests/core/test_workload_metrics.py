@@ -497,7 +497,7 @@ def _bootstrap_by_hand(values, seed, n_boot=1000):
 def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measured(
     monkeypatch, head_dim
 ) -> None:
-    prefill, t, n = 4, 12, 3
+    prefill, t, n = 4, 12, 6
     g = torch.Generator().manual_seed(3)
     windows = [torch.randint(0, V, (t,), generator=g) for _ in range(n)]
     refs = [_logprobs(t - prefill, 50 + w) for w in range(n)]
@@ -523,7 +523,7 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
         assert ids.tolist() == [w.tolist()] and (p, c, path) == (prefill, 3, "reference")
     assert len(calls) == n
     m = res.metrics
-    assert m["bytes_total"] == 300  # the last window's cache
+    assert m["bytes_total"] == 600  # the last window's cache
     # nominal bits by hand: 2 bits + an fp16 (scale, zero) per flush of R = 4 tokens x
     # head_dim channels (128 when the model does not say)
     d = head_dim or 128
@@ -546,7 +546,9 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
         lo, hi = _bootstrap_by_hand(vals, seed=5)
         assert m[f"{name}_ci_low"] == pytest.approx(lo, rel=1e-5, abs=1e-7), name
         assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-5, abs=1e-7), name
-    assert res.info == {"dataset": "d", "decode_attention": {"paths": {"code-domain": 3}}}
+        if name != "top1_agreement":  # continuous values: another seed, another interval
+            assert _bootstrap_by_hand(vals, seed=0) != pytest.approx((lo, hi))
+    assert res.info == {"dataset": "d", "decode_attention": {"paths": {"code-domain": 6}}}
     assert wl.info == {"dataset": "d"}  # the workload's shared info is not changed
 
 
