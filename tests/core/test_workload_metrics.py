@@ -626,3 +626,18 @@ def test_generation_intervals_resample_with_the_run_seed(monkeypatch) -> None:
             (lo, hi)
         )
         assert _bootstrap_by_hand(vals, seed=0) != pytest.approx((lo, hi))  # the seed matters here
+
+
+def test_fidelity_run_of_a_one_layer_synthetic_source() -> None:
+    spec = {"type": "fidelity", "source": "synthetic", "tokens": 12, "prefill": 8,
+            "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 8}  # fmt: skip
+    wl = Fidelity(Fidelity.validate(spec))
+    wl.prepare(_ctx(seed=3))
+    method = get_method("per-head", bits=2, residual_length=4)
+    res = wl.run(_ctx(seed=3), method)
+    c = wl.captured
+    want = _fidelity_by_hand(method, c.queries[0], c.keys[0], c.values[0], 8, None)
+    # 2 bits + an fp16 (scale, zero) per flush of 4 tokens x 8 channels: 3 bits
+    want |= {"nominal_key_bits": 3.0, "nominal_value_bits": 16.0}
+    _check_close(res.metrics, want)
+    assert res.per_layer["layers"] == [0]
