@@ -311,8 +311,8 @@ def test_append_in_another_dtype(layer) -> None:
     x = torch.randn(1, 2, 1, 8)  # float32 into a float16 cache would be promoted silently
     with pytest.raises(
         ValueError,
-        match=r"new tokens are torch.float32 but the cache holds "
-        r"torch.float16",
+        match=r"^new tokens are torch.float32 but the cache holds torch.float16; append tokens "
+        r"in the cache's dtype$",  # what to do, in full
     ):
         layer.append(x, x)
     assert layer.seq_length == 5 and layer.k.residual.dtype == torch.float16
