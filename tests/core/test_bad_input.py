@@ -319,3 +319,19 @@ def test_append_in_another_dtype(layer) -> None:
     layer.reset()  # an emptied cache takes the dtype of what arrives next
     layer.append(x, x)
     assert layer.keys_values()[0].dtype == torch.float32
+
+
+def test_values_of_another_rank_are_refused_as_a_layout_error(layer) -> None:
+    k = torch.randn(1, 2, 5, 8)
+    with pytest.raises(
+        ValueError, match=r"must be \[B, H_kv, T, D\]; got shapes \(1, 2, 5, 8\) and \(2, 5, 8\)"
+    ):
+        layer.prefill(k, k[0])
+
+
+def test_append_of_another_batch_names_the_cache_layout(layer) -> None:
+    layer.prefill(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    x = torch.randn(2, 2, 1, 8)
+    want = r"^new tokens \(2, 2, 1, 8\) do not match the cache's \[B, H_kv, \*, D\] = \(1, 2, '\*', 8\)$"
+    with pytest.raises(ValueError, match=want):
+        layer.append(x, x)
