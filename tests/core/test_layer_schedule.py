@@ -467,8 +467,9 @@ def test_prefill_with_its_queries_prepares_the_key_codec_once() -> None:
         SlidingSchedule(2), SlidingSchedule(2), needs_queries=True,
     )  # fmt: skip
     x, q = rand(1, 1, 6, 4, seed=10), rand(1, 2, 6, 4, seed=11)
+    assert layer.awaiting_queries is False  # a bool before any prefill too
     layer.prefill(x, x, queries=q)
-    assert len(seen) == 1 and seen[0][0] == 2
+    assert layer.awaiting_queries is False and len(seen) == 1 and seen[0][0] == 2
     assert torch.equal(seen[0][1], x) and torch.equal(seen[0][2], q)
     assert layer.quantized_tokens() == (4, 4)
 
