@@ -311,11 +311,27 @@ def test_append_in_another_dtype(layer) -> None:
     x = torch.randn(1, 2, 1, 8)  # float32 into a float16 cache would be promoted silently
     with pytest.raises(
         ValueError,
-        match=r"new tokens are torch.float32 but the cache holds "
-        r"torch.float16",
+        match=r"^new tokens are torch.float32 but the cache holds torch.float16; append tokens "
+        r"in the cache's dtype$",  # what to do, in full
     ):
         layer.append(x, x)
     assert layer.seq_length == 5 and layer.k.residual.dtype == torch.float16
     layer.reset()  # an emptied cache takes the dtype of what arrives next
     layer.append(x, x)
     assert layer.keys_values()[0].dtype == torch.float32
+
+
+def test_values_of_another_rank_are_refused_as_a_layout_error(layer) -> None:
+    k = torch.randn(1, 2, 5, 8)
+    with pytest.raises(
+        ValueError, match=r"must be \[B, H_kv, T, D\]; got shapes \(1, 2, 5, 8\) and \(2, 5, 8\)"
+    ):
+        layer.prefill(k, k[0])
+
+
+def test_append_of_another_batch_names_the_cache_layout(layer) -> None:
+    layer.prefill(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    x = torch.randn(2, 2, 1, 8)
+    want = r"^new tokens \(2, 2, 1, 8\) do not match the cache's \[B, H_kv, \*, D\] = \(1, 2, '\*', 8\)$"
+    with pytest.raises(ValueError, match=want):
+        layer.append(x, x)

@@ -509,3 +509,14 @@ def test_non_finite_input_in_layer_propagates_to_its_group(bad) -> None:
     nan_v[2, 4:8] = True
     assert torch.equal(torch.isnan(vd[0, 0]), nan_v)
     assert torch.isfinite(kd[0, 0][~nan_k]).all() and torch.isfinite(vd[0, 0][~nan_v]).all()
+
+
+def test_non_finite_decode_token_is_refused_naming_layer_and_operation() -> None:
+    m = kvbench.get_method("kivi", bits=2, group_size=4, residual_length=4)
+    layer = m.new_layer(3, 1, 8)
+    layer.prefill(rand(1, 1, 4, 8, seed=1), rand(1, 1, 4, 8, seed=2))
+    k, v = rand(1, 1, 1, 8, seed=3), rand(1, 1, 1, 8, seed=4)
+    v[0, 0, 0, 5] = float("nan")
+    with pytest.raises(ValueError, match="layer 3: append got non-finite input"):
+        layer.append(k, v)
+    assert layer.seq_length == 4  # nothing of the refused token is stored

@@ -451,3 +451,49 @@ def test_prefill_waits_for_its_queries() -> None:
     assert len(seen) == 1 and torch.equal(seen[0][0], x) and torch.equal(seen[0][1], q)
     layer.provide_queries(q)
     assert len(seen) == 1 and layer.quantized_tokens() == (4, 0)
+
+
+def test_prefill_with_its_queries_prepares_the_key_codec_once() -> None:
+    # queries given at prefill: the key codec is prepared with the prompt keys and those
+    # queries before the first flush; the value codec is never prepared (it selects nothing)
+    seen = []
+
+    class Preparing(PerTokenCodec):
+        def prepare(self, keys, queries):
+            seen.append((self.bits, keys.clone(), queries.clone()))
+
+    layer = LayerCache(
+        Preparing(2, F32, channel_group=4), Preparing(3, F32, channel_group=4),
+        SlidingSchedule(2), SlidingSchedule(2), needs_queries=True,
+    )  # fmt: skip
+    x, q = rand(1, 1, 6, 4, seed=10), rand(1, 2, 6, 4, seed=11)
+    assert layer.awaiting_queries is False  # a bool before any prefill too
+    layer.prefill(x, x, queries=q)
+    assert layer.awaiting_queries is False and len(seen) == 1 and seen[0][0] == 2
+    assert torch.equal(seen[0][1], x) and torch.equal(seen[0][2], q)
+    assert layer.quantized_tokens() == (4, 4)
+
+
+class _OddSchedule:
+    """Asks for 3 tokens whenever the residual holds 3 or more."""
+
+    def prefill_count(self, n: int) -> int:
+        return 3 if n >= 3 else 0
+
+    def flush_count(self, residual: int) -> int:
+        return self.prefill_count(residual)
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_flush_of_a_partial_token_group_is_refused(group) -> None:
+    # a schedule must hand a per-channel codec whole groups of G tokens
+    layer = LayerCache(PerChannelCodec(2, F32, group_size=group), None, _OddSchedule())
+    x = rand(1, 1, 4, 4, seed=12)
+    if group == 3:
+        layer.prefill(x, x)
+        assert layer.quantized_tokens() == (3, 0)
+    else:
+        with pytest.raises(
+            RuntimeError, match="schedule asked to flush 3 tokens, not a multiple of 2"
+        ):
+            layer.prefill(x, x)

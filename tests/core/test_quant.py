@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kv.blocks import PerChannelCodec, PerTensorCodec, PerTokenCodec
+from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
 from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
@@ -493,3 +493,206 @@ def test_stored_min_above_the_true_min_clamps_codes_at_zero() -> None:
     assert float(np.float16(np.float32(1) / 15)) < 1 / 15
     assert g.scale.item() == float(np.float16(np.float32(1) / 15)) + 2.0**-14
     assert g.codes.tolist() == [[0, 0, 15, 7]]  # 1 / s = 14.99, 0.5 / s = 7.495
+
+
+# ------------------------------------------------------------------ codec layouts (kv.blocks)
+def _affine(bits, d, dtype, names, tokens, channels, packing="lsb-first"):
+    """The layout of docs/methods.md#common-conventions written out: ``bits``-bit codes of
+    ``d`` channels, one of each of ``names`` per ``tokens`` x ``channels`` rectangle."""
+    from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
+
+    terms = GroupTerms(names, dtype, tokens, channels)
+    return BlockLayout(Codes.uniform(bits, d, packing), terms, page_len=tokens)
+
+
+SZ = ("scale", "zero")
+
+
+@pytest.mark.parametrize(
+    "codec, args, want",
+    [
+        # KIVI per-channel: one fp16 (scale, zero) per channel per G tokens
+        (PerChannelCodec(2, torch.float16, group_size=4), (16,), _affine(2, 16, "float16", SZ, 4, 1)),
+        (PerChannelCodec(2, torch.float16, group_size=4), (16, 64), _affine(2, 16, "float16", SZ, 4, 1)),
+        # 16-bit codes are stored as int16; symmetric codes keep no zero
+        (PerChannelCodec(16, F32, symmetric=True, group_size=2), (8,),
+         _affine(16, 8, "float32", ("scale",), 2, 1, "int16")),
+        # per-token: one (scale, zero) per token per channel group
+        (PerTokenCodec(4, torch.bfloat16, channel_group=8), (16,), _affine(4, 16, "bfloat16", SZ, 1, 8)),
+        (PerTokenCodec(8, torch.float16, symmetric=True, channel_group=4), (8, 32),
+         _affine(8, 8, "float16", ("scale",), 1, 4)),
+        # whole-flush groups: one per flush of `flush_tokens` tokens x all channels; a flush of
+        # 1 token when not given, at least 1 token when 0
+        (PerHeadCodec(3), (16, 5), _affine(3, 16, "float16", SZ, 5, 16)),
+        (PerHeadCodec(3), (16,), _affine(3, 16, "float16", SZ, 1, 16)),
+        (PerHeadCodec(3), (16, 0), _affine(3, 16, "float16", SZ, 1, 16)),
+        (PerTensorCodec(5, F32), (8, 3), _affine(5, 8, "float32", SZ, 3, 8)),
+        (PerTensorCodec(5, F32), (8,), _affine(5, 8, "float32", SZ, 1, 8)),
+    ],
+)  # fmt: skip
+def test_codec_layout_by_hand(codec, args, want) -> None:
+    assert codec.layout(*args) == want
+
+
+@pytest.mark.parametrize(
+    "codec, n",
+    [
+        (PerChannelCodec(2, torch.float16, group_size=4), 8),
+        (PerChannelCodec(16, F32, symmetric=True, group_size=2), 4),
+        (PerTokenCodec(3, torch.bfloat16, channel_group=4), 3),
+        (PerTokenCodec(8, torch.float16, symmetric=True, channel_group=8), 2),
+        (PerHeadCodec(4, F32), 6),
+    ],
+)
+def test_codec_layout_bits_are_the_bytes_its_blocks_hold(codec, n) -> None:
+    # bytes actually stored by a block of n tokens = elements x the layout's bits / 8
+    from kvbench.kv.layout import layout_bits
+
+    b, h, d = 2, 3, 8
+    x = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(n))
+    blk = codec.encode(x)
+    held = sum(t.numel() * t.element_size() for _, t in blk.tensors())
+    assert held * 8 == b * h * n * d * layout_bits(codec.layout(d, n))
+
+
+def test_per_token_layout_rejects_a_channel_group_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match=r"value_group_size=8 does not divide head_dim=12; "
+                                          r"choose a divisor of 12"):  # fmt: skip
+        PerTokenCodec(2, channel_group=8).layout(12)
+    with pytest.raises(ValueError, match=r"value_group_size=8 does not divide head_dim=12; "
+                                          r"choose a divisor of 12"):  # fmt: skip
+        PerTokenCodec(2, channel_group=8).encode(torch.zeros(1, 1, 2, 12))
+
+
+@pytest.mark.parametrize("which", ["per-channel", "per-token", "per-head", "per-tensor"])
+def test_codecs_with_codes_not_filling_whole_bytes(ref, which) -> None:
+    # 3-bit codes of D = 6 channels: 18 bits in 3 bytes, so unpacking must trim to head_dim
+    b, h, n, d, bits = 2, 2, 4, 6, 3
+    x = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(5))
+    xn = x.double().numpy()
+    if which == "per-channel":
+        codec, want = PerChannelCodec(bits, F32, group_size=2), ref.per_channel(xn, bits, 2)["xhat"]
+    elif which == "per-token":
+        codec, want = PerTokenCodec(bits, F32, channel_group=3), ref.per_token(xn, bits, 3)["xhat"]
+    elif which == "per-head":
+        codec, want = PerHeadCodec(bits, F32), ref.minmax(xn.reshape(b, h, n * d), bits)["xhat"]
+    else:
+        codec, want = PerTensorCodec(bits, F32), ref.minmax(xn.reshape(-1), bits)["xhat"]
+    blk = codec.encode(x)
+    assert blk.codes.shape == (b, h, n, 3)
+    for dtype in (torch.float16, torch.float64):  # read in the dtype asked for
+        assert blk.dequantize(dtype).dtype == dtype
+    np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want.reshape(b, h, n, d),
+                               atol=1e-5)  # fmt: skip
+    assert blk.layout == codec.layout(d, n)
+
+
+@pytest.mark.parametrize("keep, lens", [(0, []), (1, [1]), (2, [2]), (3, [2, 1]), (4, [2, 2]),
+                                        (6, [2, 2, 2])])  # fmt: skip
+def test_block_crop_keeps_the_groups_it_covers(ref, keep, lens) -> None:
+    x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(keep))
+    blk = PerChannelCodec(2, F32, group_size=2).encode(x)
+    cut = blk.crop(keep)
+    # a group cut in two keeps its (scale, zero); no group beyond the kept tokens is stored
+    assert cut.group_len == lens and cut.scale.shape[2] == cut.zero.shape[2] == len(lens)
+    assert all(ref.own(t) for _, t in cut.tensors())
+    held = sum(t.numel() * t.element_size() for _, t in cut.tensors())
+    assert held == keep * 2 * 1 + len(lens) * 2 * 4 * 2 * 4  # 2-bit codes; fp32 (scale, zero)
+    if keep:
+        want = ref.per_channel(x.double().numpy(), 2, 2)["xhat"][:, :, :keep]
+        np.testing.assert_allclose(cut.dequantize(torch.float64).numpy(), want, atol=1e-5)
+
+
+def test_block_crop_of_symmetric_codes_keeps_no_zero() -> None:
+    x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(9))
+    blk = PerChannelCodec(2, F32, symmetric=True, group_size=2).encode(x)
+    cut = blk.crop(3)
+    assert cut.zero is None and cut.group_len == [2, 1] and cut.scale.shape[2] == 2
+    torch.testing.assert_close(cut.dequantize(F32), blk.dequantize(F32)[:, :, :3])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_block_cat_appends_tokens_and_groups(symmetric) -> None:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 2, 4, 4, generator=g), torch.randn(2, 2, 2, 4, generator=g)
+    codec = PerChannelCodec(2, F32, symmetric=symmetric, group_size=2)
+    ba, bb = codec.encode(a), codec.encode(b)
+    both = ba.cat(bb)
+    assert both.group_len == [2, 2, 2] and both.ntokens == 6 and both.scale.shape[2] == 3
+    assert (both.zero is None) == symmetric
+    torch.testing.assert_close(
+        both.dequantize(F32), torch.cat([ba.dequantize(F32), bb.dequantize(F32)], dim=2)
+    )
+    # the codes and metadata of the two parts, in order, nothing else
+    held = sum(t.numel() * t.element_size() for _, t in both.tensors())
+    assert held == sum(t.numel() * t.element_size() for blk in (ba, bb) for _, t in blk.tensors())
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        PerTokenCodec(3, F32, channel_group=4),  # bits
+        PerTokenCodec(2, F32, symmetric=True, channel_group=4),  # symmetric
+        PerTokenCodec(2, F32, channel_group=2),  # channel groups
+    ],
+)
+def test_block_cat_refuses_other_settings(other) -> None:
+    x = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(0))
+    blk = PerTokenCodec(2, F32, channel_group=4).encode(x)
+    msg = "cannot concatenate blocks of different quantizer settings"
+    with pytest.raises(ValueError, match=msg):
+        blk.cat(other.encode(x))
+    with pytest.raises(ValueError, match=msg):
+        other.encode(x).cat(blk)
+
+
+def test_block_cat_refuses_one_bit_midpoint_with_plain() -> None:
+    x = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(1))
+    mid = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
+    plain = PerTokenCodec(1, F32, channel_group=4).encode(x)
+    with pytest.raises(ValueError, match="different quantizer settings"):
+        mid.cat(plain)
+    assert mid.cat(mid).ntokens == 4
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_per_token_block_by_hand(bits) -> None:
+    # symmetric codes: s = max|x| / (2^(b-1) - 1) per group, x^ = round(x / s) * s
+    x = torch.randn(2, 1, 3, 8, generator=torch.Generator().manual_seed(bits))
+    blk = PerTokenCodec(bits, F32, symmetric=True, channel_group=4).encode(x)
+    g = x.double().numpy().reshape(2, 1, 3, 2, 4)
+    s = np.abs(g).max(-1, keepdims=True) / (2 ** (bits - 1) - 1)
+    want = (np.round(g / s) * s).reshape(2, 1, 3, 8)
+    assert blk.zero is None
+    np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want, rtol=0, atol=1e-6)
+
+
+def test_per_channel_encode_needs_whole_groups() -> None:
+    with pytest.raises(
+        ValueError, match="per-channel groups need a multiple of group_size=4 tokens, got 6"
+    ):
+        PerChannelCodec(2, group_size=4).encode(torch.zeros(1, 1, 6, 2))
+
+
+def test_one_bit_midpoint_codec_thresholds_at_the_midpoint() -> None:
+    # PN-Mix Eq. 7: q = 1[x - mn >= (mx - mn) / 2]; 0.5 lies on the midpoint, where plain
+    # rounding (half to even) gives 0; reconstruction mn + (q + 1/2) * s / 2 with s = 1
+    x = torch.tensor([0.0, 0.5, 1.0, 0.25]).reshape(1, 1, 1, 4)
+    blk = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
+    assert blk.unpacked_codes().flatten().tolist() == [0, 1, 1, 0]
+    assert blk.dequantize(F32).flatten().tolist() == [0.25, 0.75, 0.75, 0.25]
+    # a plain 1-bit codec rounds (x - mn) / s: 0.5 goes to the even code 0
+    plain = PerTokenCodec(1, F32, channel_group=4).encode(x)
+    assert plain.unpacked_codes().flatten().tolist() == [0, 0, 1, 0]
+    assert plain.dequantize(F32).flatten().tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_own_storage_keeps_an_owning_tensor_and_compacts_a_view() -> None:
+    from kvbench.kv.blocks import own_storage
+
+    t = torch.randn(2, 4, 3)
+    assert own_storage(t) is t  # spans its whole allocation: no copy
+    view = t[0].t()  # [3, 4], strides (1, 3): dense, but a third of a 24-float allocation
+    kept = own_storage(view)
+    assert torch.equal(kept, view) and kept.is_contiguous()
+    assert kept.untyped_storage().nbytes() == 12 * 4
