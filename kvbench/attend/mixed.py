@@ -43,10 +43,12 @@ def _byte_aligned(bits: tuple[int, ...], counts: tuple[int, ...]) -> bool:
 
 def _word_counts(bits: tuple[int, ...], counts: tuple[int, ...], nbytes: int) -> list[int] | None:
     """Channels per class as the native per-class kernel reads them: each class's count rounded
-    up to whole code words (:func:`kvbench.attend.cpu.code_layout`), or ``None`` when a class
-    does not end on a whole word and the row has no room for the rounded-up last class.  Only
-    the last class can end inside a word (class boundaries are on bytes); the extra channels
-    read the row's trailing bits and get a zero query, so they add nothing."""
+    up to a multiple of 8 channels where the row has room after the class (the vectorised
+    keys read 8 channels at a time), else to whole code words
+    (:func:`kvbench.attend.cpu.code_layout`); ``None`` when a class that is not the last does
+    not end on a whole word, or the row has no room for the rounded-up last class.  The extra
+    channels read the next class's bytes or the row's trailing bits and get a zero query, so
+    they add nothing (Kitty's two 4-bit channels: one byte, read as 8 channels in 4)."""
     live = [i for i, n in enumerate(counts) if n]
     out, boff = [], 0
     for i, (b, n) in enumerate(zip(bits, counts)):
@@ -54,6 +56,9 @@ def _word_counts(bits: tuple[int, ...], counts: tuple[int, ...], nbytes: int) ->
         wide = -(-n // cpw) * cpw
         if wide != n and (i != live[-1] or boff + wide * b // 8 > nbytes):
             return None
+        eight = -(-n // 8) * 8
+        if eight % cpw == 0 and boff + eight * b // 8 <= nbytes:
+            wide = eight
         out.append(wide)
         boff += (n * b + 7) // 8
     return out

@@ -55,7 +55,11 @@ import torch
 ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 5
+ABI_VERSION = 9
+# KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
+# (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
+# the vectorised keys apply (a check of the vectorised keys against the tiles)
+_KERNEL_CHOICE = {"1": 0, "0": 1, "tiled": 2}
 MAX_HEAD_DIM = 1024
 MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
 
@@ -93,6 +97,7 @@ class _Args(ctypes.Structure):
         ("no_tiles", ctypes.c_int),
         ("out", ctypes.c_void_p),
         ("bit0", ctypes.c_int64),
+        ("natural", ctypes.c_int),
     ]
 
 
@@ -119,6 +124,7 @@ class _LutArgs(ctypes.Structure):
         ("pi", ctypes.c_void_p),
         ("pj", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
     ]
 
 
@@ -132,6 +138,7 @@ class _PolarArgs(ctypes.Structure):
         ("br", ctypes.c_void_p),
         ("tab", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
     ]
 
 
@@ -231,12 +238,6 @@ def _sub(x: torch.Tensor, bits: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).reshape(x.shape).contiguous()
 
 
-def _unsub(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_sub`."""
-    cpw = _layout(bits)[1]
-    return x.reshape(*x.shape[:-1], cpw, -1).transpose(-1, -2).reshape(x.shape)
-
-
 def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
     """Whether the native kernels take ``codes`` (uint8 rows, contiguous last dim, on the
     CPU) of ``bits``-bit codes for ``head_dim`` channels."""
@@ -274,7 +275,7 @@ def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=
         args.lut = lut.data_ptr()
     args.qp, args.out = qp.data_ptr(), out.data_ptr()
     args.q_sm, args.q_sr = (rows * d, d) if rows else (d, 0)
-    args.no_tiles = int(os.environ.get("KVBENCH_NATIVE_TILES", "1") == "0")
+    args.no_tiles = _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0)
     args.keep = (codes, qp, out, a, z, lut)  # the raw pointers' owners live as long as args
     return args
 
@@ -294,8 +295,29 @@ def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
 
 def _call(fn_name: str, args: _Args, bits: int) -> None:
     rc = getattr(_loaded(), fn_name)(ctypes.byref(args), bits)
+    if rc == -3:
+        raise RuntimeError(f"{fn_name}: natural channel order given where the kernel needs "
+                           "sub-code order")  # fmt: skip
     if rc != 0:
         raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
+
+
+def _vectorised_keys(bits: int, d: int, m: int, wg: int | None = None) -> bool:
+    """Whether the vectorised keys take codes of ``bits`` bits, ``d`` channels and ``m``
+    query rows (the C side's ``keys_vec_ok``, codes starting on a byte): their query and row
+    terms are then passed in natural channel order, without the sub-code reorder.  ``wg``:
+    words per channel group of per-token keys."""
+    if _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) or m > 16:
+        return False
+    if not (1 <= bits <= 4 or bits == 8) or d % 8:
+        return False
+    cpw = _layout(bits)[1]
+    return wg is None or ((wg * cpw) % 8 == 0 and (d // cpw) % wg == 0)
+
+
+def _keys_order(x: torch.Tensor, bits: int, natural: bool) -> torch.Tensor:
+    """``x [..., D]`` float32 contiguous in natural order, or in sub-code order (:func:`_sub`)."""
+    return x.float().contiguous() if natural else _sub(x, bits)
 
 
 def _check_terms(a: torch.Tensor, z: torch.Tensor, codes: torch.Tensor) -> None:
@@ -321,9 +343,11 @@ def keys_rows(codes, q, a, z, length: int, bits: int) -> torch.Tensor:
     _check_terms(a, z, codes)
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
-    qs, a_s, z_s = _sub(q, bits), _sub(a, bits), _sub(z, bits)
+    nat = _vectorised_keys(bits, d, m)
+    qs, a_s, z_s = (_keys_order(x, bits, nat) for x in (q, a, z))
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args = _args(codes, bits, d, m, qs, out, MODE_AFFINE_ROWS, a_s, z_s, length=length)
+    args.natural = int(nat)
     _call("kv_keys", args, bits)
     return out
 
@@ -343,9 +367,11 @@ def keys_groups(codes, q, a, z, bits: int) -> torch.Tensor:
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
     a, z, wg = _group_terms(a, z, codes, bits, d)
-    qs = _sub(q, bits)
+    nat = _vectorised_keys(bits, d, m, wg)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    _call("kv_keys", _args(codes, bits, d, m, qs, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
     return out
 
 
@@ -357,8 +383,10 @@ def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
     a, z, wg = _group_terms(a, z, codes, bits, d)
     p = p.float().contiguous()
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
-    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg), bits)
-    return _unsub(out, bits)
+    args = _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = 1  # written in natural channel order
+    _call("kv_values", args, bits)
+    return out
 
 
 def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Tensor:
@@ -373,10 +401,11 @@ def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Ten
         raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
     if not 0 <= bit0 < 8:
         raise ValueError(f"bit0={bit0} must be in 0..7 (a bit within the first byte)")
-    qs = _sub(qs, bits)
+    nat = bit0 == 0 and _vectorised_keys(bits, d, m)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    args = _args(codes, bits, d, m, qs, out, MODE_RAW, length=length, rows=rows)
-    args.bit0, args.nbytes = bit0, nbytes
+    args = _args(codes, bits, d, m, _keys_order(qs, bits, nat), out, MODE_RAW, length=length,
+                 rows=rows)  # fmt: skip
+    args.bit0, args.nbytes, args.natural = bit0, nbytes, int(nat)
     _call("kv_keys", args, bits)
     return out
 
@@ -417,8 +446,11 @@ def keys_lut(codes, q, lut, bits: int) -> torch.Tensor:
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
     lut = lut.float().contiguous()
+    nat = _vectorised_keys(bits, d, m)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
-    _call("kv_keys", _args(codes, bits, d, m, _sub(q, bits), out, MODE_LUT, lut=lut), bits)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_LUT, lut=lut)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
     return out
 
 
@@ -429,8 +461,10 @@ def values_lut(codes, p, lut, bits: int, d: int) -> torch.Tensor:
     lut = lut.float().contiguous()
     p = p.float().contiguous()
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
-    _call("kv_values", _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut), bits)
-    return _unsub(out, bits)
+    args = _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut)
+    args.natural = 1  # written in natural channel order
+    _call("kv_values", args, bits)
+    return out
 
 
 def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, rope=None):
@@ -494,6 +528,7 @@ def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, 
         args.cosv, args.sinv, args.pi, args.pj = (x.data_ptr() for x in keep[5:9])
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
     lib = _loaded()
     rc = lib.kv_keys_lut_outliers(ctypes.byref(args), bits)
     if rc == -2:
@@ -534,7 +569,8 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
             f"keys_polar: codes {tuple(rcodes.shape)} / {tuple(acodes.shape)}, table "
             f"{tuple(tab.shape)}, page length {length}, bits {rbits}/{abits} do not fit"
         )
-    keep = [x.float().contiguous() for x in (ar, br, tab)]
+    # the table as [B, H, NP, M, 2^abits, D/2]: one level's entries of 8 pairs are one vector
+    keep = [x.float().contiguous() for x in (ar, br, tab.transpose(-1, -2))]
     args = _PolarArgs()
     args.rc, args.ac = rcodes.data_ptr(), acodes.data_ptr()
     args.rs_b, args.rs_h, args.rs_t = _row_strides(rcodes)
@@ -543,6 +579,7 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
     args.ar, args.br, args.tab = (x.data_ptr() for x in keep)
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
     lib = _loaded()
     if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
         raise ValueError("keys_polar: shapes not supported")

@@ -53,7 +53,7 @@ FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
     "-std=gnu11",
 )  # fmt: skip
-ABI_VERSION = 2
+ABI_VERSION = 3
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 #: inputs with fewer elements per thread than this run on one thread
 MIN_PER_THREAD = 1 << 20
@@ -133,6 +133,11 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
         ctypes.c_int64,
     ]
     lib.kq_codes.restype = ctypes.c_int
+    lib.kq_affine_terms.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.kq_affine_terms.restype = ctypes.c_int
     return lib
 
 
@@ -179,6 +184,28 @@ def _run(lib: ctypes.CDLL, fn: str, base: _In, parts, *args) -> list[int]:
         return [one(parts[0])]
     with ThreadPoolExecutor(len(parts)) as pool:
         return list(pool.map(one, parts))
+
+
+#: up to this many groups, the asymmetric terms come from C (``kq_affine_terms``: the torch
+#: helper's dozen small operations cost more than a decode step's one-token flush itself)
+SMALL_TERMS = 4096
+_TERM_DTYPES = {torch.float16: (0, torch.int16), torch.float32: (2, torch.float32)}
+
+
+def _c_affine_terms(lib, mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype):
+    """:func:`kvbench.kv.quant.affine_terms` of float32 ``mn``/``mx`` in C, bit for bit (tested):
+    ``(scale, zero, scale_f32, zero_f32)``, or ``None`` where it does not serve (another scale
+    dtype, no float16 in the compiler, an overflow: the torch helper then raises its error)."""
+    if scale_dtype not in _TERM_DTYPES:
+        return None
+    sdt, store = _TERM_DTYPES[scale_dtype]
+    mn, mx = mn.contiguous(), mx.contiguous()
+    sc, ze = torch.empty(mn.shape, dtype=store), torch.empty(mn.shape, dtype=store)
+    s, z = torch.empty(mn.shape), torch.empty(mn.shape)
+    ptrs = (t.data_ptr() for t in (sc, ze, s, z))
+    if lib.kq_affine_terms(mn.data_ptr(), mx.data_ptr(), mn.numel(), bits, sdt, *ptrs) != 0:
+        return None
+    return sc.view(scale_dtype), ze.view(scale_dtype), s, z
 
 
 def quantize_pack(
@@ -244,7 +271,8 @@ def quantize_pack(
         scale_st, s = symmetric_terms(mn, mx, bits, scale_dtype)
         zero_st, z = None, s  # z unused by the kernel when symmetric
     else:
-        scale_st, zero_st, s, z = affine_terms(mn, mx, bits, scale_dtype)
+        got = _c_affine_terms(lib, mn, mx, bits, scale_dtype) if mn.numel() <= SMALL_TERMS else None
+        scale_st, zero_st, s, z = got or affine_terms(mn, mx, bits, scale_dtype)
     s, z = s.contiguous(), z.contiguous()
     nbytes = packed_size(d, bits) if packed else d
     codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8)

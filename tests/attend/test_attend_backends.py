@@ -176,7 +176,11 @@ def test_kitty_classes_take_the_per_class_kernels(d, monkeypatch):
 def test_word_counts_of_class_layouts():
     from kvbench.attend.mixed import _word_counts
 
-    assert _word_counts((4, 2), (2, 62), 17) == [2, 64]  # 1 + 16 bytes: room for 64 codes
+    # 1 + 16 bytes: room for 64 codes; the two 4-bit channels read as 8 (4 bytes, the next
+    # class's bytes with a zero query) for the vectorised kernel
+    assert _word_counts((4, 2), (2, 62), 17) == [8, 64]
+    assert _word_counts((4,), (2,), 1) == [2]  # no room for 8: whole words
+    assert _word_counts((4,), (2,), 4) == [8]  # trailing bytes in the row
     assert _word_counts((3, 1), (32, 32), 16) == [32, 32]  # whole words already
     assert _word_counts((2,), (62,), 15) is None  # 16 bytes of whole words do not fit 15
     assert _word_counts((3,), (10,), 6) == [16]  # 3-bit words: 8 codes in 3 bytes
@@ -332,10 +336,10 @@ def kvquant_layer(d, pre_rope, layout="rotate_half", seed=2, bits=4):
     [(False, "rotate_half", 4), (True, "rotate_half", 4), (True, "interleaved", 4),
      (True, "rotate_half", 3), (False, "interleaved", 3)],
 )  # fmt: skip
-def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
+def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits, monkeypatch):
     """Pre-RoPE codes: the reference re-rotates the dequantized keys (``keys_values``); the
     code-domain kernel rotates the query per token instead (KVQuant, arXiv 2401.18079 §3.1),
-    eager and native (3-bit codes straddle bytes)."""
+    eager and native (3-bit codes straddle bytes), the native kernel vectorised and scalar."""
     lc, g = kvquant_layer(d, pre_rope, layout, bits=bits)
     assert (lc.k.block.rotary is not None) == pre_rope
     q = torch.randn(B, HQ, 1, d, generator=g)
@@ -347,6 +351,10 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
         out = lc.attend(q)
     assert lc.attend_path == auto_path(), lc.attend_path_reason
     close_rows(out, ref64(lc, q))
+    with cpu.cpu_attention_mode("native"), monkeypatch.context() as mp:
+        mp.setenv("KVBENCH_NATIVE_TILES", "0")  # the scalar loop
+        close_rows(lc.attend(q), ref64(lc, q))
+        assert lc.attend_path == auto_path(), lc.attend_path_reason
     q3 = torch.randn(B, HQ, 3, d, generator=g)
     lengths = torch.tensor([lc.seq_length, lc.seq_length - 4])
     close_rows(lc.attend(q3, lengths=lengths), ref64(lc, q3, lengths))
@@ -362,10 +370,16 @@ def test_kvquant_lut_codes_with_sparse_outliers(d, pre_rope, layout, bits):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_polar_pages_native_after_a_crop(d):
+@pytest.mark.parametrize("kernel", ["1", "0"])  # vectorised, scalar
+@pytest.mark.parametrize("bits", [(2, 2), (3, 4), (2, 1), (5, 3)])
+def test_polar_pages_native_after_a_crop(d, kernel, bits, monkeypatch):
     """A crop leaves a partly filled last page of polar codes; the native kernel reads its
-    tokens with that page's terms, batched rows of different lengths included."""
-    lc, g = build("polarquant", dict(SMALL, value_bits=2, num_sink_tokens=2), d, 60, 0)
+    tokens with that page's terms, batched rows of different lengths included; radius and
+    angle widths whose tables are selected (1, 2 bits) or gathered (3, 4), or read by the
+    scalar loop (5 bits), vectorised and scalar."""
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", kernel)
+    cfg = dict(SMALL, value_bits=2, num_sink_tokens=2, radius_bits=bits[0], angle_bits=bits[1])
+    lc, g = build("polarquant", cfg, d, 60, 0)
     lc.crop(2 + 16 + 9)  # sinks, one whole page, 9 tokens of the next
     assert lc.k.block.radius.group_len == [16, 9] or lc.k.block.ntokens < 25
     q = torch.randn(B, HQ, 1, d, generator=g)

@@ -235,3 +235,34 @@ def test_disabled(monkeypatch):
     assert nq.quantize_pack(torch.randn(1, 1, 8, 8), 2, 8, 1) is None
     x = torch.randn(1, 1, 8, 8).half()
     assert PerChannelCodec(2, group_size=8).encode(x).codes.shape == (1, 1, 8, 2)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_c_affine_terms_are_the_torch_helpers(bits, scale_dtype):
+    """The small-input terms in C (``kq_affine_terms``) equal
+    :func:`kvbench.kv.quant.affine_terms` bit for bit: random groups over 12 decades, minima
+    halfway between two float16 values (round to even), ranges whose scale is exactly a
+    float16 (no bump) or just above one (the next float16 up), empty ranges; an overflowing
+    zero or scale gives ``None`` (the torch helper then raises)."""
+    from kvbench.kv.quant import affine_terms
+
+    g = torch.Generator().manual_seed(bits)
+    n = 20000
+    mn = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 5, (n,), generator=g)
+    mx = mn + torch.rand(n, generator=g) * 10.0 ** torch.randint(-8, 5, (n,), generator=g)
+    h = torch.tensor([1.0, 1.0009765625, 2.0, 1000.0]).half()  # float16 neighbours + half step
+    tie = (h.float() + torch.nextafter(h, torch.full_like(h, 60000)).float()) / 2
+    qmax = (1 << bits) - 1
+    exact = torch.tensor([0.5, 0.25, 3.0]) * qmax  # scale exactly 0.5, 0.25, 3
+    mn = torch.cat([mn, tie, torch.zeros(3), torch.full((2,), 7.0)])
+    mx = torch.cat([mx, tie + 1, exact, torch.nextafter(exact[:2], exact[:2] + 1)])
+    lib = nq._load()
+    got = nq._c_affine_terms(lib, mn, mx, bits, scale_dtype)
+    for r, o in zip(affine_terms(mn, mx, bits, scale_dtype), got, strict=True):
+        assert bitwise_equal(r, o)
+    if scale_dtype == torch.float16:
+        big = torch.tensor([70000.0])
+        assert nq._c_affine_terms(lib, big, big + 1, bits, scale_dtype) is None
+        assert nq._c_affine_terms(lib, torch.zeros(1), big * qmax, bits, scale_dtype) is None
+    assert nq._c_affine_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper

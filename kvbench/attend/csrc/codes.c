@@ -54,10 +54,14 @@ typedef struct {
     const int32_t *off;   /* MODE_STREAM: bit offset of each of the D channels */
     const uint8_t *wid;   /* MODE_STREAM: code width of each channel (1..8) */
     int64_t nbytes;       /* MODE_STREAM: bytes per row (D = W, the channel count) */
-    int no_tiles;         /* keys: 1 = the per-token loop even where the tiled one applies */
+    int no_tiles;         /* 0: the fastest kernel that applies; 1: the per-token loops; 2: the
+                           * 8-token tiles for keys even where the vectorised kernel applies */
     float *out;           /* keys [B, H, M, T]; values [B, H, M, D] (sub-code order) */
     int64_t bit0;         /* MODE_RAW keys: codes start at this bit of the row (0..7; a class
                            * of a bit stream), the row holding `nbytes` bytes from `codes` */
+    int natural;          /* keys: 1 = query and row terms in natural channel order (only the
+                           * vectorised keys take it; the others: -3); values: 1 = the output
+                           * in natural channel order */
 } kv_args;
 
 /* 32 bits of a row from bit 8 * byte + sh (sh < 8; byte < nb).  Bits past the row's nb bytes
@@ -235,7 +239,8 @@ static inline __attribute__((always_inline)) void keys_tiled(const kv_args *a, i
      * q * A * c and q * (Z + half * A) then do not cancel, so float32 keeps its precision */
     const float half = bits == 16 ? 0.f : 0.5f * (float)mask; /* 16 bits: signed codes */
     int32_t pos[MAXD]; /* natural channel -> sub-code position */
-    for (int64_t ch = 0; ch < D; ch++) pos[ch] = (int32_t)((ch % cpw) * W + ch / cpw);
+    for (int64_t ch = 0; ch < D; ch++)
+        pos[ch] = a->natural ? (int32_t)ch : (int32_t)((ch % cpw) * W + ch / cpw);
     float qn[16 * MAXD], bias[16], an[MAXD], zn[MAXD];
     const int64_t cg = a->mode == MODE_AFFINE_GROUPS ? a->WG * cpw : D; /* channels per group */
     const int64_t ng = D / cg;
@@ -419,33 +424,6 @@ static inline int tiled_ok(const kv_args *a, int bits) {
             ((a->WG * cpw_of(bits)) % unit == 0 && a->W / a->WG <= MAXD / 8));
 }
 
-static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int bits) {
-    const int64_t D = a->W * cpw_of(bits);
-    if (D > MAXD) return -1;
-    if (tiled_ok(a, bits) && !a->no_tiles) {
-        keys_tiled(a, bits);
-        return 0;
-    }
-    float x[MAXD];
-    for (int64_t b = 0; b < a->B; b++)
-        for (int64_t h = 0; h < a->H; h++) {
-            const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
-            float *o = a->out + (b * a->H + h) * a->M * a->T;
-            for (int64_t t = 0; t < a->T; t++) {
-                decode(a, bits, b, h, t, x);
-                const float *qr = q + (t / a->L) * a->q_sr;
-                for (int64_t m = 0; m < a->M; m++) {
-                    const float *qm = qr + m * a->q_sm;
-                    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t k = 0; k < D; k++) acc += qm[k] * x[k];
-                    o[m * a->T + t] = acc;
-                }
-            }
-        }
-    return 0;
-}
-
 /* ------------------------------------------------- vectorised values of per-token groups
  * MODE_AFFINE_GROUPS with one code word per byte (1, 2, 4, 8 bits), W and WG multiples of 8:
  *   out[m, k] = sum_t (p[m, t] A[t, g]) (c[t, k] - half) + sum_t p[m, t] (Z[t, g] + half A[t, g])
@@ -501,8 +479,257 @@ static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t
 #endif
 }
 
+/* ------------------------------------------------------------- vectorised keys (byte words)
+ * Codes of 1 to 4 or 8 bits starting on a byte, D a multiple of 8,
+ * in MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_RAW or MODE_LUT.  A token's D codes are read
+ * as D / 8 vectors of 8 consecutive channels in natural order (their `bits` whole bytes,
+ * shifted apart in 8 lanes; 8-bit codes: 8 bytes) and multiplied with MC query rows at a time
+ * (the query and terms, given in sub-code order, are placed in natural order once per row);
+ * the MC partial-sum vectors of 8 tokens are reduced to 8 logits each by one transpose-add.
+ * Codes enter centred (c - half), the offset in the bias:
+ *   ROWS:   sum_k (q_k A_k) (c_k - half) + sum_k q_k (Z_k + half A_k)   (terms of the row);
+ *   GROUPS: sum_g A[t, g] sum_{k in g} q_k (c_k - half) + sum_g (Z + half A)[t, g] Q_g, Q_g the
+ *           sum of q over group g;
+ *   RAW:    sum_k q_k (c_k - half) + half sum_k q_k   (one query per row of L tokens, or one);
+ *   LUT:    sum_k q_k LUT[c_k]. */
+
+/* lane l of the result = the sum of the 8 lanes of v[l] */
+static inline __attribute__((always_inline)) v8f hsum8(const v8f *v) {
+#if defined(__AVX2__)
+    const __m256 s01 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]);
+    const __m256 s23 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+    const __m256 s45 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]);
+    const __m256 s67 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23); /* lanes 0-3 / 4-7 of v0..v3 */
+    const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    v8f r;
+    for (int l = 0; l < 8; l++) {
+        float s = 0.f;
+        for (int k = 0; k < 8; k++) s += v[l][k];
+        r[l] = s;
+    }
+    return r;
+#endif
+}
+
+/* 8 byte codes -> 8 table entries (a table of 256) */
+static inline __attribute__((always_inline)) v8f gather8(const uint8_t *p, const float *lut) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_i32gather_ps(lut, (__m256i)bytes8(p), 4);
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = lut[p[l]];
+    return x;
+#endif
+}
+
+/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane */
+static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int bits) {
+    uint32_t w = 0;
+    memcpy(&w, p, (size_t)bits);
+    const uint32_t b = (uint32_t)bits;
+    const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
+    return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
+}
+
+/* table entries of 8 codes (< 16) already in lanes: `lo` holds entries 0..7, `hi` 8..15 */
+static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f lo, v8f hi) {
+#if defined(__AVX2__)
+    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
+    if (mask < 8) return (v8f)l;
+    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
+    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
+    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = u[l] < 8 ? lo[u[l]] : hi[u[l] - 8];
+    return x;
+#endif
+}
+
+static inline int keys_vec_ok(const kv_args *a, int bits) {
+    if (a->no_tiles || a->bit0 || a->M > 16) return 0;
+    if (!(bits >= 1 && bits <= 4) && bits != 8) return 0;
+    const int64_t cpw = cpw_of(bits);
+    if ((a->W * cpw) % 8) return 0;
+    /* per-token groups: whole vectors of channels per group */
+    return a->mode != MODE_AFFINE_GROUPS || ((a->WG * cpw) % 8 == 0 && a->W % a->WG == 0);
+}
+
+/* query rows m0 .. m0 + MC - 1 of (b, h) */
+static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a, const int bits,
+                                                                int64_t b, int64_t h, int64_t m0,
+                                                                const int MC, const int mode) {
+    const int64_t W = a->W, cpw = cpw_of(bits), D = W * cpw, nv = D / 8, T = a->T;
+    const uint32_t mask = (1u << bits) - 1u;
+    const float half = mode == MODE_LUT ? 0.f : 0.5f * (float)mask;
+    const int64_t WG = mode == MODE_AFFINE_GROUPS ? a->WG : W, ng = W / WG;
+    const int per_row = mode == MODE_AFFINE_ROWS || (mode == MODE_RAW && a->q_sr);
+    const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
+    float *o = a->out + (b * a->H + h) * a->M * T;
+    const uint8_t *base = a->codes + b * a->cs_b + h * a->cs_h;
+    const float *A0 = a->A ? a->A + b * a->as_b + h * a->as_h : 0;
+    const float *Z0 = a->Z ? a->Z + b * a->as_b + h * a->as_h : 0;
+    v8f lo = {0, 0, 0, 0, 0, 0, 0, 0}, hi = lo;
+    if (mode == MODE_LUT && bits < 8)
+        for (int l = 0; l < 8; l++) {
+            lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
+            hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
+        }
+    static __thread v8f qv[4][MAXD / 8];
+    static __thread float qs[4][MAXD / 8];
+    int32_t pos[MAXD], gi[MAXD / 8];
+    for (int64_t ch = 0; ch < D; ch++)
+        pos[ch] = a->natural ? (int32_t)ch : (int32_t)((ch % cpw) * W + ch / cpw);
+    for (int64_t j = 0; j < nv; j++) gi[j] = (int32_t)((8 * j / cpw) / WG); /* its group */
+    float bias[4];
+    int64_t row_end = 0;
+    for (int64_t t = 0; t < T;) {
+        if (t >= row_end) { /* a new row of terms / queries */
+            const int64_t row = per_row ? t / a->L : 0;
+            row_end = per_row ? (row + 1) * a->L : T;
+            const float *qr = q + row * a->q_sr;
+            const float *A = mode == MODE_AFFINE_ROWS ? A0 + row * a->as_r : 0;
+            const float *Z = mode == MODE_AFFINE_ROWS ? Z0 + row * a->as_r : 0;
+            for (int m = 0; m < MC; m++) {
+                const float *qm = qr + (m0 + m) * a->q_sm;
+                float bm = 0.f;
+                for (int64_t g = 0; g < ng; g++) qs[m][g] = 0.f;
+                for (int64_t j = 0; j < nv; j++)
+                    for (int l = 0; l < 8; l++) {
+                        const int64_t k = pos[8 * j + l]; /* sub-code position of the channel */
+                        const float v = qm[k];
+                        if (mode == MODE_AFFINE_ROWS) {
+                            qv[m][j][l] = v * A[k];
+                            bm += v * (Z[k] + half * A[k]);
+                        } else {
+                            qv[m][j][l] = v;
+                            bm += half * v; /* RAW; 0 for LUT; GROUPS: its terms below */
+                            qs[m][gi[j]] += v;
+                        }
+                    }
+                bias[m] = mode == MODE_AFFINE_GROUPS ? 0.f : bm;
+            }
+        }
+        const int64_t end = row_end < T ? row_end : T;
+        const int n = end - t < 8 ? (int)(end - t) : 8;
+        v8f buf[4][8];
+        for (int k = 0; k < 8; k++) {
+            v8f acc[4];
+            for (int m = 0; m < MC; m++) acc[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+            if (k < n) {
+                const uint8_t *row = base + (t + k) * a->cs_t;
+                const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
+                v8f pg[4]; /* GROUPS: the sums of the group so far, times its scale at its end */
+                for (int m = 0; m < MC; m++) pg[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+                for (int64_t j = 0; j < nv; j++) {
+                    v8f x;
+                    if (bits == 8) /* 8 channels = 8 bytes */
+                        x = mode == MODE_LUT ? gather8(row + 8 * j, a->lut)
+                                             : codes8(row + 8 * j, 0, mask, half);
+                    else { /* 8 channels = `bits` bytes */
+                        const v8u u = codes_of8(row + j * bits, bits);
+                        x = mode == MODE_LUT ? lut8u(u, mask, lo, hi)
+                                             : __builtin_convertvector((v8i)u, v8f) - half;
+                    }
+                    if (mode != MODE_AFFINE_GROUPS) {
+                        for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
+                        continue;
+                    }
+                    for (int m = 0; m < MC; m++) pg[m] += qv[m][j] * x;
+                    if (j + 1 == nv || gi[j + 1] != gi[j]) { /* the group ends */
+                        const float s = At[gi[j]];
+                        for (int m = 0; m < MC; m++) {
+                            acc[m] += s * pg[m];
+                            pg[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+                        }
+                    }
+                }
+            }
+            for (int m = 0; m < MC; m++) buf[m][k] = acc[m];
+        }
+        v8f e[4];
+        for (int m = 0; m < MC; m++) e[m] = hsum8(buf[m]) + bias[m];
+        for (int64_t g = 0; mode == MODE_AFFINE_GROUPS && g < ng; g++) {
+            v8f zv = {0, 0, 0, 0, 0, 0, 0, 0}; /* (Z + half A)[t + k, g] of the 8 tokens */
+            for (int k = 0; k < n; k++) {
+                const int64_t r = (t + k) * a->as_r + g;
+                zv[k] = Z0[r] + half * A0[r];
+            }
+            for (int m = 0; m < MC; m++) e[m] += qs[m][g] * zv;
+        }
+        for (int m = 0; m < MC; m++) {
+            float *om = o + (m0 + m) * T + t;
+            if (n == 8)
+                memcpy(om, &e[m], 32);
+            else
+                for (int k = 0; k < n; k++) om[k] = e[m][k];
+        }
+        t += n;
+    }
+}
+
+static inline __attribute__((always_inline)) void keys_vec_mode(const kv_args *a, const int bits,
+                                                                const int mode) {
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++)
+            for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+                const int64_t mc = a->M - m0 < 4 ? a->M - m0 : 4;
+                switch (mc) {
+                case 1: keys_vec_rows(a, bits, b, h, m0, 1, mode); break;
+                case 2: keys_vec_rows(a, bits, b, h, m0, 2, mode); break;
+                case 3: keys_vec_rows(a, bits, b, h, m0, 3, mode); break;
+                default: keys_vec_rows(a, bits, b, h, m0, 4, mode); break;
+                }
+            }
+}
+
+static inline __attribute__((always_inline)) void keys_vec(const kv_args *a, const int bits) {
+    switch (a->mode) {
+    case MODE_AFFINE_ROWS: keys_vec_mode(a, bits, MODE_AFFINE_ROWS); break;
+    case MODE_AFFINE_GROUPS: keys_vec_mode(a, bits, MODE_AFFINE_GROUPS); break;
+    case MODE_LUT: keys_vec_mode(a, bits, MODE_LUT); break;
+    default: keys_vec_mode(a, bits, MODE_RAW); break;
+    }
+}
+
+static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int bits) {
+    const int64_t D = a->W * cpw_of(bits);
+    if (D > MAXD) return -1;
+    if (keys_vec_ok(a, bits)) {
+        keys_vec(a, bits);
+        return 0;
+    }
+    if (a->natural) return -3; /* the caller checks keys_vec_ok's conditions first */
+    if (tiled_ok(a, bits) && a->no_tiles != 1) {
+        keys_tiled(a, bits);
+        return 0;
+    }
+    float x[MAXD];
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const float *q = a->qp + (b * a->H + h) * a->M * a->q_sm;
+            float *o = a->out + (b * a->H + h) * a->M * a->T;
+            for (int64_t t = 0; t < a->T; t++) {
+                decode(a, bits, b, h, t, x);
+                const float *qr = q + (t / a->L) * a->q_sr;
+                for (int64_t m = 0; m < a->M; m++) {
+                    const float *qm = qr + m * a->q_sm;
+                    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t k = 0; k < D; k++) acc += qm[k] * x[k];
+                    o[m * a->T + t] = acc;
+                }
+            }
+        }
+    return 0;
+}
+
 static inline int values_vec_ok(const kv_args *a, int bits) {
-    if (a->M > 16 || a->no_tiles || a->W % 8) return 0;
+    if (a->M > 16 || a->no_tiles == 1 || a->W % 8) return 0;
     if (a->mode == MODE_LUT) return bits == 1 || bits == 2 || bits == 4;
     return a->mode == MODE_AFFINE_GROUPS && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
            a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8;
@@ -574,9 +801,12 @@ static void values_groups_vec(const kv_args *a, int bits) {
             const float *Z = is_lut ? 0 : a->Z + b * a->as_b + h * a->as_h;
             for (int64_t m = 0; m < M; m++)
                 for (int64_t g = 0; g < ng; g++) {
-                    float s = 0.f;
+                    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* 8 chains, not one */
                     for (int64_t t = 0; t < T && !is_lut; t++)
-                        s += p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
+                        part[t & 7] +=
+                            p[m * T + t] * (Z[t * a->as_r + g] + half * A[t * a->as_r + g]);
+                    float s = 0.f;
+                    for (int k = 0; k < 8; k++) s += part[k];
                     zs[m * ng + g] = s;
                 }
             for (int64_t m0 = 0; m0 < M; m0 += VMC)
@@ -598,11 +828,23 @@ static void values_groups_vec(const kv_args *a, int bits) {
         }
 }
 
+/* values written in sub-code order -> natural channel order, per (b, h, m) row (a->natural) */
+static void values_to_natural(const kv_args *a, int bits) {
+    const int64_t W = a->W, cpw = cpw_of(bits), D = W * cpw;
+    float tmp[MAXD];
+    for (int64_t r = 0; r < a->B * a->H * a->M; r++) {
+        float *o = a->out + r * D;
+        memcpy(tmp, o, sizeof(float) * (size_t)D);
+        for (int64_t pos = 0; pos < D; pos++) o[(pos % W) * cpw + pos / W] = tmp[pos];
+    }
+}
+
 static inline __attribute__((always_inline)) int values_impl(const kv_args *a, int bits) {
     const int64_t D = a->W * cpw_of(bits);
     if (D > MAXD) return -1;
     if (values_vec_ok(a, bits)) {
         values_groups_vec(a, bits);
+        if (a->natural && cpw_of(bits) > 1) values_to_natural(a, bits);
         return 0;
     }
     float x[MAXD];
@@ -621,6 +863,7 @@ static inline __attribute__((always_inline)) int values_impl(const kv_args *a, i
                 }
             }
         }
+    if (a->natural && a->mode != MODE_STREAM && cpw_of(bits) > 1) values_to_natural(a, bits);
     return 0;
 }
 
@@ -691,13 +934,106 @@ typedef struct {
     const int32_t *pi; /* [D/2] first channel of each pair */
     const int32_t *pj; /* [D/2] second channel */
     float *out;        /* [B, H, M, T] */
+    int scalar;        /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_lut_args;
+
+/* lane l of the result = the sum of the 8 lanes of v */
+static inline __attribute__((always_inline)) float hsum1(v8f v) {
+#if defined(__AVX2__)
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+#else
+    float s = 0.f;
+    for (int l = 0; l < 8; l++) s += v[l];
+    return s;
+#endif
+}
+
+static inline __attribute__((always_inline)) v8f loadv(const float *p) {
+    v8f v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+/* KVQuant keys with 1- to 4-bit codes and head_dim a multiple of 8 (16 when rotated): 8
+ * channels' codes are `bits` whole bytes, shifted apart in 8 lanes and looked up in the table
+ * by a vector permute, times the channels' half-range plus centre; the outliers are written
+ * over; a pre-RoPE key is turned once per token, (a C - b S, b C + a S) per pair, and then
+ * dotted with every query row.  Same order of tokens and outliers as lut_keys_impl. */
+static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args *a, const int bits) {
+    const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D, nv = D / 8;
+    const uint32_t mask = (1u << bits) - 1u;
+    v8f lo = {0, 0, 0, 0, 0, 0, 0, 0}, hi = lo;
+    for (int l = 0; l < 8; l++) {
+        lo[l] = l <= (int)mask ? a->lut[l] : 0.f;
+        hi[l] = l + 8 <= (int)mask ? a->lut[l + 8] : 0.f;
+    }
+    const v8u shv = {0, (uint32_t)bits, 2u * bits, 3u * bits, 4u * bits, 5u * bits, 6u * bits,
+                     7u * bits};
+    int halves = a->cosv != 0;
+    for (int64_t p = 0; halves && p < P; p++) halves = a->pi[p] == p && a->pj[p] == P + p;
+    float x[MAXD] __attribute__((aligned(32))), ra[MAXD / 2], rb[MAXD / 2];
+    int64_t k = 0; /* next outlier */
+    while (k < a->N && a->out_idx[k] < 0) k++;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < a->B; b++)
+            for (int64_t h = 0; h < a->H; h++) {
+                const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
+                const float *hs = a->hs + h * D, *hz = a->hz + h * D;
+                for (int64_t j = 0; j < nv; j++) {
+                    uint32_t w = 0;
+                    memcpy(&w, row + j * bits, (size_t)bits); /* 8 codes in `bits` bytes */
+                    const v8u u = ((v8u){w, w, w, w, w, w, w, w} >> shv) & mask;
+                    const v8f v = lut8u(u, mask, lo, hi) * loadv(hs + 8 * j) + loadv(hz + 8 * j);
+                    memcpy(x + 8 * j, &v, 32);
+                }
+                const int64_t base = t * BHD + (b * a->H + h) * D;
+                for (; k < a->N && a->out_idx[k] < base + D; k++)
+                    if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
+                const float *q = a->qp + (b * a->H + h) * M * D;
+                float *o = a->out + (b * a->H + h) * M * T + t;
+                if (!a->cosv) {
+                    for (int64_t m = 0; m < M; m++) {
+                        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        for (int64_t j = 0; j < nv; j++) acc += loadv(q + m * D + 8 * j) * loadv(x + 8 * j);
+                        o[m * T] = hsum1(acc);
+                    }
+                    continue;
+                }
+                const float *C = a->cosv + t * P, *S = a->sinv + t * P;
+                const float *pa = x, *pb = x + P;
+                if (!halves) {
+                    for (int64_t p = 0; p < P; p++) {
+                        ra[p] = x[a->pi[p]];
+                        rb[p] = x[a->pj[p]];
+                    }
+                    pa = ra;
+                    pb = rb;
+                }
+                float kr[MAXD] __attribute__((aligned(32))); /* the turned key, pair order */
+                for (int64_t i = 0; i < P / 8; i++) {
+                    const v8f av = loadv(pa + 8 * i), bv = loadv(pb + 8 * i);
+                    const v8f c = loadv(C + 8 * i), s = loadv(S + 8 * i);
+                    const v8f r1 = av * c - bv * s, r2 = bv * c + av * s;
+                    memcpy(kr + 8 * i, &r1, 32);
+                    memcpy(kr + P + 8 * i, &r2, 32);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                    for (int64_t j = 0; j < nv; j++) acc += loadv(q + m * D + 8 * j) * loadv(kr + 8 * j);
+                    o[m * T] = hsum1(acc);
+                }
+            }
+    return 0;
+}
 
 static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args *a, int bits) {
     const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D;
     if (D > MAXD || (a->cosv && D % 2) || M < 1) return -1;
     for (int64_t k = 1; k < a->N; k++)
         if (a->out_idx[k] <= a->out_idx[k - 1]) return -2; /* not ascending */
+    if (bits <= 4 && D % (a->cosv ? 16 : 8) == 0 && !a->scalar) return lut_keys_vec(a, bits);
     const uint32_t mask = (1u << bits) - 1u;
     const int64_t K = (int64_t)1 << bits;
     float x[MAXD], xa[MAXD / 2], xb[MAXD / 2];
@@ -791,26 +1127,42 @@ int kv_keys_lut_outliers(const kv_lut_args *a, int bits) {
 /* ------------------------------------------------------------------- polar keys (PolarQuant)
  * PolarQuant's keys (methods/polarquant.py, PolarAttention; Wu et al., arXiv 2502.00527 §3):
  * per RoPE pair j of token t a radius code cr and an angle code ca, each with per-channel
- * terms per page of L tokens.  The caller builds, per page P, query row m and pair j, the table
- * TAB[P, m, j, l] = qa_j cos(theta_l) + qb_j sin(theta_l) over the page's 2^abits angle levels;
- * the logit is sum_j (cr_j AR[P, j] + BR[P, j]) TAB[P, m, j, ca_j]. */
+ * terms per page of L tokens.  The caller builds, per page P, query row m and angle level l,
+ * the table TAB[P, m, l, j] = qa_j cos(theta_l) + qb_j sin(theta_l) over the page's 2^abits
+ * levels; the logit is sum_j (cr_j AR[P, j] + BR[P, j]) TAB[P, m, ca_j, j].
+ * Vectorised (pairs a multiple of 8, radius and angle codes of at most 4 bits): 8 pairs'
+ * codes are `bits` whole bytes shifted apart in 8 lanes; the table entries of 1- and 2-bit
+ * angles are selected from the 2 or 4 level rows by the code's bits, wider angles gathered. */
 typedef struct {
     const uint8_t *rc, *ac; /* radius and angle codes, pack_bits order, rows of tokens */
     int64_t rs_b, rs_h, rs_t, as_b, as_h, as_t;
     int64_t B, H, T, M, P, L, NP;
     const float *ar, *br; /* [B, H, NP, P] radius scale and zero per page */
-    const float *tab;     /* [B, H, NP, M, P, 2^abits] */
+    const float *tab;     /* [B, H, NP, M, 2^abits, P] */
     float *out;           /* [B, H, M, T] */
+    int scalar;           /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_polar_args;
 
-int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
-    const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits;
-    if (rbits < 1 || rbits > 8 || abits < 1 || abits > 8 || P > MAXD / 2 || M < 1 || a->L < 1)
-        return -1;
-    if ((T + a->L - 1) / a->L > a->NP) return -1;
+/* lanes of `a1` where bit `k` of `c` is set, else of `a0` */
+static inline __attribute__((always_inline)) v8f select_bit(v8u c, int k, v8f a0, v8f a1) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_blendv_ps((__m256)a0, (__m256)a1, (__m256)(c << (31 - k)));
+#else
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = (c[l] >> k) & 1u ? a1[l] : a0[l];
+    return x;
+#endif
+}
+
+static inline __attribute__((always_inline)) int polar_impl(const kv_polar_args *a, int rbits,
+                                                            int abits) {
+    const int64_t P = a->P, M = a->M, T = a->T, K = (int64_t)1 << abits, nv = P / 8;
     const uint32_t rmask = (1u << rbits) - 1u, amask = (1u << abits) - 1u;
+    const int vec = P % 8 == 0 && rbits <= 4 && abits <= 4 && !a->scalar;
     float r[MAXD / 2];
-    int32_t idx[MAXD / 2];
+    int32_t ca[MAXD / 2];
+    v8f rv[MAXD / 16];
+    v8u cv[MAXD / 16];
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t h = 0; h < a->H; h++) {
             const int64_t bh = b * a->H + h;
@@ -820,15 +1172,50 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
                 const uint8_t *rr = a->rc + b * a->rs_b + h * a->rs_h + t * a->rs_t;
                 const uint8_t *ra = a->ac + b * a->as_b + h * a->as_h + t * a->as_t;
                 const float *ar = a->ar + (bh * a->NP + pg) * P, *br = a->br + (bh * a->NP + pg) * P;
+                const float *tab = a->tab + (bh * a->NP + pg) * M * K * P;
+                if (vec) {
+                    for (int64_t i = 0; i < nv; i++) {
+                        const v8u cr = codes_of8(rr + i * rbits, rbits);
+                        rv[i] = __builtin_convertvector((v8i)cr, v8f) * loadv(ar + 8 * i) +
+                                loadv(br + 8 * i);
+                        cv[i] = codes_of8(ra + i * abits, abits);
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        const float *tm = tab + m * K * P;
+                        v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
+                        for (int64_t i = 0; i < nv; i++) {
+                            v8f tv;
+                            if (abits == 1) {
+                                tv = select_bit(cv[i], 0, loadv(tm + 8 * i), loadv(tm + P + 8 * i));
+                            } else if (abits == 2) {
+                                const v8f lo = select_bit(cv[i], 0, loadv(tm + 8 * i),
+                                                          loadv(tm + P + 8 * i));
+                                const v8f hi = select_bit(cv[i], 0, loadv(tm + 2 * P + 8 * i),
+                                                          loadv(tm + 3 * P + 8 * i));
+                                tv = select_bit(cv[i], 1, lo, hi);
+                            } else {
+                                const v8u j = {0, 1, 2, 3, 4, 5, 6, 7};
+                                const v8u idx = cv[i] * (uint32_t)P + j + (uint32_t)(8 * i);
+#if defined(__AVX2__)
+                                tv = (v8f)_mm256_i32gather_ps(tm, (__m256i)idx, 4);
+#else
+                                for (int l = 0; l < 8; l++) tv[l] = tm[idx[l]];
+#endif
+                            }
+                            acc += rv[i] * tv;
+                        }
+                        o[m * T + t] = hsum1(acc);
+                    }
+                    continue;
+                }
                 for (int64_t j = 0; j < P; j++) {
                     r[j] = (float)code_at(rr, j, rbits, rmask) * ar[j] + br[j];
-                    idx[j] = (int32_t)(j * K + code_at(ra, j, abits, amask));
+                    ca[j] = (int32_t)code_at(ra, j, abits, amask);
                 }
-                const float *tab = a->tab + (bh * a->NP + pg) * M * P * K;
                 for (int64_t m = 0; m < M; m++) {
-                    const float *tm = tab + m * P * K;
+                    const float *tm = tab + m * K * P;
                     float acc = 0.f;
-                    for (int64_t j = 0; j < P; j++) acc += r[j] * tm[idx[j]];
+                    for (int64_t j = 0; j < P; j++) acc += r[j] * tm[ca[j] * P + j];
                     o[m * T + t] = acc;
                 }
             }
@@ -836,4 +1223,25 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     return 0;
 }
 
-int kv_abi_version(void) { return 5; }
+#define SPECIALISE_POLAR(R, A) \
+    case R * 16 + A: return polar_impl(a, R, A);
+
+int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
+    const int64_t P = a->P, M = a->M, T = a->T;
+    if (rbits < 1 || rbits > 8 || abits < 1 || abits > 8 || P > MAXD / 2 || M < 1 || a->L < 1)
+        return -1;
+    if ((T + a->L - 1) / a->L > a->NP) return -1;
+    switch (rbits * 16 + abits) { /* the widths of the vectorised loop as constants */
+        SPECIALISE_POLAR(2, 2) SPECIALISE_POLAR(2, 3) SPECIALISE_POLAR(2, 4)
+        SPECIALISE_POLAR(3, 2) SPECIALISE_POLAR(3, 3) SPECIALISE_POLAR(3, 4)
+        SPECIALISE_POLAR(4, 2) SPECIALISE_POLAR(4, 3) SPECIALISE_POLAR(4, 4)
+        SPECIALISE_POLAR(1, 1) SPECIALISE_POLAR(1, 2) SPECIALISE_POLAR(2, 1)
+    default: {
+        kv_polar_args s = *a; /* other widths: the scalar loop */
+        s.scalar = 1;
+        return polar_impl(&s, rbits, abits);
+    }
+    }
+}
+
+int kv_abi_version(void) { return 9; }

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KQ_ABI_VERSION 2
+#define KQ_ABI_VERSION 3
 
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 
@@ -228,4 +228,58 @@ done:
     free(keep);
     free(codes);
     return rc;
+}
+
+/* kq_affine_terms: the stored terms of n asymmetric min-max groups from their float32 min
+ * and max, as kvbench.kv.quant.affine_terms computes them (for inputs small enough that its
+ * dozen torch operations cost more than the quantization: a decode step's one-token flush):
+ *   zero  = the min cast to the scale dtype (float16: round to nearest even),
+ *   scale = (max - float(zero)) clamped at 0, / (2^bits - 1) in float32, cast to the scale
+ *           dtype rounding *up* (the next float16 when the nearest is below),
+ *   s, z  = their float32 values.
+ * sdt: 0 float16 (stored as its bits), 2 float32.  Returns 0; 1 when a zero or scale is not
+ * finite (an overflow: the caller's torch path raises the reference's error); -1 without
+ * float16 support or for another dtype (the caller uses the torch helpers). */
+int kq_affine_terms(const float *mn, const float *mx, int64_t n, int bits, int sdt, void *scale,
+                    void *zero, float *s, float *z) {
+    const float qmax = (float)((1 << bits) - 1);
+    int bad = 0;
+    if (sdt == DT_F32) {
+        float *sc = (float *)scale, *ze = (float *)zero;
+        for (int64_t i = 0; i < n; i++) {
+            float r = mx[i] - mn[i];
+            r = r < 0.f ? 0.f : r;
+            ze[i] = z[i] = mn[i];
+            sc[i] = s[i] = r / qmax;
+            bad |= !isfinite(s[i]);
+        }
+        return bad;
+    }
+#if defined(KQ_FLOAT16)
+    if (sdt != DT_F16) return -1;
+    uint16_t *sc = (uint16_t *)scale, *ze = (uint16_t *)zero;
+    for (int64_t i = 0; i < n; i++) {
+        const _Float16 zh = (_Float16)mn[i];
+        const float zf = (float)zh;
+        float r = mx[i] - zf;
+        r = r < 0.f ? 0.f : r;
+        const float want = r / qmax;
+        _Float16 sh = (_Float16)want;
+        uint16_t sb;
+        memcpy(&sb, &sh, 2);
+        if ((float)sh < want) { /* the next float16 up (want >= 0) */
+            sb = (uint16_t)(sb + 1);
+            memcpy(&sh, &sb, 2);
+        }
+        memcpy(&ze[i], &zh, 2);
+        sc[i] = sb;
+        z[i] = zf;
+        s[i] = (float)sh;
+        bad |= !isfinite(zf) || !isfinite(s[i]);
+    }
+    return bad;
+#else
+    (void)mn, (void)mx, (void)n, (void)scale, (void)zero, (void)s, (void)z, (void)qmax, (void)bad;
+    return -1;
+#endif
 }
