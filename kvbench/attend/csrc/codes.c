@@ -937,6 +937,27 @@ typedef struct {
     int scalar;        /* 1: the scalar loop even where the vectorised one applies (checks) */
 } kv_lut_args;
 
+/* a key's RoPE pairs (x_i, x_j) as two rows: the halves of x (rotate_half pairs, no copy), or
+ * gathered into xa, xb by the pair indices */
+static inline __attribute__((always_inline)) void rope_pairs_of(const kv_lut_args *a,
+                                                                const float *x, int halves,
+                                                                float *xa, float *xb,
+                                                                const float **pa,
+                                                                const float **pb) {
+    const int64_t P = a->D / 2;
+    if (halves) {
+        *pa = x;
+        *pb = x + P;
+        return;
+    }
+    for (int64_t p = 0; p < P; p++) {
+        xa[p] = x[a->pi[p]];
+        xb[p] = x[a->pj[p]];
+    }
+    *pa = xa;
+    *pb = xb;
+}
+
 /* lane l of the result = the sum of the 8 lanes of v */
 static inline __attribute__((always_inline)) float hsum1(v8f v) {
 #if defined(__AVX2__)
@@ -1001,16 +1022,8 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
                     }
                     continue;
                 }
-                const float *C = a->cosv + t * P, *S = a->sinv + t * P;
-                const float *pa = x, *pb = x + P;
-                if (!halves) {
-                    for (int64_t p = 0; p < P; p++) {
-                        ra[p] = x[a->pi[p]];
-                        rb[p] = x[a->pj[p]];
-                    }
-                    pa = ra;
-                    pb = rb;
-                }
+                const float *C = a->cosv + t * P, *S = a->sinv + t * P, *pa, *pb;
+                rope_pairs_of(a, x, halves, ra, rb, &pa, &pb);
                 float kr[MAXD] __attribute__((aligned(32))); /* the turned key, pair order */
                 for (int64_t i = 0; i < P / 8; i++) {
                     const v8f av = loadv(pa + 8 * i), bv = loadv(pb + 8 * i);
@@ -1080,16 +1093,8 @@ static inline __attribute__((always_inline)) int lut_keys_impl(const kv_lut_args
                     }
                     continue;
                 }
-                const float *C = a->cosv + t * P, *S = a->sinv + t * P;
-                const float *pa = x, *pb = x + P;
-                if (!halves) {
-                    for (int64_t p = 0; p < P; p++) {
-                        xa[p] = x[a->pi[p]];
-                        xb[p] = x[a->pj[p]];
-                    }
-                    pa = xa;
-                    pb = xb;
-                }
+                const float *C = a->cosv + t * P, *S = a->sinv + t * P, *pa, *pb;
+                rope_pairs_of(a, x, halves, xa, xb, &pa, &pb);
                 for (int64_t m = 0; m < M; m++) {
                     const float *qi = q + m * D, *qj = qi + P; /* pair order */
                     float acc = 0.f;
