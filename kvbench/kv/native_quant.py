@@ -25,29 +25,23 @@ float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, no C compiler.
 
 Build: the system C compiler (``cc``; ``-O3 -march=native -ffp-contract=off``, IEEE
 semantics kept), once per machine, cached under the kvbench cache folder (``native/``) keyed
-by the source, the flags, the compiler's version and the CPU's flags, as
-:mod:`kvbench.attend.native` does.  Rows (batch row, KV head) are split across
+by the source, the flags, the compiler's version and the CPU's flags
+(:mod:`kvbench.machine.native`, shared with :mod:`kvbench.attend.native`).  Rows (batch row, KV head) are split across
 ``torch.get_num_threads()`` Python threads (ctypes releases the GIL during the call).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from kvbench.kv.quant import affine_terms, packed_size, symmetric_terms
+from kvbench.machine.native import ENV_DISABLE as ENV_DISABLE  # the switch, re-exported
+from kvbench.machine.native import NativeLibrary, compile_cached, load_checked
 
-ENV_DISABLE = "KVBENCH_NATIVE"
 SOURCE = Path(__file__).with_name("csrc") / "affine.c"
 FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
@@ -57,10 +51,6 @@ ABI_VERSION = 3
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 #: inputs with fewer elements per thread than this run on one thread
 MIN_PER_THREAD = 1 << 20
-
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_lock = threading.Lock()
 
 
 class _In(ctypes.Structure):
@@ -73,50 +63,11 @@ class _In(ctypes.Structure):
     ]
 
 
-def _cache_root() -> Path:
-    if os.environ.get("KVBENCH_CACHE"):
-        return Path(os.environ["KVBENCH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvbench"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     """Compile (or reuse the cached build of) ``csrc/affine.c`` with ``flags`` and load it.
     Raises ``RuntimeError`` without a C compiler, on a failed build or an ABI mismatch."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (SOURCE.read_text(), " ".join(flags), ver, _cpu_flags()))
-    ).hexdigest()[:16]
-    out = _cache_root() / "native" / f"affine-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            r = subprocess.run(
-                [cc, *flags, str(SOURCE), "-o", str(so)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:300]}")
-            os.replace(so, out)  # atomic: a concurrent build never loads half a file
-    lib = ctypes.CDLL(str(out))
-    if lib.kq_abi_version() != ABI_VERSION:
-        raise RuntimeError(f"{out} has ABI {lib.kq_abi_version()}, expected {ABI_VERSION}")
+    out = compile_cached(SOURCE, flags, "affine", timeout=300)
+    lib = load_checked(out, "kq_abi_version", ABI_VERSION)
     lib.kq_minmax.argtypes = [ctypes.POINTER(_In), ctypes.c_void_p, ctypes.c_void_p]
     lib.kq_minmax.restype = ctypes.c_int
     lib.kq_codes.argtypes = [
@@ -141,31 +92,15 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     return lib
 
 
+_NATIVE = NativeLibrary(lambda: build(), "native quantizer")
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _reason
-    if _lib is not None or _reason is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _reason is None:
-            if os.environ.get(ENV_DISABLE, "1") == "0":
-                _reason = f"{ENV_DISABLE}=0"
-            else:
-                try:
-                    _lib = build()
-                except Exception as e:  # noqa: BLE001 - no compiler, odd platform: fall back
-                    _reason = f"native quantizer unavailable: {type(e).__name__}: {e}"
-    return _lib
+    return _NATIVE.load()
 
 
-def available() -> bool:
-    """Whether the native quantizer is built and loaded (builds it on first call)."""
-    return _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    """``None`` when :func:`available`, else why not (no compiler, build error, disabled)."""
-    _load()
-    return _reason
+available = _NATIVE.available  # whether built and loaded (builds on the first call)
+unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why not
 
 
 def _split(rows: int, per_row: int) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 KVBENCH = Path(__file__).resolve().parents[2] / "kvbench"
-FOLDERS = ("kv", "attend", "hf", "data", "run", "report", "workloads", "tasks")
+FOLDERS = ("machine", "kv", "attend", "hf", "data", "run", "report", "workloads", "tasks")
 
 
 def _module(path: Path) -> list[str]:

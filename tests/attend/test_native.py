@@ -116,8 +116,8 @@ def test_supports_names_the_limits():
 
 
 def _reset(monkeypatch):
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(native._NATIVE, "lib", None)
+    monkeypatch.setattr(native._NATIVE, "reason", None)
 
 
 def test_a_failed_build_falls_back_to_eager(monkeypatch):

@@ -228,8 +228,8 @@ def test_portable_float16_conversion_matches_the_compiler():
 
 
 def test_disabled(monkeypatch):
-    monkeypatch.setattr(nq, "_lib", None)
-    monkeypatch.setattr(nq, "_reason", None)
+    monkeypatch.setattr(nq._NATIVE, "lib", None)
+    monkeypatch.setattr(nq._NATIVE, "reason", None)
     monkeypatch.setenv(nq.ENV_DISABLE, "0")
     assert not nq.available() and nq.unavailable_reason() == "KVBENCH_NATIVE=0"
     assert nq.quantize_pack(torch.randn(1, 1, 8, 8), 2, 8, 1) is None
