@@ -36,6 +36,7 @@ from kvbench.kv.schedule import SlidingSchedule
 
 SCORES = ("attention", "key-norm")
 _PER_TOKEN = ("low", "scale", "zero")  # MixedBlock fields laid out [B, H_kv, n, ...]
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)])  # set bits of each byte
 
 
 @dataclass
@@ -79,10 +80,25 @@ class MixedBlock:
         mask = pack_bits(high.to(torch.uint8), 1, check=False)  # 0/1 by construction
         return replace(self, mask=mask, extra=extra, **kw)
 
+    def high_count(self) -> torch.Tensor:
+        """Int64 ``[B, H_kv]``: high tokens per (row, KV head), from the mask's bytes (the
+        bits past ``ntokens`` are zero)."""
+        return _POPCOUNT.to(self.mask.device)[self.mask.long()].sum(-1)
+
     def cat(self, other: MixedBlock) -> MixedBlock:
-        high = torch.cat([self.high(), other.high()], dim=2)
+        """Tokens of ``self`` then ``other``.  The masks' bit streams are joined at the tail
+        of ``self``'s: only its last, partly filled byte is unpacked, so a one-token flush
+        costs O(1) bit work (the per-token tensors are concatenated whole)."""
+        n, whole = self.ntokens, self.ntokens // 8
+        mask = self.mask[..., :whole]
+        if n % 8:
+            tail = unpack_bits(self.mask[..., whole:], 1, n - 8 * whole)
+            bits = torch.cat([tail, unpack_bits(other.mask, 1, other.ntokens)], -1)
+            mask = torch.cat([mask, pack_bits(bits, 1, check=False)], -1)
+        else:
+            mask = torch.cat([mask, other.mask], -1)
         cat2 = {k: torch.cat([getattr(self, k), getattr(other, k)], 2) for k in _PER_TOKEN}
-        return self._with(high, torch.cat([self.extra, other.extra]), **cat2)
+        return replace(self, mask=mask, extra=torch.cat([self.extra, other.extra]), **cat2)
 
     def crop(self, n: int) -> MixedBlock:
         high = self.high()[:, :, :n]
@@ -130,8 +146,11 @@ class MixedBlockAttention:
         """The upper plane of every token: uint8 ``[B, H_kv, n, ceil(D (hb - lb) / 8)]`` (zero
         rows for low tokens), scale float32 ``2^lb scale``, zero 0."""
         b, h, n, _ = block.low.shape
-        dense = block.extra.new_zeros(b, h, n, block.extra.shape[-1])
-        dense.permute(2, 0, 1, 3)[block.high().permute(2, 0, 1)] = block.extra  # [n, B, H] rows
+        nb = block.extra.shape[-1]
+        rows = block.extra.new_zeros(n * b * h, nb)  # the extra rows' own [n, B, H] order
+        at = block.high().permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)
+        rows.index_copy_(0, at, block.extra)
+        dense = rows.view(n, b, h, nb).permute(1, 2, 0, 3)  # [B, H, n, nb], strided rows
         scale = block.scale.float() * float(1 << block.low_bits)
         bits = block.high_bits - block.low_bits
         return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
@@ -298,7 +317,7 @@ class SemKVLayer(LayerCache):
         self._pending, r, f = False, self._rlen(), self.frac
         if n := self.k.schedule.flush_count(r):
             blk = self.k.block
-            nh, total = (0, n) if blk is None else (blk.high().sum(-1), n + blk.ntokens)
+            nh, total = (0, n) if blk is None else (blk.high_count(), n + blk.ntokens)
             important = (_ranks(self._scores())[..., :n] < math.ceil(f * r - 1e-9)).sum(-1)
             lo, hi = math.floor(f * total + 1e-9), math.ceil(f * total - 1e-9)
             self._flush(n, ((nh + important).clamp(lo, hi) - nh).clamp(0, n))

@@ -218,6 +218,24 @@ def test_values_of_every_query_row_count(m, groups, g):
     assert rel(out, p @ x) < 1e-5
 
 
+@pytest.mark.parametrize(("bits", "groups"), [(1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8)])
+def test_values_of_groups_narrower_than_a_vector(bits, groups, g, monkeypatch):
+    """Per-token groups of 1, 2 or 4 code words (e.g. SemKV's 1-bit upper plane in groups of
+    32 channels: 4 bytes) take the vectorised values with one scale per lane; against float64
+    and against the token-by-token loop."""
+    d = 64
+    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
+    a, z = torch.rand(B, H, T, groups, generator=g), torch.randn(B, H, T, groups, generator=g)
+    x = c.double() * a.double().repeat_interleave(d // groups, -1)
+    x = x + z.double().repeat_interleave(d // groups, -1)
+    p = torch.softmax(torch.randn(B, H, M, T, generator=g, dtype=torch.float64), -1)
+    out = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
+    assert rel(out, p @ x) < 1e-5
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")
+    loop = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
+    assert rel(out, loop.double()) < 1e-5 and not torch.equal(out, loop)  # two kernels ran
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_signed_16_bit_codes(d, g, monkeypatch):
     """16-bit codes are stored as int16 ``c - 32768`` (kvbench.kv.quant.pack_bits) and read

@@ -290,3 +290,50 @@ def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
     for name in ("low", "extra", "mask", "scale", "zero"):
         a, b = getattr(fast, name), getattr(ref, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("na", [1, 7, 8, 9, 16, 21])
+@pytest.mark.parametrize("nb", [1, 3, 8, 11])
+def test_cat_joins_the_mask_bit_streams_at_any_length(na, nb):
+    """``MixedBlock.cat`` joins the packed 1-bit masks at the tail of the first block's
+    stream: the same tokens, high flags, mask bytes (zero past the last token) and extra rows
+    as encoding the joined tokens at once; ``high_count`` counts each (row, head)'s flags."""
+    from kvbench.kv.quant import unpack_bits
+    from kvbench.methods.semkv import MixedCodec
+
+    g = torch.Generator().manual_seed(na * 100 + nb)
+    codec = MixedCodec(2, 3, 8)
+    x = torch.randn(2, 3, na + nb, 16, generator=g)
+    high = torch.rand(2, 3, na + nb, generator=g) < 0.5
+    both = codec.encode(x[:, :, :na], high[:, :, :na]).cat(
+        codec.encode(x[:, :, na:], high[:, :, na:])
+    )
+    once = codec.encode(x, high)
+    for k in ("low", "extra", "mask", "scale", "zero"):
+        assert torch.equal(getattr(both, k), getattr(once, k)), k
+    assert torch.equal(both.high(), high)
+    assert both.mask.shape[-1] == -(-(na + nb) // 8)
+    assert not unpack_bits(both.mask, 1, both.mask.shape[-1] * 8)[..., na + nb :].any()
+    assert torch.equal(both.high_count(), high.sum(-1))
+
+
+def test_upper_plane_places_each_extra_row_at_its_token():
+    """The upper plane read by the attention kernels: token ``t`` of (row ``b``, head ``h``)
+    holds the ``i``-th extra row, ``i`` counting high tokens in ``[n, B, H]`` order, and zero
+    bytes for low tokens (a loop over the tokens as the reference)."""
+    from kvbench.methods.semkv import MixedBlockAttention, MixedCodec
+
+    g = torch.Generator().manual_seed(5)
+    b, h, n = 2, 3, 13
+    high = torch.rand(b, h, n, generator=g) < 0.4
+    blk = MixedCodec(2, 4, 8).encode(torch.randn(b, h, n, 16, generator=g), high)
+    up = MixedBlockAttention._upper(blk)
+    ref, i = torch.zeros_like(up.codes), 0
+    for t in range(n):
+        for r in range(b):
+            for k in range(h):
+                if high[r, k, t]:
+                    ref[r, k, t] = blk.extra[i]
+                    i += 1
+    assert i == blk.extra.shape[0] and torch.equal(up.codes, ref)
+    assert up.bits == 2 and torch.equal(up.scale, blk.scale.float() * 4) and not up.zero.any()

@@ -731,8 +731,10 @@ static inline __attribute__((always_inline)) int keys_impl(const kv_args *a, int
 static inline int values_vec_ok(const kv_args *a, int bits) {
     if (a->M > 16 || a->no_tiles == 1 || a->W % 8) return 0;
     if (a->mode == MODE_LUT) return bits == 1 || bits == 2 || bits == 4;
+    /* groups of whole vectors of 8 words, or groups of 1, 2 or 4 words, a vector's lanes then
+     * reading 8 / WG groups' scales (e.g. 1-bit codes in groups of 32 channels: 4 words) */
     return a->mode == MODE_AFFINE_GROUPS && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
-           a->WG % 8 == 0 && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8;
+           (a->WG % 8 == 0 || 8 % a->WG == 0) && a->W % a->WG == 0 && a->W / a->WG <= MAXD / 8;
 }
 
 static inline __attribute__((always_inline)) void values_vec_block(
@@ -770,7 +772,7 @@ static inline __attribute__((always_inline)) void values_vec_block(
                 for (int m = 0; m < mc; m++) acc[m][j] += pm[m] * x;
             }
         }
-    else
+    else if (a->WG % 8 == 0)
         for (int64_t t = 0; t < T; t++) {
             const uint8_t *row = base + t * a->cs_t;
             const float *At = A + t * a->as_r;
@@ -780,6 +782,20 @@ static inline __attribute__((always_inline)) void values_vec_block(
                 const v8f c = codes8(row + off[j], sh[j], mask, half);
                 const float s = At[gi[j]];
                 for (int m = 0; m < mc; m++) acc[m][j] += (pm[m] * s) * c;
+            }
+        }
+    else /* WG in 1, 2, 4: lane l of vector j reads the scale of word off[j] + l's group */
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *row = base + t * a->cs_t;
+            const float *At = A + t * a->as_r;
+            float pm[VMC];
+            for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
+            for (int j = 0; j < vc; j++) {
+                const v8f c = codes8(row + off[j], sh[j], mask, half);
+                v8f s;
+                for (int l = 0; l < 8; l++) s[l] = At[(off[j] + l) / a->WG];
+                const v8f cs = s * c;
+                for (int m = 0; m < mc; m++) acc[m][j] += pm[m] * cs;
             }
         }
     for (int m = 0; m < mc; m++)
