@@ -312,3 +312,38 @@ def test_rows_of_words_not_a_multiple_of_8(bits, d, kernel, g, monkeypatch):
     assert rel(native.keys_raw_rows(view, qs.float(), 128, bits), ref) < 1e-5
     last = pack_bits(c, bits)  # contiguous: the last row ends the tensor's storage
     assert rel(native.keys_raw_rows(last, qs.float(), 128, bits), ref) < 1e-5
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("kernel", ["1", "0"])  # vectorised (outliers added as logit terms), scalar
+def test_lut_outliers_in_dense_rows(rotated, kernel, g, monkeypatch):
+    """KVQuant keys where outliers crowd some token rows (every channel of one row, both
+    channels of RoPE pairs, the first and the last position) and miss others: the logits equal
+    float64 ``q . x`` with the outliers written over the table values, then turned by RoPE
+    (rotate_half pairs) at each token's angles."""
+    monkeypatch.setenv("KVBENCH_NATIVE_TILES", kernel)
+    bsz, h, t, d, m, bits = 2, 2, 9, 16, 3, 4
+    c = torch.randint(0, 16, (bsz, h, t, d), generator=g)
+    lut = torch.linspace(-1, 1, 16)
+    half, center = torch.rand(h, d, generator=g) + 0.5, torch.randn(h, d, generator=g)
+    x = (lut[c] * half[None, :, None] + center[None, :, None]).double()
+    bhd = bsz * h * d
+    idx = torch.tensor([0, *range(bhd + 16, bhd + 32), 3 * bhd + 5, 3 * bhd + 13, t * bhd - 1])
+    val = torch.randn(idx.numel(), generator=g) * 8
+    xt = x.permute(2, 0, 1, 3).reshape(-1).clone()
+    xt[idx] = val.half().double()
+    x = xt.reshape(t, bsz, h, d).permute(1, 2, 0, 3)
+    q = torch.randn(bsz, h, m, d, generator=g)
+    rope = None
+    if rotated:
+        ang = torch.rand(t, d // 2, generator=g) * 6
+        cos, sin = ang.cos(), ang.sin()
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        x = torch.cat(
+            [a * cos.double() - b * sin.double(), b * cos.double() + a * sin.double()], -1
+        )
+        rope = (cos, sin, torch.arange(d // 2), torch.arange(d // 2, d))
+    out = native.keys_lut_outliers(
+        pack_bits(c, bits), q, lut, half, center, idx.int(), val.half(), bits, rope
+    )
+    assert rel(out, q.double() @ x.transpose(-1, -2)) < 1e-5

@@ -993,11 +993,51 @@ static inline __attribute__((always_inline)) v8f loadv(const float *p) {
     return v;
 }
 
+/* The sparse outliers of the vectorised KVQuant keys, added after the dense pass as logit
+ * terms: an outlier at channel d of token (t, b, h) replaces the table value x_d by its exact
+ * value, so its logits change by (out_val - x_d) times d's weight: q_d unrotated; for a RoPE
+ * pair (i, j) turned by (C, S), q_i C + q_j S for d = i and q_j C - q_i S for d = j (q in
+ * pair order).  One pass over the outliers, no per-token branch in the dense loop (about half
+ * the token rows of a real model's keys hold an outlier at 1%). */
+static void lut_outlier_terms(const kv_lut_args *a, const int bits) {
+    const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D;
+    const uint32_t mask = (1u << bits) - 1u;
+    int32_t pair[MAXD];
+    uint8_t second[MAXD];
+    for (int64_t p = 0; a->cosv && p < P; p++) {
+        pair[a->pi[p]] = (int32_t)p, second[a->pi[p]] = 0;
+        pair[a->pj[p]] = (int32_t)p, second[a->pj[p]] = 1;
+    }
+    for (int64_t k = 0; k < a->N; k++) {
+        const int64_t pos = a->out_idx[k];
+        if (pos < 0 || pos >= T * BHD) continue;
+        const int64_t t = pos / BHD, bh = (pos % BHD) / D, d = pos % D;
+        const int64_t b = bh / a->H, h = bh % a->H;
+        const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
+        uint32_t w = 0;
+        memcpy(&w, row + (d / 8) * bits, (size_t)bits);
+        const uint32_t c = (w >> ((uint32_t)(d % 8) * (uint32_t)bits)) & mask;
+        const float delta = a->out_val[k] - (a->lut[c] * a->hs[h * D + d] + a->hz[h * D + d]);
+        const float *q = a->qp + bh * M * D;
+        float *o = a->out + bh * M * T + t;
+        if (!a->cosv) {
+            for (int64_t m = 0; m < M; m++) o[m * T] += q[m * D + d] * delta;
+            continue;
+        }
+        const int64_t p = pair[d];
+        const float C = a->cosv[t * P + p], S = a->sinv[t * P + p];
+        for (int64_t m = 0; m < M; m++) {
+            const float qi = q[m * D + p], qj = q[m * D + P + p];
+            o[m * T] += (second[d] ? qj * C - qi * S : qi * C + qj * S) * delta;
+        }
+    }
+}
+
 /* KVQuant keys with 1- to 4-bit codes and head_dim a multiple of 8 (16 when rotated): 8
  * channels' codes are `bits` whole bytes, shifted apart in 8 lanes and looked up in the table
- * by a vector permute, times the channels' half-range plus centre; the outliers are written
- * over; a pre-RoPE key is turned once per token, (a C - b S, b C + a S) per pair, and then
- * dotted with every query row.  Same order of tokens and outliers as lut_keys_impl. */
+ * by a vector permute, times the channels' half-range plus centre; a pre-RoPE key is turned
+ * once per token, (a C - b S, b C + a S) per pair, and then dotted with every query row; the
+ * outliers are added afterwards as logit terms (lut_outlier_terms). */
 static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args *a, const int bits) {
     const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D, nv = D / 8;
     const uint32_t mask = (1u << bits) - 1u;
@@ -1011,8 +1051,6 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
     int halves = a->cosv != 0;
     for (int64_t p = 0; halves && p < P; p++) halves = a->pi[p] == p && a->pj[p] == P + p;
     float x[MAXD] __attribute__((aligned(32))), ra[MAXD / 2], rb[MAXD / 2];
-    int64_t k = 0; /* next outlier */
-    while (k < a->N && a->out_idx[k] < 0) k++;
     for (int64_t t = 0; t < T; t++)
         for (int64_t b = 0; b < a->B; b++)
             for (int64_t h = 0; h < a->H; h++) {
@@ -1025,9 +1063,6 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
                     const v8f v = lut8u(u, mask, lo, hi) * loadv(hs + 8 * j) + loadv(hz + 8 * j);
                     memcpy(x + 8 * j, &v, 32);
                 }
-                const int64_t base = t * BHD + (b * a->H + h) * D;
-                for (; k < a->N && a->out_idx[k] < base + D; k++)
-                    if (a->out_idx[k] >= base) x[a->out_idx[k] - base] = a->out_val[k];
                 const float *q = a->qp + (b * a->H + h) * M * D;
                 float *o = a->out + (b * a->H + h) * M * T + t;
                 if (!a->cosv) {
@@ -1054,6 +1089,7 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
                     o[m * T] = hsum1(acc);
                 }
             }
+    lut_outlier_terms(a, bits);
     return 0;
 }
 
