@@ -39,9 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.kv.blocks import AffineBlock, PerTokenCodec, affine_layout
+from kvbench.kv.chunks import token_chunks
+from kvbench.kv.finite import all_finite
 from kvbench.kv.layout import BlockLayout
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import pack_bits
+from kvbench.kv.quant import pack_bits, packed_size
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
 BLOCK_TYPES = ("f16", "q8_0", "q4_0")
@@ -73,21 +75,36 @@ class LlamaCppQ4Codec:
         bs = self.block_size
         if dim % bs:
             raise ValueError(f"block_size={bs} does not divide head_dim={dim}")
+        # token by token (each code and scale depends on its own 32-channel block), in chunks
+        # along T (kvbench.kv.chunks): the codes of one pass, without its GiB-sized temporaries
+        packed = torch.empty(b, h, n, packed_size(dim, 4), dtype=torch.uint8, device=x.device)
+        d16 = torch.empty(b, h, n, dim // bs, dtype=torch.float16, device=x.device)
+        for t0, t1 in token_chunks(b, h, n, dim):
+            packed[:, :, t0:t1], d16[:, :, t0:t1] = self._encode_tokens(x[:, :, t0:t1])
+        return AffineBlock(packed, d16, None, [1] * n, 4, dim, symmetric=True)
+
+    def _encode_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed 4-bit codes ``[B, H_kv, n, D / 2]`` and signed fp16 scales ``[B, H_kv, n,
+        D / block_size]`` of ``x [B, H_kv, n, D]`` by llama.cpp's rule (see the class)."""
+        b, h, n, dim = x.shape
+        bs = self.block_size
         xg = x.float().reshape(b, h, n, dim // bs, bs)
-        ok = torch.isfinite(xg)
-        xs = torch.where(ok, xg, torch.zeros((), device=x.device))
+        # finite input (the common case): no masks; else non-finite elements count as 0 for
+        # the block's max and its scale becomes NaN (the same values either way)
+        ok = None if all_finite(x) else torch.isfinite(xg)
+        xs = xg if ok is None else torch.where(ok, xg, torch.zeros((), device=x.device))
         m = xs.gather(-1, xs.abs().argmax(dim=-1, keepdim=True))  # signed max-magnitude element
         d = m / -8.0
         inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-        q = torch.floor(xs * inv + 8.5).clamp(0, 15)  # (int8_t)(x*id + 8.5f), x*id + 8.5 >= 0
+        # (int8_t)(x*id + 8.5f), x*id + 8.5 >= 0: one product, then in place (same roundings)
+        q = torch.mul(xs, inv).add_(8.5).floor_().clamp_(0, 15)
         d16 = d.to(torch.float16)
         if bool((~torch.isfinite(d16)).any()):
             raise ValueError("a q4_0 block scale overflows float16 (|max| > 524032)")
-        d16 = torch.where(ok.all(-1, keepdim=True), d16, torch.full_like(d16, float("nan")))
-        codes = q.to(torch.int32).reshape(b, h, n, dim)
-        return AffineBlock(
-            pack_bits(codes, 4), d16.squeeze(-1), None, [1] * n, 4, dim, symmetric=True
-        )
+        if ok is not None:
+            d16 = torch.where(ok.all(-1, keepdim=True), d16, torch.full_like(d16, float("nan")))
+        codes = q.to(torch.uint8).reshape(b, h, n, dim)  # 0..15 by the clamp: exact, in range
+        return pack_bits(codes, 4, check=False), d16.squeeze(-1)
 
 
 @dataclass(frozen=True)

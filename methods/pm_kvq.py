@@ -52,7 +52,7 @@ from kvbench.kv.blocks import AffineBlock, PerTokenCodec
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import pack_bits, resolve_scale_dtype
+from kvbench.kv.quant import pack_bits, packed_size, resolve_scale_dtype
 from kvbench.kv.schedule import BlockSchedule
 
 from .pm_kvq_calibration import allocate_bits, layer_sensitivity, pi_calibration_scales
@@ -159,10 +159,11 @@ class ProgressiveLayerCache(LayerCache):
         return used, self.budget * max(self.batch_size, 1)
 
     def _enforce_budget(self) -> None:
-        while (over := self.budget_used())[0] > over[1] and self.bits > MIN_BITS:
+        target = self._budget_bits()
+        if target < self.bits:  # all halvings at once: the blocks of one halving at a time
             for side in (self.k, self.v):
-                side.block = None if side.block is None else shrink_block(side.block)
-                side.codec.bits //= 2
+                side.block = None if side.block is None else shrink_block(side.block, target)
+                side.codec.bits = target
         if self.bits < self.named_bits and self.on_overflow == "raise":
             c, t = self.config, self.seq_length
             need = t + (16 / self.named_bits - 1) * (c.residual_length + c.num_sink_tokens)
@@ -178,6 +179,27 @@ class ProgressiveLayerCache(LayerCache):
                 f"PM-KVQ layer holds {used} B > budget {budget:.0f} B at {self.bits} bits; raise "
                 "budget_bits/budget_bytes or budget_tokens, or set on_overflow='allow'"
             )
+
+    def _budget_bits(self) -> int:
+        """The width the layer halves down to: halve (both sides together) while the bytes
+        counted against the budget exceed it and the width is above :data:`MIN_BITS`.  Only the
+        codes change size with a halving (``packed_size(D, bits)`` bytes per token row; scales,
+        zeros, window and sinks stay), so each halving's bytes follow from the stored ones
+        without shrinking the blocks in between (:func:`shrink_block` does all halvings at
+        once, with the codes of one halving at a time)."""
+        used, budget = self.budget_used()
+        bits = self.bits
+        blocks = [s.block for s in (self.k, self.v) if s.block is not None]
+        rows = [
+            b.codes.numel() * b.codes.element_size() // packed_size(b.head_dim, bits)
+            for b in blocks
+        ]
+        codes = sum(r * packed_size(b.head_dim, bits) for r, b in zip(rows, blocks))
+        while used > budget and bits > MIN_BITS:
+            bits //= 2
+            now = sum(r * packed_size(b.head_dim, bits) for r, b in zip(rows, blocks))
+            used, codes = used - codes + now, now
+        return bits
 
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         super().finish_prefill(keys, queries)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.kv.blocks import Codec
+from kvbench.kv.chunks import token_chunks
 from kvbench.kv.method import CacheConfig, Capabilities, Method
 from kvbench.kv.mixed import (
     PAIRINGS,
@@ -55,10 +56,31 @@ FLUSHES = ("kivi", "kitty")
 
 
 def _pair_norm(x: torch.Tensor, pc: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """``hypot`` of each RoPE pair ``[..., D/2]`` in ``dt``: each half gathered from ``x`` in its
-    own dtype, then cast (the cast is exact, so the same values as gathering from ``x.to(dt)``,
-    without a ``dt`` copy of all of ``x``: 4 GiB of float32 for 8 rows of 32K-token queries)."""
-    return torch.hypot(x[..., pc[:, 0]].to(dt), x[..., pc[:, 1]].to(dt))
+    """``hypot`` of each RoPE pair ``[..., T, D/2]`` in ``dt`` for ``x [..., T, D]``: each half
+    read from ``x`` in its own dtype, then cast (the cast is exact, so the same values as
+    reading from ``x.to(dt)``), chunk by chunk along T into one ``dt`` output
+    (:mod:`kvbench.kv.chunks`; elementwise, so equal to one pass), without a ``dt`` copy of
+    all of ``x`` (4 GiB of float32 for 8 rows of 32K-token queries).  A half whose channels
+    step evenly (both pairings) is read as a strided view instead of an index gather."""
+    halves = [_channels(x, pc[:, j]) for j in (0, 1)]
+    out = torch.empty(*x.shape[:-1], pc.shape[0], dtype=dt, device=x.device)
+    t = x.shape[-2]
+    rows = x[..., 0, 0].numel()
+    for t0, t1 in token_chunks(rows, 1, t, x.shape[-1]):
+        a, b = (h(t0, t1).to(dt) for h in halves)
+        torch.hypot(a, b, out=out[..., t0:t1, :])
+    return out
+
+
+def _channels(x: torch.Tensor, idx: torch.Tensor):
+    """``f(t0, t1)`` -> ``x[..., t0:t1, idx]``: a strided view where ``idx`` steps evenly, else
+    an index gather (same values either way)."""
+    n = idx.shape[0]
+    start = int(idx[0])
+    step = int(idx[1] - idx[0]) if n > 1 else 1
+    if step > 0 and torch.equal(idx.cpu(), start + step * torch.arange(n)):
+        return lambda t0, t1: x[..., t0:t1, start : start + step * (n - 1) + 1 : step]
+    return lambda t0, t1: x[..., t0:t1, :][..., idx]
 
 
 def pair_scores(

@@ -72,6 +72,24 @@ def test_q4_0_llamacpp_rule_matches_ggml_reference(amax, sign):
     np.testing.assert_array_equal(deq, deq_ref)
 
 
+@pytest.mark.parametrize("chunk", [1 << 23, 2 * 3 * 64 * 5])
+def test_q4_0_llamacpp_chunked_encode_matches_ggml_reference_per_block(chunk, monkeypatch):
+    # the encoder runs chunk by chunk along T (here also 5 tokens at a time, last chunk 2):
+    # every 32-channel block of every token equals the ggml reference run on that block alone
+    monkeypatch.setattr("kvbench.kv.chunks.CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 3, 17, 64, generator=g) * 3).half()
+    layer = Int4Block(q4_rule="llamacpp").new_layer(0, 3, 64, torch.float16)
+    layer.prefill(x, x.clone())
+    blk = layer.k.block
+    codes = blk.unpacked_codes().to(torch.int64).reshape(2, 3, 17, 2, 32)
+    blocks = x.float().reshape(2, 3, 17, 2, 32).numpy().astype(np.float64)
+    for idx in np.ndindex(2, 3, 17, 2):
+        q_ref, d16, _ = _llamacpp_q4_ref(blocks[idx])
+        assert codes[idx].tolist() == q_ref.tolist(), idx
+        assert blk.scale[idx].item() == float(d16), idx
+
+
 def test_q4_0_llamacpp_hand_values():
     # max-magnitude element first and negative: d = -2 / -8 = 0.25, codes floor(4x + 8.5)
     x = np.zeros(32)

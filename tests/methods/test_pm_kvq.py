@@ -357,3 +357,38 @@ def test_two_bit_budget_is_the_floor_and_never_too_short():
     with pytest.raises(MemoryError):
         _run(2, 16, 64)
     assert not issubclass(MemoryError, ValueError)
+
+
+@pytest.mark.parametrize(("tokens", "scope"), [(40, "codes"), (40, "all"), (200, "codes")])
+def test_budget_halvings_at_once_store_what_one_halving_at_a_time_stores(tokens, scope):
+    # the layer finds the width from the stored bytes and halves once to it; the blocks must be
+    # those of halving both sides one step at a time and re-counting the bytes after each step
+    m = PMKVQ(
+        residual_length=4,
+        budget_bits=2,
+        budget_tokens=16,
+        channel_group_size=8,
+        budget_scope=scope,
+        on_overflow="allow",
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 2, tokens, 16, generator=g).half()
+    got = m.new_layer(0, 2, 16)
+    got.prefill(x, x.flip(-1))
+    ref = m.new_layer(0, 2, 16)
+    budget, ref.budget = ref.budget, float("inf")
+    ref.prefill(x, x.flip(-1))
+    assert ref.bits == 16  # nothing shrunk yet
+    ref.budget = budget
+    steps = 0
+    while (over := ref.budget_used())[0] > over[1] and ref.bits > 2:
+        for side in (ref.k, ref.v):
+            side.block = shrink_block(side.block)
+            side.codec.bits //= 2
+        steps += 1
+    assert steps >= 2 and got.bits == ref.bits  # more than one halving at this prefill
+    for a, b in ((got.k.block, ref.k.block), (got.v.block, ref.v.block)):
+        assert a.bits == b.bits
+        assert torch.equal(a.codes, b.codes)
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+    assert got.nbytes() == ref.nbytes() and got.budget_used() == ref.budget_used()

@@ -374,17 +374,23 @@ def test_query_weighted_pairs_qk_score_beats_key_only_scores():
     assert kl["qk-pair-norm"] < 0.5 * min(kl["k-range"], kl["k-magnitude"], kl["k-pair-norm"])
 
 
-def test_pair_scores_gather_then_cast_is_bit_for_bit():
-    """The pair norms gather each half in the input dtype and then cast (no float32 copy of
-    the whole queries): equal bit for bit to casting everything first."""
+@pytest.mark.parametrize("pairing", ["rotate-half", "interleaved"])
+@pytest.mark.parametrize("chunk", [1 << 23, 7 * 16])
+def test_pair_scores_gather_then_cast_is_bit_for_bit(pairing, chunk, monkeypatch):
+    """The pair norms read each half in the input dtype and then cast (no float32 copy of
+    the whole queries), chunk by chunk along T (``chunk`` elements: one chunk, or 7 tokens of
+    one row at a time with a shorter last chunk): equal bit for bit to casting everything
+    first and gathering the pairs."""
+    monkeypatch.setattr("kvbench.kv.chunks.CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(5)
     k = (torch.randn(2, 2, 24, 16, generator=g) * 4).half()
     q = (torch.randn(2, 4, 24, 16, generator=g) * 4).half()
-    pc = pair_channels(16, "rotate-half")
+    pc = pair_channels(16, pairing)
     kf, qf = k.float(), q.float()
     kn = torch.hypot(kf[..., pc[:, 0]], kf[..., pc[:, 1]])
     qn = torch.hypot(qf[..., pc[:, 0]], qf[..., pc[:, 1]]).reshape(2, 2, 2, 24, 8)
-    assert torch.equal(pair_scores(k, q, "qk-pair-norm"), qn.mean(dim=(2, 3)) * kn.mean(dim=2))
+    got = pair_scores(k, q, "qk-pair-norm", pairing)
+    assert torch.equal(got, qn.mean(dim=(2, 3)) * kn.mean(dim=2))
     causal = (qn * kn.cumsum(dim=2).unsqueeze(2)).sum(dim=3).mean(dim=2)
-    assert torch.equal(pair_scores(k, q, "qk-pair-norm-causal"), causal)
-    assert torch.equal(pair_scores(k, None, "k-pair-norm"), kn.mean(dim=2))
+    assert torch.equal(pair_scores(k, q, "qk-pair-norm-causal", pairing), causal)
+    assert torch.equal(pair_scores(k, None, "k-pair-norm", pairing), kn.mean(dim=2))
