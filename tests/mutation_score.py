@@ -5,7 +5,8 @@ a markdown table per mutated file: mutants, killed, survived, timeout, no tests,
 and the score ``killed / (mutants run)`` with timeouts counted as killed (a mutant that makes
 the tests hang is detected).  For the workload modules only the functions that compute the
 record's metrics are scored (``SCOPE``); their validation and data loading (``check``,
-``prepare``) are exercised by other tests than the fast core selection.
+``prepare``) are exercised by other tests than the fast core selection.  Of the native
+quantizer's module only the functions that choose the path and shape its results are scored.
 
 Then it lists every survivor that ``docs/mutation.md`` does not name as equivalent, so a new
 survivor is either killed by a test or explained there (exit status 1 when one is unlisted).
@@ -34,6 +35,9 @@ SCOPE = {
     "kvbench/workloads/generation.py": ("xǁGenerationǁrun", "x_run_batched"),
     "kvbench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
     "kvbench/workloads/passkey.py": ("xǁPasskeyǁrun",),
+    # the Python glue that decides which quantizer path runs and shapes its results; the
+    # build-and-cache code (``build``, ``_load``, ``_cache_root``, ``_cpu_flags``) is not scored
+    "kvbench/kv/native_quant.py": ("x_quantize_pack", "x__c_affine_terms", "x__split", "x__run"),
 }
 
 
