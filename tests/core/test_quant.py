@@ -834,3 +834,47 @@ def test_native_rows_split_across_threads(ref, monkeypatch) -> None:
         assert served is not None and served[0].shape == (2, 3, 8, 1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_native_quantize_pack_defaults_and_what_it_declines(ref) -> None:
+    # called as the mixed-precision codecs and semkv call it: asymmetric, per row (not shared),
+    # float16 terms, packed codes by default; None (the caller's torch path runs) for what it
+    # does not serve
+    from kvbench.kv import native_quant as nq
+
+    if not nq.available():
+        pytest.skip(f"native quantizer: {nq.unavailable_reason()}")
+    x = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(11))
+    codes, scale, zero = nq.quantize_pack(x, 3, 4, 1)
+    g = x.double().numpy().reshape(2, 3, 2, 4, 4).swapaxes(-1, -2)  # 4 tokens of a channel
+    z = g.min(-1).astype(np.float16).astype(np.float64)
+    s = _up16((g.max(-1) - z) / 7)
+    want = np.clip(np.rint((g - z[..., None]) / s[..., None]), 0, 7).swapaxes(-1, -2)
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape == zero.shape == (2, 3, 2, 4)
+    np.testing.assert_array_equal(zero.double().numpy(), z)
+    np.testing.assert_array_equal(scale.double().numpy(), s)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 8, 2)  # 4 x 3 bits in 2 bytes
+    from kvbench.kv.quant import unpack_bits
+
+    np.testing.assert_array_equal(unpack_bits(codes, 3, 4).numpy(), want.reshape(2, 3, 8, 4))
+    loose, _, _ = nq.quantize_pack(x, 3, 4, 1, packed=False)  # one code per byte
+    np.testing.assert_array_equal(loose.numpy(), want.reshape(2, 3, 8, 4))
+    declined = [
+        x.double(),  # float64
+        x[0],  # not [B, H_kv, T, D]
+        x[:, :, :0],  # no tokens
+        x.transpose(-1, -2),  # channels not contiguous
+    ]
+    assert all(nq.quantize_pack(v, 2, 4, 1) is None for v in declined)
+    assert nq.quantize_pack(x, 16, 4, 1) is None  # 16-bit codes
+    assert nq.quantize_pack(x, 1, 4, 1, symmetric=True) is None  # symmetric 1-bit
+    assert nq.quantize_pack(x, 2, 4, 1, midpoint=True) is None  # midpoint: 1-bit only
+    assert nq.quantize_pack(x, 1, 4, 1, midpoint=True, symmetric=True) is None
+    assert nq.quantize_pack(x, 2, 4, 1, symmetric=True) is not None  # the smallest symmetric
+    assert nq.quantize_pack(x, 1, 4, 1, midpoint=True) is not None
+    assert nq.quantize_pack(x.half(), 8, 4, 1) is not None
+    with pytest.raises(ValueError, match=r"groups of 3 tokens x 1 channels do not tile "
+                                         r"\[T, D\] = \[8, 4\]"):  # fmt: skip
+        nq.quantize_pack(x, 2, 3, 1)
+    with pytest.raises(ValueError, match=r"groups of 4 tokens x 3 channels do not tile"):
+        nq.quantize_pack(x, 2, 4, 3)
