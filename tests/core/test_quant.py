@@ -873,6 +873,7 @@ def test_native_quantize_pack_defaults_and_what_it_declines(ref) -> None:
     assert nq.quantize_pack(x, 2, 4, 1, symmetric=True) is not None  # the smallest symmetric
     assert nq.quantize_pack(x, 1, 4, 1, midpoint=True) is not None
     assert nq.quantize_pack(x.half(), 8, 4, 1) is not None
+    assert nq.quantize_pack(x.transpose(-1, -2)[..., :1], 2, 4, 1) is not None  # D = 1: any stride
     with pytest.raises(ValueError, match=r"groups of 3 tokens x 1 channels do not tile "
                                          r"\[T, D\] = \[8, 4\]"):  # fmt: skip
         nq.quantize_pack(x, 2, 3, 1)
