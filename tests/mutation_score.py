@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: exit code -> status, as mutmut.stats.status_by_exit_code (3.x) defines them
 STATUS = {1: "killed", 3: "killed", 0: "survived", 33: "no tests", 5: "no tests", None: "not run"}
 STATUS |= dict.fromkeys((36, -24, 24, 152, 255), "timeout")
-#: the test process killed by a signal (mutmut's "segfault"; SIGABRT too): a mutant that hands
-#: the native kernels a bad pointer or row range crashes the run, which detects it
-STATUS |= dict.fromkeys((-6, -9, -11), "crash")
+#: the test process killed by a signal (mutmut's "segfault"; SIGABRT, SIGFPE too): a mutant
+#: that hands the native kernels a bad pointer or row range crashes the run, which detects it
+STATUS |= dict.fromkeys((-6, -8, -9, -11), "crash")
 
 #: workload modules: the functions whose mutants are scored (the metric code)
 SCOPE = {
@@ -40,7 +40,7 @@ SCOPE = {
     "kvbench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
     "kvbench/workloads/passkey.py": ("xǁPasskeyǁrun",),
     # the Python glue that decides which quantizer path runs and shapes its results; the
-    # build-and-cache code (``build``, ``_load``, ``_cache_root``, ``_cpu_flags``) is not scored
+    # build-and-load code (``build``, ``_load``) is not scored
     "kvbench/kv/native_quant.py": ("x_quantize_pack", "x__c_affine_terms", "x__split", "x__run"),
 }
 
