@@ -1,11 +1,13 @@
 """Mutation score per file from mutmut's results in ``mutants/`` (``make mutants`` prints it).
 
 Reads the ``mutants/**/*.py.meta`` files mutmut 3 writes (one exit code per mutant) and prints
-a markdown table per mutated file: mutants, killed, survived, timeout, no tests, not yet run,
-and the score ``killed / (mutants run)`` with timeouts counted as killed (a mutant that makes
-the tests hang is detected).  For the workload modules only the functions that compute the
-record's metrics are scored (``SCOPE``); their validation and data loading (``check``,
-``prepare``) are exercised by other tests than the fast core selection.
+a markdown table per mutated file: mutants, killed, survived, timeout, crash, no tests, not yet
+run, and the score ``killed / (mutants run)`` with timeouts and crashes counted as killed (a
+mutant that makes the tests hang, or crashes the test process in a native kernel, is
+detected).  For the workload modules only the functions that compute the record's metrics are
+scored (``SCOPE``); their validation and data loading (``check``, ``prepare``) are exercised by
+other tests than the fast core selection.  Of the native quantizer's module only the functions
+that choose the path and shape its results are scored.
 
 Then it lists every survivor that ``docs/mutation.md`` does not name as equivalent, so a new
 survivor is either killed by a test or explained there (exit status 1 when one is unlisted).
@@ -27,6 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: exit code -> status, as mutmut.stats.status_by_exit_code (3.x) defines them
 STATUS = {1: "killed", 3: "killed", 0: "survived", 33: "no tests", 5: "no tests", None: "not run"}
 STATUS |= dict.fromkeys((36, -24, 24, 152, 255), "timeout")
+#: the test process killed by a signal (mutmut's "segfault"; SIGABRT, SIGFPE too): a mutant
+#: that hands the native kernels a bad pointer or row range crashes the run, which detects it
+STATUS |= dict.fromkeys((-6, -8, -9, -11), "crash")
 
 #: workload modules: the functions whose mutants are scored (the metric code)
 SCOPE = {
@@ -34,6 +39,9 @@ SCOPE = {
     "kvbench/workloads/generation.py": ("xǁGenerationǁrun", "x_run_batched"),
     "kvbench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
     "kvbench/workloads/passkey.py": ("xǁPasskeyǁrun",),
+    # the Python glue that decides which quantizer path runs and shapes its results; the
+    # build-and-load code (``build``, ``_load``) is not scored
+    "kvbench/kv/native_quant.py": ("x_quantize_pack", "x__c_affine_terms", "x__split", "x__run"),
 }
 
 
@@ -59,8 +67,8 @@ def main() -> int:
         print("no mutmut results in mutants/: run `make mutants` first", file=sys.stderr)
         return 2
     listed = _listed((ROOT / "docs/mutation.md").read_text())
-    print("| file | mutants | killed | survived | timeout | no tests | not run | score |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| file | mutants | killed | survived | timeout | crash | no tests | not run | score |")
+    print("|---|---|---|---|---|---|---|---|---|")
     unlisted = []
     for meta in metas:
         path = str(meta.relative_to(ROOT / "mutants"))[: -len(".meta")]
@@ -68,8 +76,9 @@ def main() -> int:
         codes = {k: v for k, v in codes.items() if args.all or _in_scope(path, k)}
         n = Counter(STATUS.get(v, "suspicious") for v in codes.values())
         ran = len(codes) - n["not run"]
-        score = f"{(n['killed'] + n['timeout']) / ran:.1%}" if ran else "-"
-        row = [len(codes), n["killed"], n["survived"], n["timeout"], n["no tests"], n["not run"]]
+        score = f"{(n['killed'] + n['timeout'] + n['crash']) / ran:.1%}" if ran else "-"
+        row = [len(codes), n["killed"], n["survived"], n["timeout"], n["crash"], n["no tests"],
+               n["not run"]]  # fmt: skip
         print(f"| `{path}` | " + " | ".join(map(str, row)) + f" | {score} |")
         unlisted += sorted(k for k, v in codes.items() if v == 0 and k not in listed)
     if unlisted:

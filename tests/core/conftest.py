@@ -1,8 +1,15 @@
-"""Shared helpers of the core tests: independent float64 numpy references.
+"""Shared helpers of the core tests: independent float64 numpy references, and the switch
+between the two quantizer paths of the affine codecs.
 
-Nothing here calls kvbench; the helpers compute right values from the formulas of docs/methods.md#common-conventions
+The references call no kvbench; they compute right values from the formulas of docs/methods.md#common-conventions
 (min-max asymmetric quantization, round-half-to-even) so that tests compare the code under test
 with an independent computation, never with its own output.
+
+``affine_path``: an affine codec's ``encode`` returns the block of the native one-pass quantizer
+(:mod:`kvbench.kv.native_quant`) where it builds and serves the input, and otherwise runs the
+torch path (``quantize_groups`` + ``pack_bits``).  A test that uses the fixture runs once with
+each, so both are checked against the same independent values (and mutation testing sees the
+torch lines of ``encode``, which the native path would otherwise skip on this machine).
 """
 
 from __future__ import annotations
@@ -57,6 +64,20 @@ def per_token_ref(x: np.ndarray, bits: int, group: int) -> dict[str, np.ndarray]
 def storage_is_own(t: torch.Tensor) -> bool:
     """True when ``t`` does not keep a larger allocation alive (no hidden full-precision copy)."""
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.fixture(params=["native", "torch"])
+def affine_path(request, monkeypatch):
+    """Run the test with the native quantizer (skipped where it does not build) and again with
+    the torch path (the native build hidden, as ``KVBENCH_NATIVE=0`` does; the environment
+    variable itself is read once per process, at the first load, so it cannot switch here)."""
+    from kvbench.kv import native_quant
+
+    if request.param == "torch":
+        monkeypatch.setattr(native_quant, "_load", lambda: None)
+    elif not native_quant.available():
+        pytest.skip(f"native quantizer: {native_quant.unavailable_reason()}")
+    return request.param
 
 
 @pytest.fixture(scope="session")

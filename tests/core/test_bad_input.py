@@ -118,6 +118,29 @@ def test_overflow_error_names_the_finite_group_that_overflows() -> None:
     assert torch.isnan(g.scale).all() and torch.isnan(g.zero).all()
 
 
+@pytest.mark.usefixtures("affine_path")
+@pytest.mark.parametrize(
+    "row, bits, symmetric, what",
+    [
+        ([-1e5, 0.0, 1.0, 2.0], 4, False, r"zero \(group min\)"),  # the min beyond 65504
+        ([-6e4, 6e4, 0.0, 0.0], 1, False, "scale"),  # (6e4 - -6e4) / 1 > 65504, the min fits
+        ([-1e6, 0.0, 1.0, 2.0], 4, True, "scale"),  # 1e6 / 7 > 65504
+    ],
+)
+def test_codec_overflowing_float16_terms_raise_on_both_paths(row, bits, symmetric, what) -> None:
+    # through a codec (float16 terms by default), on the native path and the torch path alike
+    from kvbench.kv.blocks import PerTokenCodec
+
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0], row]).reshape(1, 1, 2, 4)
+    codec = PerTokenCodec(bits, symmetric=symmetric, channel_group=4)
+    with pytest.raises(
+        ValueError, match=rf"^the group {what} overflows scale_dtype=torch\.float16"
+    ):
+        codec.encode(x)
+    fits = PerTokenCodec(bits, torch.float32, symmetric=symmetric, channel_group=4).encode(x)
+    assert bool(torch.isfinite(fits.scale).all())  # the suggested fix: float32 terms
+
+
 @pytest.mark.parametrize("name", ["float64", "fp16", "float8_e4m3fn", "half", torch.float64, 16])
 def test_resolve_scale_dtype(name) -> None:
     with pytest.raises(

@@ -49,6 +49,33 @@ def test_example1_per_channel_primitive() -> None:
     assert ((x - xh) ** 2).mean().item() == pytest.approx(0.028890, abs=1e-6)
 
 
+@pytest.mark.parametrize("codec", [PerChannelCodec(2, F32, group_size=2),
+                                   PerTokenCodec(2, F32, channel_group=4),
+                                   PerHeadCodec(2, F32), PerTensorCodec(2, F32)])  # fmt: skip
+def test_affine_path_runs_the_path_it_names(affine_path, monkeypatch, codec) -> None:
+    # the fixture's two runs of a codec test really take the two paths: the native quantizer
+    # serves the input (and quantize_groups is not called), or it declines and the torch path runs
+    import kvbench.kv.blocks as blocks
+    from kvbench.kv import native_quant
+
+    calls, groups, pack = [], blocks.quantize_groups, native_quant.quantize_pack
+
+    def torch_spy(*args, **kw):
+        calls.append("torch")
+        return groups(*args, **kw)
+
+    def native_spy(*args, **kw):
+        got = pack(*args, **kw)
+        calls.extend(["native"] if got is not None else [])
+        return got
+
+    monkeypatch.setattr(blocks, "quantize_groups", torch_spy)
+    monkeypatch.setattr(native_quant, "quantize_pack", native_spy)
+    codec.encode(torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(0)))
+    assert calls == [affine_path]
+
+
+@pytest.mark.usefixtures("affine_path")
 def test_example1_through_codecs() -> None:
     # tokens x channels = K^T: per-channel (KIVI keys), one group of the 4 tokens
     k = torch.tensor(EX1, dtype=F32).T.reshape(1, 1, 4, 2)
@@ -69,6 +96,7 @@ def test_example1_through_codecs() -> None:
     )
 
 
+@pytest.mark.usefixtures("affine_path")
 def test_example3_per_tensor() -> None:
     x = torch.tensor(EX1, dtype=torch.float64)
     g = quantize_groups(x.reshape(1, 8), 2, scale_dtype=F32)
@@ -108,6 +136,7 @@ def test_example5_constant_group_exact(dtype, scale_dtype, bits) -> None:
     assert torch.equal(fake_quantize(x, bits, scale_dtype=scale_dtype), x)
 
 
+@pytest.mark.usefixtures("affine_path")
 def test_example6_one_bit_plain_and_midpoint() -> None:
     x = torch.tensor([[0, 0.2, 0.6, 0.9, 1.0, 0.4]], dtype=torch.float64)
     plain = quantize_groups(x, 1, scale_dtype=F32)
@@ -534,6 +563,7 @@ def test_codec_layout_by_hand(codec, args, want) -> None:
     assert codec.layout(*args) == want
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize(
     "codec, n",
     [
@@ -564,6 +594,7 @@ def test_per_token_layout_rejects_a_channel_group_that_does_not_divide() -> None
         PerTokenCodec(2, channel_group=8).encode(torch.zeros(1, 1, 2, 12))
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize("which", ["per-channel", "per-token", "per-head", "per-tensor"])
 def test_codecs_with_codes_not_filling_whole_bytes(ref, which) -> None:
     # 3-bit codes of D = 6 channels: 18 bits in 3 bytes, so unpacking must trim to head_dim
@@ -587,6 +618,7 @@ def test_codecs_with_codes_not_filling_whole_bytes(ref, which) -> None:
     assert blk.layout == codec.layout(d, n)
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize("keep, lens", [(0, []), (1, [1]), (2, [2]), (3, [2, 1]), (4, [2, 2]),
                                         (6, [2, 2, 2])])  # fmt: skip
 def test_block_crop_keeps_the_groups_it_covers(ref, keep, lens) -> None:
@@ -603,6 +635,7 @@ def test_block_crop_keeps_the_groups_it_covers(ref, keep, lens) -> None:
         np.testing.assert_allclose(cut.dequantize(torch.float64).numpy(), want, atol=1e-5)
 
 
+@pytest.mark.usefixtures("affine_path")
 def test_block_crop_of_symmetric_codes_keeps_no_zero() -> None:
     x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(9))
     blk = PerChannelCodec(2, F32, symmetric=True, group_size=2).encode(x)
@@ -611,6 +644,7 @@ def test_block_crop_of_symmetric_codes_keeps_no_zero() -> None:
     torch.testing.assert_close(cut.dequantize(F32), blk.dequantize(F32)[:, :, :3])
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_block_cat_appends_tokens_and_groups(symmetric) -> None:
     g = torch.Generator().manual_seed(3)
@@ -628,6 +662,7 @@ def test_block_cat_appends_tokens_and_groups(symmetric) -> None:
     assert held == sum(t.numel() * t.element_size() for blk in (ba, bb) for _, t in blk.tensors())
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize(
     "other",
     [
@@ -646,6 +681,7 @@ def test_block_cat_refuses_other_settings(other) -> None:
         other.encode(x).cat(blk)
 
 
+@pytest.mark.usefixtures("affine_path")
 def test_block_cat_refuses_one_bit_midpoint_with_plain() -> None:
     x = torch.randn(1, 1, 2, 4, generator=torch.Generator().manual_seed(1))
     mid = PerTokenCodec(1, F32, midpoint=True, channel_group=4).encode(x)
@@ -655,6 +691,7 @@ def test_block_cat_refuses_one_bit_midpoint_with_plain() -> None:
     assert mid.cat(mid).ntokens == 4
 
 
+@pytest.mark.usefixtures("affine_path")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_symmetric_per_token_block_by_hand(bits) -> None:
     # symmetric codes: s = max|x| / (2^(b-1) - 1) per group, x^ = round(x / s) * s
@@ -674,6 +711,7 @@ def test_per_channel_encode_needs_whole_groups() -> None:
         PerChannelCodec(2, group_size=4).encode(torch.zeros(1, 1, 6, 2))
 
 
+@pytest.mark.usefixtures("affine_path")
 def test_one_bit_midpoint_codec_thresholds_at_the_midpoint() -> None:
     # PN-Mix Eq. 7: q = 1[x - mn >= (mx - mn) / 2]; 0.5 lies on the midpoint, where plain
     # rounding (half to even) gives 0; reconstruction mn + (q + 1/2) * s / 2 with s = 1
@@ -696,3 +734,148 @@ def test_own_storage_keeps_an_owning_tensor_and_compacts_a_view() -> None:
     kept = own_storage(view)
     assert torch.equal(kept, view) and kept.is_contiguous()
     assert kept.untyped_storage().nbytes() == 12 * 4
+
+
+# ------------------------------------------- stored terms by hand, on both quantizer paths
+
+
+def _up16(v: np.ndarray) -> np.ndarray:
+    """The smallest float16 >= ``v`` (float64, finite, >= 0), as float64."""
+    h = v.astype(np.float16)
+    bump = h.astype(np.float64) < v
+    return np.where(bump, np.nextafter(h, np.float16(np.inf)), h).astype(np.float64)
+
+
+def _grouped(x: np.ndarray, which: str, size: int) -> tuple[np.ndarray, object]:
+    """``x [B, H, T, D]`` as ``[..., n]`` groups of the codec ``which``, and the inverse map of
+    per-element values of that shape back to ``[B, H, T, D]``."""
+    b, h, t, d = x.shape
+    if which == "per-channel":  # `size` tokens of one channel
+        g = x.reshape(b, h, t // size, size, d).swapaxes(-1, -2)
+        return g, lambda v: v.swapaxes(-1, -2).reshape(b, h, t, d)
+    if which == "per-token":  # `size` channels of one token
+        return x.reshape(b, h, t, d // size, size), lambda v: v.reshape(b, h, t, d)
+    if which == "per-head":
+        return x.reshape(b, h, 1, 1, t * d), lambda v: v.reshape(b, h, t, d)
+    return x.reshape(1, 1, 1, 1, -1), lambda v: v.reshape(b, h, t, d)
+
+
+@pytest.mark.usefixtures("affine_path")
+@pytest.mark.parametrize("which", ["per-channel", "per-token", "per-head", "per-tensor"])
+@pytest.mark.parametrize("symmetric, bits", [(False, 3), (True, 4)])
+def test_float16_terms_and_codes_by_hand(which, symmetric, bits) -> None:
+    # float16 terms (the codecs' default): zero = the group min rounded to the nearest
+    # float16, scale = (max - zero) / (2^b - 1) rounded *up* to a float16 (symmetric:
+    # max |x| / (2^(b-1) - 1) rounded up), codes = round-half-even((x - zero) / scale)
+    # clamped to [0, 2^b - 1] (symmetric: round(x / scale) + 2^(b-1)); docs/methods.md
+    b, h, t, d, size = 2, 3, 8, 8, 4
+    x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(bits)) * 3
+    codec = {
+        "per-channel": PerChannelCodec(bits, symmetric=symmetric, group_size=size),
+        "per-token": PerTokenCodec(bits, symmetric=symmetric, channel_group=size),
+        "per-head": PerHeadCodec(bits, symmetric=symmetric),
+        "per-tensor": PerTensorCodec(bits, symmetric=symmetric),
+    }[which]
+    blk = codec.encode(x)
+    g, back = _grouped(x.double().numpy(), which, size)
+    if symmetric:
+        half = 2 ** (bits - 1) - 1
+        s = _up16(np.abs(g).max(-1, keepdims=True) / half)
+        codes = np.clip(np.rint(g / s), -half, half) + half + 1
+        assert blk.zero is None
+    else:
+        qmax = 2**bits - 1
+        z = g.min(-1, keepdims=True).astype(np.float16).astype(np.float64)
+        s = _up16((g.max(-1, keepdims=True) - z) / qmax)
+        codes = np.clip(np.rint((g - z) / s), 0, qmax)
+        assert blk.zero.dtype == torch.float16
+        np.testing.assert_array_equal(blk.zero.double().numpy().ravel(), z.ravel())
+    assert blk.scale.dtype == torch.float16
+    np.testing.assert_array_equal(blk.scale.double().numpy().ravel(), s.ravel())
+    want = back(np.broadcast_to(codes, g.shape))
+    np.testing.assert_array_equal(blk.unpacked_codes().numpy(), want)
+    assert blk.codes.shape == (b, h, t, d * bits // 8) and blk.codes.dtype == torch.uint8
+    assert blk.group_len == {"per-channel": [size] * (t // size), "per-token": [1] * t}.get(
+        which, [t]
+    )
+    assert (blk.bits, blk.head_dim, blk.symmetric, blk.midpoint) == (bits, d, symmetric, False)
+    assert blk.batch_shared == (which == "per-tensor")
+
+
+def test_native_rows_split_across_threads(ref, monkeypatch) -> None:
+    # rows (batch row, KV head) are split into min(threads, rows, elements // MIN_PER_THREAD)
+    # consecutive parts (at least one), each quantized by its own call: every row's codes and
+    # terms must be there, as the float64 reference has them
+    from kvbench.kv import native_quant as nq
+
+    if not nq.available():
+        pytest.skip(f"native quantizer: {nq.unavailable_reason()}")
+    monkeypatch.setattr(nq, "MIN_PER_THREAD", 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert nq._split(6, 32) == [(0, 2), (2, 4), (4, 6)]
+        assert nq._split(5, 32) == [(0, 1), (1, 3), (3, 5)]
+        assert nq._split(2, 32) == [(0, 1), (1, 2)]  # fewer rows than threads
+        assert nq._split(6, 6) == [(0, 3), (3, 6)]  # 36 elements: 2 parts of 16
+        assert nq._split(6, 5) == [(0, 6)]  # 30 elements: one part of 16
+        assert nq._split(6, 2) == [(0, 6)]  # 12 elements: at least one part
+        x = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(7)).half()
+        xn = x.double().numpy()
+        for codec, want in (
+            (PerChannelCodec(2, F32, group_size=4), ref.per_channel(xn, 2, 4)),
+            (PerTokenCodec(3, F32, channel_group=4), ref.per_token(xn, 3, 4)),
+        ):
+            blk = codec.encode(x)
+            np.testing.assert_array_equal(blk.unpacked_codes().numpy(), want["codes"])
+            np.testing.assert_allclose(blk.dequantize(torch.float64).numpy(), want["xhat"],
+                                       atol=1e-5)  # fmt: skip
+        served = nq.quantize_pack(x, 2, 4, 1, scale_dtype=F32)
+        assert served is not None and served[0].shape == (2, 3, 8, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_native_quantize_pack_defaults_and_what_it_declines(ref) -> None:
+    # called as the mixed-precision codecs and semkv call it: asymmetric, per row (not shared),
+    # float16 terms, packed codes by default; None (the caller's torch path runs) for what it
+    # does not serve
+    from kvbench.kv import native_quant as nq
+
+    if not nq.available():
+        pytest.skip(f"native quantizer: {nq.unavailable_reason()}")
+    x = torch.randn(2, 3, 8, 4, generator=torch.Generator().manual_seed(11))
+    codes, scale, zero = nq.quantize_pack(x, 3, 4, 1)
+    g = x.double().numpy().reshape(2, 3, 2, 4, 4).swapaxes(-1, -2)  # 4 tokens of a channel
+    z = g.min(-1).astype(np.float16).astype(np.float64)
+    s = _up16((g.max(-1) - z) / 7)
+    want = np.clip(np.rint((g - z[..., None]) / s[..., None]), 0, 7).swapaxes(-1, -2)
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape == zero.shape == (2, 3, 2, 4)
+    np.testing.assert_array_equal(zero.double().numpy(), z)
+    np.testing.assert_array_equal(scale.double().numpy(), s)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 8, 2)  # 4 x 3 bits in 2 bytes
+    from kvbench.kv.quant import unpack_bits
+
+    np.testing.assert_array_equal(unpack_bits(codes, 3, 4).numpy(), want.reshape(2, 3, 8, 4))
+    loose, _, _ = nq.quantize_pack(x, 3, 4, 1, packed=False)  # one code per byte
+    np.testing.assert_array_equal(loose.numpy(), want.reshape(2, 3, 8, 4))
+    declined = [
+        x.double(),  # float64
+        x[0],  # not [B, H_kv, T, D]
+        x[:, :, :0],  # no tokens
+        x.transpose(-1, -2),  # channels not contiguous
+    ]
+    assert all(nq.quantize_pack(v, 2, 4, 1) is None for v in declined)
+    assert all(nq.quantize_pack(x, b, 4, 1) is None for b in (0, 9, 16))  # 16: int16 codes
+    assert nq.quantize_pack(x, 1, 4, 1, symmetric=True) is None  # symmetric 1-bit
+    assert nq.quantize_pack(x, 2, 4, 1, midpoint=True) is None  # midpoint: 1-bit only
+    assert nq.quantize_pack(x, 1, 4, 1, midpoint=True, symmetric=True) is None
+    assert nq.quantize_pack(x, 2, 4, 1, symmetric=True) is not None  # the smallest symmetric
+    assert nq.quantize_pack(x, 1, 4, 1, midpoint=True) is not None
+    assert nq.quantize_pack(x.half(), 8, 4, 1) is not None
+    assert nq.quantize_pack(x.transpose(-1, -2)[..., :1], 2, 4, 1) is not None  # D = 1: any stride
+    with pytest.raises(ValueError, match=r"groups of 3 tokens x 1 channels do not tile "
+                                         r"\[T, D\] = \[8, 4\]"):  # fmt: skip
+        nq.quantize_pack(x, 2, 3, 1)
+    with pytest.raises(ValueError, match=r"groups of 4 tokens x 3 channels do not tile"):
+        nq.quantize_pack(x, 2, 4, 3)
