@@ -203,17 +203,25 @@ def test_per_token_loop_where_tiles_apply(bits, g, monkeypatch):
         assert rel(y, z.double()) < tol
 
 
+def group_values_case(bits: int, d: int, groups: int, m: int, g):
+    """Random ``bits``-bit codes ``c [B, H, T, d]`` with per-token terms ``a, z [B, H, T,
+    groups]``, their float64 values ``x = c a + z`` (each group's terms over its ``d / groups``
+    channels) and float64 softmax weights ``p [B, H, m, T]``."""
+    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
+    a, z = torch.rand(B, H, T, groups, generator=g), torch.randn(B, H, T, groups, generator=g)
+    x = c.double() * a.double().repeat_interleave(d // groups, -1)
+    x = x + z.double().repeat_interleave(d // groups, -1)
+    p = torch.softmax(torch.randn(B, H, m, T, generator=g, dtype=torch.float64), -1)
+    return c, a, z, x, p
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 9])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_values_of_every_query_row_count(m, groups, g):
     """Values of per-token groups in blocks of 4 query rows x 16 channels: every row count
     (a last block of 1..4 rows) and channel groups per token, against float64."""
     bits, d = 2, 128
-    c = torch.randint(0, 4, (B, H, T, d), generator=g)
-    a, z = torch.rand(B, H, T, groups, generator=g), torch.randn(B, H, T, groups, generator=g)
-    x = c.double() * a.double().repeat_interleave(d // groups, -1)
-    x = x + z.double().repeat_interleave(d // groups, -1)
-    p = torch.softmax(torch.randn(B, H, m, T, generator=g, dtype=torch.float64), -1)
+    c, a, z, x, p = group_values_case(bits, d, groups, m, g)
     out = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
     assert rel(out, p @ x) < 1e-5
 
@@ -224,11 +232,7 @@ def test_values_of_groups_narrower_than_a_vector(bits, groups, g, monkeypatch):
     32 channels: 4 bytes) take the vectorised values with one scale per lane; against float64
     and against the token-by-token loop."""
     d = 64
-    c = torch.randint(0, 1 << bits, (B, H, T, d), generator=g)
-    a, z = torch.rand(B, H, T, groups, generator=g), torch.randn(B, H, T, groups, generator=g)
-    x = c.double() * a.double().repeat_interleave(d // groups, -1)
-    x = x + z.double().repeat_interleave(d // groups, -1)
-    p = torch.softmax(torch.randn(B, H, M, T, generator=g, dtype=torch.float64), -1)
+    c, a, z, x, p = group_values_case(bits, d, groups, M, g)
     out = native.values_groups(pack_bits(c, bits), p.float(), a, z, bits, d)
     assert rel(out, p @ x) < 1e-5
     monkeypatch.setenv("KVBENCH_NATIVE_TILES", "0")

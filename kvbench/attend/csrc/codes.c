@@ -459,25 +459,6 @@ static inline __attribute__((always_inline)) v8f codes8(const uint8_t *p, uint32
     return __builtin_convertvector((v8i)u, v8f) - half;
 }
 
-/* table lookup of 8 codes (< 16): `lo` holds entries 0..7, `hi` 8..15 (vpermps on AVX2) */
-static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t shift,
-                                                      uint32_t mask, const float *lut, v8f lo,
-                                                      v8f hi) {
-    const v8u u = (bytes8(p) >> shift) & mask;
-#if defined(__AVX2__)
-    const __m256 l = _mm256_permutevar8x32_ps((__m256)lo, (__m256i)u);
-    if (mask < 8) return (v8f)l;
-    const __m256 h = _mm256_permutevar8x32_ps((__m256)hi, (__m256i)u);
-    const __m256i big = _mm256_cmpgt_epi32((__m256i)u, _mm256_set1_epi32(7));
-    return (v8f)_mm256_blendv_ps(l, h, _mm256_castsi256_ps(big));
-#else
-    (void)lo;
-    (void)hi;
-    v8f x;
-    for (int l = 0; l < 8; l++) x[l] = lut[u[l]];
-    return x;
-#endif
-}
 
 /* ------------------------------------------------------------- vectorised keys (byte words)
  * Codes of 1 to 4 or 8 bits starting on a byte, D a multiple of 8,
@@ -548,6 +529,12 @@ static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f
     for (int l = 0; l < 8; l++) x[l] = u[l] < 8 ? lo[u[l]] : hi[u[l] - 8];
     return x;
 #endif
+}
+
+/* table lookup of 8 codes (< 16) at sub-code `shift` of 8 consecutive code words (bytes) */
+static inline __attribute__((always_inline)) v8f lut8(const uint8_t *p, uint32_t shift,
+                                                      uint32_t mask, v8f lo, v8f hi) {
+    return lut8u((bytes8(p) >> shift) & mask, mask, lo, hi);
 }
 
 static inline int keys_vec_ok(const kv_args *a, int bits) {
@@ -768,7 +755,7 @@ static inline __attribute__((always_inline)) void values_vec_block(
             float pm[VMC];
             for (int m = 0; m < mc; m++) pm[m] = p[(m0 + m) * T + t];
             for (int j = 0; j < vc; j++) {
-                const v8f x = lut8(row + off[j], sh[j], mask, a->lut, lo, hi);
+                const v8f x = lut8(row + off[j], sh[j], mask, lo, hi);
                 for (int m = 0; m < mc; m++) acc[m][j] += pm[m] * x;
             }
         }
@@ -1014,9 +1001,7 @@ static void lut_outlier_terms(const kv_lut_args *a, const int bits) {
         const int64_t t = pos / BHD, bh = (pos % BHD) / D, d = pos % D;
         const int64_t b = bh / a->H, h = bh % a->H;
         const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
-        uint32_t w = 0;
-        memcpy(&w, row + (d / 8) * bits, (size_t)bits);
-        const uint32_t c = (w >> ((uint32_t)(d % 8) * (uint32_t)bits)) & mask;
+        const uint32_t c = code_at(row, d, bits, mask);
         const float delta = a->out_val[k] - (a->lut[c] * a->hs[h * D + d] + a->hz[h * D + d]);
         const float *q = a->qp + bh * M * D;
         float *o = a->out + bh * M * T + t;
