@@ -507,19 +507,16 @@ static inline __attribute__((always_inline)) v8f gather8(const uint8_t *p, const
 #endif
 }
 
-/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane */
-/* the `bits` (<= 4) bytes of 8 codes as one word.  3 bytes are combined in a register: a
- * 3-byte memcpy into the word goes through the stack and stalls the 4-byte load after it
- * (measured: 3-bit keys of 32 channels 0.69 -> 0.19 ms per 12K tokens and 3 query rows) */
-static inline __attribute__((always_inline)) uint32_t word_of(const uint8_t *p, int bits) {
-    if (bits == 3) return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
-    uint32_t w = 0;
-    memcpy(&w, p, (size_t)bits);
-    return w;
-}
-
+/* 8 codes of `bits` (<= 4) bits from `bits` whole bytes, one per lane.  3 bytes are combined
+ * in a register: a 3-byte memcpy into the word goes through the stack and stalls the 4-byte
+ * load after it (measured: 3-bit keys of 32 channels 0.69 -> 0.19 ms per 12K tokens and 3
+ * query rows) */
 static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int bits) {
-    const uint32_t w = word_of(p, bits);
+    uint32_t w = 0;
+    if (bits == 3)
+        w = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16;
+    else
+        memcpy(&w, p, (size_t)bits);
     const uint32_t b = (uint32_t)bits;
     const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
     return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
@@ -1040,8 +1037,6 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
         lo[l] = l <= (int)mask ? a->lut[l] : 0.f;
         hi[l] = l + 8 <= (int)mask ? a->lut[l + 8] : 0.f;
     }
-    const v8u shv = {0, (uint32_t)bits, 2u * bits, 3u * bits, 4u * bits, 5u * bits, 6u * bits,
-                     7u * bits};
     int halves = a->cosv != 0;
     for (int64_t p = 0; halves && p < P; p++) halves = a->pi[p] == p && a->pj[p] == P + p;
     float x[MAXD] __attribute__((aligned(32))), ra[MAXD / 2], rb[MAXD / 2];
@@ -1051,8 +1046,7 @@ static inline __attribute__((always_inline)) int lut_keys_vec(const kv_lut_args 
                 const uint8_t *row = a->codes + b * a->cs_b + h * a->cs_h + t * a->cs_t;
                 const float *hs = a->hs + h * D, *hz = a->hz + h * D;
                 for (int64_t j = 0; j < nv; j++) {
-                    const uint32_t w = word_of(row + j * bits, bits); /* 8 codes */
-                    const v8u u = ((v8u){w, w, w, w, w, w, w, w} >> shv) & mask;
+                    const v8u u = codes_of8(row + j * bits, bits); /* 8 codes */
                     const v8f v = lut8u(u, mask, lo, hi) * loadv(hs + 8 * j) + loadv(hz + 8 * j);
                     memcpy(x + 8 * j, &v, 32);
                 }
