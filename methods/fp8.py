@@ -49,6 +49,7 @@ from kvbench.attend import native
 from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.finite import all_finite
 from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
 from kvbench.kv.quant import round_up_to_dtype
@@ -211,7 +212,9 @@ class FP8Codec:
         xf = x.float()
         if self.scale_mode == "unit":
             return FP8Block(fp8_encode(xf, self.fmt, self.overflow), None, [1] * n, self.fmt)
-        a = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros((), device=x.device))
+        a = xf.abs()  # non-finite elements count as 0 for the amax (no mask when all finite)
+        if not all_finite(x):
+            a = torch.where(torch.isfinite(xf), a, torch.zeros((), device=x.device))
         if self.granularity == "per-token":
             amax, lens = a.amax(dim=-1, keepdim=True), [1] * n  # [B, H, n, 1]
         elif self.granularity == "per-head":

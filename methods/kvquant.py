@@ -34,6 +34,8 @@ from kvbench.attend import native
 from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import cat_blocks, own_storage
+from kvbench.kv.chunks import token_chunks
+from kvbench.kv.finite import all_finite
 from kvbench.kv.layer import LayerCache, Side
 from kvbench.kv.layout import BlockLayout, Codebook, Codes, Projection, SparseOutliers
 from kvbench.kv.method import CacheConfig, Capabilities, Method
@@ -148,6 +150,23 @@ class LUTBlock:
         codes = torch.cat([self.codes, other.codes], 2)
         val = torch.cat([self.out_val, other.out_val])
         return replace(self, codes=codes, out_idx=idx, out_val=val)
+
+    @staticmethod
+    def join(parts: list[LUTBlock]) -> LUTBlock:
+        """One block of ``parts`` (consecutive runs of tokens with one set of thresholds and
+        one ``rotary``, e.g. the chunks of one encode) in one concatenation: the outlier
+        indices of each part offset by the tokens before it."""
+        if len(parts) == 1:
+            return parts[0]
+        offs, n = [], 0
+        for p in parts:
+            offs.append(n)
+            n += p.ntokens
+        row = parts[0]._row()
+        idx = torch.cat([p.out_idx + row * o for p, o in zip(parts, offs)])
+        codes = torch.cat([p.codes for p in parts], 2)
+        val = torch.cat([p.out_val for p in parts])
+        return replace(parts[0], codes=codes, out_idx=idx, out_val=val)
 
     def crop(self, n: int) -> LUTBlock:
         keep, codes = self.out_idx < self._row() * n, own_storage(self.codes[:, :, :n])
@@ -302,11 +321,25 @@ class LUTCodec:
         return lut_layout(self.bits, self.tau, head_dim)
 
     def encode(self, x: torch.Tensor) -> LUTBlock:
+        """``x [B, H_kv, n, D]`` -> :class:`LUTBlock`, chunk by chunk along T
+        (:func:`~kvbench.kv.chunks.token_chunks`: each element is coded against static
+        thresholds, so the codes and outliers equal one pass's, while the float32 working
+        copies stay a chunk's)."""
+        b, h, n, d = x.shape
+        return LUTBlock.join(
+            [self._encode_tokens(x[:, :, t0:t1]) for t0, t1 in token_chunks(b, h, n, d)]
+            or [self._encode_tokens(x)]  # no tokens: one empty block
+        )
+
+    def _encode_tokens(self, x: torch.Tensor) -> LUTBlock:
         c, h = self.center.to(x.device), self.half.to(x.device)
         u, out = normalize(x.float(), c, h, self.tau)
         lut = self.lut.to(x.device)
         codes = bucket_index(u, (lut[1:].float() + lut[:-1].float()) / 2)
-        idx = out.permute(2, 0, 1, 3).reshape(-1).nonzero().flatten()
+        if out is None:  # no outliers (finite input, tau = 1)
+            idx = torch.zeros(0, dtype=torch.int64, device=x.device)
+        else:
+            idx = out.permute(2, 0, 1, 3).reshape(-1).nonzero().flatten()
         val = x.permute(2, 0, 1, 3).reshape(-1)[idx].half()
         packed = pack_bits(codes, self.bits)
         return LUTBlock(packed, c, h, lut, idx.int(), val, self.bits, x.shape[3])
@@ -314,12 +347,17 @@ class LUTCodec:
 
 def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: float):
     """``(u, out)`` for ``x [..., H, n, D]`` with thresholds ``[H, D]``: normalized values (0 at
-    outliers) and the outlier mask (non-finite, or outside the range when ``tau < 1``)."""
+    outliers) and the outlier mask (non-finite, or outside the range when ``tau < 1``);
+    ``out`` is ``None`` when there is no outlier by construction (finite input and
+    ``tau = 1``: no mask is built)."""
     c, h = center.float()[:, None, :], half.float()[:, None, :]
-    out = ~torch.isfinite(x)
+    out = None if all_finite(x) else ~torch.isfinite(x)
     if tau < 1:
-        out |= (x - c).abs() > h
+        far = (x - c).abs() > h
+        out = far if out is None else out | far
     u = (x - c) / torch.where(h > 0, h, torch.ones((), device=x.device))
+    if out is None:
+        return u.contiguous(), None
     return torch.where(out, torch.zeros((), device=x.device), u).contiguous(), out
 
 
@@ -339,8 +377,12 @@ class PreRopeSide(Side):
         start = len(self) - self.residual.shape[2]  # position of the oldest residual token
         head, rest = self.residual[:, :, :n], self.residual[:, :, n:]
         self.residual = own_storage(rest) if rest.shape[2] else None
-        pre = rope(head, start, self.theta, self.layout, inverse=True)
-        blk = replace(self.codec.encode(pre), rotary=Rotary(self.theta, self.layout, start))
+        b, h, m, d = head.shape  # un-rotated and coded chunk by chunk (elementwise: equal)
+        parts = [
+            self.codec.encode(rope(head[:, :, t0:t1], start + t0, self.theta, self.layout, True))
+            for t0, t1 in token_chunks(b, h, m, d)
+        ]
+        blk = replace(LUTBlock.join(parts), rotary=Rotary(self.theta, self.layout, start))
         self.block = cat_blocks(self.block, blk)
 
 
@@ -436,7 +478,8 @@ class KVQuant(Method):
             lo = torch.from_numpy(np.percentile(arr, 100 * (1 - t), axis=1))
             center, half = ((up + lo) / 2).to(sd), ((up - lo) / 2).to(sd)
             u, out = normalize(data.cpu(), center, half, c.sparsity_threshold)
-            self.calibration[layer] = (center, half, self._lut(u[~out]))
+            kept = u.flatten() if out is None else u[~out]  # the non-outlier values
+            self.calibration[layer] = (center, half, self._lut(kept))
         return self
 
     def _lut(self, u: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from kvbench.kv.blocks import AffineBlock, PerTokenCodec
+from kvbench.kv.chunks import token_chunks
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
@@ -111,10 +112,19 @@ class ProgressiveCodec:
         return None
 
     def encode(self, x: torch.Tensor) -> AffineBlock:
-        """``x [B, H_kv, n, D]`` -> :class:`AffineBlock` at ``bits``."""
-        block = PerTokenCodec(self.init_bits, self.scale_dtype, channel_group=self.channel_group)
-        block = block.encode(x)
-        return shrink_block(block, self.bits) if block.bits > self.bits else block
+        """``x [B, H_kv, n, D]`` -> :class:`AffineBlock` at ``bits``, chunk by chunk along T
+        (:func:`~kvbench.kv.chunks.token_chunks`: per-token groups, so the codes and scales
+        equal one pass's, while the 16-bit codes and their int64 halvings stay a chunk's)."""
+        b, h, n, d = x.shape
+        codec = PerTokenCodec(self.init_bits, self.scale_dtype, channel_group=self.channel_group)
+        parts = []
+        for t0, t1 in token_chunks(b, h, n, d):
+            block = codec.encode(x[:, :, t0:t1])
+            parts.append(shrink_block(block, self.bits) if block.bits > self.bits else block)
+        if not parts:  # no tokens
+            block = codec.encode(x)
+            return shrink_block(block, self.bits) if block.bits > self.bits else block
+        return AffineBlock.join(parts)
 
 
 class BudgetTooShort(ValueError):

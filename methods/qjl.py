@@ -37,6 +37,8 @@ from kvbench.attend import native
 from kvbench.attend.cpu import native_allowed, note_impl
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.chunks import token_chunks
+from kvbench.kv.finite import all_finite
 from kvbench.kv.layer import LayerCache
 from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import CacheConfig, Capabilities, Method, check_int
@@ -224,24 +226,47 @@ class QJLKeyCodec:
             self.outlier_dim, self.norm_dtype,
         )  # fmt: skip
 
-    def _norm(self, x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
         nrm = torch.linalg.vector_norm(x, dim=-1).to(self.norm_dtype)
         if bool((~torch.isfinite(nrm)).any()):
             raise ValueError(f"a key norm overflows norm_dtype={self.norm_dtype}; use float32")
+        if finite is None:  # every token finite
+            return nrm
         return torch.where(finite, nrm, torch.full_like(nrm, float("nan")))
 
     def encode(self, x: torch.Tensor) -> QJLBlock:
+        """``x [B, H_kv, n, D]`` -> :class:`QJLBlock`, chunk by chunk along T in whole outlier
+        groups (:func:`~kvbench.kv.chunks.token_chunks`: a token's signs and norms depend on
+        it and its group alone, so they equal one pass's, while the float32 working copies
+        stay a chunk's).  Raises ``ValueError`` when ``n`` is not a multiple of
+        ``group_size`` (with outliers) or a norm overflows ``norm_dtype``."""
+        b, h, n, d = x.shape
+        g, o = self.group_size, self.outlier_channels
+        if o and n % g:
+            raise ValueError(f"outlier groups need a multiple of group_size={g} tokens, not {n}")
+        parts = [
+            self._encode_tokens(x[:, :, t0:t1])
+            for t0, t1 in token_chunks(b, h, n, d, group=g if o else 1)
+        ] or [self._encode_tokens(x)]  # no tokens: one empty block
+        if len(parts) == 1:
+            return parts[0]
+        tok, grp = parts[0]._fields()
+        kw = {f: torch.cat([getattr(p, f) for p in parts], dim=2) for f in tok + grp}
+        return replace(parts[0], group_len=[k for p in parts for k in p.group_len], **kw)
+
+    def _encode_tokens(self, x: torch.Tensor) -> QJLBlock:
         b, h, n, d = x.shape
         xf = x.float()
-        finite = torch.isfinite(xf).all(dim=-1)
-        xs = torch.where(torch.isfinite(xf), xf, torch.zeros((), device=x.device))
+        # finite input (the common case) takes no masks; else a token with a non-finite
+        # element is sketched as 0 there and gets a NaN norm (the same values either way)
+        finite = None if all_finite(x) else torch.isfinite(xf).all(dim=-1)
+        zero = torch.zeros((), device=x.device)
+        xs = xf if finite is None else torch.where(torch.isfinite(xf), xf, zero)
         s_mat = self.sketch.to(x.device)
         g, o = self.group_size, self.outlier_channels
         if not o:
             bits = pack_bits((xs @ s_mat.T > 0).to(torch.uint8), 1)
             return QJLBlock(bits, self._norm(xs, finite), self.sketch, [1] * n)
-        if n % g:
-            raise ValueError(f"outlier groups need a multiple of group_size={g} tokens, not {n}")
         cn = torch.linalg.vector_norm(xs.reshape(b, h, n // g, g, d), dim=-2)  # [B, H, NG, D]
         idx = cn.topk(o, dim=-1).indices
         mask = torch.zeros_like(cn).scatter_(-1, idx, 1.0).repeat_interleave(g, dim=2)

@@ -45,9 +45,11 @@ from kvbench.attend.cpu import (
 )
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.chunks import token_chunks
+from kvbench.kv.finite import all_finite
 from kvbench.kv.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import bucket_index, pack_bits, unpack_bits
+from kvbench.kv.quant import bucket_index, pack_bits, packed_size, unpack_bits
 from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
 
 APPLY_TO = ("keys", "values", "both")
@@ -295,25 +297,39 @@ class TurboQuantCodec:
         return turbo_layout(self.bits, head_dim, self.norm_dtype)
 
     def encode(self, x: torch.Tensor) -> TurboBlock:
+        """``x [B, H_kv, n, D]`` -> :class:`TurboBlock`, chunk by chunk along T
+        (:func:`~kvbench.kv.chunks.token_chunks`: every token is coded alone, so the codes and
+        norms equal one pass's, while the float32 working copies stay a chunk's).  Raises
+        ``ValueError`` when a norm overflows ``norm_dtype`` or ``D`` is not the rotation's."""
         d = self.rotation.shape[0]
         if x.shape[-1] != d:
             raise ValueError(f"head_dim {x.shape[-1]} does not match the rotation's {d}")
+        b, h, n, _ = x.shape
+        codes = torch.empty(b, h, n, packed_size(d, self.bits), dtype=torch.uint8, device=x.device)
+        norms = torch.empty(b, h, n, 1, dtype=self.norm_dtype, device=x.device)
+        rot, c = self.rotation.to(x.device), self.centroids.to(x.device)
+        mids = (c[1:] + c[:-1]) / 2
+        for t0, t1 in token_chunks(b, h, n, d):
+            codes[:, :, t0:t1], norms[:, :, t0:t1] = self._encode_tokens(x[:, :, t0:t1], rot, mids)
+        return TurboBlock(codes, norms, rot, c, self.bits, self.store_rotation)
+
+    def _encode_tokens(self, x: torch.Tensor, rot: torch.Tensor, mids: torch.Tensor):
+        """Packed codes and norms of ``x [B, H_kv, n, D]`` (Algorithm 1: ``y = Pi u``,
+        ``u = x / ||x||``, nearest centroid per coordinate); a token with a non-finite element
+        gets a NaN norm (finite input, the common case, takes no masks: same values)."""
         xf = x.float()
-        finite = torch.isfinite(xf).all(dim=-1, keepdim=True)
-        xs = torch.where(finite, xf, torch.zeros((), device=x.device))
+        finite = None if all_finite(x) else torch.isfinite(xf).all(dim=-1, keepdim=True)
+        xs = xf if finite is None else torch.where(finite, xf, torch.zeros((), device=x.device))
         norm = torch.linalg.vector_norm(xs, dim=-1, keepdim=True)  # [B, H, n, 1]
         norm_st = norm.to(self.norm_dtype)
         if bool((~torch.isfinite(norm_st)).any()):
             raise ValueError(f"a token norm overflows norm_dtype={self.norm_dtype}; use float32")
-        norm_st = torch.where(finite, norm_st, torch.full_like(norm_st, float("nan")))
+        if finite is not None:
+            norm_st = torch.where(finite, norm_st, torch.full_like(norm_st, float("nan")))
         u = xs / torch.where(norm > 0, norm, torch.ones((), device=x.device))
-        rot = self.rotation.to(x.device)
         y = u @ rot.T  # y = Pi u, per row
-        c = self.centroids.to(x.device)
-        idx = bucket_index(y, (c[1:] + c[:-1]) / 2)  # nearest centroid
-        return TurboBlock(
-            pack_bits(idx, self.bits), norm_st, rot, c, self.bits, self.store_rotation
-        )
+        idx = bucket_index(y, mids)  # nearest centroid
+        return pack_bits(idx, self.bits), norm_st
 
 
 @dataclass(frozen=True)

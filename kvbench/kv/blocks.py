@@ -159,6 +159,31 @@ class AffineBlock:
             group_len=self.group_len + other.group_len,
         )
 
+    @staticmethod
+    def join(parts: list[AffineBlock]) -> AffineBlock:
+        """One block of ``parts`` (consecutive runs of tokens with one quantizer setting, e.g.
+        the chunks of one encode) in one concatenation per tensor (:meth:`cat` pairwise would
+        copy the first parts again for every later one)."""
+        if len(parts) == 1:
+            return parts[0]
+        p0 = parts[0]
+        for p in parts[1:]:
+            if (p.bits, p.symmetric, p.midpoint, p.scale.shape[-1]) != (
+                p0.bits, p0.symmetric, p0.midpoint, p0.scale.shape[-1]
+            ):  # fmt: skip
+                raise ValueError("cannot concatenate blocks of different quantizer settings")
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts], dim=2)
+
+        return replace(
+            p0,
+            codes=cat("codes"),
+            scale=cat("scale"),
+            zero=None if p0.zero is None else cat("zero"),
+            group_len=[g for p in parts for g in p.group_len],
+        )
+
     def crop(self, n: int) -> AffineBlock:
         """Keep the first ``n`` tokens; a group cut in two keeps its (scale, zero)."""
         lens, kept, total = [], 0, 0

@@ -23,12 +23,14 @@ Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype`
   KIVI's observation that values have none); queries ``N(0, 1)`` with the same RoPE.
 
 Tokens are drawn in chunks of 1024, each from its own generator seed, so a shorter ``T`` is a
-prefix of a longer one for the same (seed, layer, batch).
+prefix of a longer one for the same (seed, layer, batch), and the chunks are drawn on
+``torch.get_num_threads()`` threads with the same values as one thread's.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -149,12 +151,30 @@ def synthetic_queries(
         raise ValueError(f"need 0 <= start < stop, got start={start}, stop={stop}")
     base, freq = _base_seed(seed, layer, batch), inv_freq(cfg)
     out = torch.empty(batch, hq, stop - start, d, dtype=dtype, device=device)
-    for c0 in range(start - start % CHUNK, stop, CHUNK):
+
+    def one(c0: int) -> None:
         n = min(CHUNK, stop - c0)
         lo = max(start - c0, 0)
         q = _query_chunk(base, c0, n, batch, hq, d, *_chunk_rope(freq, c0, n))
         out[:, :, c0 + lo - start : c0 + n - start].copy_(q[:, :, lo:])
+
+    _each_chunk(one, range(start - start % CHUNK, stop, CHUNK))
     return out
+
+
+def _each_chunk(fn: Any, starts: Any) -> None:
+    """``fn(c0)`` for every chunk start, on up to ``torch.get_num_threads()`` Python threads
+    (torch releases the GIL inside its operations; each chunk has its own generator and writes
+    its own slice, so the values are those of one thread, bit for bit, and only the wall time
+    changes: the draws are the generator's serial work)."""
+    starts = list(starts)
+    workers = min(torch.get_num_threads(), len(starts))
+    if workers <= 1:
+        for c0 in starts:
+            fn(c0)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fn, starts))
 
 
 def synthetic_qkv(
@@ -195,7 +215,8 @@ def synthetic_qkv(
     freq = inv_freq(cfg)
     heads = (hq, hkv, hkv) if queries else (hkv, hkv)
     out = [torch.empty(batch, n, tokens, d, dtype=dtype, device=device) for n in heads]
-    for c0 in range(0, tokens, CHUNK):
+
+    def one(c0: int) -> None:
         n = min(CHUNK, tokens - c0)
         cos, sin = _chunk_rope(freq, c0, n)
         gkv = torch.Generator().manual_seed(_chunk_seed(base, c0))
@@ -209,6 +230,8 @@ def synthetic_qkv(
             parts.insert(0, _query_chunk(base, c0, n, batch, hq, d, cos, sin))
         for dst, src in zip(out, parts):
             dst[:, :, c0 : c0 + n].copy_(src)  # the cast to dtype (and device) in the copy
+
+    _each_chunk(one, range(0, tokens, CHUNK))
     return (out[0], out[1], out[2]) if queries else (None, out[0], out[1])
 
 
