@@ -46,7 +46,7 @@ baseline: $(STAMP)
 
 # Regenerate the model-quality gate (tests/test_model_gate.py): suites/ci_gate_model.yaml (every
 # built-in method on the real default model, next-token KL) run at 1 and 2 threads, each with
-# ATEN_CPU_CAPABILITY=default and native; the suite's own configuration becomes
+# ATEN_CPU_CAPABILITY=default and native, and at 1 thread with avx2; the suite's own configuration becomes
 # tests/baseline_model/, the measured spread and the tolerances derived from it
 # tests/baseline_model_tolerance.json (docs/mutation.md#model-quality-gate); then the known values
 # of tests/test_real_model.py (tests/real_model_values.json) by the same rule.  Needs WikiText-2

@@ -8,9 +8,8 @@ percentile(100 (1 - t))``, ``t = 1 - (1 - tau) / 2``; ``u = (x - center) / half`
 ``center, half = (upper +- lower) / 2``; no token groups, so a key is quantized when its
 schedule flushes it.  ``|u| > 1`` and non-finite elements are dense-and-sparse outliers kept
 exactly in float16 with int32 flat indices into ``[n, B, H_kv, D]`` (metadata bytes); the rest
-round to the nearest of ``2^bits`` levels: NUQ (``nuq=True``) = one LUT per layer from k-means
-(``scipy.cluster.vq.kmeans2``, ``'++'``, seeded, 50 iterations as KVQuant) of the non-outlier
-calibration ``u``, else uniform levels.  ``first_few_fp16`` = ``num_sink_tokens`` (default 1).
+round to the nearest of ``2^bits`` levels: NUQ (``nuq=True``) = one LUT per layer from 1-D
+k-means of the non-outlier calibration ``u`` (:func:`lloyd_levels`), else uniform levels.  ``first_few_fp16`` = ``num_sink_tokens`` (default 1).
 The cache receives post-RoPE keys: a flushed key is un-rotated at its position (index in the
 cache) and the dequantized block re-rotated when read, with HF's float32 angles ``pos *
 theta^(-2i/D)``; sinks and residual stay post-RoPE, exact.  RoPE scaling (llama3, yarn) and
@@ -18,7 +17,10 @@ left-padding offsets are not modelled (the round trip stays exact).
 
 [RECON] "lite": values use the core's per-token codec (``value_bits``; no value outliers or
 LUT), no Q-Norm or Fisher weights, calibration skips each sequence's first ``num_sink_tokens``
-tokens, k-means sees <= 100000 values (seeded subsample).  Nominal key bits (docs/methods.md#average-bits): ``bits
+tokens; k-means is Lloyd's algorithm over every non-outlier value from a quantile start (KVQuant
+runs scikit-learn's seeded k-means++ on a subsample), which is deterministic and moves
+continuously with its data, so the float noise between CPU instruction sets or thread counts
+cannot jump the table to another local optimum.  Nominal key bits (docs/methods.md#average-bits): ``bits
 + (1 - tau) (16 + 32)`` (4.48 at the defaults; per-layer thresholds and LUT left out).
 """
 
@@ -28,7 +30,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from scipy.cluster.vq import kmeans2
 
 from kvbench.attend import native
 from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl
@@ -42,7 +43,7 @@ from kvbench.kv.method import CacheConfig, Capabilities, Method
 from kvbench.kv.quant import bucket_index, pack_bits, unpack_bits
 from kvbench.kv.schedule import SlidingSchedule
 
-ROPE_LAYOUTS, NUQ_ITERS, NUQ_SAMPLES = ("rotate_half", "interleaved"), 50, 100_000
+ROPE_LAYOUTS, NUQ_MAX_ITERS = ("rotate_half", "interleaved"), 1000
 
 
 _ANGLES: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -345,6 +346,39 @@ class LUTCodec:
         return LUTBlock(packed, c, h, lut, idx.int(), val, self.bits, x.shape[3])
 
 
+def lloyd_levels(u: torch.Tensor, k: int, max_iters: int, tol: float = 1e-10) -> torch.Tensor:
+    """Sorted 1-D k-means centroids ``[k]`` (float64) of every value of ``u`` (any shape).
+
+    Lloyd's algorithm, exact on all values: sorted once; each step puts the boundaries at the
+    midpoints between neighbouring centroids and moves each centroid to the mean of its values
+    (prefix sums; an empty cell keeps its centroid), until no centroid moves by more than
+    ``tol`` or after ``max_iters`` steps.  Start: the order
+    statistics at quantiles ``(i + 1/2) / k``.  Deterministic, and continuous in ``u`` away from
+    ties, unlike a randomly seeded k-means++ start whose table jumps between local optima under
+    float noise (KVQuant, arXiv 2401.18079 §3.2, fits its non-uniform levels with k-means; its
+    code seeds scikit-learn's k-means++).  Raises ``ValueError`` when ``u`` has fewer than ``k``
+    values."""
+    x = u.detach().reshape(-1).double().cpu().sort().values
+    n = x.numel()
+    if n < k:
+        raise ValueError(f"k-means needs >= {k} non-outlier calibration values, got {n}")
+    sums = torch.cat([x.new_zeros(1), x.cumsum(0)])
+    cent = x[((torch.arange(k, dtype=torch.float64) + 0.5) * n / k).long()]
+    ends = torch.tensor([n])
+    for _ in range(max_iters):
+        edges = torch.cat(
+            [ends.new_zeros(1), torch.searchsorted(x, (cent[1:] + cent[:-1]) / 2), ends]
+        )
+        count = edges[1:] - edges[:-1]
+        mean = (sums[edges[1:]] - sums[edges[:-1]]) / count.clamp(min=1)
+        new = torch.where(count > 0, mean, cent)
+        done = bool((new - cent).abs().max() <= tol)
+        cent = new
+        if done:
+            break
+    return cent.sort().values
+
+
 def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: float):
     """``(u, out)`` for ``x [..., H, n, D]`` with thresholds ``[H, D]``: normalized values (0 at
     outliers) and the outlier mask (non-finite, or outside the range when ``tau < 1``);
@@ -393,7 +427,6 @@ _RULES = (  # (field, test, allowed values for the error message); type() exclud
     ("sparsity_threshold", lambda v: type(v) in _NUM and 0.5 < v <= 1, "a number in (0.5, 1]"),
     ("nuq", lambda v: type(v) is bool, "True, False"),
     ("pre_rope", lambda v: type(v) is bool, "True, False"),
-    ("nuq_seed", lambda v: type(v) is int and v >= 0, "integers >= 0"),
     ("rope_theta", lambda v: v is None or (type(v) in _NUM and v > 0), "None or a positive number"),
     ("rope_layout", lambda v: v in ROPE_LAYOUTS, str(ROPE_LAYOUTS)),
 )
@@ -406,7 +439,7 @@ class KVQuantConfig(CacheConfig):
     bits : key code width 2, 3 or 4 (default 4: the "nuq4-1%" checkpoints).
     sparsity_threshold : tau in (0.5, 1]; a fraction 1 - tau of the calibration keys lies
         outside the thresholds (1% at 0.99); 1.0: no outliers, keys clamp to the range.
-    nuq, nuq_seed : k-means LUT levels (default True; seed 0), else uniform levels.
+    nuq : k-means LUT levels (default True; :func:`lloyd_levels`), else uniform levels.
     pre_rope, rope_theta, rope_layout : quantize keys before RoPE (default True), RoPE base
         (``None``: the model's, filled by :meth:`KVQuant.for_model` — the runner calls it —
         else 10000), ``rotate_half``/``interleaved``.
@@ -419,7 +452,6 @@ class KVQuantConfig(CacheConfig):
     residual_length: int = 0
     sparsity_threshold: float = 0.99
     nuq: bool = True
-    nuq_seed: int = 0
     pre_rope: bool = True
     rope_theta: float | None = None
     rope_layout: str = "rotate_half"
@@ -483,19 +515,12 @@ class KVQuant(Method):
         return self
 
     def _lut(self, u: torch.Tensor) -> torch.Tensor:
-        """Levels (scale dtype): sorted k-means centroids of normalized values ``u`` (NUQ), or
-        the uniform ``linspace(-1, 1, 2^bits)``."""
+        """Levels (scale dtype): :func:`lloyd_levels` of normalized values ``u`` (NUQ), or the
+        uniform ``linspace(-1, 1, 2^bits)``."""
         c = self.config
         if not c.nuq:
             return torch.linspace(-1, 1, 1 << c.bits).to(c.torch_scale_dtype)
-        data = u.double().numpy()
-        rng = np.random.default_rng(c.nuq_seed)
-        if data.size > NUQ_SAMPLES:
-            data = rng.choice(data, NUQ_SAMPLES, replace=False)
-        if data.size < 1 << c.bits:
-            raise ValueError(f"k-means needs >= {1 << c.bits} non-outlier calibration values")
-        cent, _ = kmeans2(data, 1 << c.bits, iter=NUQ_ITERS, minit="++", seed=rng)
-        return torch.from_numpy(np.sort(cent)).to(c.torch_scale_dtype)
+        return lloyd_levels(u, 1 << c.bits, NUQ_MAX_ITERS).to(c.torch_scale_dtype)
 
     def key_codec(self, layer_idx: int, head_dim: int) -> LUTCodec:
         """Raises ``RuntimeError`` for a layer :meth:`calibrate` has not seen."""

@@ -5,16 +5,17 @@ length; the gated numbers are ``next_token_kl`` (KL(P_full || P_method), nats pe
 ``bytes_total``.  They are deterministic on one CPU at a fixed number of threads, but not across
 thread counts or instruction sets (the matrix products reduce in another order; a calibrated
 method such as KVQuant moves its levels and outlier thresholds with that round-off).  So the
-baseline is committed together with the spread measured across five configurations of this
+baseline is committed together with the spread measured across six configurations of this
 machine -- 1 and 2 intra-op threads, each with ``ATEN_CPU_CAPABILITY=default`` (generic kernels)
-and the native instruction set, with the eager code-domain attention kernels
+and the native instruction set, 1 thread with ``ATEN_CPU_CAPABILITY=avx2`` (CI machines differ:
+AVX2 on some, AVX-512 on others; on an AVX2 machine this repeats the native run), with the eager code-domain attention kernels
 (``KVBENCH_CPU_ATTENTION=eager``), and the suite's own configuration (2 threads, native, ``auto``
 kernels: the native C ones where a compiler exists) -- and each method's tolerance is derived
 from its own spread:
 
     tol = max(SAFETY * spread, FLOOR_REL * |baseline|, FLOOR_ABS)     (per method and metric)
 
-with ``spread = max - min`` over the five configurations.  ``SAFETY`` covers a CPU whose spread
+with ``spread = max - min`` over the six configurations.  ``SAFETY`` covers a CPU whose spread
 exceeds the one measured here (the generic-vs-native difference stands in for "another
 instruction set"); the floors keep a method whose runs agreed exactly from failing on
 another machine's round-off (relative) and ``full`` (KL exactly 0) from a zero tolerance.
@@ -25,7 +26,7 @@ Regenerate both files with one command (``make baseline-model``)::
 
 It writes the records of the suite's own configuration (its ``threads``, native instruction set)
 into ``tests/baseline_model/`` and the measured values, spreads and tolerances into
-``tests/baseline_model_tolerance.json``.  ``--work`` keeps the five runs' records so that an
+``tests/baseline_model_tolerance.json``.  ``--work`` keeps the six runs' records so that an
 interrupted regeneration resumes (``kvbench run`` skips runs whose record exists).
 """
 
@@ -45,7 +46,7 @@ BASELINE = ROOT / "tests" / "baseline_model"
 TOLERANCE = ROOT / "tests" / "baseline_model_tolerance.json"
 
 #: the gated metrics and their floors: (relative to the baseline value, absolute)
-GATED = {"next_token_kl": (0.005, 1e-6), "bytes_total": (0.0, 0.0)}
+GATED = {"next_token_kl": (0.01, 1e-6), "bytes_total": (0.0, 0.0)}
 SAFETY = 3.0
 #: (intra-op threads, ATEN_CPU_CAPABILITY or None for the native instruction set,
 #: KVBENCH_CPU_ATTENTION or None for auto): the last one is the suite's own configuration (the
@@ -53,6 +54,7 @@ SAFETY = 3.0
 CONFIGS = [
     (1, None, "eager"),
     (1, "default", "eager"),
+    (1, "avx2", "eager"),
     (2, None, "eager"),
     (2, "default", "eager"),
     (2, None, None),

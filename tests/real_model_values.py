@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 VALUES = HERE / "real_model_values.json"
 WINDOW, PREFILL, CHUNK = 384, 256, 64
 LAYERS = [0, 15]
-#: floors (relative, absolute) of the derived tolerances, as in the model gate
+#: floors (relative, absolute) of the derived tolerances (the model gate's relative floor is 1%:
+#: its KL moved up to 0.52% between two CI machines; these values moved < 0.03%)
 FLOOR_REL, FLOOR_ABS = 0.005, 1e-6
 THREADS = 2  # the tests' intra-op threads (CI has two cores)
 

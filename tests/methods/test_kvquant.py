@@ -16,7 +16,7 @@ import torch
 
 import kvbench
 from kvbench.kv.finite import nonfinite
-from kvbench.methods.kvquant import KVQuant, rope
+from kvbench.methods.kvquant import KVQuant, lloyd_levels, rope
 
 THETA = 1e4
 
@@ -158,27 +158,70 @@ def test_nuq_lut_is_the_four_calibration_levels_when_data_has_four_values():
     assert torch.equal(layer.keys_values()[0], want)
 
 
-def test_nuq_lut_monotone_reproducible_and_a_lloyd_fixed_point():
+def np_lloyd(x: np.ndarray, k: int, iters: int = 2000) -> np.ndarray:
+    """A separate float64 1-D k-means: every value assigned to its nearest centroid by argmin,
+    centroids moved to the means, from the order statistics at quantiles (i + 1/2) / k."""
+    x = np.sort(np.asarray(x, np.float64).ravel())
+    c = x[((np.arange(k) + 0.5) * x.size / k).astype(np.int64)]
+    for _ in range(iters):
+        near = np.abs(x[:, None] - c[None, :]).argmin(1)
+        c = np.array([x[near == i].mean() if np.any(near == i) else c[i] for i in range(k)])
+    return np.sort(c)
+
+
+def test_lloyd_levels_equal_a_separate_argmin_kmeans():
+    g = torch.Generator().manual_seed(3)
+    u = (torch.randn(4000, generator=g, dtype=torch.float64) * 0.4).clamp(-1, 1)
+    for k in (4, 8):
+        got = lloyd_levels(u, k, 1000).numpy()
+        np.testing.assert_allclose(got, np_lloyd(u.numpy(), k), rtol=0, atol=1e-9)
+        # a fixed point: each level is the mean of the values nearest to it
+        near = np.abs(u.numpy()[:, None] - got[None, :]).argmin(1)
+        means = np.array([u.numpy()[near == i].mean() for i in range(k)])
+        np.testing.assert_allclose(got, means, rtol=0, atol=1e-9)
+
+
+def test_lloyd_levels_by_hand_and_errors():
+    # two tight pairs of clusters: 2-means = the two pair means; 4-means = the four values
+    u = torch.tensor([-1.0, -0.9, 0.9, 1.0], dtype=torch.float64).repeat_interleave(50)
+    assert lloyd_levels(u, 2, 100).tolist() == pytest.approx([-0.95, 0.95], abs=1e-12)
+    assert lloyd_levels(u, 4, 100).tolist() == pytest.approx([-1.0, -0.9, 0.9, 1.0], abs=1e-12)
+    # no step: the quantile start, sorted values at ranks 50 and 150 of 200 (-0.9 and 1.0)
+    assert lloyd_levels(u, 2, 0).tolist() == [-0.9, 1.0]
+    with pytest.raises(ValueError, match="k-means needs >= 8 .* got 5"):
+        lloyd_levels(torch.zeros(5), 8, 10)
+
+
+def test_lloyd_levels_move_continuously_with_their_data():
+    """Float noise (another instruction set, another thread count) or one value crossing an
+    outlier threshold moves the table by about its own size, never to another optimum."""
+    g = torch.Generator().manual_seed(4)
+    u = (torch.randn(200_000, generator=g, dtype=torch.float64) * 0.35).clamp(-1, 1)
+    base = lloyd_levels(u, 16, 1000)
+    noisy = lloyd_levels(
+        u * (1 + 1e-6 * torch.randn(u.shape, generator=g, dtype=u.dtype)), 16, 1000
+    )
+    dropped = lloyd_levels(u[1:], 16, 1000)
+    assert (noisy - base).abs().max() < 1e-5 and (dropped - base).abs().max() < 1e-4
+
+
+def test_nuq_lut_is_lloyd_levels_of_the_normalized_non_outliers_and_reproducible():
     k = calib_keys(4, n=2, t=301, d=8)
     luts = []
     for _ in range(2):
-        m = make(bits=3, nuq=True, pre_rope=False, nuq_seed=5)
+        m = make(bits=3, nuq=True, pre_rope=False)
         m.calibrate({0: k})
         luts.append(m.calibration[0][2])
     assert torch.equal(luts[0], luts[1])
     lut = luts[0].double().numpy()
     assert lut.shape == (8,) and np.all(np.diff(lut) > 0) and -1 <= lut[0] and lut[-1] <= 1
-    # independent check: each level is (close to) the mean of the normalized non-outlier
-    # calibration values nearest to it (k-means optimality), from numpy percentiles
+    # independent: numpy percentiles for the thresholds (float16 as stored), the separate
+    # k-means above on the non-outliers
     center, half, x = np_thresholds(k.numpy(), 0.99, 1, pre_rope=False)
-    u = (x - center[:, None, :]) / half[:, None, :]
-    u = u[np.abs(u) <= 1]
-    nearest = np.abs(u[:, None] - lut[None, :]).argmin(1)
-    means = np.array([u[nearest == i].mean() for i in range(8)])
-    np.testing.assert_allclose(lut, means, atol=2e-2)
-    m2 = make(bits=3, nuq=True, pre_rope=False, nuq_seed=6)
-    m2.calibrate({0: k})
-    assert np.all(np.diff(m2.calibration[0][2].double().numpy()) > 0)
+    center, half = center.astype(np.float16).astype(np.float64), half.astype(np.float16)
+    u = (x - center[:, None, :]) / half.astype(np.float64)[:, None, :]
+    want = np_lloyd(u[np.abs(u) <= 1], 8).astype(np.float16)
+    np.testing.assert_array_equal(luts[0].numpy(), want)
 
 
 # -------------------------------------------------------------------------------- outliers, bytes
@@ -331,8 +374,6 @@ def test_registered_and_defaults():
         ("sparsity_threshold", "0.99"),
         ("nuq", 1),
         ("pre_rope", "yes"),
-        ("nuq_seed", -1),
-        ("nuq_seed", 1.0),
         ("rope_theta", 0),
         ("rope_theta", -5.0),
         ("rope_theta", True),
