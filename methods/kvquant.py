@@ -9,7 +9,8 @@ percentile(100 (1 - t))``, ``t = 1 - (1 - tau) / 2``; ``u = (x - center) / half`
 schedule flushes it.  ``|u| > 1`` and non-finite elements are dense-and-sparse outliers kept
 exactly in float16 with int32 flat indices into ``[n, B, H_kv, D]`` (metadata bytes); the rest
 round to the nearest of ``2^bits`` levels: NUQ (``nuq=True``) = one LUT per layer from 1-D
-k-means of the non-outlier calibration ``u`` (:func:`lloyd_levels`), else uniform levels.  ``first_few_fp16`` = ``num_sink_tokens`` (default 1).
+k-means of the non-outlier calibration ``u`` (:func:`lloyd_levels`), else uniform levels.
+``first_few_fp16`` = ``num_sink_tokens`` (default 1).
 The cache receives post-RoPE keys: a flushed key is un-rotated at its position (index in the
 cache) and the dequantized block re-rotated when read, with HF's float32 angles ``pos *
 theta^(-2i/D)``; sinks and residual stay post-RoPE, exact.  RoPE scaling (llama3, yarn) and
@@ -351,9 +352,9 @@ def lloyd_levels(u: torch.Tensor, k: int, max_iters: int, tol: float = 1e-10) ->
 
     Lloyd's algorithm, exact on all values: sorted once; each step puts the boundaries at the
     midpoints between neighbouring centroids and moves each centroid to the mean of its values
-    (prefix sums; an empty cell keeps its centroid), until no centroid moves by more than
-    ``tol`` or after ``max_iters`` steps.  Start: the order
-    statistics at quantiles ``(i + 1/2) / k``.  Deterministic, and continuous in ``u`` away from
+    (prefix sums; an empty cell keeps its centroid, which lies between its neighbours' cells,
+    so the centroids stay sorted), until no centroid moves by more than ``tol`` or after
+    ``max_iters`` steps.  Start: the order statistics at quantiles ``(i + 1/2) / k``.  Deterministic, and continuous in ``u`` away from
     ties, unlike a randomly seeded k-means++ start whose table jumps between local optima under
     float noise (KVQuant, arXiv 2401.18079 §3.2, fits its non-uniform levels with k-means; its
     code seeds scikit-learn's k-means++).  Raises ``ValueError`` when ``u`` has fewer than ``k``
@@ -376,7 +377,7 @@ def lloyd_levels(u: torch.Tensor, k: int, max_iters: int, tol: float = 1e-10) ->
         cent = new
         if done:
             break
-    return cent.sort().values
+    return cent
 
 
 def normalize(x: torch.Tensor, center: torch.Tensor, half: torch.Tensor, tau: float):

@@ -7,9 +7,9 @@ thread counts or instruction sets (the matrix products reduce in another order; 
 method such as KVQuant moves its levels and outlier thresholds with that round-off).  So the
 baseline is committed together with the spread measured across six configurations of this
 machine -- 1 and 2 intra-op threads, each with ``ATEN_CPU_CAPABILITY=default`` (generic kernels)
-and the native instruction set, 1 thread with ``ATEN_CPU_CAPABILITY=avx2`` (CI machines differ:
-AVX2 on some, AVX-512 on others; on an AVX2 machine this repeats the native run), with the eager code-domain attention kernels
-(``KVBENCH_CPU_ATTENTION=eager``), and the suite's own configuration (2 threads, native, ``auto``
+and the native instruction set, 1 thread with ``ATEN_CPU_CAPABILITY=avx2`` (CI machines
+differ: AVX2 on some, AVX-512 on others; on an AVX2 machine this repeats the native run), with
+the eager code-domain attention kernels (``KVBENCH_CPU_ATTENTION=eager``), and the suite's own configuration (2 threads, native, ``auto``
 kernels: the native C ones where a compiler exists) -- and each method's tolerance is derived
 from its own spread:
 

@@ -79,8 +79,8 @@ def test_model_baseline_is_not_stale() -> None:
             # the baseline is the suite's own configuration among the measured ones
             assert entry[metric]["values"][tol["baseline_config"]] == rec["metrics"][metric]
             assert set(entry[metric]["values"]) == set(tol["configs"])
-    # the spread covers both thread counts and the generic, AVX2 and native instruction sets (the generator runs all
-    # configurations of CONFIGS)
+    # the spread covers both thread counts and the generic, AVX2 and native instruction sets
+    # (the generator runs all configurations of CONFIGS)
     measured = [lab.split("-") for lab in tol["configs"]]
     assert {m[0] for m in measured} == {"t1", "t2"}, tol["configs"]
     assert {m[1] for m in measured} == {"native", "default", "avx2"}, tol["configs"]

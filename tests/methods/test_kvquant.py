@@ -188,6 +188,10 @@ def test_lloyd_levels_by_hand_and_errors():
     assert lloyd_levels(u, 4, 100).tolist() == pytest.approx([-1.0, -0.9, 0.9, 1.0], abs=1e-12)
     # no step: the quantile start, sorted values at ranks 50 and 150 of 200 (-0.9 and 1.0)
     assert lloyd_levels(u, 2, 0).tolist() == [-0.9, 1.0]
+    # an empty cell keeps its level: 3-means of ten 0s and ten 1s start at ranks 3, 10, 16
+    # (0, 1, 1); the cell between the two levels at 1 holds no value, so they stay
+    two = torch.tensor([0.0] * 10 + [1.0] * 10, dtype=torch.float64)
+    assert lloyd_levels(two, 3, 100).tolist() == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="k-means needs >= 8 .* got 5"):
         lloyd_levels(torch.zeros(5), 8, 10)
 
