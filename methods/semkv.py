@@ -23,7 +23,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attend.cpu import AffineBlockAttention
+from kvbench.attend import native
+from kvbench.attend.cpu import (
+    AffineBlockAttention,
+    affine_terms,
+    code_layout,
+    native_allowed,
+    note_impl,
+)
 from kvbench.attend.reference import causal_mask, length_mask
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
@@ -126,8 +133,11 @@ class MixedBlockAttention:
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
     token with terms ``(2^lb scale, 0)``, the high tokens' stored rows placed at their
     positions and zero codes for the low tokens (a transient of ``(hb - lb) / 8`` bytes per
-    element, built once per read from the ``extra`` rows and the mask).  No dequantized key or
-    value is formed."""
+    element, built once per read from the ``extra`` rows and the mask).  With the native
+    kernels both planes are read in one call instead (:meth:`_native`): the upper rows where
+    they are stored, found through a per-token row index (:meth:`upper_rows`, int32, 4 bytes
+    a token), added to the high tokens' low codes in the keys kernel and summed over the high
+    tokens after the low plane for values.  No dequantized key or value is formed."""
 
     def key_reason(self, block: MixedBlock, head_dim: int) -> str | None:
         return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"
@@ -155,13 +165,48 @@ class MixedBlockAttention:
         bits = block.high_bits - block.low_bits
         return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
 
+    @staticmethod
+    def upper_rows(block: MixedBlock) -> torch.Tensor:
+        """Int32 ``[B, H_kv, n]``: each token's row of ``extra`` (its rank among the high
+        flags in ``[n, B, H_kv]`` order), -1 for low tokens."""
+        b, h, n, _ = block.low.shape
+        flags = block.high().permute(2, 0, 1).reshape(-1).to(torch.int32)
+        rows = flags.cumsum(0, dtype=torch.int32).mul_(flags).sub_(1)  # rank - 1, or -1
+        return rows.view(n, b, h).permute(1, 2, 0).contiguous()
+
+    def _native(self, block: MixedBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
+        """Both planes in one native call (:class:`kvbench.attend.native.Upper`: the low plane
+        by the per-token group kernel, the high tokens' upper rows read where they are stored)
+        where it applies, else ``None``.  ``x``: the query (keys) or probabilities (values)."""
+        low, d, m = self._low(block), block.head_dim, x.shape[2]
+        if not native_allowed() or not native.supports(low.codes, low.bits, d):
+            return None
+        a, z = affine_terms(low)
+        group = d // a.shape[-1]
+        if group % code_layout(low.bits)[1]:
+            return None
+        upper = None
+        if block.extra.shape[0]:
+            shift, ub = block.low_bits, block.high_bits - block.low_bits
+            upper = native.Upper(block.extra, self.upper_rows(block), ub, shift)
+            if not native.upper_fits(upper, low.bits, d, m, group, values):
+                return None
+        note_impl("native")
+        if values:
+            return native.values_groups(low.codes, x, a, z, low.bits, d, upper)
+        return native.keys_groups(low.codes, x, a, z, low.bits, upper)
+
     def key_logits(self, block: MixedBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        if compiled and (out := self._native(block, q, values=False)) is not None:
+            return out
         lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
         if not block.extra.shape[0]:
             return lg
         return lg + _AFFINE.key_logits(self._upper(block), q, compiled)
 
     def value_output(self, block: MixedBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        if compiled and (out := self._native(block, p, values=True)) is not None:
+            return out
         out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
         if not block.extra.shape[0]:
             return out

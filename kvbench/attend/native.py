@@ -43,6 +43,7 @@ import ctypes
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,7 +52,7 @@ from kvbench.machine.native import NativeLibrary, compile_cached, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 9
+ABI_VERSION = 10
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -90,6 +91,11 @@ class _Args(ctypes.Structure):
         ("out", ctypes.c_void_p),
         ("bit0", ctypes.c_int64),
         ("natural", ctypes.c_int),
+        ("up", ctypes.c_void_p),
+        ("up_row", ctypes.c_void_p),
+        ("up_nb", ctypes.c_int64),
+        ("up_bits", ctypes.c_int),
+        ("up_shift", ctypes.c_int),
     ]
 
 
@@ -236,6 +242,8 @@ def _call(fn_name: str, args: _Args, bits: int) -> None:
     if rc == -3:
         raise RuntimeError(f"{fn_name}: natural channel order given where the kernel needs "
                            "sub-code order")  # fmt: skip
+    if rc == -4:
+        raise ValueError(f"{fn_name}: an upper plane the kernels do not take (upper_fits)")
     if rc != 0:
         raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
 
@@ -299,9 +307,50 @@ def _group_terms(a, z, codes, bits, d):
     return a.float().contiguous(), z.float().contiguous(), cg // cpw
 
 
-def keys_groups(codes, q, a, z, bits: int) -> torch.Tensor:
+class Upper(NamedTuple):
+    """An upper plane of some tokens for :func:`keys_groups` / :func:`values_groups`: token
+    ``t`` of (row ``b``, head ``h``) has code ``c + 2^shift u`` where ``r = row[b, h, t] >= 0``,
+    ``u`` the ``bits``-bit codes of row ``r`` of ``codes`` (uint8 ``[N, nb]``, pack_bits order;
+    ``row`` int32 ``[B, H, T]``, -1: no upper codes).  SemKV's high tokens
+    (``methods/semkv.py``)."""
+
+    codes: torch.Tensor
+    row: torch.Tensor
+    bits: int
+    shift: int
+
+
+def upper_fits(upper: Upper, bits: int, d: int, m: int, group: int, values: bool) -> bool:
+    """Whether the native kernels take ``upper`` beside ``bits``-bit low codes of ``d``
+    channels in groups of ``group`` channels for ``m`` query rows (the C side's ``upper_ok``:
+    the vectorised natural-order kernels, ``upper.bits`` 1..4, groups of whole vectors of 8
+    channels)."""
+    wg = group // _layout(bits)[1] if group % _layout(bits)[1] == 0 else 0
+    return (
+        1 <= upper.bits <= 4
+        and group % 8 == 0
+        and d % 8 == 0
+        and upper.codes.dtype == torch.uint8
+        and upper.codes.shape[-1] * 8 >= d * upper.bits
+        and (values and m <= 16 or not values and wg > 0 and _vectorised_keys(bits, d, m, wg))
+    )
+
+
+def _set_upper(args: _Args, upper: Upper | None, shape: tuple[int, int, int]) -> None:
+    if upper is None:
+        return
+    codes, row = upper.codes.contiguous(), upper.row.to(torch.int32).contiguous()
+    if tuple(row.shape) != shape:
+        raise ValueError(f"upper rows of shape {tuple(row.shape)} do not fit {shape}")
+    args.up, args.up_row, args.up_nb = codes.data_ptr(), row.data_ptr(), codes.shape[-1]
+    args.up_bits, args.up_shift = upper.bits, upper.shift
+    args.keep = (*args.keep, codes, row)
+
+
+def keys_groups(codes, q, a, z, bits: int, upper: Upper | None = None) -> torch.Tensor:
     """Key logits ``[B, H, M, T]`` of per-token groups: ``a, z`` float ``[B|1, H|1, T, Dg]``
-    (``x = c * a_{t,g} + z_{t,g}``, ``D / Dg`` channels per group, whole words)."""
+    (``x = c * a_{t,g} + z_{t,g}``, ``D / Dg`` channels per group, whole words); ``upper``
+    (:class:`Upper`, where :func:`upper_fits`): some tokens' codes have upper bits."""
     bsz, h, t, _ = codes.shape
     m, d = q.shape[2], q.shape[3]
     a, z, wg = _group_terms(a, z, codes, bits, d)
@@ -309,13 +358,14 @@ def keys_groups(codes, q, a, z, bits: int) -> torch.Tensor:
     out = torch.empty(bsz, h, m, t, dtype=torch.float32)
     args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_AFFINE_GROUPS, a, z, wg=wg)
     args.natural = int(nat)
+    _set_upper(args, upper, (bsz, h, t))
     _call("kv_keys", args, bits)
     return out
 
 
-def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
+def values_groups(codes, p, a, z, bits: int, d: int, upper: Upper | None = None) -> torch.Tensor:
     """``sum_t p_t (c_t * a_t + z_t)`` ``[B, H, M, D]`` over per-token groups (see
-    :func:`keys_groups`); ``p`` float ``[B, H, M, T]``."""
+    :func:`keys_groups`, ``upper`` likewise); ``p`` float ``[B, H, M, T]``."""
     bsz, h, t, _ = codes.shape
     m = p.shape[2]
     a, z, wg = _group_terms(a, z, codes, bits, d)
@@ -323,6 +373,7 @@ def values_groups(codes, p, a, z, bits: int, d: int) -> torch.Tensor:
     out = torch.empty(bsz, h, m, d, dtype=torch.float32)
     args = _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg)
     args.natural = 1  # written in natural channel order
+    _set_upper(args, upper, (bsz, h, t))
     _call("kv_values", args, bits)
     return out
 

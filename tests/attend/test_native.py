@@ -351,3 +351,61 @@ def test_lut_outliers_in_dense_rows(rotated, kernel, g, monkeypatch):
         pack_bits(c, bits), q, lut, half, center, idx.int(), val.half(), bits, rope
     )
     assert rel(out, q.double() @ x.transpose(-1, -2)) < 1e-5
+
+
+def _upper_case(lb, ub, d, m, g, frac=0.4):
+    """Low ``lb``-bit codes of every token, ``ub``-bit upper codes of a random ``frac`` of
+    them (rows of ``up`` in ``[T, B, H]`` order, as SemKV stores them), per-token groups of 32
+    channels; float64 ``x = (low + 2^lb up) a + z``."""
+    low = torch.randint(0, 1 << lb, (B, H, T, d), generator=g)
+    high = torch.rand(B, H, T, generator=g) < frac
+    high[0, 0] = False  # a (row, head) with no upper codes at all
+    up = torch.randint(0, 1 << ub, (B, H, T, d), generator=g) * high[..., None]
+    order = high.permute(2, 0, 1)  # [T, B, H]
+    rows = torch.full((T, B, H), -1, dtype=torch.int32)
+    rows[order] = torch.arange(int(order.sum()), dtype=torch.int32)
+    upper = native.Upper(
+        pack_bits(up.permute(2, 0, 1, 3)[order], ub), rows.permute(1, 2, 0), ub, lb
+    )
+    ng = d // 32
+    a, z = torch.rand(B, H, T, ng, generator=g), torch.randn(B, H, T, ng, generator=g)
+    c = (low + (up << lb)).double()
+    x = c * a.double().repeat_interleave(32, -1) + z.double().repeat_interleave(32, -1)
+    q = torch.randn(B, H, m, d, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(B, H, m, T, generator=g, dtype=torch.float64), -1)
+    return pack_bits(low, lb), upper, a, z, x, q, p
+
+
+@pytest.mark.parametrize("lb,ub", [(2, 1), (1, 2), (4, 3), (2, 4), (8, 1), (3, 1)])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_an_upper_plane_of_some_tokens(lb, ub, d, g):
+    """Per-token mixed precision in one call (SemKV's high tokens): the low plane of every
+    token plus the upper codes of the tokens with a row, against float64 ``x = (low + 2^lb
+    up) a + z``, keys and values, every query row count up to a vector of 4 and past it."""
+    for m in (1, 3, 5, 9):
+        pk, upper, a, z, x, q, p = _upper_case(lb, ub, d, m, g)
+        assert native.upper_fits(upper, lb, d, m, 32, values=True)
+        assert rel(native.values_groups(pk, p.float(), a, z, lb, d, upper), p @ x) < 1e-5
+        if native.upper_fits(upper, lb, d, m, 32, values=False):
+            out = native.keys_groups(pk, q.float(), a, z, lb, upper)
+            assert rel(out, q @ x.transpose(-1, -2)) < 1e-5
+        else:
+            assert lb == 3  # 3-bit codes: words of 8 codes, groups of 32: vectorised keys
+
+
+def test_an_upper_plane_the_kernels_do_not_take(g):
+    """Upper codes of 5 bits (not 1..4) or channel groups of 4: refused by ``upper_fits``, and
+    the C side refuses them too (never a silent low-plane-only result)."""
+    pk, upper, a, z, x, q, p = _upper_case(2, 1, 64, 3, g)
+    wide = upper._replace(bits=5)
+    assert not native.upper_fits(wide, 2, 64, 3, 32, values=True)
+    with pytest.raises(ValueError, match="upper plane"):
+        native.values_groups(pk, p.float(), a, z, 2, 64, wide)
+    with pytest.raises(ValueError, match="upper plane"):
+        native.keys_groups(pk, q.float(), a, z, 2, wide)
+    a4, z4 = a.repeat_interleave(8, -1), z.repeat_interleave(8, -1)  # groups of 4 channels
+    assert not native.upper_fits(upper, 2, 64, 3, 4, values=True)
+    with pytest.raises(ValueError, match="upper plane"):
+        native.values_groups(pk, p.float(), a4, z4, 2, 64, upper)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.values_groups(pk, p.float(), a, z, 2, 64, upper._replace(row=upper.row[:1]))

@@ -8,12 +8,14 @@ norm), so the attention ranking and the key-norm ranking are known and opposite.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import kvbench
+from kvbench.attend.native import available as native_available
 from kvbench.attend.reference import reference_attention
 from kvbench.methods.semkv import SemKV, SemKVLayer
 
@@ -337,3 +339,32 @@ def test_upper_plane_places_each_extra_row_at_its_token():
                     i += 1
     assert i == blk.extra.shape[0] and torch.equal(up.codes, ref)
     assert up.bits == 2 and torch.equal(up.scale, blk.scale.float() * 4) and not up.zero.any()
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
+    """With the native kernels, a SemKV decode step reads both planes in one call per block
+    (``kvbench.attend.native.Upper``): the dense upper-plane transient of the two-pass route
+    (``MixedBlockAttention._upper``) is never built (the step runs without a fallback
+    warning), and the output equals the float64
+    attention over the dequantized cache."""
+    from kvbench.methods.semkv import MixedBlockAttention
+
+    g = torch.Generator().manual_seed(2)
+    lc = kvbench.get_method("semkv", residual_length=8, score="key-norm").new_layer(0, 2, 64)
+    lc.prefill(torch.randn(1, 2, 70, 64, generator=g), torch.randn(1, 2, 70, 64, generator=g))
+    lc.append(torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g))
+    assert lc.k.block.extra.shape[0] and lc.v.block.extra.shape[0]
+
+    def refuse(block):
+        raise AssertionError("the two-pass route ran")
+
+    monkeypatch.setattr(MixedBlockAttention, "_upper", staticmethod(refuse))
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    with warnings.catch_warnings():  # a backend that raises is reported by a warning
+        warnings.simplefilter("error")
+        out = lc.attend(q)
+    k, v = lc.keys_values(torch.float64)
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    ref = torch.softmax(q.double() @ k.transpose(-1, -2) / math.sqrt(64), -1) @ v
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5

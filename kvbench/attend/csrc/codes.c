@@ -62,6 +62,14 @@ typedef struct {
     int natural;          /* keys: 1 = query and row terms in natural channel order (only the
                            * vectorised keys take it; the others: -3); values: 1 = the output
                            * in natural channel order */
+    /* MODE_AFFINE_GROUPS, natural order: an upper plane of some tokens (per-token mixed
+     * precision, SemKV): token t of (b, h) adds up_bits-bit codes u << up_shift to its code
+     * where r = up_row[(b * H + h) * T + t] >= 0, read from row r of `up` (up_nb bytes a row,
+     * pack_bits order); NULL: none */
+    const uint8_t *up;
+    const int32_t *up_row;
+    int64_t up_nb;
+    int up_bits, up_shift;
 } kv_args;
 
 /* 32 bits of a row from bit 8 * byte + sh (sh < 8; byte < nb).  Bits past the row's nb bytes
@@ -522,6 +530,17 @@ static inline __attribute__((always_inline)) v8u codes_of8(const uint8_t *p, int
     return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
 }
 
+/* codes_of8 for a width known at run time only (1..4: an upper plane, kv_args.up) */
+static inline __attribute__((always_inline)) v8u codes_of8_rt(const uint8_t *p, int bits) {
+    uint32_t w = p[0];
+    if (bits > 1) w |= (uint32_t)p[1] << 8;
+    if (bits > 2) w |= (uint32_t)p[2] << 16;
+    if (bits > 3) w |= (uint32_t)p[3] << 24;
+    const uint32_t b = (uint32_t)bits;
+    const v8u sh = {0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b};
+    return ((v8u){w, w, w, w, w, w, w, w} >> sh) & ((1u << bits) - 1u);
+}
+
 /* table entries of 8 codes (< 16) already in lanes: `lo` holds entries 0..7, `hi` 8..15 */
 static inline __attribute__((always_inline)) v8f lut8u(v8u u, uint32_t mask, v8f lo, v8f hi) {
 #if defined(__AVX2__)
@@ -572,6 +591,9 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             lo[l] = l < (1 << bits) ? a->lut[l] : 0.f;
             hi[l] = l + 8 < (1 << bits) ? a->lut[l + 8] : 0.f;
         }
+    const int32_t *up_rows = a->up ? a->up_row + (b * a->H + h) * T : 0; /* upper_ok */
+    const int ub = a->up_bits;
+    const float uf = (float)(1u << a->up_shift);
     static __thread v8f qv[4][MAXD / 8];
     static __thread float qs[4][MAXD / 8];
     int32_t pos[MAXD], gi[MAXD / 8];
@@ -616,6 +638,8 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
             if (k < n) {
                 const uint8_t *row = base + (t + k) * a->cs_t;
                 const float *At = mode == MODE_AFFINE_GROUPS ? A0 + (t + k) * a->as_r : 0;
+                const int32_t ur = mode == MODE_AFFINE_GROUPS && a->up ? up_rows[t + k] : -1;
+                const uint8_t *urow = ur >= 0 ? a->up + (int64_t)ur * a->up_nb : 0;
                 v8f pg[4]; /* GROUPS: the sums of the group so far, times its scale at its end */
                 for (int m = 0; m < MC; m++) pg[m] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
                 for (int64_t j = 0; j < nv; j++) {
@@ -628,6 +652,9 @@ static inline __attribute__((always_inline)) void keys_vec_rows(const kv_args *a
                         x = mode == MODE_LUT ? lut8u(u, mask, lo, hi)
                                              : __builtin_convertvector((v8i)u, v8f) - half;
                     }
+                    if (urow) /* the token's upper codes: c = low + 2^s u */
+                        x += __builtin_convertvector((v8i)codes_of8_rt(urow + j * ub, ub), v8f) *
+                             uf;
                     if (mode != MODE_AFFINE_GROUPS) {
                         for (int m = 0; m < MC; m++) acc[m] += qv[m][j] * x;
                         continue;
@@ -890,21 +917,114 @@ SPECIALISE(7)
 SPECIALISE(8)
 SPECIALISE(16)
 
+/* ------------------------------------------------- an upper plane of some tokens (a->up)
+ * Per-token groups (MODE_AFFINE_GROUPS) where a token's code is c = low + 2^s u, u present for
+ * some tokens only (SemKV's high tokens, methods/semkv.py): with x = c A[t, g] + Z[t, g] the
+ * upper plane adds 2^s u A[t, g].  Keys: the vectorised keys (keys_vec_rows) add 2^s u to a
+ * high token's decoded codes; values: a pass over the high tokens after the low plane's
+ *   out[m, k] += 2^s sum_t p[m, t] A[t, g(k)] u[t, k].
+ * Natural channel order (queries and outputs), channel groups of a multiple of 8 channels,
+ * up_bits 1..4 (8 codes = up_bits bytes); a token's row r = up_row[(b * H + h) * T + t] of
+ * `up` when r >= 0. */
+static int upper_ok(const kv_args *a, int bits) {
+    const int64_t cg = a->WG * cpw_of(bits), D = a->W * cpw_of(bits);
+    return a->mode == MODE_AFFINE_GROUPS && a->natural && a->up_bits >= 1 && a->up_bits <= 4 &&
+           cg % 8 == 0 && D % 8 == 0 && D <= MAXD && a->up_nb * 8 >= D * a->up_bits;
+}
+
+/* query rows m0 .. m0 + MC - 1, output vectors j0 .. j0 + VC - 1 of (b, h): accumulators in
+ * registers over the high tokens */
+static inline __attribute__((always_inline)) void values_upper_block(
+    const kv_args *a, const int ub, const int32_t *rows, const float *p, const float *A0,
+    const int32_t *gi, float f, float *o, int64_t D, int64_t m0, int64_t j0, const int MC,
+    const int VC) {
+    const int64_t T = a->T;
+    v8f acc[4][4];
+    for (int m = 0; m < MC; m++)
+        for (int j = 0; j < VC; j++) acc[m][j] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t t = 0; t < T; t++) {
+        if (rows[t] < 0) continue;
+        const uint8_t *u8 = a->up + (int64_t)rows[t] * a->up_nb + j0 * ub;
+        const float *At = A0 + t * a->as_r;
+        v8f x[4];
+        for (int j = 0; j < VC; j++)
+            x[j] = __builtin_convertvector((v8i)codes_of8(u8 + j * ub, ub), v8f) *
+                   (At[gi[j0 + j]] * f);
+        for (int m = 0; m < MC; m++) {
+            const float pm = p[(m0 + m) * T + t];
+            for (int j = 0; j < VC; j++) acc[m][j] += pm * x[j];
+        }
+    }
+    for (int m = 0; m < MC; m++)
+        for (int j = 0; j < VC; j++) {
+            float *om = o + (m0 + m) * D + (j0 + j) * 8;
+            v8f ov;
+            memcpy(&ov, om, 32);
+            ov += acc[m][j];
+            memcpy(om, &ov, 32);
+        }
+}
+
+static inline __attribute__((always_inline)) void values_upper_ub(const kv_args *a, int bits,
+                                                                  const int ub) {
+    const int64_t D = a->W * cpw_of(bits), nv = D / 8, cg = a->WG * cpw_of(bits), T = a->T;
+    const float f = (float)(1u << a->up_shift);
+    int32_t gi[MAXD / 8];
+    for (int64_t j = 0; j < nv; j++) gi[j] = (int32_t)(8 * j / cg);
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t h = 0; h < a->H; h++) {
+            const int32_t *rows = a->up_row + (b * a->H + h) * T;
+            const float *p = a->qp + (b * a->H + h) * a->M * T;
+            float *o = a->out + (b * a->H + h) * a->M * D;
+            const float *A0 = a->A + b * a->as_b + h * a->as_h;
+            for (int64_t m0 = 0; m0 < a->M; m0 += 4)
+                for (int64_t j0 = 0; j0 < nv; j0 += 4) {
+                    const int mc = a->M - m0 < 4 ? (int)(a->M - m0) : 4;
+                    const int vc = nv - j0 < 4 ? (int)(nv - j0) : 4;
+#define UB(MC, VC)                                                                            \
+    case MC * 8 + VC:                                                                         \
+        values_upper_block(a, ub, rows, p, A0, gi, f, o, D, m0, j0, MC, VC);                  \
+        break;
+                    switch (mc * 8 + vc) {
+                        UB(1, 1) UB(1, 2) UB(1, 3) UB(1, 4) UB(2, 1) UB(2, 2) UB(2, 3) UB(2, 4)
+                        UB(3, 1) UB(3, 2) UB(3, 3) UB(3, 4) UB(4, 1) UB(4, 2) UB(4, 3) UB(4, 4)
+                    }
+#undef UB
+                }
+        }
+}
+
+static void values_upper(const kv_args *a, int bits) {
+    switch (a->up_bits) {
+    case 1: values_upper_ub(a, bits, 1); break;
+    case 2: values_upper_ub(a, bits, 2); break;
+    case 3: values_upper_ub(a, bits, 3); break;
+    default: values_upper_ub(a, bits, 4); break;
+    }
+}
+
 /* bits 1..8, 16 (signed int16 codes, affine modes), or 0 for MODE_STREAM.  Returns 0, or -1
- * for an unsupported width or size (D above MAXD) */
+ * for an unsupported width or size (D above MAXD), -4 for an upper plane (a->up) the
+ * post-pass does not take (upper_ok) */
 int kv_keys(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {keys_b0, keys_b1, keys_b2, keys_b3, keys_b4,
                                                    keys_b5, keys_b6, keys_b7, keys_b8};
+    if (a->up && (bits > 8 || !upper_ok(a, bits))) return -4;
     if (bits == 16) return a->mode == MODE_LUT ? -1 : keys_b16(a);
-    return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
+    if (bits < 0 || bits > 8) return -1;
+    return fn[bits](a); /* the upper plane: read in keys_vec_rows */
 }
 
 int kv_values(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {values_b0, values_b1, values_b2, values_b3,
                                                    values_b4, values_b5, values_b6, values_b7,
                                                    values_b8};
+    if (a->up && (bits > 8 || !upper_ok(a, bits))) return -4;
     if (bits == 16) return a->mode == MODE_LUT ? -1 : values_b16(a);
-    return (bits < 0 || bits > 8) ? -1 : fn[bits](a);
+    if (bits < 0 || bits > 8) return -1;
+    const int rc = fn[bits](a);
+    if (rc == 0 && a->up) values_upper(a, bits);
+    return rc;
 }
 
 /* code `d` of a row in kvbench.kv.quant.pack_bits order (bits d*bits .. d*bits + bits - 1) */
@@ -1288,4 +1408,4 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     }
 }
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 10; }
