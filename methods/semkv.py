@@ -329,10 +329,15 @@ class SemKVLayer(LayerCache):
             return self.stats[..., 0] / self.stats[..., 1]
         return self.k.residual.float().norm(dim=-1)
 
-    def _flush(self, n: int, want) -> None:
-        """Quantize the ``n`` oldest residual tokens, the ``want`` best-scored at high bits."""
-        scores = self._scores()[..., :n]
-        high = _ranks(scores) < torch.as_tensor(want, device=scores.device)[..., None]
+    def _flush(self, n: int, want, scores: torch.Tensor | None = None) -> None:
+        """Quantize the ``n`` oldest residual tokens, the ``want`` best-scored at high bits
+        (``scores``: :meth:`_scores` when the caller has them).  One token (a decode step's
+        sliding flush) is its own best: high where ``want`` is 1, without ranking."""
+        if n == 1 and isinstance(want, torch.Tensor):
+            high = (want > 0)[..., None]
+        else:
+            scores = (self._scores() if scores is None else scores)[..., :n]
+            high = _ranks(scores) < torch.as_tensor(want, device=scores.device)[..., None]
         for side in (self.k, self.v) if self.c.mixed_values else (self.k,):
             head, rest = side.residual[:, :, :n], side.residual[:, :, n:]
             side.residual = own_storage(rest) if rest.shape[2] else None
@@ -363,9 +368,10 @@ class SemKVLayer(LayerCache):
         if n := self.k.schedule.flush_count(r):
             blk = self.k.block
             nh, total = (0, n) if blk is None else (blk.high_count(), n + blk.ntokens)
-            important = (_ranks(self._scores())[..., :n] < math.ceil(f * r - 1e-9)).sum(-1)
+            scores = self._scores()
+            important = (_ranks(scores)[..., :n] < math.ceil(f * r - 1e-9)).sum(-1)
             lo, hi = math.floor(f * total + 1e-9), math.ceil(f * total - 1e-9)
-            self._flush(n, ((nh + important).clamp(lo, hi) - nh).clamp(0, n))
+            self._flush(n, ((nh + important).clamp(lo, hi) - nh).clamp(0, n), scores)
         if not self.c.mixed_values:
             self.v.flush(self.v.schedule.flush_count(self._rlen(self.v)))
 
