@@ -15,7 +15,8 @@ Layouts served (exactly :func:`kvbench.kv.quant.dequantize_groups`'s affine term
 * :func:`keys_rows`: keys with per-channel terms per row of ``L`` tokens (KIVI per-channel key
   pages, per-head pages; mixed-precision classes, one class at a time);
 * :func:`keys_groups` / :func:`values_groups`: per-token terms over channel groups
-  (per-token keys and values, llama.cpp-style blocks, PM-KVQ);
+  (per-token keys and values, llama.cpp-style blocks, PM-KVQ), optionally with an
+  :class:`Upper` plane of some tokens' upper bits read where they are stored (SemKV);
 * :func:`keys_lut` / :func:`values_lut`: codes looked up in a ``2^bits``-entry float table
   (fp8 bytes; codebooks);
 * :func:`keys_lut_outliers`: a shared table with per-channel half-range and centre, sparse
