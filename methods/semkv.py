@@ -154,14 +154,19 @@ class MixedBlockAttention:
     @staticmethod
     def _upper(block: MixedBlock) -> AffineBlock:
         """The upper plane of every token: uint8 ``[B, H_kv, n, ceil(D (hb - lb) / 8)]`` (zero
-        rows for low tokens), scale float32 ``2^lb scale``, zero 0."""
+        rows for low tokens), scale float32 ``2^lb scale`` for high tokens and 0 for low ones,
+        zero 0.  (A low token's zero codes with its own, large low-bit scale would add exactly
+        0 in exact arithmetic, but the centred kernels compute ``(0 - h) a + h a`` with ``h =
+        (2^(hb - lb) - 1) / 2``: two large float32 terms whose rounding, at 1/8 bits, reached
+        9e-5 of the output.)"""
         b, h, n, _ = block.low.shape
         nb = block.extra.shape[-1]
         rows = block.extra.new_zeros(n * b * h, nb)  # the extra rows' own [n, B, H] order
-        at = block.high().permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)
+        high = block.high()
+        at = high.permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)
         rows.index_copy_(0, at, block.extra)
         dense = rows.view(n, b, h, nb).permute(1, 2, 0, 3)  # [B, H, n, nb], strided rows
-        scale = block.scale.float() * float(1 << block.low_bits)
+        scale = block.scale.float() * (high[..., None] * float(1 << block.low_bits))
         bits = block.high_bits - block.low_bits
         return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
 

@@ -324,16 +324,18 @@ class Upper(NamedTuple):
 def upper_fits(upper: Upper, bits: int, d: int, m: int, group: int, values: bool) -> bool:
     """Whether the native kernels take ``upper`` beside ``bits``-bit low codes of ``d``
     channels in groups of ``group`` channels for ``m`` query rows (the C side's ``upper_ok``:
-    the vectorised natural-order kernels, ``upper.bits`` 1..4, groups of whole vectors of 8
-    channels)."""
+    the vectorised natural-order kernels for keys, ``upper.bits`` 1..4, ``upper.shift`` 0..23,
+    groups of whole vectors of 8 channels)."""
     wg = group // _layout(bits)[1] if group % _layout(bits)[1] == 0 else 0
     return (
         1 <= upper.bits <= 4
+        and 0 <= upper.shift <= 23
+        and upper.codes.dim() == 2
         and group % 8 == 0
         and d % 8 == 0
         and upper.codes.dtype == torch.uint8
         and upper.codes.shape[-1] * 8 >= d * upper.bits
-        and (values and m <= 16 or not values and wg > 0 and _vectorised_keys(bits, d, m, wg))
+        and (values or wg > 0 and _vectorised_keys(bits, d, m, wg))
     )
 
 
@@ -343,6 +345,12 @@ def _set_upper(args: _Args, upper: Upper | None, shape: tuple[int, int, int]) ->
     codes, row = upper.codes.contiguous(), upper.row.to(torch.int32).contiguous()
     if tuple(row.shape) != shape:
         raise ValueError(f"upper rows of shape {tuple(row.shape)} do not fit {shape}")
+    if codes.dim() != 2 or (
+        row.numel() and not -1 <= int(row.min()) <= int(row.max()) < len(codes)
+    ):
+        raise ValueError(f"upper rows must index the {tuple(codes.shape)} upper codes (or be -1)")
+    if not 0 <= upper.shift <= 23:
+        raise ValueError(f"upper shift {upper.shift} is not supported; allowed: 0..23")
     args.up, args.up_row, args.up_nb = codes.data_ptr(), row.data_ptr(), codes.shape[-1]
     args.up_bits, args.up_shift = upper.bits, upper.shift
     args.keep = (*args.keep, codes, row)

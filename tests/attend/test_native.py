@@ -382,7 +382,7 @@ def test_an_upper_plane_of_some_tokens(lb, ub, d, g):
     """Per-token mixed precision in one call (SemKV's high tokens): the low plane of every
     token plus the upper codes of the tokens with a row, against float64 ``x = (low + 2^lb
     up) a + z``, keys and values, every query row count up to a vector of 4 and past it."""
-    for m in (1, 3, 5, 9):
+    for m in (1, 3, 5, 9, 17):
         pk, upper, a, z, x, q, p = _upper_case(lb, ub, d, m, g)
         assert native.upper_fits(upper, lb, d, m, 32, values=True)
         assert rel(native.values_groups(pk, p.float(), a, z, lb, d, upper), p @ x) < 1e-5
@@ -390,12 +390,13 @@ def test_an_upper_plane_of_some_tokens(lb, ub, d, g):
             out = native.keys_groups(pk, q.float(), a, z, lb, upper)
             assert rel(out, q @ x.transpose(-1, -2)) < 1e-5
         else:
-            assert lb == 3  # 3-bit codes: words of 8 codes, groups of 32: vectorised keys
+            assert lb == 3 or m > 16  # keys: the vectorised kernel only (<= 16 rows)
 
 
 def test_an_upper_plane_the_kernels_do_not_take(g):
     """Upper codes of 5 bits (not 1..4) or channel groups of 4: refused by ``upper_fits``, and
-    the C side refuses them too (never a silent low-plane-only result)."""
+    the C side refuses them too (never a silent low-plane-only result); rows that do not
+    index the stored upper codes and shifts past 23 bits: refused before the C call."""
     pk, upper, a, z, x, q, p = _upper_case(2, 1, 64, 3, g)
     wide = upper._replace(bits=5)
     assert not native.upper_fits(wide, 2, 64, 3, 32, values=True)
@@ -409,3 +410,11 @@ def test_an_upper_plane_the_kernels_do_not_take(g):
         native.values_groups(pk, p.float(), a4, z4, 2, 64, upper)
     with pytest.raises(ValueError, match="do not fit"):
         native.values_groups(pk, p.float(), a, z, 2, 64, upper._replace(row=upper.row[:1]))
+    past = upper.row.clone()
+    past[0, 0, 0] = len(upper.codes)  # one row past the stored upper codes
+    for bad, match in ((past, "must index"), (upper.row - 2, "must index")):
+        with pytest.raises(ValueError, match=match):
+            native.keys_groups(pk, q.float(), a, z, 2, upper._replace(row=bad))
+    assert not native.upper_fits(upper._replace(shift=24), 2, 64, 3, 32, values=True)
+    with pytest.raises(ValueError, match="shift"):
+        native.values_groups(pk, p.float(), a, z, 2, 64, upper._replace(shift=24))

@@ -929,6 +929,7 @@ SPECIALISE(16)
 static int upper_ok(const kv_args *a, int bits) {
     const int64_t cg = a->WG * cpw_of(bits), D = a->W * cpw_of(bits);
     return a->mode == MODE_AFFINE_GROUPS && a->natural && a->up_bits >= 1 && a->up_bits <= 4 &&
+           a->up_shift >= 0 && a->up_shift <= 23 &&
            cg % 8 == 0 && D % 8 == 0 && D <= MAXD && a->up_nb * 8 >= D * a->up_bits;
 }
 
