@@ -345,9 +345,8 @@ def _set_upper(args: _Args, upper: Upper | None, shape: tuple[int, int, int]) ->
     codes, row = upper.codes.contiguous(), upper.row.to(torch.int32).contiguous()
     if tuple(row.shape) != shape:
         raise ValueError(f"upper rows of shape {tuple(row.shape)} do not fit {shape}")
-    if codes.dim() != 2 or (
-        row.numel() and not -1 <= int(row.min()) <= int(row.max()) < len(codes)
-    ):
+    lo, hi = (int(x) for x in torch.aminmax(row)) if row.numel() else (-1, -1)
+    if codes.dim() != 2 or not -1 <= lo <= hi < len(codes):
         raise ValueError(f"upper rows must index the {tuple(codes.shape)} upper codes (or be -1)")
     if not 0 <= upper.shift <= 23:
         raise ValueError(f"upper shift {upper.shift} is not supported; allowed: 0..23")
