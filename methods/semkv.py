@@ -131,8 +131,8 @@ class MixedBlockAttention:
     and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
     kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`: native, compiled or eager): the
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
-    token with terms ``(2^lb scale, 0)``, the high tokens' stored rows placed at their
-    positions and zero codes for the low tokens (a transient of ``(hb - lb) / 8`` bytes per
+    token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
+    rows placed at their positions and zero codes for the low tokens (a transient of ``(hb - lb) / 8`` bytes per
     element, built once per read from the ``extra`` rows and the mask).  With the native
     kernels both planes are read in one call instead (:meth:`_native`): the upper rows where
     they are stored, found through a per-token row index (:meth:`upper_rows`, int32, 4 bytes
