@@ -132,12 +132,13 @@ class MixedBlockAttention:
     kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`: native, compiled or eager): the
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
     token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
-    rows placed at their positions and zero codes for the low tokens (a transient of ``(hb - lb) / 8`` bytes per
-    element, built once per read from the ``extra`` rows and the mask).  With the native
-    kernels both planes are read in one call instead (:meth:`_native`): the upper rows where
-    they are stored, found through a per-token row index (:meth:`upper_rows`, int32, 4 bytes
-    a token), added to the high tokens' low codes in the keys kernel and summed over the high
-    tokens after the low plane for values.  No dequantized key or value is formed."""
+    rows placed at their positions and zero codes for the low tokens (a transient of ``(hb -
+    lb) / 8`` bytes per element, built once per read from the ``extra`` rows and the mask).
+    With the native kernels both planes are read in one call instead (:meth:`_native`): the
+    upper rows where they are stored, found through a per-token row index (:meth:`upper_rows`,
+    int32, 4 bytes a token), added to the high tokens' low codes in the keys kernel and summed
+    over the high tokens after the low plane for values.  No dequantized key or value is
+    formed."""
 
     def key_reason(self, block: MixedBlock, head_dim: int) -> str | None:
         return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"

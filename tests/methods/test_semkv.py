@@ -347,8 +347,7 @@ def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     """With the native kernels, a SemKV decode step reads both planes in one call per block
     (``kvbench.attend.native.Upper``): the dense upper-plane transient of the two-pass route
     (``MixedBlockAttention._upper``) is never built (the step runs without a fallback
-    warning), and the output equals the float64
-    attention over the dequantized cache."""
+    warning), and the output equals the float64 attention over the dequantized cache."""
     from kvbench.methods.semkv import MixedBlockAttention
 
     g = torch.Generator().manual_seed(2)
