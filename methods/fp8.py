@@ -39,6 +39,7 @@ scale across heads as well, so its true overhead is lower).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass, replace
@@ -49,6 +50,7 @@ from kvbench.attend import native
 from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
 from kvbench.attend.registry import register_block_kernel
 from kvbench.kv.blocks import own_storage
+from kvbench.kv.chunks import token_chunks
 from kvbench.kv.finite import all_finite
 from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
 from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
@@ -79,23 +81,33 @@ def fp8_encode(y: torch.Tensor, fmt: str, overflow: str = "saturate") -> torch.T
     ``+-fp8_max`` with a ``RuntimeWarning`` (``overflow="saturate"``) or raise ``ValueError``
     (``overflow="raise"``); NaN stays NaN.  Returns a tensor of ``FORMATS[fmt]``, ``y``'s shape.
     """
-    dt, top = FORMATS[fmt], fp8_max(fmt)
-    yf = y.float()
-    over = yf.abs() > top
-    n_over = int(over.sum())
-    if n_over:
-        if overflow == "raise":
-            raise ValueError(
-                f"{n_over} value(s) exceed the {fmt} range +-{top:g} after scaling "
-                "(overflow='raise'); use scale='amax' or overflow='saturate'"
-            )
-        warnings.warn(
-            f"fp8 {fmt}: {n_over} value(s) beyond +-{top:g} (or +-inf) saturated to +-{top:g}",
-            RuntimeWarning,
-            stacklevel=2,
+    yf, n_over = _saturated(y.float(), fmt)
+    _report_overflow(n_over, fmt, overflow)
+    return yf.to(FORMATS[fmt])
+
+
+def _saturated(yf: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int]:
+    """``(yf clamped to +-fp8_max, how many elements were beyond it)``; NaN passes through."""
+    top = fp8_max(fmt)
+    n_over = int((yf.abs() > top).sum())
+    return (yf.clamp(-top, top) if n_over else yf), n_over
+
+
+def _report_overflow(n_over: int, fmt: str, overflow: str) -> None:
+    """Raise (``overflow="raise"``) or warn about ``n_over`` saturated values (none: nothing)."""
+    if not n_over:
+        return
+    top = fp8_max(fmt)
+    if overflow == "raise":
+        raise ValueError(
+            f"{n_over} value(s) exceed the {fmt} range +-{top:g} after scaling "
+            "(overflow='raise'); use scale='amax' or overflow='saturate'"
         )
-        yf = yf.clamp(-top, top)  # NaN passes through clamp unchanged
-    return yf.to(dt)
+    warnings.warn(
+        f"fp8 {fmt}: {n_over} value(s) beyond +-{top:g} (or +-inf) saturated to +-{top:g}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def fp8_decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -208,19 +220,55 @@ class FP8Codec:
         return BlockLayout(codes, terms, page_len=tokens)
 
     def encode(self, x: torch.Tensor) -> FP8Block:
+        """``x [B, H_kv, n, D]`` (any float dtype) -> :class:`FP8Block`, chunk by chunk along T
+        (:func:`~kvbench.kv.chunks.token_chunks`): an amax scale first takes the maximum over
+        the chunks' maxima (exact: max is associative), then each chunk is divided by its
+        scale and cast, so the codes and scales equal one pass's while the float32 working
+        copies stay a chunk's (a whole pass makes several 1 GiB temporaries per side at
+        batch 8 x 32K x 8 x 128).  Saturated values are counted over all chunks and reported
+        once (warning or ``ValueError``, as :func:`fp8_encode`)."""
         b, h, n, d = x.shape
-        xf = x.float()
-        if self.scale_mode == "unit":
-            return FP8Block(fp8_encode(xf, self.fmt, self.overflow), None, [1] * n, self.fmt)
-        a = xf.abs()  # non-finite elements count as 0 for the amax (no mask when all finite)
-        if not all_finite(x):
-            a = torch.where(torch.isfinite(xf), a, torch.zeros((), device=x.device))
+        spans = list(token_chunks(b, h, n, d)) or [(0, n)]
+        s, lens = None, [1] * n
+        if self.scale_mode != "unit":
+            s, lens = self._scales(x, spans)
+        codes = torch.empty(x.shape, dtype=FORMATS[self.fmt], device=x.device)
+        over = 0
+        for t0, t1 in spans:
+            y = x[:, :, t0:t1].to(torch.float32, copy=True)  # in place below, never on x
+            if s is not None:  # float32 division (fp16 scale underflow to a subnormal,
+                # reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770),
+                # docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow)
+                st = s[:, :, t0:t1] if self.granularity == "per-token" else s
+                y = y.div_(st.float())
+            y, k = _saturated(y, self.fmt)
+            over += k
+            codes[:, :, t0:t1] = y
+        _report_overflow(over, self.fmt, self.overflow)
+        shared = self.scale_mode != "unit" and self.granularity == "per-tensor"
+        return FP8Block(codes, s, lens, self.fmt, shared)
+
+    def _scales(self, x: torch.Tensor, spans: list[tuple[int, int]]):
+        """``(s, group_len)``: ``amax / fp8_max`` per token ``[B, H, n, 1]``, per head
+        ``[B, H, 1, 1]`` or per tensor ``[1, 1, 1, 1]``, stepped up one ulp where it fell below
+        ``amax / fp8_max`` and rounded up to ``scale_dtype``; non-finite elements count as 0."""
+        n = x.shape[2]
+        finite = all_finite(x)
+        maxima = []
+        for t0, t1 in spans:
+            a = x[:, :, t0:t1].to(torch.float32, copy=True).abs_()
+            if not finite:
+                a = torch.where(torch.isfinite(a), a, torch.zeros((), device=x.device))
+            if self.granularity == "per-token":
+                maxima.append(a.amax(dim=-1, keepdim=True))  # [B, H, chunk, 1]
+            elif self.granularity == "per-head":
+                maxima.append(a.amax(dim=(-1, -2), keepdim=True))  # [B, H, 1, 1]
+            else:
+                maxima.append(a.amax().reshape(1, 1, 1, 1))
         if self.granularity == "per-token":
-            amax, lens = a.amax(dim=-1, keepdim=True), [1] * n  # [B, H, n, 1]
-        elif self.granularity == "per-head":
-            amax, lens = a.amax(dim=(-1, -2), keepdim=True), [n]  # [B, H, 1, 1]
+            amax, lens = torch.cat(maxima, 2), [1] * n
         else:
-            amax, lens = a.amax().reshape(1, 1, 1, 1), [n]
+            amax, lens = functools.reduce(torch.maximum, maxima), [n]
         top = fp8_max(self.fmt)
         s = amax / top  # float32; step up one ulp where it fell below amax / top
         s = torch.where(s.double() * top < amax.double(), torch.nextafter(s, s + 1), s)
@@ -230,12 +278,7 @@ class FP8Codec:
                 f"the fp8 scale amax/{top:g} overflows scale_dtype="
                 f"{self.scale_dtype}; use scale_dtype='float32'"
             )
-        s = torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device))
-        y = (
-            xf / _expand(s, lens).float()
-        )  # computed in float32 (fp16 scale underflow to a subnormal, reciprocal overflow, 0*inf = NaN: pytorch/ao#1766 (PR#1770), docs/methods.md#half-precision-scale-underflow-and-reciprocal-overflow)
-        shared = self.granularity == "per-tensor"
-        return FP8Block(fp8_encode(y, self.fmt, self.overflow), s, lens, self.fmt, shared)
+        return torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)), lens
 
 
 # ------------------------------------------------------------------------------ attention

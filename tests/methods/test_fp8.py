@@ -265,3 +265,47 @@ def test_registry_and_capabilities():
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         FP8Config(**{field: value})
+
+
+# --------------------------------------------------------------------------- chunked encode
+@pytest.mark.parametrize("granularity", ["per-token", "per-head", "per-tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_encode_equals_one_pass(granularity, dtype, monkeypatch):
+    """Encoded chunk by chunk along T (a chunk of 3 tokens here, 7 chunks), the codes and
+    scales equal one pass of the plain formula: s = amax / 448 (rounded up to the scale dtype,
+    never below amax / 448), codes = (x / s) cast to e4m3; the input is left unchanged."""
+    from kvbench.kv import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 2 * 3 * 3 * 16)
+    x = (4 * torch.randn(2, 3, 20, 16, generator=torch.Generator().manual_seed(1))).to(dtype)
+    x[1, 2, 13, 5] = 900.0  # one token far above the rest: its chunk alone sets the maximum
+    before = x.clone()
+    block = FP8Codec("e4m3fn", "amax", granularity).encode(x)
+    assert torch.equal(x, before)
+    xd = x.double().abs()
+    amax = {
+        "per-token": xd.amax(-1, keepdim=True),
+        "per-head": xd.amax((-1, -2), keepdim=True),
+        "per-tensor": xd.amax().reshape(1, 1, 1, 1),
+    }[granularity]
+    s = block.scale.double()
+    assert s.shape == amax.shape and (s * 448 >= amax).all()
+    assert (s <= amax / 448 * (1 + 2**-22)).all()  # at most one float32 ulp above
+    want = (x.float() / block.scale.float()).to(torch.float8_e4m3fn)
+    assert torch.equal(block.codes.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_chunked_unit_encode_counts_saturation_over_all_chunks(monkeypatch):
+    from kvbench.kv import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1 * 2 * 2 * 8)  # 2 tokens per chunk
+    x = torch.zeros(1, 2, 9, 8)
+    x[0, 0, 0, 0], x[0, 1, 4, 3], x[0, 0, 8, 7] = 500.0, -1e4, float("inf")
+    before = x.clone()
+    with pytest.warns(RuntimeWarning, match=r"3 value\(s\) beyond \+-448.*saturated") as rec:
+        block = FP8Codec("e4m3fn", "unit").encode(x)
+    assert len(rec) == 1 and torch.equal(x, before)
+    got = fp8_decode(block.codes, "e4m3fn")
+    assert got[0, 0, 0, 0] == 448 and got[0, 1, 4, 3] == -448 and got[0, 0, 8, 7] == 448
+    with pytest.raises(ValueError, match=r"3 value\(s\) exceed the e4m3fn range"):
+        FP8Codec("e4m3fn", "unit", overflow="raise").encode(x)
