@@ -683,11 +683,12 @@ def dense_logits(q: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     A part longer than one chunk (:func:`_dense_chunk`) is cast into one reused float32 scratch
     of :data:`DENSE_CHUNK_BYTES`, chunk by chunk along T, instead of a float32 copy of the
     whole part (at batch 8 x 32K x 8 heads x 128 that copy is 1 GiB of fresh pages per step;
-    measured on 2 cores: ~5x faster, peak working memory one chunk).  Each logit is the same
+    measured on 2 cores: ~5x faster, peak working memory one chunk; on the CPU only, where
+    the cast's fresh pages cost more than the arithmetic).  Each logit is the same
     length-D dot product either way (equal bit for bit on the machines measured; the tests
     compare with the one-matmul form to float32 rounding)."""
     t, c = part.shape[2], _dense_chunk(part)
-    if part.dtype == torch.float32 or t <= c:
+    if part.dtype == torch.float32 or t <= c or part.device.type != "cpu":
         return torch.matmul(q, part.float().transpose(-1, -2))
     out = q.new_empty(*q.shape[:-1], t)
     buf = part.new_empty(*part.shape[:2], c, part.shape[3], dtype=torch.float32)
@@ -705,7 +706,7 @@ def dense_output(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     as :func:`dense_logits` (the sum over T then adds chunk partial sums in order: equal to
     the one-matmul form up to float32 rounding)."""
     t, c = part.shape[2], _dense_chunk(part)
-    if part.dtype == torch.float32 or t <= c:
+    if part.dtype == torch.float32 or t <= c or part.device.type != "cpu":
         return torch.matmul(p, part.float())
     buf = part.new_empty(*part.shape[:2], c, part.shape[3], dtype=torch.float32)
     out = None
