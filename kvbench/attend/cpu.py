@@ -73,6 +73,7 @@ from kvbench.attend.registry import (
     register_block_kernel,
 )
 from kvbench.kv.blocks import AffineBlock
+from kvbench.kv.chunks import token_chunks
 from kvbench.kv.quant import unpack_bits
 
 ENV_MODE = "KVBENCH_CPU_ATTENTION"
@@ -669,34 +670,43 @@ def code_domain_attend(
     return _attend(layer_cache, query, scaling, compiled, lengths)
 
 
-def _dense_chunk(part: torch.Tensor) -> int:
-    """Tokens per chunk of :func:`dense_logits`/:func:`dense_output` for ``part [B, H, T, D]``:
-    as many as fit :data:`DENSE_CHUNK_BYTES` in float32 (at least one)."""
-    bsz, h, _, d = part.shape
-    return max(1, DENSE_CHUNK_BYTES // max(1, bsz * h * d * 4))
+def _float_pieces(part: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(t0, t1, part[:, :, t0:t1] as float32)`` covering a full-precision part
+    ``[B, H, T, D]`` along T: one piece where the part is float32 already, fits one chunk or is
+    not on the CPU, else chunks of :func:`~kvbench.kv.chunks.token_chunks` of about
+    :data:`DENSE_CHUNK_BYTES` of float32 each, cast into one reused scratch (each piece is
+    valid until the next is drawn)."""
+    bsz, h, t, d = part.shape
+    spans = list(token_chunks(bsz, h, t, d, elements=DENSE_CHUNK_BYTES // 4))
+    if part.dtype == torch.float32 or len(spans) <= 1 or part.device.type != "cpu":
+        yield 0, t, part.float()
+        return
+    buf = part.new_empty(bsz, h, spans[0][1], d, dtype=torch.float32)
+    for t0, t1 in spans:
+        chunk = buf[:, :, : t1 - t0]
+        chunk.copy_(part[:, :, t0:t1])
+        yield t0, t1, chunk
 
 
 def dense_logits(q: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """``q @ part^T`` in float32 for ``q [B, H_kv, M, D]`` float32 and a full-precision part
     ``part [B, H_kv, T, D]`` (any float dtype): ``[B, H_kv, M, T]`` float32.
 
-    A part longer than one chunk (:func:`_dense_chunk`) is cast into one reused float32 scratch
-    of :data:`DENSE_CHUNK_BYTES`, chunk by chunk along T, instead of a float32 copy of the
-    whole part (at batch 8 x 32K x 8 heads x 128 that copy is 1 GiB of fresh pages per step;
-    measured on 2 cores: ~5x faster, peak working memory one chunk; on the CPU only, where
-    the cast's fresh pages cost more than the arithmetic).  Each logit is the same
-    length-D dot product either way (equal bit for bit on the machines measured; the tests
-    compare with the one-matmul form to float32 rounding)."""
-    t, c = part.shape[2], _dense_chunk(part)
-    if part.dtype == torch.float32 or t <= c or part.device.type != "cpu":
-        return torch.matmul(q, part.float().transpose(-1, -2))
-    out = q.new_empty(*q.shape[:-1], t)
-    buf = part.new_empty(*part.shape[:2], c, part.shape[3], dtype=torch.float32)
-    for t0 in range(0, t, c):
-        n = min(c, t - t0)
-        chunk = buf[:, :, :n]
-        chunk.copy_(part[:, :, t0 : t0 + n])
-        out[..., t0 : t0 + n] = torch.matmul(q, chunk.transpose(-1, -2))
+    A part longer than one chunk is cast into one reused float32 scratch of
+    :data:`DENSE_CHUNK_BYTES`, chunk by chunk along T (:func:`_float_pieces`), instead of a
+    float32 copy of the whole part (at batch 8 x 32K x 8 heads x 128 that copy is 1 GiB of
+    fresh pages per step; measured on 2 cores: ~5x faster, peak working memory one chunk; on
+    the CPU only, where the cast's fresh pages cost more than the arithmetic).  Each logit is
+    the same length-D dot product either way (equal bit for bit on the machines measured; the
+    tests compare with the one-matmul form to float32 rounding)."""
+    t, out = part.shape[2], None
+    for t0, t1, x in _float_pieces(part):
+        lg = torch.matmul(q, x.transpose(-1, -2))
+        if t1 - t0 == t:
+            return lg
+        if out is None:
+            out = q.new_empty(*q.shape[:-1], t)
+        out[..., t0:t1] = lg
     return out
 
 
@@ -705,16 +715,9 @@ def dense_output(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     full-precision part ``part [B, H_kv, T, D]``: ``[B, H_kv, M, D]`` float32, chunked along T
     as :func:`dense_logits` (the sum over T then adds chunk partial sums in order: equal to
     the one-matmul form up to float32 rounding)."""
-    t, c = part.shape[2], _dense_chunk(part)
-    if part.dtype == torch.float32 or t <= c or part.device.type != "cpu":
-        return torch.matmul(p, part.float())
-    buf = part.new_empty(*part.shape[:2], c, part.shape[3], dtype=torch.float32)
     out = None
-    for t0 in range(0, t, c):
-        n = min(c, t - t0)
-        chunk = buf[:, :, :n]
-        chunk.copy_(part[:, :, t0 : t0 + n])
-        o = torch.matmul(p[..., t0 : t0 + n], chunk)
+    for t0, t1, x in _float_pieces(part):
+        o = torch.matmul(p[..., t0:t1], x)
         out = o if out is None else out.add_(o)
     return out
 

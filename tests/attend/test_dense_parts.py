@@ -35,11 +35,20 @@ def test_chunked_dense_parts_equal_float64(t, dtype, monkeypatch):
                                rtol=1e-6, atol=1e-6)  # fmt: skip
 
 
-def test_the_chunk_length_fits_the_scratch(monkeypatch):
-    monkeypatch.setattr(cpu, "DENSE_CHUNK_BYTES", 5 * 384)
-    assert cpu._dense_chunk(torch.empty(2, 3, 100, 16, dtype=torch.float16)) == 5
+def test_the_pieces_fit_the_scratch(monkeypatch):
+    monkeypatch.setattr(cpu, "DENSE_CHUNK_BYTES", 5 * 384)  # 5 tokens of [2, 3, ., 16]
+    part = torch.randn(2, 3, 12, 16).half()
+    pieces = [(t0, t1, x.shape, x.dtype) for t0, t1, x in cpu._float_pieces(part)]
+    shape = lambda n: torch.Size([2, 3, n, 16])  # noqa: E731
+    assert pieces == [
+        (0, 5, shape(5), torch.float32),
+        (5, 10, shape(5), torch.float32),
+        (10, 12, shape(2), torch.float32),
+    ]
     monkeypatch.setattr(cpu, "DENSE_CHUNK_BYTES", 1)  # never below one token
-    assert cpu._dense_chunk(torch.empty(2, 3, 100, 16, dtype=torch.float16)) == 1
+    assert [t1 - t0 for t0, t1, _ in cpu._float_pieces(part)] == [1] * 12
+    # float32 parts are read as they are, in one piece
+    assert [(t0, t1) for t0, t1, _ in cpu._float_pieces(part.float())] == [(0, 12)]
 
 
 def test_a_long_part_allocates_one_chunk_not_a_float32_copy(monkeypatch):
