@@ -20,6 +20,7 @@ import torch
 
 import kvbench
 from kvbench.cli import main as cli_main
+from kvbench.workloads.fidelity import Fidelity
 from kvbench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -318,14 +319,32 @@ def test_no_full_precision_copy(name: str) -> None:
         ({"dtype": "int8"}, "allowed"),
         ({"path": "fast"}, "path='fast' is not allowed; allowed: \\['attend', 'reference'\\]"),
         ({"layers": 3}, "layers"),
-        ({"num_kv_heads": 0}, "num_kv_heads"),
-        ({"num_heads": 8, "num_kv_heads": 3}, "multiple"),
+        ({"source": "synthetic", "num_kv_heads": 0}, "num_kv_heads=0 must be a positive"),
+        ({"source": "synthetic", "num_heads": 8, "num_kv_heads": 3}, "multiple"),
         ({"contex": 5}, "unknown parameter"),
     ],
 )
 def test_bad_params(params: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Memory.validate({"type": "memory", **params})
+
+
+@pytest.mark.parametrize("cls", [Memory, Fidelity])
+def test_spec_keeps_only_what_its_source_reads(cls: type) -> None:
+    """With ``source: model`` the drawn geometry leaves the spec (the model gives it), with
+    ``source: synthetic`` the captured text does: neither the record, nor its run id, nor the
+    asset pre-flight carries a setting the run does not read."""
+    geometry = {"num_layers", "num_heads", "num_kv_heads", "head_dim"}
+    model = cls.validate({"type": cls.type})
+    assert model["source"] == "model" and not geometry & set(model)
+    assert {"text", "window"} <= set(model)
+    synth = cls.validate({"type": cls.type, "source": "synthetic", "head_dim": 32})
+    assert geometry <= set(synth) and synth["head_dim"] == 32
+    assert not {"text", "window"} & set(synth)
+    with pytest.raises(ValueError, match=r"head_dim, num_heads apply only to source: synthetic"):
+        cls.validate({"type": cls.type, "head_dim": 128, "num_heads": 32})
+    with pytest.raises(ValueError, match=r"text apply only to source: model .*source: synthetic"):
+        cls.validate({"type": cls.type, "source": "synthetic", "text": "essays"})
 
 
 def test_context_beyond_model_maximum() -> None:

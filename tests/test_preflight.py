@@ -145,3 +145,33 @@ def test_shape_presets_resolve_offline_and_a_hub_shape_does_not():
     (m,) = pf.preflight(s)
     assert (m.kind, m.name) == ("model", "shape:kvbench-tests/no-such-shape")
     assert "KVBENCH_OFFLINE" in m.reason
+
+
+def test_only_the_data_a_run_reads_is_asked_for():
+    """A shape model's memory runs draw K/V of the shape and calibrate on drawn K/V, and a
+    synthetic workload reads no text: none of them asks for a dataset.  A latency run on a
+    shape model still tokenizes its text, and a real model beside a shape model needs both."""
+    bad = {"text": "mobydick", "tokens": 64}
+    mem = {"type": "memory", "context": 64, "text": "mobydick"}
+    shape = {"shape": "qwen3-8b"}
+    assert pf.preflight(suite([mem], methods=["kvquant"], model=shape, calibration=bad)) == []
+    synthetic = [
+        {"type": "memory", "source": "synthetic"},
+        {"type": "fidelity", "source": "synthetic"},
+    ]
+    assert pf._datasets(suite(synthetic, methods=["kvquant"], model=None)) == {}
+    (m,) = pf.preflight(suite([{"type": "latency", "text": "mobydick"}], model=shape))
+    assert (m.name, m.needed_by) == ("mobydick", ["workloads[0] (latency)"])
+    both = parse_suite(
+        {
+            "name": "t",
+            "models": [shape, MODEL],
+            "methods": ["kvquant"],
+            "workloads": [mem],
+            "calibration": bad,
+        },
+        "t.yaml",
+    )
+    (m,) = pf.preflight(both)
+    assert m.name == "mobydick"
+    assert m.needed_by == ["workloads[0] (memory)", "calibration of kvquant"]

@@ -158,3 +158,34 @@ def test_compare_lists_only_moved_metrics_by_label(tmp_path, capsys) -> None:
     assert compare_main(args) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["matched"] == 7 and len(data["changes"]) == 2 and len(data["failures"]) == 2
+
+
+def test_records_of_several_models_get_one_table_per_model() -> None:
+    """Two shape models (and a float32 copy of one) in one set: every table names its model,
+    no two rows of a table are the same method on different models."""
+
+    def on(model, method):
+        r = rec(method, {}, {"type": "memory", "context": 64}, {"bytes_total": 1.0})
+        r["model"] = model
+        return r
+
+    qwen = {"id": "shape:qwen3-8b", "dtype": "float16", "device": "cpu"}
+    llama = {"id": "shape:llama-3.1-8b", "dtype": "float16", "device": "cpu"}
+    llama32 = {**llama, "dtype": "float32"}
+    t = tables([on(m, x) for m in (qwen, llama) for x in ("full", "kivi")])
+    assert [x["workload"] for x in t] == [
+        "memory (context=64) on shape:llama-3.1-8b",
+        "memory (context=64) on shape:qwen3-8b",
+    ]
+    assert all([r["label"] for r in x["rows"]] == ["full", "kivi"] for x in t)
+    t = tables([on(m, "full") for m in (qwen, llama, llama32)])
+    assert [x["workload"].split(" on ")[1] for x in t] == [
+        "shape:llama-3.1-8b (float16, cpu)",
+        "shape:llama-3.1-8b (float32, cpu)",
+        "shape:qwen3-8b",
+    ]
+    assert "### memory (context=64) on shape:qwen3-8b" in summary_table(
+        [on(qwen, "full"), on(llama, "full")]
+    )
+    # one model: the title is the workload's alone, as before
+    assert [x["workload"] for x in tables([on(qwen, "full")])] == ["memory (context=64)"]

@@ -1,7 +1,8 @@
 """``kvbench report DIR``: Markdown tables of the records (stdout) and PNG plots beside them
 (their paths on stderr, so ``kvbench report DIR > report.md`` holds only the report).
 
-Tables: one per workload (workloads in :data:`WORKLOAD_ORDER`, then by parameters), rows sorted
+Tables: one per workload (workloads in :data:`WORKLOAD_ORDER`, then by parameters; one per
+workload and model, the model in the title, when the records cover several models), rows sorted
 by method family (``full`` first, then the method name), nominal key bits, then label.  Every
 table has the nominal and the measured (effective) key and value bits; a workload that does not
 measure them borrows them from a record of the same model, method and config that does
@@ -131,6 +132,23 @@ def label_of(rec: dict[str, Any]) -> str:
     return rec.get("manifest", {}).get("label") or rec["method"]
 
 
+def model_labels(records: list[dict[str, Any]]) -> dict[str, str]:
+    """Canonical model spec -> the name tables give it: the id (``shape:<preset>`` for a shape
+    model, with ``[layers N]`` for a slice; ``none`` model-free), and its dtype and device
+    where two specs of the records would otherwise share a name."""
+    specs = {canonical(r.get("model")): r.get("model") or {} for r in records}
+
+    def short(m: dict[str, Any]) -> str:
+        return (m.get("id") or "none") + (f" [layers {m['layers']}]" if m.get("layers") else "")
+
+    shorts = [short(m) for m in specs.values()]
+    return {
+        k: short(m)
+        + (f" ({m.get('dtype')}, {m.get('device')})" if shorts.count(short(m)) > 1 else "")
+        for k, m in specs.items()
+    }
+
+
 def workload_label(w: dict[str, Any]) -> str:
     keys = sorted(k for k in w if k != "type")
     return w.get("type", "?") + (
@@ -144,10 +162,14 @@ def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> l
     in report order (see the module docstring)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     order: dict[str, tuple] = {}
+    # records of several models: one table per workload and model, the model in its title
+    names = model_labels(records)
+    several = len(set(names.values())) > 1
     for r in records:
-        w = r.get("workload", {})
-        groups.setdefault(workload_label(w), []).append(r)
-        order[workload_label(w)] = workload_order(w)
+        w, m = r.get("workload", {}), names[canonical(r.get("model"))]
+        key = workload_label(w) + (f" on {m}" if several else "")
+        groups.setdefault(key, []).append(r)
+        order[key] = (*workload_order(w), m)
     bits = borrowed_bits(records)
     out = []
     for wl in sorted(groups, key=lambda k: order[k]):

@@ -54,9 +54,14 @@ class MissingAsset:
 def _datasets(suite: Any) -> dict[str, list[str]]:
     """dataset name -> suite entries that read it (unknown names included, to be reported)."""
     from kvbench.kv.registry import get_method
+    from kvbench.workloads import workload_class
 
     need: dict[str, list[str]] = {}
+    # shape models only (model: {shape: ...}): K/V of the shape are drawn, not captured
+    shapes_only = bool(suite.models) and all(m is not None and "shape" in m for m in suite.models)
     for i, w in enumerate(suite.workloads):
+        if shapes_only and not workload_class(w["type"]).shape_reads_data:
+            continue
         where = f"workloads[{i}] ({w['type']})"
         names = list(WORKLOAD_DATASETS.get(w["type"], ()))
         if w["type"] == "mgsm":
@@ -74,7 +79,8 @@ def _datasets(suite: Any) -> dict[str, list[str]]:
                 calibrated.append(m.label)
         except Exception:  # a bad config is the suite validation's to report
             continue
-    if calibrated and any(m is not None for m in suite.models):  # model-free: synthetic
+    # model-free and shape models calibrate on synthetic K/V; a real model on the text
+    if calibrated and any(m is not None and "shape" not in m for m in suite.models):
         text = suite.calibration["text"]
         need.setdefault(text, []).append(f"calibration of {', '.join(calibrated)}")
     return need

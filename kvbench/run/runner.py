@@ -98,7 +98,8 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
         values = {lid: v for lid, v in zip(cap.layer_ids, cap.values)}
         ctx.shared[key] = (keys, values, {"dataset": tinfo, "windows": winfo})
     keys, values, info = ctx.shared[key]
-    method.calibrate(keys, values, source=f"{spec['text']}[:{spec['tokens']} tokens]")
+    what = "synthetic K/V of the shape" if ctx.model_info.get("random_weights") else spec["text"]
+    method.calibrate(keys, values, source=f"{what}[:{spec['tokens']} tokens]")
     return {"calibration": info}
 
 

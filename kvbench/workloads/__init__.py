@@ -234,6 +234,9 @@ class Workload:
     #: with a shape model: True runs a forward (the model is materialized with seeded random
     #: weights on the target device), False reads only the config (built on the meta device)
     shape_forward: ClassVar[bool] = True
+    #: with a shape model it still reads its datasets (a prompt text to run a forward on);
+    #: False: it draws K/V of the shape instead, and the asset pre-flight asks for none
+    shape_reads_data: ClassVar[bool] = True
     #: builds the method's caches; False (a formula of the config alone, e.g. ``bits``): the
     #: runner does not calibrate methods with ``needs_calibration`` for it
     builds_caches: ClassVar[bool] = True
@@ -242,6 +245,11 @@ class Workload:
     METRICS: ClassVar[dict[str, str]] = {}
     #: parameters whose value is a list by nature (not expanded into a sweep)
     LIST_PARAMS: ClassVar[frozenset[str]] = frozenset()
+    #: ``source`` value -> parameters that apply only with it (e.g. ``synthetic``: the drawn
+    #: geometry; ``model``: the captured text).  With any other ``source`` they leave the
+    #: filled spec (so neither the record, nor its run id, nor the asset pre-flight carries a
+    #: setting the run does not read); given explicitly there, :meth:`validate` raises.
+    SOURCE_PARAMS: ClassVar[dict[str, frozenset[str]]] = {}
 
     @classmethod
     def validate(cls, spec: dict[str, Any], where: str = "") -> dict[str, Any]:
@@ -259,8 +267,30 @@ class Workload:
             if k not in params and default is ...:
                 raise ValueError(f"{pre}workload {cls.type!r} needs parameter {k!r}")
             out[k] = params.get(k, default)
+        unused = cls._unused_by_source(out, params, pre)
         cls.check(out, pre)
+        for k in unused:
+            del out[k]
         return out
+
+    @classmethod
+    def _unused_by_source(cls, spec: dict[str, Any], given: dict[str, Any], pre: str) -> list[str]:
+        """Parameters of :data:`SOURCE_PARAMS` that ``spec['source']`` does not read;
+        ``ValueError`` naming them when ``given`` sets any explicitly."""
+        src = spec.get("source")
+        unused = []
+        for needs, names in cls.SOURCE_PARAMS.items():
+            if src == needs:
+                continue
+            wrong = sorted(names & set(given))
+            if wrong:
+                raise ValueError(
+                    f"{pre}{', '.join(wrong)} apply only to source: {needs} "
+                    f"(workload {cls.type!r} has source: {src}); remove them or set "
+                    f"source: {needs}"
+                )
+            unused += sorted(names)
+        return unused
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:

@@ -16,7 +16,9 @@ Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens``
 T-token window of the text, default 0), ``source`` (``model``, or ``synthetic``: seeded Gaussian
 Q/K/V of ``num_layers`` x ``[1, num_heads | num_kv_heads, T, head_dim]`` with per-channel key
 scales spread over two orders of magnitude (the outlier channels of real keys, KIVI §3), for
-model-free regression gates).
+model-free regression gates).  Each source keeps only its own parameters in the record
+(``Workload.SOURCE_PARAMS``): the geometry with ``synthetic``, ``text`` and ``window`` with
+``model``; the other source's given explicitly is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class Fidelity(Workload):
         "quantized_key_fraction": NONE,  # what the run covered, not a quality
     }
     LIST_PARAMS = frozenset({"layers"})
+    SOURCE_PARAMS = {
+        "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
+        "model": frozenset({"text", "window"}),
+    }
     needs_model = False  # ``source: synthetic`` runs without one
     PARAMS = {
         "text": "essays",

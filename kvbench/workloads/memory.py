@@ -59,7 +59,10 @@ Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefi
 list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_step_bytes``
 measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
 ``synthetic`` the geometry ``num_layers``, ``num_heads``,
-``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).
+``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).  Each
+source keeps only its own parameters in the record (``Workload.SOURCE_PARAMS``): the geometry
+with ``synthetic``, ``text`` and ``window`` with ``model``; the other source's given explicitly
+is a ``ValueError``.
 
 Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
 ``batch`` x ``context`` are drawn by :mod:`kvbench.workloads.synthetic_kv` (outlier key channels,
@@ -307,8 +310,13 @@ class Memory(Workload):
     needs_model = False  # ``source: synthetic`` runs without one
     accepts_random_weights = True  # a shape model: K/V of its shape from synthetic_kv
     shape_forward = False  # only the config is read (meta device)
+    shape_reads_data = False  # a shape model's K/V come from synthetic_kv, not a text
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})
+    SOURCE_PARAMS = {
+        "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
+        "model": frozenset({"text", "window"}),
+    }
     PARAMS = {
         "context": 2048,
         "appends": 4,
