@@ -421,3 +421,31 @@ def test_heap_reuse_changes_no_metric(monkeypatch) -> None:
         monkeypatch.undo()
         assert plain.info["allocator"] == "default"
         assert plain.metrics == res.metrics, name
+
+
+@pytest.mark.parametrize(
+    "env, first, want",
+    [({}, "kvbench", "6"), ({"KINETO_LOG_LEVEL": "3"}, "kvbench", "3"), ({}, "torch", None)],
+)
+def test_kineto_level_set_only_when_unset_and_before_torch(env, first, want) -> None:
+    """Imported before torch, kvbench silences kineto's per-profile USDT lines (level 6) unless
+    the user chose a level; imported after torch it cannot (kineto has read it) and sets none.
+    A profiled run then prints no ``USDT`` line."""
+    import os
+    import subprocess
+
+    code = (
+        f"import {first}, kvbench, os, torch\n"
+        "from torch.profiler import profile, ProfilerActivity\n"
+        "with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
+        "    torch.ones(8)\n"
+        "print(os.environ.get('KINETO_LOG_LEVEL'))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(want)
+    if want == "6":
+        assert "USDT" not in out.stderr

@@ -81,7 +81,9 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
     from kvbench.hf.capture import capture_qkv
 
     key = ("calibration", spec["text"], spec["tokens"])
+    what = spec["text"]
     if ctx.model_info.get("random_weights"):  # shape model: K/V of its shape, measured layers
+        what = "synthetic K/V of the shape"
         from kvbench.workloads.synthetic_kv import synthetic_calibration
 
         layers = ctx.shared.get("shape_layers_measured")
@@ -98,7 +100,6 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
         values = {lid: v for lid, v in zip(cap.layer_ids, cap.values)}
         ctx.shared[key] = (keys, values, {"dataset": tinfo, "windows": winfo})
     keys, values, info = ctx.shared[key]
-    what = "synthetic K/V of the shape" if ctx.model_info.get("random_weights") else spec["text"]
     method.calibrate(keys, values, source=f"{what}[:{spec['tokens']} tokens]")
     return {"calibration": info}
 

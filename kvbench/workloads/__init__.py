@@ -219,6 +219,14 @@ class Result:
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
+#: :attr:`Workload.SOURCE_PARAMS` of the workloads that capture K/V from a model's forward over
+#: a text (``source: model``) or draw them of a given geometry (``source: synthetic``)
+KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
+    "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
+    "model": frozenset({"text", "window"}),
+}
+
+
 class Workload:
     """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required)."""
 

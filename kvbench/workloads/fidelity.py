@@ -32,7 +32,7 @@ from kvbench.attend.reference import reference_attention
 from kvbench.kv.method import Method
 from kvbench.workloads.metrics import LOWER, NONE, STORAGE_METRICS, attention_fidelity, key_mse
 
-from . import Result, Workload
+from . import KV_SOURCE_PARAMS, Result, Workload
 
 
 def replay(
@@ -86,10 +86,7 @@ class Fidelity(Workload):
         "quantized_key_fraction": NONE,  # what the run covered, not a quality
     }
     LIST_PARAMS = frozenset({"layers"})
-    SOURCE_PARAMS = {
-        "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
-        "model": frozenset({"text", "window"}),
-    }
+    SOURCE_PARAMS = KV_SOURCE_PARAMS
     needs_model = False  # ``source: synthetic`` runs without one
     PARAMS = {
         "text": "essays",

@@ -84,7 +84,7 @@ from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 from kvbench.kv.method import Method
 from kvbench.workloads.metrics import LOWER, STORAGE_METRICS
 
-from . import Result, Workload
+from . import KV_SOURCE_PARAMS, Result, Workload
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
@@ -313,10 +313,7 @@ class Memory(Workload):
     shape_reads_data = False  # a shape model's K/V come from synthetic_kv, not a text
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})
-    SOURCE_PARAMS = {
-        "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
-        "model": frozenset({"text", "window"}),
-    }
+    SOURCE_PARAMS = KV_SOURCE_PARAMS
     PARAMS = {
         "context": 2048,
         "appends": 4,
