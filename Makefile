@@ -58,7 +58,7 @@ baseline-model: $(STAMP)
 
 # Mutation testing (docs/mutation.md): resumable (mutmut keeps its results in mutants/; rerun to
 # continue with the mutants not yet run).  MUTANTS names mutants to (re)run, e.g.
-# MUTANTS='kvbench.kv.quant*' (named mutants are rerun even when they have a result).  The
+# MUTANTS='kvbench.cache.quant*' (named mutants are rerun even when they have a result).  The
 # score table per file and the survivors not explained in docs/mutation.md come last.
 MUTANTS ?=
 MUTMUT_CHILDREN ?= 2

@@ -10,7 +10,7 @@ writes ``results/batched_eval.json`` and ``.md`` (rewritten atomically after eve
 so an interrupted run keeps what it finished) and prints both tables.  Small arguments make a
 smoke check (``--examples 2 --new-tokens 4 --context 96 --steps 3 --warmup 1``).
 
-GSM8K throughput (the ``gsm8k`` workload, kvbench.workloads.gsm8k: 8-shot prompts, greedy,
+GSM8K throughput (the ``gsm8k`` workload, kvbench.bench.workloads.gsm8k: 8-shot prompts, greedy,
 ``--new-tokens`` budget, stop strings and EOS as the workload defines them): the first
 ``--examples`` (8) test problems on the default model (SmolLM2-135M-Instruct, float32, CPU,
 ``--threads`` 2), for ``full`` and ``kivi-2`` (KIVI 2-bit keys and values: per-channel keys in
@@ -22,7 +22,7 @@ batch sizes are compared (``same completions``): left padding caches each row al
 (docs/design.md#padding), so they agree up to float32 noise.  Target: the batched run is not
 slower (ratio >= 1) for both methods.
 
-Decode-step latency (the ``latency`` workload, kvbench.workloads.latency: interleaved with the
+Decode-step latency (the ``latency`` workload, kvbench.bench.workloads.latency: interleaved with the
 ``full`` baseline, steady-state steps apart from flush steps): ``full``, ``kivi-2`` and
 ``pn-mix`` at ``--context`` (1024) for batch 1 and batch 8, unpadded (every row ``--context``
 deep) and left-padded (rows of different lengths); ``decode_ms_p50`` per batch step, ms per
@@ -57,7 +57,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _method(label: str):
-    from kvbench.kv.registry import get_method
+    from kvbench.cache.registry import get_method
 
     name, cfg = METHODS[label]
     m = get_method(name, **cfg)
@@ -66,7 +66,7 @@ def _method(label: str):
 
 
 def gsm8k_throughput(ctx: Any, args: argparse.Namespace, out: list, save) -> None:
-    from kvbench.workloads import workload_class
+    from kvbench.bench.workloads import workload_class
 
     cls = workload_class("gsm8k")
     configs = [(m, bs) for m in ("full", "kivi-2") for bs in (1, 8)]
@@ -115,7 +115,7 @@ def gsm8k_throughput(ctx: Any, args: argparse.Namespace, out: list, save) -> Non
 
 
 def decode_latency(ctx: Any, args: argparse.Namespace, out: list, save) -> None:
-    from kvbench.workloads.latency import Latency
+    from kvbench.bench.workloads.latency import Latency
 
     for padding in ("none", "left"):
         for m in ("full", "kivi-2", "pn-mix"):
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from kvbench.hf.attention import register
     from kvbench.hf.models import load_model
-    from kvbench.run.runner import RunContext
+    from kvbench.bench.runner import RunContext
 
     torch.set_num_threads(args.threads)
     model, tok, info = load_model(attn_implementation=register())

@@ -205,7 +205,7 @@ def read_bytes(cache, model, tokens: int) -> int:
 def run_context(model, info, labels, ctx_len, args, log) -> list[dict]:
     """Rows of one context: every configuration prefilled, then interleaved decode rounds."""
     from kvbench.hf.cache import cache_kwarg
-    from kvbench.workloads.latency import held_bytes, quantized_tokens_of
+    from kvbench.bench.workloads.latency import held_bytes, quantized_tokens_of
 
     gen = torch.Generator().manual_seed(ctx_len)
     vocab = model.config.vocab_size
@@ -286,7 +286,7 @@ def run_context(model, info, labels, ctx_len, args, log) -> list[dict]:
 
 
 def _row(label, spec, s, ms, ctx_len, first) -> dict:
-    from kvbench.workloads.latency import flush_period, held_bytes
+    from kvbench.bench.workloads.latency import flush_period, held_bytes
 
     hb = s["held"]
     flushes = flush_steps(hb) if all(x is not None for x in hb) else []
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--cpu-attention",
         default=None,
-        help="kvbench CPU attention mode (kvbench.attend.cpu.MODES; default: its own, "
+        help="kvbench CPU attention mode (kvbench.attention.codedomain.MODES; default: its own, "
         "$KVBENCH_CPU_ATTENTION or auto; --tiny: eager, no compilation)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/decode_step"))
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     res: dict[str, Any] = {"env": env, "contexts": args.contexts, "rows": [], "targets": []}
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
-    from kvbench.attend import cpu as cpu_attention
+    from kvbench.attention import codedomain as cpu_attention
 
     env["cpu_attention"] = args.cpu_attention or cpu_attention.cpu_mode()
     mode = (

@@ -35,7 +35,7 @@ from pathlib import Path
 
 
 def sweep_suite(context: int):
-    from kvbench.run.suite import parse_suite
+    from kvbench.bench.suite import parse_suite
 
     return parse_suite(
         {
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args(argv)
 
-    from kvbench.run.ray_executor import RayExecutor, import_ray
-    from kvbench.run.runner import run_suite
+    from kvbench.integrations.ray_executor import RayExecutor, import_ray
+    from kvbench.bench.runner import run_suite
 
     suite = sweep_suite(args.context)
     out = Path(tempfile.mkdtemp(prefix="kvbench-ray-sweep-"))

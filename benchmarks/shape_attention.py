@@ -5,7 +5,7 @@ spends its decode step in the output projection over a 128K-token vocabulary, wh
 method changes.  This benchmark times what a cache method does change: per layer, storing the
 new token, reading or dequantizing the cache, and the attention of the step's 32 query heads
 over it, with no weights at all (:mod:`kvbench.hf.shapes` supplies the geometry, RoPE included;
-:mod:`kvbench.workloads.synthetic_kv` the post-RoPE Q/K/V, with outlier key channels).
+:mod:`kvbench.bench.workloads.synthetic_kv` the post-RoPE Q/K/V, with outlier key channels).
 
 Protocol, for each context ``d`` (default 4096 and 16384) and each method:
 
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 
 from kvbench.hf.models import _dtype
 from kvbench.hf.shapes import build_shape_model
-from kvbench.kv.registry import get_method, list_methods
-from kvbench.workloads.synthetic_kv import synthetic_calibration, synthetic_qkv
+from kvbench.cache.registry import get_method, list_methods
+from kvbench.bench.workloads.synthetic_kv import synthetic_calibration, synthetic_qkv
 
 BASELINE = "hf-dynamic"
 #: KIVI-2 (2-bit K and V), as in the memory and latency suites

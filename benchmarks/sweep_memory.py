@@ -1,8 +1,8 @@
 """Resident memory over a sweep, run by run: where a long sweep's memory goes.
 
-Runs a suite in this process (``kvbench.run.runner.run_suite``, records under ``--out``) and
+Runs a suite in this process (``kvbench.bench.runner.run_suite``, records under ``--out``) and
 prints one line per computed run: the run's peak RSS (the record's ``peak_rss_bytes``), the
-resident set after the run and after :func:`kvbench.run.memstat.release` (gc + CUDA cache +
+resident set after the run and after :func:`kvbench.measure.memstat.release` (gc + CUDA cache +
 ``malloc_trim``), glibc's heap in use and free (``mallinfo2``), torch.compile's counters
 (frames compiled, graphs, recompiles), and with ``--tracemalloc`` the Python-level bytes
 allocated and still alive.  Units: MiB.
@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from kvbench.run import memstat, runner
-    from kvbench.run.suite import load_suite, parse_set
+    from kvbench.bench import runner
+
+    from kvbench.measure import memstat
+    from kvbench.bench.suite import load_suite, parse_set
 
     suite = load_suite(args.suite, parse_set(args.set))
     if args.tracemalloc:

@@ -9,14 +9,14 @@ float32 accumulation bound of :func:`_check`.
 Groups (read the ratios within a group, all in one run):
 
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
-  softmax), the eager, compiled and native code-domain paths (:mod:`kvbench.attend.cpu`,
-  :mod:`kvbench.attend.native`);
+  softmax), the eager, compiled and native code-domain paths (:mod:`kvbench.attention.codedomain`,
+  :mod:`kvbench.attention.native`);
 * ``keys``: the key logits of the 32 quantized pages, by the candidate kernels
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
   a byte + matmul, (c) per-page partial sums: a query-side table of the partial dot product
   of each byte value per page, then gathers only, and (a) the ``torch.compile``d sub-code
-  kernel, and the native C kernel (:func:`kvbench.attend.native.keys_rows`, what ``auto``
+  kernel, and the native C kernel (:func:`kvbench.attention.native.keys_rows`, what ``auto``
   mode runs where it is built);
 * ``values``: the attention-weighted value sum over 3968 per-token quantized values:
   dequantize + matmul, eager code domain, compiled code domain, native.
@@ -31,9 +31,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend import cpu as fastpath
-from kvbench.attend import native
-from kvbench.kv.quant import unpack_bits
+from kvbench.attention import codedomain as fastpath
+from kvbench.attention import native
+from kvbench.cache.quant import unpack_bits
 
 B, HKV, T, D, REP = 1, 3, 4096, 64, 3
 
@@ -207,7 +207,7 @@ def test_values(benchmark, fn):
 
 
 def test_unpack_reference(benchmark):
-    """The unpack alone (``kvbench.kv.quant.unpack_bits`` to float) of the 4096 key tokens."""
+    """The unpack alone (``kvbench.cache.quant.unpack_bits`` to float) of the 4096 key tokens."""
     blk = _cache()[0].k.block
     benchmark.group = "key logits, 4096 tokens 2-bit"
     benchmark(lambda: unpack_bits(blk.codes, 2, D).float())

@@ -3,13 +3,13 @@
 Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host wrappers):
 
 * :mod:`.pack`: pack / unpack of 1..8-bit codes in the core's layout
-  (:func:`kvbench.kv.quant.pack_bits`);
+  (:func:`kvbench.cache.quant.pack_bits`);
 * :mod:`.quantize`: quantize-and-pack on flush: per-channel key pages (uniform, or Kitty /
   PN-Mix mixed precision) and per-token values, bit-identical to the core codecs;
 * :mod:`.decode_attention`: fused split-KV decode attention over sinks + quantized pages +
   full-precision residual, and the same kernel over fp16 K/V (the control);
 * :mod:`.dispatch`: ``unsupported`` / ``fused_attend``, the CUDA backend of the attention
-  registry (``kvbench.attend.registry``, registered by ``kvbench.attend.triton``), and the
+  registry (``kvbench.attention.dispatch``, registered by ``kvbench.attention.triton``), and the
   stand-alone ``try_fused_attend(layer_cache, query, scaling)`` (``None``: reference path);
 * ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
 

@@ -83,9 +83,9 @@ def load_method(name: str, **config):
     """A kvbench method from the method registry (entry points of the installed kvbench).
 
     The fused kernel is reached through ``dispatch.fused_attend`` (the kernels' dispatch); the
-    attention-backend registry of ``kvbench.attend`` is the seam to switch to once it selects
+    attention-backend registry of ``kvbench.attention`` is the seam to switch to once it selects
     backends by stored layout."""
-    from kvbench.kv.registry import get_method
+    from kvbench.cache.registry import get_method
 
     return get_method(name, **config)
 
@@ -289,8 +289,8 @@ def sdpa_fn(q, k, v):
 
 def guard_error(lc, q: torch.Tensor, out: torch.Tensor) -> float:
     """Relative error (float64 norm) of a timed kernel's output against the reference attention
-    of the same cache (:func:`kvbench.attend.reference.reference_attention`)."""
-    from kvbench.attend.reference import reference_attention
+    of the same cache (:func:`kvbench.attention.reference.reference_attention`)."""
+    from kvbench.attention.reference import reference_attention
 
     kk, vv = lc.keys_values(torch.float64)
     ref = reference_attention(q.double(), kk, vv)
@@ -530,7 +530,7 @@ def flush_row(rec, quant, lc, m, ctx_len, b, label, step_us, timer, gen, device)
 
 
 def _kitty_perm(codec, x):
-    from kvbench.kv.mixed import perm_from_classes
+    from kvbench.cache.mixed_channel import perm_from_classes
 
     b, h, n, d = x.shape
     pages = x.reshape(b, h, n // codec.group_size, codec.group_size, d)

@@ -12,8 +12,8 @@ One query token per sequence attends to everything its layer cache holds, read i
 * full-precision residuals of keys and values (their lengths differ: KIVI's key residual
   cycles 0..R-1 while the value residual is a sliding window of R).
 
-Storage is exactly that of :class:`kvbench.kv.blocks.AffineBlock` and
-:class:`kvbench.kv.mixed.MixedChannelBlock`; :mod:`.dispatch` passes a LayerCache's tensors
+Storage is exactly that of :class:`kvbench.cache.blocks.AffineBlock` and
+:class:`kvbench.cache.mixed_channel.MixedChannelBlock`; :mod:`.dispatch` passes a LayerCache's tensors
 straight in.  Codes are dequantized in registers (``code * scale + zero`` in float32, cast to
 the query dtype as the reference path's ``keys_values(query.dtype)`` does) and never written
 back.  Query heads share their KV head's pages (GQA: query head ``h`` reads KV head
@@ -261,7 +261,7 @@ def _key_class(
     im = i < N
     s = tl.load(scale_row + POS0 + i, mask=im, other=0.0).to(tl.float32)
     z = tl.load(zero_row + POS0 + i, mask=im, other=0.0).to(tl.float32)
-    if MID:  # kvbench.kv.quant.dequantize_groups: c * (s/2) + (z + s/4)
+    if MID:  # kvbench.cache.quant.dequantize_groups: c * (s/2) + (z + s/4)
         z = z + s * 0.25
         s = s * 0.5
     return (codes.to(tl.float32) * s[None, :] + z[None, :]).to(OUT)

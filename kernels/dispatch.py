@@ -1,7 +1,7 @@
 """Run a LayerCache's decode attention on the fused Triton kernel.
 
-The attention-backend registry (``kvbench.attend.registry``; this kernel is registered as its
-CUDA backend by ``kvbench.attend.triton``) calls :func:`unsupported` and :func:`fused_attend`.
+The attention-backend registry (``kvbench.attention.dispatch``; this kernel is registered as its
+CUDA backend by ``kvbench.attention.triton``) calls :func:`unsupported` and :func:`fused_attend`.
 :func:`try_fused_attend` is the stand-alone form: the kernel's output, or ``None`` so that the
 caller takes the reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
 for CPU tensors (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch: normal CPU use never reaches a GPU launch), when Triton is missing,
@@ -11,7 +11,7 @@ per-head/per-tensor keys, float8 scales, more than two channel classes, ...).  E
 layer cache records which path ran in ``layer_cache.attend_path`` (``"triton"`` or
 ``"reference"``) and why in ``layer_cache.attend_path_reason``.
 
-Block types are handed to the kernel by converters that ``kvbench.attend.triton`` declares per
+Block types are handed to the kernel by converters that ``kvbench.attention.triton`` declares per
 exact type (``KEY_LAYOUTS`` / ``VALUE_LAYOUTS``: ``AffineBlock``, ``MixedChannelBlock``), so
 this module imports only torch; it never imports the kvbench core.
 """
@@ -28,7 +28,7 @@ TRITON_PATH, REFERENCE_PATH = "triton", "reference"
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-PROVIDER = "kvbench.attend.triton"
+PROVIDER = "kvbench.attention.triton"
 
 
 def _converter(kind: str, block):

@@ -1,9 +1,9 @@
 """Bit packing of quantization codes: PyTorch reference, Triton kernels, host wrappers.
 
-Layout (exactly :func:`kvbench.kv.quant.pack_bits`): along the last dimension, ``n`` codes of
+Layout (exactly :func:`kvbench.cache.quant.pack_bits`): along the last dimension, ``n`` codes of
 ``b`` bits form one LSB-first bit stream, code ``i`` occupying bits ``i*b .. i*b + b - 1``,
 stored in ``ceil(n*b/8)`` bytes (uint8); the unused high bits of the last byte are zero.  The
-mixed-precision key rows of :mod:`kvbench.kv.mixed` are the same stream with classes of different
+mixed-precision key rows of :mod:`kvbench.cache.mixed_channel` are the same stream with classes of different
 widths one after the other; the kernels here read and write one *class* at a time starting at
 a byte offset, so every class must start on a byte boundary (``pack_mixed``'s fast path).
 
@@ -232,7 +232,7 @@ def _tiles(n: int) -> int:
 def pack_bits(codes: torch.Tensor, bits: int, block_m: int = 16) -> torch.Tensor:
     """Pack codes ``[..., n]`` (any integer dtype, values in ``[0, 2^bits)``) along the last
     dimension: uint8 ``[..., ceil(n*bits/8)]``, bit-identical to
-    :func:`kvbench.kv.quant.pack_bits`.
+    :func:`kvbench.cache.quant.pack_bits`.
 
     Raises ``ValueError`` for bits outside 1..8, a non-integer dtype, or tensors the kernel
     cannot read (CPU tensors outside the interpreter, device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch).

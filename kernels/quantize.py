@@ -3,18 +3,18 @@
 When a cache side flushes, full-precision tokens become packed codes plus per-group
 (scale, zero).  These kernels produce exactly the tensors of the core codecs:
 
-* keys, per channel (KIVI sense; :class:`kvbench.kv.blocks.PerChannelCodec` /
-  :class:`kvbench.kv.mixed.MixedChannelCodec`): one (scale, zero) per channel per page of ``G``
+* keys, per channel (KIVI sense; :class:`kvbench.cache.blocks.PerChannelCodec` /
+  :class:`kvbench.cache.mixed_channel.MixedChannelCodec`): one (scale, zero) per channel per page of ``G``
   tokens.  Uniform (one class, KIVI) or mixed precision (two classes, Kitty / PN-Mix): channels
   are taken in the class-sorted order of ``perm`` (the original channel at each sorted
   position; per page ``[B, H, NP, D]`` for Kitty's dynamic selection, fixed ``[B|1, H, 1, D]``
   for PN-Mix's prefill selection), each token's row holds the codes of class 0 then class 1 as
   one LSB-first bit stream (:mod:`.pack`), and scale/zero are stored in sorted order.  1-bit
   classes may use the midpoint reconstruction (PN-Mix Eq. 7 [RECON]);
-* values, per token (:class:`kvbench.kv.blocks.PerTokenCodec`): one (scale, zero) per token per
+* values, per token (:class:`kvbench.cache.blocks.PerTokenCodec`): one (scale, zero) per token per
   ``channel_group`` channels.
 
-Arithmetic, identical to :func:`kvbench.kv.quant.quantize_groups` so that codes are bit-identical:
+Arithmetic, identical to :func:`kvbench.cache.quant.quantize_groups` so that codes are bit-identical:
 statistics in float32 over the group with non-finite inputs read as 0 (the group's scale and
 zero become NaN); ``zero = fp16(min)`` rounded to nearest; ``scale = (max - zero) / (2^b - 1)``
 with an IEEE division (``div_rn``, not Triton's approximate ``/``), then rounded *up* to the
@@ -119,7 +119,7 @@ def round_half_even(x, USE_RINT: tl.constexpr):
 
 @jit
 def round_up_to(s, SD: tl.constexpr):
-    """Non-negative float32 ``s`` stored as ``SD``, rounded up (kvbench.kv.quant._round_up_to_dtype)."""
+    """Non-negative float32 ``s`` stored as ``SD``, rounded up (kvbench.cache.quant._round_up_to_dtype)."""
     st = s.to(SD)
     if SD != tl.float32:
         stf = st.to(tl.float32)
@@ -390,7 +390,7 @@ def check_class_layout(class_bits, class_counts, head_dim: int) -> list[tuple[in
     if len(live) == 2 and (live[0][0] * live[0][1]) % 8:
         raise ValueError(
             f"class 0 ({live[0][1]} channels x {live[0][0]} bits) does not end on a byte "
-            "boundary; the kernels need byte-aligned classes (kvbench.kv.mixed.pack_mixed fast path)"
+            "boundary; the kernels need byte-aligned classes (kvbench.cache.mixed_channel.pack_mixed fast path)"
         )
     return live
 
@@ -432,20 +432,20 @@ def quantize_keys(
         a power of two <= 256.
     group_size : G, tokens per page (<= 256).
     class_bits, class_counts : code width and channel count of each class, class 0 first (the
-        :class:`kvbench.kv.mixed.MixedChannelBlock` convention); default one class of D channels.
+        :class:`kvbench.cache.mixed_channel.MixedChannelBlock` convention); default one class of D channels.
     perm : uint8/int16 ``[B|1, H_kv, n/G | 1, D]``: original channel at each class-sorted
         position (per page, or one for all pages); ``None`` = identity.
     scale_dtype : storage of scale and zero (float16, bfloat16, float32).
     midpoint : 1-bit classes use the midpoint reconstruction (PN-Mix Eq. 7 [RECON]).
-    check_overflow : raise ``ValueError`` (as :func:`kvbench.kv.quant.quantize_groups` does) when
+    check_overflow : raise ``ValueError`` (as :func:`kvbench.cache.quant.quantize_groups` does) when
         a finite group's scale or min overflows ``scale_dtype``; costs one device sync.
 
     Returns
     -------
     ``(codes, scale, zero)``: uint8 ``[B, H_kv, n, ceil(sum n_c b_c / 8)]`` (the class-sorted
     bit stream of each token), and ``[B, H_kv, n/G, D]`` in ``scale_dtype`` (sorted order):
-    the tensors of :class:`~kvbench.kv.blocks.AffineBlock` (one class, no perm) and
-    :class:`~kvbench.kv.mixed.MixedChannelBlock`.
+    the tensors of :class:`~kvbench.cache.blocks.AffineBlock` (one class, no perm) and
+    :class:`~kvbench.cache.mixed_channel.MixedChannelBlock`.
 
     Raises
     ------
@@ -534,7 +534,7 @@ def quantize_values(
     -------
     ``(codes, scale, zero)``: uint8 ``[B, H_kv, n, ceil(D*bits/8)]`` and
     ``[B, H_kv, n, D/channel_group]`` in ``scale_dtype``: the tensors of the
-    :class:`~kvbench.kv.blocks.AffineBlock` that :class:`~kvbench.kv.blocks.PerTokenCodec` makes.
+    :class:`~kvbench.cache.blocks.AffineBlock` that :class:`~kvbench.cache.blocks.PerTokenCodec` makes.
 
     Raises
     ------

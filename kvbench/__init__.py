@@ -1,7 +1,7 @@
 """kvbench: a benchmark suite for KV-cache quantization in LLM inference.
 
-Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.kv.method.Method`,
-:class:`~kvbench.kv.layer.LayerCache`.
+Public API: :func:`get_method`, :func:`list_methods`, :class:`~kvbench.cache.method.Method`,
+:class:`~kvbench.cache.layer.LayerCache`.
 
 Imported before torch, it sets ``KINETO_LOG_LEVEL=6`` unless the variable is set: the memory
 workload profiles every run's allocator events, and at kineto's default level each profile
@@ -16,9 +16,9 @@ import sys
 if "torch" not in sys.modules:  # kineto reads it once, when torch loads
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-import kvbench.attend  # noqa: E402, F401 - installs LayerCache.attend's backend registry
-from kvbench.kv.method import CacheConfig, Capabilities, Method, MethodConfig  # noqa: E402
-from kvbench.kv.registry import get_method, get_method_class, list_methods  # noqa: E402
+import kvbench.attention  # noqa: E402, F401 - installs LayerCache.attend's backend registry
+from kvbench.cache.method import CacheConfig, Capabilities, Method, MethodConfig  # noqa: E402
+from kvbench.cache.registry import get_method, get_method_class, list_methods  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

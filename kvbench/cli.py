@@ -18,8 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from kvbench.kv.registry import get_method, list_methods
-from kvbench.run.suite import parse_set
+from kvbench.cache.registry import get_method, list_methods
+from kvbench.bench.suite import parse_set
 
 
 def _caps(caps: dict[str, bool]) -> str:
@@ -149,18 +149,18 @@ def run_summary(records: list[dict], out: str, suite_path: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvbench.run.runner import run_suite
-    from kvbench.run.suite import load_suite
-    from kvbench.run.validate import check_devices, check_output
+    from kvbench.bench.runner import run_suite
+    from kvbench.bench.suite import load_suite
+    from kvbench.bench.validate import check_devices, check_output
 
     suite = load_suite(args.suite, parse_set(args.set))
     check_devices(suite)  # before the asset pre-flight: nothing else matters without a device
     paper_block = suite.raw.get("paper")
     if paper_block is not None:
-        from kvbench.report.paper import validate
+        from kvbench.integrations.paper import validate
 
         validate(paper_block, suite.path)
-    from kvbench.run.preflight import format_missing, preflight
+    from kvbench.bench.preflight import format_missing, preflight
 
     if missing := preflight(suite):  # every asset resolved before the first run
         print(format_missing(missing, suite.path), file=sys.stderr)
@@ -168,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = args.out or f"results/{suite.name}"
     runner = run_suite
     if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
-        from kvbench.run.ray_executor import runner_from_args
+        from kvbench.integrations.ray_executor import runner_from_args
 
         runner = runner_from_args(args)  # checks ray and the address before anything is written
     elif getattr(args, "address", None) or getattr(args, "max_parallel", None):
@@ -198,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if failed:
         print(f"{len(failed)} run(s) failed: records in {out}/failed/ (a rerun retries them)")
     if paper_block is not None:  # a paper reproduction: the paper's numbers beside kvbench's
-        from kvbench.report.paper import comparison_table, write_figures
+        from kvbench.integrations.paper import comparison_table, write_figures
 
         print("\n" + comparison_table(paper_block, records))
         for path in write_figures(paper_block, records, out):
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help="show the Python traceback of an error",
         )
-    from kvbench import lm_eval as lm_eval_cli  # light: imports lm-eval only when run
+    from kvbench.integrations import lm_eval as lm_eval_cli  # light: imports lm-eval only when run
 
     # every argument goes to lm-eval's own CLI ('+' prefix: argparse leaves --options alone)
     sl = sub.add_parser("lm-eval", help="lm-eval's CLI with --model kvbench", prefix_chars="+")

@@ -1,7 +1,221 @@
-"""Old location of :mod:`kvbench.kv.registry`, kept as an alias for one release (0.2 removes it)."""
+"""The one registry type of kvbench: :class:`Registry` maps names to objects of one type ``T``.
 
-import sys
+Every name-to-thing table in kvbench is a ``Registry``: methods (entry-point group
+``kvbench.methods``, :data:`kvbench.cache.registry.METHODS`), workload types (group
+``kvbench.workloads``, :data:`kvbench.bench.workloads.WORKLOADS`), attention backends
+(:data:`kvbench.attention.dispatch.BACKENDS`) and texts (:data:`kvbench.data.catalog.TEXTS`).
 
-from kvbench.kv import registry as _moved
+Rules (docs/design.md#registries):
 
-sys.modules[__name__] = _moved
+* entry points are read when a name is first asked for, and loaded only when that name is used;
+* an object registered in code (``@registry.register("name")``) is known at once;
+* an unknown name raises :class:`UnknownName` (a ``ValueError``) with a "did you mean" and the
+  registered names;
+* a plugin that reuses a built-in's name is ignored with a warning naming both distributions;
+* two plugins with one name: using that name raises :class:`RegistryError` naming both;
+* a plugin that fails to import raises :class:`RegistryError` naming its distribution, and does
+  not break the other names.
+
+This module imports nothing else of kvbench, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+#: the distribution name of kvbench's own entry points
+BUILTIN_DIST = "kvbench"
+#: the distribution recorded for objects registered in code
+CODE_DIST = "<code>"
+
+
+class RegistryError(RuntimeError):
+    """A registered name cannot be used: its plugin failed to load, its object has the wrong
+    type, or several plugins claim it.  The message names the distribution(s)."""
+
+
+class UnknownName(ValueError):
+    """A name that no entry point and no ``register`` call provides."""
+
+
+@dataclass
+class Entry(Generic[T]):
+    """One registered name: where it comes from and, once loaded, its object.
+
+    ``value``: ``"module:attr"`` of an entry point, or the object's qualified name;
+    ``dist``: the distribution that declares it (:data:`CODE_DIST` for ``register`` calls);
+    ``error``: why loading failed (``None`` before a load or after a good one);
+    ``clash``: other distributions that declare the same name."""
+
+    name: str
+    value: str
+    dist: str
+    entry_point: EntryPoint | None = None
+    obj: T | None = None
+    error: str | None = None
+    clash: list[str] = field(default_factory=list)
+
+    @property
+    def builtin(self) -> bool:
+        return self.dist in (BUILTIN_DIST, CODE_DIST)
+
+
+def _dist_name(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else "<unknown>"
+
+
+class Registry(Generic[T]):
+    """Names -> objects of one type.
+
+    Parameters
+    ----------
+    kind:
+        What a name names, for messages (``"method"``, ``"workload type"``, ...).
+    group:
+        The entry-point group read lazily, or ``None`` for a registry filled in code only.
+    check:
+        ``check(name, obj) -> T``: validates a loaded or registered object and returns it (may
+        return a wrapped object); raises ``TypeError``/``ValueError`` saying what is wrong.
+        Default: accept anything.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        group: str | None = None,
+        check: Callable[[str, object], T] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.group = group
+        self._check = check
+        self._entries: dict[str, Entry[T]] | None = None
+        self._code: dict[str, Entry[T]] = {}
+
+    # -- filling -----------------------------------------------------------------------------
+
+    def register(self, name: str, obj: T | None = None) -> Callable[[T], T] | T:
+        """Register ``obj`` as ``name`` (replacing an earlier code registration of the name).
+
+        Usable as a decorator: ``@REGISTRY.register("name")``.  Returns ``obj``.
+
+        Raises ``TypeError``/``ValueError`` from the registry's ``check``."""
+        if obj is None:
+            return lambda o: self._add(name, o)  # type: ignore[return-value]
+        return self._add(name, obj)
+
+    def _add(self, name: str, obj: T) -> T:
+        checked = self._check(name, obj) if self._check is not None else obj
+        value = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+        entry: Entry[T] = Entry(name, value, CODE_DIST, obj=checked)
+        self._code[name] = entry
+        if self._entries is not None:
+            self._entries[name] = entry
+        return obj
+
+    def unregister(self, name: str) -> None:
+        """Forget a name registered in code (tests); entry points stay."""
+        self._code.pop(name, None)
+        self._entries = None
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def entries(self, refresh: bool = False) -> dict[str, Entry[T]]:
+        """Every name -> its :class:`Entry` (nothing loaded by this call)."""
+        if self._entries is not None and not refresh:
+            return self._entries
+        found: dict[str, Entry[T]] = {}
+        seen: set[tuple[str, str, str]] = set()
+        for ep in entry_points(group=self.group) if self.group else ():
+            dist = _dist_name(ep)
+            key = (ep.name, ep.value, dist)
+            if key in seen:  # the same distribution visible twice on sys.path
+                continue
+            seen.add(key)
+            new: Entry[T] = Entry(ep.name, ep.value, dist, ep)
+            old = found.get(ep.name)
+            if old is None:
+                found[ep.name] = new
+            elif old.builtin or new.builtin:
+                keep, drop = (old, new) if old.builtin else (new, old)
+                warnings.warn(
+                    f"kvbench: plugin distribution {drop.dist!r} registers {self.kind} "
+                    f"{ep.name!r}, a built-in name (distribution {keep.dist!r}); the built-in wins",
+                    stacklevel=3,
+                )
+                found[ep.name] = keep
+            elif old.dist != new.dist:
+                old.clash.append(new.dist)
+        found.update(self._code)
+        self._entries = found
+        return found
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        return sorted(self.entries())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def get(self, name: str, where: str = "") -> T:
+        """The object registered as ``name``, loading its entry point on first use.
+
+        ``where``: a prefix for messages (``"suite.yaml: methods[2]"``).
+
+        Raises
+        ------
+        UnknownName
+            No such name (the message has close matches and every registered name).
+        RegistryError
+            The plugin failed to import, its object failed ``check``, or several plugins
+            claim the name."""
+        entries = self.entries()
+        if name not in entries:
+            close = difflib.get_close_matches(str(name), list(entries), n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            pre = f"{where}: " if where else ""
+            raise UnknownName(
+                f"{pre}unknown {self.kind} {name!r}{hint} (registered: {sorted(entries)})"
+            )
+        return self.load(entries[name])
+
+    def load(self, entry: Entry[T]) -> T:
+        """Load ``entry``'s object (once) and return it; see :meth:`get` for the errors."""
+        if entry.clash:
+            raise RegistryError(
+                f"{self.kind} {entry.name!r} is registered by several plugins: "
+                f"{', '.join(sorted({entry.dist, *entry.clash}))}; uninstall all but one"
+            )
+        if entry.obj is None:
+            assert entry.entry_point is not None
+            try:
+                obj = entry.entry_point.load()
+            except Exception as exc:  # noqa: BLE001 - any plugin failure is reported, not raised
+                entry.error = f"{type(exc).__name__}: {exc}"
+                raise RegistryError(
+                    f"{self.kind} {entry.name!r} from distribution {entry.dist!r} failed to "
+                    f"load ({entry.value}): {entry.error}"
+                ) from exc
+            try:
+                entry.obj = self._check(entry.name, obj) if self._check is not None else obj
+            except (TypeError, ValueError) as exc:
+                entry.error = str(exc)
+                raise RegistryError(
+                    f"{self.kind} {entry.name!r} from {entry.dist!r}: {entry.error}"
+                ) from exc
+            entry.error = None
+        return entry.obj
+
+    def loaded(self) -> dict[str, T]:
+        """The names loaded so far -> their objects (nothing is loaded by this call)."""
+        return {n: e.obj for n, e in self.entries().items() if e.obj is not None}

@@ -27,7 +27,7 @@ G = N = 128, N_s = 0).  Everything below marked [RECON] is this project's choice
   PN-Mix's Eq. 7 midpoint.
 
 Flush rule: KIVI's (docs/methods.md#kivi).  The class assignment is stored once per (layer, b, h) as a uint8
-channel permutation (:mod:`kvbench.kv.mixed`), m_sal = 0.
+channel permutation (:mod:`kvbench.cache.mixed_channel`), m_sal = 0.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from kvbench.kv.blocks import Codec
-from kvbench.kv.layout import BlockLayout
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.mixed import MixedChannelCodec, channel_scores, mixed_layout, rank_classes
-from kvbench.kv.quant import check_bits
+from kvbench.cache.blocks import Codec
+from kvbench.cache.layout import BlockLayout
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.mixed_channel import MixedChannelCodec, channel_scores, mixed_layout, rank_classes
+from kvbench.cache.quant import check_bits
 
 SCORES = {"k-range": "range", "k-magnitude": "magnitude", "k-absmax": "absmax"}
 CLASSIFICATIONS = ("prefill", "calibrated")
@@ -58,7 +58,7 @@ BITS_FIELDS = ("retrieval_bits", "outlier_bits", "normal_bits", "subnormal_bits"
 
 @dataclass(frozen=True)
 class ChanMixConfig(CacheConfig):
-    """ChanMix settings [RECON]; common fields: :class:`kvbench.kv.method.CacheConfig`.
+    """ChanMix settings [RECON]; common fields: :class:`kvbench.cache.method.CacheConfig`.
 
     Attributes
     ----------
@@ -225,7 +225,7 @@ class ChanMix(Method):
         return MixedChannelCodec(c.class_bits, None, classes=classes, **kw)
 
     def key_layout(self, head_dim: int) -> BlockLayout:
-        """The :class:`~kvbench.kv.mixed.MixedChannelBlock` layout of the configured classes
+        """The :class:`~kvbench.cache.mixed_channel.MixedChannelBlock` layout of the configured classes
         (known before any selection or calibration)."""
         c = self.config
         scale = KEY_SCALE_DTYPES[c.key_scale_dtype]

@@ -46,16 +46,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attend import native
-from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
-from kvbench.attend.registry import register_block_kernel
-from kvbench.kv.blocks import own_storage
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.finite import all_finite
-from kvbench.kv.layout import BlockLayout, Codes, GroupTerms, dtype_name
-from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import round_up_to_dtype
-from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
+from kvbench.attention import native
+from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
+from kvbench.attention.dispatch import register_block_kernel
+from kvbench.cache.blocks import own_storage
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.finite import all_finite
+from kvbench.cache.layout import BlockLayout, Codes, GroupTerms, dtype_name
+from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.quant import round_up_to_dtype
+from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
 
 FORMATS = {
     "e4m3fn": torch.float8_e4m3fn,
@@ -221,7 +221,7 @@ class FP8Codec:
 
     def encode(self, x: torch.Tensor) -> FP8Block:
         """``x [B, H_kv, n, D]`` (any float dtype) -> :class:`FP8Block`, chunk by chunk along T
-        (:func:`~kvbench.kv.chunks.token_chunks`): an amax scale first takes the maximum over
+        (:func:`~kvbench.cache.chunks.token_chunks`): an amax scale first takes the maximum over
         the chunks' maxima (exact: max is associative), then each chunk is divided by its
         scale and cast, so the codes and scales equal one pass's while the float32 working
         copies stay a chunk's (a whole pass makes several 1 GiB temporaries per side at
@@ -323,7 +323,7 @@ def _fp8_values(codes: torch.Tensor, p: torch.Tensor, lut: torch.Tensor, tag: in
 
 
 class FP8Attention:
-    """Code-domain attention terms of :class:`FP8Block` (``kvbench.attend.registry``).
+    """Code-domain attention terms of :class:`FP8Block` (``kvbench.attention.dispatch``).
 
     ``logit_t = s_t (q . fp8(c_t))`` and ``out = sum_t (p_t s_t) fp8(c_t)`` with ``fp8(.)`` the
     256-entry table :func:`fp8_table` (no dequantized cache: compiled, the lookup is fused into

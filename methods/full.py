@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.kv.layout import BlockLayout
-from kvbench.kv.method import Capabilities, Method, MethodConfig
+from kvbench.cache.layout import BlockLayout
+from kvbench.cache.method import Capabilities, Method, MethodConfig
 
 
 @dataclass(frozen=True)

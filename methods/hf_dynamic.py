@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.hf.peers import HFPeer, text_config
-from kvbench.kv.layout import BlockLayout
-from kvbench.kv.method import MethodConfig
+from kvbench.cache.layout import BlockLayout
+from kvbench.cache.method import MethodConfig
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.hf.peers import HFPeer, text_config
-from kvbench.kv.layout import BlockLayout, Codes
-from kvbench.kv.method import MethodConfig
+from kvbench.cache.layout import BlockLayout, Codes
+from kvbench.cache.method import MethodConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
+from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
 
 from .hf_quanto import HFQuantizedConfig, HFQuanto
 

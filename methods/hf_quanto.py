@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbench.hf.peers import HFPeer, text_config
-from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
-from kvbench.kv.method import MethodConfig
+from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
+from kvbench.cache.method import MethodConfig
 
 
 def _choice(value: Any, name: str, allowed: tuple) -> None:

@@ -22,7 +22,7 @@ head_dim, each with one float16 scale ``d``; keys and values are configured inde
 * ``f16``: that side is not quantized (kept in the model's dtype; 16 bits nominal).
 
 ``q8_0`` and ``absmax7`` use the core symmetric quantizer (``quantize_groups(symmetric=True)``
-via :class:`~kvbench.kv.blocks.PerTokenCodec`), which differs from ``quantize_row_q8_0_ref`` in two
+via :class:`~kvbench.cache.blocks.PerTokenCodec`), which differs from ``quantize_row_q8_0_ref`` in two
 documented details: ties round half-to-even (llama.cpp: ``roundf``, half away from zero) and
 the codes are computed from the stored fp16 scale, rounded up (llama.cpp: from fp32 ``d``).
 Codes are packed as the core's LSB-first bit stream (llama.cpp's q4_0 puts element ``j`` and
@@ -38,13 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.kv.blocks import AffineBlock, PerTokenCodec, affine_layout
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.finite import all_finite
-from kvbench.kv.layout import BlockLayout
-from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import pack_bits, packed_size
-from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
+from kvbench.cache.blocks import AffineBlock, PerTokenCodec, affine_layout
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.finite import all_finite
+from kvbench.cache.layout import BlockLayout
+from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.quant import pack_bits, packed_size
+from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
 
 BLOCK_TYPES = ("f16", "q8_0", "q4_0")
 Q4_RULES = ("absmax7", "llamacpp")
@@ -76,7 +76,7 @@ class LlamaCppQ4Codec:
         if dim % bs:
             raise ValueError(f"block_size={bs} does not divide head_dim={dim}")
         # token by token (each code and scale depends on its own 32-channel block), in chunks
-        # along T (kvbench.kv.chunks): the codes of one pass, without its GiB-sized temporaries
+        # along T (kvbench.cache.chunks): the codes of one pass, without its GiB-sized temporaries
         packed = torch.empty(b, h, n, packed_size(dim, 4), dtype=torch.uint8, device=x.device)
         d16 = torch.empty(b, h, n, dim // bs, dtype=torch.float16, device=x.device)
         for t0, t1 in token_chunks(b, h, n, dim):

@@ -11,10 +11,10 @@ by ``seed`` and the layer index).  Ties go to the lower channel index.
 
 Storage per page and (b, h) (Kitty's system layout, ``utils_kv_per_layer.py``): the codes of both
 classes, one fp16 (scale, min) per channel, and one uint8 channel index per channel
-(``ch_idx``, counted as metadata); see :mod:`kvbench.kv.mixed`.
+(``ch_idx``, counted as metadata); see :mod:`kvbench.cache.mixed_channel`.
 
 Flush rule (Kitty-sim ``kitty_simulate.py``): the first ``num_sink_tokens`` tokens stay full
-precision; keys use :class:`~kvbench.kv.schedule.AllButNewestSchedule` (prefill: ``n - n mod G`` of
+precision; keys use :class:`~kvbench.cache.schedule.AllButNewestSchedule` (prefill: ``n - n mod G`` of
 the ``n`` non-sink tokens when ``n > R``; decode: when the residual reaches R + 1 its oldest R are
 quantized, so it cycles 1..R); values are KIVI-style per token with a sliding window of R
 (``value_bits=16`` keeps them full precision).  Example 16: prefill 300, sinks 32 -> keys 256
@@ -33,17 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.kv.blocks import Codec
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.mixed import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
-from kvbench.kv.schedule import AllButNewestSchedule
+from kvbench.cache.blocks import Codec
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.mixed_channel import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
+from kvbench.cache.schedule import AllButNewestSchedule
 
 SELECTIONS = ("magnitude", "variance", "random")
 
 
 @dataclass(frozen=True)
 class KittyConfig(CacheConfig):
-    """Kitty settings; common fields: :class:`kvbench.kv.method.CacheConfig`.
+    """Kitty settings; common fields: :class:`kvbench.cache.method.CacheConfig`.
 
     Attributes
     ----------

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.kv.blocks import Codec, PerChannelCodec
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.quant import check_bits
+from kvbench.cache.blocks import Codec, PerChannelCodec
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.quant import check_bits
 
 
 @dataclass(frozen=True)
 class KIVIConfig(CacheConfig):
-    """``bits``: key code width (1..8); other fields: :class:`kvbench.kv.method.CacheConfig`."""
+    """``bits``: key code width (1..8); other fields: :class:`kvbench.cache.method.CacheConfig`."""
 
     bits: int = 2
 

@@ -32,17 +32,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvbench.attend import native
-from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, native_allowed, note_impl
-from kvbench.attend.registry import register_block_kernel
-from kvbench.kv.blocks import cat_blocks, own_storage
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.finite import all_finite
-from kvbench.kv.layer import LayerCache, Side
-from kvbench.kv.layout import BlockLayout, Codebook, Codes, Projection, SparseOutliers
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.quant import bucket_index, pack_bits, unpack_bits
-from kvbench.kv.schedule import SlidingSchedule
+from kvbench.attention import native
+from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl
+from kvbench.attention.dispatch import register_block_kernel
+from kvbench.cache.blocks import cat_blocks, own_storage
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.finite import all_finite
+from kvbench.cache.layer import LayerCache, Side
+from kvbench.cache.layout import BlockLayout, Codebook, Codes, Projection, SparseOutliers
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.quant import bucket_index, pack_bits, unpack_bits
+from kvbench.cache.schedule import SlidingSchedule
 
 ROPE_LAYOUTS, NUQ_MAX_ITERS = ("rotate_half", "interleaved"), 1000
 
@@ -203,7 +203,7 @@ def _dense_eager(block: LUTBlock, qk: torch.Tensor, lut: torch.Tensor, rot) -> t
 
 
 class LUTAttention:
-    """Code-domain keys of :class:`LUTBlock` for ``kvbench.attend.registry``.
+    """Code-domain keys of :class:`LUTBlock` for ``kvbench.attention.dispatch``.
 
     Codes read as stored (``pre_rope=False``): ``q . k_t = (q * half) . lut[c_t] + q .
     center`` for the dense part, plus, for each sparse outlier ``(t, d)``, ``q_d (value -
@@ -217,7 +217,7 @@ class LUTAttention:
     c_i q_j - c_j q_i] . [C, S]``, and an outlier at channel ``d`` adds ``(value - dense)
     (R(-p_t) q)_d``: no rotated key is formed.  Eager: unpack + a ``2^bits``-entry lookup +
     matmul in chunks of tokens (the angle tables are cached, :func:`rope_angles`).  Native
-    where allowed (:func:`kvbench.attend.native.keys_lut_outliers`): each token's key is
+    where allowed (:func:`kvbench.attention.native.keys_lut_outliers`): each token's key is
     dequantized in registers (table, half, centre, its outliers placed), turned by its cos/sin
     row and dotted with the query rows; nothing is written back."""
 
@@ -324,7 +324,7 @@ class LUTCodec:
 
     def encode(self, x: torch.Tensor) -> LUTBlock:
         """``x [B, H_kv, n, D]`` -> :class:`LUTBlock`, chunk by chunk along T
-        (:func:`~kvbench.kv.chunks.token_chunks`: each element is coded against static
+        (:func:`~kvbench.cache.chunks.token_chunks`: each element is coded against static
         thresholds, so the codes and outliers equal one pass's, while the float32 working
         copies stay a chunk's)."""
         b, h, n, d = x.shape
@@ -435,7 +435,7 @@ _RULES = (  # (field, test, allowed values for the error message); type() exclud
 
 @dataclass(frozen=True)
 class KVQuantConfig(CacheConfig):
-    """KVQuant-lite settings; common fields: :class:`kvbench.kv.method.CacheConfig`.
+    """KVQuant-lite settings; common fields: :class:`kvbench.cache.method.CacheConfig`.
 
     bits : key code width 2, 3 or 4 (default 4: the "nuq4-1%" checkpoints).
     sparsity_threshold : tau in (0.5, 1]; a fraction 1 - tau of the calibration keys lies

@@ -9,9 +9,9 @@ rule), since a per-channel group needs G tokens.  Defaults: 2 bits, G = R = 128,
 
 from __future__ import annotations
 
-from kvbench.kv.blocks import Codec, PerChannelCodec
-from kvbench.kv.method import Capabilities, Method
-from kvbench.kv.schedule import BlockSchedule, NeverSchedule
+from kvbench.cache.blocks import Codec, PerChannelCodec
+from kvbench.cache.method import Capabilities, Method
+from kvbench.cache.schedule import BlockSchedule, NeverSchedule
 
 from .kivi import KIVIConfig
 

@@ -8,7 +8,7 @@ Defaults: 2 bits, R = 128, no sinks, ``value_bits=16``.
 
 from __future__ import annotations
 
-from kvbench.kv.blocks import PerHeadCodec
+from kvbench.cache.blocks import PerHeadCodec
 
 from .uniform import Uniform
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.kv.blocks import Codec, PerTokenCodec
-from kvbench.kv.method import Capabilities, Method
-from kvbench.kv.schedule import SlidingSchedule
+from kvbench.cache.blocks import Codec, PerTokenCodec
+from kvbench.cache.method import Capabilities, Method
+from kvbench.cache.schedule import SlidingSchedule
 
 from .kivi import KIVIConfig
 

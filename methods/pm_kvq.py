@@ -48,13 +48,13 @@ from typing import Any
 
 import torch
 
-from kvbench.kv.blocks import AffineBlock, PerTokenCodec
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.layer import LayerCache
-from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
-from kvbench.kv.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import pack_bits, packed_size, resolve_scale_dtype
-from kvbench.kv.schedule import BlockSchedule
+from kvbench.cache.blocks import AffineBlock, PerTokenCodec
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms
+from kvbench.cache.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.quant import pack_bits, packed_size, resolve_scale_dtype
+from kvbench.cache.schedule import BlockSchedule
 
 from .pm_kvq_calibration import allocate_bits, layer_sensitivity, pi_calibration_scales
 
@@ -113,7 +113,7 @@ class ProgressiveCodec:
 
     def encode(self, x: torch.Tensor) -> AffineBlock:
         """``x [B, H_kv, n, D]`` -> :class:`AffineBlock` at ``bits``, chunk by chunk along T
-        (:func:`~kvbench.kv.chunks.token_chunks`: per-token groups, so the codes and scales
+        (:func:`~kvbench.cache.chunks.token_chunks`: per-token groups, so the codes and scales
         equal one pass's, while the 16-bit codes and their int64 halvings stay a chunk's)."""
         b, h, n, d = x.shape
         codec = PerTokenCodec(self.init_bits, self.scale_dtype, channel_group=self.channel_group)
@@ -136,7 +136,7 @@ class ProgressiveLayerCache(LayerCache):
     """:class:`LayerCache` whose main cache shrinks while the layer exceeds ``budget`` (bytes per
     sequence).  Codecs, schedules, sinks and ``num_kv_heads``/``head_dim`` as in
     :class:`LayerCache` (built by :meth:`PMKVQ.new_layer` through
-    :meth:`~kvbench.kv.method.Method.layer_cache`); ``budget_scope`` and ``on_overflow`` come
+    :meth:`~kvbench.cache.method.Method.layer_cache`); ``budget_scope`` and ``on_overflow`` come
     from ``config``; ``bits`` is the width now."""
 
     def __init__(

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.attend.reference import reference_attention
-from kvbench.kv.quant import fake_quantize, resolve_scale_dtype
+from kvbench.attention.reference import reference_attention
+from kvbench.cache.quant import fake_quantize, resolve_scale_dtype
 
 from .polarquant import split_pairs
 

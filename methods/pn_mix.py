@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.kv.blocks import Codec
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.mixed import (
+from kvbench.cache.blocks import Codec
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.mixed_channel import (
     PAIRINGS,
     MixedChannelCodec,
     channel_scores,
@@ -49,7 +49,7 @@ from kvbench.kv.mixed import (
     pair_channels,
     rank_classes,
 )
-from kvbench.kv.schedule import AllButNewestSchedule, BlockSchedule
+from kvbench.cache.schedule import AllButNewestSchedule, BlockSchedule
 
 SCORES = ("qk-pair-norm", "qk-pair-norm-causal", "k-range", "k-magnitude", "k-pair-norm")
 FLUSHES = ("kivi", "kitty")
@@ -59,7 +59,7 @@ def _pair_norm(x: torch.Tensor, pc: torch.Tensor, dt: torch.dtype) -> torch.Tens
     """``hypot`` of each RoPE pair ``[..., T, D/2]`` in ``dt`` for ``x [..., T, D]``: each half
     read from ``x`` in its own dtype, then cast (the cast is exact, so the same values as
     reading from ``x.to(dt)``), chunk by chunk along T into one ``dt`` output
-    (:mod:`kvbench.kv.chunks`; elementwise, so equal to one pass), without a ``dt`` copy of
+    (:mod:`kvbench.cache.chunks`; elementwise, so equal to one pass), without a ``dt`` copy of
     all of ``x`` (4 GiB of float32 for 8 rows of 32K-token queries).  A half whose channels
     step evenly (both pairings) is read as a strided view instead of an index gather."""
     halves = [_channels(x, pc[:, j]) for j in (0, 1)]
@@ -138,7 +138,7 @@ def pair_scores(
 
 @dataclass(frozen=True)
 class PNMixConfig(CacheConfig):
-    """PN-Mix settings; common fields: :class:`kvbench.kv.method.CacheConfig`.
+    """PN-Mix settings; common fields: :class:`kvbench.cache.method.CacheConfig`.
 
     Attributes
     ----------
@@ -203,7 +203,7 @@ class PairSelector:
 
 
 class PairCodec(MixedChannelCodec):
-    """:class:`~kvbench.kv.mixed.MixedChannelCodec` with a fixed RoPE-pair selection."""
+    """:class:`~kvbench.cache.mixed_channel.MixedChannelCodec` with a fixed RoPE-pair selection."""
 
     @property
     def selected_pairs(self) -> torch.Tensor | None:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvbench.kv.blocks import AffineBlock, Codec, PerChannelCodec
-from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
-from kvbench.kv.method import CacheConfig, Capabilities, Method
+from kvbench.cache.blocks import AffineBlock, Codec, PerChannelCodec
+from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
+from kvbench.cache.method import CacheConfig, Capabilities, Method
 
 PAIRINGS = ("rotate_half", "interleaved")
 ANGLE_WRAPS = ("minmax", "circular")
@@ -130,13 +130,13 @@ class PolarBlock:
 
 
 class PolarAttention:
-    """Code-domain keys of :class:`PolarBlock` for ``kvbench.attend.registry``.
+    """Code-domain keys of :class:`PolarBlock` for ``kvbench.attention.dispatch``.
 
     For pair ``j`` of token ``t`` in page ``P``, ``q . k = r_tj (qa_j cos θ_tj + qb_j sin θ_tj)``
     with ``r = c^r a^r_P + b^r_P`` and ``θ`` one of the page's ``2^angle_bits`` levels, so the
     step builds the table ``T_P[j, l] = qa_j cos θ_l + qb_j sin θ_l`` per page (once per query)
     and reads it at the angle codes (PolarQuant's table lookup, Wu et al. §3): native where
-    allowed (:func:`kvbench.attend.native.keys_polar`, one pass over the codes), else eager in
+    allowed (:func:`kvbench.attention.native.keys_polar`, one pass over the codes), else eager in
     chunks of pages.  Keys only."""
 
     def key_reason(self, block: PolarBlock, head_dim: int) -> str | None:
@@ -151,9 +151,9 @@ class PolarAttention:
         return "PolarQuant is a key layout"
 
     def key_logits(self, block: PolarBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        from kvbench.attend import native
-        from kvbench.attend.cpu import EAGER_CHUNK_TOKENS, affine_terms, native_allowed, note_impl
-        from kvbench.kv.quant import unpack_bits
+        from kvbench.attention import native
+        from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, affine_terms, native_allowed, note_impl
+        from kvbench.cache.quant import unpack_bits
 
         rad, ang = block.radius, block.angle
         bsz, h, m, d = q.shape
@@ -210,7 +210,7 @@ class PolarAttention:
 
 
 def _register() -> None:
-    from kvbench.attend.registry import register_block_kernel
+    from kvbench.attention.dispatch import register_block_kernel
 
     register_block_kernel(PolarBlock, PolarAttention(), ("cpu",))
 
@@ -275,7 +275,7 @@ class PolarCodec:
 
 @dataclass(frozen=True)
 class PolarQuantConfig(CacheConfig):
-    """PolarQuant settings; common fields in :class:`kvbench.kv.method.CacheConfig`.
+    """PolarQuant settings; common fields in :class:`kvbench.cache.method.CacheConfig`.
 
     Attributes
     ----------

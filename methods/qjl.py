@@ -33,16 +33,16 @@ from functools import lru_cache
 
 import torch
 
-from kvbench.attend import native
-from kvbench.attend.cpu import native_allowed, note_impl
-from kvbench.attend.registry import register_block_kernel
-from kvbench.kv.blocks import own_storage
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.finite import all_finite
-from kvbench.kv.layer import LayerCache
-from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
-from kvbench.kv.method import CacheConfig, Capabilities, Method, check_int
-from kvbench.kv.quant import pack_bits, unpack_bits
+from kvbench.attention import native
+from kvbench.attention.codedomain import native_allowed, note_impl
+from kvbench.attention.dispatch import register_block_kernel
+from kvbench.cache.blocks import own_storage
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.finite import all_finite
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
+from kvbench.cache.method import CacheConfig, Capabilities, Method, check_int
+from kvbench.cache.quant import pack_bits, unpack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -127,7 +127,7 @@ class QJLBlock:
 
     def native_scores(self, q: torch.Tensor) -> torch.Tensor | None:
         """The estimator of :meth:`scores` without outliers, in the code domain of the native
-        kernels (:mod:`kvbench.attend.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
+        kernels (:mod:`kvbench.attention.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
         one KV head) -> ``[B, H_kv, M, n]`` float32, or ``None`` where the kernels do not take
         the block (outlier channels, ``m`` not a multiple of 8, no native build).
 
@@ -236,7 +236,7 @@ class QJLKeyCodec:
 
     def encode(self, x: torch.Tensor) -> QJLBlock:
         """``x [B, H_kv, n, D]`` -> :class:`QJLBlock`, chunk by chunk along T in whole outlier
-        groups (:func:`~kvbench.kv.chunks.token_chunks`: a token's signs and norms depend on
+        groups (:func:`~kvbench.cache.chunks.token_chunks`: a token's signs and norms depend on
         it and its group alone, so they equal one pass's, while the float32 working copies
         stay a chunk's).  Raises ``ValueError`` when ``n`` is not a multiple of
         ``group_size`` (with outliers) or a norm overflows ``norm_dtype``."""
@@ -280,7 +280,7 @@ class QJLKeyCodec:
 
 
 class QJLAttention:
-    """Code-domain keys of :class:`QJLBlock` for ``kvbench.attend.registry``: the estimator
+    """Code-domain keys of :class:`QJLBlock` for ``kvbench.attention.dispatch``: the estimator
     :meth:`QJLBlock.scores` (the query sketched once per step, ``S q``, then dotted with the
     stored signs), on the native per-token kernel where it takes the block
     (:meth:`QJLBlock.native_scores`), else eager.  Keys only; the eager estimator is also the
@@ -308,7 +308,7 @@ register_block_kernel(QJLBlock, QJLAttention(), ("cpu", "cuda"))
 
 
 class QJLLayerCache(LayerCache):
-    """A :class:`~kvbench.kv.layer.LayerCache` whose sketched keys are read only by
+    """A :class:`~kvbench.cache.layer.LayerCache` whose sketched keys are read only by
     :meth:`attend` (through the registered :class:`QJLAttention`: exact logits for sinks and
     residual, the QJL estimate for sketched keys, float32 softmax)."""
 
@@ -318,7 +318,7 @@ class QJLLayerCache(LayerCache):
 
 @dataclass(frozen=True)
 class QJLConfig(CacheConfig):
-    """Configuration of :class:`QJL` (common fields: :class:`~kvbench.kv.method.CacheConfig`).
+    """Configuration of :class:`QJL` (common fields: :class:`~kvbench.cache.method.CacheConfig`).
 
     Attributes
     ----------

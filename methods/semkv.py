@@ -23,23 +23,23 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.attend import native
-from kvbench.attend.cpu import (
+from kvbench.attention import native
+from kvbench.attention.codedomain import (
     AffineBlockAttention,
     affine_terms,
     code_layout,
     native_allowed,
     note_impl,
 )
-from kvbench.attend.reference import causal_mask, length_mask
-from kvbench.attend.registry import register_block_kernel
-from kvbench.kv.blocks import AffineBlock, cat_blocks, own_storage
-from kvbench.kv.layer import LayerCache
-from kvbench.kv.layout import BlockLayout, CodeClass, Codes, GroupTerms
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.native_quant import quantize_pack
-from kvbench.kv.quant import pack_bits, quantize_groups, unpack_bits
-from kvbench.kv.schedule import SlidingSchedule
+from kvbench.attention.reference import causal_mask, length_mask
+from kvbench.attention.dispatch import register_block_kernel
+from kvbench.cache.blocks import AffineBlock, cat_blocks, own_storage
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.native_quant import quantize_pack
+from kvbench.cache.quant import pack_bits, quantize_groups, unpack_bits
+from kvbench.cache.schedule import SlidingSchedule
 
 SCORES = ("attention", "key-norm")
 _PER_TOKEN = ("low", "scale", "zero")  # MixedBlock fields laid out [B, H_kv, n, ...]
@@ -123,13 +123,13 @@ class MixedBlock:
 
 
 class MixedBlockAttention:
-    """Code-domain keys and values of :class:`MixedBlock` for ``kvbench.attend.registry``.
+    """Code-domain keys and values of :class:`MixedBlock` for ``kvbench.attention.dispatch``.
 
     A token's code is ``c = low + 2^lb up`` (``up`` only for high tokens), so with per-token
     terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
     (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + sum_g 2^lb scale_{t,g} (q_g . up_{t,g})``
     and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
-    kernel (:class:`kvbench.attend.cpu.AffineBlockAttention`: native, compiled or eager): the
+    kernel (:class:`kvbench.attention.codedomain.AffineBlockAttention`: native, compiled or eager): the
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
     token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
     rows placed at their positions and zero codes for the low tokens (a transient of ``(hb -
@@ -181,7 +181,7 @@ class MixedBlockAttention:
         return rows.view(n, b, h).permute(1, 2, 0).contiguous()
 
     def _native(self, block: MixedBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
-        """Both planes in one native call (:class:`kvbench.attend.native.Upper`: the low plane
+        """Both planes in one native call (:class:`kvbench.attention.native.Upper`: the low plane
         by the per-token group kernel, the high tokens' upper rows read where they are stored)
         where it applies, else ``None``.  ``x``: the query (keys) or probabilities (values)."""
         low, d, m = self._low(block), block.head_dim, x.shape[2]
@@ -237,7 +237,7 @@ class MixedCodec:
     def _quantize(self, x: torch.Tensor, bits: int):
         """``(codes [B, H_kv, n, D], scale, zero [B, H_kv, n, D / channel_group])`` of
         ``quantize_groups`` on the channel groups: from the native one-pass quantizer
-        (:mod:`kvbench.kv.native_quant`, the same values, one uint8 code per channel) where it
+        (:mod:`kvbench.cache.native_quant`, the same values, one uint8 code per channel) where it
         serves ``x``, else from ``quantize_groups``."""
         cg, sd = self.channel_group, self.scale_dtype
         got = quantize_pack(x, bits, 1, cg, scale_dtype=sd, packed=False)
@@ -262,7 +262,7 @@ class MixedCodec:
 
 
 def prefill_probabilities(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """:func:`kvbench.attend.reference.reference_probabilities` (causal, default scaling) of
+    """:func:`kvbench.attention.reference.reference_probabilities` (causal, default scaling) of
     ``query [B, H_q, n_q, D]`` over ``keys [B, H_kv, T, D]``, float32 ``[B, H_q, n_q, T]``,
     one query head at a time against its KV head's float32 keys: the same per-head products,
     mask and softmax (equal bit for bit, tested), without the ``H_q / H_kv`` repeated float32
@@ -401,7 +401,7 @@ class SemKVLayer(LayerCache):
 
 @dataclass(frozen=True)
 class SemKVConfig(CacheConfig):
-    """SemKV settings [RECON] (and :class:`kvbench.kv.method.CacheConfig`'s): high_bits, low_bits
+    """SemKV settings [RECON] (and :class:`kvbench.cache.method.CacheConfig`'s): high_bits, low_bits
     (3, 2; 1..8, high > low); target_bits: average code bits in [low, high] (2.5); score:
     ``"attention"`` (default, needs prefill queries) or ``"key-norm"``; score_window (32);
     mixed_values: values at their token's width (default True), else ``value_bits`` (16 = full

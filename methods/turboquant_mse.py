@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from scipy import special
 
-from kvbench.attend import native
-from kvbench.attend.cpu import (
+from kvbench.attention import native
+from kvbench.attention.codedomain import (
     EAGER_CHUNK_TOKENS,
     code_layout,
     native_allowed,
@@ -43,14 +43,14 @@ from kvbench.attend.cpu import (
     subcodes,
     to_subcode_order,
 )
-from kvbench.attend.registry import register_block_kernel
-from kvbench.kv.blocks import own_storage
-from kvbench.kv.chunks import token_chunks
-from kvbench.kv.finite import all_finite
-from kvbench.kv.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
-from kvbench.kv.method import Capabilities, Method, MethodConfig, check_int
-from kvbench.kv.quant import bucket_index, pack_bits, packed_size, unpack_bits
-from kvbench.kv.schedule import NeverSchedule, SlidingSchedule
+from kvbench.attention.dispatch import register_block_kernel
+from kvbench.cache.blocks import own_storage
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.finite import all_finite
+from kvbench.cache.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
+from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.quant import bucket_index, pack_bits, packed_size, unpack_bits
+from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
 
 APPLY_TO = ("keys", "values", "both")
 CODEBOOKS = ("exact", "gaussian")
@@ -202,7 +202,7 @@ def _tq_values(packed, ps, cent, bits):
 
 
 class TurboAttention:
-    """Code-domain attention of :class:`TurboBlock` for ``kvbench.attend.registry``.
+    """Code-domain attention of :class:`TurboBlock` for ``kvbench.attention.dispatch``.
 
     With ``x_t = |x_t| centroid[c_t] Pi`` (Zandieh et al., arXiv 2504.19874, Alg. 1): keys
     ``q . x_t = |x_t| (q Pi^T) . centroid[c_t]`` (the query rotated once per step); values
@@ -298,7 +298,7 @@ class TurboQuantCodec:
 
     def encode(self, x: torch.Tensor) -> TurboBlock:
         """``x [B, H_kv, n, D]`` -> :class:`TurboBlock`, chunk by chunk along T
-        (:func:`~kvbench.kv.chunks.token_chunks`: every token is coded alone, so the codes and
+        (:func:`~kvbench.cache.chunks.token_chunks`: every token is coded alone, so the codes and
         norms equal one pass's, while the float32 working copies stay a chunk's).  Raises
         ``ValueError`` when a norm overflows ``norm_dtype`` or ``D`` is not the rotation's."""
         d = self.rotation.shape[0]

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.kv.blocks import Codec, PerTensorCodec
-from kvbench.kv.method import Capabilities, Method
-from kvbench.kv.schedule import BlockSchedule, NeverSchedule
+from kvbench.cache.blocks import Codec, PerTensorCodec
+from kvbench.cache.method import Capabilities, Method
+from kvbench.cache.schedule import BlockSchedule, NeverSchedule
 
 from .kivi import KIVIConfig
 

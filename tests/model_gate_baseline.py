@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, help="keep the runs here (resumable)")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvbench-model-gate-"))
-    from kvbench.run.suite import load_suite
+    from kvbench.bench.suite import load_suite
 
     assert CONFIGS[-1] == (load_suite(SUITE).threads, None, None), "baseline config last"
     runs = {}

@@ -35,13 +35,13 @@ STATUS |= dict.fromkeys((-6, -8, -9, -11), "crash")
 
 #: workload modules: the functions whose mutants are scored (the metric code)
 SCOPE = {
-    "kvbench/workloads/perplexity.py": ("xǁPerplexityǁrun",),
-    "kvbench/workloads/generation.py": ("xǁGenerationǁrun", "x_run_batched"),
-    "kvbench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
-    "kvbench/workloads/passkey.py": ("xǁPasskeyǁrun",),
+    "kvbench/bench/workloads/perplexity.py": ("xǁPerplexityǁrun",),
+    "kvbench/bench/workloads/generation.py": ("xǁGenerationǁrun", "x_run_batched"),
+    "kvbench/bench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
+    "kvbench/bench/workloads/passkey.py": ("xǁPasskeyǁrun",),
     # the Python glue that decides which quantizer path runs and shapes its results; the
     # build-and-load code (``build``, ``_load``) is not scored
-    "kvbench/kv/native_quant.py": ("x_quantize_pack", "x__c_affine_terms", "x__split", "x__run"),
+    "kvbench/cache/native_quant.py": ("x_quantize_pack", "x__c_affine_terms", "x__split", "x__run"),
 }
 
 

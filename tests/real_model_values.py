@@ -51,7 +51,7 @@ def load() -> tuple:
 
 def chunked_ppl(model, ids: torch.Tensor, method) -> float:
     """Perplexity of tokens PREFILL..WINDOW-1 under the chunked protocol."""
-    from kvbench.workloads.perplexity import chunked_logits
+    from kvbench.bench.workloads.perplexity import chunked_logits
 
     lp, _ = chunked_logits(model, ids, method, PREFILL, CHUNK)
     target = ids[0, PREFILL:]
@@ -67,7 +67,7 @@ def kivi_2bit():
 def per_channel_attn_kl(captured, bits: int) -> float:
     """Attention KL of ``bits``-bit per-channel keys (G = R = 64), summed over the layers."""
     import kvbench
-    from kvbench.workloads.fidelity import layer_fidelity
+    from kvbench.bench.workloads.fidelity import layer_fidelity
 
     m = kvbench.get_method("per-channel", bits=bits, group_size=64, residual_length=64)
     return sum(

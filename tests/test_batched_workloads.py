@@ -15,10 +15,10 @@ import pytest
 import torch
 from tiny_lm import tiny_lm
 
-from kvbench.kv.method import Capabilities
-from kvbench.kv.registry import get_method, get_method_class
-from kvbench.run.runner import RunContext
-from kvbench.workloads import workload_class
+from kvbench.cache.method import Capabilities
+from kvbench.cache.registry import get_method, get_method_class
+from kvbench.bench.runner import RunContext
+from kvbench.bench.workloads import workload_class
 
 SMALL = {"group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bits": 2, "bits": 2}
 METHODS = ["full", "kivi", "per-token", "pn-mix", "int4-block", "fp8"]
@@ -100,7 +100,7 @@ def test_batched_greedy_and_teacher_forcing_equal_each_prompt_alone(name):
     """The two batched primitives of ``generation``: greedy tokens identical, teacher-forced
     log-probs within float32 noise (1e-5, as tests/test_padded_batch.py bounds the logits;
     pads in the statistics or a wrong position give ~1e-4 and more)."""
-    from kvbench.workloads.generation import (
+    from kvbench.bench.workloads.generation import (
         forced_logprobs,
         forced_logprobs_batch,
         greedy,

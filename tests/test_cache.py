@@ -33,8 +33,8 @@ import kvbench
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.hf.capture import capture_qkv
-from kvbench.kv.blocks import PerChannelCodec
-from kvbench.kv.method import Capabilities
+from kvbench.cache.blocks import PerChannelCodec
+from kvbench.cache.method import Capabilities
 
 KIVI = kvbench.get_method_class("kivi")
 

@@ -146,7 +146,7 @@ def _windows_absent(calib: str, evaluation: str, width: int = 96, step: int = 8)
 
 
 def test_calibration_text_is_disjoint_from_the_essays_evaluation_texts():
-    from kvbench.tasks.haystack import haystack_sentences
+    from kvbench.bench.tasks.haystack import haystack_sentences
 
     calib, _ = load_text("essays-calib")
     essays, _ = load_text("essays")

@@ -1,8 +1,8 @@
-"""Tests of ``kvbench.attend.cpu``: code-domain attention over a ``LayerCache``.
+"""Tests of ``kvbench.attention.codedomain``: code-domain attention over a ``LayerCache``.
 
 Right values: attention computed here in float64 numpy-style torch over the cache's own
 ``keys_values(float64)`` (dequantized blocks, sinks, residual; GQA by ``repeat_interleave``,
-causal mask aligned to the end), independently of ``kvbench.attend.reference``; GQA with num_kv_heads < num_heads: jy-yuan/KIVI#41 and #33, docs/methods.md#gqa-with-fewer-kv-heads-than-query-heads
+causal mask aligned to the end), independently of ``kvbench.attention.reference``; GQA with num_kv_heads < num_heads: jy-yuan/KIVI#41 and #33, docs/methods.md#gqa-with-fewer-kv-heads-than-query-heads
 (GQA, query head h reads KV head h // n_rep); at model level, the reference path
 (``attend=False``: sdpa over the dequantized cache) of the same tiny random Llama.
 """
@@ -16,21 +16,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
-from kvbench.attend import cpu as fastpath
+from kvbench.attention import codedomain as fastpath
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
-from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
-from kvbench.kv.finite import nonfinite
-from kvbench.kv.layer import LayerCache
-from kvbench.kv.schedule import BlockSchedule, SlidingSchedule
+from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
+from kvbench.cache.finite import nonfinite
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
 
 
 @pytest.fixture(autouse=True)
 def _without_native(monkeypatch):
     """These tests are about the ``torch.compile`` / eager kernels and the mode rules between
     them; the native C kernels, which ``auto`` mode prefers where built, are tested in
-    tests/attend/test_native.py and tests/attend/test_attend_backends.py."""
-    from kvbench.attend import native
+    tests/attention/test_native.py and tests/attention/test_attend_backends.py."""
+    from kvbench.attention import native
 
     monkeypatch.setattr(native, "available", lambda: False)
 
@@ -244,7 +244,7 @@ def test_nan_group_propagates_like_the_reference():
     lc = kivi_layer(2, 2, G=4, R=4)
     k = torch.randn(1, 2, 12, 16)
     k[0, 0, 1, 3] = float("nan")
-    with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+    with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
         lc.prefill(k, torch.randn(1, 2, 12, 16))
     q = query(1, 2, 1, 16)
     out = fastpath.code_domain_attend(lc, q)
@@ -293,7 +293,7 @@ def test_code_layout():
         (1, 8), (1, 4), (3, 8), (1, 2), (5, 8), (3, 4), (7, 8), (1, 1),
     ]  # fmt: skip
     # 3-bit codes 0..7 then 7..0 packed LSB-first: word of 3 bytes
-    from kvbench.kv.quant import pack_bits
+    from kvbench.cache.quant import pack_bits
 
     codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]])
     sub = fastpath.subcodes(pack_bits(codes, 3), 3)

@@ -18,9 +18,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
 from kvbench.hf.attention import use_kvbench_attention
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import parse_suite
-from kvbench.workloads.latency import CPU_NOTE, Latency
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import parse_suite
+from kvbench.bench.workloads.latency import CPU_NOTE, Latency
 
 # tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,7 +126,7 @@ def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Raw timings with a known answer.  Calls: 3 prefill rounds (M B, B M, M B), then 12 timed
     rounds (after 2 warm-up rounds, so they start M B) alternating.  The method's flush steps
     are timed steps 3 and 11 (see the test above), period 8."""
-    import kvbench.workloads.latency as lat
+    import kvbench.bench.workloads.latency as lat
 
     pre_m, pre_b = [30.0, 10.0, 20.0], [10.0, 12.0, 8.0]  # medians 20 and 10
     meth = [2.0, 2.0, 3.0, 10.0, 2.0, 2.0, 3.0, 2.0, 2.0, 2.0, 2.0, 14.0]
@@ -174,7 +174,7 @@ def test_end_to_end_records() -> None:
 def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner adds ``*_ratio`` against the ``full`` record only where the workload did not
     measure its own."""
-    from kvbench.workloads import Result
+    from kvbench.bench.workloads import Result
 
     calls = iter([1.0, 4.0])
 
@@ -281,7 +281,7 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
 def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     """B = 4: a batch step of 5 ms (mean) generates 4 tokens: 800 tokens/s; the baseline's 2 ms
     steps give a ratio of 2 / 5."""
-    import kvbench.workloads.latency as lat
+    import kvbench.bench.workloads.latency as lat
 
     meth, base = [4.0, 4.0, 4.0, 8.0], [2.0] * 4
     seq = [30.0, 10.0]

@@ -3,7 +3,7 @@
 Right values: ``full`` through the kvbench backend equals lm-eval's own ``hf`` backend on the
 same model (per-request log-likelihoods within float tolerance, identical greedy generations);
 a 2-bit method's log-likelihoods equal kvbench's perplexity machinery
-(:func:`kvbench.workloads.perplexity.chunked_logits`) on the same context and continuation and
+(:func:`kvbench.bench.workloads.perplexity.chunked_logits`) on the same context and continuation and
 differ from ``full``.
 """
 
@@ -20,8 +20,8 @@ lm_eval = pytest.importorskip(
     "lm_eval", reason="lm-eval not installed (pip install kvbench[lm-eval])"
 )
 
-from kvbench.lm_eval.backend import KVBenchLM  # noqa: E402
-from kvbench.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard, local_task_names  # noqa: E402
+from kvbench.integrations.lm_eval.backend import KVBenchLM  # noqa: E402
+from kvbench.integrations.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard, local_task_names  # noqa: E402
 
 GSM8K = Path(os.environ.get("KVBENCH_DATA_DIR", "")) / "gsm8k" / "test.jsonl"
 _skip_without_gsm8k = pytest.mark.skipif(
@@ -43,7 +43,7 @@ def test_directions_agree_with_lm_eval_registry():
     import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's metrics)
     from lm_eval.api.registry import HIGHER_IS_BETTER_REGISTRY
 
-    from kvbench.workloads.metrics import HIGHER, LM_EVAL_DIRECTIONS, LOWER, direction
+    from kvbench.bench.workloads.metrics import HIGHER, LM_EVAL_DIRECTIONS, LOWER, direction
 
     checked = 0
     for name, higher in HIGHER_IS_BETTER_REGISTRY.items():
@@ -130,7 +130,7 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
 
 
 def test_workload_validation():
-    from kvbench.workloads import workload_class
+    from kvbench.bench.workloads import workload_class
 
     cls = workload_class("lm_eval")
     spec = cls.validate({"type": "lm_eval", "tasks": "gsm8k"})
@@ -144,7 +144,7 @@ def test_workload_validation():
 
 
 def test_sidecar_beside_record_not_read_as_record(tmp_path):
-    from kvbench.run.records import load_records, sidecar_path, write_atomic, write_jsonl_atomic
+    from kvbench.bench.records import load_records, sidecar_path, write_atomic, write_jsonl_atomic
 
     rec = tmp_path / "abcd.json"
     side = sidecar_path(rec, "samples.jsonl")
@@ -170,7 +170,7 @@ def model_tok():
 
 
 def _evaluate(lm, tasks, limit, **kw):
-    from kvbench.lm_eval.tasks import task_manager
+    from kvbench.integrations.lm_eval.tasks import task_manager
 
     with hub_guard():
         return lm_eval.simple_evaluate(
@@ -217,8 +217,8 @@ def test_full_equals_hf_backend_loglikelihood_and_generation(model_tok):
 @pytest.mark.slow
 @needs_gsm8k
 def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
-    from kvbench.kv.registry import get_method
-    from kvbench.workloads.perplexity import chunked_logits
+    from kvbench.cache.registry import get_method
+    from kvbench.bench.workloads.perplexity import chunked_logits
 
     model, tok = model_tok
     kw = {"bits": 2, "value_bits": 2, "group_size": 32, "residual_length": 32}
@@ -245,8 +245,8 @@ def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
 def test_workload_records_metrics_manifest_and_samples(tmp_path):
     from kvbench.report.compare import Gate, compare
     from kvbench.report.tables import summary_table
-    from kvbench.run.runner import run_suite
-    from kvbench.run.suite import parse_suite
+    from kvbench.bench.runner import run_suite
+    from kvbench.bench.suite import parse_suite
 
     suite = parse_suite(
         {

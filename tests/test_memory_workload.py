@@ -1,8 +1,8 @@
 """The ``memory`` workload: bytes at rest against hand counts, effective vs nominal bits, the
 transient peak of the decode path that runs, no full-precision copy of quantized tokens, bad input.
 
-Hand counts follow the storage formats of kvbench.kv.blocks and the flush rules of docs/methods.md#kivi (KIVI)
-and kvbench.kv.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
+Hand counts follow the storage formats of kvbench.cache.blocks and the flush rules of docs/methods.md#kivi (KIVI)
+and kvbench.cache.schedule: b-bit codes of D channels take ceil(D * b / 8) bytes per token and head;
 every (scale, zero) pair takes 2 x 2 bytes (float16); residual and sinks are float16 tokens.
 """
 
@@ -20,8 +20,8 @@ import torch
 
 import kvbench
 from kvbench.cli import main as cli_main
-from kvbench.workloads.fidelity import Fidelity
-from kvbench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
+from kvbench.bench.workloads.fidelity import Fidelity
+from kvbench.bench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -247,7 +247,7 @@ def test_peak_step_of_full_is_the_regrown_cache() -> None:
 def test_peak_step_measures_the_path_that_runs(monkeypatch, path: str, reads: list) -> None:
     """The measured step reads the cache the way the chosen path does (by default
     ``LayerCache.attend``, what the model runs), once per step, and the record names it."""
-    from kvbench.kv.layer import LayerCache
+    from kvbench.cache.layer import LayerCache
 
     seen: list[str] = []
     for name in ("attend", "keys_values"):

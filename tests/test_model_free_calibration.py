@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.workloads import workload_class
-from kvbench.workloads.memory import synthetic_qkv
+from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads.memory import synthetic_qkv
 
 
 def _wl(kind: str, **spec):
@@ -42,8 +42,8 @@ def test_fidelity_calibration_leaves_measured_tensors_and_shares_channels() -> N
 
 
 def test_model_free_workload_without_synthetic_kv_refuses_calibration(tmp_path) -> None:
-    from kvbench.run.runner import run_suite
-    from kvbench.run.suite import load_suite
+    from kvbench.bench.runner import run_suite
+    from kvbench.bench.suite import load_suite
 
     path = tmp_path / "s.yaml"
     path.write_text(
@@ -56,7 +56,7 @@ def test_model_free_workload_without_synthetic_kv_refuses_calibration(tmp_path) 
     assert mem["manifest"]["calibration"]["tokens"] == 2048  # the suite's default
     assert "calibration" not in next(r for r in recs if r["workload"]["type"] == "bits")["manifest"]
     with pytest.raises(ValueError, match="draws no synthetic calibration"):
-        from kvbench.run.runner import RunContext, calibrate_model_free
+        from kvbench.bench.runner import RunContext, calibrate_model_free
 
         wl = _wl("memory", context=40, appends=2)
         wl.spec["source"] = "model"

@@ -31,15 +31,15 @@ from model_gate_baseline import (
     tolerance,
 )
 
-from kvbench.run.suite import load_suite
+from kvbench.bench.suite import load_suite
 
 
 def _suite_run_ids(path: Path) -> dict[str, str]:
     """``run_id -> method`` of every run ``path`` expands to (no model is loaded)."""
-    from kvbench.kv.registry import get_method
-    from kvbench.run.records import make_run_id
-    from kvbench.run.runner import skip_reason
-    from kvbench.workloads import workload_class
+    from kvbench.cache.registry import get_method
+    from kvbench.bench.records import make_run_id
+    from kvbench.bench.runner import skip_reason
+    from kvbench.bench.workloads import workload_class
 
     suite = load_suite(path)
     out = {}
@@ -145,7 +145,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The suite rerun here (its own threads, this CPU's native instruction set)."""
     from data_helpers import dataset
 
-    from kvbench.run.runner import run_suite
+    from kvbench.bench.runner import run_suite
 
     dataset("wikitext2")  # skips naming the dataset when no source has it here
     dataset("essays-calib")

@@ -19,8 +19,8 @@ import kvbench
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.hf.padding import PaddedBatchError
-from kvbench.kv.method import Capabilities
-from kvbench.kv.registry import get_method, get_method_class
+from kvbench.cache.method import Capabilities
+from kvbench.cache.registry import get_method, get_method_class
 
 LENS = [9, 4, 7]
 NEW = 8

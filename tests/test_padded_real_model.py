@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
-from kvbench.kv.registry import get_method, get_method_class
+from kvbench.cache.registry import get_method, get_method_class
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def noise_bound(model, logits: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_padded_greedy_batch_equals_each_prompt_alone(model_tok, name):
-    from kvbench.workloads.batching import left_pad
+    from kvbench.bench.workloads.batching import left_pad
 
     model, tok = model_tok
     rows = [tok(p, return_tensors="pt")["input_ids"] for p in PROMPTS]

@@ -1,4 +1,4 @@
-"""Paper reproduction suites (suites/paper/*.yaml) and the comparison printing (kvbench.report.paper).
+"""Paper reproduction suites (suites/paper/*.yaml) and the comparison printing (kvbench.integrations.paper).
 
 Right values: the Table 10 bit-widths computed by hand from docs/methods.md#average-bits (and the
 paper's printed values), and hand-made records whose table rows and claim verdicts follow
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.report import paper
-from kvbench.run.suite import load_suite
+from kvbench.integrations import paper
+from kvbench.bench.suite import load_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = sorted((ROOT / "suites" / "paper").glob("*.yaml"))

@@ -12,8 +12,8 @@ import yaml
 
 from kvbench.cli import main as cli_main
 from kvbench.data import catalog
-from kvbench.run import preflight as pf
-from kvbench.run.suite import parse_suite
+from kvbench.bench import preflight as pf
+from kvbench.bench.suite import parse_suite
 
 GIVEN_DATA_DIR = os.environ.get("KVBENCH_DATA_DIR")  # read before the fixtures unset it
 MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
@@ -128,7 +128,7 @@ def test_kvbench_run_stops_before_any_run(tmp_path, capsys):
 def test_default_suite_resolves_with_the_local_data(monkeypatch):
     from data_helpers import local_data_dir
 
-    from kvbench.run.suite import load_suite
+    from kvbench.bench.suite import load_suite
 
     if GIVEN_DATA_DIR:
         monkeypatch.setenv("KVBENCH_DATA_DIR", GIVEN_DATA_DIR)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.run.ray_executor import (
+from kvbench.integrations.ray_executor import (
     ClusterConnectError,
     ModelWorker,
     RayExecutor,
@@ -27,9 +27,9 @@ from kvbench.run.ray_executor import (
     run_suite_ray,
     slots,
 )
-from kvbench.run.records import load_record
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import parse_suite
+from kvbench.bench.records import load_record
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import parse_suite
 
 #: metrics that measure time (differ between any two runs); every other metric must be equal
 TIMED = ("_ms", "_s", "tokens_per_s", "latency", "speedup")

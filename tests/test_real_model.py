@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.workloads.metrics import attention_fidelity, key_mse
+from kvbench.bench.workloads.metrics import attention_fidelity, key_mse
 
 pytestmark = [pytest.mark.slow, pytest.mark.data]  # wikitext2: hub or KVBENCH_DATA_DIR
 
@@ -79,7 +79,7 @@ def test_full_perplexity_equals_dynamic_cache(model_tok, text_ids) -> None:
     from transformers import DynamicCache
 
     from kvbench.hf.cache import cache_kwarg
-    from kvbench.workloads.perplexity import chunked_logits
+    from kvbench.bench.workloads.perplexity import chunked_logits
 
     model = model_tok[0]
     lp, _ = chunked_logits(model, text_ids, kvbench.get_method("full"), 256, 64)
@@ -101,7 +101,7 @@ def test_full_perplexity_equals_dynamic_cache(model_tok, text_ids) -> None:
 
 
 def test_full_fidelity_is_exactly_zero(captured) -> None:
-    from kvbench.workloads.fidelity import layer_fidelity
+    from kvbench.bench.workloads.fidelity import layer_fidelity
 
     q, k, v = captured.queries[0], captured.keys[0], captured.values[0]
     m = layer_fidelity(kvbench.get_method("full"), 0, q, k, v, 256, captured.scaling[0])
@@ -121,7 +121,7 @@ def test_per_channel_kl_ordered_by_bits(captured) -> None:
 def test_fidelity_matches_float64_recomputation(captured) -> None:
     """The workload's key MSE and attention KL equal a float64 recomputation by hand from the
     captured tensors and the cache's dequantized keys (one layer)."""
-    from kvbench.workloads.fidelity import layer_fidelity, replay
+    from kvbench.bench.workloads.fidelity import layer_fidelity, replay
 
     q, k, v = captured.queries[1], captured.keys[1], captured.values[1]
     method = kvbench.get_method("kivi", bits=2, group_size=64, residual_length=64)
@@ -151,7 +151,7 @@ def test_kivi_perplexity_at_known_value(model_tok, text_ids) -> None:
 
 
 def test_pn_mix_reproduces_on_rerun(captured) -> None:
-    from kvbench.workloads.fidelity import layer_fidelity
+    from kvbench.bench.workloads.fidelity import layer_fidelity
 
     def once():
         m = kvbench.get_method("pn-mix", group_size=64, residual_length=64, num_sink_tokens=32)
@@ -171,7 +171,7 @@ def test_pn_mix_reproduces_on_rerun(captured) -> None:
 def test_8bit_per_channel_greedy_matches_full(model_tok) -> None:
     """untested path seq_len > residual_length; 8-bit cache must track full precision: huggingface/transformers PR#39106, docs/methods.md#sequences-longer-than-the-residual-untested on the real model: 64 greedy tokens equal wherever the top-2 logit
     margin of the full-precision run is clear."""
-    from kvbench.workloads.generation import encode_prompt, forced_logprobs, greedy
+    from kvbench.bench.workloads.generation import encode_prompt, forced_logprobs, greedy
 
     model, tok = model_tok
     ids = encode_prompt(tok, "Describe the water cycle in a few sentences.")

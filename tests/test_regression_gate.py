@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvbench.cli import main as cli_main
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import load_suite
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = ROOT / "tests" / "baseline"
@@ -74,11 +74,11 @@ def test_baseline_is_committed() -> None:
 def _gated_builtins() -> set[str]:
     """Built-in methods the gate must hold: every method of kvbench's own distribution with
     kvbench layer caches (transformers peers wrap another library's cache and are excluded)."""
-    from kvbench.kv.registry import discover, get_method_class
+    from kvbench.cache.registry import METHODS, get_method_class
 
     return {
         name
-        for name, entry in discover().items()
+        for name, entry in METHODS.entries().items()
         if entry.builtin and get_method_class(name).capabilities.layer_cache
     }
 
@@ -150,10 +150,10 @@ def test_gate_tolerates_mse_noise_below_threshold(fresh: Path, tmp_path: Path) -
 def test_baseline_is_not_stale() -> None:
     """The baseline holds exactly the runs the suite expands to (``make baseline`` rebuilds it):
     a method or workload added to, removed from or reconfigured in the suite fails here."""
-    from kvbench.kv.registry import get_method
-    from kvbench.run.records import make_run_id
-    from kvbench.run.runner import skip_reason
-    from kvbench.workloads import workload_class
+    from kvbench.cache.registry import get_method
+    from kvbench.bench.records import make_run_id
+    from kvbench.bench.runner import skip_reason
+    from kvbench.bench.workloads import workload_class
 
     suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
     want = set()

@@ -11,7 +11,7 @@ from kvbench.report.compare import changes, compare
 from kvbench.report.compare import main as compare_main
 from kvbench.report.tables import main as report_main
 from kvbench.report.tables import summary_table, tables
-from kvbench.run.records import new_record, write_atomic
+from kvbench.bench.records import new_record, write_atomic
 
 FID = {"type": "fidelity", "tokens": 512, "prefill": 256}
 GEN = {"type": "generation", "new_tokens": 8}

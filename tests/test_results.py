@@ -9,7 +9,7 @@ import pytest
 
 from kvbench.report.compare import Gate, compare
 from kvbench.report.compare import main as compare_main
-from kvbench.run.records import (
+from kvbench.bench.records import (
     SCHEMA_VERSION,
     RecordError,
     load_record,
@@ -17,8 +17,8 @@ from kvbench.run.records import (
     new_record,
     write_atomic,
 )
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import load_suite, parse_suite
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import load_suite, parse_suite
 
 
 def _rec(metrics: dict, method: str = "kivi", config: dict | None = None) -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbench.run.runner import Eta, PlannedRun, quantized_flag
-from kvbench.run.suite import MethodSpec
+from kvbench.bench.runner import Eta, PlannedRun, quantized_flag
+from kvbench.bench.suite import MethodSpec
 
 
 def _run(wi: int, wtype: str, name: str = "kivi", config: dict | None = None) -> PlannedRun:
@@ -43,8 +43,8 @@ def test_nothing_quantized_flag() -> None:
 def test_fidelity_measures_the_quantized_fraction() -> None:
     import torch
 
-    from kvbench.kv.registry import get_method
-    from kvbench.workloads.fidelity import layer_fidelity
+    from kvbench.cache.registry import get_method
+    from kvbench.bench.workloads.fidelity import layer_fidelity
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 500, 64, generator=g) for _ in range(3))

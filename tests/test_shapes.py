@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvbench.hf.shapes import ShapeError, build_shape_model, preset, preset_names, shape_config
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import parse_suite
-from kvbench.workloads import synthetic_kv
-from kvbench.workloads.synthetic_kv import channel_outlier_ratio, inv_freq, synthetic_qkv
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import parse_suite
+from kvbench.bench.workloads import synthetic_kv
+from kvbench.bench.workloads.synthetic_kv import channel_outlier_ratio, inv_freq, synthetic_qkv
 
 # Published configs (the models' config.json on the hub), written out by hand:
 # layers, hidden, q heads, KV heads, head_dim, intermediate, vocab, rope_theta, max context
@@ -223,7 +223,7 @@ def test_synthetic_draw_equals_the_plain_formula_bit_for_bit():
     # the draw works in place with half-size RoPE temporaries; it must equal, bit for bit,
     # the plain float32 formula x * cos + rotate_half(x) * sin on the same generator draws
     # (keys mu + s_k z, values s_v z, queries z_q), cast to float16 at the end
-    from kvbench.workloads import synthetic_kv as skv
+    from kvbench.bench.workloads import synthetic_kv as skv
 
     cfg, _ = shape_config("qwen3-8b")
     b, t, hq, hkv, d = 2, skv.CHUNK + 37, 32, 8, 128
@@ -276,7 +276,7 @@ def test_accuracy_workload_refuses_shape_model(wl):
 
 def test_runner_refuses_before_loading(monkeypatch, tmp_path):
     """A suite built without parse_suite's check still fails before any model loads."""
-    import kvbench.run.runner as runner
+    import kvbench.bench.runner as runner
 
     suite = _suite([{"type": "memory", "context": 64}])
     suite.workloads.append({"type": "perplexity"})
@@ -427,7 +427,7 @@ def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
     compared named, and what the paper's peak holds that cache bytes do not."""
     import yaml
 
-    from kvbench.report.paper import comparison_table
+    from kvbench.integrations.paper import comparison_table
 
     raw = yaml.safe_load(open("suites/memory_shapes.yaml"))
     block, d = raw["paper"], 260
@@ -474,7 +474,7 @@ def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
     from types import SimpleNamespace
 
     import kvbench
-    from kvbench.workloads.memory import Memory, Replay
+    from kvbench.bench.workloads.memory import Memory, Replay
 
     model, _, info = build_shape_model("llama-3.1-8b", materialize=False)
     spec = {**Memory.PARAMS, "context": 260, "batch": 2, "appends": 4}

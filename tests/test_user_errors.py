@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from kvbench.cli import main
-from kvbench.run import validate
-from kvbench.run.suite import DEFAULT_CALIBRATION, load_suite, parse_suite
+from kvbench.bench import validate
+from kvbench.bench.suite import DEFAULT_CALIBRATION, load_suite, parse_suite
 
 SMOKE = Path(__file__).resolve().parents[1] / "suites" / "smoke.yaml"
 MODEL_FREE = {
@@ -149,7 +149,7 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch) -> None:
 def test_unexpected_error_is_one_line_and_debug_shows_traceback(
     tmp_path, capsys, monkeypatch
 ) -> None:
-    import kvbench.workloads.bits as bits
+    import kvbench.bench.workloads.bits as bits
 
     monkeypatch.setattr(bits.Bits, "run", lambda self, ctx, m: 1 / 0)
     argv = ["run", str(_suite(tmp_path, MODEL_FREE)), "--out", str(tmp_path / "o"), "--quiet"]
@@ -163,7 +163,7 @@ def test_unexpected_error_is_one_line_and_debug_shows_traceback(
 def test_ctrl_c_keeps_finished_records_and_says_how_to_resume(
     tmp_path, capsys, monkeypatch
 ) -> None:
-    import kvbench.workloads.bits as bits
+    import kvbench.bench.workloads.bits as bits
 
     real, calls = bits.Bits.run, []
 
@@ -193,7 +193,7 @@ def test_ctrl_c_keeps_finished_records_and_says_how_to_resume(
 
 
 def test_records_get_the_umask_permissions(tmp_path) -> None:
-    from kvbench.run.records import write_atomic
+    from kvbench.bench.records import write_atomic
 
     old = os.umask(0o027)
     try:

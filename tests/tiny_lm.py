@@ -15,7 +15,7 @@ def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kvbench.tasks.haystack import haystack_sentences
+    from kvbench.bench.tasks.haystack import haystack_sentences
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

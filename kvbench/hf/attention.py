@@ -62,7 +62,7 @@ class StepBinding:
 
     Attributes
     ----------
-    layer_cache : the :class:`kvbench.kv.layer.LayerCache` of this layer.
+    layer_cache : the :class:`kvbench.cache.layer.LayerCache` of this layer.
     layer_idx : the model layer (``module.layer_idx`` must match).
     keys : the exact key tensor ``update`` returned (matched by identity).
     prefill : this call was the layer's prefill (queries go to ``provide_queries``).

@@ -2,7 +2,7 @@
 
 Layer-based like transformers' own ``QuantizedCache``: a :class:`QuantizedKVCache` holds one
 :class:`KVBenchLayer` (a ``CacheLayerMixin``) per decoder layer, and each wraps a kvbench
-:class:`~kvbench.kv.layer.LayerCache` made by ``method.new_layer(layer_idx, num_kv_heads, head_dim,
+:class:`~kvbench.cache.layer.LayerCache` made by ``method.new_layer(layer_idx, num_kv_heads, head_dim,
 dtype, device)`` on its first ``update``.  Usable as ``model(..., **cache_kwarg(cache))`` and
 ``model.generate(..., **cache_kwarg(cache))`` with transformers 5.17 (``past_key_values=``)
 and 5.24 (``cache=``).
@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
-from kvbench.kv.method import Method, require_padding
+from kvbench.cache.method import Method, require_padding
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -280,7 +280,7 @@ class QuantizedKVCache(Cache):
 
     Parameters
     ----------
-    method : a :class:`~kvbench.kv.method.Method` instance, or a registered method name (then
+    method : a :class:`~kvbench.cache.method.Method` instance, or a registered method name (then
         built with ``method_config``).  Never modified.
     config_or_model : the transformers model or its config (read only): gives the number of
         decoder layers and the layer types (full or sliding attention; sliding windows are
@@ -311,7 +311,7 @@ class QuantizedKVCache(Cache):
         rows_apart: bool = False,
     ) -> None:
         if isinstance(method, str):
-            from kvbench.kv.registry import get_method
+            from kvbench.cache.registry import get_method
 
             method = get_method(method, **dict(method_config or {}))
         elif method_config:
@@ -434,7 +434,7 @@ def make_hf_cache(method: Method, model: Any, attend: bool = False) -> Cache:
 #: ``LayerCache.attend`` (the attention-backend registry: code-domain kernels, fused kernels,
 #: else the reference path, each step recorded); ``reference`` through sdpa over the
 #: dequantized ``keys_values()``.  Both agree within the registry's tolerance (1e-5 relative
-#: per attention row, ``tests/attend/test_attend_backends.py``).
+#: per attention row, ``tests/attention/test_attend_backends.py``).
 DECODE_PATHS = ("attend", "reference")
 
 

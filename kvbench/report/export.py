@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvbench.run.records import load_records, write_atomic
+from kvbench.bench.records import load_records, write_atomic
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.report.tables import label_of
-from kvbench.workloads.metrics import HIGHER, direction
+from kvbench.bench.workloads.metrics import HIGHER, direction
 
 #: quality metrics drawn as Pareto figures, each against nominal key bits, measured bits and
 #: measured bytes when the records have them
@@ -75,7 +75,7 @@ def _figure():
 
 
 def _config_key(r: dict[str, Any]) -> str:
-    from kvbench.run.records import canonical
+    from kvbench.bench.records import canonical
 
     return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
 
@@ -339,7 +339,7 @@ def series_plot(
 
 
 def _join_key(r: dict[str, Any]) -> str:
-    from kvbench.run.records import canonical
+    from kvbench.bench.records import canonical
 
     return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbench.run.records import canonical, load_records
+from kvbench.bench.records import canonical, load_records
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [
@@ -102,7 +102,7 @@ def borrowed_bits(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def _nominal(r: dict[str, Any], head_dim: int) -> dict[str, float]:
     """Nominal bits of a record's configuration from its method's formula (``{}`` when the
     method is not installed here or its config no longer loads)."""
-    from kvbench.kv.registry import get_method
+    from kvbench.cache.registry import get_method
 
     try:
         m = get_method(r["method"], **(r.get("config") or {}))

@@ -6,7 +6,7 @@ The references call no kvbench; they compute right values from the formulas of d
 with an independent computation, never with its own output.
 
 ``affine_path``: an affine codec's ``encode`` returns the block of the native one-pass quantizer
-(:mod:`kvbench.kv.native_quant`) where it builds and serves the input, and otherwise runs the
+(:mod:`kvbench.cache.native_quant`) where it builds and serves the input, and otherwise runs the
 torch path (``quantize_groups`` + ``pack_bits``).  A test that uses the fixture runs once with
 each, so both are checked against the same independent values (and mutation testing sees the
 torch lines of ``encode``, which the native path would otherwise skip on this machine).
@@ -71,7 +71,7 @@ def affine_path(request, monkeypatch):
     """Run the test with the native quantizer (skipped where it does not build) and again with
     the torch path (the native build hidden, as ``KVBENCH_NATIVE=0`` does; the environment
     variable itself is read once per process, at the first load, so it cannot switch here)."""
-    from kvbench.kv import native_quant
+    from kvbench.cache import native_quant
 
     if request.param == "torch":
         monkeypatch.setattr(native_quant, "_load", lambda: None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.quant import (
+from kvbench.cache.quant import (
     dequantize_groups,
     fake_quantize,
     pack_bits,
@@ -129,7 +129,7 @@ def test_overflow_error_names_the_finite_group_that_overflows() -> None:
 )
 def test_codec_overflowing_float16_terms_raise_on_both_paths(row, bits, symmetric, what) -> None:
     # through a codec (float16 terms by default), on the native path and the torch path alike
-    from kvbench.kv.blocks import PerTokenCodec
+    from kvbench.cache.blocks import PerTokenCodec
 
     x = torch.tensor([[0.0, 1.0, 2.0, 3.0], row]).reshape(1, 1, 2, 4)
     codec = PerTokenCodec(bits, symmetric=symmetric, channel_group=4)

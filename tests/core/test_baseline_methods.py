@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend.reference import reference_attention
-from kvbench.kv import registry
+from kvbench.attention.reference import reference_attention
+from kvbench import registry
+from kvbench.cache.registry import GROUP, METHODS
 
 BUILTINS = ["full", "uniform", "per-head", "per-channel", "per-token", "kivi"]
 F32 = torch.float32
@@ -238,16 +239,16 @@ class FakeEP:
 @pytest.fixture
 def fake_plugins(monkeypatch):
     """Install the built-ins plus the given fake entry points; restore the registry after."""
-    real = [ep for ep in entry_points(group=registry.GROUP) if ep.name in BUILTINS]
+    real = [ep for ep in entry_points(group=GROUP) if ep.name in BUILTINS]
     assert {ep.name for ep in real} == set(BUILTINS)
 
     def install(*extra):
         monkeypatch.setattr(registry, "entry_points", lambda group: [*real, *extra])
-        return registry.discover(refresh=True)
+        return METHODS.entries(refresh=True)
 
     yield install
     monkeypatch.undo()
-    registry.discover(refresh=True)
+    METHODS.entries(refresh=True)
 
 
 def test_broken_plugin_does_not_break_others(fake_plugins) -> None:
@@ -269,7 +270,7 @@ def test_broken_plugin_does_not_break_others(fake_plugins) -> None:
     assert rows["kivi-twin"]["error"] is None and rows["kivi-twin"]["distribution"] == "good-plugin"
     for name in BUILTINS:
         assert rows[name]["error"] is None
-    with pytest.raises(registry.MethodLoadError, match="broken-plugin"):
+    with pytest.raises(registry.RegistryError, match="broken-plugin"):
         kvbench.get_method("broken")
     assert kvbench.get_method("kivi-twin", bits=3).config.bits == 3
     assert kvbench.get_method("kivi").name == "kivi"
@@ -280,12 +281,12 @@ def test_plugin_reusing_builtin_name_is_ignored_with_warning(
     fake_plugins, monkeypatch, plugin_first
 ) -> None:
     evil = FakeEP("kivi", "evil:KIVI", FakeDist("evil-plugin"), RuntimeError("must not load"))
-    real = [ep for ep in entry_points(group=registry.GROUP) if ep.name in BUILTINS]
+    real = [ep for ep in entry_points(group=GROUP) if ep.name in BUILTINS]
     eps = [evil, *real] if plugin_first else [*real, evil]
     monkeypatch.setattr(registry, "entry_points", lambda group: eps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        entries = registry.discover(refresh=True)
+        entries = METHODS.entries(refresh=True)
     msgs = [str(w.message) for w in caught]
     assert any("evil-plugin" in m and "'kvbench'" in m and "kivi" in m for m in msgs), msgs
     assert entries["kivi"].dist == "kvbench"
@@ -299,7 +300,7 @@ def test_two_plugins_with_one_name_is_an_error_naming_both(fake_plugins) -> None
         FakeEP("twin", "a:A", FakeDist("plugin-a"), KIVI),
         FakeEP("twin", "b:B", FakeDist("plugin-b"), KIVI),
     )
-    with pytest.raises(registry.MethodLoadError, match="plugin-a.*plugin-b"):
+    with pytest.raises(registry.RegistryError, match="plugin-a.*plugin-b"):
         kvbench.get_method("twin")
     row = next(r for r in kvbench.list_methods() if r["name"] == "twin")
     assert "plugin-a" in row["error"] and "plugin-b" in row["error"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend.reference import repeat_kv
-from kvbench.kv.finite import nonfinite
-from kvbench.kv.quant import dequantize_groups, quantize_groups
+from kvbench.attention.reference import repeat_kv
+from kvbench.cache.finite import nonfinite
+from kvbench.cache.quant import dequantize_groups, quantize_groups
 
 F32 = torch.float32
 
@@ -498,7 +498,7 @@ def test_non_finite_input_in_layer_propagates_to_its_group(bad) -> None:
     k[0, 0, 5, 3] = bad  # key group: channel 3 of tokens 4..7
     v[0, 0, 2, 6] = bad  # value group: channels 4..7 of token 2
     with pytest.raises(ValueError, match="layer 0: prefill got non-finite input"):
-        layer.prefill(k, v)  # the default policy (kvbench.kv.finite) refuses them
+        layer.prefill(k, v)  # the default policy (kvbench.cache.finite) refuses them
     with nonfinite("propagate"):  # the opt-out stores them: NaN stays inside its group
         layer.prefill(k, v)
     kd, vd = layer.keys_values()

@@ -4,7 +4,7 @@ The ``attend`` route (default) runs a kvbench cache's decode steps through
 ``LayerCache.attend`` (the attention-backend registry: code-domain kernels on the CPU); the
 ``reference`` route through sdpa over the dequantized ``keys_values()``.  On a seeded toy Llama
 (GQA, two layers) the workloads' metrics must be those of the reference route within the
-registry's agreement tolerance (1e-5 relative per attention row, tests/attend), the record must
+registry's agreement tolerance (1e-5 relative per attention row, tests/attention), the record must
 name the path that ran, and the shared full-precision prefill (``capture_prompt`` +
 ``QuantizedKVCache.prefill_from``) must give what the model's own prefill through the cache
 gives.  Right values: the reference route, i.e. transformers' sdpa over ``keys_values()``, a
@@ -18,14 +18,14 @@ import torch
 from test_workload_metrics import _toy_llama
 
 import kvbench.data.loaders as loaders
-from kvbench.attend import cpu
+from kvbench.attention import codedomain as cpu
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import decode_route
 from kvbench.hf.capture import capture_prompt
-from kvbench.kv.registry import get_method
-from kvbench.workloads import workload_class
-from kvbench.workloads.generation import forced_logprobs
-from kvbench.workloads.perplexity import chunked_logits
+from kvbench.cache.registry import get_method
+from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads.generation import forced_logprobs
+from kvbench.bench.workloads.perplexity import chunked_logits
 
 SMALL = dict(group_size=16, residual_length=16)
 #: layouts with different code-domain kernels, one needing prefill queries (pn-mix), one with no

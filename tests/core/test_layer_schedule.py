@@ -1,4 +1,4 @@
-"""kvbench.kv.schedule and kvbench.kv.layer.LayerCache: flush rules, the deferred flush, sinks,
+"""kvbench.cache.schedule and kvbench.cache.layer.LayerCache: flush rules, the deferred flush, sinks,
 reference attention, crop/reset and byte accounting.
 
 Right values: docs/methods.md#flush-schedules, §4 (Kitty), docs/methods.md#worked-example-16 (prefill 300, then 300
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.kv.layer import LayerCache
-from kvbench.kv.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
+from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
 
 F32 = torch.float32
 

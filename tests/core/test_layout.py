@@ -1,4 +1,4 @@
-"""Stored layouts (kvbench.kv.layout): the nominal bits derived from a layout equal a hand
+"""Stored layouts (kvbench.cache.layout): the nominal bits derived from a layout equal a hand
 count of what the block stores, the layout a codec announces is the one its blocks report, and
 the bytes a block actually holds match the layout's bits per element."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.blocks import (
+from kvbench.cache.blocks import (
     PerChannelCodec,
     PerHeadCodec,
     PerTensorCodec,
@@ -18,7 +18,7 @@ from kvbench.kv.blocks import (
     affine_layout,
     tensor_bytes,
 )
-from kvbench.kv.layout import (
+from kvbench.cache.layout import (
     BlockLayout,
     CodeClass,
     Codes,
@@ -28,8 +28,8 @@ from kvbench.kv.layout import (
     bit_terms,
     layout_bits,
 )
-from kvbench.kv.method import CacheConfig, Method
-from kvbench.kv.mixed import MixedChannelCodec, mixed_layout
+from kvbench.cache.method import CacheConfig, Method
+from kvbench.cache.mixed_channel import MixedChannelCodec, mixed_layout
 
 
 def test_kivi_2bit_g32_fp16_scale_zero_is_3_bits():

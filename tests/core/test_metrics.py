@@ -1,4 +1,4 @@
-"""kvbench.workloads.metrics against separate straightforward implementations.
+"""kvbench.bench.workloads.metrics against separate straightforward implementations.
 
 * ``attention_fidelity``: a float64 loop over (batch, query head, position) with an explicit
   causal softmax over keys ``0..t`` and ``scipy.special.rel_entr`` for KL(A || A'), the
@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy import special, stats
 
-from kvbench.workloads.metrics import add_ci, attention_fidelity, bootstrap_ci, direction, key_mse
+from kvbench.bench.workloads.metrics import add_ci, attention_fidelity, bootstrap_ci, direction, key_mse
 
 
 def _loop_attention(q, k_ref, v_ref, k_q, v_q, start, scale):

@@ -1,4 +1,4 @@
-"""The native one-pass quantizer (kvbench.kv.native_quant) against the torch path it replaces.
+"""The native one-pass quantizer (kvbench.cache.native_quant) against the torch path it replaces.
 
 Every affine codec's block (packed codes, scales, zeros) must be bit for bit the one the torch
 path (quantize_groups + pack_bits) makes, on random and adversarial inputs: exact ties at .5
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.kv import native_quant as nq
-from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
-from kvbench.kv.mixed import MixedChannelCodec, rank_classes
+from kvbench.cache import native_quant as nq
+from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
+from kvbench.cache.mixed_channel import MixedChannelCodec, rank_classes
 
 pytestmark = pytest.mark.skipif(not nq.available(), reason="no C compiler")
 
@@ -241,11 +241,11 @@ def test_disabled(monkeypatch):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_c_affine_terms_are_the_torch_helpers(bits, scale_dtype):
     """The small-input terms in C (``kq_affine_terms``) equal
-    :func:`kvbench.kv.quant.affine_terms` bit for bit: random groups over 12 decades, minima
+    :func:`kvbench.cache.quant.affine_terms` bit for bit: random groups over 12 decades, minima
     halfway between two float16 values (round to even), ranges whose scale is exactly a
     float16 (no bump) or just above one (the next float16 up), empty ranges; an overflowing
     zero or scale gives ``None`` (the torch helper then raises)."""
-    from kvbench.kv.quant import affine_terms
+    from kvbench.cache.quant import affine_terms
 
     g = torch.Generator().manual_seed(bits)
     n = 20000

@@ -1,4 +1,4 @@
-"""The NaN/Inf policy (kvbench.kv.finite): every built-in method's layer cache and a plugin's
+"""The NaN/Inf policy (kvbench.cache.finite): every built-in method's layer cache and a plugin's
 refuse non-finite keys/values at prefill and append with a message naming the layer, the side
 and the count; ``nonfinite("propagate")`` / ``KVBENCH_NONFINITE=propagate`` store them."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.kv import finite
-from kvbench.kv.blocks import PerTokenCodec
-from kvbench.kv.method import CacheConfig, Capabilities, Method
-from kvbench.kv.registry import get_method, list_methods
-from kvbench.kv.schedule import SlidingSchedule
+from kvbench.cache import finite
+from kvbench.cache.blocks import PerTokenCodec
+from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.registry import get_method, list_methods
+from kvbench.cache.schedule import SlidingSchedule
 
 H, D, P = 2, 64, 96
 BUILTINS = [
@@ -106,7 +106,7 @@ class Plugin(Method):
         return SlidingSchedule(self.config.residual_length)
 
     def new_layer(self, layer_idx, num_kv_heads, head_dim, *args, **kwargs):
-        from kvbench.kv.layer import LayerCache
+        from kvbench.cache.layer import LayerCache
 
         return LayerCache(self.key_codec(layer_idx, head_dim), None, self.key_schedule())
 

@@ -1,4 +1,4 @@
-"""kvbench.kv.quant.pack_bits / unpack_bits: LSB-first bit stream, every width 1..8 and 16.
+"""kvbench.cache.quant.pack_bits / unpack_bits: LSB-first bit stream, every width 1..8 and 16.
 
 Right values: hand-packed bytes, and numpy's own ``np.packbits(bitorder="little")`` over the
 bit stream built independently (code ``i`` occupies stream bits ``i*b .. i*b+b-1``).
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.kv.quant import pack_bits, packed_size, quantize_groups, unpack_bits
+from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.cache.quant import pack_bits, packed_size, quantize_groups, unpack_bits
 
 ALL_BITS = [1, 2, 3, 4, 5, 6, 7, 8, 16]
 

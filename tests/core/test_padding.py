@@ -1,4 +1,4 @@
-"""Left-padded batches at the layer level (docs/design.md#padding, kvbench.kv.ragged).
+"""Left-padded batches at the layer level (docs/design.md#padding, kvbench.cache.ragged).
 
 The right value of a padded row is that row run alone: for every built-in method (enumerated
 from the registry, not hand-listed), each row of a left-padded batch must store bit-identical
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.method import require_padding
-from kvbench.kv.registry import get_method, get_method_class
+from kvbench.cache.method import require_padding
+from kvbench.cache.registry import get_method, get_method_class
 
 HQ, HKV, D = 4, 2, 32  # D = 32: llama.cpp blocks hold 32 channels
 LENS = [11, 5, 8]  # row 1 is shorter than its sinks + one group + residual: a corner

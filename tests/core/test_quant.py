@@ -1,4 +1,4 @@
-"""kvbench.kv.quant: docs/methods.md#worked-examples and property tests of the min-max quantizer.
+"""kvbench.cache.quant: docs/methods.md#worked-examples and property tests of the min-max quantizer.
 
 Right values come from docs/methods.md#worked-examples (numpy float64, round-half-to-even) or from the float64
 reference in conftest.py; bounds are derived in the docstring of ``_error_bound``.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kv.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
-from kvbench.kv.quant import dequantize_groups, fake_quantize, quantize_groups
+from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
+from kvbench.cache.quant import dequantize_groups, fake_quantize, quantize_groups
 
 F32 = torch.float32
 # docs/methods.md#worked-example-1 input, KIVI's transposed layout [D=2 channels, T=4 tokens]
@@ -55,8 +55,8 @@ def test_example1_per_channel_primitive() -> None:
 def test_affine_path_runs_the_path_it_names(affine_path, monkeypatch, codec) -> None:
     # the fixture's two runs of a codec test really take the two paths: the native quantizer
     # serves the input (and quantize_groups is not called), or it declines and the torch path runs
-    import kvbench.kv.blocks as blocks
-    from kvbench.kv import native_quant
+    import kvbench.cache.blocks as blocks
+    from kvbench.cache import native_quant
 
     calls, groups, pack = [], blocks.quantize_groups, native_quant.quantize_pack
 
@@ -389,7 +389,7 @@ def test_float8_scale_storage_rejects_a_min_beyond_its_range() -> None:
 
 
 def test_round_up_to_dtype_by_hand() -> None:
-    from kvbench.kv.quant import round_up_to_dtype
+    from kvbench.cache.quant import round_up_to_dtype
 
     # float16 spacing in [0.25, 0.5) is 2^-12: 1/3 rounds down to 0.333251953125, so the stored
     # scale steps one code up; 0.5 is exact
@@ -497,7 +497,7 @@ def _check_against_loop(g, x, bits, symmetric, midpoint, scale_dtype) -> None:
 def test_bucket_index_is_bucketize(n) -> None:
     # equal to torch.bucketize (right=False) including elements equal to a boundary, the
     # comparison passes (<= 15 boundaries) and the fallback alike; non-finite x falls back
-    from kvbench.kv.quant import bucket_index
+    from kvbench.cache.quant import bucket_index
 
     gen = torch.Generator().manual_seed(n)
     bnd = torch.sort(torch.randn(n, generator=gen)).values
@@ -528,7 +528,7 @@ def test_stored_min_above_the_true_min_clamps_codes_at_zero() -> None:
 def _affine(bits, d, dtype, names, tokens, channels, packing="lsb-first"):
     """The layout of docs/methods.md#common-conventions written out: ``bits``-bit codes of
     ``d`` channels, one of each of ``names`` per ``tokens`` x ``channels`` rectangle."""
-    from kvbench.kv.layout import BlockLayout, Codes, GroupTerms
+    from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
 
     terms = GroupTerms(names, dtype, tokens, channels)
     return BlockLayout(Codes.uniform(bits, d, packing), terms, page_len=tokens)
@@ -576,7 +576,7 @@ def test_codec_layout_by_hand(codec, args, want) -> None:
 )
 def test_codec_layout_bits_are_the_bytes_its_blocks_hold(codec, n) -> None:
     # bytes actually stored by a block of n tokens = elements x the layout's bits / 8
-    from kvbench.kv.layout import layout_bits
+    from kvbench.cache.layout import layout_bits
 
     b, h, d = 2, 3, 8
     x = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(n))
@@ -726,7 +726,7 @@ def test_one_bit_midpoint_codec_thresholds_at_the_midpoint() -> None:
 
 
 def test_own_storage_keeps_an_owning_tensor_and_compacts_a_view() -> None:
-    from kvbench.kv.blocks import own_storage
+    from kvbench.cache.blocks import own_storage
 
     t = torch.randn(2, 4, 3)
     assert own_storage(t) is t  # spans its whole allocation: no copy
@@ -806,7 +806,7 @@ def test_native_rows_split_across_threads(ref, monkeypatch) -> None:
     # rows (batch row, KV head) are split into min(threads, rows, elements // MIN_PER_THREAD)
     # consecutive parts (at least one), each quantized by its own call: every row's codes and
     # terms must be there, as the float64 reference has them
-    from kvbench.kv import native_quant as nq
+    from kvbench.cache import native_quant as nq
 
     if not nq.available():
         pytest.skip(f"native quantizer: {nq.unavailable_reason()}")
@@ -840,7 +840,7 @@ def test_native_quantize_pack_defaults_and_what_it_declines(ref) -> None:
     # called as the mixed-precision codecs and semkv call it: asymmetric, per row (not shared),
     # float16 terms, packed codes by default; None (the caller's torch path runs) for what it
     # does not serve
-    from kvbench.kv import native_quant as nq
+    from kvbench.cache import native_quant as nq
 
     if not nq.available():
         pytest.skip(f"native quantizer: {nq.unavailable_reason()}")
@@ -854,7 +854,7 @@ def test_native_quantize_pack_defaults_and_what_it_declines(ref) -> None:
     np.testing.assert_array_equal(zero.double().numpy(), z)
     np.testing.assert_array_equal(scale.double().numpy(), s)
     assert codes.dtype == torch.uint8 and codes.shape == (2, 3, 8, 2)  # 4 x 3 bits in 2 bytes
-    from kvbench.kv.quant import unpack_bits
+    from kvbench.cache.quant import unpack_bits
 
     np.testing.assert_array_equal(unpack_bits(codes, 3, 4).numpy(), want.reshape(2, 3, 8, 4))
     loose, _, _ = nq.quantize_pack(x, 3, 4, 1, packed=False)  # one code per byte

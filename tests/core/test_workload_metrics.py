@@ -29,13 +29,13 @@ from scipy import special
 from torch.distributions import Categorical, kl_divergence
 
 from kvbench.hf.attention import use_kvbench_attention
-from kvbench.kv.registry import get_method
-from kvbench.workloads import generation as gen_mod
-from kvbench.workloads import perplexity as ppl_mod
-from kvbench.workloads.fidelity import Fidelity, layer_fidelity
-from kvbench.workloads.generation import Generation, run_batched
-from kvbench.workloads.passkey import Passkey
-from kvbench.workloads.perplexity import Perplexity, chunked_logits
+from kvbench.cache.registry import get_method
+from kvbench.bench.workloads import generation as gen_mod
+from kvbench.bench.workloads import perplexity as ppl_mod
+from kvbench.bench.workloads.fidelity import Fidelity, layer_fidelity
+from kvbench.bench.workloads.generation import Generation, run_batched
+from kvbench.bench.workloads.passkey import Passkey
+from kvbench.bench.workloads.perplexity import Perplexity, chunked_logits
 
 V = 11  # vocabulary of the hand-built distributions; != the number of positions scored
 

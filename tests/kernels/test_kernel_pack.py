@@ -1,4 +1,4 @@
-"""Triton pack/unpack (interpreter) against hand-packed bytes and kvbench.kv.quant.pack_bits."""
+"""Triton pack/unpack (interpreter) against hand-packed bytes and kvbench.cache.quant.pack_bits."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvbench.kernels import pack
-from kvbench.kv.quant import pack_bits as core_pack
-from kvbench.kv.quant import unpack_bits as core_unpack
+from kvbench.cache.quant import pack_bits as core_pack
+from kvbench.cache.quant import unpack_bits as core_unpack
 
 
 def test_hand_packed_bytes(poison):

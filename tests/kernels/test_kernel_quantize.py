@@ -1,5 +1,5 @@
 """Quantize-and-pack kernels (interpreter): codes, scales and zeros bit-identical to the core
-codecs (kvbench.kv.blocks / kvbench.kv.mixed), and right values from docs/methods.md#worked-examples."""
+codecs (kvbench.cache.blocks / kvbench.cache.mixed_channel), and right values from docs/methods.md#worked-examples."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from kvbench.kernels import quantize as Q
 from kvbench.kernels.decode_attention import QuantKeys, dequantize_keys_reference
 from kvbench.kernels.pack import unpack_bits
-from kvbench.kv.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.kv.mixed import MixedChannelCodec
+from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.cache.mixed_channel import MixedChannelCodec
 from kvbench.methods.kitty import KittySelector
 
 

@@ -1,4 +1,4 @@
-"""Encoders that run chunk by chunk along T (kvbench.kv.chunks.token_chunks) give the block of
+"""Encoders that run chunk by chunk along T (kvbench.cache.chunks.token_chunks) give the block of
 one pass, tensor for tensor, and their no-mask path for finite input gives what the masked
 path (the one non-finite input takes) gives on the same finite input.
 
@@ -16,8 +16,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvbench.kv import chunks
-from kvbench.kv.blocks import AffineBlock
+from kvbench.cache import chunks
+from kvbench.cache.blocks import AffineBlock
 from kvbench.methods import kvquant as kvq
 from kvbench.methods import pm_kvq, qjl
 from kvbench.methods import turboquant_mse as tq

@@ -274,7 +274,7 @@ def test_chunked_encode_equals_one_pass(granularity, dtype, monkeypatch):
     """Encoded chunk by chunk along T (a chunk of 3 tokens here, 7 chunks), the codes and
     scales equal one pass of the plain formula: s = amax / 448 (rounded up to the scale dtype,
     never below amax / 448), codes = (x / s) cast to e4m3; the input is left unchanged."""
-    from kvbench.kv import chunks
+    from kvbench.cache import chunks
 
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 2 * 3 * 3 * 16)
     x = (4 * torch.randn(2, 3, 20, 16, generator=torch.Generator().manual_seed(1))).to(dtype)
@@ -296,7 +296,7 @@ def test_chunked_encode_equals_one_pass(granularity, dtype, monkeypatch):
 
 
 def test_chunked_unit_encode_counts_saturation_over_all_chunks(monkeypatch):
-    from kvbench.kv import chunks
+    from kvbench.cache import chunks
 
     monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1 * 2 * 2 * 8)  # 2 tokens per chunk
     x = torch.zeros(1, 2, 9, 8)

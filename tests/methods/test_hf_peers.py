@@ -25,10 +25,10 @@ from kvbench.hf.peers import (
     plain_tensors,
     storage_nbytes,
 )
-from kvbench.run.runner import skip_reason
-from kvbench.workloads.fidelity import Fidelity
-from kvbench.workloads.latency import Latency
-from kvbench.workloads.memory import Memory
+from kvbench.bench.runner import skip_reason
+from kvbench.bench.workloads.fidelity import Fidelity
+from kvbench.bench.workloads.latency import Latency
+from kvbench.bench.workloads.memory import Memory
 
 HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and (
     importlib.util.find_spec("optimum.quanto") is not None

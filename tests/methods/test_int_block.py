@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.finite import nonfinite
+from kvbench.cache.finite import nonfinite
 from kvbench.methods.int_block import Int4Block, Int4BlockConfig, Int8Block, Int8BlockConfig
 
 
@@ -76,7 +76,7 @@ def test_q4_0_llamacpp_rule_matches_ggml_reference(amax, sign):
 def test_q4_0_llamacpp_chunked_encode_matches_ggml_reference_per_block(chunk, monkeypatch):
     # the encoder runs chunk by chunk along T (here also 5 tokens at a time, last chunk 2):
     # every 32-channel block of every token equals the ggml reference run on that block alone
-    monkeypatch.setattr("kvbench.kv.chunks.CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr("kvbench.cache.chunks.CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(2, 3, 17, 64, generator=g) * 3).half()
     layer = Int4Block(q4_rule="llamacpp").new_layer(0, 3, 64, torch.float16)
@@ -183,7 +183,7 @@ def test_nan_block_is_nan_other_blocks_fine():
     x[0, 0, 0, 3] = float("nan")
     for method in (Int8Block(), Int4Block(), Int4Block(q4_rule="llamacpp")):
         layer = method.new_layer(0, 1, 64)
-        with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+        with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
             layer.prefill(x, x.clone())
         keys = layer.keys_values()[0].flatten()
         assert torch.isnan(keys[:32]).all() and torch.isfinite(keys[32:]).all()

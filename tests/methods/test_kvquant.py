@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.finite import nonfinite
+from kvbench.cache.finite import nonfinite
 from kvbench.methods.kvquant import KVQuant, lloyd_levels, rope
 
 THETA = 1e4
@@ -317,7 +317,7 @@ def test_pre_rope_quantize_then_rerotate_is_within_quantization_error():
     pre_np = np_rope(post.numpy(), 0, inverse=True)[:, :, 1:]
     want_codes = np.clip(np.round((pre_np - (c - h)[:, None, :]) / step[:, None, :]), 0, 15)
     blk = layer.k.block
-    from kvbench.kv.quant import unpack_bits
+    from kvbench.cache.quant import unpack_bits
 
     got_codes = unpack_bits(blk.codes, 4, 8).numpy()
     assert (got_codes == want_codes).mean() > 0.99  # float32 vs float64 near-ties only
@@ -329,7 +329,7 @@ def test_nonfinite_keys_propagate_per_element():
     k = torch.zeros(1, 2, 3, 4)
     k[0, 0, 1, 2], k[0, 1, 2, 0] = float("nan"), float("inf")
     layer = m.new_layer(0, 2, 4)
-    with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+    with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
         layer.prefill(k, k)
     out = layer.keys_values()[0]
     assert torch.isnan(out[0, 0, 1, 2]) and out[0, 1, 2, 0] == float("inf")

@@ -1,4 +1,4 @@
-"""kvbench.kv.mixed: mixed-width packing, the MixedChannelBlock protocol and MixedChannelCodec.
+"""kvbench.cache.mixed_channel: mixed-width packing, the MixedChannelBlock protocol and MixedChannelCodec.
 
 Right values come from hand-worked bit streams, a pure-Python bit-stream reference and a float64
 numpy min-max reference (docs/methods.md#common-conventions), never from the code under test.
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.kv.blocks import PerChannelCodec
-from kvbench.kv.mixed import (
+from kvbench.cache.blocks import PerChannelCodec
+from kvbench.cache.mixed_channel import (
     MixedChannelBlock,
     MixedChannelCodec,
     channel_scores,
@@ -20,7 +20,7 @@ from kvbench.kv.mixed import (
     rank_classes,
     unpack_mixed,
 )
-from kvbench.kv.quant import quantize_groups
+from kvbench.cache.quant import quantize_groups
 
 
 def _stream_ref(rows: list[list[list[int]]], bits: list[int]) -> list[list[int]]:

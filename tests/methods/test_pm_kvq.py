@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.blocks import PerTokenCodec
+from kvbench.cache.blocks import PerTokenCodec
 from kvbench.methods.pm_kvq import (
     PMKVQ,
     BudgetTooShort,

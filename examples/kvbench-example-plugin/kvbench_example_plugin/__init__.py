@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvbench import CacheConfig, Capabilities, Method
-from kvbench.kv.blocks import PerTokenCodec
-from kvbench.kv.quant import check_bits
-from kvbench.kv.schedule import SlidingSchedule
+from kvbench.cache.blocks import PerTokenCodec
+from kvbench.cache.quant import check_bits
+from kvbench.cache.schedule import SlidingSchedule
 
 
 @dataclass(frozen=True)

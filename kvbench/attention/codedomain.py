@@ -1,0 +1,806 @@
+"""CPU code-domain decode attention: attention computed on the stored codes, never
+dequantizing the cache.
+
+This is the *code-domain* backend of :mod:`kvbench.attention.dispatch` (which decides when it runs
+and records ``attend_path`` / ``attend_path_reason``): sinks and the full-precision residual as
+matmuls, each quantized block through the :class:`~kvbench.attention.dispatch.BlockKernel`
+registered for its type (this module registers :class:`kvbench.cache.blocks.AffineBlock`;
+:mod:`kvbench.attention.mixed_channel` the mixed-precision channel classes; methods register their own
+block types).  Paths recorded: :data:`COMPILED_PATH`, :data:`EAGER_PATH`.
+
+Math (one KV head, ``M = (H_q / H_kv) * n_q`` query rows ``q`` already multiplied by the logit
+scale; a block stores codes ``c`` with per-group affine terms ``x = c * a + b``, where
+``a, b`` = ``(scale, zero)``, ``(scale/2, zero + scale/4)`` for 1-bit midpoint codes and
+``(scale, -2^(b-1) scale)`` for symmetric codes):
+
+* keys with per-token terms over channel groups of ``cg`` channels (per-token, int-block,
+  llama.cpp ``q4_0`` keys): ``logit[t] = sum_g a_{t,g} (q_g . c_{t,g}) + sum_g b_{t,g} sum(q_g)``;
+* keys in pages of ``L`` tokens with per-page, per-channel-group terms (KIVI per-channel keys,
+  ``L = G``; per-head keys, one page): ``logit[t] = (q * a_P) . c_t + q . b_P`` for token ``t``
+  of page ``P`` -- one ``q * a_P`` per page, then a dot product with the codes;
+* values with per-token terms over channel groups of ``cg`` channels (KIVI values):
+  ``out[d] = sum_t (p_t a_{t,g(d)}) c_{t,d} + sum_t p_t b_{t,g(d)}``;
+* sinks and the full-precision residual as plain matmuls (cast to float32 chunk by chunk along
+  T: :func:`dense_logits`, :func:`dense_output`); one float32 softmax over
+  sinks + block + residual of the keys, split along the values' own partition (keys and values
+  flush on different schedules).
+
+Two implementations of the block terms, equal up to float rounding:
+
+* *compiled* (:data:`COMPILED_PATH`): ``torch.compile`` (inductor, C++ on the CPU) of the
+  sub-code formulation: the packed bytes are split into ``codes_per_word`` strided sub-codes
+  (shift and mask), each multiplied and reduced in registers, so no unpacked or dequantized
+  tensor of the cache is ever written.  Measured on ``[1, 3, 4096, 64]`` 2-bit, 9 query
+  heads, 1 thread (``benchmarks/test_bench_decode.py``, minima on a busy machine): key logits
+  0.37 ms (dequantize + matmul 2.5 ms, unpack + matmul 1.4 ms, a 256-entry byte table +
+  matmul 0.92 ms, per-page partial-sum tables + gathers 1.0 ms), value sum 0.24 ms (1.9 ms),
+  the whole ``attend`` 0.79 ms against 6.1 ms for the reference path;
+* *eager* (:data:`EAGER_PATH`): ``unpack_bits`` + matmul in chunks of
+  :data:`EAGER_CHUNK_TOKENS` tokens (bounded temporaries), for small caches and machines
+  without a C++ compiler.
+
+Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto``
+(default: compiled for single-query decode steps once a layer holds :data:`COMPILE_MIN_TOKENS`
+quantized tokens, since a first compile costs tens of seconds; eager otherwise), ``compiled``,
+``eager``, ``reference``.  A compile failure (no compiler) falls back to eager with one
+warning.  The compiled kernels treat the token counts as dynamic, so a growing cache reuses
+them; the first decode steps compile (run warm-up steps before timing).
+
+The core's :class:`kvbench.cache.blocks.AffineBlock` kernel covers per-channel/per-head pages and
+per-token groups for keys, per-token groups for values, 1..8 bits, any channel group dividing
+``D``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kvbench.attention import native
+from kvbench.attention.reference import length_mask
+from kvbench.attention.dispatch import (
+    BlockKernel,
+    block_kernel,
+    common_reason,
+    install_code_domain,
+    register_block_kernel,
+)
+from kvbench.cache.blocks import AffineBlock
+from kvbench.cache.chunks import token_chunks
+from kvbench.cache.quant import unpack_bits
+
+ENV_MODE = "KVBENCH_CPU_ATTENTION"
+MODES = ("auto", "native", "compiled", "eager", "reference")
+COMPILED_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-compiled", "cpu-eager", "reference"
+NATIVE_PATH = "cpu-native"
+#: in ``auto`` mode, quantized tokens (keys + values of one layer) from which the compiled
+#: kernels are used
+COMPILE_MIN_TOKENS = 1024
+#: tokens per chunk of the eager path (bounds its temporary unpacked codes)
+EAGER_CHUNK_TOKENS = 1024
+#: bytes of the float32 scratch a full-precision part (residual, sinks, ``full``'s whole cache)
+#: is cast into, chunk by chunk along T, by :func:`dense_logits` and :func:`dense_output`
+DENSE_CHUNK_BYTES = 8 << 20
+
+_mode_override: str | None = None
+_compiled: dict[tuple[str, int], Callable[..., Any]] = {}
+_compile_error: str | None = None
+
+
+class _StepState:
+    """What the running :func:`_registry_run` allows (``native``, ``inductor``) and which
+    implementation each quantized block used (``used``, for the recorded path)."""
+
+    native = False
+    inductor = True
+    used: list[str] = []
+
+
+_state = _StepState()
+
+
+KERNEL_KINDS = ("native", "compiled", "eager")
+
+
+def path_kinds(path: str) -> set[str]:
+    """The kernel kinds a recorded code-domain path names: ``"cpu-native+eager"`` ->
+    ``{"native", "eager"}``; ``ValueError`` for a path that is not a ``cpu-`` path of
+    :data:`KERNEL_KINDS`."""
+    kinds = set(path.removeprefix("cpu-").split("+")) if path.startswith("cpu-") else set()
+    if not kinds or not kinds <= set(KERNEL_KINDS):
+        raise ValueError(f"{path!r} is not a CPU code-domain path (cpu-<kinds of {KERNEL_KINDS}>)")
+    return kinds
+
+
+def native_allowed() -> bool:
+    """Whether a block kernel may use :mod:`kvbench.attention.native` in the running step."""
+    return _state.native
+
+
+def note_impl(impl: str) -> None:
+    """A block kernel reports the implementation it ran (``"native"``, ``"compiled"``,
+    ``"eager"``): the recorded path names them (``cpu-native``, ``cpu-compiled+native``)."""
+    _state.used.append(impl)
+
+
+def cpu_mode() -> str:
+    """The active CPU mode (override, else ``$KVBENCH_CPU_ATTENTION``, else ``auto``).
+
+    Raises ``ValueError`` for a value not in :data:`MODES`."""
+    mode = _mode_override or os.environ.get(ENV_MODE, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{ENV_MODE}={mode!r} is not supported; allowed: {list(MODES)}")
+    return mode
+
+
+@contextlib.contextmanager
+def cpu_attention_mode(mode: str) -> Iterator[None]:
+    """Use CPU ``mode`` (one of :data:`MODES`) inside the ``with`` block; ``ValueError``
+    otherwise."""
+    global _mode_override
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not supported; allowed: {list(MODES)}")
+    old, _mode_override = _mode_override, mode
+    try:
+        yield
+    finally:
+        _mode_override = old
+
+
+# ------------------------------------------------------------------------------ code layout
+def code_layout(bits: int) -> tuple[int, int]:
+    """``(bytes_per_word, codes_per_word)`` of :func:`kvbench.cache.quant.pack_bits`'s LSB-first
+    stream: the smallest run of whole bytes holding whole codes (2 bits: 1 byte, 4 codes;
+    3 bits: 3 bytes, 8 codes)."""
+    g = math.gcd(bits, 8)
+    return bits // g, 8 // g
+
+
+def subcodes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Split packed codes ``[..., W * bytes_per_word]`` uint8 into ``codes_per_word`` int32
+    tensors ``[..., W]``: entry ``i`` holds the codes of channels ``j * codes_per_word + i``.
+    Shifts and masks only (a code straddling two bytes reads both)."""
+    bpw, cpw = code_layout(bits)
+    w = packed.reshape(*packed.shape[:-1], -1, bpw)
+    mask = (1 << bits) - 1
+    out = []
+    for i in range(cpw):
+        k, sh = divmod(i * bits, 8)
+        x = w[..., k].to(torch.int32)
+        if sh + bits > 8:
+            x = x | (w[..., k + 1].to(torch.int32) << 8)
+        out.append((x >> sh) & mask if (sh or bits < 8) else x)
+    return out
+
+
+def affine_terms(block: AffineBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(a, b)`` ``[B|1, H|1, NG, Dg]`` with ``x = code * a + b`` for ``block``
+    (exactly :func:`kvbench.cache.quant.dequantize_groups`'s three cases)."""
+    s = block.scale.float()
+    if block.symmetric:
+        return s, s * -float(1 << (block.bits - 1))
+    z = block.zero.float()
+    if block.midpoint:
+        return s * 0.5, z + s * 0.25
+    return s, z
+
+
+def _per_channel(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``[..., Dg]`` group terms -> ``[..., D]`` (each repeated over its ``D / Dg`` channels)."""
+    return t if t.shape[-1] == d else t.repeat_interleave(d // t.shape[-1], dim=-1)
+
+
+# ------------------------------------------------------------------------------ kernels
+def to_subcode_order(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` -> ``[..., codes_per_word, W]`` (contiguous): entry ``[i, j]`` is channel
+    ``j * codes_per_word + i``, the order of :func:`subcodes`."""
+    _, cpw = code_layout(bits)
+    return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).contiguous()
+
+
+def key_page_terms(
+    q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query-side terms of the key pages: ``qs [B, H, M, NP, codes_per_word, W]`` (``q * a``
+    per page, in sub-code order) and ``qb [B, H, M, NP]`` (``q . b`` per page).
+
+    ``q``: float32 ``[B, H, M, D]``; ``a, b``: float32 ``[B|1, H|1, NP, D]`` per channel."""
+    qs = to_subcode_order(q, bits).unsqueeze(3) * to_subcode_order(a, bits).unsqueeze(2)
+    return qs.contiguous(), (q.unsqueeze(3) * b.unsqueeze(2)).sum(-1)
+
+
+def key_pages_fused(
+    packed: torch.Tensor, qs: torch.Tensor, qb: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Key logits of whole pages in the code domain (the compiled kernel's source).
+
+    Parameters
+    ----------
+    packed : uint8 ``[B, H, NP, L, nbytes]``, the codes of ``NP`` pages of ``L`` tokens.
+    qs, qb : float32 ``[B, H, M, NP, codes_per_word, W]`` and ``[B, H, M, NP]`` from
+        :func:`key_page_terms` (precomputed: inductor would otherwise recompute ``q * a`` with
+        strided loads inside the reduction).
+    bits : code width, 1..8; ``D = codes_per_word * W``.
+
+    Returns
+    -------
+    float32 ``[B, H, M, NP * L]``: ``q . (c * a + b)`` for every token of the pages.
+    """
+    bsz, h, m, npg = qb.shape
+    length = packed.shape[3]
+    acc = None
+    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, NP, L, W]
+        term = qs[..., i, :].unsqueeze(4) * c.float()  # [B, H, M, NP, L, W]
+        acc = term if acc is None else acc + term
+    return (acc.sum(-1) + qb.unsqueeze(-1)).reshape(bsz, h, m, npg * length)
+
+
+def _weights_for(ps: torch.Tensor, i: int, cpw: int, cg: int) -> torch.Tensor:
+    """``ps [..., n, Dg]`` -> the weight of channel ``j * cpw + i`` for each word ``j``."""
+    dg = ps.shape[-1]
+    if dg == 1:
+        return ps
+    w = dg * cg // cpw
+    if cg % cpw == 0:  # a word's channels share one group
+        return ps.unsqueeze(-1).expand(*ps.shape, cg // cpw).reshape(*ps.shape[:-1], w)
+    if cpw % cg == 0:  # a word spans cpw // cg groups
+        return ps.reshape(*ps.shape[:-1], w, cpw // cg)[..., i // cg]
+    idx = torch.tensor([(j * cpw + i) // cg for j in range(w)], device=ps.device)
+    return ps.index_select(-1, idx)
+
+
+def value_token_terms(
+    p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probability-side terms of per-token values: ``ps = p * a`` ``[B, H, M, n, Dg]`` and
+    ``pb = sum_t p_t (b_t + a_t h)`` ``[B, H, M, Dg]`` with ``h = (2^bits - 1) / 2``.
+
+    The codes are used centred (``c - h``, see :func:`value_tokens_fused`) and the offset
+    ``b + a h`` is about the group's middle, so the two sums do not cancel each other and the
+    long float32 sum over ``n`` stays accurate.  ``p``: float32 ``[B, H, M, n]``; ``a, b``:
+    float32 ``[B|1, H|1, n, Dg]``."""
+    half = ((1 << bits) - 1) / 2
+    ps = p.unsqueeze(-1) * a.unsqueeze(2)
+    return ps, (p.unsqueeze(-1) * (b + a * half).unsqueeze(2)).sum(3)
+
+
+def value_tokens_fused(packed: torch.Tensor, ps: torch.Tensor, bits: int) -> torch.Tensor:
+    """``sum_t ps_t (c_t - h)`` over per-token quantized values in the code domain (the
+    compiled kernel's source); add ``pb`` of :func:`value_token_terms` for the output.
+
+    Parameters
+    ----------
+    packed : uint8 ``[B, H, n, nbytes]``.
+    ps : float32 ``[B, H, M, n, Dg]`` from :func:`value_token_terms`.
+    bits : code width, 1..8; ``D = nbytes * 8 / bits`` a multiple of ``codes_per_word``.
+
+    Returns
+    -------
+    float32 ``[B, H, M, D]``.
+    """
+    bsz, h, n, nbytes = packed.shape
+    m, dg = ps.shape[2], ps.shape[-1]
+    _, cpw = code_layout(bits)
+    d = nbytes * 8 // bits
+    half = ((1 << bits) - 1) / 2
+    outs = [
+        (_weights_for(ps, i, cpw, d // dg) * (c.float() - half)).sum(3)  # [B, H, M, W]
+        for i, c in enumerate(subcodes(packed.unsqueeze(2), bits))  # [B, H, 1, n, W]
+    ]
+    return torch.stack(outs, -1).reshape(bsz, h, m, d)
+
+
+def key_pages_eager(
+    packed: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Same result as :func:`key_pages_fused` by ``unpack_bits`` + matmul, in chunks of about
+    :data:`EAGER_CHUNK_TOKENS` tokens (any ``D``)."""
+    bsz, h, npg, length, _ = packed.shape
+    d = q.shape[-1]
+    step = max(1, EAGER_CHUNK_TOKENS // length)
+    outs = []
+    for p0 in range(0, npg, step):
+        pk = packed[:, :, p0 : p0 + step]
+        c = unpack_bits(pk, bits, d).float()  # [B, H, np, L, D]
+        ap, bp = a[:, :, p0 : p0 + step], b[:, :, p0 : p0 + step]
+        qs = q.unsqueeze(2) * ap.unsqueeze(3)  # [B, H, np, M, D]
+        lg = torch.matmul(qs, c.transpose(-1, -2))  # [B, H, np, M, L]
+        lg = lg + (q.unsqueeze(2) * bp.unsqueeze(3)).sum(-1, keepdim=True)
+        outs.append(lg.permute(0, 1, 3, 2, 4).reshape(bsz, h, q.shape[2], -1))
+    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+
+def value_tokens_eager(
+    packed: torch.Tensor, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, d: int
+) -> torch.Tensor:
+    """Same result as :func:`value_tokens_fused` by ``unpack_bits`` + matmul in chunks
+    (any ``D``, given as ``d``)."""
+    bsz, h, n, _ = packed.shape
+    m, dg = p.shape[2], a.shape[-1]
+    cg = d // dg
+    out = torch.zeros(bsz, h, m, dg, cg, device=p.device)
+    for t0 in range(0, n, EAGER_CHUNK_TOKENS):
+        sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
+        c = unpack_bits(packed[:, :, sl], bits, d).float()
+        c = c.reshape(bsz, h, -1, dg, cg).transpose(2, 3)  # [B, H, Dg, n, cg]
+        ps = (p[..., sl].unsqueeze(-1) * a[:, :, sl].unsqueeze(2)).permute(0, 1, 4, 2, 3)
+        out += torch.matmul(ps, c).transpose(2, 3)  # [B, H, M, Dg, cg]
+    pb = (p.unsqueeze(-1) * b.unsqueeze(2)).sum(3)  # [B, H, M, Dg]
+    return (out + pb.unsqueeze(-1)).reshape(bsz, h, m, d)
+
+
+def key_tokens_fused(packed: torch.Tensor, qsub: torch.Tensor, a: torch.Tensor, bits: int):
+    """``sum_g a_{t,g} (q_g . c_{t,g})`` over per-token quantized keys in the code domain (the
+    compiled kernel's source); add ``sum_g b_{t,g} sum(q_g)`` for the logits.
+
+    Parameters
+    ----------
+    packed : uint8 ``[B, H, n, nbytes]``.
+    qsub : float32 ``[B, H, M, codes_per_word, Dg, Wg]``: the query in sub-code order, split
+        into the ``Dg`` channel groups of ``Wg = cg / codes_per_word`` words each.
+    a : float32 ``[B|1, H|1, n, Dg]``.
+
+    Returns
+    -------
+    float32 ``[B, H, M, n]``.
+    """
+    dg, wg = qsub.shape[-2], qsub.shape[-1]
+    acc = None
+    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, n, W]
+        c = c.reshape(*c.shape[:-1], dg, wg).float()
+        term = (qsub[:, :, :, i].unsqueeze(3) * c).sum(-1)  # [B, H, M, n, Dg]
+        acc = term if acc is None else acc + term
+    return (acc * a.unsqueeze(2)).sum(-1)
+
+
+def key_tokens(
+    packed: torch.Tensor,
+    q: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bits: int,
+    compiled: bool,
+) -> torch.Tensor:
+    """Logits ``[B, H, M, n]`` of per-token quantized keys (codes ``packed [B, H, n, nbytes]``,
+    terms ``a, b`` float32 ``[B|1, H|1, n, Dg]``) for query rows ``q [B, H, M, D]``."""
+    bsz, h, m, d = q.shape
+    dg = a.shape[-1]
+    cg = d // dg
+    _, cpw = code_layout(bits)
+    qsum = q.reshape(bsz, h, m, dg, cg).sum(-1)  # [B, H, M, Dg]
+    bias = torch.matmul(qsum, b.transpose(-1, -2))  # [B, H, M, n]
+    if compiled and cg % cpw == 0:
+        qsub = to_subcode_order(q, bits).reshape(bsz, h, m, cpw, dg, cg // cpw)
+        out = _run(key_tokens_fused, [(packed, 2), (a, 2)], packed, qsub, a, bits)
+        if out is not None:
+            return out + bias
+    n = packed.shape[2]
+    qg = q.reshape(bsz, h, m, dg, cg).transpose(2, 3)  # [B, H, Dg, M, cg]
+    outs = []
+    for t0 in range(0, n, EAGER_CHUNK_TOKENS):
+        sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
+        c = unpack_bits(packed[:, :, sl], bits, d).float()
+        c = c.reshape(bsz, h, -1, dg, cg).permute(0, 1, 3, 4, 2)  # [B, H, Dg, cg, n]
+        part = torch.matmul(qg, c)  # [B, H, Dg, M, n]
+        outs.append((part * a[:, :, sl].permute(0, 1, 3, 2).unsqueeze(3)).sum(2))
+    out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+    return out + bias
+
+
+# ------------------------------------------------------------------------------ compile
+def _fresh_function(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object: dynamo keeps its compiled graphs (and its
+    recompile limit) per code object, so each bit width gets its own cache."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+
+
+def _compiled_kernel(fn: Callable[..., Any], bits: int) -> Callable[..., Any]:
+    key = (fn.__name__, bits)
+    if key not in _compiled:
+        # dynamic=None: besides the dims the caller marks, any dim that changes between calls
+        # (a context-sized operand the caller did not list) becomes dynamic at its first
+        # change, instead of one recompile per decode step up to dynamo's limit
+        _compiled[key] = torch.compile(_fresh_function(fn, f"b{bits}"), dynamic=None)
+    return _compiled[key]
+
+
+def _run(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
+    """The compiled ``fn(*args)`` (``args[-1]`` is the bit width), or ``None`` once compiling
+    failed; ``dyn``: (tensor, dim) pairs whose size grows with the context, marked dynamic so
+    that a longer cache reuses the compiled code."""
+    global _compile_error
+    if _compile_error is not None or not _state.inductor:
+        return None
+    for t, dim in dyn:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    try:
+        out = _compiled_kernel(fn, args[-1])(*args)
+        note_impl("compiled")
+        return out
+    except Exception as e:  # noqa: BLE001 - no compiler, inductor bug: eager is still right
+        _compile_error = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"kvbench.attention.codedomain: torch.compile failed ({_compile_error[:200]}); using the "
+            "eager code-domain path from now on",
+            stacklevel=2,
+        )
+    return None
+
+
+def _group_slices(group_len: list[int]) -> list[tuple[int, slice]]:
+    """``(group index, token slice)`` of each group, split into runs of at most
+    :data:`EAGER_CHUNK_TOKENS` tokens."""
+    out, t0 = [], 0
+    for gi, n in enumerate(group_len):
+        for c0 in range(0, n, EAGER_CHUNK_TOKENS):
+            out.append((gi, slice(t0 + c0, t0 + min(n, c0 + EAGER_CHUNK_TOKENS))))
+        t0 += n
+    return out
+
+
+def key_groups_eager(packed, q, a, b, group_len, bits) -> torch.Tensor:
+    """Logits ``[B, H, M, n]`` of keys in token groups of any lengths (per-head / per-tensor
+    flushes): ``(q * a_g) . c_t + q . b_g`` per group, by unpack + matmul; ``a, b`` float32
+    ``[B|1, H|1, NG, D]`` per channel."""
+    d = q.shape[-1]
+    outs = []
+    for gi, sl in _group_slices(group_len):
+        c = unpack_bits(packed[:, :, sl], bits, d).float()  # [B, H, n_g, D]
+        qa = q * a[:, :, gi : gi + 1]
+        qb = (q * b[:, :, gi : gi + 1]).sum(-1, keepdim=True)
+        outs.append(torch.matmul(qa, c.transpose(-1, -2)) + qb)
+    return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
+
+
+def value_groups_eager(packed, p, a, b, group_len, bits, d) -> torch.Tensor:
+    """``sum_t p_t (c_t * a_g + b_g)`` ``[B, H, M, D]`` over values in token groups of any
+    lengths; ``a, b`` float32 ``[B|1, H|1, NG, D]`` per channel."""
+    out = 0
+    for gi, sl in _group_slices(group_len):
+        c = unpack_bits(packed[:, :, sl], bits, d).float()
+        pg = p[..., sl]
+        out = out + torch.matmul(pg, c) * a[:, :, gi : gi + 1]
+        out = out + pg.sum(-1, keepdim=True) * b[:, :, gi : gi + 1]
+    return out
+
+
+def run_compiled(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
+    """Public form of the compile runner for block kernels outside this module: the
+    ``torch.compile``d ``fn(*args)`` (``args[-1]``: an int tag, e.g. the bit width, that keys
+    the compiled cache), or ``None`` once compiling failed (one warning; use the eager kernel).
+    ``dyn``: ``(tensor, dim)`` pairs whose size grows with the context."""
+    return _run(fn, dyn, *args)
+
+
+# ------------------------------------------------------------------------------ registry
+BlockAttention = (
+    BlockKernel  # the per-block interface (:class:`kvbench.attention.dispatch.BlockKernel`)
+)
+
+
+def register_block_attention(block_type: type, impl: BlockKernel) -> None:
+    """Register ``impl`` for CPU blocks of exactly ``block_type``
+    (:func:`kvbench.attention.dispatch.register_block_kernel` with ``devices=("cpu",)``)."""
+    register_block_kernel(block_type, impl, ("cpu",))
+
+
+def block_attention(block: Any) -> BlockKernel | None:
+    """The CPU kernel registered for ``type(block)``, or ``None``."""
+    return block_kernel(block, "cpu")
+
+
+class AffineBlockAttention:
+    """:class:`BlockKernel` of :class:`kvbench.cache.blocks.AffineBlock` (see module docstring).
+
+    Keys and values: per-token groups (per-token, int8/int4-block and llama.cpp ``q4_0``),
+    pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``; keys), or
+    token groups of any lengths (per-head / per-tensor flushes; eager).  Bits 1..8, and 16
+    (int16 codes, e.g. PM-KVQ before its first shrink; native, else eager)."""
+
+    @staticmethod
+    def _common(block: AffineBlock, head_dim: int) -> str | None:
+        if block.bits not in (*range(1, 9), 16):
+            return f"{block.bits}-bit codes"
+        if head_dim % block.scale.shape[-1]:
+            return "channel groups do not divide head_dim"
+        return None
+
+    def key_reason(self, block: AffineBlock, head_dim: int) -> str | None:
+        return self._common(block, head_dim)
+
+    value_reason = key_reason
+
+    @staticmethod
+    def _pages(block: AffineBlock) -> bool:
+        lens = block.group_len
+        return (
+            bool(lens)
+            and lens[0] >= 2
+            and all(x == lens[0] for x in lens[:-1])
+            and (lens[-1] <= lens[0])
+        )
+
+    @staticmethod
+    def _native_codes(block: AffineBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes as uint8 rows, a, b)`` for the native kernels: 16-bit codes are int16
+        ``c - 32768`` (:func:`kvbench.cache.quant.pack_bits`), read signed, so ``b`` takes the
+        offset (``c a + b = (c - 32768) a + (b + 32768 a)``, terms in float32)."""
+        a, b = affine_terms(block)
+        if block.bits != 16:
+            return block.codes, a, b
+        return block.codes.view(torch.uint8), a, b + 32768.0 * a
+
+    def _native_keys(self, block: AffineBlock, q: torch.Tensor) -> torch.Tensor | None:
+        d, bits = q.shape[-1], block.bits
+        if not native_allowed():
+            return None
+        codes, a, b = self._native_codes(block)
+        if not native.supports(codes, bits, d):
+            return None
+        if len(block.group_len) == block.ntokens:
+            if (d // a.shape[-1]) % code_layout(bits)[1]:
+                return None
+            return native.keys_groups(codes, q, a, b, bits)
+        if not self._pages(block):
+            return None
+        a, b = _per_channel(a, d), _per_channel(b, d)
+        return native.keys_rows(codes, q, a, b, block.group_len[0], bits)
+
+    def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+        out = self._native_keys(block, q) if compiled else None
+        if out is not None:
+            note_impl("native")
+            return out
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
+        if len(block.group_len) == block.ntokens:
+            a, b = affine_terms(block)
+            return key_tokens(block.codes, q, a, b, block.bits, compiled)
+        if not self._pages(block):  # flushes of different lengths (per-head, per-tensor)
+            a, b = affine_terms(block)
+            d = q.shape[-1]
+            a, b = _per_channel(a, d), _per_channel(b, d)
+            return key_groups_eager(block.codes, q, a, b, block.group_len, block.bits)
+        d, bits, length = q.shape[-1], block.bits, block.group_len[0]
+        a, b = affine_terms(block)
+        a, b = _per_channel(a, d), _per_channel(b, d)
+        bsz, h, n, nbytes = block.codes.shape
+        full = n // length  # whole pages; a shorter last page (after crop) is a tail
+        parts = []
+        if full:
+            pk = block.codes[:, :, : full * length].reshape(bsz, h, full, length, nbytes)
+            af, bf = a[:, :, :full], b[:, :, :full]
+            out = None
+            if compiled and d % code_layout(bits)[1] == 0:
+                qs, qb = key_page_terms(q, af, bf, bits)
+                out = _run(key_pages_fused, [(pk, 2), (qs, 3), (qb, 3)], pk, qs, qb, bits)
+            parts.append(out if out is not None else key_pages_eager(pk, q, af, bf, bits))
+        if n > full * length:
+            pk = block.codes[:, :, full * length :].unsqueeze(2)
+            at, bt = a[:, :, full : full + 1], b[:, :, full : full + 1]
+            parts.append(key_pages_eager(pk, q, at, bt, bits))
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+
+    def value_output(self, block: AffineBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+        d, bits = block.head_dim, block.bits
+        a, b = affine_terms(block)
+        pk = block.codes
+        if len(block.group_len) != block.ntokens:  # token groups (per-head, per-tensor values)
+            a, b = _per_channel(a, d), _per_channel(b, d)
+            return value_groups_eager(pk, p, a, b, block.group_len, bits, d)
+        if compiled and native_allowed():
+            nk, na, nb = self._native_codes(block)
+            if native.supports(nk, bits, d) and (d // na.shape[-1]) % code_layout(bits)[1] == 0:
+                note_impl("native")
+                return native.values_groups(nk, p, na, nb, bits, d)
+        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
+        if compiled and d % code_layout(bits)[1] == 0:
+            ps, pb = value_token_terms(p, a, b, bits)
+            out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)
+            if out is not None:
+                return out + _per_channel(pb, d)
+        return value_tokens_eager(pk, p, a, b, bits, d)
+
+
+register_block_attention(AffineBlock, AffineBlockAttention())
+
+
+# ------------------------------------------------------------------------------ attention
+def code_domain_reason(
+    layer_cache: Any,
+    query: torch.Tensor,
+    lengths: Any = None,
+    check_mode: bool = True,
+    common: bool = True,
+) -> str | None:
+    """Why ``layer_cache`` cannot take the CPU code-domain path for ``query`` (``None``: it
+    can): the mode, a non-CPU query, shapes that do not fit, or a block without a CPU kernel.
+    ``common=False``: the caller (the registry's :func:`~kvbench.attention.dispatch.resolve`)
+    already ran :func:`~kvbench.attention.dispatch.common_reason`."""
+    if check_mode and cpu_mode() == "reference":
+        return f"{ENV_MODE}=reference"
+    dev = getattr(getattr(query, "device", None), "type", "cpu")
+    why = common_reason(layer_cache, query, lengths) if common else None
+    if why:
+        return why
+    d = layer_cache.kv_shape[2]
+    for name, side in (("key", layer_cache.k), ("value", layer_cache.v)):
+        if side.block is not None:
+            impl = block_kernel(side.block, dev)
+            if impl is None:
+                where = "" if dev == "cpu" else f" on {dev}"
+                return f"{name} block {type(side.block).__name__} has no code-domain kernel{where}"
+            why = (impl.key_reason if name == "key" else impl.value_reason)(side.block, d)
+            if why:
+                return why
+    return None
+
+
+def code_domain_attend(
+    layer_cache: Any,
+    query: torch.Tensor,
+    scaling: float | None = None,
+    compiled: bool = False,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``query [B, H_q, n_q, D]`` over ``layer_cache`` (a
+    :class:`kvbench.cache.layer.LayerCache`) in the code domain; ``[B, H_q, n_q, D]`` in the query's
+    dtype.  Same contract as :func:`kvbench.attention.reference.reference_attention` over
+    ``keys_values()`` (GQA: query head ``h`` reads KV head ``h // (H_q / H_kv)``; causal mask
+    aligned to the end when ``n_q > 1``; ``lengths``: per-row valid tokens; float32 logits and
+    softmax).
+
+    ``compiled``: use the ``torch.compile`` kernels (else the eager ones).
+
+    Raises
+    ------
+    ValueError
+        The layout is not supported (the reason; see :func:`code_domain_reason`).
+    """
+    why = code_domain_reason(layer_cache, query, lengths, check_mode=False)
+    if why:
+        raise ValueError(why)
+    return _attend(layer_cache, query, scaling, compiled, lengths)
+
+
+def _float_pieces(part: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(t0, t1, part[:, :, t0:t1] as float32)`` covering a full-precision part
+    ``[B, H, T, D]`` along T: one piece where the part is float32 already, fits one chunk or is
+    not on the CPU, else chunks of :func:`~kvbench.cache.chunks.token_chunks` of about
+    :data:`DENSE_CHUNK_BYTES` of float32 each, cast into one reused scratch (each piece is
+    valid until the next is drawn)."""
+    bsz, h, t, d = part.shape
+    spans = list(token_chunks(bsz, h, t, d, elements=DENSE_CHUNK_BYTES // 4))
+    if part.dtype == torch.float32 or len(spans) <= 1 or part.device.type != "cpu":
+        yield 0, t, part.float()
+        return
+    buf = part.new_empty(bsz, h, spans[0][1], d, dtype=torch.float32)
+    for t0, t1 in spans:
+        chunk = buf[:, :, : t1 - t0]
+        chunk.copy_(part[:, :, t0:t1])
+        yield t0, t1, chunk
+
+
+def dense_logits(q: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``q @ part^T`` in float32 for ``q [B, H_kv, M, D]`` float32 and a full-precision part
+    ``part [B, H_kv, T, D]`` (any float dtype): ``[B, H_kv, M, T]`` float32.
+
+    A part longer than one chunk is cast into one reused float32 scratch of
+    :data:`DENSE_CHUNK_BYTES`, chunk by chunk along T (:func:`_float_pieces`), instead of a
+    float32 copy of the whole part (at batch 8 x 32K x 8 heads x 128 that copy is 1 GiB of
+    fresh pages per step; measured on 2 cores: ~5x faster, peak working memory one chunk; on
+    the CPU only, where the cast's fresh pages cost more than the arithmetic).  Each logit is
+    the same length-D dot product either way (equal bit for bit on the machines measured; the
+    tests compare with the one-matmul form to float32 rounding)."""
+    t, out = part.shape[2], None
+    for t0, t1, x in _float_pieces(part):
+        lg = torch.matmul(q, x.transpose(-1, -2))
+        if t1 - t0 == t:
+            return lg
+        if out is None:
+            out = q.new_empty(*q.shape[:-1], t)
+        out[..., t0:t1] = lg
+    return out
+
+
+def dense_output(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``p @ part`` in float32 for probabilities ``p [B, H_kv, M, T]`` float32 and a
+    full-precision part ``part [B, H_kv, T, D]``: ``[B, H_kv, M, D]`` float32, chunked along T
+    as :func:`dense_logits` (the sum over T then adds chunk partial sums in order: equal to
+    the one-matmul form up to float32 rounding)."""
+    out = None
+    for t0, t1, x in _float_pieces(part):
+        o = torch.matmul(p[..., t0:t1], x)
+        out = o if out is None else out.add_(o)
+    return out
+
+
+def _attend(
+    layer_cache: Any,
+    query: torch.Tensor,
+    scaling: float | None,
+    compiled: bool,
+    lengths: torch.Tensor | None = None,
+):
+    """:func:`code_domain_attend` without its layout checks."""
+    bsz, hq, nq, d = query.shape
+    hkv = layer_cache.kv_shape[1]
+    dev = query.device.type
+    m = hq // hkv * nq
+    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    q = (query.float() * scale).reshape(bsz, hkv, m, d)  # rows: (query head in group, n_q)
+    ks, vs = layer_cache.k, layer_cache.v
+    logits = []
+    for part in (ks.sinks, ks.block, ks.residual):
+        if isinstance(part, torch.Tensor):
+            logits.append(dense_logits(q, part))
+        elif part is not None:
+            logits.append(block_kernel(part, dev).key_logits(part, q, compiled))
+    lg = torch.cat(logits, -1) if len(logits) > 1 else logits[0]  # [B, H_kv, M, T]
+    t = lg.shape[-1]
+    if nq > 1 or lengths is not None:
+        mask = length_mask(lengths, nq, t, query.device)  # [B|1, n_q, T]
+        lg = lg.reshape(bsz, hkv, hq // hkv, nq, t).masked_fill(~mask[:, None, None], float("-inf"))
+        lg = lg.reshape(bsz, hkv, m, t)
+    probs = torch.softmax(lg, dim=-1)
+    if getattr(layer_cache, "observes_attention", False):
+        layer_cache.observe_attention(probs.reshape(bsz, hq, nq, t), lengths)
+    out, off = None, 0
+    for part in (vs.sinks, vs.block, vs.residual):
+        if part is None:
+            continue
+        n = part.shape[2] if isinstance(part, torch.Tensor) else part.ntokens
+        p = probs[..., off : off + n]
+        off += n
+        if isinstance(part, torch.Tensor):
+            o = dense_output(p, part)
+        else:
+            o = block_kernel(part, dev).value_output(part, p.contiguous(), compiled)
+        out = o if out is None else out + o
+    return out.reshape(bsz, hq, nq, d).to(query.dtype)
+
+
+def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
+    """The registry's code-domain backend: ``(out, path)``; the mode picks the kernels.
+
+    ``auto``: the native kernels (:mod:`kvbench.attention.native`) wherever a block supports them
+    (no per-shape compile cost), else ``torch.compile`` for single-query decode steps once a
+    layer holds :data:`COMPILE_MIN_TOKENS` quantized tokens, else eager.  ``native``: native,
+    else eager.  ``compiled``: ``torch.compile``, else eager.  The path names what ran:
+    ``cpu-native``, ``cpu-compiled``, ``cpu-eager``, or a ``+`` join when blocks differed."""
+    mode = cpu_mode()
+    cpu = query.device.type == "cpu"
+    inductor = cpu and (
+        mode == "compiled"
+        or (
+            mode == "auto"
+            and query.shape[2] == 1  # decode steps; chunks of queries would add graphs
+            and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
+        )
+    )
+    inductor = inductor and _compile_error is None
+    nat = cpu and mode in ("auto", "native") and native.available()
+    _state.native, _state.inductor, _state.used = nat, inductor, []
+    try:
+        out = _attend(layer_cache, query, scaling, nat or inductor, lengths)
+    finally:
+        used, _state.used = _state.used, []
+        _state.native, _state.inductor = False, True
+    dev = query.device.type
+    if dev != "cpu":  # a block kernel registered for another device (QJL's on CUDA): eager
+        return out, f"{dev}-eager"
+    blocks = sum(side.block is not None for side in (layer_cache.k, layer_cache.v))
+    if len(used) < blocks:  # a kernel that did not report ran its eager code
+        used.append("eager")
+    kinds = sorted(set(used) or {"eager"}, key=("native", "compiled", "eager").index)
+    return out, "cpu-" + "+".join(kinds)
+
+
+install_code_domain(code_domain_reason, _registry_run, _attend)

@@ -1,0 +1,583 @@
+"""Native (C) CPU kernels of the code-domain decode attention: one read of each stored token.
+
+:mod:`kvbench.attention.codedomain` computes a decode step's attention on the stored codes.  Its
+``torch.compile`` kernels pay two costs that dwarf the bytes a 2-bit cache holds: dynamo's
+guard and wrapper overhead on every call (about 0.5 ms per call, two calls per layer and step),
+and inductor's loop order for these shapes (the query rows outermost, so every token's codes
+are unpacked once per query row, and a horizontal reduction per token and row).  This module
+compiles ``kvbench/attention/csrc/codes.c`` once per machine (the system C compiler, ``cc``;
+``-O3 -march=native``) and calls it through :mod:`ctypes` (a few microseconds per call): per
+KV head, each token's codes are decoded into a float buffer in L1 and used by all ``M`` query
+rows before the next token is read (see the C file's header for the math).
+
+Layouts served (exactly :func:`kvbench.cache.quant.dequantize_groups`'s affine terms, or a table):
+
+* :func:`keys_rows`: keys with per-channel terms per row of ``L`` tokens (KIVI per-channel key
+  pages, per-head pages; mixed-precision classes, one class at a time);
+* :func:`keys_groups` / :func:`values_groups`: per-token terms over channel groups
+  (per-token keys and values, llama.cpp-style blocks, PM-KVQ), optionally with an
+  :class:`Upper` plane of some tokens' upper bits read where they are stored (SemKV);
+* :func:`keys_lut` / :func:`values_lut`: codes looked up in a ``2^bits``-entry float table
+  (fp8 bytes; codebooks);
+* :func:`keys_lut_outliers`: a shared table with per-channel half-range and centre, sparse
+  exact outliers, optionally read rotated by RoPE (KVQuant's pre-RoPE keys);
+* :func:`keys_polar`: radius and angle codes of RoPE pairs with a per-page query table
+  (PolarQuant).
+
+Build: the shared object is cached under ``$KVBENCH_CACHE/native`` (else
+``$XDG_CACHE_HOME/kvbench/native``, else ``~/.cache/kvbench/native``), keyed by the source, the
+flags, the compiler's version and the CPU's flags, so an upgraded compiler or another machine
+rebuilds.  No compiler, or a failed build: :func:`available` is ``False`` with the reason
+(:func:`unavailable_reason`), and the callers use the ``torch.compile`` / eager kernels.
+``KVBENCH_NATIVE=0`` disables this module.
+
+Shapes: ``codes`` uint8 ``[B, H_kv, T, nbytes]`` (any strides with contiguous rows; a view of a
+byte slice of each row for a mixed class), ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
+applied), ``p`` float32 ``[B, H_kv, M, T]``; ``D = nbytes * 8 / bits``, a multiple of the codes
+per word (:func:`kvbench.attention.codedomain.code_layout`), at most :data:`MAX_HEAD_DIM`.  Results are
+float32; sums in float32 in token order per row (the reference matmul's precision).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kvbench.clib import ENV_DISABLE as ENV_DISABLE  # the switch, re-exported
+from kvbench.clib import NativeLibrary, compile_cached, load_checked
+
+SOURCE = Path(__file__).with_name("csrc") / "codes.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
+ABI_VERSION = 10
+# KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
+# (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
+# the vectorised keys apply (a check of the vectorised keys against the tiles)
+_KERNEL_CHOICE = {"1": 0, "0": 1, "tiled": 2}
+MAX_HEAD_DIM = 1024
+MODE_AFFINE_ROWS, MODE_AFFINE_GROUPS, MODE_LUT, MODE_RAW, MODE_STREAM = 0, 1, 2, 3, 4
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("cs_b", ctypes.c_int64),
+        ("cs_h", ctypes.c_int64),
+        ("cs_t", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("T", ctypes.c_int64),
+        ("W", ctypes.c_int64),
+        ("M", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("A", ctypes.c_void_p),
+        ("Z", ctypes.c_void_p),
+        ("as_b", ctypes.c_int64),
+        ("as_h", ctypes.c_int64),
+        ("as_r", ctypes.c_int64),
+        ("L", ctypes.c_int64),
+        ("WG", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("qp", ctypes.c_void_p),
+        ("q_sm", ctypes.c_int64),
+        ("q_sr", ctypes.c_int64),
+        ("off", ctypes.c_void_p),
+        ("wid", ctypes.c_void_p),
+        ("nbytes", ctypes.c_int64),
+        ("no_tiles", ctypes.c_int),
+        ("out", ctypes.c_void_p),
+        ("bit0", ctypes.c_int64),
+        ("natural", ctypes.c_int),
+        ("up", ctypes.c_void_p),
+        ("up_row", ctypes.c_void_p),
+        ("up_nb", ctypes.c_int64),
+        ("up_bits", ctypes.c_int),
+        ("up_shift", ctypes.c_int),
+    ]
+
+
+class _LutArgs(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("cs_b", ctypes.c_int64),
+        ("cs_h", ctypes.c_int64),
+        ("cs_t", ctypes.c_int64),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("T", ctypes.c_int64),
+        ("M", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("lut", ctypes.c_void_p),
+        ("hs", ctypes.c_void_p),
+        ("hz", ctypes.c_void_p),
+        ("out_idx", ctypes.c_void_p),
+        ("out_val", ctypes.c_void_p),
+        ("N", ctypes.c_int64),
+        ("qp", ctypes.c_void_p),
+        ("cosv", ctypes.c_void_p),
+        ("sinv", ctypes.c_void_p),
+        ("pi", ctypes.c_void_p),
+        ("pj", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
+    ]
+
+
+class _PolarArgs(ctypes.Structure):
+    _fields_ = [
+        ("rc", ctypes.c_void_p),
+        ("ac", ctypes.c_void_p),
+        *((f, ctypes.c_int64) for f in ("rs_b", "rs_h", "rs_t", "as_b", "as_h", "as_t")),
+        *((f, ctypes.c_int64) for f in ("B", "H", "T", "M", "P", "L", "NP")),
+        ("ar", ctypes.c_void_p),
+        ("br", ctypes.c_void_p),
+        ("tab", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("scalar", ctypes.c_int),
+    ]
+
+
+def _build() -> ctypes.CDLL:
+    # ~80 CPU-s with GCC 12 at -O3 (every width specialised)
+    out = compile_cached(SOURCE, FLAGS, "codes", timeout=900)
+    lib = load_checked(out, "kv_abi_version", ABI_VERSION)
+    for fn in (lib.kv_keys, lib.kv_values):
+        fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+        fn.restype = ctypes.c_int
+    lib.kv_keys_lut_outliers.argtypes = [ctypes.POINTER(_LutArgs), ctypes.c_int]
+    lib.kv_keys_lut_outliers.restype = ctypes.c_int
+    lib.kv_keys_polar.argtypes = [ctypes.POINTER(_PolarArgs), ctypes.c_int, ctypes.c_int]
+    lib.kv_keys_polar.restype = ctypes.c_int
+    return lib
+
+
+_NATIVE = NativeLibrary(lambda: _build(), "native kernels")
+
+
+def _load() -> ctypes.CDLL | None:
+    return _NATIVE.load()
+
+
+available = _NATIVE.available  # whether built and loaded (builds on the first call)
+unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why not
+
+
+# ------------------------------------------------------------------------------ helpers
+def _layout(bits: int) -> tuple[int, int]:
+    """``(bytes_per_word, codes_per_word)`` (:func:`kvbench.attention.codedomain.code_layout`)."""
+    if bits == 0:  # a bit stream of per-channel widths: one "word" per channel
+        return 0, 1
+    g = math.gcd(bits, 8)
+    return bits // g, 8 // g
+
+
+def _sub(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` channel order -> float32 contiguous sub-code order (position ``i * W + w``
+    holds channel ``w * cpw + i``)."""
+    cpw = _layout(bits)[1]
+    x = x.float()
+    return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).reshape(x.shape).contiguous()
+
+
+def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
+    """Whether the native kernels take ``codes`` (uint8 rows, contiguous last dim, on the
+    CPU) of ``bits``-bit codes for ``head_dim`` channels."""
+    if (
+        not (1 <= bits <= 8 or bits == 16)
+        or codes.dtype != torch.uint8
+        or codes.device.type != "cpu"
+    ):
+        return False
+    _, cpw = _layout(bits)
+    return (
+        head_dim % cpw == 0
+        and head_dim <= MAX_HEAD_DIM
+        and codes.shape[-1] * 8 >= head_dim * bits
+        and (codes.shape[-1] == 1 or codes.stride(-1) == 1)
+        and available()
+    )
+
+
+def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=None, rows=0):
+    b, h, t, _ = codes.shape
+    w = d // _layout(bits)[1]
+    args = _Args()
+    args.codes = codes.data_ptr()
+    args.cs_b, args.cs_h, args.cs_t = _row_strides(codes)
+    args.B, args.H, args.T, args.W, args.M = b, h, t, w, m
+    args.mode = mode
+    if a is not None:
+        args.A, args.Z = a.data_ptr(), z.data_ptr()
+        args.as_b = a.stride(0) if a.shape[0] > 1 else 0
+        args.as_h = a.stride(1) if a.shape[1] > 1 else 0
+        args.as_r = a.stride(2)
+    args.L, args.WG = length, wg
+    if lut is not None:
+        args.lut = lut.data_ptr()
+    args.qp, args.out = qp.data_ptr(), out.data_ptr()
+    args.q_sm, args.q_sr = (rows * d, d) if rows else (d, 0)
+    args.no_tiles = _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0)
+    args.keep = (codes, qp, out, a, z, lut)  # the raw pointers' owners live as long as args
+    return args
+
+
+def _loaded() -> ctypes.CDLL:
+    """The loaded kernels; ``RuntimeError`` with the reason when they are unavailable."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(_NATIVE.reason)
+    return lib
+
+
+def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """Element strides of ``x``'s batch, head and token dims (0 where a dim has size 1)."""
+    return tuple(x.stride(i) if x.shape[i] > 1 else 0 for i in range(3))
+
+
+def _call(fn_name: str, args: _Args, bits: int) -> None:
+    rc = getattr(_loaded(), fn_name)(ctypes.byref(args), bits)
+    if rc == -3:
+        raise RuntimeError(f"{fn_name}: natural channel order given where the kernel needs "
+                           "sub-code order")  # fmt: skip
+    if rc == -4:
+        raise ValueError(f"{fn_name}: an upper plane the kernels do not take (upper_fits)")
+    if rc != 0:
+        raise ValueError(f"{fn_name}: head_dim above {MAX_HEAD_DIM}")
+
+
+def _vectorised_keys(bits: int, d: int, m: int, wg: int | None = None) -> bool:
+    """Whether the vectorised keys take codes of ``bits`` bits, ``d`` channels and ``m``
+    query rows (the C side's ``keys_vec_ok``, codes starting on a byte): their query and row
+    terms are then passed in natural channel order, without the sub-code reorder.  ``wg``:
+    words per channel group of per-token keys."""
+    if _KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) or m > 16:
+        return False
+    if not (1 <= bits <= 4 or bits == 8) or d % 8:
+        return False
+    cpw = _layout(bits)[1]
+    return wg is None or ((wg * cpw) % 8 == 0 and (d // cpw) % wg == 0)
+
+
+def _keys_order(x: torch.Tensor, bits: int, natural: bool) -> torch.Tensor:
+    """``x [..., D]`` float32 contiguous in natural order, or in sub-code order (:func:`_sub`)."""
+    return x.float().contiguous() if natural else _sub(x, bits)
+
+
+def _check_terms(a: torch.Tensor, z: torch.Tensor, codes: torch.Tensor) -> None:
+    for name, x in (("A", a), ("Z", z)):
+        if (
+            x.dim() != 4
+            or x.shape[0] not in (1, codes.shape[0])
+            or x.shape[1]
+            not in (
+                1,
+                codes.shape[1],
+            )
+        ):
+            raise ValueError(f"affine term {name} of shape {tuple(x.shape)} does not fit codes "
+                             f"{tuple(codes.shape)}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ kernels
+def keys_rows(codes, q, a, z, length: int, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``q . (c_t * a_r + z_r)`` with ``r = t // length``.
+
+    ``a, z``: float ``[B|1, H|1, R, D]`` per channel per row (``R >= ceil(T / length)``)."""
+    _check_terms(a, z, codes)
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    nat = _vectorised_keys(bits, d, m)
+    qs, a_s, z_s = (_keys_order(x, bits, nat) for x in (q, a, z))
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, qs, out, MODE_AFFINE_ROWS, a_s, z_s, length=length)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
+    return out
+
+
+def _group_terms(a, z, codes, bits, d):
+    _check_terms(a, z, codes)
+    cpw = _layout(bits)[1]
+    cg = d // a.shape[-1]
+    if cg % cpw:
+        raise ValueError(f"channel groups of {cg} do not hold whole words of {cpw} codes")
+    return a.float().contiguous(), z.float().contiguous(), cg // cpw
+
+
+class Upper(NamedTuple):
+    """An upper plane of some tokens for :func:`keys_groups` / :func:`values_groups`: token
+    ``t`` of (row ``b``, head ``h``) has code ``c + 2^shift u`` where ``r = row[b, h, t] >= 0``,
+    ``u`` the ``bits``-bit codes of row ``r`` of ``codes`` (uint8 ``[N, nb]``, pack_bits order;
+    ``row`` int32 ``[B, H, T]``, -1: no upper codes).  SemKV's high tokens
+    (``methods/semkv.py``)."""
+
+    codes: torch.Tensor
+    row: torch.Tensor
+    bits: int
+    shift: int
+
+
+def upper_fits(upper: Upper, bits: int, d: int, m: int, group: int, values: bool) -> bool:
+    """Whether the native kernels take ``upper`` beside ``bits``-bit low codes of ``d``
+    channels in groups of ``group`` channels for ``m`` query rows (the C side's ``upper_ok``:
+    the vectorised natural-order kernels for keys, ``upper.bits`` 1..4, ``upper.shift`` 0..23,
+    groups of whole vectors of 8 channels)."""
+    wg = group // _layout(bits)[1] if group % _layout(bits)[1] == 0 else 0
+    return (
+        1 <= upper.bits <= 4
+        and 0 <= upper.shift <= 23
+        and upper.codes.dim() == 2
+        and group % 8 == 0
+        and d % 8 == 0
+        and upper.codes.dtype == torch.uint8
+        and upper.codes.shape[-1] * 8 >= d * upper.bits
+        and (values or wg > 0 and _vectorised_keys(bits, d, m, wg))
+    )
+
+
+def _set_upper(args: _Args, upper: Upper | None, shape: tuple[int, int, int]) -> None:
+    if upper is None:
+        return
+    codes, row = upper.codes.contiguous(), upper.row.to(torch.int32).contiguous()
+    if tuple(row.shape) != shape:
+        raise ValueError(f"upper rows of shape {tuple(row.shape)} do not fit {shape}")
+    lo, hi = (int(x) for x in torch.aminmax(row)) if row.numel() else (-1, -1)
+    if codes.dim() != 2 or not -1 <= lo <= hi < len(codes):
+        raise ValueError(f"upper rows must index the {tuple(codes.shape)} upper codes (or be -1)")
+    if not 0 <= upper.shift <= 23:
+        raise ValueError(f"upper shift {upper.shift} is not supported; allowed: 0..23")
+    args.up, args.up_row, args.up_nb = codes.data_ptr(), row.data_ptr(), codes.shape[-1]
+    args.up_bits, args.up_shift = upper.bits, upper.shift
+    args.keep = (*args.keep, codes, row)
+
+
+def keys_groups(codes, q, a, z, bits: int, upper: Upper | None = None) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]`` of per-token groups: ``a, z`` float ``[B|1, H|1, T, Dg]``
+    (``x = c * a_{t,g} + z_{t,g}``, ``D / Dg`` channels per group, whole words); ``upper``
+    (:class:`Upper`, where :func:`upper_fits`): some tokens' codes have upper bits."""
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    a, z, wg = _group_terms(a, z, codes, bits, d)
+    nat = _vectorised_keys(bits, d, m, wg)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = int(nat)
+    _set_upper(args, upper, (bsz, h, t))
+    _call("kv_keys", args, bits)
+    return out
+
+
+def values_groups(codes, p, a, z, bits: int, d: int, upper: Upper | None = None) -> torch.Tensor:
+    """``sum_t p_t (c_t * a_t + z_t)`` ``[B, H, M, D]`` over per-token groups (see
+    :func:`keys_groups`, ``upper`` likewise); ``p`` float ``[B, H, M, T]``."""
+    bsz, h, t, _ = codes.shape
+    m = p.shape[2]
+    a, z, wg = _group_terms(a, z, codes, bits, d)
+    p = p.float().contiguous()
+    out = torch.empty(bsz, h, m, d, dtype=torch.float32)
+    args = _args(codes, bits, d, m, p, out, MODE_AFFINE_GROUPS, a, z, wg=wg)
+    args.natural = 1  # written in natural channel order
+    _set_upper(args, upper, (bsz, h, t))
+    _call("kv_values", args, bits)
+    return out
+
+
+def keys_raw_rows(codes, qs, length: int, bits: int, bit0: int = 0) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` with ``r = t // length`` (raw codes; the
+    caller folded the scales into ``qs`` float ``[B, H, M, R, D]``, one query per row, and adds
+    the zero-point terms).  ``bit0`` (0..7): the codes start at that bit of each row of
+    ``codes`` (a class of a bit stream, :func:`kvbench.cache.mixed_channel.pack_mixed`); bits past the
+    row's bytes read as 0, so channels beyond the class with a zero query add nothing."""
+    bsz, h, t, nbytes = codes.shape
+    m, rows, d = qs.shape[2], qs.shape[3], qs.shape[4]
+    if rows * length < t:
+        raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
+    if not 0 <= bit0 < 8:
+        raise ValueError(f"bit0={bit0} must be in 0..7 (a bit within the first byte)")
+    nat = bit0 == 0 and _vectorised_keys(bits, d, m)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, _keys_order(qs, bits, nat), out, MODE_RAW, length=length,
+                 rows=rows)  # fmt: skip
+    args.bit0, args.nbytes, args.natural = bit0, nbytes, int(nat)
+    _call("kv_keys", args, bits)
+    return out
+
+
+def keys_stream_rows(codes, qs, widths, length: int, offsets=None) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``qs_r . c_t`` (``r = t // length``) with the codes of a
+    row read as one LSB-first bit stream of per-channel ``widths`` (1..8 bits each, in stored
+    order: :func:`kvbench.cache.mixed_channel.pack_mixed`); ``qs`` float ``[B, H, M, R, D]`` in the same
+    channel order, the scales folded in (the caller adds the zero-point terms)."""
+    bsz, h, t, nbytes = codes.shape
+    m, rows, d = qs.shape[2], qs.shape[3], qs.shape[4]
+    wid = torch.as_tensor(widths, dtype=torch.uint8)
+    if wid.numel() != d or int(wid.min()) < 1 or int(wid.max()) > 8:
+        raise ValueError(f"widths must be {d} values in 1..8, got {wid.tolist()}")
+    if offsets is None:  # consecutive channels of the stream
+        off = torch.cumsum(wid.to(torch.int32), 0, dtype=torch.int32) - wid.to(torch.int32)
+    else:  # a subset: each channel's first bit
+        off = torch.as_tensor(offsets, dtype=torch.int32)
+        if off.numel() != d or int(off.min()) < 0:
+            raise ValueError(f"offsets must be {d} bit positions >= 0, got {off.tolist()}")
+    if int((off + wid.to(torch.int32)).max()) > nbytes * 8:
+        raise ValueError(f"{int(wid.sum())} bits of codes do not fit rows of {nbytes} bytes")
+    if rows * length < t:
+        raise ValueError(f"{rows} query rows of {length} tokens do not cover {t} tokens")
+    if not (codes.dtype == torch.uint8 and (nbytes == 1 or codes.stride(-1) == 1)):
+        raise ValueError("codes must be uint8 rows with a contiguous last dimension")
+    qs = qs.float().contiguous()
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, 0, d, m, qs, out, MODE_STREAM, length=length, rows=rows)
+    args.off, args.wid, args.nbytes = off.data_ptr(), wid.data_ptr(), nbytes
+    args.keep = (*args.keep, off, wid)
+    _call("kv_keys", args, 0)
+    return out
+
+
+def keys_lut(codes, q, lut, bits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]``: ``q . lut[c_t]`` (``lut`` float ``[2^bits]``)."""
+    bsz, h, t, _ = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    lut = lut.float().contiguous()
+    nat = _vectorised_keys(bits, d, m)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args = _args(codes, bits, d, m, _keys_order(q, bits, nat), out, MODE_LUT, lut=lut)
+    args.natural = int(nat)
+    _call("kv_keys", args, bits)
+    return out
+
+
+def values_lut(codes, p, lut, bits: int, d: int) -> torch.Tensor:
+    """``sum_t p_t lut[c_t]`` ``[B, H, M, D]``."""
+    bsz, h, t, _ = codes.shape
+    m = p.shape[2]
+    lut = lut.float().contiguous()
+    p = p.float().contiguous()
+    out = torch.empty(bsz, h, m, d, dtype=torch.float32)
+    args = _args(codes, bits, d, m, p, out, MODE_LUT, lut=lut)
+    args.natural = 1  # written in natural channel order
+    _call("kv_values", args, bits)
+    return out
+
+
+def keys_lut_outliers(codes, q, lut, half, center, out_idx, out_val, bits: int, rope=None):
+    """Key logits ``[B, H, M, T]`` of codes looked up in a shared table, with per-channel
+    half-range and centre and sparse exact outliers (KVQuant, Hooper et al., arXiv 2401.18079
+    §3.1, §3.4): ``x_d = lut[c_d] * half[h, d] + center[h, d]``, except ``out_val[k]`` at the flat
+    position ``out_idx[k]`` of ``[T, B, H, D]``; logits ``q . x``.  ``rope = (cos, sin, first,
+    second)`` (float32 ``[T, D/2]`` each token's angles, int ``[D/2]`` the pairs' channels): the
+    key is read rotated by RoPE at its position, ``x_i C - x_j S, x_j C + x_i S`` per pair.
+
+    ``codes`` uint8 ``[B, H, T, ceil(D bits / 8)]`` (:func:`kvbench.cache.quant.pack_bits` order);
+    ``q`` float ``[B, H, M, D]``; ``half``, ``center`` float ``[H, D]``; ``out_idx`` int
+    ``[N]``, ascending (a block's outliers are kept in that order).  Raises ``ValueError`` for
+    shapes that do not fit, pair indices outside ``[0, D)``, or outliers not ascending."""
+    bsz, h, t, nbytes = codes.shape
+    m, d = q.shape[2], q.shape[3]
+    bad = (
+        not 1 <= bits <= 8
+        or d > MAX_HEAD_DIM
+        or tuple(q.shape) != (bsz, h, m, d)
+        or nbytes * 8 < d * bits
+        or codes.dtype != torch.uint8
+        or (nbytes > 1 and codes.stride(-1) != 1)
+        or tuple(half.shape) != (h, d)
+        or tuple(center.shape) != (h, d)
+        or out_idx.shape != out_val.shape
+    )
+    qp = q.float()
+    keep = [lut.float().contiguous(), half.float().contiguous(), center.float().contiguous()]
+    keep += [out_idx.to(torch.int64).contiguous(), out_val.float().contiguous()]
+    if rope is not None:
+        cos, sin, first, second = rope
+        p = d // 2
+        bad = bad or (
+            d % 2
+            or tuple(cos.shape) != (t, p)
+            or tuple(sin.shape) != (t, p)
+            or tuple(first.shape) != (p,)
+            or tuple(second.shape) != (p,)
+            or not 0 <= min(int(first.min()), int(second.min()))
+            or max(int(first.max()), int(second.max())) >= d
+        )
+        if not bad:
+            qp = torch.cat([qp[..., first], qp[..., second]], -1)  # pair order
+            keep += [cos.float().contiguous(), sin.float().contiguous()]
+            keep += [first.to(torch.int32).contiguous(), second.to(torch.int32).contiguous()]
+    if bad:
+        raise ValueError(
+            f"keys_lut_outliers: codes {tuple(codes.shape)}, q {tuple(q.shape)}, half "
+            f"{tuple(half.shape)}, bits {bits} do not fit (head_dim <= {MAX_HEAD_DIM})"
+        )
+    keep.append(qp.contiguous())
+    args = _LutArgs()
+    args.codes = codes.data_ptr()
+    args.cs_b, args.cs_h, args.cs_t = _row_strides(codes)
+    args.B, args.H, args.T, args.M, args.D = bsz, h, t, m, d
+    args.lut, args.hs, args.hz, args.out_idx, args.out_val = (x.data_ptr() for x in keep[:5])
+    args.N = out_idx.numel()
+    args.qp = keep[-1].data_ptr()
+    if rope is not None:
+        args.cosv, args.sinv, args.pi, args.pj = (x.data_ptr() for x in keep[5:9])
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
+    lib = _loaded()
+    rc = lib.kv_keys_lut_outliers(ctypes.byref(args), bits)
+    if rc == -2:
+        raise ValueError("keys_lut_outliers: out_idx must be ascending")
+    if rc != 0:
+        raise ValueError(f"keys_lut_outliers: head_dim {d} or bits {bits} not supported")
+    return out
+
+
+def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int) -> torch.Tensor:
+    """Key logits ``[B, H, M, T]`` of polar codes (PolarQuant, Wu et al., arXiv 2502.00527 §3):
+    ``sum_j (cr_tj ar[P, j] + br[P, j]) tab[P, m, j, ca_tj]`` for token ``t`` in page ``P = t //
+    length``.  ``rcodes`` / ``acodes``: uint8 ``[B, H, T, *]`` radius and angle codes of the
+    ``D/2`` pairs (:func:`kvbench.cache.quant.pack_bits` order); ``ar, br`` float ``[B, H, NP,
+    D/2]``; ``tab`` float ``[B, H, NP, M, D/2, 2^abits]`` (the query's table per page).
+
+    Raises ``ValueError`` for shapes that do not fit."""
+    bsz, h, t, _ = rcodes.shape
+    np_, m, p, k = tab.shape[2:]
+    ok = (
+        1 <= rbits <= 8
+        and 1 <= abits <= 8
+        and k == 1 << abits
+        and tab.shape[:2] == (bsz, h)
+        and acodes.shape[:3] == (bsz, h, t)
+        and tuple(ar.shape) == (bsz, h, np_, p)
+        and tuple(br.shape) == (bsz, h, np_, p)
+        and rcodes.shape[-1] * 8 >= p * rbits
+        and acodes.shape[-1] * 8 >= p * abits
+        and rcodes.dtype == acodes.dtype == torch.uint8
+        and all(c.shape[-1] == 1 or c.stride(-1) == 1 for c in (rcodes, acodes))
+        and length >= 1
+        and -(-t // length) <= np_
+        and p <= MAX_HEAD_DIM // 2
+    )
+    if not ok:
+        raise ValueError(
+            f"keys_polar: codes {tuple(rcodes.shape)} / {tuple(acodes.shape)}, table "
+            f"{tuple(tab.shape)}, page length {length}, bits {rbits}/{abits} do not fit"
+        )
+    # the table as [B, H, NP, M, 2^abits, D/2]: one level's entries of 8 pairs are one vector
+    keep = [x.float().contiguous() for x in (ar, br, tab.transpose(-1, -2))]
+    args = _PolarArgs()
+    args.rc, args.ac = rcodes.data_ptr(), acodes.data_ptr()
+    args.rs_b, args.rs_h, args.rs_t = _row_strides(rcodes)
+    args.as_b, args.as_h, args.as_t = _row_strides(acodes)
+    args.B, args.H, args.T, args.M, args.P, args.L, args.NP = bsz, h, t, m, p, length, np_
+    args.ar, args.br, args.tab = (x.data_ptr() for x in keep)
+    out = torch.empty(bsz, h, m, t, dtype=torch.float32)
+    args.out = out.data_ptr()
+    args.scalar = int(_KERNEL_CHOICE.get(os.environ.get("KVBENCH_NATIVE_TILES", "1"), 0) == 1)
+    lib = _loaded()
+    if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
+        raise ValueError("keys_polar: shapes not supported")
+    return out

@@ -1,0 +1,109 @@
+"""Registration of the fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
+:mod:`kvbench.attention.dispatch`.
+
+Layouts: :class:`kvbench.cache.blocks.AffineBlock` (per-channel key pages of a multiple of 16
+tokens, per-token values) and :class:`kvbench.cache.mixed_channel.MixedChannelBlock` keys; one query token
+per sequence; head_dim 64 or 128 (``kvbench.kernels.dispatch.fused_attend`` gives the exact
+reason when a layout does not fit).  Declines without touching Triton when the switch
+``KVBENCH_FUSED_ATTENTION=0`` is set or Triton is not installed, and for per-row ``lengths``
+shorter than the cache (the kernel's ``seq_lens`` are not wired yet).  Nothing is imported from
+``kvbench.kernels`` until a CUDA query asks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kvbench.attention.dispatch import Backend, register_backend
+from kvbench.cache.blocks import AffineBlock
+from kvbench.cache.mixed_channel import MixedChannelBlock
+
+NAME = "triton"
+ENV_SWITCH = "KVBENCH_FUSED_ATTENTION"
+
+
+def _pages_ok(group_len: list[int], g: int) -> bool:
+    # token t of the block must lie in page t // g: all pages full but the last
+    return bool(group_len) and all(x == g for x in group_len[:-1]) and 0 < group_len[-1] <= g
+
+
+def affine_keys(block: AffineBlock, head_dim: int):
+    """``QuantKeys`` of per-channel :class:`AffineBlock` key pages, or a reason string."""
+    from kvbench.kernels.decode_attention import QuantKeys
+
+    if block.symmetric or block.zero is None or block.batch_shared:
+        return "symmetric or per-tensor keys"
+    if block.bits not in range(1, 9) or block.scale.shape[-1] != head_dim:
+        return f"keys are not per-channel 1..8-bit codes (bits={block.bits})"
+    g = block.group_len[0]
+    if not _pages_ok(block.group_len, g) or g < 16 or g % 16:
+        return "key groups are not pages of a multiple of 16 tokens"
+    mid = bool(block.midpoint and block.bits == 1)
+    counts = (head_dim,)
+    return QuantKeys(block.codes, block.scale, block.zero, g, (block.bits,), counts, None, mid)
+
+
+def mixed_keys(block: MixedChannelBlock, head_dim: int):
+    """``QuantKeys`` of :class:`MixedChannelBlock` key pages, or a reason string."""
+    from kvbench.kernels.decode_attention import QuantKeys
+
+    g = block.group_len[0]
+    if not _pages_ok(block.group_len, g) or g < 16 or g % 16:
+        return "key groups are not pages of a multiple of 16 tokens"
+    return QuantKeys(
+        block.codes,
+        block.scale,
+        block.zero,
+        g,
+        tuple(block.class_bits),
+        tuple(block.class_counts),
+        block.perm,
+        bool(block.midpoint),
+    )
+
+
+def affine_values(block: AffineBlock):
+    """``QuantValues`` of per-token :class:`AffineBlock` values, or a reason string."""
+    from kvbench.kernels.decode_attention import QuantValues
+
+    if block.symmetric or block.zero is None or block.batch_shared:
+        return "symmetric or per-tensor values"
+    if block.bits not in range(1, 9) or len(block.group_len) != block.ntokens:
+        return "values are not per-token 1..8-bit codes"
+    return QuantValues(block.codes, block.scale, block.zero, block.bits, bool(block.midpoint))
+
+
+#: how the kernel reads each block type (``kvbench.kernels.dispatch`` looks these up):
+#: ``key(block, head_dim) -> QuantKeys | reason``, ``value(block) -> QuantValues | reason``
+KEY_LAYOUTS = {AffineBlock: affine_keys, MixedChannelBlock: mixed_keys}
+VALUE_LAYOUTS = {AffineBlock: affine_values}
+
+
+def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    try:
+        from kvbench import kernels
+    except ImportError as e:
+        return f"kernels unavailable: {e}"
+    if kernels.HAS_TRITON:
+        from kvbench.kernels import _triton
+    if not kernels.HAS_TRITON or not _triton.HAS_TRITON:
+        return "Triton is not installed"
+    if lengths is not None and bool((torch.as_tensor(lengths) != layer_cache.seq_length).any()):
+        return "per-row lengths are not supported by the fused kernel yet"
+    from kvbench.kernels import dispatch
+
+    return dispatch.unsupported(layer_cache, query)
+
+
+def _run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
+    from kvbench.kernels import dispatch
+
+    return dispatch.fused_attend(layer_cache, query, scaling)
+
+
+register_backend(Backend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run, priority=10))

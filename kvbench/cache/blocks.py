@@ -1,0 +1,449 @@
+"""Stored quantized token blocks and the codecs that make them.
+
+A *codec* turns a run of full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes
+plus the metadata needed to dequantize them.  Blocks of one cache side (keys or values) are
+concatenated along the token axis as the cache flushes.  A block holds only what a real cache
+stores (packed codes, scales/zeros, saliency metadata), never a full-precision copy, and
+``nbytes()`` sums those tensors.
+
+Geometry of an :class:`AffineBlock`: every (scale, zero) covers a rectangle of
+``group_len[g]`` consecutive tokens x ``D // Dg`` consecutive channels:
+
+==============================  ======================  =================
+codec                            tokens per group        channel groups Dg
+==============================  ======================  =================
+:class:`PerChannelCodec` (KIVI)  ``group_size`` (G)      D (one per channel)
+:class:`PerTokenCodec`           1                       D / value_group_size
+:class:`PerHeadCodec`            the whole flush         1
+:class:`PerTensorCodec`          the whole flush         1, shared by B and H
+==============================  ======================  =================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvbench.cache.layout import BlockLayout, Codes, GroupTerms, dtype_name
+from kvbench.cache.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it spans its whole allocation, else a compact copy.
+
+    A stored slice must not be a view into a larger tensor (a prompt, a cropped block): the view
+    would keep the rest allocated (a full-precision copy of quantized tokens) while
+    :func:`tensor_bytes` counts only the slice.
+    """
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by the given tensors (``numel * element_size``; ``None`` counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@runtime_checkable
+class Block(Protocol):
+    """What a cache side stores for its quantized tokens.
+
+    Required members: ``ntokens`` (int), ``dequantize(dtype) -> [B, H_kv, n, D]``,
+    ``tensors() -> [(category, tensor)]`` with category in ``codes | scales | metadata``: every
+    tensor the block holds (the cache's byte count is their sum), ``cat(other) -> Block``,
+    ``crop(n) -> Block`` (keep the first n tokens), ``index_batch(idx) -> Block``.
+    Built-in blocks also describe what they hold as a typed ``layout``
+    (:class:`kvbench.cache.layout.BlockLayout`).
+    """
+
+    @property
+    def ntokens(self) -> int: ...
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def cat(self, other: Block) -> Block: ...
+
+    def crop(self, n: int) -> Block: ...
+
+    def index_batch(self, idx: torch.Tensor) -> Block: ...
+
+
+@dataclass
+class AffineBlock:
+    """Min-max affine codes of a run of tokens, packed along the channel axis.
+
+    Attributes
+    ----------
+    codes : uint8 ``[B, H_kv, n, ceil(D*bits/8)]`` (int16 ``[B, H_kv, n, D]`` for 16 bits).
+    scale, zero : ``[B|1, H_kv|1, NG, Dg]`` in the scale dtype; ``zero`` (the group min) is
+        ``None`` for symmetric codes.
+    group_len : tokens covered by each of the NG token groups (sums to ``n``).
+    batch_shared : ``scale``/``zero`` are shared by every batch row (per-tensor); otherwise a
+        metadata tensor whose batch dim equals the codes' is per row and follows
+        :meth:`index_batch` (also when ``B == 1``).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_len: list[int]
+    bits: int
+    head_dim: int
+    symmetric: bool = False
+    midpoint: bool = False
+    batch_shared: bool = False
+
+    @property
+    def ntokens(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def layout(self) -> BlockLayout:
+        """What this block stores (:class:`~kvbench.cache.layout.BlockLayout`): ``bits``-bit codes
+        of ``head_dim`` channels; one scale (and zero) per ``max(group_len)`` tokens x
+        ``head_dim // Dg`` channels in the scale dtype."""
+        tokens = max(self.group_len, default=1)
+        return affine_layout(
+            self.bits, self.head_dim, self.scale.dtype, self.zero is None, tokens,
+            self.head_dim // self.scale.shape[-1],
+        )  # fmt: skip
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """Codes ``[B, H_kv, n, D]`` (uint8 or int32)."""
+        return unpack_bits(self.codes, self.bits, self.head_dim)
+
+    def expanded(self, t: torch.Tensor) -> torch.Tensor:
+        """Expand per-group metadata ``[., ., NG, Dg]`` to per token ``[., ., n, Dg]``."""
+        if len(self.group_len) == self.ntokens:
+            return t
+        lens = self.group_len
+        if all(g == lens[0] for g in lens):
+            return t.repeat_interleave(lens[0], dim=2)
+        idx = torch.tensor(lens, device=t.device)
+        return t.repeat_interleave(idx, dim=2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        c = self.unpacked_codes()
+        b, h, n, d = c.shape
+        dg = self.scale.shape[-1]
+        s = self.expanded(self.scale).unsqueeze(-1)
+        z = None if self.zero is None else self.expanded(self.zero).unsqueeze(-1)
+        c = c.reshape(b, h, n, dg, d // dg)
+        x = dequantize_groups(
+            c, s, z, self.bits, symmetric=self.symmetric, midpoint=self.midpoint, dtype=dtype
+        )
+        return x.reshape(b, h, n, d)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("codes", self.codes), ("scales", self.scale)]
+        return out if self.zero is None else [*out, ("scales", self.zero)]
+
+    def cat(self, other: AffineBlock) -> AffineBlock:
+        if (other.bits, other.symmetric, other.midpoint, other.scale.shape[-1]) != (
+            self.bits,
+            self.symmetric,
+            self.midpoint,
+            self.scale.shape[-1],
+        ):
+            raise ValueError("cannot concatenate blocks of different quantizer settings")
+        return replace(
+            self,
+            codes=torch.cat([self.codes, other.codes], dim=2),
+            scale=torch.cat([self.scale, other.scale], dim=2),
+            zero=None if self.zero is None else torch.cat([self.zero, other.zero], dim=2),
+            group_len=self.group_len + other.group_len,
+        )
+
+    @staticmethod
+    def join(parts: list[AffineBlock]) -> AffineBlock:
+        """One block of ``parts`` (consecutive runs of tokens with one quantizer setting, e.g.
+        the chunks of one encode) in one concatenation per tensor (:meth:`cat` pairwise would
+        copy the first parts again for every later one)."""
+        if len(parts) == 1:
+            return parts[0]
+        p0 = parts[0]
+        for p in parts[1:]:
+            if (p.bits, p.symmetric, p.midpoint, p.scale.shape[-1]) != (
+                p0.bits, p0.symmetric, p0.midpoint, p0.scale.shape[-1]
+            ):  # fmt: skip
+                raise ValueError("cannot concatenate blocks of different quantizer settings")
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts], dim=2)
+
+        return replace(
+            p0,
+            codes=cat("codes"),
+            scale=cat("scale"),
+            zero=None if p0.zero is None else cat("zero"),
+            group_len=[g for p in parts for g in p.group_len],
+        )
+
+    def crop(self, n: int) -> AffineBlock:
+        """Keep the first ``n`` tokens; a group cut in two keeps its (scale, zero)."""
+        lens, kept, total = [], 0, 0
+        for g in self.group_len:
+            if total >= n:
+                break
+            take = min(g, n - total)
+            lens.append(take)
+            total += take
+            kept += 1
+        return replace(
+            self,
+            codes=own_storage(self.codes[:, :, :n]),
+            scale=own_storage(self.scale[:, :, :kept]),
+            zero=None if self.zero is None else own_storage(self.zero[:, :, :kept]),
+            group_len=lens,
+        )
+
+    def index_batch(self, idx: torch.Tensor) -> AffineBlock:
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            # per-row metadata follows the codes, a B == 1 cache included (repeat_batch);
+            # metadata broadcast over the batch ([1, ...] with B > 1, or shared) stays
+            if t is None or self.batch_shared or t.shape[0] != self.codes.shape[0]:
+                return t
+            return t.index_select(0, idx.to(t.device))
+
+        return replace(
+            self,
+            codes=self.codes.index_select(0, idx.to(self.codes.device)),
+            scale=sel(self.scale),
+            zero=sel(self.zero),
+        )
+
+
+def affine_layout(
+    bits: int,
+    head_dim: int,
+    scale_dtype: torch.dtype | str,
+    symmetric: bool,
+    tokens: int,
+    channels: int,
+) -> BlockLayout:
+    """Layout of min-max affine codes: ``bits``-bit codes (LSB-first; int16 for 16 bits), one
+    ``scale`` (and ``zero`` unless ``symmetric``) per ``tokens`` x ``channels`` rectangle."""
+    names = ("scale",) if symmetric else ("scale", "zero")
+    return BlockLayout(
+        Codes.uniform(bits, head_dim, "int16" if bits == 16 else "lsb-first"),
+        GroupTerms(names, dtype_name(scale_dtype), tokens, channels),
+        page_len=tokens,
+    )
+
+
+def cat_blocks(a: Block | None, b: Block | None) -> Block | None:
+    """Concatenate two optional blocks along the token axis."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a.cat(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Codecs
+# --------------------------------------------------------------------------------------------
+
+
+class Codec(Protocol):
+    """Turns full-precision tokens ``[B, H_kv, n, D]`` into a :class:`Block`.
+
+    ``token_group``: tokens per group along T; a flush hands the codec a multiple of it
+    (1 for per-token groups; 0 for codecs whose groups are whole flushes).
+    ``prepare(keys, queries)`` is called once at prefill before the first ``encode``
+    (channel or pair selection); codecs that select nothing ignore it.
+
+    ``layout(head_dim, flush_tokens)`` describes the blocks ``encode`` makes for ``head_dim``
+    channels (``flush_tokens``: tokens per flush, used by codecs whose group is a whole flush);
+    the nominal bit accounting is derived from it (:func:`kvbench.cache.layout.bit_terms`).
+    """
+
+    token_group: int
+
+    def encode(self, x: torch.Tensor) -> Block: ...
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout: ...
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class AffineCodec:
+    """Common settings of the uniform affine codecs."""
+
+    bits: int
+    scale_dtype: torch.dtype = torch.float16
+    symmetric: bool = False
+    midpoint: bool = False
+    token_group: int = field(default=1)
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+
+    def prepare(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        return None
+
+    def _layout(self, head_dim: int, tokens: int, channels: int) -> BlockLayout:
+        return affine_layout(
+            self.bits, head_dim, self.scale_dtype, self.symmetric, max(tokens, 1), channels
+        )
+
+    def _quantize(self, groups: torch.Tensor):
+        return quantize_groups(
+            groups,
+            self.bits,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+            scale_dtype=self.scale_dtype,
+        )
+
+    def _native(
+        self, x: torch.Tensor, tokens: int, channels: int, group_len: list[int], shared=False
+    ) -> AffineBlock | None:
+        """The block from the native one-pass quantizer (:mod:`kvbench.cache.native_quant`:
+        the same codes, scales and zeros as the torch path) for groups of ``tokens`` x
+        ``channels``, or ``None`` where it does not serve the input (the torch path runs)."""
+        from kvbench.cache.native_quant import quantize_pack
+
+        got = quantize_pack(
+            x, self.bits, tokens, channels, symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1, scale_dtype=self.scale_dtype,
+            shared=shared,
+        )  # fmt: skip
+        if got is None:
+            return None
+        codes, scale, zero = got
+        return AffineBlock(
+            codes, scale, zero, group_len, self.bits, x.shape[-1], symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1, batch_shared=shared,
+        )  # fmt: skip
+
+    def _block(self, codes, q, group_len, head_dim) -> AffineBlock:
+        return AffineBlock(
+            pack_bits(codes, self.bits, check=False),  # clamped by quantize_groups
+            q.scale,
+            q.zero,
+            group_len,
+            self.bits,
+            head_dim,
+            symmetric=self.symmetric,
+            midpoint=self.midpoint and self.bits == 1,
+        )
+
+
+@dataclass
+class PerChannelCodec(AffineCodec):
+    """KIVI-sense per-channel: one (scale, zero) per (b, h, channel, G consecutive tokens).
+
+    Source: KIVI (Liu et al., ICML'24) §3.2, keys; docs/methods.md#kivi.  ``encode`` needs ``n % G == 0``.
+    """
+
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.token_group = self.group_size
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        g = self.group_size
+        if n % g:
+            raise ValueError(
+                f"per-channel groups need a multiple of group_size={g} tokens, got {n}"
+            )
+        fast = self._native(x, g, 1, [g] * (n // g))
+        if fast is not None:
+            return fast
+        xg = x.reshape(b, h, n // g, g, d).transpose(-1, -2)  # [B, H, NP, D, G]
+        q = self._quantize(xg)
+        codes = q.codes.transpose(-1, -2).reshape(b, h, n, d)
+        q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
+        return self._block(codes, q, [g] * (n // g), d)
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per channel per ``group_size`` tokens."""
+        return self._layout(head_dim, self.group_size, 1)
+
+
+@dataclass
+class PerTokenCodec(AffineCodec):
+    """KIVI-sense per-token: one (scale, zero) per (b, h, token, ``channel_group`` channels).
+
+    Source: KIVI §3.2, values; docs/methods.md#kivi.  ``channel_group`` must divide head_dim.
+    """
+
+    channel_group: int = 128
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        cg = self.channel_group
+        if d % cg:
+            raise ValueError(
+                f"value_group_size={cg} does not divide head_dim={d}; choose a divisor of {d}"
+            )
+        fast = self._native(x, 1, cg, [1] * n)
+        if fast is not None:
+            return fast
+        q = self._quantize(x.reshape(b, h, n, d // cg, cg))
+        codes = q.codes.reshape(b, h, n, d)
+        q.scale, q.zero = q.scale.squeeze(-1), None if q.zero is None else q.zero.squeeze(-1)
+        return self._block(codes, q, [1] * n, d)
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per token per ``channel_group`` channels.  Raises ``ValueError`` if
+        ``channel_group`` does not divide ``head_dim``."""
+        if head_dim % self.channel_group:
+            raise ValueError(
+                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
+                f"choose a divisor of {head_dim}"
+            )
+        return self._layout(head_dim, 1, self.channel_group)
+
+
+@dataclass
+class PerHeadCodec(AffineCodec):
+    """One (scale, zero) per (b, h) over all tokens x channels of one flush.
+
+    The textbook's ``PerChannelQuantizedCache`` (it calls per-head "per-channel"); docs/methods.md#per-head.
+    """
+
+    token_group: int = 0
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        fast = self._native(x, n, d, [n])
+        if fast is not None:
+            return fast
+        q = self._quantize(x.reshape(b, h, 1, n * d))
+        codes = q.codes.reshape(b, h, n, d)
+        return self._block(codes, q, [n], d)
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per (row, head) per flush of ``flush_tokens`` tokens."""
+        return self._layout(head_dim, flush_tokens, head_dim)
+
+
+@dataclass
+class PerTensorCodec(AffineCodec):
+    """One (scale, zero) for the whole flushed tensor (all batch rows and heads); docs/methods.md#uniform."""
+
+    token_group: int = 0
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        b, h, n, d = x.shape
+        fast = self._native(x, n, d, [n], shared=True)
+        if fast is not None:
+            return fast
+        q = self._quantize(x.reshape(1, 1, 1, b * h * n * d))
+        codes = q.codes.reshape(b, h, n, d)
+        return replace(self._block(codes, q, [n], d), batch_shared=True)
+
+    def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
+        """One (scale, zero) per flush of ``flush_tokens`` tokens, shared by all rows and heads
+        (counted per (row, head), the convention of docs/methods.md#uniform)."""
+        return self._layout(head_dim, flush_tokens, head_dim)

@@ -1,0 +1,486 @@
+"""``LayerCache``: one attention layer's quantized KV cache, method-agnostic.
+
+Layout ``[B, H_kv, T, D]`` (KV heads, never repeated).  Each side (keys, values) stores, in
+token order: ``num_sink_tokens`` full-precision sinks, quantized blocks made by the side's
+codec, and a full-precision residual whose size the side's flush schedule controls.
+
+Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the caller has it);
+at a decode step the new tokens join the residual, the step attends to sinks + quantized +
+residual, and the flush happens *after* that attention: :meth:`LayerCache.append` only stores,
+and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by
+whoever finishes the step).
+
+Attention (:meth:`LayerCache.attend`) is computed by the backend registry of
+:mod:`kvbench.attention.dispatch`, which depends on this module; this module never imports
+:mod:`kvbench.attention`.  The registry installs itself with :meth:`LayerCache.install_attention`
+when :mod:`kvbench.attention` is imported (``import kvbench`` does it), so there is no import cycle
+between the core folders.  A subclass whose reads differ from its stored parts (sinks, blocks,
+residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
+the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
+reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores tokens by the
+attention they receive (SemKV) sets ``observes_attention`` and implements
+:meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
+(code-domain, reference) calls it; whole-cache fused backends decline.
+
+Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
+one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so that a
+row's codes never depend on its padding.  Every public operation then dispatches to those rows,
+also the overrides of a subclass (``__init_subclass__`` wraps them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.cache import finite, ragged
+from kvbench.cache.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
+from kvbench.cache.schedule import NeverSchedule
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BYTE_KEYS = ("codes", "scales", "metadata", "residual", "sinks")
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or a.shape[2] == 0:
+        return b
+    if b is None or b.shape[2] == 0:
+        return a
+    return torch.cat([a, b], dim=2)
+
+
+def _len(t: torch.Tensor | Block | None) -> int:
+    if t is None:
+        return 0
+    return t.ntokens if not isinstance(t, torch.Tensor) else t.shape[2]
+
+
+#: public operations that a padded layer (one cache per row) dispatches to :mod:`kvbench.cache.ragged`
+ROW_DISPATCH = (
+    "provide_queries",
+    "append",
+    "end_step",
+    "keys_values",
+    "attend",
+    "crop",
+    "index_batch",
+    "quantized_tokens",
+    "tensors",
+)
+
+
+def _row_dispatch(fn: Callable[..., object]) -> Callable[..., object]:
+    """Run ``fn``, or its :mod:`kvbench.cache.ragged` counterpart once the layer holds rows."""
+    alt = getattr(ragged, fn.__name__)
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self.__dict__.get("_rows") is not None:
+            return alt(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    wrapper._row_dispatch = True
+    return wrapper
+
+
+def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
+    """``prefill(keys, values, queries=None, lengths=None)``: with ``lengths`` the padded path."""
+
+    @functools.wraps(fn)
+    def wrapper(self, keys, values, queries=None, lengths=None):
+        if lengths is None:
+            return fn(self, keys, values, queries)
+        self._check(keys, values)
+        if self.seq_length:
+            raise ValueError("prefill() needs an empty cache; use append() for later tokens")
+        n = ragged.check_lengths(lengths, keys.shape[0], keys.shape[2])
+        return ragged.prefill(self, keys, values, queries, n)
+
+    wrapper._row_dispatch = True
+    return wrapper
+
+
+@dataclass
+class Side:
+    """State of one side (keys or values) of a layer cache.
+
+    ``reads_transformed``: ``None`` when :meth:`read` returns exactly sinks + dequantized
+    blocks + residual; a subclass that transforms what is read sets a reason string."""
+
+    reads_transformed: ClassVar[str | None] = None
+    codec: Codec | None
+    schedule: object
+    sinks: torch.Tensor | None = None
+    block: Block | None = None
+    residual: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return _len(self.sinks) + _len(self.block) + _len(self.residual)
+
+    def flush(self, n: int) -> None:
+        """Quantize the oldest ``n`` residual tokens into the side's blocks."""
+        if n <= 0 or self.codec is None:
+            return
+        tg = self.codec.token_group
+        if tg > 1 and n % tg:
+            raise RuntimeError(f"schedule asked to flush {n} tokens, not a multiple of {tg}")
+        head, self.residual = self.residual[:, :, :n], own_storage(self.residual[:, :, n:])
+        self.block = cat_blocks(self.block, self.codec.encode(head))
+        if self.residual.shape[2] == 0:
+            self.residual = None
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        parts = [
+            self.sinks,
+            None if self.block is None else self.block.dequantize(dtype),
+            self.residual,
+        ]
+        parts = [p.to(dtype) for p in parts if p is not None and p.shape[2] > 0]
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [] if self.block is None else list(self.block.tensors())
+        if self.sinks is not None:
+            out.append(("sinks", self.sinks))
+        if self.residual is not None:
+            out.append(("residual", self.residual))
+        return out
+
+
+class LayerCache:
+    """One layer's cache; see the module docstring for the protocol.
+
+    Parameters
+    ----------
+    key_codec, value_codec : codecs for each side, or ``None`` to keep that side in full
+        precision (``value_bits=16``, the ``full`` baseline).
+    key_schedule, value_schedule : flush schedules (:mod:`kvbench.cache.schedule`).
+    num_sink_tokens : the first N_s tokens of each sequence stay full precision.  Sinks fill
+        from the first tokens that arrive, so a prompt shorter than N_s leaves the rest of the
+        sink slots to the first decode tokens.
+    needs_queries : the key codec selects with post-RoPE queries at prefill (PN-Mix); a prefill
+        without queries stays pending until :meth:`provide_queries`.
+    num_kv_heads, head_dim : when given (``Method.new_layer`` does), K/V must have
+        ``H_kv == num_kv_heads`` and ``D == head_dim``, so a wrong layout (e.g. ``[B, T, H, D]``)
+        raises ``ValueError`` instead of being stored.
+    """
+
+    #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
+    reads_transformed: ClassVar[str | None] = None
+    #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
+    observes_attention: ClassVar[bool] = False
+    _attention: ClassVar[Callable[..., torch.Tensor] | None] = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ROW_DISPATCH:  # a subclass's overrides dispatch to the rows too
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_row_dispatch", False):
+                setattr(cls, name, _row_dispatch(fn))
+        fn = cls.__dict__.get("prefill")
+        if callable(fn) and not getattr(fn, "_row_dispatch", False):
+            cls.prefill = _padded_prefill(fn)
+
+    @classmethod
+    def install_attention(cls, fn: Callable[..., torch.Tensor]) -> None:
+        """Install the attention dispatch ``fn(layer_cache, query, scaling, lengths)`` that
+        :meth:`attend` calls (done by :mod:`kvbench.attention` at import)."""
+        LayerCache._attention = fn
+
+    def __init__(
+        self,
+        key_codec: Codec | None,
+        value_codec: Codec | None,
+        key_schedule: object | None = None,
+        value_schedule: object | None = None,
+        num_sink_tokens: int = 0,
+        needs_queries: bool = False,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        self.k = Side(key_codec, key_schedule or NeverSchedule())
+        self.v = Side(value_codec, value_schedule or NeverSchedule())
+        self.num_sink_tokens = num_sink_tokens
+        self.needs_queries = needs_queries
+        self._pending = False
+        self._awaiting_queries = False
+        self.dtype: torch.dtype | None = None
+        self._bhd: tuple[int, int, int] | None = None
+        self._hd = (num_kv_heads, head_dim)
+        self._rows: list[LayerCache] | None = None  # a padded batch: one cache per row
+        self._pads: list[int] = []
+
+    # ---------------------------------------------------------------- inputs
+    def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.dim() != 4 or values.dim() != 4:
+            raise ValueError(
+                f"keys and values must be [B, H_kv, T, D]; got shapes {tuple(keys.shape)} "
+                f"and {tuple(values.shape)}"
+            )
+        if keys.shape != values.shape:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have one shape"
+            )
+        if keys.dtype not in CACHE_DTYPES or values.dtype != keys.dtype:
+            raise ValueError(
+                f"dtype {keys.dtype}/{values.dtype} is not supported; allowed: one of "
+                f"{[str(d) for d in CACHE_DTYPES]} for both keys and values"
+            )
+        h, d = self._hd
+        if (h is not None and keys.shape[1] != h) or (d is not None and keys.shape[3] != d):
+            raise ValueError(
+                f"keys/values {tuple(keys.shape)} are not laid out [B, H_kv, T, D] with "
+                f"H_kv={h} and D={d} (this layer's num_kv_heads and head_dim)"
+            )
+        bhd = (keys.shape[0], keys.shape[1], keys.shape[3])
+        if self._bhd is not None and bhd != self._bhd:
+            raise ValueError(
+                f"new tokens {tuple(keys.shape)} do not match the cache's [B, H_kv, *, D] = "
+                f"{(self._bhd[0], self._bhd[1], '*', self._bhd[2])}"
+            )
+        self._bhd = bhd
+
+    def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor):
+        room = self.num_sink_tokens - _len(self.k.sinks)
+        if room <= 0:
+            return keys, values
+        n = min(room, keys.shape[2])
+        self.k.sinks = own_storage(_cat(self.k.sinks, keys[:, :, :n]))
+        self.v.sinks = own_storage(_cat(self.v.sinks, values[:, :, :n]))
+        return keys[:, :, n:], values[:, :, n:]
+
+    # ---------------------------------------------------------------- operations
+    def prefill(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> None:
+        """Store the prompt ``[B, H_kv, P, D]`` and quantize what the schedules say.
+
+        ``queries``: post-RoPE ``[B, H_q, P, D]``, needed by methods with ``needs_queries``.
+        ``lengths``: optional int ``[B]`` for a left-padded batch: row ``b``'s real tokens are
+        its last ``lengths[b]`` positions; the pads are dropped and each row is cached alone
+        (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so its codes are those of the row
+        run alone.  Later :meth:`append` tokens are real for every row.
+
+        Raises
+        ------
+        ValueError
+            On bad shapes/dtypes, a prefill into a non-empty cache, or ``lengths`` that are not
+            ``B`` integers in ``[1, P]`` (the message names the row).
+        """
+        self._check(keys, values)
+        finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.cache.finite)
+        if self.seq_length:
+            raise ValueError("prefill() needs an empty cache; use append() for later tokens")
+        self.dtype = keys.dtype
+        k, v = self._take_sinks(keys, values)
+        self.k.residual, self.v.residual = own_storage(k), own_storage(v)
+        if self.needs_queries and queries is None:
+            self._awaiting_queries = True
+            return
+        self.finish_prefill(keys, queries)
+
+    def provide_queries(self, queries: torch.Tensor) -> None:
+        """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
+        if not self._awaiting_queries:
+            return
+        keys = self.k.read(self.dtype)
+        self._awaiting_queries = False
+        self.finish_prefill(keys, queries)
+
+    def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
+        """Hook run once the prefill keys ``[B, H_kv, P, D]`` (and post-RoPE queries, or
+        ``None``) are in: prepares the codecs (channel selection) and flushes what the schedules
+        quantize at prefill.  Subclasses that extend it call ``super().finish_prefill``."""
+        for side, x in ((self.k, keys), (self.v, None)):
+            if side.codec is not None:
+                if x is not None:
+                    side.codec.prepare(x, queries)
+                side.flush(side.schedule.prefill_count(_len(side.residual)))
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
+        :meth:`end_step`."""
+        if self._awaiting_queries:
+            raise ValueError(
+                "this method needs queries at prefill (capability needs_queries); call "
+                "provide_queries() before appending decode tokens"
+            )
+        self._check(keys, values)
+        finite.check(keys, values, self, "append")  # NaN/Inf policy (kvbench.cache.finite)
+        if self.seq_length and keys.dtype != self.dtype:  # torch.cat would silently promote
+            raise ValueError(
+                f"new tokens are {keys.dtype} but the cache holds {self.dtype}; append tokens "
+                "in the cache's dtype"
+            )
+        self.end_step()
+        if self.dtype is None or not self.seq_length:
+            self.dtype = keys.dtype
+        k, v = self._take_sinks(keys, values)
+        self.k.residual = own_storage(_cat(self.k.residual, k))
+        self.v.residual = own_storage(_cat(self.v.residual, v))
+        self._pending = True
+
+    def end_step(self) -> None:
+        """Run the flush deferred by the last :meth:`append` (idempotent)."""
+        if not self._pending:
+            return
+        self._pending = False
+        for side in (self.k, self.v):
+            side.flush(side.schedule.flush_count(_len(side.residual)))
+
+    def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual)."""
+        if not self.seq_length:
+            raise ValueError("the cache is empty")
+        dt = dtype or self.dtype
+        return self.k.read(dt), self.v.read(dt)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        scaling: float | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the newest ``n_q`` positions: ``query [B, H_q, n_q, D]`` ->
+        ``[B, H_q, n_q, D]`` in the query's dtype (float32 logits and softmax; GQA: query head
+        ``h`` reads KV head ``h // (H_q / H_kv)``; causal mask aligned to the end).
+
+        ``lengths``: optional int ``[B]``, valid cached tokens per row (see
+        :func:`kvbench.attention.dispatch.attend`).  A thin wrapper of the backend registry
+        (:mod:`kvbench.attention.dispatch`): the fused kernel on CUDA, code-domain attention on the
+        CPU, else the reference path over :meth:`keys_values`; all agree up to float rounding.
+        ``self.attend_path`` / ``self.attend_path_reason`` record which ran and why.
+
+        Raises ``RuntimeError`` if no dispatch is installed (``import kvbench`` installs it)."""
+        fn = LayerCache._attention
+        if fn is None:
+            raise RuntimeError("no attention dispatch installed; import kvbench.attention first")
+        return fn(self, query, scaling, lengths)
+
+    def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,
+        n_q, T]`` (masked keys 0; ``lengths`` as in :meth:`attend`) when ``observes_attention``
+        is set; the base cache does nothing."""
+        return None
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None:
+        """``(B, H_kv, D)`` of the stored tokens, or ``None`` before any."""
+        return self._bhd
+
+    @property
+    def awaiting_queries(self) -> bool:
+        """A prefill is waiting for its post-RoPE queries (:meth:`provide_queries`)."""
+        if self._rows is not None:
+            return any(r.awaiting_queries for r in self._rows)
+        return self._awaiting_queries
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens held (sinks + quantized + residual); a padded batch: the padded length."""
+        if self._rows is not None:
+            return ragged.seq_length(self)
+        return len(self.k)
+
+    @property
+    def row_lengths(self) -> list[int] | None:
+        """Real tokens per row of a padded batch (``prefill(..., lengths=...)``), else ``None``."""
+        return None if self._rows is None else ragged.lengths(self)
+
+    @property
+    def rows(self) -> list[LayerCache] | None:
+        """A padded batch's single-row caches (read them, e.g. to compare codes), else ``None``."""
+        return None if self._rows is None else list(self._rows)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Pad positions of a padded batch (never stored; 0 otherwise)."""
+        return sum(self._pads) if self._rows is not None else 0
+
+    def quantized_tokens(self) -> tuple[int, int]:
+        """(keys, values) tokens currently held in quantized form."""
+        return _len(self.k.block), _len(self.v.block)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
+        n = self.seq_length + max_length if max_length < 0 else max_length
+        for side in (self.k, self.v):
+            ns, nb = _len(side.sinks), _len(side.block)
+            if side.sinks is not None:
+                side.sinks = own_storage(side.sinks[:, :, : max(0, min(n, ns))])
+            m = n - ns
+            if side.block is not None:
+                side.block = side.block.crop(m) if 0 < m < nb else (side.block if m >= nb else None)
+            if side.residual is not None:
+                r = m - nb
+                side.residual = own_storage(side.residual[:, :, :r]) if r > 0 else None
+
+    def index_batch(self, idx: torch.Tensor) -> None:
+        """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        for side in (self.k, self.v):
+            if side.sinks is not None:
+                side.sinks = side.sinks.index_select(0, idx.to(side.sinks.device))
+            if side.residual is not None:
+                side.residual = side.residual.index_select(0, idx.to(side.residual.device))
+            if side.block is not None:
+                side.block = side.block.index_batch(idx)
+            if hasattr(side.codec, "index_batch"):  # per-sequence codec state (a selection)
+                side.codec.index_batch(idx)
+        if self._bhd is not None:
+            self._bhd = (len(idx), *self._bhd[1:])
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times (``batch_repeat_interleave``)."""
+        b = self.batch_size
+        self.index_batch(torch.arange(b).repeat_interleave(repeats))
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._bhd is None else self._bhd[0]
+
+    def reset(self) -> None:
+        """Drop every stored token (codecs keep their configuration)."""
+        self._rows, self._pads = None, []
+        for side in (self.k, self.v):
+            side.sinks = side.block = side.residual = None
+        self._pending = self._awaiting_queries = False
+        self._bhd = None
+
+    # ---------------------------------------------------------------- accounting
+    def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """Every tensor the cache holds, as ``(side, category, tensor)``."""
+        return [
+            (name, cat, t)
+            for name, side in (("key", self.k), ("value", self.v))
+            for cat, t in side.tensors()
+        ]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes actually held, by category (``codes, scales, metadata, residual, sinks``), per
+        side (``key_total``, ``value_total``) and in all (``total``); summed from
+        :meth:`tensors`."""
+        out = dict.fromkeys(BYTE_KEYS, 0) | {"key_total": 0, "value_total": 0}
+        for side, cat, t in self.tensors():
+            n = tensor_bytes(t)
+            out[cat] += n
+            out[f"{side}_total"] += n
+        out["total"] = out["key_total"] + out["value_total"]
+        return out
+
+
+# The base class's own operations dispatch to the rows like a subclass's overrides
+# (``__init_subclass__``).  Wrapped here rather than decorated in the class body so that they
+# stay plain functions in the source: mutmut skips decorated functions (docs/mutation.md).
+for _name in ROW_DISPATCH:
+    setattr(LayerCache, _name, _row_dispatch(LayerCache.__dict__[_name]))
+LayerCache.prefill = _padded_prefill(LayerCache.__dict__["prefill"])
+del _name

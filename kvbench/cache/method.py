@@ -1,0 +1,377 @@
+"""The method interface: a frozen config, capabilities, layer caches and the bit budget.
+
+A method is a class registered under the entry-point group ``kvbench.methods``.  It declares
+``Config`` (a frozen dataclass, validated in ``__post_init__``), ``capabilities``, a one-line
+``description``, and builds one :class:`~kvbench.cache.layer.LayerCache` per attention layer.  The
+common machinery (residual window, sinks, value quantization, flush schedules, bit formula)
+lives here; a method usually only supplies its key codec (and a schedule): its nominal bits are
+derived from the codec's stored layout (:mod:`kvbench.cache.layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.cache import finite
+from kvbench.cache.blocks import Codec, PerTokenCodec
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.layout import BlockLayout, bit_terms
+from kvbench.cache.layout import average_bits as average_bits  # re-export (old home)
+from kvbench.cache.quant import check_bits, resolve_scale_dtype
+from kvbench.cache.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
+
+#: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
+PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method supports; the runner and the reports read these, never method names.
+
+    Which attention kernels read a method's stored blocks is not declared here: it follows
+    from the block types' registrations (``kvbench.attention.dispatch.backends_for``), and each
+    decode step records the backend that ran (``attend_path``)."""
+
+    gqa: bool = True
+    batch: bool = True
+    needs_queries: bool = False
+    keys_values: bool = True
+    needs_calibration: bool = False
+    reconstruction: bool = False  # parts of the algorithm are [RECON] ([reconstruction] markers, docs/methods.md (introduction))
+    #: builds kvbench LayerCaches (``new_layer``); False for peers that wrap a transformers
+    #: cache (:mod:`kvbench.hf.peers`), which run only in workloads that accept
+    #: ``make_hf_cache`` (memory, latency)
+    layer_cache: bool = True
+    #: a left-padded batch (prompts of different lengths) gives each row the results of that row
+    #: run alone (docs/design.md#padding); False: padded batches are refused, naming the method
+    padding: bool = True
+
+    def to_dict(self) -> dict[str, bool]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base of every method config: frozen, typed, validated, serializable."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "") -> MethodConfig:
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them and the allowed
+        fields (``where`` is prefixed, e.g. a suite file name)."""
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            pre = f"{where}: " if where else ""
+            raise ValueError(
+                f"{pre}unknown config field(s) {unknown} for {cls.__name__}; allowed: {allowed}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def require_padding(method: Any) -> None:
+    """Raise ``ValueError`` naming ``method`` unless its ``capabilities.padding`` is True (a
+    padded batch would give its rows results that depend on their padding)."""
+    if not method.capabilities.padding:
+        name = getattr(method, "name", "") or type(method).__name__
+        raise ValueError(
+            f"method {name!r} does not support padded batches (capabilities.padding=False): "
+            "run prompts of different lengths one at a time (batch_size: 1), or batch only "
+            "prompts of equal length"
+        )
+
+
+def check_int(value: Any, name: str, low: int = 0) -> None:
+    """Validate an integer config field: raises ``ValueError`` naming ``name`` unless ``value``
+    is an int (not a bool) ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+_int = check_int  # old private name, kept for one release
+
+
+@dataclass(frozen=True)
+class CacheConfig(MethodConfig):
+    """Fields every quantized cache shares (docs/design.md#names).
+
+    Attributes
+    ----------
+    group_size : G, tokens per per-channel key group (and the page size).
+    residual_length : R, newest tokens kept in full precision; a multiple of G for token-axis
+        groups.
+    num_sink_tokens : N_s, first tokens kept in full precision.
+    value_bits : 1..8 (per-token values, KIVI style) or 16 (values in full precision).
+    value_group_size : channels per per-token value group; ``None`` = min(G, head_dim).
+    scale_dtype : storage of scales and zeros: ``float16`` (default), ``bfloat16``, ``float32``.
+    """
+
+    group_size: int = 128
+    residual_length: int = 128
+    num_sink_tokens: int = 0
+    value_bits: int = 16
+    value_group_size: int | None = None
+    scale_dtype: str = "float16"
+
+    #: whether the method's keys use token-axis groups (then R must be a multiple of G)
+    token_axis_keys: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_int(self.group_size, "group_size", 1)
+        check_int(self.residual_length, "residual_length", 0)
+        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
+        check_bits(self.value_bits, "value_bits")
+        if self.value_group_size is not None:
+            check_int(self.value_group_size, "value_group_size", 1)
+        if not isinstance(self.scale_dtype, str):  # a torch.dtype would break pair_bits/to_dict
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r} must be a name; allowed: {sorted(PAIR_BITS)}"
+            )
+        resolve_scale_dtype(self.scale_dtype)
+        if self.token_axis_keys and (
+            self.residual_length == 0 or self.residual_length % self.group_size
+        ):
+            raise ValueError(
+                f"residual_length={self.residual_length} must be a positive multiple of "
+                f"group_size={self.group_size} (per-channel key groups hold G tokens)"
+            )
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return resolve_scale_dtype(self.scale_dtype)
+
+    @property
+    def pair_bits(self) -> int:
+        return PAIR_BITS[self.scale_dtype]
+
+    def channel_group(self, head_dim: int) -> int:
+        """Per-token group width: ``value_group_size`` or min(G, head_dim); must divide D."""
+        cg = self.value_group_size or min(self.group_size, head_dim)
+        if head_dim % cg:
+            raise ValueError(
+                f"value_group_size={cg} does not divide head_dim={head_dim}; "
+                f"use a divisor of {head_dim}"
+            )
+        return cg
+
+
+class Method:
+    """Base class of KV-cache quantization methods.
+
+    Subclasses set ``Config``, ``description``, ``source`` and ``capabilities`` and implement
+    :meth:`key_codec` (or override :meth:`new_layer`).  The nominal bits follow from
+    :meth:`key_layout` / :meth:`value_layout`, by default the layouts of the codecs; a method
+    whose codec cannot be built without data (calibration) overrides those two.
+    """
+
+    Config: ClassVar[type[MethodConfig]] = CacheConfig
+    description: ClassVar[str] = ""
+    source: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "new_layer" in cls.__dict__:  # caches know their layer (NaN/Inf messages)
+            cls.new_layer = finite.named_layers(cls.__dict__["new_layer"])
+
+    def __init__(self, config: MethodConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = self.Config.from_dict(overrides)
+        elif overrides:
+            allowed = [f.name for f in fields(config)]
+            unknown = sorted(set(overrides) - set(allowed))
+            if unknown:  # dataclasses.replace would raise a bare TypeError
+                raise ValueError(f"unknown config field(s) {unknown}; allowed: {allowed}")
+            config = dataclasses.replace(config, **overrides)
+        if not isinstance(config, self.Config):
+            raise ValueError(
+                f"config must be a {self.Config.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether this configured method needs post-RoPE queries at prefill.
+
+        Defaults to ``capabilities.needs_queries``; a method whose need depends on its config
+        (PN-Mix: query scores vs key-only scores) overrides it.  Runners and :meth:`new_layer`
+        read this property, not the class capability."""
+        return self.capabilities.needs_queries
+
+    def for_model(self, info: dict[str, Any]) -> Method:
+        """Fill config fields that depend on the model (``kvbench.hf.models.model_info``: head_dim,
+        rope_theta, ...) and that the user left unset; returns the method (default: as is)."""
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether this configured method must be calibrated before building caches
+        (default ``capabilities.needs_calibration``)."""
+        return self.capabilities.needs_calibration
+
+    def calibrate(
+        self,
+        keys_by_layer: dict[int, torch.Tensor],
+        values_by_layer: dict[int, torch.Tensor] | None = None,
+        source: str = "",
+    ) -> Any:
+        """Fit static parameters from full-precision post-RoPE keys (and values)
+        ``[N, H_kv, T, D]`` per layer index, captured on a calibration text disjoint from the
+        evaluation text (named in ``source`` and recorded by the runner).
+
+        Raises ``ValueError`` for methods that take no calibration."""
+        raise ValueError(f"method {self.name or type(self).__name__!r} takes no calibration")
+
+    # ----------------------------------------------------------- layer construction
+    def key_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
+        raise NotImplementedError
+
+    def key_schedule(self) -> object:
+        """Default: KIVI's key schedule (blocks of R tokens, docs/methods.md#kivi)."""
+        return BlockSchedule(self.config.residual_length)
+
+    def value_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
+        """Default values: KIVI-style per-token groups of ``value_group_size`` channels."""
+        c = self.config
+        if c.value_bits == 16:
+            return None
+        return PerTokenCodec(
+            c.value_bits, c.torch_scale_dtype, channel_group=c.channel_group(head_dim)
+        )
+
+    def value_schedule(self) -> object:
+        c = self.config
+        return NeverSchedule() if c.value_bits == 16 else SlidingSchedule(c.residual_length)
+
+    @finite.named_layers
+    def new_layer(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> LayerCache:
+        """One empty :class:`LayerCache` for layer ``layer_idx`` with ``num_kv_heads`` heads of
+        ``head_dim`` channels.  Raises ``ValueError`` if the config does not fit ``head_dim``."""
+        return self.layer_cache(layer_idx, num_kv_heads, head_dim)
+
+    def layer_cache(
+        self,
+        layer_idx: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cls: type[LayerCache] = LayerCache,
+        **extra: Any,
+    ) -> LayerCache:
+        """``cls`` (a :class:`LayerCache` subclass taking LayerCache's arguments, then
+        ``extra``) built from this method's parts: :meth:`key_codec`, :meth:`value_codec`,
+        :meth:`key_schedule`, :meth:`value_schedule`, the config's ``num_sink_tokens`` (0 if
+        it has none) and :attr:`needs_queries`.  The one place a method's layer is assembled;
+        a ``new_layer`` override that needs its own layer class calls this."""
+        return cls(
+            self.key_codec(layer_idx, head_dim),
+            self.value_codec(layer_idx, head_dim),
+            self.key_schedule(),
+            self.value_schedule(),
+            num_sink_tokens=getattr(self.config, "num_sink_tokens", 0),
+            needs_queries=self.needs_queries,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            **extra,
+        )
+
+    def transformers_cache(self, model: Any, attend: bool = False) -> Any | None:
+        """A transformers ``Cache`` of the method's own for ``model`` (a model or its config), or
+        ``None`` (the default): then :func:`kvbench.hf.cache.make_hf_cache` builds kvbench's
+        ``QuantizedKVCache`` over :meth:`new_layer`.  The transformers peers return their cache
+        here."""
+        return None
+
+    def unavailable_reason(self) -> str | None:
+        """Why this method cannot run here (a missing optional package), or ``None``.  The
+        runner skips a method that gives a reason and says why."""
+        return None
+
+    # ----------------------------------------------------------- bit budget
+    def _flush_tokens(self) -> int:
+        """Tokens per flush for codecs whose group is a whole flush (R, at least 1)."""
+        return max(getattr(self.config, "residual_length", 1), 1)
+
+    def _codec_layout(self, codec: Any, side: str, head_dim: int) -> BlockLayout:
+        if codec is None:
+            return BlockLayout.full_precision(head_dim)
+        if not callable(getattr(codec, "layout", None)):
+            raise TypeError(
+                f"{type(self).__name__}: {side} codec {type(codec).__name__} has no "
+                f"layout(head_dim, flush_tokens) to derive the nominal bits from; implement it "
+                f"(kvbench.cache.layout, docs/design.md#stored-layouts) or override {side}_layout()"
+            )
+        return codec.layout(head_dim, self._flush_tokens())
+
+    def key_layout(self, head_dim: int) -> BlockLayout:
+        """What a key block stores for ``head_dim`` channels (:class:`~kvbench.cache.layout.BlockLayout`).
+
+        Default: the layout of :meth:`key_codec` (layer 0); full precision without a codec.
+        Raises ``TypeError`` for a codec without ``layout``."""
+        return self._codec_layout(self.key_codec(0, head_dim), "key", head_dim)
+
+    def value_layout(self, head_dim: int) -> BlockLayout:
+        """What a value block stores; default: the layout of :meth:`value_codec`."""
+        return self._codec_layout(self.value_codec(0, head_dim), "value", head_dim)
+
+    def _side_terms(self, side: str, head_dim: int) -> dict[str, float]:
+        name = f"{side}_bit_terms"
+        if getattr(type(self), name) is not getattr(Method, name):
+            warnings.warn(
+                f"{type(self).__name__}.{name} is deprecated and will be removed in the next "
+                f"release: the bit terms are derived from {side}_layout() (the codec's "
+                "layout(); docs/design.md#stored-layouts)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            return getattr(self, name)(head_dim)
+        layout = self.key_layout(head_dim) if side == "key" else self.value_layout(head_dim)
+        return bit_terms(layout).to_dict()
+
+    def key_bit_terms(self, head_dim: int) -> dict[str, float]:
+        """Terms of docs/methods.md#average-bits for keys (``b_eff``, ``m_q``, ``group`` elements,
+        ``m_sal``), derived from :meth:`key_layout`.  Overriding it is deprecated (one release):
+        describe the stored layout instead."""
+        return bit_terms(self.key_layout(head_dim)).to_dict()
+
+    def value_bit_terms(self, head_dim: int) -> dict[str, float]:
+        """As :meth:`key_bit_terms` for values (:meth:`value_layout`)."""
+        return bit_terms(self.value_layout(head_dim)).to_dict()
+
+    def average_bits(self, head_dim: int = 128, tokens: int = 32768) -> dict[str, Any]:
+        """Nominal bits per key and value element (docs/methods.md#average-bits) for ``tokens`` quantized tokens.
+
+        Returns ``{"key_bits", "value_bits", "key_terms", "value_terms", "num_sink_tokens",
+        "tokens", "head_dim"}``; the terms are :func:`kvbench.cache.layout.bit_terms` of
+        :meth:`key_layout` / :meth:`value_layout`.
+        """
+        ns = getattr(self.config, "num_sink_tokens", 0)
+        kt, vt = self._side_terms("key", head_dim), self._side_terms("value", head_dim)
+        return {
+            "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
+            "value_bits": average_bits(
+                vt["b_eff"], vt["m_q"], vt["group"], ns, tokens, vt["m_sal"]
+            ),
+            "key_terms": kt,
+            "value_terms": vt,
+            "num_sink_tokens": ns,
+            "tokens": tokens,
+            "head_dim": head_dim,
+        }

@@ -1,0 +1,169 @@
+"""Left-padded batches in a :class:`~kvbench.cache.layer.LayerCache`: one row cache per sequence.
+
+The rule (docs/design.md#padding): a prefill with per-row ``lengths`` (left padding: row ``b``'s
+real tokens are the last ``lengths[b]`` positions of the prompt) is stored as ``B`` independent
+single-row caches, each a deep copy of the still-empty layer cache (same codecs, schedules and
+calibration), each prefilled with that row's real tokens only.  Pads are dropped before any code
+runs, so no statistic can see them: min/max, amax, saliency and pair selection, outlier picks,
+sinks (a row's sinks are its first real tokens), flush schedules and budgets are those of the row
+run alone, and its stored codes are bit-identical to that run.  Storage stays packed: each row
+holds only its own blocks, residual and sinks, and ``nbytes()`` sums what the rows store.
+
+The price: a decode step runs the attention backend once per row (``B`` calls per layer instead
+of one batched call).  Ragged pages inside one batched block would avoid that, but every codec
+and kernel would then need per-row group boundaries; per-row caches need none and hold for every
+method, including methods whose ``LayerCache`` subclass keeps its own state (SemKV's scores,
+PM-KVQ's budget).
+
+Positions: the padded layer keeps the batch's coordinates.  Its ``seq_length`` is the padded
+length (the prompt's ``P`` plus decoded tokens), as a transformers cache reports it, and
+:meth:`keys_values` returns ``[B, H_kv, T, D]`` with each row's pads as zeros at the left (the
+caller's attention mask hides them).  Decode tokens are real for every row.
+
+This module holds the functions that :class:`~kvbench.cache.layer.LayerCache` dispatches to once a
+padded prefill made it a row container; it never imports :mod:`kvbench.cache.layer`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def check_lengths(lengths: Any, batch: int, prompt: int) -> list[int]:
+    """Per-row real-token counts as a list of ints.
+
+    Raises ``ValueError`` unless ``lengths`` is ``[B]`` integers in ``[1, P]`` (a row with no
+    real token is named: it has nothing to cache)."""
+    t = torch.as_tensor(lengths)
+    if t.dim() != 1 or t.shape[0] != batch or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(
+            f"lengths must be {batch} integers (one per batch row, real tokens at the end of "
+            f"the prompt); got {lengths!r}"
+        )
+    out = [int(x) for x in t.tolist()]
+    for b, n in enumerate(out):
+        if n < 1:
+            raise ValueError(
+                f"row {b} has {n} real tokens (lengths[{b}]={n}); every row needs >= 1"
+            )
+        if n > prompt:
+            raise ValueError(f"lengths[{b}]={n} exceeds the prompt's {prompt} positions")
+    return out
+
+
+def prefill(
+    layer: Any,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    lengths: list[int],
+) -> None:
+    """Make the (empty) ``layer`` a container of one row cache per sequence and prefill each
+    with its real tokens ``keys[b, :, P - lengths[b]:]`` (and queries likewise)."""
+    p = keys.shape[2]
+    template = copy.deepcopy(layer)  # empty: codecs, schedules, calibration, no tokens
+    template._bhd = None  # (the caller's shape check recorded the batch's)
+    rows = []
+    for b, n in enumerate(lengths):
+        row = copy.deepcopy(template)
+        sl = slice(p - n, p)
+        q = None if queries is None else queries[b : b + 1, :, sl]
+        row.prefill(keys[b : b + 1, :, sl], values[b : b + 1, :, sl], q)
+        rows.append(row)
+    layer._rows, layer._pads = rows, [p - n for n in lengths]
+    layer.dtype = keys.dtype
+
+
+def provide_queries(layer: Any, queries: torch.Tensor) -> None:
+    for b, (row, pad) in enumerate(zip(layer._rows, layer._pads)):
+        row.provide_queries(queries[b : b + 1, :, pad:])
+
+
+def append(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    layer._check(keys, values)
+    for b, row in enumerate(layer._rows):
+        row.append(keys[b : b + 1], values[b : b + 1])
+
+
+def end_step(layer: Any) -> None:
+    for row in layer._rows:
+        row.end_step()
+
+
+def seq_length(layer: Any) -> int:
+    """The padded length: pads + the row's tokens (equal for every row)."""
+    return layer._pads[0] + layer._rows[0].seq_length
+
+
+def keys_values(layer: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H_kv, T, D]`` in the batch's coordinates; each row's pads are zeros at the left."""
+    t = seq_length(layer)
+    ks, vs = [], []
+    for row in layer._rows:
+        k, v = row.keys_values(dtype or layer.dtype)
+        pad = t - k.shape[2]
+        ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+        vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+    return torch.cat(ks), torch.cat(vs)
+
+
+def attend(
+    layer: Any, query: torch.Tensor, scaling: float | None = None, lengths: Any = None
+) -> torch.Tensor:
+    """Each row attends to its own cache (its real tokens only); ``[B, H_q, n_q, D]``."""
+    if lengths is not None:
+        raise ValueError(
+            "this layer cache holds a padded batch and knows each row's tokens; call attend() "
+            "with lengths=None"
+        )
+    outs = [row.attend(query[b : b + 1], scaling) for b, row in enumerate(layer._rows)]
+    paths = sorted({str(getattr(r, "attend_path", None)) for r in layer._rows})
+    reasons = sorted({getattr(r, "attend_path_reason", "") for r in layer._rows} - {""})
+    layer.attend_path = "+".join(paths)
+    layer.attend_path_reason = "; ".join(["per-row caches (padded batch)", *reasons])
+    return torch.cat(outs)
+
+
+def quantized_tokens(layer: Any) -> tuple[int, int]:
+    """(keys, values) quantized tokens of the row that holds the most."""
+    per = [row.quantized_tokens() for row in layer._rows]
+    return max(k for k, _ in per), max(v for _, v in per)
+
+
+def crop(layer: Any, max_length: int) -> None:
+    """Keep the first ``max_length`` positions of the batch's coordinates (negative: drop that
+    many from the end).  Raises ``ValueError`` if a row would lose all its real tokens."""
+    n = seq_length(layer) + max_length if max_length < 0 else max_length
+    for b, pad in enumerate(layer._pads):
+        if n - pad < 1:
+            raise ValueError(
+                f"crop to {n} positions would leave row {b} (padded by {pad}) with no real token"
+            )
+    for row, pad in zip(layer._rows, layer._pads):
+        row.crop(n - pad)
+
+
+def index_batch(layer: Any, idx: torch.Tensor) -> None:
+    """Keep/reorder rows ``idx`` (a row taken twice, as in beam search, is copied)."""
+    seen: set[int] = set()
+    rows, pads = [], []
+    for i in torch.as_tensor(idx, dtype=torch.long).tolist():
+        row = layer._rows[i]
+        rows.append(copy.deepcopy(row) if i in seen else row)
+        pads.append(layer._pads[i])
+        seen.add(i)
+    layer._rows, layer._pads = rows, pads
+    layer._bhd = (len(rows), *layer._bhd[1:])
+
+
+def tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """Every tensor the rows hold (nothing is stored for pads)."""
+    return [x for row in layer._rows for x in row.tensors()]
+
+
+def lengths(layer: Any) -> list[int]:
+    """Tokens each row holds (its real tokens)."""
+    return [row.seq_length for row in layer._rows]

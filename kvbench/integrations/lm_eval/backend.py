@@ -1,0 +1,416 @@
+"""``KVBenchLM``: lm-evaluation-harness's ``HFLM`` with every request run through a kvbench cache.
+
+Registered with lm-eval as ``--model kvbench`` when this module is imported (``kvbench lm-eval``
+does that).  Tokenization, chat templates, stop sequences, request ordering and result caching
+are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
+
+* ``generate_until`` -> :meth:`KVBenchLM._model_generate`: ``model.generate`` with a fresh
+  cache of the method per call.  The prompt is prefilled (full-precision attention,
+  ``docs/docs/design.md`` "When quantization happens"); every generated token decodes through the
+  method's cache.
+* ``loglikelihood`` and ``loglikelihood_rolling`` -> :meth:`KVBenchLM._loglikelihood_tokens`:
+  one forward pass over context + continuation reads no cache, so quantization would change
+  nothing.  Instead, per request, the context *without its last token* is prefilled into a fresh
+  cache, then the last context token and the continuation tokens but the last are fed ``chunk``
+  tokens at a time (default 1: exact decode), each step attending to the cache's quantized past
+  (as the ``perplexity`` workload does).  Every scored position therefore reads the quantized
+  context once the context is longer than the method's full-precision residual.
+* batches: one request at a time (``batch_size=1``); larger batches are refused: kvbench caches
+  take left-padded batches only (docs/design.md#padding) and this backend does not batch yet.
+
+Model arguments (``--model_args k=v,...`` or keywords): ``pretrained`` (Hugging Face id, local
+folder, ``default`` = HuggingFaceTB/SmolLM2-135M-Instruct, or a loaded model with
+``tokenizer=``), ``method`` (a registered kvbench method name or a ``Method`` instance),
+``method_config`` (a YAML file: a mapping of config fields, optionally ``method:`` and
+``calibration: {text, tokens}``), any config field of the method (``bits=2,value_bits=2``),
+``chunk``, ``dtype`` (float32), ``device`` (cuda if available, else cpu), and ``HFLM``'s own
+arguments (``max_length``, ``add_bos_token``, ...).  An unknown name is a ``ValueError`` naming
+it, the method's config fields and the backend's arguments.
+
+After a run, :attr:`KVBenchLM.request_log` holds one entry per request (task, doc id, request
+type, context and scored tokens, and the quantized share of the past the scored positions read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+
+from kvbench.hf.attention import register, use_kvbench_attention
+from kvbench.hf.cache import cache_kwarg, make_hf_cache
+from kvbench.hf.models import DEFAULT_MODEL, load_model, model_info
+from kvbench.cache.method import Method
+from kvbench.cache.registry import get_method, get_method_class
+
+#: calibration text for methods that need it when none is configured (disjoint from the tasks)
+DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
+#: this backend's own arguments (the rest go to the method config or to ``HFLM``)
+OWN_ARGS = ("pretrained", "method", "method_config", "chunk", "dtype", "device", "tokenizer")
+#: ``HFLM`` arguments that load or place a model from a string; meaningless here
+_HFLM_LOADING = {
+    "backend",
+    "revision",
+    "subfolder",
+    "parallelize",
+    "max_memory_per_gpu",
+    "max_cpu_memory",
+    "offload_folder",
+    "tp_plan",
+    "peft",
+    "delta",
+    "autogptq",
+    "gptqmodel",
+    "gguf_file",
+    "trust_remote_code",
+    "use_fast_tokenizer",
+    "kwargs",
+    "self",
+    "pretrained",
+    "tokenizer",
+    "device",
+    "dtype",
+}
+HFLM_ARGS = tuple(
+    sorted(set(inspect.signature(HFLM.__init__).parameters) - _HFLM_LOADING - {"batch_size"})
+)
+
+
+def _read_method_config(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"method_config={str(path)!r}: no such file (a YAML mapping of fields)")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"method_config={str(path)!r} must be a YAML mapping of config fields")
+    return data
+
+
+def build_method(
+    method: str | Method, fields: dict[str, Any], method_config: Any = None
+) -> tuple[Method, dict[str, Any] | None]:
+    """The method from a name plus config fields (``method_config``: a YAML file or mapping,
+    overridden by ``fields``), or a given instance (then no fields).  Returns (method,
+    calibration settings or ``None``).
+
+    Raises ``ValueError`` for an unknown method (with the registered names), unknown fields
+    (with the allowed ones), or fields given with an instance."""
+    cfg = dict(method_config) if isinstance(method_config, dict) else {}
+    if isinstance(method_config, (str, Path)):
+        cfg = _read_method_config(method_config)
+    calibration = cfg.pop("calibration", None)
+    name = cfg.pop("method", None)
+    if isinstance(method, Method):
+        if fields or cfg:
+            raise ValueError(
+                f"config fields {sorted({**cfg, **fields})} were given with a Method instance; "
+                "pass a method name to configure it here"
+            )
+        return method, calibration
+    name = method if method is not None else (name or "full")
+    if not isinstance(name, str):
+        raise ValueError(f"method={name!r} must be a registered method name or a Method")
+    return get_method(name, **{**cfg, **fields}), calibration
+
+
+def calibrate_method(
+    method: Method, model: Any, tokenizer: Any, spec: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Calibrate ``method`` on captured full-precision K/V of one window of ``spec['tokens']``
+    tokens of ``spec['text']`` (default :data:`DEFAULT_CALIBRATION`); returns the provenance."""
+    from kvbench.data.loaders import load_text, token_windows
+    from kvbench.hf.capture import capture_qkv
+
+    spec = {**DEFAULT_CALIBRATION, **(spec or {})}
+    text, tinfo = load_text(spec["text"])
+    ids, winfo = token_windows(tokenizer, text, int(spec["tokens"]), 1)
+    cap = capture_qkv(model, ids)
+    keys = dict(zip(cap.layer_ids, cap.keys))
+    values = dict(zip(cap.layer_ids, cap.values))
+    method.calibrate(keys, values, source=f"{spec['text']}[:{spec['tokens']} tokens]")
+    return {"dataset": tinfo, "windows": winfo}
+
+
+def quantized_read(cache: Any) -> float | None:
+    """Tokens the next step reads from quantized storage, averaged over layers (a token counts
+    when its key or its value is quantized); ``None`` for caches that are not kvbench's."""
+    layers = getattr(cache, "layer_caches", None)
+    if layers is None:
+        return None
+    counts = [max(lc.quantized_tokens()) if lc is not None else 0 for lc in layers()]
+    return sum(counts) / max(len(counts), 1)
+
+
+@register_model("kvbench")
+class KVBenchLM(HFLM):
+    """lm-eval model backend running every request through a kvbench method's cache.
+
+    Parameters
+    ----------
+    pretrained : Hugging Face id, local folder, ``"default"`` (:data:`DEFAULT_MODEL`), or a
+        loaded causal LM (then pass ``tokenizer``).
+    method : registered kvbench method name (``kvbench list``; built, fitted to the model and,
+        when it needs calibration, calibrated here) or a configured ``Method`` instance (used
+        as is: calibrate it first).  Default ``full``.
+    method_config : YAML file (or mapping) of config fields, plus optional ``method`` and
+        ``calibration: {text, tokens}``; keyword fields override it.
+    chunk : tokens fed per step while scoring log-likelihoods (1 = exact decode).
+    dtype, device : model dtype (default float32) and device (default cuda when available).
+    batch_size : must be 1.
+    **kwargs : config fields of the method, then ``HFLM`` arguments (:data:`HFLM_ARGS`).
+
+    Raises
+    ------
+    ValueError
+        Unknown method, config field or argument (each named with the allowed values);
+        ``batch_size`` other than 1; ``chunk`` < 1.
+    """
+
+    def __init__(
+        self,
+        pretrained: Any = "default",
+        method: str | Method = "full",
+        method_config: str | dict[str, Any] | None = None,
+        chunk: int = 1,
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str = 1,
+        tokenizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if str(batch_size) != "1":
+            raise ValueError(
+                f"batch_size={batch_size!r}: the kvbench backend runs one request at a time "
+                "(batch_size=1); batched evaluation is not supported by this backend yet "
+                "(kvbench caches take left-padded batches, docs/design.md#padding)"
+            )
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
+        name = method.name if isinstance(method, Method) else method
+        cls = None if isinstance(method, Method) else self._method_class(method, method_config)
+        fields = {f.name for f in dataclasses.fields(cls.Config)} if cls is not None else set()
+        method_fields = {k: v for k, v in kwargs.items() if k in fields}
+        hflm = {k: v for k, v in kwargs.items() if k not in fields}
+        unknown = sorted(set(hflm) - set(HFLM_ARGS))
+        if unknown:
+            raise ValueError(
+                f"kvbench backend: unknown model_args field(s) {unknown} for method {name!r}; "
+                f"method config fields: {sorted(fields)}; backend arguments: "
+                f"{sorted(set(OWN_ARGS) | {'batch_size'} | set(HFLM_ARGS))}"
+            )
+        self.method, calibration = build_method(method, method_fields, method_config)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI defaults to cuda:0; on a machine without CUDA run on the CPU
+            warnings.warn(f"device={device!r} but CUDA is not available: using cpu", stacklevel=2)
+            device = "cpu"
+        if isinstance(pretrained, str):
+            spec = DEFAULT_MODEL if pretrained == "default" else pretrained
+            model, tok, info = load_model(
+                spec, dtype=dtype, device=device, attn_implementation=register()
+            )
+            tokenizer = tokenizer or tok
+        else:
+            if tokenizer is None:
+                raise ValueError("a loaded model as pretrained needs tokenizer=")
+            model, info = use_kvbench_attention(pretrained), {"model_id": None}
+        self.model_load_info = {**info, **model_info(model)}
+        self.method = self.method.for_model(self.model_load_info)
+        self.calibration_info = None
+        if self.method.needs_calibration and not isinstance(method, Method):
+            # a method built here is calibrated here; a given instance is the caller's
+            self.calibration_info = calibrate_method(self.method, model, tokenizer, calibration)
+        self.chunk = chunk
+        self.request_log: list[dict[str, Any]] = []
+        self._current: dict[str, Any] = {}
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **hflm)
+
+    @staticmethod
+    def _method_class(method: Any, method_config: Any) -> type[Method]:
+        if method is None or method == "":
+            cfg = (
+                _read_method_config(method_config)
+                if isinstance(method_config, (str, Path))
+                else dict(method_config or {})
+            )
+            method = cfg.get("method", "full")
+        if not isinstance(method, str):
+            raise ValueError(f"method={method!r} must be a registered method name or a Method")
+        return get_method_class(method)
+
+    # ------------------------------------------------------------------ request bookkeeping
+    def _per_request(self, requests: list[Any], kind: str, fn: Any, disable_tqdm: bool) -> list:
+        """Run ``fn([request])`` for each request in order, recording which one is current."""
+        out = []
+        for i, req in enumerate(
+            tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"kvbench {kind}")
+        ):
+            self._current = {
+                "task": req.task_name,
+                "doc_id": req.doc_id,
+                "idx": req.idx,
+                "request_type": kind,
+                "index": i,
+                "reads": [],
+                "context_tokens": 0,
+                "scored_tokens": 0,
+            }
+            out.extend(fn([req]))
+            reads = self._current.pop("reads")
+            past = sum(p for _, p in reads)
+            quant = [q for q, _ in reads]
+            self._current["quantized_fraction"] = (
+                None if None in quant else (sum(quant) / past if past else 0.0)
+            )
+            self._current["past_tokens_read"] = past
+            self.request_log.append(self._current)
+        self._current = {}
+        return out
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+        sup = super().loglikelihood
+        return self._per_request(
+            requests, "loglikelihood", lambda r: sup(r, disable_tqdm=True), disable_tqdm
+        )
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+        sup = super().loglikelihood_rolling
+        return self._per_request(
+            requests, "loglikelihood_rolling", lambda r: sup(r, disable_tqdm=True), disable_tqdm
+        )
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+        sup = super().generate_until
+        return self._per_request(
+            requests, "generate_until", lambda r: sup(r, disable_tqdm=True), disable_tqdm
+        )
+
+    def _note(self, quantized: float | None, past: int) -> None:
+        if "reads" in self._current:
+            self._current["reads"].append((quantized, past))
+
+    # ------------------------------------------------------------------ the cache protocol
+    def new_cache(self) -> Any:
+        """A fresh transformers cache of the method for this model (one per request)."""
+        return make_hf_cache(self.method, self.model)
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **kw: Any):
+        """``HFLM._model_generate`` with a fresh method cache passed to ``generate``."""
+        if context.shape[0] != 1:
+            raise ValueError(
+                f"the kvbench backend generates one prompt at a time, got {context.shape[0]}"
+            )
+        from transformers import LogitsProcessorList
+
+        cache = self.new_cache()
+        prompt = context.shape[1]
+        backend = self
+
+        class _Reads:  # after each forward: what the next decode step will read
+            def __init__(self) -> None:
+                self.steps: list[tuple[float | None, int]] = []
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                self.steps.append((quantized_read(cache), input_ids.shape[1]))
+                return scores
+
+        reads = _Reads()
+        procs = LogitsProcessorList([*kw.pop("logits_processor", []), reads])
+        out = super()._model_generate(
+            context,
+            max_length,
+            stop,
+            logits_processor=procs,
+            **kw,
+            **cache_kwarg(cache, self.model),
+        )
+        # generated token i>0 came from a decode step reading what followed forward i-1; the
+        # first came from the prefill (past: the prompt, all full precision)
+        backend._note(0.0 if reads.steps and reads.steps[0][0] is not None else None, prompt - 1)
+        for q, seen in reads.steps[:-1]:
+            backend._note(q, seen)
+        self._current["context_tokens"] = self._current.get("context_tokens", 0) + prompt
+        self._current["scored_tokens"] = self._current.get("scored_tokens", 0) + (
+            out.shape[1] - prompt
+        )
+        return out
+
+    @torch.no_grad()
+    def score_tokens(
+        self, context: list[int], continuation: list[int]
+    ) -> tuple[torch.Tensor, list]:
+        """Log-probabilities ``[len(continuation), V]`` (float32) of the continuation's
+        positions under the protocol above, and ``(quantized tokens read, past tokens)`` per
+        scored position.  ``context`` + ``continuation`` is truncated from the left to
+        ``max_length + 1`` tokens, as ``HFLM`` does."""
+        tokens = (list(context) + list(continuation))[-(self.max_length + 1) :]
+        n = len(continuation)
+        inp = torch.tensor([tokens[:-1]], dtype=torch.long, device=self.device)
+        total = inp.shape[1]
+        p = max(total - n, 1)  # prefill: the context without its last token
+        cache = self.new_cache()
+        kw = cache_kwarg(cache, self.model)
+        out = self.model(input_ids=inp[:, :p], use_cache=True, **kw)
+        logits = [out.logits[:, -1:]]
+        reads: list[tuple[float | None, int]] = [
+            (0.0 if quantized_read(cache) is not None else None, p - 1)
+        ]
+        for s in range(p, total, self.chunk):
+            e = min(s + self.chunk, total)
+            q = quantized_read(cache)
+            out = self.model(input_ids=inp[:, s:e], use_cache=True, **kw)
+            logits.append(out.logits)
+            reads.extend((q, s + j) for j in range(e - s))
+        lp = F.log_softmax(torch.cat(logits, dim=1)[0, -n:], dim=-1, dtype=torch.float32)
+        return lp, reads[-n:]
+
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[Any, list[int], list[int]]],
+        disable_tqdm: bool = False,
+        override_bs: int | None = None,
+    ) -> list[tuple[float, bool]]:
+        """``(log-likelihood, is greedy)`` per ``(key, context tokens, continuation tokens)``,
+        scored through a fresh method cache each (protocol in the module docstring)."""
+        res = []
+        for key, ctx, cont in requests:
+            if not ctx or not cont:
+                raise ValueError("loglikelihood requests need a non-empty context and continuation")
+            lp, reads = self.score_tokens(ctx, cont)
+            target = torch.tensor(cont, device=lp.device)
+            ll = float(lp.gather(1, target[:, None]).sum())
+            greedy = bool((lp.argmax(-1) == target).all())
+            for q, past in reads:
+                self._note(q, past)
+            if self._current:
+                self._current["context_tokens"] += len(ctx)
+                self._current["scored_tokens"] += len(cont)
+            res.append((ll, greedy))
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, (ll, greedy))
+        return res
+
+    def get_model_info(self) -> dict:
+        """Model and method information for lm-eval's results (no hub query: the weights'
+        sha256 comes from kvbench's loader)."""
+        return {
+            "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
+            "model_dtype": str(self._model.dtype),
+            "model_id": self.model_load_info.get("model_id"),
+            "model_source": self.model_load_info.get("source"),
+            "weights_sha256": self.model_load_info.get("weights_sha256"),
+            "kvbench_method": self.method.name,
+            "kvbench_config": self.method.config.to_dict(),
+            "kvbench_chunk": self.chunk,
+        }

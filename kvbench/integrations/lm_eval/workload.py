@@ -1,0 +1,240 @@
+"""``lm_eval``: lm-evaluation-harness tasks run through kvbench's lm-eval backend.
+
+Suite entry::
+
+    - {type: lm_eval, tasks: [gsm8k_local], num_fewshot: 5, limit: 50}
+
+Per method configuration, lm-eval's ``simple_evaluate`` runs ``tasks`` with
+:class:`kvbench.integrations.lm_eval.backend.KVBenchLM` on the suite's model (one request at a time, a
+fresh cache of the method per request; protocol in ``docs/lm-eval.md``).  Metrics, named
+``lm_eval.<task>.<lm-eval key>`` with lm-eval's own key (``exact_match,strict-match``,
+``exact_match_stderr,strict-match``, ``acc,none``...), include every number of lm-eval's
+``results`` (and ``groups``), plus ``lm_eval.<task>.kv_quantized_fraction`` and overall
+``kv_quantized_fraction``: over every scored or generated position, the share of the tokens
+before it that were read from quantized storage (0 when every context is shorter than the
+method's full-precision residual), and ``nominal_key_bits`` / ``nominal_value_bits``.
+
+The manifest holds lm-eval's version, task versions, configs, n-shot, sample counts and
+higher-is-better flags; the per-sample log (lm-eval's samples, each with kvbench's per-request
+entries) goes to ``<run_id>.samples.jsonl`` beside the record.
+
+Parameters: ``tasks`` (list of lm-eval task or group names; required), ``num_fewshot`` (null =
+the task's), ``limit`` (examples per task; ``--limit`` caps it), ``chunk`` (tokens per step
+when scoring log-likelihoods; 1 = exact decode), ``include_path`` (extra task folders),
+``gen_kwargs`` (mapping that overrides the tasks' generation settings, e.g. ``{max_gen_toks:
+64}``), ``apply_chat_template``, ``fewshot_as_multiturn``, ``system_instruction``,
+``bootstrap_iters`` (lm-eval's, for stderr of non-mean aggregations).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
+
+from kvbench.bench.workloads import LOWER, NONE, Result, Workload
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+class LMEval(Workload):
+    type = "lm_eval"
+    #: ``lm_eval.<task>.<metric>[,<filter>]`` take lm-eval's own direction of ``<metric>``;
+    #: standard errors, coverage and counts are informational
+    METRICS = {
+        **{f"lm_eval.*.{m}": d for m, d in LM_EVAL_DIRECTIONS.items()},
+        **{f"lm_eval.*.{m},*": d for m, d in LM_EVAL_DIRECTIONS.items()},
+        "lm_eval.*_stderr*": NONE,
+        "lm_eval.*.kv_quantized_fraction": NONE,
+        "kv_quantized_fraction": NONE,
+        "num_requests": NONE,
+        "nominal_key_bits": LOWER,
+        "nominal_value_bits": LOWER,
+    }
+    layer_cache = False  # any transformers cache: peers run through make_hf_cache
+    PARAMS = {
+        "tasks": ...,
+        "num_fewshot": None,
+        "limit": None,
+        "chunk": 1,
+        "include_path": None,
+        "gen_kwargs": None,
+        "apply_chat_template": False,
+        "fewshot_as_multiturn": False,
+        "system_instruction": None,
+        "bootstrap_iters": 100000,
+    }
+    LIST_PARAMS = frozenset({"tasks", "include_path"})
+
+    @classmethod
+    def check(cls, spec: dict[str, Any], pre: str) -> None:
+        tasks = spec["tasks"]
+        if isinstance(tasks, str):
+            tasks = spec["tasks"] = [tasks]
+        if not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)):
+            raise ValueError(f"{pre}tasks must be a non-empty list of lm-eval task names")
+        for k in ("num_fewshot", "limit"):
+            v = spec[k]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{pre}{k}={v!r} must be an integer >= 0 or null")
+        c = spec["chunk"]
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"{pre}chunk={c!r} must be an integer >= 1")
+        inc = spec["include_path"]
+        if isinstance(inc, str):
+            spec["include_path"] = [inc]
+        elif inc is not None and not (
+            isinstance(inc, list) and all(isinstance(p, str) for p in inc)
+        ):
+            raise ValueError(f"{pre}include_path must be a folder or a list of folders")
+        if spec["gen_kwargs"] is not None and not isinstance(spec["gen_kwargs"], dict):
+            raise ValueError(f"{pre}gen_kwargs must be a mapping (e.g. {{max_gen_toks: 64}})")
+        for k in ("apply_chat_template", "fewshot_as_multiturn"):
+            if not isinstance(spec[k], bool):
+                raise ValueError(f"{pre}{k} must be true or false")
+        b = spec["bootstrap_iters"]
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"{pre}bootstrap_iters={b!r} must be an integer >= 0")
+
+    def prepare(self, ctx: Any) -> None:
+        """Check lm-eval, build the task manager and load every task once (so a dataset that
+        cannot be loaded here fails before any method runs: ``FileNotFoundError`` naming the
+        task and the local-YAML route)."""
+        from kvbench.integrations.lm_eval import require_lm_eval
+
+        require_lm_eval()
+        from kvbench.integrations.lm_eval.tasks import hub_guard, local_task_names, task_manager
+
+        key = ("lm_eval", tuple(self.spec["tasks"]), tuple(self.spec["include_path"] or ()))
+        if key not in ctx.shared:
+            tm = task_manager(self.spec["tasks"], self.spec["include_path"] or ())
+            unknown = [t for t in self.spec["tasks"] if t not in tm.all_tasks]
+            if unknown:
+                raise ValueError(
+                    f"lm_eval workload: unknown task(s) {unknown}; kvbench's local tasks: "
+                    f"{sorted(local_task_names())}; "
+                    "see `lm-eval ls tasks` (or pass include_path)"
+                )
+            with hub_guard():
+                tm.load_task_or_group(self.spec["tasks"])
+            ctx.shared[key] = tm
+        self.task_manager = ctx.shared[key]
+
+    def limit(self, ctx: Any) -> int | None:
+        lim = self.spec["limit"]
+        if ctx.limit is not None:
+            lim = ctx.limit if lim is None else min(lim, ctx.limit)
+        return lim
+
+    def run(self, ctx: Any, method: Any) -> Result:
+        import lm_eval
+        from lm_eval.utils import handle_non_serializable
+
+        from kvbench.integrations.lm_eval.backend import KVBenchLM
+        from kvbench.integrations.lm_eval.tasks import LOADED, hub_guard
+
+        lm = KVBenchLM(
+            pretrained=ctx.model, tokenizer=ctx.tokenizer, method=method, chunk=self.spec["chunk"]
+        )
+        s = self.spec
+        with hub_guard():
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(s["tasks"]),
+                num_fewshot=s["num_fewshot"],
+                limit=self.limit(ctx),
+                task_manager=self.task_manager,
+                log_samples=True,
+                gen_kwargs=dict(s["gen_kwargs"]) if s["gen_kwargs"] else None,
+                apply_chat_template=s["apply_chat_template"],
+                fewshot_as_multiturn=s["fewshot_as_multiturn"],
+                system_instruction=s["system_instruction"],
+                bootstrap_iters=s["bootstrap_iters"],
+                random_seed=ctx.seed,
+                numpy_random_seed=1234 + ctx.seed,
+                torch_random_seed=1234 + ctx.seed,
+                fewshot_random_seed=1234 + ctx.seed,
+            )
+        metrics: dict[str, float] = {}
+        for section in ("results", "groups"):
+            for task, vals in (out.get(section) or {}).items():
+                for k, v in vals.items():
+                    x = _number(v)
+                    if x is not None and k not in ("sample_len",):
+                        metrics[f"lm_eval.{task}.{k}"] = x
+        log = lm.request_log
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for e in log:
+            by_task.setdefault(e["task"], []).append(e)
+
+        def fraction(entries: list[dict[str, Any]]) -> float | None:
+            if any(e["quantized_fraction"] is None for e in entries):
+                return None  # a cache that is not kvbench's (peer): not measured
+            past = sum(e["past_tokens_read"] for e in entries)
+            q = sum(e["quantized_fraction"] * e["past_tokens_read"] for e in entries)
+            return q / past if past else 0.0
+
+        for task, entries in by_task.items():
+            f = fraction(entries)
+            if f is not None:
+                metrics[f"lm_eval.{task}.kv_quantized_fraction"] = f
+        f = fraction(log) if log else None
+        if f is not None:
+            metrics["kv_quantized_fraction"] = f
+        metrics["num_requests"] = float(len(log))
+        bits = method.average_bits(head_dim=ctx.model_info.get("head_dim", 128))
+        metrics["nominal_key_bits"] = bits["key_bits"]
+        metrics["nominal_value_bits"] = bits["value_bits"]
+        samples = []
+        entries_by_doc: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+        for e in log:
+            entries_by_doc.setdefault((e["task"], e["doc_id"]), []).append(e)
+        for task, rows in (out.get("samples") or {}).items():
+            for row in rows:
+                samples.append(
+                    {"task": task, **row, "kvbench": entries_by_doc.get((task, row["doc_id"]), [])}
+                )
+        import json
+
+        samples = [json.loads(json.dumps(r, default=handle_non_serializable)) for r in samples]
+        info = {
+            "lm_eval": json.loads(
+                json.dumps(
+                    {
+                        "version": _version("lm_eval"),
+                        "tasks": s["tasks"],
+                        "limit": self.limit(ctx),
+                        "versions": out.get("versions"),
+                        "n-shot": out.get("n-shot"),
+                        "n-samples": out.get("n-samples"),
+                        "higher_is_better": out.get("higher_is_better"),
+                        "configs": out.get("configs"),
+                        "task_hashes": out.get("task_hashes"),
+                        "lm_eval_config": out.get("config"),
+                    },
+                    default=handle_non_serializable,
+                )
+            ),
+            "datasets": dict(LOADED),
+            "protocol": (
+                "kvbench lm-eval backend: batch 1, fresh cache per request; generate_until "
+                "prefills the prompt and decodes every token through the cache; loglikelihood "
+                f"prefills the context but its last token, then feeds {s['chunk']} token(s) per "
+                "step through the cache"
+            ),
+            "samples_file": "samples.jsonl",
+        }
+        return Result(metrics, None, info, files={"samples.jsonl": samples})
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
