@@ -1,4 +1,5 @@
-"""Every shell block in the docs parses as bash, and the blocks marked to run do run.
+"""The docs as a reader meets them: every shell block parses as bash, the blocks marked to run
+do run, and every relative link points at a file of the repository.
 
 A block is a fenced ```bash / ```sh / ```shell block, or the ``$ `` command lines of a
 ```console block (with their ``\\`` continuations), in README.md, CONTRIBUTING.md and
@@ -120,3 +121,36 @@ def test_extraction_finds_what_it_must(tmp_path):
     assert bad.returncode != 0  # the cluster recipe's old `export X=/the local data folder (...)`
     ok = subprocess.run(["bash", "-n"], input=found[1].script, text=True, capture_output=True)
     assert ok.returncode == 0
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative Markdown links of ``path`` whose file does not exist (anchors not checked)."""
+    text = path.read_text(encoding="utf-8")
+    out = []
+    for m in LINK.finditer(text):
+        target = m.group(1)
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            out.append(
+                f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {target}"
+            )
+    return out
+
+
+def test_relative_links_resolve():
+    bad = [b for f in doc_files() for b in broken_links(f)]
+    assert not bad, bad
+
+
+def test_link_checker_sees_a_broken_link(tmp_path):
+    (tmp_path / "a.md").write_text("[ok](a.md#x) [web](https://x.org) [bad](docs/design.md#y)\n")
+    global ROOT
+    root, ROOT = ROOT, tmp_path
+    try:
+        assert broken_links(tmp_path / "a.md") == ["a.md:1: docs/design.md#y"]
+    finally:
+        ROOT = root
