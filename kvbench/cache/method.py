@@ -36,8 +36,6 @@ class Capabilities:
     from the block types' registrations (``kvbench.attention.dispatch.backends_for``), and each
     decode step records the backend that ran (``attend_path``)."""
 
-    gqa: bool = True
-    batch: bool = True
     needs_queries: bool = False
     keys_values: bool = True
     needs_calibration: bool = False
