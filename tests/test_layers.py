@@ -11,7 +11,11 @@ module of its own (``kvbench.cache``).  The tests fail on
   a module importing itself), naming the modules and the import lines that close the cycle;
 - any path of imports from the core to ``kvbench.integrations``, ``kvbench.methods``,
   ``benchmarks`` or ``kvbench.cli`` (the edge imports the core, never the reverse);
-- any path from ``kvbench.cache`` to ``kvbench.bench``, ``kvbench.report`` or ``kvbench.hf``.
+- any path from ``kvbench.cache`` to ``kvbench.bench``, ``kvbench.report`` or ``kvbench.hf``;
+- any import of the glibc heap tuning but the memory workload's.
+
+An import of ``pkg.mod`` also runs ``pkg/__init__.py`` first; that implicit step is not an edge
+(Python initializes a package before its submodules, so it closes no cycle by itself).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ CORE = (
     "kvbench.paths",
 )
 EDGE = ("kvbench.integrations", "kvbench.methods", "benchmarks", "kvbench.cli")
+HEAP, HEAP_USER = "kvbench.measure.heap", "kvbench.bench.workloads.memory"
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,14 @@ def test_the_core_never_imports_the_edge():
 def test_the_cache_never_imports_bench_report_or_hf():
     bad = reach_violations(["kvbench.cache"], ["kvbench.bench", "kvbench.report", "kvbench.hf"])
     assert not bad, "kvbench.cache imports a layer above it:\n" + "\n".join(bad)
+
+
+def test_heap_tuning_belongs_to_the_memory_workload():
+    """glibc heap tuning (``kvbench.measure.heap``) changes how the process allocates: only the
+    memory workload's measurement may import it."""
+    g = graph()
+    users = sorted(n for n, imps in g.items() if any(i.target == HEAP for i in imps))
+    assert users == [HEAP_USER], users
 
 
 def test_the_cycle_finder_finds_cycles():
