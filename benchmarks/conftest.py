@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from kvbench.measure import pin_threads, system_state
+from kvbench.measure.timer import pin_threads, system_state
 
 
 def _threads() -> int:

@@ -73,17 +73,16 @@ from typing import Any
 
 import torch
 
-from kvbench.measure import (
+from kvbench.measure.timer import (
     PERCENTILE_RULE,
     Timer,
     contiguous_read,
-    flush_steps,
     interleave,
     percentile,
     pin_threads,
-    split_steps,
     system_state,
 )
+from kvbench.measure.window import flush_steps, split_steps
 
 KIVI2 = dict(
     bits=2,
@@ -193,7 +192,7 @@ def read_bytes(cache, model, tokens: int) -> int:
     """Bytes the attention of one decode step reads over all layers (see the module doc)."""
     if hasattr(cache, "layer_caches"):
         return int(cache.nbytes().get("total", 0))
-    from kvbench.hf.models import model_info
+    from kvbench.hf.info import model_info
 
     mi = model_info(model)
     elt = next(model.parameters()).element_size()
@@ -204,8 +203,8 @@ def read_bytes(cache, model, tokens: int) -> int:
 # ------------------------------------------------------------------------------- one context
 def run_context(model, info, labels, ctx_len, args, log) -> list[dict]:
     """Rows of one context: every configuration prefilled, then interleaved decode rounds."""
-    from kvbench.hf.cache import cache_kwarg
     from kvbench.bench.workloads.latency import held_bytes, quantized_tokens_of
+    from kvbench.hf.cache import cache_kwarg
 
     gen = torch.Generator().manual_seed(ctx_len)
     vocab = model.config.vocab_size
@@ -481,7 +480,8 @@ def main(argv: list[str] | None = None) -> dict:
     labels = configurations(args.configs)
 
     from kvbench.hf.attention import use_kvbench_attention
-    from kvbench.hf.models import DEFAULT_MODEL, load_model, model_info
+    from kvbench.hf.info import model_info
+    from kvbench.hf.models import DEFAULT_MODEL, load_model
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.tiny:

@@ -53,10 +53,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.hf.models import _dtype
-from kvbench.hf.shapes import build_shape_model
-from kvbench.cache.registry import get_method, list_methods
 from kvbench.bench.workloads.synthetic_kv import synthetic_calibration, synthetic_qkv
+from kvbench.cache.registry import get_method, list_methods
+from kvbench.hf.info import parse_dtype
+from kvbench.hf.shapes import build_shape_model
 
 BASELINE = "hf-dynamic"
 #: KIVI-2 (2-bit K and V), as in the memory and latency suites
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = _dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    dtype = parse_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model, _, info = build_shape_model(args.shape, args.layers, materialize=False)
     cfg = model.config
     if max(args.contexts) > (info["max_position_embeddings"] or 1 << 30):

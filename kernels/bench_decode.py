@@ -216,7 +216,7 @@ class Timer:
     """The :mod:`kvbench.measure.timer` protocol with an L2 flush between CUDA replays."""
 
     def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
-        from kvbench.measure import Timer as MeasureTimer
+        from kvbench.measure.timer import Timer as MeasureTimer
 
         self.device, self.reps, self.warmup = device, reps, warmup
         self.timer = MeasureTimer(device, cuda_graphs=device.type == "cuda")
@@ -226,7 +226,7 @@ class Timer:
 
     def __call__(self, fn) -> tuple[float, float, float, str]:
         """Median, p10, p90 in microseconds, and the mode (``graph``/``eager``/``cpu``)."""
-        from kvbench.measure import interleave, percentile
+        from kvbench.measure.timer import interleave, percentile
 
         run = self.timer.graph(fn)
         mode = "cpu" if self.flush is None else ("graph" if run is not fn else "eager")

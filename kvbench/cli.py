@@ -18,15 +18,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from kvbench.cache.registry import get_method, list_methods
 from kvbench.bench.suite import parse_set
+from kvbench.cache.registry import get_method, list_methods
 
 
 def _caps(caps: dict[str, bool]) -> str:
     return ",".join(
-        k
-        for k, v in caps.items()
-        if v and k not in ("cpu", "cuda", "gqa", "batch", "keys_values", "layer_cache", "padding")
+        k for k, v in caps.items() if v and k not in ("keys_values", "layer_cache", "padding")
     )
 
 

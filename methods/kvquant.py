@@ -481,7 +481,7 @@ class KVQuant(Method):
         self.calibration_source = ""
 
     def for_model(self, info: dict) -> KVQuant:
-        """Fill ``rope_theta`` from the model (``kvbench.hf.models.model_info``) when unset."""
+        """Fill ``rope_theta`` from the model (``kvbench.hf.info.model_info``) when unset."""
         if self.config.rope_theta is None and info.get("rope_theta"):
             self.config = replace(self.config, rope_theta=float(info["rope_theta"]))
         return self

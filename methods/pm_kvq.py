@@ -33,7 +33,8 @@ Choices made here:
 * Budgets are per layer and sequence (a batch of B holds B times it).  ``budget_bits`` b means
   ``b / 8 * 2 * H_kv * D * budget_tokens`` bytes, the original allocation's ``kv_mem``, so set
   ``budget_tokens`` (default 32768, its ``max_len``) to the workload's length; ``budget_bytes``
-  gives bytes.  Either may be a per-layer list (e.g. from :func:`allocate_bits`); neither = 2.0.
+  gives bytes.  Either may be a per-layer list (e.g. from
+  :func:`kvbench.methods.pm_kvq_calibration.allocate_bits`); neither = 2.0.
 
 Nominal bits (docs/methods.md#average-bits): b_eff = the widest width whose main cache of ``budget_tokens`` tokens
 fits ``budget_bits`` (mean over a per-layer list) + one (scale, zero) per channel group; sinks
@@ -56,9 +57,7 @@ from kvbench.cache.method import PAIR_BITS, Capabilities, Method, MethodConfig, 
 from kvbench.cache.quant import pack_bits, packed_size, resolve_scale_dtype
 from kvbench.cache.schedule import BlockSchedule
 
-from .pm_kvq_calibration import allocate_bits, layer_sensitivity, pi_calibration_scales
-
-__all__ = ["PMKVQ", "PMKVQConfig", "allocate_bits", "layer_sensitivity", "pi_calibration_scales"]
+__all__ = ["PMKVQ", "PMKVQConfig"]
 
 WIDTHS = (16, 8, 4, 2)
 MIN_BITS = 2

@@ -1,5 +1,5 @@
 """Calibration helpers of ``pm-kvq`` (PM-KVQ, Liu et al., arXiv 2505.18610; thu-nics/PM-KVQ at
-c8a2bff; docs/methods.md#pm-kvq), re-exported by :mod:`kvbench.methods.pm_kvq`: block-wise memory allocation
+c8a2bff; docs/methods.md#pm-kvq): block-wise memory allocation
 (:func:`allocate_bits`), a per-layer sensitivity (:func:`layer_sensitivity`) and the
 positional-interpolation reparameterization scales (:func:`pi_calibration_scales`).
 

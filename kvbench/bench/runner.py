@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvbench.cache.registry import get_method
 from kvbench.bench import validate
-from kvbench.measure import memstat
 from kvbench.bench.manifest import base_manifest
 from kvbench.bench.records import (
     load_record,
@@ -33,8 +31,8 @@ from kvbench.bench.records import (
 )
 from kvbench.bench.suite import MethodSpec, Suite
 from kvbench.bench.workloads import Result, Workload, check_random_weights, workload_class
-
-BASELINE = "full"
+from kvbench.cache.registry import BASELINE, get_method
+from kvbench.measure import memstat
 
 
 @dataclass
@@ -58,7 +56,8 @@ def _load_model(
     (``spec['shape']``) is built by :func:`kvbench.hf.shapes.build_shape_model` with weight seed
     ``seed``, on the meta device unless ``materialize``."""
     from kvbench.hf.attention import register
-    from kvbench.hf.models import load_model, model_info
+    from kvbench.hf.info import model_info
+    from kvbench.hf.models import load_model
 
     if "shape" in spec:
         from kvbench.hf.shapes import build_shape_model

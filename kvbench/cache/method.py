@@ -20,8 +20,7 @@ import torch
 from kvbench.cache import finite
 from kvbench.cache.blocks import Codec, PerTokenCodec
 from kvbench.cache.layer import LayerCache
-from kvbench.cache.layout import BlockLayout, bit_terms
-from kvbench.cache.layout import average_bits as average_bits  # re-export (old home)
+from kvbench.cache.layout import BlockLayout, average_bits, bit_terms
 from kvbench.cache.quant import check_bits, resolve_scale_dtype
 from kvbench.cache.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
 
@@ -37,8 +36,6 @@ class Capabilities:
     from the block types' registrations (``kvbench.attention.dispatch.backends_for``), and each
     decode step records the backend that ran (``attend_path``)."""
 
-    gqa: bool = True
-    batch: bool = True
     needs_queries: bool = False
     keys_values: bool = True
     needs_calibration: bool = False
@@ -210,7 +207,7 @@ class Method:
         return self.capabilities.needs_queries
 
     def for_model(self, info: dict[str, Any]) -> Method:
-        """Fill config fields that depend on the model (``kvbench.hf.models.model_info``: head_dim,
+        """Fill config fields that depend on the model (``kvbench.hf.info.model_info``: head_dim,
         rope_theta, ...) and that the user left unset; returns the method (default: as is)."""
         return self
 

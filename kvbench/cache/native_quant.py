@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from kvbench.cache.quant import affine_terms, packed_size, symmetric_terms
-from kvbench.clib import ENV_DISABLE as ENV_DISABLE  # the switch, re-exported
 from kvbench.clib import NativeLibrary, compile_cached, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "affine.c"

@@ -14,6 +14,9 @@ from kvbench.cache.method import Method
 from kvbench.registry import Registry, RegistryError
 
 GROUP = "kvbench.methods"
+#: the method every other is measured against (full precision): runs first, its records are the
+#: tables' first rows and the reference of latency ratios and of the headline's bytes
+BASELINE = "full"
 
 
 def _method_class(name: str, obj: object) -> type[Method]:
@@ -24,7 +27,6 @@ def _method_class(name: str, obj: object) -> type[Method]:
 
 #: every method name -> its :class:`~kvbench.cache.method.Method` subclass
 METHODS: Registry[type[Method]] = Registry("method", GROUP, _method_class)
-
 
 
 def get_method_class(name: str) -> type[Method]:

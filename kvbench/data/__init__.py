@@ -1,11 +1,4 @@
 """Datasets: texts and task rows with a public source, a pinned checksum and a local-file
-fallback (:mod:`kvbench.data.catalog`), and the hub access rules.  ``kvbench.data`` re-exports
-:mod:`kvbench.data.loaders` (its old flat location).
-"""
-
-from kvbench.data.loaders import *  # noqa: F401,F403
-from kvbench.data.loaders import (  # noqa: F401  (private helpers some callers use)
-    _hub_rows,
-    resolve_data_dir,
-    sha256_text,
-)
+fallback.  :mod:`kvbench.data.catalog` names them, :mod:`kvbench.data.loaders` loads them,
+:mod:`kvbench.data.hub` holds the hub access rules.  Import the submodule you need; this
+package defines nothing."""

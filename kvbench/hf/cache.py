@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.cache.method import Method, require_padding
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
-from kvbench.cache.method import Method, require_padding
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -123,13 +123,7 @@ class KVBenchLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
     ) -> None:
         """Create the ``LayerCache`` for ``key_states`` ``[B, H_kv, T, D]`` (dtype, device)."""
-        b, h, _, d = key_states.shape
-        caps = self.owner.method.capabilities
-        if b > 1 and not caps.batch:
-            raise ValueError(
-                f"method {self.owner.method_name!r} does not support batch > 1 "
-                f"(capabilities.batch=False); got batch {b}"
-            )
+        _, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.layer_cache = self.owner.method.new_layer(
             self.layer_idx, h, d, key_states.dtype, key_states.device
@@ -298,8 +292,7 @@ class QuantizedKVCache(Cache):
     ------
     ValueError
         Unknown method name or config field; unsupported layer types (linear attention, ...);
-        a GQA model with a method whose ``capabilities.gqa`` is False; the attend path on a
-        model with sliding-window layers.
+        the attend path on a model with sliding-window layers.
     """
 
     def __init__(
@@ -325,13 +318,6 @@ class QuantizedKVCache(Cache):
             raise ValueError(
                 f"QuantizedKVCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model "
                 f"has {bad}"
-            )
-        n_q = getattr(config, "num_attention_heads", None)
-        n_kv = getattr(config, "num_key_value_heads", None) or n_q
-        if n_q and n_kv != n_q and not method.capabilities.gqa:
-            raise ValueError(
-                f"method {method.name or type(method).__name__!r} does not support GQA "
-                f"(capabilities.gqa=False) but the model has {n_q} query and {n_kv} KV heads"
             )
         self.method = method
         self.method_name = method.name or type(method).__name__

@@ -27,13 +27,9 @@ from typing import Any
 
 import torch
 
-from kvbench.data.hub import (  # noqa: F401  (re-exported: hub access rules live in kvbench.data.hub)
-    _env_true,
-    _probe,
-    hf_offline_env,
-    hub_reachable,
-    offline_requested,
-)
+from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
+from kvbench.hf.info import model_info, parse_dtype
+from kvbench.hf.shapes import build_shape_model
 from kvbench.paths import cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -59,11 +55,6 @@ DEFAULT_EOS = "<|im_end|>"
 SHAPE_PREFIX = "shape:"
 META_FILE = "kvbench_meta.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-ROTATE_HALF_TYPES = frozenset(
-    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 "
-    "gemma3_text phi3 gpt_neox olmo olmo2 granite smollm3".split()
-)
-INTERLEAVED_TYPES = frozenset({"gptj", "codegen"})
 
 
 class ModelNotFoundError(ValueError):
@@ -268,14 +259,6 @@ def _not_found_message(spec: str, attempts: list[str]) -> str:
     )
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(str(dtype), str(dtype))
-    out = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name.split(".")[-1], None)
-    if not isinstance(out, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16")
-    return out
-
-
 def load_model(
     spec: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "float32",
@@ -298,7 +281,7 @@ def load_model(
     (model, tokenizer, info) : the model is in eval mode; ``info`` has ``model_id``, ``path``
         (resolved local folder), ``weights_sha256``, ``weights_files``, ``dtype``, ``device``,
         ``source`` (``"hub"``, ``"local"`` or :data:`SOURCE_WHEEL`), ``attempts`` (why earlier
-        sources failed), ``load_seconds`` and the fields of :func:`model_info`.
+        sources failed), ``load_seconds`` and the fields of :func:`kvbench.hf.info.model_info`.
 
     Raises
     ------
@@ -309,12 +292,10 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec.startswith(SHAPE_PREFIX):  # hook: a config-only model (kvbench.hf.shapes)
-        from kvbench.hf.shapes import build_shape_model
-
+    if spec.startswith(SHAPE_PREFIX):  # a config-only model (kvbench.hf.shapes)
         shape = spec.removeprefix(SHAPE_PREFIX)
         return build_shape_model(shape, None, 0, dtype, device, True, attn_implementation)
-    t0, torch_dtype, attempts = time.perf_counter(), _dtype(dtype), []
+    t0, torch_dtype, attempts = time.perf_counter(), parse_dtype(dtype), []
     kw: dict[str, Any] = {"dtype": torch_dtype}
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
@@ -367,40 +348,3 @@ def load_model(
     info.update(model_info(model))
     info["load_seconds"] = round(time.perf_counter() - t0, 3)
     return model, tok, info
-
-
-def model_info(model: Any) -> dict[str, Any]:
-    """Attention geometry of a model (or its config) for KV-cache accounting.
-
-    Returns
-    -------
-    dict with ``model_type``, ``num_hidden_layers``, ``num_attention_heads`` (query heads),
-    ``num_key_value_heads``, ``head_dim``, ``max_position_embeddings``, ``vocab_size``,
-    ``rope_theta`` (float or None) and ``rope_layout``: ``"rotate_half"`` (llama/qwen/mistral
-    style: dims i and i + head_dim/2 pair up), ``"interleaved"`` (GPT-J style) or ``"unknown"``.
-    """
-    cfg = getattr(model, "config", model)
-    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal wrappers
-    heads = cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
-    mtype = getattr(cfg, "model_type", "")
-    layout = (
-        "rotate_half"
-        if mtype in ROTATE_HALF_TYPES
-        else "interleaved"
-        if mtype in INTERLEAVED_TYPES
-        else "unknown"
-    )
-    return {
-        "model_type": mtype,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-        "vocab_size": getattr(cfg, "vocab_size", None),
-        "rope_theta": float(theta) if theta is not None else None,
-        "rope_layout": layout,
-    }

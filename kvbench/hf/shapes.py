@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from kvbench.hf.info import model_info, parse_dtype
+
 SOURCE_SHAPE = "shape (config only, seeded random weights)"
 RANDOM_WEIGHTS_NOTE = "random weights: accuracy is meaningless; bytes and latency are not"
 
@@ -225,7 +227,7 @@ def build_shape_model(
         ``model_id`` (``"shape:<shape>"``, ``"shape:<shape>[layers=N]"`` for a slice; the
         suite's model id too), ``source`` (:data:`SOURCE_SHAPE`), ``weights_seed``,
         ``materialized``, ``dtype``, ``device``, the fields of :func:`shape_config` and of
-        :func:`kvbench.hf.models.model_info` (whose ``num_hidden_layers`` is the slice's).
+        :func:`kvbench.hf.info.model_info` (whose ``num_hidden_layers`` is the slice's).
 
     Raises
     ------
@@ -234,10 +236,8 @@ def build_shape_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from kvbench.hf.models import _dtype, model_info
-
     config, info = shape_config(shape, layers)
-    torch_dtype = _dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     kw: dict[str, Any] = {"dtype": torch_dtype}
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation

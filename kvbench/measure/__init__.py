@@ -1,37 +1,7 @@
-"""Measurement: the one timing protocol of kvbench (:mod:`kvbench.measure.timer`) and the
-flush-aware split of decode steps (:mod:`kvbench.measure.window`).
+"""Measurement: the one timing protocol of kvbench (:mod:`kvbench.measure.timer`), the
+flush-aware split of decode steps (:mod:`kvbench.measure.window`), and the memory workload's
+allocator and heap readings (:mod:`kvbench.measure.memstat`, :mod:`kvbench.measure.heap`).
 
-Imports only ``torch`` and the standard library, so ``kernels/`` and ``benchmarks/`` use it too.
+``timer`` and ``window`` import only ``torch`` and the standard library, so ``kernels/`` and
+``benchmarks/`` use them too.  Import the submodule you need; this package defines nothing.
 """
-
-from kvbench.measure.timer import (
-    PERCENTILE_RULE,
-    Stats,
-    Timer,
-    contiguous_read,
-    interleave,
-    percentile,
-    pin_threads,
-    ratios,
-    rotation,
-    summarize,
-    system_state,
-)
-from kvbench.measure.window import FlushSplit, flush_steps, split_steps
-
-__all__ = [
-    "PERCENTILE_RULE",
-    "FlushSplit",
-    "Stats",
-    "Timer",
-    "contiguous_read",
-    "flush_steps",
-    "interleave",
-    "percentile",
-    "pin_threads",
-    "ratios",
-    "rotation",
-    "split_steps",
-    "summarize",
-    "system_state",
-]

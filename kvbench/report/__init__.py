@@ -1,7 +1,3 @@
-"""Reporting: Markdown tables, plots, the regression gate (``compare``) and paper comparisons.
-
-``kvbench.report`` re-exports :mod:`kvbench.report.tables` (its old flat location).
-"""
-
-from kvbench.report.tables import *  # noqa: F401,F403
-from kvbench.report.tables import add_arguments, label_of, main, summary_table  # noqa: F401
+"""Reporting: Markdown tables (:mod:`~kvbench.report.tables`, the ``kvbench report`` command),
+plots, the headline table, the regression gate (:mod:`~kvbench.report.compare`) and the export of
+a result folder.  Import the submodule you need; this package defines nothing."""

@@ -20,9 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.report.tables import label_of, workload_label
 from kvbench.bench.records import RecordError, load_records
 from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
+from kvbench.report.labels import label_of
+from kvbench.report.tables import workload_label
 
 
 @dataclass(frozen=True)

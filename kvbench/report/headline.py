@@ -17,21 +17,18 @@ Rows join a configuration's records by label: ``memory`` (bytes at rest of every
 ``full`` configuration's ``bytes_total`` scaled to 16 bits per element from the dtype its memory
 workload stored K/V in (float16 in ``suites/default.yaml``, so the ratio is against ``full``
 itself). Rows are sorted by bytes; ``frontier`` marks the configurations no other row of the
-section beats on both bytes and KL (:func:`kvbench.report.plots.pareto_mask`).
+section beats on both bytes and KL (:func:`kvbench.report.pareto.pareto_mask`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvbench.report.plots import pareto_mask
+from kvbench.cache.registry import BASELINE
+from kvbench.report.labels import label_of
+from kvbench.report.pareto import pareto_mask
 
 DTYPE_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
-BASELINE = "full"
-
-
-def _label(rec: dict[str, Any]) -> str:
-    return rec.get("manifest", {}).get("label") or rec["method"]
 
 
 def _keys_only(rec: dict[str, Any], e: dict[str, Any]) -> bool:
@@ -52,7 +49,7 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     record (the 16-bit baseline)."""
     by: dict[str, dict[str, Any]] = {}
     for r in records:
-        e = by.setdefault(_label(r), {"label": _label(r), "rec": r})
+        e = by.setdefault(label_of(r), {"label": label_of(r), "rec": r})
         wtype = r.get("workload", {}).get("type")
         m = r["metrics"]
         if wtype == "memory":

@@ -8,8 +8,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvbench.report.tables import label_of
 from kvbench.bench.workloads.metrics import HIGHER, direction
+from kvbench.cache.registry import BASELINE
+from kvbench.report.labels import label_of
+from kvbench.report.pareto import pareto_mask
 
 #: quality metrics drawn as Pareto figures, each against nominal key bits, measured bits and
 #: measured bytes when the records have them
@@ -32,7 +34,6 @@ NAMES = {
     "key_mse": "key MSE",
     "attn_out_rel_err": "attention output relative error",
 }
-UNITS = NAMES  # the older name
 TITLES = {
     "attn_kl": "Attention KL",
     "next_token_kl": "Next-token KL",
@@ -43,26 +44,8 @@ TITLES = {
     "effective_bits": "measured bits",
     "bytes_total": "KV cache bytes",
 }
-BASELINE = "full"
 #: figures with more points label only the Pareto frontier (the legend names the families)
 MAX_LABELS = 20
-
-
-def pareto_mask(xs: list[float], ys: list[float], y_higher_better: bool = False) -> list[bool]:
-    """True where a point is not dominated (lower x is better; y by its direction)."""
-    out = []
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        dominated = False
-        for j, (x2, y2) in enumerate(zip(xs, ys)):
-            if i == j:
-                continue
-            better_y = y2 >= y if y_higher_better else y2 <= y
-            strictly = x2 < x or (y2 > y if y_higher_better else y2 < y)
-            if x2 <= x and better_y and strictly:
-                dominated = True
-                break
-        out.append(not dominated)
-    return out
 
 
 def _figure():
@@ -449,7 +432,7 @@ def tradeoff_plot(
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
-    ax.set_ylabel(UNITS.get(quality, quality))
+    ax.set_ylabel(NAMES.get(quality, quality))
     ax.set_title(
         f"quality vs memory vs decode latency at context {context}\n"
         "(color and size: latency; lower-left is better; dominated in bytes and quality marked)"

@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.bench.records import canonical, load_records
+from kvbench.cache.registry import BASELINE
+from kvbench.report.headline import headline_table
+from kvbench.report.labels import label_of
+from kvbench.report.plots import write_plots
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [
@@ -73,7 +77,7 @@ def row_order(r: dict[str, Any]) -> tuple:
     """Sort key of a row: method family (``full`` first, then the method name), nominal key
     bits, label."""
     bits = r["metrics"].get("nominal_key_bits", math.inf)
-    return (r["method"] != "full", r["method"], bits, label_of(r))
+    return (r["method"] != BASELINE, r["method"], bits, label_of(r))
 
 
 def workload_order(w: dict[str, Any]) -> tuple:
@@ -126,10 +130,6 @@ def _fmt(v: Any) -> str:
             return f"{v:.3e}"
         return f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
-
-
-def label_of(rec: dict[str, Any]) -> str:
-    return rec.get("manifest", {}).get("label") or rec["method"]
 
 
 def model_labels(records: list[dict[str, Any]]) -> dict[str, str]:
@@ -252,8 +252,6 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"no records in {args.results}")
     paths = []
     if not args.no_plots:
-        from kvbench.report.plots import write_plots
-
         folder = Path(
             args.plots
             or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
@@ -265,10 +263,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"tables": tables(records), "plots": [str(p) for p in paths]}))
         return 0
     if any(r.get("workload", {}).get("type") == "memory" for r in records) and any(
-        r["method"] == "full" for r in records
+        r["method"] == BASELINE for r in records
     ):
-        from kvbench.report.headline import headline_table
-
         print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
     print(summary_table(records))
     return 0

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import native
 from kvbench.attention import codedomain as cpu
 from kvbench.attention import dispatch as registry
+from kvbench.attention import native
 from kvbench.cache.blocks import AffineBlock, PerChannelCodec
 from kvbench.cache.layer import LayerCache, Side
 from kvbench.cache.mixed_channel import MixedChannelBlock
@@ -479,10 +479,10 @@ def test_semkv_scores_from_every_backend_and_records_the_path(monkeypatch):
     """SemKV's attention score reads each step's softmax through ``observe_attention``: the
     code-domain and the reference path give it the same statistics, both record their path,
     and a whole-cache backend (which cannot hand out probabilities) declines with the reason."""
-    from kvbench.methods.semkv import MixedBlock
+    from kvbench.methods.semkv import MixedTokenBlock
 
     cfg = dict(SMALL, num_sink_tokens=2)
-    fake = registry.Backend("fake", "cpu", (MixedBlock,), lambda lc, q, ln: None, None, 5)
+    fake = registry.Backend("fake", "cpu", (MixedTokenBlock,), lambda lc, q, ln: None, None, 5)
     monkeypatch.setattr(registry, "_BACKENDS", [fake])
     stats = {}
     for mode, path in (("eager", cpu.EAGER_PATH), ("reference", "reference")):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.attention import native
-
 from kvbench.attention import codedomain as cpu
+from kvbench.attention import native
 from kvbench.cache.mixed_channel import pack_mixed
 from kvbench.cache.quant import pack_bits
+from kvbench.clib import ENV_DISABLE
 
 B, H, T, M = 2, 3, 300, 5
 pytestmark = pytest.mark.skipif(
@@ -145,7 +145,7 @@ def test_a_failed_build_falls_back_to_eager(monkeypatch):
 
 def test_disabled_by_the_environment(monkeypatch):
     _reset(monkeypatch)
-    monkeypatch.setenv(native.ENV_DISABLE, "0")
+    monkeypatch.setenv(ENV_DISABLE, "0")
     assert not native.available() and native.unavailable_reason() == "KVBENCH_NATIVE=0"
 
 

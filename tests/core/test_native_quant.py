@@ -15,6 +15,7 @@ import torch
 from kvbench.cache import native_quant as nq
 from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
 from kvbench.cache.mixed_channel import MixedChannelCodec, rank_classes
+from kvbench.clib import ENV_DISABLE
 
 pytestmark = pytest.mark.skipif(not nq.available(), reason="no C compiler")
 
@@ -230,7 +231,7 @@ def test_portable_float16_conversion_matches_the_compiler():
 def test_disabled(monkeypatch):
     monkeypatch.setattr(nq._NATIVE, "lib", None)
     monkeypatch.setattr(nq._NATIVE, "reason", None)
-    monkeypatch.setenv(nq.ENV_DISABLE, "0")
+    monkeypatch.setenv(ENV_DISABLE, "0")
     assert not nq.available() and nq.unavailable_reason() == "KVBENCH_NATIVE=0"
     assert nq.quantize_pack(torch.randn(1, 1, 8, 8), 2, 8, 1) is None
     x = torch.randn(1, 1, 8, 8).half()

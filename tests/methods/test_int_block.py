@@ -194,7 +194,7 @@ def test_registry_capabilities_and_head_dim_check():
     m = kvbench.get_method("int4-block")
     assert isinstance(m, Int4Block) and m.config.key_type == m.config.value_type == "q4_0"
     caps = Int8Block.capabilities
-    assert caps.keys_values and caps.gqa and caps.batch and not caps.needs_calibration
+    assert caps.keys_values and not caps.needs_calibration
     with pytest.raises(ValueError, match="block_size"):
         Int8Block().new_layer(0, 1, 48)
 

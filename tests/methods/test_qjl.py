@@ -132,7 +132,7 @@ def test_keys_values_raises_naming_the_capability():
     with pytest.raises(NotImplementedError, match="keys_values"):
         layer.keys_values()
     assert QJL.capabilities.keys_values is False
-    assert QJL.capabilities.gqa and QJL.capabilities.batch and not QJL.capabilities.needs_queries
+    assert not QJL.capabilities.needs_queries
 
 
 def test_bytes_by_hand():

@@ -275,7 +275,7 @@ def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
     """The two-width per-token encode from the native one-pass quantizer is bit for bit the
     torch path's (quantize_groups at both widths): every stored tensor of the block."""
     from kvbench.cache import native_quant
-    from kvbench.methods.semkv import MixedCodec
+    from kvbench.methods.semkv import MixedTokenCodec
 
     if not native_quant.available():
         pytest.skip("no C compiler")
@@ -284,7 +284,7 @@ def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
     x[0, 1, 4] = 0.5  # a constant group (scale 0)
     x[1, 0, :, :8] = (torch.arange(20 * 8).reshape(20, 8) % 7).half() * 0.5  # ties
     high = torch.rand(2, 3, 20, generator=g) < 0.4
-    codec = MixedCodec(*bits, channel_group=8)
+    codec = MixedTokenCodec(*bits, channel_group=8)
     fast = codec.encode(x, high)
     with monkeypatch.context() as m:
         m.setattr(native_quant, "_load", lambda: None)
@@ -297,14 +297,14 @@ def test_mixed_codec_native_pass_equals_torch_path(monkeypatch, bits):
 @pytest.mark.parametrize("na", [1, 7, 8, 9, 16, 21])
 @pytest.mark.parametrize("nb", [1, 3, 8, 11])
 def test_cat_joins_the_mask_bit_streams_at_any_length(na, nb):
-    """``MixedBlock.cat`` joins the packed 1-bit masks at the tail of the first block's
+    """``MixedTokenBlock.cat`` joins the packed 1-bit masks at the tail of the first block's
     stream: the same tokens, high flags, mask bytes (zero past the last token) and extra rows
     as encoding the joined tokens at once; ``high_count`` counts each (row, head)'s flags."""
     from kvbench.cache.quant import unpack_bits
-    from kvbench.methods.semkv import MixedCodec
+    from kvbench.methods.semkv import MixedTokenCodec
 
     g = torch.Generator().manual_seed(na * 100 + nb)
-    codec = MixedCodec(2, 3, 8)
+    codec = MixedTokenCodec(2, 3, 8)
     x = torch.randn(2, 3, na + nb, 16, generator=g)
     high = torch.rand(2, 3, na + nb, generator=g) < 0.5
     both = codec.encode(x[:, :, :na], high[:, :, :na]).cat(
@@ -323,13 +323,13 @@ def test_upper_plane_places_each_extra_row_at_its_token():
     """The upper plane read by the attention kernels: token ``t`` of (row ``b``, head ``h``)
     holds the ``i``-th extra row, ``i`` counting high tokens in ``[n, B, H]`` order, and zero
     bytes for low tokens (a loop over the tokens as the reference)."""
-    from kvbench.methods.semkv import MixedBlockAttention, MixedCodec
+    from kvbench.methods.semkv import MixedTokenAttention, MixedTokenCodec
 
     g = torch.Generator().manual_seed(5)
     b, h, n = 2, 3, 13
     high = torch.rand(b, h, n, generator=g) < 0.4
-    blk = MixedCodec(2, 4, 8).encode(torch.randn(b, h, n, 16, generator=g), high)
-    up = MixedBlockAttention._upper(blk)
+    blk = MixedTokenCodec(2, 4, 8).encode(torch.randn(b, h, n, 16, generator=g), high)
+    up = MixedTokenAttention._upper(blk)
     ref, i = torch.zeros_like(up.codes), 0
     for t in range(n):
         for r in range(b):
@@ -346,9 +346,9 @@ def test_upper_plane_places_each_extra_row_at_its_token():
 def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     """With the native kernels, a SemKV decode step reads both planes in one call per block
     (``kvbench.attention.native.Upper``): the dense upper-plane transient of the two-pass route
-    (``MixedBlockAttention._upper``) is never built (the step runs without a fallback
+    (``MixedTokenAttention._upper``) is never built (the step runs without a fallback
     warning), and the output equals the float64 attention over the dequantized cache."""
-    from kvbench.methods.semkv import MixedBlockAttention
+    from kvbench.methods.semkv import MixedTokenAttention
 
     g = torch.Generator().manual_seed(2)
     lc = kvbench.get_method("semkv", residual_length=8, score="key-norm").new_layer(0, 2, 64)
@@ -359,7 +359,7 @@ def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     def refuse(block):
         raise AssertionError("the two-pass route ran")
 
-    monkeypatch.setattr(MixedBlockAttention, "_upper", staticmethod(refuse))
+    monkeypatch.setattr(MixedTokenAttention, "_upper", staticmethod(refuse))
     q = torch.randn(1, 4, 1, 64, generator=g)
     with warnings.catch_warnings():  # a backend that raises is reported by a warning
         warnings.simplefilter("error")

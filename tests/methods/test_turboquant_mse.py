@@ -173,7 +173,7 @@ def test_batch_ops_and_registry():
     layer.index_batch(torch.tensor([1]))
     assert torch.equal(layer.keys_values()[0], before[:, :, :3])
     caps = TurboQuantMSE.capabilities
-    assert caps.keys_values and caps.gqa and caps.batch and not caps.needs_calibration
+    assert caps.keys_values and not caps.needs_calibration
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Model-free parts of the task suites.
 
-- :mod:`kvbench.bench.tasks.extract`: GSM8K (lm-evaluation-harness filters), MGSM and, re-exported
-  from :mod:`kvbench.bench.tasks.math_answer`, MATH/AIME/AMC boxed-answer extraction and equivalence.
+- :mod:`kvbench.bench.tasks.extract`: GSM8K (lm-evaluation-harness filters) and MGSM answers.
+- :mod:`kvbench.bench.tasks.math_answer`: MATH/AIME/AMC boxed-answer extraction and equivalence.
 - :mod:`kvbench.bench.tasks.humaneval`: HumanEval problems, a subprocess test harness, pass@k.
 - :mod:`kvbench.bench.tasks.synthetic`: RULER-style long-context generators (needle tasks, variable
   tracking; word-frequency tasks in :mod:`kvbench.bench.tasks.words`) and their scoring, built on

@@ -17,7 +17,7 @@ GSM8K follows EleutherAI lm-evaluation-harness (``lm_eval/tasks/gsm8k/gsm8k.yaml
 MGSM native chain-of-thought answer phrases are lm-evaluation-harness's
 (``lm_eval/tasks/mgsm/utils.py``, ``LANGUAGES[lang]["REGEX"]``; Bengali keeps the English
 phrase there), with the flexible-extract regex as fallback. MATH/AIME/AMC boxed answers live in
-:mod:`kvbench.bench.tasks.math_answer` and are re-exported here.
+:mod:`kvbench.bench.tasks.math_answer`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,6 @@ from __future__ import annotations
 import re
 import unicodedata
 from decimal import Decimal, InvalidOperation
-
-from .math_answer import (
-    aime_answer,
-    extract_math_answer,
-    is_equiv,
-    last_boxed,
-    strip_math,
-    to_fraction,
-)
 
 __all__ = [
     "INVALID",
@@ -55,12 +46,6 @@ __all__ = [
     "mgsm_strict",
     "mgsm_extract",
     "mgsm_is_correct",
-    "last_boxed",
-    "strip_math",
-    "to_fraction",
-    "is_equiv",
-    "extract_math_answer",
-    "aime_answer",
 ]
 
 INVALID = "[invalid]"

@@ -67,21 +67,21 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.workloads import HIGHER, LOWER, NONE
+from kvbench.bench.workloads.batching import check_batch_size, stored_pad_tokens
+from kvbench.cache.method import Method, require_padding
+from kvbench.cache.registry import BASELINE
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import cache_nbytes
-from kvbench.cache.method import Method, require_padding
-from kvbench.measure import (
+from kvbench.measure.timer import (
     PERCENTILE_RULE,
     Timer,
-    flush_steps,
     interleave,
     rotation,
-    split_steps,
     summarize,
     system_state,
 )
-from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import check_batch_size, stored_pad_tokens
+from kvbench.measure.window import flush_steps, split_steps
 
 from . import Result, Workload
 
@@ -168,7 +168,7 @@ class Latency(Workload):
         "context": 2048,
         "steps": 20,
         "warmup": 3,
-        "baseline": "full",
+        "baseline": BASELINE,
         "path": "auto",
         "text": "essays",
         "window": 0,
@@ -242,8 +242,8 @@ class Latency(Workload):
 
     @torch.no_grad()
     def run(self, ctx: Any, method: Method) -> Result:
-        from kvbench.hf.cache import cache_kwarg
         from kvbench.cache.registry import get_method
+        from kvbench.hf.cache import cache_kwarg
 
         s = self.spec
         model = ctx.model

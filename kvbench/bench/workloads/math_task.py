@@ -9,10 +9,11 @@ reasoning models): ``"{problem}\\nPlease reason step by step, and put your final
 reasoning runs use budgets of 32K tokens, far beyond a CPU run).
 
 Scoring: the last ``\\boxed{}`` (else Minerva's "final answer is" phrase) of the completion,
-:func:`kvbench.bench.tasks.extract.extract_math_answer`; MATH-500 and AMC 2023 compare it with the
-reference by :func:`kvbench.bench.tasks.extract.is_equiv` (MATH ``strip_string`` normalization, then
-exact numeric equality, so ``\\frac{1}{2}`` equals ``0.5``); AIME answers are integers 0..999
-(:func:`kvbench.bench.tasks.extract.aime_answer`).  Metric ``<dataset>_acc`` and ``task_score``.
+:func:`kvbench.bench.tasks.math_answer.extract_math_answer`; MATH-500 and AMC 2023 compare it
+with the reference by :func:`kvbench.bench.tasks.math_answer.is_equiv` (MATH ``strip_string``
+normalization, then exact numeric equality, so ``\\frac{1}{2}`` equals ``0.5``); AIME answers
+are integers 0..999 (:func:`kvbench.bench.tasks.math_answer.aime_answer`).  Metric
+``<dataset>_acc`` and ``task_score``.
 ``subjects`` filters MATH-500 by subject (PN-Mix Table 2's "MATH-Alg." is approximated by
 ``subjects: [Algebra]``, 124 of the 500 problems); ``levels`` by difficulty level.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.bench.tasks.extract import aime_answer, extract_math_answer, is_equiv
+from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
 from kvbench.bench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload

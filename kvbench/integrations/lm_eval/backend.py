@@ -45,11 +45,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from kvbench.hf.attention import register, use_kvbench_attention
-from kvbench.hf.cache import cache_kwarg, make_hf_cache
-from kvbench.hf.models import DEFAULT_MODEL, load_model, model_info
 from kvbench.cache.method import Method
 from kvbench.cache.registry import get_method, get_method_class
+from kvbench.hf.attention import register, use_kvbench_attention
+from kvbench.hf.cache import cache_kwarg, make_hf_cache
+from kvbench.hf.info import model_info
+from kvbench.hf.models import DEFAULT_MODEL, load_model
 
 #: calibration text for methods that need it when none is configured (disjoint from the tasks)
 DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
