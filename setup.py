@@ -61,6 +61,8 @@ class BuildNative(build_ext):
     def build_extensions(self) -> None:
         cc = compiler()
         if cc is None:
+            for ext in self.extensions:  # not a build left in build/ by an earlier install
+                Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
             print(
                 "kvbench: no C compiler (cc, or $CC) on PATH: native kernels not built, "
                 "the torch paths are used (install one and rerun pip install)",
@@ -86,7 +88,7 @@ class BuildNative(build_ext):
             out.unlink(missing_ok=True)
             print(
                 f"kvbench: {ext.name} not built, the torch paths are used: {cc[0]} failed: "
-                f"{r.stderr.strip()[:300]}",
+                f"{' | '.join(r.stderr.strip().splitlines())[:300]}",
                 file=sys.stderr,
             )
 

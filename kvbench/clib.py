@@ -49,7 +49,8 @@ def load_checked(path: Path, source: Path, abi_symbol: str, abi_version: int) ->
     if not path.exists():
         raise FileNotFoundError(
             f"{path} was not built (no C compiler when kvbench was installed, or a source "
-            f"checkout never built): run `{BUILD_COMMAND}` with a C compiler (cc) on PATH"
+            f"checkout never built): run `{BUILD_COMMAND}` in the source checkout (or reinstall "
+            f"kvbench) with a C compiler (cc) on PATH"
         )
     lib = ctypes.CDLL(str(path))
     got = getattr(lib, abi_symbol)()
