@@ -10,6 +10,7 @@ quantizer's blocks bit for bit, the decode attention within float32 rounding of 
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import hashlib
 from pathlib import Path
@@ -32,20 +33,44 @@ IDS = ["codes", "affine"]
 
 
 def _reset(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> None:
-    """Forget the loaded library (restored after the test) so the next call loads again."""
+    """Forget the loaded library (restored after the test) so the next call loads again, with
+    ``KVBENCH_NATIVE`` unset."""
     monkeypatch.setattr(module._NATIVE, "lib", None)
     monkeypatch.setattr(module._NATIVE, "reason", None)
+    monkeypatch.delenv("KVBENCH_NATIVE", raising=False)
 
 
-def _require_built(module: ModuleType) -> None:
-    if not module.available():
+def _require_built(module: ModuleType, name: str) -> None:
+    """Skip unless ``name`` was built next to ``module`` (no compiler at install, a source
+    checkout never built)."""
+    if not Path(module.__file__).with_name(name).exists():
         pytest.skip(f"not built: {module.unavailable_reason()}")
 
 
+def test_setup_builds_each_library_where_its_module_loads_it():
+    """setup.py's table: each library's file (its dotted name as a path, ``.so``), C source and
+    flag-holding module are the loading module's :data:`LIBRARY`, :data:`SOURCE` and file."""
+    setup_py = Path(__file__).resolve().parents[2] / "setup.py"
+    if not setup_py.exists():
+        pytest.skip("not a source checkout")
+    (table,) = (
+        ast.literal_eval(node.value)
+        for node in ast.parse(setup_py.read_text()).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LIBRARIES"
+    )
+    root = Path(kvbench.__file__).parent.parent
+    built = {
+        (root / (lib.replace(".", "/") + ".so"), root / src, root / mod) for lib, src, mod in table
+    }
+    assert built == {(m.LIBRARY, m.SOURCE, Path(m.__file__)) for m, *_ in LIBRARIES}
+
+
 @pytest.mark.parametrize(("module", "name", "abi", "what"), LIBRARIES, ids=IDS)
-def test_the_loaded_library_is_the_build_next_to_the_module(module, name, abi, what):
-    _require_built(module)
+def test_the_loaded_library_is_the_build_next_to_the_module(module, name, abi, what, monkeypatch):
+    _require_built(module, name)
+    _reset(monkeypatch, module)
     lib = module._load()
+    assert lib is not None, module.unavailable_reason()
     assert Path(lib._name) == Path(module.__file__).with_name(name)
     assert getattr(lib, abi)() == module.ABI_VERSION
     built = (ctypes.c_char * 65).in_dll(lib, "kvbench_source_sha256").value.decode()
@@ -66,7 +91,7 @@ def test_a_missing_library_names_the_build_command(module, name, abi, what, monk
 @pytest.mark.parametrize(("module", "name", "abi", "what"), LIBRARIES, ids=IDS)
 def test_a_stale_build_is_refused(module, name, abi, what, monkeypatch, tmp_path):
     """A source edited since the build, then an ABI bumped without a rebuild."""
-    _require_built(module)
+    _require_built(module, name)
     edited = tmp_path / module.SOURCE.name
     edited.write_bytes(module.SOURCE.read_bytes() + b"/* edited */\n")
     monkeypatch.setattr(module, "SOURCE", edited)
