@@ -5,10 +5,10 @@
 guard and wrapper overhead on every call (about 0.5 ms per call, two calls per layer and step),
 and inductor's loop order for these shapes (the query rows outermost, so every token's codes
 are unpacked once per query row, and a horizontal reduction per token and row).  This module
-calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (:data:`FLAGS`),
-through :mod:`ctypes` (a few microseconds per call): per
-KV head, each token's codes are decoded into a float buffer in L1 and used by all ``M`` query
-rows before the next token is read (see the C file's header for the math).
+calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (see Build below),
+through :mod:`ctypes` (a few microseconds per call): per KV head, each token's codes are
+decoded into a float buffer in L1 and used by all ``M`` query rows before the next token is
+read (see the C file's header for the math).
 
 Layouts served (exactly :func:`kvbench.cache.quant.dequantize_groups`'s affine terms, or a table):
 

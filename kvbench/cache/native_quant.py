@@ -26,8 +26,9 @@ float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, the library not
 Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (``-O3 -march=native
 -ffp-contract=off``, IEEE semantics kept; plus ``$KVBENCH_NATIVE_CFLAGS``) into :data:`LIBRARY`,
 next to this module, at ``pip install .`` / ``pip install -e .``; :mod:`kvbench.clib` (shared
-with :mod:`kvbench.attention.native`) loads it and checks its ABI and source digest.  Rows (batch row, KV head) are split across
-``torch.get_num_threads()`` Python threads (ctypes releases the GIL during the call).
+with :mod:`kvbench.attention.native`) loads it and checks its ABI and source digest.  Rows
+(batch row, KV head) are split across ``torch.get_num_threads()`` Python threads (ctypes
+releases the GIL during the call).
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ def quantize_pack(
     D / channel_group]`` in ``scale_dtype`` (``[1, 1, ...]`` when ``shared``: one set of groups
     over all rows, KV heads too), ``zero`` ``None`` when ``symmetric``: equal to
     ``quantize_groups`` on the same groups (``midpoint``: its 1-bit midpoint codes, PN-Mix
-    Eq. 7).  ``lib``: a loaded build (default: the installed
-    one, :data:`LIBRARY`).  Raises ``ValueError`` when a scale or zero overflows ``scale_dtype`` (as the
-    reference does) or the group sizes do not divide ``T`` and ``D``."""
+    Eq. 7).  ``lib``: a loaded build (default: the installed one, :data:`LIBRARY`).  Raises
+    ``ValueError`` when a scale or zero overflows ``scale_dtype`` (as the reference does) or the
+    group sizes do not divide ``T`` and ``D``."""
     if (
         x.device.type != "cpu"
         or x.dtype not in DTYPES
