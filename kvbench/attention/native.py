@@ -5,10 +5,10 @@
 guard and wrapper overhead on every call (about 0.5 ms per call, two calls per layer and step),
 and inductor's loop order for these shapes (the query rows outermost, so every token's codes
 are unpacked once per query row, and a horizontal reduction per token and row).  This module
-compiles ``kvbench/attention/csrc/codes.c`` once per machine (the system C compiler, ``cc``;
-``-O3 -march=native``) and calls it through :mod:`ctypes` (a few microseconds per call): per
-KV head, each token's codes are decoded into a float buffer in L1 and used by all ``M`` query
-rows before the next token is read (see the C file's header for the math).
+calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (see Build below),
+through :mod:`ctypes` (a few microseconds per call): per KV head, each token's codes are
+decoded into a float buffer in L1 and used by all ``M`` query rows before the next token is
+read (see the C file's header for the math).
 
 Layouts served (exactly :func:`kvbench.cache.quant.dequantize_groups`'s affine terms, or a table):
 
@@ -24,12 +24,12 @@ Layouts served (exactly :func:`kvbench.cache.quant.dequantize_groups`'s affine t
 * :func:`keys_polar`: radius and angle codes of RoPE pairs with a per-page query table
   (PolarQuant).
 
-Build: the shared object is cached under ``$KVBENCH_CACHE/native`` (else
-``$XDG_CACHE_HOME/kvbench/native``, else ``~/.cache/kvbench/native``), keyed by the source, the
-flags, the compiler's version and the CPU's flags, so an upgraded compiler or another machine
-rebuilds.  No compiler, or a failed build: :func:`available` is ``False`` with the reason
-(:func:`unavailable_reason`), and the callers use the ``torch.compile`` / eager kernels.
-``KVBENCH_NATIVE=0`` disables this module.
+Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (plus ``$KVBENCH_NATIVE_CFLAGS``)
+into :data:`LIBRARY`, next to this module, at ``pip install .`` / ``pip install -e .`` (about 80
+CPU-s); :mod:`kvbench.clib` loads it and checks its ABI and source digest.  Not built (no
+compiler at install, a source checkout never built), stale or failed: :func:`available` is
+``False`` with the reason (:func:`unavailable_reason`), and the callers use the
+``torch.compile`` / eager kernels.  ``KVBENCH_NATIVE=0`` disables this module.
 
 Shapes: ``codes`` uint8 ``[B, H_kv, T, nbytes]`` (any strides with contiguous rows; a view of a
 byte slice of each row for a mixed class), ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
@@ -48,9 +48,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvbench.clib import NativeLibrary, compile_cached, load_checked
+from kvbench.clib import NativeLibrary, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
+#: the shared object setup.py builds from SOURCE with FLAGS (~80 CPU-s with GCC 12 at -O3)
+LIBRARY = Path(__file__).with_name("_codes.so")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
 ABI_VERSION = 10
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
@@ -140,10 +142,11 @@ class _PolarArgs(ctypes.Structure):
     ]
 
 
-def _build() -> ctypes.CDLL:
-    # ~80 CPU-s with GCC 12 at -O3 (every width specialised)
-    out = compile_cached(SOURCE, FLAGS, "codes", timeout=900)
-    lib = load_checked(out, "kv_abi_version", ABI_VERSION)
+def _load_library() -> ctypes.CDLL:
+    """The built :data:`LIBRARY` with its functions' argument types set.  Raises
+    ``FileNotFoundError`` when it was not built, ``RuntimeError`` when stale or of another
+    ABI (:func:`kvbench.clib.load_checked`)."""
+    lib = load_checked(LIBRARY, SOURCE, "kv_abi_version", ABI_VERSION)
     for fn in (lib.kv_keys, lib.kv_values):
         fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -154,14 +157,14 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-_NATIVE = NativeLibrary(lambda: _build(), "native kernels")
+_NATIVE = NativeLibrary(lambda: _load_library(), "native kernels")
 
 
 def _load() -> ctypes.CDLL | None:
     return _NATIVE.load()
 
 
-available = _NATIVE.available  # whether built and loaded (builds on the first call)
+available = _NATIVE.available  # whether built and loaded (loads on the first call)
 unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why not
 
 

@@ -21,13 +21,14 @@ by :func:`kvbench.cache.mixed_channel.pack_mixed`; PN-Mix's 1-bit midpoint codes
 (:func:`quantize_pack` returns ``None`` and the caller uses the torch path): a non-finite
 element anywhere in the input (the reference's NaN/Inf policy, :mod:`kvbench.cache.finite`,
 applies), 16-bit codes, non-CPU tensors,
-float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, no C compiler.
+float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, the library not built.
 
-Build: the system C compiler (``cc``; ``-O3 -march=native -ffp-contract=off``, IEEE
-semantics kept), once per machine, cached under the kvbench cache folder (``native/``) keyed
-by the source, the flags, the compiler's version and the CPU's flags
-(:mod:`kvbench.clib`, shared with :mod:`kvbench.attention.native`).  Rows (batch row, KV head) are split across
-``torch.get_num_threads()`` Python threads (ctypes releases the GIL during the call).
+Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (``-O3 -march=native
+-ffp-contract=off``, IEEE semantics kept; plus ``$KVBENCH_NATIVE_CFLAGS``) into :data:`LIBRARY`,
+next to this module, at ``pip install .`` / ``pip install -e .``; :mod:`kvbench.clib` (shared
+with :mod:`kvbench.attention.native`) loads it and checks its ABI and source digest.  Rows
+(batch row, KV head) are split across ``torch.get_num_threads()`` Python threads (ctypes
+releases the GIL during the call).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from pathlib import Path
 import torch
 
 from kvbench.cache.quant import affine_terms, packed_size, symmetric_terms
-from kvbench.clib import NativeLibrary, compile_cached, load_checked
+from kvbench.clib import NativeLibrary, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "affine.c"
+#: the shared object setup.py builds from SOURCE with FLAGS
+LIBRARY = Path(__file__).with_name("_affine.so")
 FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
     "-std=gnu11",
@@ -62,11 +65,12 @@ class _In(ctypes.Structure):
     ]
 
 
-def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
-    """Compile (or reuse the cached build of) ``csrc/affine.c`` with ``flags`` and load it.
-    Raises ``RuntimeError`` without a C compiler, on a failed build or an ABI mismatch."""
-    out = compile_cached(SOURCE, flags, "affine", timeout=300)
-    lib = load_checked(out, "kq_abi_version", ABI_VERSION)
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (a build of :data:`SOURCE`; :data:`LIBRARY` unless a test built
+    a variant) with its functions' argument types set.  Raises ``FileNotFoundError`` when it
+    was not built, ``RuntimeError`` when stale or of another ABI
+    (:func:`kvbench.clib.load_checked`)."""
+    lib = load_checked(path, SOURCE, "kq_abi_version", ABI_VERSION)
     lib.kq_minmax.argtypes = [ctypes.POINTER(_In), ctypes.c_void_p, ctypes.c_void_p]
     lib.kq_minmax.restype = ctypes.c_int
     lib.kq_codes.argtypes = [
@@ -91,14 +95,14 @@ def build(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
     return lib
 
 
-_NATIVE = NativeLibrary(lambda: build(), "native quantizer")
+_NATIVE = NativeLibrary(lambda: load(LIBRARY), "native quantizer")
 
 
 def _load() -> ctypes.CDLL | None:
     return _NATIVE.load()
 
 
-available = _NATIVE.available  # whether built and loaded (builds on the first call)
+available = _NATIVE.available  # whether built and loaded (loads on the first call)
 unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why not
 
 
@@ -165,9 +169,9 @@ def quantize_pack(
     D / channel_group]`` in ``scale_dtype`` (``[1, 1, ...]`` when ``shared``: one set of groups
     over all rows, KV heads too), ``zero`` ``None`` when ``symmetric``: equal to
     ``quantize_groups`` on the same groups (``midpoint``: its 1-bit midpoint codes, PN-Mix
-    Eq. 7).  ``lib``: a loaded build (default: the cached
-    one).  Raises ``ValueError`` when a scale or zero overflows ``scale_dtype`` (as the
-    reference does) or the group sizes do not divide ``T`` and ``D``."""
+    Eq. 7).  ``lib``: a loaded build (default: the installed one, :data:`LIBRARY`).  Raises
+    ``ValueError`` when a scale or zero overflows ``scale_dtype`` (as the reference does) or the
+    group sizes do not divide ``T`` and ``D``."""
     if (
         x.device.type != "cpu"
         or x.dtype not in DTYPES

@@ -9,15 +9,21 @@ not served (the torch path's NaN/Inf policy applies); overflowing scales raise t
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvbench.cache import native_quant as nq
 from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTensorCodec, PerTokenCodec
 from kvbench.cache.mixed_channel import MixedChannelCodec, rank_classes
-from kvbench.clib import ENV_DISABLE
+from kvbench.clib import ENV_DISABLE, SOURCE_SYMBOL, source_digest
 
-pytestmark = pytest.mark.skipif(not nq.available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(not nq.available(), reason=str(nq.unavailable_reason()))
 
 
 def torch_path(monkeypatch, codec, x):
@@ -211,10 +217,23 @@ def test_not_served_cases():
     assert nq.quantize_pack(x, 2, 8, 1, midpoint=True) is None  # midpoint: 1-bit codes only
 
 
-def test_portable_float16_conversion_matches_the_compiler():
+def build_variant(out: Path, *defines: str) -> Path:
+    """``out``: affine.c built as setup.py builds it (``nq.FLAGS``, the source digest symbol),
+    plus ``defines``; skips the test without a C compiler."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler (cc) on PATH")
+    digest = out.with_suffix(".sha256.c")
+    digest.write_text(f'const char {SOURCE_SYMBOL}[65] = "{source_digest(nq.SOURCE)}";\n')
+    cmd = [*shlex.split(cc), *nq.FLAGS, *defines, str(nq.SOURCE), str(digest), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return out
+
+
+def test_portable_float16_conversion_matches_the_compiler(tmp_path):
     """The conversion used without compiler _Float16 support, on every finite float16 value
     (normal, subnormal, signed zeros): the same min/max, scales, zeros and codes."""
-    portable = nq.build((*nq.FLAGS, "-DKQ_NO_FLOAT16"))
+    portable = nq.load(build_variant(tmp_path / "_affine_portable.so", "-DKQ_NO_FLOAT16"))
     bits16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
     vals = bits16.view(torch.float16)
     vals = vals[torch.isfinite(vals)]
