@@ -53,14 +53,14 @@ class MissingAsset:
 
 def _datasets(suite: Any) -> dict[str, list[str]]:
     """dataset name -> suite entries that read it (unknown names included, to be reported)."""
+    from kvbench.bench.workloads import WORKLOADS
     from kvbench.cache.registry import get_method
-    from kvbench.bench.workloads import workload_class
 
     need: dict[str, list[str]] = {}
     # shape models only (model: {shape: ...}): K/V of the shape are drawn, not captured
     shapes_only = bool(suite.models) and all(m is not None and "shape" in m for m in suite.models)
     for i, w in enumerate(suite.workloads):
-        if shapes_only and not workload_class(w["type"]).shape_reads_data:
+        if shapes_only and not WORKLOADS.get(w["type"]).shape_reads_data:
             continue
         where = f"workloads[{i}] ({w['type']})"
         names = list(WORKLOAD_DATASETS.get(w["type"], ()))
