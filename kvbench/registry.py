@@ -3,7 +3,8 @@
 Every name-to-thing table in kvbench is a ``Registry``: methods (entry-point group
 ``kvbench.methods``, :data:`kvbench.cache.registry.METHODS`), workload types (group
 ``kvbench.workloads``, :data:`kvbench.bench.workloads.WORKLOADS`), attention backends
-(:data:`kvbench.attention.dispatch.BACKENDS`) and texts (:data:`kvbench.data.catalog.TEXTS`).
+(:data:`kvbench.attention.dispatch.BACKENDS`), texts and task sets
+(:data:`kvbench.data.catalog.TEXTS`, :data:`kvbench.data.catalog.ROWS`).
 
 Rules (docs/design.md#registries):
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar, overload
@@ -66,6 +67,13 @@ class Entry(Generic[T]):
     @property
     def builtin(self) -> bool:
         return self.dist in (BUILTIN_DIST, CODE_DIST)
+
+
+def did_you_mean(name: object, names: Iterable[str]) -> str:
+    """``"; did you mean 'a' or 'b'?"`` naming up to three close matches of ``name`` among
+    ``names``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(name), list(names), n=3, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def _dist_name(ep: EntryPoint) -> str:
@@ -195,8 +203,7 @@ class Registry(Generic[T]):
             claim the name."""
         entries = self.entries()
         if not isinstance(name, str) or name not in entries:  # a suite may hold any YAML value
-            close = difflib.get_close_matches(str(name), list(entries), n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            hint = did_you_mean(name, entries)
             if self.group and not any(e.dist == BUILTIN_DIST for e in entries.values()):
                 hint += (
                     f"; no entry point of kvbench itself in group {self.group!r}: the install "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.data import catalog
+from kvbench.registry import did_you_mean
 
 #: workload type -> datasets it always reads (beyond the dataset-valued parameters)
 WORKLOAD_DATASETS = {"gsm8k": ("gsm8k",)}
@@ -91,9 +92,10 @@ def _check_dataset(name: str) -> tuple[str, str] | None:
     from kvbench.data.loaders import ChecksumMismatch, DatasetUnavailable, load_dataset_by_name
 
     if name not in catalog.TEXTS and name not in catalog.ROWS:
+        names = catalog.known_names()
         return (
-            f"kvbench knows no dataset {name!r}",
-            f"use one of: {', '.join(catalog.known_names())}",
+            f"kvbench knows no dataset {name!r}{did_you_mean(name, names)}",
+            f"use one of: {', '.join(names)}",
         )
     try:
         load_dataset_by_name(name)
