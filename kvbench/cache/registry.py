@@ -26,7 +26,6 @@ def _method_class(name: str, obj: object) -> type[Method]:
 METHODS: Registry[type[Method]] = Registry("method", GROUP, _method_class)
 
 
-
 def get_method_class(name: str) -> type[Method]:
     """The class registered as ``name``.
 
