@@ -66,9 +66,9 @@ def _method(label: str):
 
 
 def gsm8k_throughput(ctx: Any, args: argparse.Namespace, out: list, save) -> None:
-    from kvbench.bench.workloads import workload_class
+    from kvbench.bench.workloads import WORKLOADS
 
-    cls = workload_class("gsm8k")
+    cls = WORKLOADS.get("gsm8k")
     configs = [(m, bs) for m in ("full", "kivi-2") for bs in (1, 8)]
     work = {}
     for m, bs in configs:

@@ -3,14 +3,16 @@
 Every name-to-thing table in kvbench is a ``Registry``: methods (entry-point group
 ``kvbench.methods``, :data:`kvbench.cache.registry.METHODS`), workload types (group
 ``kvbench.workloads``, :data:`kvbench.bench.workloads.WORKLOADS`), attention backends
-(:data:`kvbench.attention.dispatch.BACKENDS`) and texts (:data:`kvbench.data.catalog.TEXTS`).
+(:data:`kvbench.attention.dispatch.BACKENDS`), texts and task sets
+(:data:`kvbench.data.catalog.TEXTS`, :data:`kvbench.data.catalog.ROWS`).
 
 Rules (docs/design.md#registries):
 
 * entry points are read when a name is first asked for, and loaded only when that name is used;
 * an object registered in code (``@registry.register("name")``) is known at once;
 * an unknown name raises :class:`UnknownName` (a ``ValueError``) with a "did you mean" and the
-  registered names;
+  registered names (a registry of an entry-point group without kvbench's own entry points also
+  says that the install is broken);
 * a plugin that reuses a built-in's name is ignored with a warning naming both distributions;
 * two plugins with one name: using that name raises :class:`RegistryError` naming both;
 * a plugin that fails to import raises :class:`RegistryError` naming its distribution, and does
@@ -23,10 +25,10 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -67,6 +69,13 @@ class Entry(Generic[T]):
         return self.dist in (BUILTIN_DIST, CODE_DIST)
 
 
+def did_you_mean(name: object, names: Iterable[str]) -> str:
+    """``"; did you mean 'a' or 'b'?"`` naming up to three close matches of ``name`` among
+    ``names``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(name), list(names), n=3, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
 def _dist_name(ep: EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     return dist.metadata["Name"] if dist is not None else "<unknown>"
@@ -85,6 +94,9 @@ class Registry(Generic[T]):
         ``check(name, obj) -> T``: validates a loaded or registered object and returns it (may
         return a wrapped object); raises ``TypeError``/``ValueError`` saying what is wrong.
         Default: accept anything.
+    listing:
+        ``listing(names) -> str``: how an unknown-name message lists the registered names
+        (sorted).  Default: ``"registered: [...]"``.
     """
 
     def __init__(
@@ -92,23 +104,33 @@ class Registry(Generic[T]):
         kind: str,
         group: str | None = None,
         check: Callable[[str, object], T] | None = None,
+        listing: Callable[[list[str]], str] | None = None,
     ) -> None:
         self.kind = kind
         self.group = group
         self._check = check
+        self._listing = listing or (lambda names: f"registered: {names}")
         self._entries: dict[str, Entry[T]] | None = None
         self._code: dict[str, Entry[T]] = {}
 
     # -- filling -----------------------------------------------------------------------------
 
+    @overload
+    def register(self, name: str) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, obj: T) -> T: ...
+
     def register(self, name: str, obj: T | None = None) -> Callable[[T], T] | T:
-        """Register ``obj`` as ``name`` (replacing an earlier code registration of the name).
+        """Register ``obj`` as ``name`` (replacing an earlier code registration of the name; an
+        entry point of the same name is hidden until :meth:`unregister`).
 
         Usable as a decorator: ``@REGISTRY.register("name")``.  Returns ``obj``.
 
-        Raises ``TypeError``/``ValueError`` from the registry's ``check``."""
+        Raises ``TypeError``/``ValueError`` from the registry's ``check`` (nothing is
+        registered then)."""
         if obj is None:
-            return lambda o: self._add(name, o)  # type: ignore[return-value]
+            return lambda o: self._add(name, o)
         return self._add(name, obj)
 
     def _add(self, name: str, obj: T) -> T:
@@ -180,12 +202,16 @@ class Registry(Generic[T]):
             The plugin failed to import, its object failed ``check``, or several plugins
             claim the name."""
         entries = self.entries()
-        if name not in entries:
-            close = difflib.get_close_matches(str(name), list(entries), n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        if not isinstance(name, str) or name not in entries:  # a suite may hold any YAML value
+            hint = did_you_mean(name, entries)
+            if self.group and not any(e.dist == BUILTIN_DIST for e in entries.values()):
+                hint += (
+                    f"; no entry point of kvbench itself in group {self.group!r}: the install "
+                    "is broken (rerun `pip install -e .` in the kvbench checkout)"
+                )
             pre = f"{where}: " if where else ""
             raise UnknownName(
-                f"{pre}unknown {self.kind} {name!r}{hint} (registered: {sorted(entries)})"
+                f"{pre}unknown {self.kind} {name!r}{hint} ({self._listing(sorted(entries))})"
             )
         return self.load(entries[name])
 

@@ -18,7 +18,7 @@ from tiny_lm import tiny_lm
 from kvbench.cache.method import Capabilities
 from kvbench.cache.registry import get_method, get_method_class
 from kvbench.bench.runner import RunContext
-from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads import WORKLOADS
 
 SMALL = {"group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bits": 2, "bits": 2}
 METHODS = ["full", "kivi", "per-token", "pn-mix", "int4-block", "fp8"]
@@ -40,7 +40,7 @@ def method(name: str):
 def make(kind: str, **params):
     if kind == "passkey":
         params = {"protect_prefix": 16, "protect_suffix": 32, **params}
-    cls = workload_class(kind)
+    cls = WORKLOADS.get(kind)
     return cls(cls.validate({"type": kind, **params}))
 
 

@@ -171,12 +171,15 @@ def test_hub_failure_falls_back_to_local(monkeypatch):
     # A hub id that cannot load: offline the probe puts datasets in offline mode (fails in ms),
     # online the hub answers "not found". Either way the local copy is used.
     root = local_data_dir("wikitext2/wiki.test.joined.txt")
-    ds = catalog.TEXTS["wikitext2"]
-    monkeypatch.setitem(
-        catalog.TEXTS, "wikitext2", dataclasses.replace(ds, hub_id="kvbench-tests/no-such-dataset")
+    ds = catalog.TEXTS.get("wikitext2")
+    catalog.TEXTS.register(
+        "wikitext2", dataclasses.replace(ds, hub_id="kvbench-tests/no-such-dataset")
     )
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
-    text, info = load_text("wikitext2", data_dir=root, prefer="hub")
+    try:
+        text, info = load_text("wikitext2", data_dir=root, prefer="hub")
+    finally:
+        catalog.TEXTS.register("wikitext2", ds)
     assert info["source"] == "local"
     assert info["attempts"][0].startswith("hub kvbench-tests/no-such-dataset")
     assert info["sha256"] == _sums(root)["wikitext2/wiki.test.joined.txt"]
@@ -201,7 +204,7 @@ def test_hub_text_that_differs_from_the_pin_is_refused(monkeypatch, no_data_dir)
         load_text("wikitext2", prefer="hub")
     got = hashlib.sha256(b"another text").hexdigest()
     msg = str(err.value)
-    assert got in msg and catalog.TEXTS["wikitext2"].sha256 in msg and "KVBENCH_DATA_DIR" in msg
+    assert got in msg and catalog.TEXTS.get("wikitext2").sha256 in msg and "KVBENCH_DATA_DIR" in msg
 
 
 def test_local_file_that_differs_from_the_pin_is_an_error(tmp_path, offline):
@@ -211,7 +214,7 @@ def test_local_file_that_differs_from_the_pin_is_an_error(tmp_path, offline):
     with pytest.raises(ChecksumMismatch) as err:
         load_text("wikitext2", data_dir=tmp_path)
     msg = str(err.value)
-    assert str(path) in msg and catalog.TEXTS["wikitext2"].sha256 in msg
+    assert str(path) in msg and catalog.TEXTS.get("wikitext2").sha256 in msg
     assert hashlib.sha256(path.read_bytes()).hexdigest() in msg
 
 
@@ -249,7 +252,7 @@ def test_hub_rows_are_checked_against_the_pin(monkeypatch):
     assert info["source"] == "hub" and rows == raw
     raw[5]["answer"] += " "  # one changed row: refused, with both hashes in the message
     monkeypatch.setenv("KVBENCH_DATA_DIR", str(root / "no-such-folder"))
-    with pytest.raises(DatasetUnavailable, match=catalog.ROWS["gsm8k"].rows_sha256):
+    with pytest.raises(DatasetUnavailable, match=catalog.ROWS.get("gsm8k").rows_sha256):
         load_rows("gsm8k", prefer="hub")
 
 

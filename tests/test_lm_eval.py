@@ -130,9 +130,9 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
 
 
 def test_workload_validation():
-    from kvbench.bench.workloads import workload_class
+    from kvbench.bench.workloads import WORKLOADS
 
-    cls = workload_class("lm_eval")
+    cls = WORKLOADS.get("lm_eval")
     spec = cls.validate({"type": "lm_eval", "tasks": "gsm8k"})
     assert spec["tasks"] == ["gsm8k"] and spec["chunk"] == 1
     with pytest.raises(ValueError, match="tasks"):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.memory import synthetic_qkv
 
 
 def _wl(kind: str, **spec):
-    cls = workload_class(kind)
+    cls = WORKLOADS.get(kind)
     return cls(cls.validate({"type": kind, "source": "synthetic", **spec}))
 
 

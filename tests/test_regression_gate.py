@@ -153,13 +153,13 @@ def test_baseline_is_not_stale() -> None:
     from kvbench.cache.registry import get_method
     from kvbench.bench.records import make_run_id
     from kvbench.bench.runner import skip_reason
-    from kvbench.bench.workloads import workload_class
+    from kvbench.bench.workloads import WORKLOADS
 
     suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
     want = set()
     for model in suite.models:
         for w in suite.workloads:
-            wl = workload_class(w["type"])(w)
+            wl = WORKLOADS.get(w["type"])(w)
             for m in suite.methods:
                 method = get_method(m.name, **m.config)
                 if not skip_reason(method, wl):

@@ -21,7 +21,7 @@ from data_helpers import local_data_dir
 
 from kvbench.cache.registry import get_method
 from kvbench.bench.runner import RunContext
-from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
 
 needs_data = pytest.mark.data
@@ -33,7 +33,7 @@ def _jsonl(rel: str) -> list[dict]:
 
 
 def make(kind: str, **params):
-    cls = workload_class(kind)
+    cls = WORKLOADS.get(kind)
     return cls(cls.validate({"type": kind, **params}))
 
 
@@ -448,7 +448,7 @@ def test_hub_task_scoring() -> None:
 )
 def test_bad_parameters(kind: str, params: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        workload_class(kind).validate({"type": kind, **params}, "suite.yaml")
+        WORKLOADS.get(kind).validate({"type": kind, **params}, "suite.yaml")
 
 
 # ------------------------------------------------------------------ RoPE-pair studies

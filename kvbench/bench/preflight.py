@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.data import catalog
+from kvbench.registry import did_you_mean
 
 #: workload type -> datasets it always reads (beyond the dataset-valued parameters)
 WORKLOAD_DATASETS = {"gsm8k": ("gsm8k",)}
@@ -53,14 +54,14 @@ class MissingAsset:
 
 def _datasets(suite: Any) -> dict[str, list[str]]:
     """dataset name -> suite entries that read it (unknown names included, to be reported)."""
-    from kvbench.bench.workloads import workload_class
+    from kvbench.bench.workloads import WORKLOADS
     from kvbench.cache.registry import get_method
 
     need: dict[str, list[str]] = {}
     # shape models only (model: {shape: ...}): K/V of the shape are drawn, not captured
     shapes_only = bool(suite.models) and all(m is not None and "shape" in m for m in suite.models)
     for i, w in enumerate(suite.workloads):
-        if shapes_only and not workload_class(w["type"]).shape_reads_data:
+        if shapes_only and not WORKLOADS.get(w["type"]).shape_reads_data:
             continue
         where = f"workloads[{i}] ({w['type']})"
         names = list(WORKLOAD_DATASETS.get(w["type"], ()))
@@ -91,9 +92,10 @@ def _check_dataset(name: str) -> tuple[str, str] | None:
     from kvbench.data.loaders import ChecksumMismatch, DatasetUnavailable, load_dataset_by_name
 
     if name not in catalog.TEXTS and name not in catalog.ROWS:
+        names = catalog.known_names()
         return (
-            f"kvbench knows no dataset {name!r}",
-            f"use one of: {', '.join(catalog.known_names())}",
+            f"kvbench knows no dataset {name!r}{did_you_mean(name, names)}",
+            f"use one of: {', '.join(names)}",
         )
     try:
         load_dataset_by_name(name)

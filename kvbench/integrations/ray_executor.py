@@ -60,7 +60,7 @@ from kvbench.bench.runner import (
     write_run,
 )
 from kvbench.bench.suite import Suite
-from kvbench.bench.workloads import Workload, workload_class
+from kvbench.bench.workloads import WORKLOADS, Workload
 
 INSTALL_HINT = "pip install 'kvbench[ray]'"
 #: seconds to reach a cluster's head (``--address``) before giving up
@@ -251,7 +251,7 @@ class ModelWorker:
         ``FileNotFoundError`` (data not available here) is returned as
         ``{"unavailable": message}``, any other error raised."""
         ensure_model(self.ctx)
-        workload = workload_class(spec["type"])(spec)
+        workload = WORKLOADS.get(spec["type"])(spec)
         before = set(self.ctx.shared)
         try:
             prepare_workload(self.ctx, workload, self.suite.seed)
@@ -267,7 +267,7 @@ class ModelWorker:
 
     def install(self, index: int, spec: dict[str, Any], state: dict[str, Any]) -> None:
         """Take workload ``index`` as another worker prepared it (no recomputation)."""
-        workload = workload_class(spec["type"])(spec)
+        workload = WORKLOADS.get(spec["type"])(spec)
         vars(workload).update(state["workload"])
         self.ctx.shared.update(state["shared"])
         self.workloads[index] = workload
@@ -405,7 +405,7 @@ class RayExecutor:
                     done += 1
                     continue
                 wl = workloads.setdefault(
-                    run.workload_index, workload_class(run.workload_spec["type"])(run.workload_spec)
+                    run.workload_index, WORKLOADS.get(run.workload_spec["type"])(run.workload_spec)
                 )
                 why = skip_reason(get_method(run.method.name, **run.method.config), wl)
                 if why:

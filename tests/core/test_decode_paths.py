@@ -23,7 +23,7 @@ from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import decode_route
 from kvbench.hf.capture import capture_prompt
 from kvbench.cache.registry import get_method
-from kvbench.bench.workloads import workload_class
+from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.generation import forced_logprobs
 from kvbench.bench.workloads.perplexity import chunked_logits
 
@@ -89,7 +89,7 @@ def test_shared_prefill_equals_the_model_prefill(model, ids, name, cfg) -> None:
 def _perplexity(monkeypatch, model, ids, path):
     monkeypatch.setattr(loaders, "load_text", lambda name: ("", {"name": name}))
     monkeypatch.setattr(loaders, "token_windows", lambda tok, text, n, k: (ids[:, :n], {}))
-    cls = workload_class("perplexity")
+    cls = WORKLOADS.get("perplexity")
     spec = {"type": "perplexity", "tokens": 72, "prefill": 32, "chunk": 8, "windows": 1}
     wl = cls(cls.validate({**spec, "path": path}))
     from types import SimpleNamespace

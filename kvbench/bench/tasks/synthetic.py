@@ -28,6 +28,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvbench.registry import Registry
+
 from .haystack import Placement, build_haystack_prompt, word_list
 from .tokens import TokenizerLike
 from .words import common_words, frequent_words
@@ -277,24 +279,27 @@ def variable_tracking(
     return _example("vt", seed, d, answers, needles, p)
 
 
-TASKS: dict[str, Callable[..., dict[str, Any]]] = {
-    "niah_single": niah_single,
-    "niah_multikey": niah_multikey,
-    "niah_multivalue": niah_multivalue,
-    "niah_multiquery": niah_multiquery,
-    "vt": variable_tracking,
-    "cwe": common_words,
-    "fwe": frequent_words,
-}
+#: task name -> its generator ``(tokenizer, length, seed=..., **kwargs) -> example``
+TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task")
+for _name, _generator in (
+    ("niah_single", niah_single),
+    ("niah_multikey", niah_multikey),
+    ("niah_multivalue", niah_multivalue),
+    ("niah_multiquery", niah_multiquery),
+    ("vt", variable_tracking),
+    ("cwe", common_words),
+    ("fwe", frequent_words),
+):
+    TASKS.register(_name, _generator)
 
 
 def generate(
     task: str, tokenizer: TokenizerLike, length: int, seed: int = 0, **kwargs: Any
 ) -> dict[str, Any]:
-    """Generate one example of ``task`` (a key of :data:`TASKS`); kwargs go to its generator."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASKS)}")
-    return TASKS[task](tokenizer, length, seed=seed, **kwargs)
+    """Generate one example of ``task`` (a name of :data:`TASKS`); kwargs go to its generator.
+
+    Raises :class:`kvbench.registry.UnknownName` (a ``ValueError``) for an unknown task."""
+    return TASKS.get(task)(tokenizer, length, seed=seed, **kwargs)
 
 
 def generate_examples(

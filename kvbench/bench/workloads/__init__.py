@@ -6,26 +6,28 @@ reference logits), then runs once per method configuration and returns flat metr
 
 Registry
 --------
-Workload types are found through the entry-point group ``kvbench.workloads`` (name = the suite's
-``type``, value = ``"module:Class"``); kvbench's own are declared in its ``pyproject.toml``
-exactly like a third-party plugin's (README, "Adding a workload").  Each class declares the
-direction of every metric it reports in ``METRICS`` (``"lower"``, ``"higher"`` or ``"none"`` for
-counts, spreads and informational figures; keys may be ``fnmatch`` patterns such as
-``"drift_kl_b*"``).  A class without declarations, with an unknown direction, or whose
-declaration contradicts another workload's for the same metric is an error when it is
-registered; a metric returned by ``run`` that matches no declaration is an error at run time.
+:data:`WORKLOADS` (a :class:`kvbench.registry.Registry`) maps each workload type to its class,
+from the entry-point group ``kvbench.workloads`` (name = the suite's ``type``, value =
+``"module:Class"``); kvbench's own are declared in its ``pyproject.toml`` exactly like a
+third-party plugin's (README, "Adding a workload"); ``@WORKLOADS.register("name")`` registers
+one in code (tests, notebooks).  Each class declares the direction of every metric it reports in
+``METRICS`` (``"lower"``, ``"higher"`` or ``"none"`` for counts, spreads and informational
+figures; keys may be ``fnmatch`` patterns such as ``"drift_kl_b*"``).  A class without
+declarations, with an unknown direction, or whose declaration contradicts another loaded
+workload's for the same metric is an error when it is loaded or registered
+(:class:`WorkloadRegistrationError`, wrapped in a :class:`kvbench.registry.RegistryError` naming
+the distribution for an entry point); a metric returned by ``run`` that matches no declaration
+is an error at run time.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import importlib
-import pkgutil
-import warnings
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
+
+from kvbench.registry import Registry, RegistryError
 
 GROUP = "kvbench.workloads"
 LOWER, HIGHER, NONE = "lower", "higher", "none"
@@ -33,84 +35,9 @@ ALLOWED_DIRECTIONS = (LOWER, HIGHER, NONE)
 #: a metric name ending in one of these follows the direction of its base metric
 DERIVED_SUFFIXES = ("_ratio", "_ci_low", "_ci_high")
 
-_LOADED: dict[str, type[Workload]] = {}
-_ENTRIES: dict[str, str] | None = None
-
 
 class WorkloadRegistrationError(TypeError):
     """A workload class whose metric declarations are missing or inconsistent."""
-
-
-def _discover() -> dict[str, str]:
-    """Workload type -> ``"module:Class"`` from the entry points (nothing imported yet).
-
-    An install whose metadata predates the entry-point group (an old editable install) falls
-    back to the ``Workload`` subclasses found in this package's modules, with a warning."""
-    global _ENTRIES
-    if _ENTRIES is not None:
-        return _ENTRIES
-    found: dict[str, str] = {}
-    for ep in entry_points(group=GROUP):
-        if ep.name in found and found[ep.name] != ep.value:
-            warnings.warn(
-                f"kvbench: workload type {ep.name!r} is registered twice "
-                f"({found[ep.name]} and {ep.value}); the first wins",
-                stacklevel=2,
-            )
-            continue
-        found.setdefault(ep.name, ep.value)
-    if not any(v.startswith("kvbench.bench.workloads.") for v in found.values()):
-        warnings.warn(
-            "kvbench: no built-in workload entry points found (stale install? rerun "
-            "`pip install -e .`); scanning kvbench.bench.workloads instead",
-            stacklevel=2,
-        )
-        for mod in pkgutil.iter_modules(__path__):
-            m = importlib.import_module(f"{__name__}.{mod.name}")
-            for obj in vars(m).values():
-                if (
-                    isinstance(obj, type)
-                    and issubclass(obj, Workload)
-                    and obj.__module__ == m.__name__
-                    and obj.type
-                ):
-                    found.setdefault(obj.type, f"{m.__name__}:{obj.__name__}")
-    _ENTRIES = found
-    return found
-
-
-def workload_types() -> list[str]:
-    """Every registered workload type, sorted."""
-    return sorted(_discover())
-
-
-def check_random_weights(types: list[str], model: dict[str, Any] | None, where: str = "") -> None:
-    """Refuse a shape-only model (``model['shape']``) for workload types whose class has
-    ``accepts_random_weights = False``: ``ValueError`` naming them and the ones that accept it.
-    Called when a suite is parsed and again before a model loads."""
-    if not model or "shape" not in model:
-        return
-    bad = sorted({t for t in types if not workload_class(t).accepts_random_weights})
-    if bad:
-        ok = sorted(t for t in workload_types() if workload_class(t).accepts_random_weights)
-        pre = f"{where}: " if where else ""
-        raise ValueError(
-            f"{pre}model shape {model['shape']!r} has random weights: accuracy is meaningless, "
-            f"so workload(s) {bad} refuse it; shape models run {ok}"
-        )
-
-
-def workload_class(kind: str, where: str = "") -> type[Workload]:
-    """The class for workload type ``kind``; ``ValueError`` naming the allowed types."""
-    entries = _discover()
-    if kind not in entries:
-        pre = f"{where}: " if where else ""
-        raise ValueError(f"{pre}unknown workload type {kind!r}; allowed: {sorted(entries)}")
-    if kind not in _LOADED:
-        module, attr = entries[kind].split(":")
-        cls = getattr(importlib.import_module(module), attr)
-        register_workload(cls, kind)
-    return _LOADED[kind]
 
 
 def declared_metrics(cls: type[Workload]) -> dict[str, str]:
@@ -121,23 +48,20 @@ def declared_metrics(cls: type[Workload]) -> dict[str, str]:
     return out
 
 
-def register_workload(cls: type[Workload], kind: str | None = None) -> type[Workload]:
-    """Check ``cls``'s metric declarations and register it as ``kind`` (default ``cls.type``).
-
-    Usable as a class decorator for workloads defined outside an entry point (tests, notebooks).
+def _checked_workload(kind: str, cls: object) -> type[Workload]:
+    """The ``check`` of :data:`WORKLOADS`: ``cls`` as a workload class registered as ``kind``.
 
     Raises
     ------
     WorkloadRegistrationError
-        Not a :class:`Workload` subclass, no ``type``, no ``METRICS``, a direction other than
-        ``'lower'``/``'higher'``/``'none'``, or a metric declared by another registered
-        workload with a different direction.
+        Not a :class:`Workload` subclass, no ``METRICS``, a direction other than
+        ``'lower'``/``'higher'``/``'none'``, or a metric declared by another loaded workload
+        with a different direction.
     """
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
-        raise WorkloadRegistrationError(f"{cls!r} is not a kvbench.bench.workloads.Workload subclass")
-    kind = kind or cls.type
-    if not kind:
-        raise WorkloadRegistrationError(f"workload class {cls.__qualname__} has no type")
+        raise WorkloadRegistrationError(
+            f"{cls!r} is not a kvbench.bench.workloads.Workload subclass"
+        )
     decl = declared_metrics(cls)
     if not decl:
         raise WorkloadRegistrationError(
@@ -149,7 +73,7 @@ def register_workload(cls: type[Workload], kind: str | None = None) -> type[Work
         raise WorkloadRegistrationError(
             f"workload {kind!r}: unknown direction(s) {bad}; allowed: {ALLOWED_DIRECTIONS}"
         )
-    for other_kind, other in _LOADED.items():
+    for other_kind, other in WORKLOADS.loaded().items():
         if other_kind == kind:
             continue
         theirs = declared_metrics(other)
@@ -159,8 +83,28 @@ def register_workload(cls: type[Workload], kind: str | None = None) -> type[Work
                 f"workload {kind!r} and {other_kind!r} declare different directions for "
                 f"{clash} (theirs second)"
             )
-    _LOADED[kind] = cls
     return cls
+
+
+#: every workload type (a suite's ``type``) -> its :class:`Workload` subclass, from the
+#: entry-point group ``kvbench.workloads``; ``@WORKLOADS.register("name")`` adds one in code
+WORKLOADS: Registry[type[Workload]] = Registry("workload type", GROUP, _checked_workload)
+
+
+def check_random_weights(types: list[str], model: dict[str, Any] | None, where: str = "") -> None:
+    """Refuse a shape-only model (``model['shape']``) for workload types whose class has
+    ``accepts_random_weights = False``: ``ValueError`` naming them and the ones that accept it.
+    Called when a suite is parsed and again before a model loads."""
+    if not model or "shape" not in model:
+        return
+    bad = sorted({t for t in types if not WORKLOADS.get(t).accepts_random_weights})
+    if bad:
+        ok = [t for t in WORKLOADS.names() if WORKLOADS.get(t).accepts_random_weights]
+        pre = f"{where}: " if where else ""
+        raise ValueError(
+            f"{pre}model shape {model['shape']!r} has random weights: accuracy is meaningless, "
+            f"so workload(s) {bad} refuse it; shape models run {ok}"
+        )
 
 
 def _lookup(metric: str, decl: dict[str, str]) -> str | None:
@@ -184,12 +128,12 @@ def metric_direction(metric: str, cls: type[Workload] | None = None) -> str | No
     if cls is not None:
         decls = [declared_metrics(cls)]
     else:
-        for kind in _discover():
+        for kind in WORKLOADS.names():
             try:
-                workload_class(kind)
-            except ImportError:  # a broken plugin does not hide the others' metrics
+                WORKLOADS.get(kind)
+            except RegistryError:  # a broken plugin does not hide the others' metrics
                 continue
-        decls = [declared_metrics(c) for c in _LOADED.values()]
+        decls = [declared_metrics(c) for c in WORKLOADS.loaded().values()]
     for name in names:
         for decl in decls:
             d = _lookup(name, decl)
