@@ -13,19 +13,23 @@ direction of every metric it reports in ``METRICS`` (``"lower"``, ``"higher"`` o
 counts, spreads and informational figures; keys may be ``fnmatch`` patterns such as
 ``"drift_kl_b*"``).  A class without declarations, with an unknown direction, or whose
 declaration contradicts another workload's for the same metric is an error when it is
-registered; a metric returned by ``run`` that matches no declaration is an error at run time.
+registered; a metric returned by ``run`` that matches no declaration is an error when the
+runner checks the result (:func:`check_metrics`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import functools
 import importlib
 import pkgutil
 import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from kvbench.bench.context import RunContext
+    from kvbench.cache.method import Method
 
 GROUP = "kvbench.workloads"
 LOWER, HIGHER, NONE = "lower", "higher", "none"
@@ -134,7 +138,9 @@ def register_workload(cls: type[Workload], kind: str | None = None) -> type[Work
         workload with a different direction.
     """
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
-        raise WorkloadRegistrationError(f"{cls!r} is not a kvbench.bench.workloads.Workload subclass")
+        raise WorkloadRegistrationError(
+            f"{cls!r} is not a kvbench.bench.workloads.Workload subclass"
+        )
     kind = kind or cls.type
     if not kind:
         raise WorkloadRegistrationError(f"workload class {cls.__qualname__} has no type")
@@ -304,25 +310,12 @@ class Workload:
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         """Extra validation of a filled spec; raise ``ValueError`` starting with ``pre``."""
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        run = cls.__dict__.get("run")
-        if run is not None and not getattr(run, "_checks_metrics", False):
-
-            @functools.wraps(run)
-            def checked(self: Workload, ctx: Any, method: Any) -> Result:
-                result = run(self, ctx, method)
-                check_metrics(type(self), result.metrics)
-                return result
-
-            checked._checks_metrics = True  # type: ignore[attr-defined]
-            cls.run = checked  # type: ignore[method-assign]
-
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
 
-    def prepare(self, ctx: Any) -> None:
-        """Work shared by every method on one model (called once before the runs)."""
+    def prepare(self, ctx: RunContext) -> None:
+        """Work shared by every method on one model (called once before the runs); what other
+        workloads on the model may reuse goes to ``ctx.shared``."""
 
     def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
         """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
@@ -331,5 +324,7 @@ class Workload:
         model to calibrate on).  Called by the runner for methods with ``needs_calibration``."""
         return None
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
+        """Measure ``method`` in the prepared workload.  Every metric of the result must match
+        a ``METRICS`` declaration: the runner checks it (:func:`check_metrics`) after the run."""
         raise NotImplementedError
