@@ -270,7 +270,7 @@ class Latency(Workload):
             mask = torch.ones(bs, d, dtype=torch.long, device=dev)
             for b, k in enumerate(lens):
                 mask[b, : p - k] = 0
-            ids = ids.masked_fill(mask == 0, pad_id(model, getattr(ctx, "tokenizer", None)))
+            ids = ids.masked_fill(mask == 0, pad_id(model, ctx.tokenizer))
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}

@@ -385,7 +385,7 @@ class Memory(Workload):
     def prepare(self, ctx: RunContext) -> None:
         s = self.spec
         d = s["context"]
-        self.shape = bool((getattr(ctx, "model_info", None) or {}).get("random_weights"))
+        self.shape = bool(ctx.model_info.get("random_weights"))
         if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
             from kvbench.bench.workloads.synthetic_kv import shape_inputs
 

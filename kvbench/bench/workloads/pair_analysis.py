@@ -112,7 +112,7 @@ def _pair_scores(method: Method):
     -> [B, H_kv, D/2]`` (PN-Mix provides it).  Raises ``ValueError`` for a method without one."""
     fn = getattr(method, "pair_scores", None)
     if not callable(fn):
-        name = getattr(method, "name", "") or type(method).__name__
+        name = method.name or type(method).__name__
         raise ValueError(
             f"method {name!r} has no pair_scores(keys, queries, score, pairing) hook; the "
             "pair studies (score_agreement, selection_stability) need a method that selects "
@@ -122,12 +122,12 @@ def _pair_scores(method: Method):
 
 
 def _criterion(method: Method, default: str) -> str:
-    score = getattr(getattr(method, "config", None), "score", None)
+    score = getattr(method.config, "score", None)
     return score if score in QK_SCORES else default
 
 
 def _pairing(method: Method) -> str:
-    p = getattr(getattr(method, "config", None), "pairing", "rotate-half")
+    p = getattr(method.config, "pairing", "rotate-half")
     return {"rotate_half": "rotate-half"}.get(p, p)
 
 

@@ -43,6 +43,7 @@ from kvbench.hf.cache import (
     decode_route,
     make_hf_cache,
 )
+from kvbench.hf.capture import PromptState
 
 from . import Result, Workload
 
@@ -104,6 +105,8 @@ class Perplexity(Workload):
         **STORAGE_METRICS,
     }
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
+    #: per window, the prompt's K/V and last logits (``prepare``); ``None``: each run prefills
+    prompts: list[PromptState] | None = None
     PARAMS = {
         "text": "wikitext2",
         "tokens": 2048,
@@ -170,7 +173,7 @@ class Perplexity(Workload):
         nll, nll_ref, kls, agree = [], [], [], []
         nbytes: dict[str, int] = {}
         decode: dict[str, Any] = {}
-        prompts = getattr(self, "prompts", None) or [None] * len(self.windows)
+        prompts = self.prompts or [None] * len(self.windows)
         for w, ref, prompt in zip(self.windows, self.ref, prompts):
             lp, nbytes = chunked_logits(
                 ctx.model, w[None], method, p, self.spec["chunk"], self.spec["path"], prompt,
