@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.bench.records import Record, load_records, write_atomic
+from kvbench.report.headline import headline_table
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"
@@ -83,8 +84,6 @@ def load_export(path: str | Path) -> dict[str, Any]:
 def readme_block(export_path: str | Path, rel: str) -> str:
     """The README block for the export at ``export_path`` (``rel``: its path in the repository):
     begin marker, the run's command, machine and wall time, the headline table, end marker."""
-    from kvbench.report.headline import headline_table
-
     data = load_export(export_path)
     wall = data.get("wall_s")
     head = (

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbench.bench.records import Record, canonical, load_records
+from kvbench.report.headline import headline_table
+from kvbench.report.plots import write_plots
 
 if TYPE_CHECKING:
     from kvbench.bench.suite import Suite
@@ -242,8 +244,6 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"no records in {args.results}")
     paths = []
     if not args.no_plots:
-        from kvbench.report.plots import write_plots
-
         folder = Path(
             args.plots
             or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
@@ -257,8 +257,6 @@ def main(args: argparse.Namespace) -> int:
     if any(r.workload_type == "memory" for r in records) and any(
         r.method == "full" for r in records
     ):
-        from kvbench.report.headline import headline_table
-
         print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
     print(summary_table(records))
     return 0
