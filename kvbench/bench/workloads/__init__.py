@@ -234,7 +234,11 @@ KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
 
 
 class Workload:
-    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required)."""
+    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required).
+
+    The runner calls ``prepare(ctx)`` once per model (from a fresh seed), then
+    ``run(ctx, method)`` once per method configuration, then :func:`check_metrics` on the
+    result; ``ctx`` is the model's :class:`~kvbench.bench.context.RunContext`."""
 
     type: ClassVar[str] = ""
     needs_model: ClassVar[bool] = True
