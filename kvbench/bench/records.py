@@ -8,6 +8,8 @@ Layout::
 
 ``run_id`` hashes the model, method, config and workload, so a rerun of the same suite finds
 its record and skips the run (resume), and ``kvbench compare`` matches runs across result sets.
+:class:`Record` reads and writes that object: a record without ``schema_version`` is version 1,
+one newer than :data:`SCHEMA_VERSION` is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+#: the record layout this code writes and the newest it reads
 SCHEMA_VERSION = 1
 
 
