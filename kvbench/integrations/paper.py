@@ -244,9 +244,7 @@ def check_claims(paper: dict[str, Any], records: list[Record]) -> list[dict[str,
     return out
 
 
-def write_figures(
-    paper: dict[str, Any], records: list[Record], folder: str | Path
-) -> list[Path]:
+def write_figures(paper: dict[str, Any], records: list[Record], folder: str | Path) -> list[Path]:
     """PNG Pareto plots of ``figure: {x, y}`` (``y`` one metric or a list) with
     :func:`kvbench.report.plots.pareto_plot`; returns the written paths."""
     fig = paper.get("figure")
