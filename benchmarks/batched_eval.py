@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.context import RunContext
+
 KIVI2 = dict(
     bits=2, value_bits=2, group_size=128, value_group_size=64, residual_length=128,
     scale_dtype="float16",
@@ -65,7 +67,7 @@ def _method(label: str):
     return m
 
 
-def gsm8k_throughput(ctx: Any, args: argparse.Namespace, out: list, save) -> None:
+def gsm8k_throughput(ctx: RunContext, args: argparse.Namespace, out: list, save) -> None:
     from kvbench.bench.workloads import WORKLOADS
 
     cls = WORKLOADS.get("gsm8k")
@@ -114,7 +116,7 @@ def gsm8k_throughput(ctx: Any, args: argparse.Namespace, out: list, save) -> Non
         save()
 
 
-def decode_latency(ctx: Any, args: argparse.Namespace, out: list, save) -> None:
+def decode_latency(ctx: RunContext, args: argparse.Namespace, out: list, save) -> None:
     from kvbench.bench.workloads.latency import Latency
 
     for padding in ("none", "left"):
@@ -204,7 +206,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from kvbench.hf.attention import register
     from kvbench.hf.models import load_model
-    from kvbench.bench.runner import RunContext
 
     torch.set_num_threads(args.threads)
     model, tok, info = load_model(attn_implementation=register())

@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args(argv)
 
-    from kvbench.integrations.ray_executor import RayExecutor, import_ray
     from kvbench.bench.runner import run_suite
+    from kvbench.integrations.ray_executor import RayExecutor, import_ray
 
     suite = sweep_suite(args.context)
     out = Path(tempfile.mkdtemp(prefix="kvbench-ray-sweep-"))
@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
     timed = ("_ms", "_s", "tokens_per_s", "latency", "speedup")
     for a, b in zip(local, ex.records, strict=True):
-        keys = [k for k in a["metrics"] if not any(t in k for t in timed)]
-        assert a["run_id"] == b["run_id"], (a["run_id"], b["run_id"])
-        assert all(a["metrics"][k] == b["metrics"][k] for k in keys), a["run_id"]
+        keys = [k for k in a.metrics if not any(t in k for t in timed)]
+        assert a.run_id == b.run_id, (a.run_id, b.run_id)
+        assert all(a.metrics[k] == b.metrics[k] for k in keys), a.run_id
     exec_s = [t["exec_s"] for t in ex.timings]
     over_s = [t["overhead_s"] for t in ex.timings]
     spawn = statistics.mean(ex.spawn_s) if ex.spawn_s else 0.0

@@ -28,6 +28,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.records import Record
+
 MIB = 2**20
 
 
@@ -83,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvbench.bench import runner
-
-    from kvbench.measure import memstat
     from kvbench.bench.suite import load_suite, parse_set
+    from kvbench.measure import memstat
 
     suite = load_suite(args.suite, parse_set(args.set))
     if args.tracemalloc:
@@ -95,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     real_release, real_write = memstat.release, runner.write_run
     pending: dict[str, Any] = {}
 
-    def write_run(path: Path, rec: dict[str, Any]) -> None:
+    def write_run(path: Path, rec: Record) -> None:
         real_write(path, rec)
         pending.update(
             run=len(rows) + 1,
-            label=rec["manifest"].get("label"),
-            workload=rec["workload"].get("context", ""),
-            peak=rec["manifest"]["memory"]["peak_rss_bytes"] / MIB,
+            label=rec.manifest.get("label"),
+            workload=rec.workload.get("context", ""),
+            peak=rec.manifest["memory"]["peak_rss_bytes"] / MIB,
             after_run=(memstat.rss_bytes() or 0) / MIB,
         )
 

@@ -18,6 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from kvbench.bench.records import Record
 from kvbench.bench.suite import parse_set
 from kvbench.cache.registry import get_method, list_methods
 
@@ -125,21 +126,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress-workers", action="store_true", help="one line per Ray worker")
 
 
-def run_summary(records: list[dict], out: str, suite_path: str) -> dict:
+def run_summary(records: list[Record], out: str, suite_path: str) -> dict:
     """The machine-readable summary ``kvbench run --json`` prints."""
     return {
         "suite": suite_path,
         "out": out,
         "records": [
             {
-                "run_id": r["run_id"],
-                "label": r.get("manifest", {}).get("label") or r["method"],
-                "method": r["method"],
-                "config": r["config"],
-                "workload": r.get("workload", {}),
-                "metrics": r["metrics"],
-                "flags": r.get("manifest", {}).get("flags", []),
-                "path": str(Path(out) / f"{r['run_id']}.json"),
+                "run_id": r.run_id,
+                "label": r.label,
+                "method": r.method,
+                "config": r.config,
+                "workload": r.workload,
+                "metrics": r.metrics,
+                "flags": r.flags,
+                "path": str(Path(out) / f"{r.run_id}.json"),
             }
             for r in records
         ],

@@ -41,7 +41,12 @@ import torch
 from kvbench.cache.blocks import Codec
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.mixed_channel import MixedChannelCodec, channel_scores, mixed_layout, rank_classes
+from kvbench.cache.mixed_channel import (
+    MixedChannelCodec,
+    channel_scores,
+    mixed_layout,
+    rank_classes,
+)
 from kvbench.cache.quant import check_bits
 
 SCORES = {"k-range": "range", "k-magnitude": "magnitude", "k-absmax": "absmax"}

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.hf.peers import HFPeer, text_config
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import MethodConfig
+from kvbench.hf.peers import HFPeer, text_config
 
 
 @dataclass(frozen=True)

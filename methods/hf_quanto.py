@@ -25,9 +25,9 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvbench.hf.peers import HFPeer, text_config
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
 from kvbench.cache.method import MethodConfig
+from kvbench.hf.peers import HFPeer, text_config
 
 
 def _choice(value: Any, name: str, allowed: tuple) -> None:

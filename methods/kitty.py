@@ -35,7 +35,12 @@ import torch
 
 from kvbench.cache.blocks import Codec
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.mixed_channel import MixedChannelCodec, channel_scores, check_mixed_bits, rank_classes
+from kvbench.cache.mixed_channel import (
+    MixedChannelCodec,
+    channel_scores,
+    check_mixed_bits,
+    rank_classes,
+)
 from kvbench.cache.schedule import AllButNewestSchedule
 
 SELECTIONS = ("magnitude", "variance", "random")

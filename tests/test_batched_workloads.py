@@ -15,10 +15,10 @@ import pytest
 import torch
 from tiny_lm import tiny_lm
 
+from kvbench.bench.context import RunContext
+from kvbench.bench.workloads import WORKLOADS
 from kvbench.cache.method import Capabilities
 from kvbench.cache.registry import get_method, get_method_class
-from kvbench.bench.runner import RunContext
-from kvbench.bench.workloads import WORKLOADS
 
 SMALL = {"group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bits": 2, "bits": 2}
 METHODS = ["full", "kivi", "per-token", "pn-mix", "int4-block", "fp8"]

@@ -17,12 +17,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
 from kvbench.attention import codedomain as fastpath
-from kvbench.hf.attention import use_kvbench_attention
-from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
 from kvbench.cache.finite import nonfinite
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
+from kvbench.hf.attention import use_kvbench_attention
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
 
 @pytest.fixture(autouse=True)

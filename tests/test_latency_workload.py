@@ -10,17 +10,16 @@ tests/test_measure.py.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
-from kvbench.hf.attention import use_kvbench_attention
+from kvbench.bench.context import RunContext
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
 from kvbench.bench.workloads.latency import CPU_NOTE, Latency
+from kvbench.hf.attention import use_kvbench_attention
 
 # tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,9 +40,9 @@ def _tiny_model() -> LlamaForCausalLM:
     return use_kvbench_attention(LlamaForCausalLM(cfg).eval())
 
 
-def _workload(model, **params) -> tuple[Latency, SimpleNamespace]:
+def _workload(model, **params) -> tuple[Latency, RunContext]:
     w = Latency(Latency.validate({"type": "latency", **params}))
-    ctx = SimpleNamespace(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
     w.ids = torch.randint(
         0, 128, (1, w.spec["context"]), generator=torch.Generator().manual_seed(1)
     )
@@ -192,7 +191,7 @@ def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPat
             "workloads": [{"type": "latency", "context": 64}],
         }
     )
-    recs = {r["method"]: r["metrics"] for r in run_suite(suite, tmp_path, quiet=True)}
+    recs = {r.method: r.metrics for r in run_suite(suite, tmp_path, quiet=True)}
     assert recs["kivi"]["decode_ms_p50_ratio"] == 1.5  # the workload's own, not 4.0 / 1.0
     assert recs["kivi"]["prefill_ms_ratio"] == 4.0  # added by the runner: 40 / 10
 
@@ -217,7 +216,7 @@ def test_bad_params(params: dict, match: str) -> None:
 
 def test_context_beyond_model_maximum() -> None:
     w = Latency(Latency.validate({"type": "latency", "context": 8200}))
-    ctx = SimpleNamespace(model_info={"max_position_embeddings": 8192, "model_id": "m"}, shared={})
+    ctx = RunContext(model_info={"max_position_embeddings": 8192, "model_id": "m"})
     with pytest.raises(ValueError, match="context=8200 exceeds the model's maximum context 8192"):
         w.prepare(ctx)
 

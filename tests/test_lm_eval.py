@@ -9,6 +9,8 @@ differ from ``full``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,7 +23,12 @@ lm_eval = pytest.importorskip(
 )
 
 from kvbench.integrations.lm_eval.backend import KVBenchLM  # noqa: E402
-from kvbench.integrations.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard, local_task_names  # noqa: E402
+from kvbench.integrations.lm_eval.tasks import (  # noqa: E402
+    TASK_DIR,
+    TaskDataUnavailable,
+    hub_guard,
+    local_task_names,
+)
 
 GSM8K = Path(os.environ.get("KVBENCH_DATA_DIR", "")) / "gsm8k" / "test.jsonl"
 _skip_without_gsm8k = pytest.mark.skipif(
@@ -217,8 +224,8 @@ def test_full_equals_hf_backend_loglikelihood_and_generation(model_tok):
 @pytest.mark.slow
 @needs_gsm8k
 def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
-    from kvbench.cache.registry import get_method
     from kvbench.bench.workloads.perplexity import chunked_logits
+    from kvbench.cache.registry import get_method
 
     model, tok = model_tok
     kw = {"bits": 2, "value_bits": 2, "group_size": 32, "residual_length": 32}
@@ -243,10 +250,10 @@ def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
 @pytest.mark.slow
 @needs_gsm8k
 def test_workload_records_metrics_manifest_and_samples(tmp_path):
-    from kvbench.report.compare import Gate, compare
-    from kvbench.report.tables import summary_table
     from kvbench.bench.runner import run_suite
     from kvbench.bench.suite import parse_suite
+    from kvbench.report.compare import Gate, compare
+    from kvbench.report.tables import summary_table
 
     suite = parse_suite(
         {
@@ -271,29 +278,30 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
     )
     recs = run_suite(suite, tmp_path, quiet=True)
     assert len(recs) == 2
-    by = {r["method"]: r for r in recs}
-    m = by["kivi"]["metrics"]
+    by = {r.method: r for r in recs}
+    m = by["kivi"].metrics
     key = f"lm_eval.{LL_TASK}.perplexity,none"
     assert key in m and f"lm_eval.{LL_TASK}.acc,none" in m
     assert (
-        0.5 < m["kv_quantized_fraction"] <= 1
-        and by["full"]["metrics"]["kv_quantized_fraction"] == 0
+        0.5 < m["kv_quantized_fraction"] <= 1 and by["full"].metrics["kv_quantized_fraction"] == 0
     )
     assert m["nominal_key_bits"] < 16 and f"{key}_ratio" in m
-    man = by["kivi"]["manifest"]
+    man = by["kivi"].manifest
     assert man["lm_eval"]["versions"][LL_TASK] == 1.0
     assert man["lm_eval"]["configs"][LL_TASK]["num_fewshot"] == 1
     assert man["datasets"]["gsm8k"]["source"] == "local"
-    side = tmp_path / f"{by['kivi']['run_id']}.samples.jsonl"
+    side = tmp_path / f"{by['kivi'].run_id}.samples.jsonl"
     rows = [json.loads(x) for x in side.read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["kvbench"][0]["quantized_fraction"] > 0.5
     assert "lm_eval" in summary_table(recs) and key in summary_table(recs)
-    worse = json.loads(json.dumps(by["kivi"]))
-    worse["metrics"][key] *= 1.10  # perplexity up 10%: a regression (lower is better)
+    worse = copy.deepcopy(by["kivi"])
+    worse.metrics[key] *= 1.10  # perplexity up 10%: a regression (lower is better)
     gates = [Gate.parse(f"{key}:5%")]
     assert compare([by["kivi"]], [by["kivi"]], gates)[1] == []
     assert compare([by["kivi"]], [worse], gates)[1]
     from kvbench.report.plots import write_plots
 
-    paths = write_plots(recs + [dict(worse, run_id="x", method="kivi2")], tmp_path / "plots")
+    paths = write_plots(
+        recs + [dataclasses.replace(worse, run_id="x", method="kivi2")], tmp_path / "plots"
+    )
     assert any("lm_eval" in p.name and "perplexity" in p.name for p in paths)

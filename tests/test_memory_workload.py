@@ -13,15 +13,15 @@ import json
 import resource
 import sys
 from contextlib import redirect_stdout
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kvbench
-from kvbench.cli import main as cli_main
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads.fidelity import Fidelity
 from kvbench.bench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
+from kvbench.cli import main as cli_main
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ctx(seed: int = 0):
-    return SimpleNamespace(seed=seed, model_spec=None, model=None, shared={}, model_info={})
+    return RunContext(seed=seed, model_spec=None, model=None, model_info={})
 
 
 def _workload(**params) -> Memory:
@@ -349,11 +349,10 @@ def test_spec_keeps_only_what_its_source_reads(cls: type) -> None:
 
 def test_context_beyond_model_maximum() -> None:
     w = Memory(Memory.validate({"type": "memory", "context": 9000}))
-    ctx = SimpleNamespace(
+    ctx = RunContext(
         seed=0,
         model_spec={"device": "cpu"},
         model=object(),
-        shared={},
         model_info={"max_position_embeddings": 8192, "model_id": "m"},
     )
     with pytest.raises(ValueError, match="exceeds the model's maximum context 8192"):

@@ -52,11 +52,12 @@ def test_model_free_workload_without_synthetic_kv_refuses_calibration(tmp_path) 
         " num_layers: 1, num_heads: 2, num_kv_heads: 1}\n  - {type: bits, head_dim: 64}\n"
     )
     recs = run_suite(load_suite(path), tmp_path / "out", quiet=True)
-    mem = next(r for r in recs if r["workload"]["type"] == "memory")
-    assert mem["manifest"]["calibration"]["tokens"] == 2048  # the suite's default
-    assert "calibration" not in next(r for r in recs if r["workload"]["type"] == "bits")["manifest"]
+    mem = next(r for r in recs if r.workload_type == "memory")
+    assert mem.manifest["calibration"]["tokens"] == 2048  # the suite's default
+    assert "calibration" not in next(r for r in recs if r.workload_type == "bits").manifest
     with pytest.raises(ValueError, match="draws no synthetic calibration"):
-        from kvbench.bench.runner import RunContext, calibrate_model_free
+        from kvbench.bench.context import RunContext
+        from kvbench.bench.runner import calibrate_model_free
 
         wl = _wl("memory", context=40, appends=2)
         wl.spec["source"] = "model"

@@ -36,10 +36,10 @@ from kvbench.bench.suite import load_suite
 
 def _suite_run_ids(path: Path) -> dict[str, str]:
     """``run_id -> method`` of every run ``path`` expands to (no model is loaded)."""
-    from kvbench.cache.registry import get_method
     from kvbench.bench.records import make_run_id
     from kvbench.bench.runner import skip_reason
     from kvbench.bench.workloads import WORKLOADS
+    from kvbench.cache.registry import get_method
 
     suite = load_suite(path)
     out = {}

@@ -16,11 +16,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
+from kvbench.cache.method import Capabilities
+from kvbench.cache.registry import get_method, get_method_class
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.hf.padding import PaddedBatchError
-from kvbench.cache.method import Capabilities
-from kvbench.cache.registry import get_method, get_method_class
 
 LENS = [9, 4, 7]
 NEW = 8

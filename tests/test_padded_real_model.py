@@ -28,8 +28,8 @@ import math
 import pytest
 import torch
 
-from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 from kvbench.cache.registry import get_method, get_method_class
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.integrations import paper
+from kvbench.bench.records import Record
 from kvbench.bench.suite import load_suite
+from kvbench.integrations import paper
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = sorted((ROOT / "suites" / "paper").glob("*.yaml"))
@@ -108,14 +109,16 @@ def test_table10_suite_prints_the_bit_widths(tmp_path: Path) -> None:
         assert got[label] == pytest.approx(value, abs=1e-12)
 
 
-def _rec(label: str, metrics: dict, wtype: str = "fidelity", model: str = "m", **wl) -> dict:
-    return {
-        "method": label.split("[")[0],
-        "metrics": metrics,
-        "model": {"id": model},
-        "workload": {"type": wtype, **wl},
-        "manifest": {"label": label},
-    }
+def _rec(label: str, metrics: dict, wtype: str = "fidelity", model: str = "m", **wl) -> Record:
+    return Record(
+        run_id=label,
+        method=label.split("[")[0],
+        config={},
+        metrics=metrics,
+        model={"id": model},
+        workload={"type": wtype, **wl},
+        manifest={"label": label},
+    )
 
 
 BLOCK = {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.bench.records import Record
 from kvbench.report.plots import tradeoff_points, write_plots
 
 
@@ -18,17 +19,18 @@ def _rec(method, config, wtype, context, metrics, label=None):
     w = {"type": wtype}
     if context is not None:
         w["context"] = context
-    return {
-        "method": method,
-        "config": config,
-        "model": {"id": "m"},
-        "workload": w,
-        "metrics": metrics,
-        "manifest": {
+    return Record(
+        run_id=f"{label or method}-{wtype}-{context}",
+        method=method,
+        config=config,
+        model={"id": "m"},
+        workload=w,
+        metrics=metrics,
+        manifest={
             "label": label or method,
             "timing_note": "cpu" if wtype == "latency" else None,
         },
-    }
+    )
 
 
 RECORDS = [
@@ -65,7 +67,7 @@ def test_join_memory_quality_follows_the_depth() -> None:
 
 
 def test_join_without_latency_gives_nothing() -> None:
-    mem = [r for r in RECORDS if r["workload"]["type"] != "latency"]
+    mem = [r for r in RECORDS if r.workload["type"] != "latency"]
     pts, context, _, _ = tradeoff_points(mem)
     assert pts == [] and context is None
 
@@ -106,7 +108,7 @@ def _q(method, bits, kl, label, mib=None):
     ]
     if mib is not None:
         r = _rec(method, cfg, "memory", 2048, {"bytes_total": mib * 2**20}, label)
-        r["workload"]["dtype"] = "float16"
+        r.workload["dtype"] = "float16"
         out.append(r)
     return out
 

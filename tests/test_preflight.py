@@ -10,10 +10,10 @@ import os
 import pytest
 import yaml
 
-from kvbench.cli import main as cli_main
-from kvbench.data import catalog
 from kvbench.bench import preflight as pf
 from kvbench.bench.suite import parse_suite
+from kvbench.cli import main as cli_main
+from kvbench.data import catalog
 
 GIVEN_DATA_DIR = os.environ.get("KVBENCH_DATA_DIR")  # read before the fixtures unset it
 MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbench.bench.records import Record, load_record
+from kvbench.bench.runner import run_suite
+from kvbench.bench.suite import parse_suite
 from kvbench.integrations.ray_executor import (
     ClusterConnectError,
     ModelWorker,
@@ -27,9 +30,6 @@ from kvbench.integrations.ray_executor import (
     run_suite_ray,
     slots,
 )
-from kvbench.bench.records import load_record
-from kvbench.bench.runner import run_suite
-from kvbench.bench.suite import parse_suite
 
 #: metrics that measure time (differ between any two runs); every other metric must be equal
 TIMED = ("_ms", "_s", "tokens_per_s", "latency", "speedup")
@@ -158,19 +158,19 @@ def toy_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _assert_same_records(local: list[dict], remote: list[dict]) -> None:
-    assert [r["run_id"] for r in local] == [r["run_id"] for r in remote]
+def _assert_same_records(local: list[Record], remote: list[Record]) -> None:
+    assert [r.run_id for r in local] == [r.run_id for r in remote]
     for a, b in zip(local, remote):
-        assert (a["method"], a["config"], a["model"], a["workload"]) == (
-            b["method"],
-            b["config"],
-            b["model"],
-            b["workload"],
+        assert (a.method, a.config, a.model, a.workload) == (
+            b.method,
+            b.config,
+            b.model,
+            b.workload,
         )
-        keys = {k for k in a["metrics"] if not any(t in k for t in TIMED)}
-        assert keys and keys == {k for k in b["metrics"] if not any(t in k for t in TIMED)}
-        assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
-        assert a["per_layer"] == b["per_layer"]
+        keys = {k for k in a.metrics if not any(t in k for t in TIMED)}
+        assert keys and keys == {k for k in b.metrics if not any(t in k for t in TIMED)}
+        assert {k: a.metrics[k] for k in keys} == {k: b.metrics[k] for k in keys}
+        assert a.per_layer == b.per_layer
 
 
 def test_toy_model_records_equal_local(cluster, toy_model: str, tmp_path: Path) -> None:
@@ -185,23 +185,23 @@ def test_toy_model_records_equal_local(cluster, toy_model: str, tmp_path: Path) 
     _assert_same_records(local, ex.records)
     assert _files(tmp_path / "ray").keys() == _files(tmp_path / "local").keys()
     # ratios against the baseline were computed on the workers as locally
-    fid = [r for r in ex.records if r["workload"]["type"] == "fidelity"]
-    base = fid[0]["metrics"]
-    assert fid[0]["method"] == "full" and base["key_mse"] == 0
+    fid = [r for r in ex.records if r.workload["type"] == "fidelity"]
+    base = fid[0].metrics
+    assert fid[0].method == "full" and base["key_mse"] == 0
     for r in fid[1:]:  # every ratio is against the baseline's value, computed by hand here
-        m = r["metrics"]
+        m = r.metrics
         want = {f"{k}_ratio": m[k] / b for k, b in base.items() if b != 0 and k in m}
         want = {k: v for k, v in want.items() if "_ci_" not in k and not k.endswith("_ratio_ratio")}
         assert want and {k: m[k] for k in want} == pytest.approx(want, rel=1e-12)
     # the manifest names node and device; two workers shared one preparation per workload
     for r in ex.records:
-        m = r["manifest"]
+        m = r.manifest
         assert m["executor"] == "ray" and m["node"]["ip"] == "127.0.0.1"
         assert m["device"] == "cpu" and m["threads"] == 1 and m["ray"]["attempt"] == 1
-    assert len({r["manifest"]["ray"]["worker"] for r in ex.records}) == 2
+    assert len({r.manifest["ray"]["worker"] for r in ex.records}) == 2
     # w0 prepares and runs the baseline (the others wait for it), then w1 takes a run and
     # installs the preparation from the object store instead of recomputing it
-    how = {r["manifest"]["ray"]["worker"]: r["manifest"]["ray"]["prepared"] for r in ex.records}
+    how = {r.manifest["ray"]["worker"]: r.manifest["ray"]["prepared"] for r in ex.records}
     assert how == {"w0": "here", "w1": "object store"}
 
 
@@ -230,10 +230,10 @@ def test_worker_death_is_retried_once_then_recorded_failed(cluster, tmp_path: Pa
     out = tmp_path / "out"
     suite = _model_free()
     ex = run_suite_ray(suite, out, max_parallel=1, quiet=True, worker_cls=worker)
-    by_label = {r["manifest"]["label"]: r for r in ex.records}
+    by_label = {r.manifest["label"]: r for r in ex.records}
     assert set(by_label) == {"full", "kivi[bits=2]", "kivi[bits=4]"}
-    assert by_label["kivi[bits=2]"]["manifest"]["ray"]["attempt"] == 2  # the retry succeeded
-    assert by_label["full"]["manifest"]["ray"]["attempt"] == 1
+    assert by_label["kivi[bits=2]"].manifest["ray"]["attempt"] == 2  # the retry succeeded
+    assert by_label["full"].manifest["ray"]["attempt"] == 1
     assert sorted(p.name for p in marks.iterdir()) == [
         "kivi[bits=2].0",
         "kivi[bits=2].1",
@@ -296,10 +296,10 @@ def test_interrupted_driver_resumes_without_duplicates(cluster, tmp_path: Path) 
     assert len(final) == 8 and {k: final[k] for k in first} == first  # nothing recomputed
     assert not (out / "failed").exists()
     recs = [load_record(out / n) for n in final]
-    assert len({r["run_id"] for r in recs}) == 8
+    assert len({r.run_id for r in recs}) == 8
     # a finished sweep needs no cluster at all (an unreachable address is not even probed)
     done = RayExecutor(suite, out, address="127.0.0.1:1", quiet=True).run()
-    assert sorted(r["run_id"] + ".json" for r in done) == sorted(final)
+    assert sorted(r.run_id + ".json" for r in done) == sorted(final)
 
 
 def _dies(ray, handle, within_s: float = 60.0) -> bool:
@@ -339,4 +339,4 @@ def test_default_model_through_ray_equals_local(cluster, tmp_path: Path) -> None
     ex = run_suite_ray(suite, tmp_path / "ray", quiet=True)
     assert not ex.failed
     _assert_same_records(local, ex.records)
-    assert ex.records[0]["manifest"]["model"]["num_hidden_layers"] == 30
+    assert ex.records[0].manifest["model"]["num_hidden_layers"] == 30

@@ -78,8 +78,8 @@ def test_full_perplexity_equals_dynamic_cache(model_tok, text_ids) -> None:
     """`full` under the chunked protocol equals transformers' DynamicCache within 1e-4 rel."""
     from transformers import DynamicCache
 
-    from kvbench.hf.cache import cache_kwarg
     from kvbench.bench.workloads.perplexity import chunked_logits
+    from kvbench.hf.cache import cache_kwarg
 
     model = model_tok[0]
     lp, _ = chunked_logits(model, text_ids, kvbench.get_method("full"), 256, 64)

@@ -12,16 +12,16 @@ After an intended change, regenerate the baseline with ``make baseline``;
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvbench.cli import main as cli_main
+from kvbench.bench.records import load_record, load_records, write_record
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import load_suite
+from kvbench.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = ROOT / "tests" / "baseline"
@@ -67,7 +67,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_baseline_is_committed() -> None:
     recs = sorted(BASELINE.glob("*.json"))
     assert recs, "tests/baseline/ has no records; run the suite into it (module docstring)"
-    methods = {json.loads(p.read_text())["method"] for p in recs}
+    methods = {load_record(p).method for p in recs}
     assert {"full", "kivi", "hf-dynamic", "per-channel", "kvquant"} <= methods
 
 
@@ -97,9 +97,8 @@ def test_gate_records_cover_quantization() -> None:
     """Each quantizing method quantized most key tokens in the fidelity run and reports an
     attention metric; every method has a memory record with bytes by category."""
     by = {}
-    for p in BASELINE.glob("*.json"):
-        rec = json.loads(p.read_text())
-        by[(rec["method"], rec["workload"]["type"])] = rec["metrics"]
+    for rec in load_records(BASELINE):
+        by[(rec.method, rec.workload_type)] = rec.metrics
     for name in _gated_builtins():
         fid, mem = by[(name, "fidelity")], by[(name, "memory")]
         assert mem["bytes_total"] == sum(
@@ -119,10 +118,10 @@ def test_gate_passes_on_rerun(fresh: Path, capsys: pytest.CaptureFixture) -> Non
 def _inject(src: Path, dst: Path, method: str, metric: str, factor: float) -> None:
     shutil.copytree(src, dst)
     for p in dst.glob("*.json"):
-        rec = json.loads(p.read_text())
-        if rec["method"] == method and metric in rec["metrics"]:
-            rec["metrics"][metric] *= factor
-            p.write_text(json.dumps(rec))
+        rec = load_record(p)
+        if rec.method == method and metric in rec.metrics:
+            rec.metrics[metric] *= factor
+            write_record(p, rec)
             return
     raise AssertionError(f"no {method} record with {metric}")
 
@@ -150,10 +149,10 @@ def test_gate_tolerates_mse_noise_below_threshold(fresh: Path, tmp_path: Path) -
 def test_baseline_is_not_stale() -> None:
     """The baseline holds exactly the runs the suite expands to (``make baseline`` rebuilds it):
     a method or workload added to, removed from or reconfigured in the suite fails here."""
-    from kvbench.cache.registry import get_method
     from kvbench.bench.records import make_run_id
     from kvbench.bench.runner import skip_reason
     from kvbench.bench.workloads import WORKLOADS
+    from kvbench.cache.registry import get_method
 
     suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
     want = set()
@@ -164,7 +163,7 @@ def test_baseline_is_not_stale() -> None:
                 method = get_method(m.name, **m.config)
                 if not skip_reason(method, wl):
                     want.add(make_run_id(model or {}, m.name, method.config.to_dict(), w))
-    have = {json.loads(p.read_text())["run_id"] for p in BASELINE.glob("*.json")}
+    have = {r.run_id for r in load_records(BASELINE)}
     assert have == want, (
         f"tests/baseline is stale: missing {sorted(want - have)}, extra {sorted(have - want)}; "
         "run `make baseline`"

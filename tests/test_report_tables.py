@@ -4,14 +4,15 @@ record, marked); flags shown; compare lists only metrics that moved, by label.""
 
 from __future__ import annotations
 
+import copy
 import json
 from argparse import Namespace
 
+from kvbench.bench.records import new_record, write_record
 from kvbench.report.compare import changes, compare
 from kvbench.report.compare import main as compare_main
 from kvbench.report.tables import main as report_main
 from kvbench.report.tables import summary_table, tables
-from kvbench.bench.records import new_record, write_atomic
 
 FID = {"type": "fidelity", "tokens": 512, "prefill": 256}
 GEN = {"type": "generation", "new_tokens": 8}
@@ -120,8 +121,9 @@ def test_every_table_has_nominal_and_effective_bits() -> None:
 
 def test_report_text_on_stdout_plot_paths_on_stderr(tmp_path, capsys) -> None:
     for r in RECORDS:
-        write_atomic(tmp_path / f"{r['run_id']}.json", r)
-    assert report_main(Namespace(results=[str(tmp_path)], plots=None, no_plots=False)) == 0
+        write_record(tmp_path / f"{r.run_id}.json", r)
+    args = Namespace(results=[str(tmp_path)], plots=None, no_plots=False, json=False)
+    assert report_main(args) == 0
     out, err = capsys.readouterr()
     assert "wrote" not in out and "### fidelity" in out
     assert "wrote" in err
@@ -131,10 +133,10 @@ def test_report_text_on_stdout_plot_paths_on_stderr(tmp_path, capsys) -> None:
 
 
 def test_compare_lists_only_moved_metrics_by_label(tmp_path, capsys) -> None:
-    new = json.loads(json.dumps(RECORDS))
-    new[0]["metrics"]["attn_kl"] = 0.01 * (1 + 1e-7)  # float noise: not listed
-    new[1]["metrics"]["attn_kl"] = 0.3  # moved +50%
-    new[2]["metrics"]["attn_kl"] = 1e-9  # from exactly 0: listed
+    new = copy.deepcopy(RECORDS)
+    new[0].metrics["attn_kl"] = 0.01 * (1 + 1e-7)  # float noise: not listed
+    new[1].metrics["attn_kl"] = 0.3  # moved +50%
+    new[2].metrics["attn_kl"] = 1e-9  # from exactly 0: listed
     found, failures = changes(RECORDS, new, [])
     assert failures == []
     assert [(c["run"].split(" / ")[0], c["metric"]) for c in found] == [
@@ -147,7 +149,7 @@ def test_compare_lists_only_moved_metrics_by_label(tmp_path, capsys) -> None:
     for name, rs in (("base", RECORDS), ("new", new)):
         (tmp_path / name).mkdir()
         for r in rs:
-            write_atomic(tmp_path / name / f"{r['run_id']}.json", r)
+            write_record(tmp_path / name / f"{r.run_id}.json", r)
     args = Namespace(
         base=str(tmp_path / "base"),
         new=str(tmp_path / "new"),
@@ -166,7 +168,7 @@ def test_records_of_several_models_get_one_table_per_model() -> None:
 
     def on(model, method):
         r = rec(method, {}, {"type": "memory", "context": 64}, {"bytes_total": 1.0})
-        r["model"] = model
+        r.model = model
         return r
 
     qwen = {"id": "shape:qwen3-8b", "dtype": "float16", "device": "cpu"}

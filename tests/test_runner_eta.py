@@ -43,8 +43,8 @@ def test_nothing_quantized_flag() -> None:
 def test_fidelity_measures_the_quantized_fraction() -> None:
     import torch
 
-    from kvbench.cache.registry import get_method
     from kvbench.bench.workloads.fidelity import layer_fidelity
+    from kvbench.cache.registry import get_method
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 500, 64, generator=g) for _ in range(3))

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from kvbench.hf.shapes import ShapeError, build_shape_model, preset, preset_names, shape_config
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
 from kvbench.bench.workloads import synthetic_kv
 from kvbench.bench.workloads.synthetic_kv import channel_outlier_ratio, inv_freq, synthetic_qkv
+from kvbench.hf.shapes import ShapeError, build_shape_model, preset, preset_names, shape_config
 
 # Published configs (the models' config.json on the hub), written out by hand:
 # layers, hidden, q heads, KV heads, head_dim, intermediate, vocab, rope_theta, max context
@@ -342,8 +342,8 @@ def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
             "workloads": [{"type": "memory", "context": d, "batch": b, "appends": 4}],
         }
     )
-    recs = {r["method"]: r for r in run_suite(suite, tmp_path, quiet=True)}
-    full, kivi = recs["full"]["metrics"], recs["kivi"]["metrics"]
+    recs = {r.method: r for r in run_suite(suite, tmp_path, quiet=True)}
+    full, kivi = recs["full"].metrics, recs["kivi"].metrics
     assert full["bytes_total"] == 2 * b * hkv * d * 128 * 2
     assert full["effective_bits"] == 16
     hand = {k: n * b * hkv for k, n in _kivi2_bytes_per_head(d, 4).items()}
@@ -355,7 +355,7 @@ def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
     for m in (full, kivi):  # one layer measured; the model's total is 32 x that
         assert m["bytes_per_layer"] == m["bytes_total"]
         assert m["bytes_total_all_layers"] == 32 * m["bytes_total"]
-    man = recs["kivi"]["manifest"]
+    man = recs["kivi"].manifest
     assert man["model"]["random_weights"] and man["model"]["shape"] == "llama-3.1-8b"
     assert man["layers_measured"] == [0] and "32 layers x" in man["bytes_total_all_layers_is"]
     assert man["model"]["materialized"] is False  # memory reads only the config: meta device
@@ -387,7 +387,7 @@ def test_memory_peers_at_llama_shape_count_their_inner_storage(tmp_path):
             "workloads": [{"type": "memory", "context": d, "batch": b, "appends": 4}],
         }
     )
-    recs = {r["method"]: r["metrics"] for r in run_suite(suite, tmp_path, quiet=True)}
+    recs = {r.method: r.metrics for r in run_suite(suite, tmp_path, quiet=True)}
     dyn = recs["hf-dynamic"]
     assert dyn["bytes_total"] == dyn["bytes_residual"] == 2 * b * hkv * d * 128 * 2
     assert dyn["bytes_total_all_layers"] == 32 * dyn["bytes_total"]
@@ -415,10 +415,10 @@ def test_latency_runs_a_materialized_shape_slice(tmp_path):
         }
     )
     (rec,) = run_suite(suite, tmp_path, quiet=True)
-    m = rec["manifest"]["model"]
-    assert rec["model"]["id"] == m["model_id"] == "shape:smollm2-135m[layers=1]"
+    m = rec.manifest["model"]
+    assert rec.model["id"] == m["model_id"] == "shape:smollm2-135m[layers=1]"
     assert m["materialized"] and m["random_weights"] and m["shape_slice"] == "first 1 of 30 layers"
-    assert rec["metrics"]["decode_ms_p50"] > 0
+    assert rec.metrics["decode_ms_p50"] > 0
 
 
 def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
@@ -459,7 +459,7 @@ def test_memory_shapes_prints_pn_mix_table5_beside_the_cache_bytes(tmp_path):
     assert "FP16 values (b_V = 16)" in note  # the value setting compared
     for held in ("weights", "activations", "allocator"):  # what the peak has, bytes do not
         assert held in note
-    by = {r["manifest"].get("label") or r["method"]: r["metrics"] for r in recs}
+    by = {r.label: r.metrics for r in recs}
     # the row's method stores FP16 values (measured); the KIVI-2 row quantizes them
     assert by["pn-mix"]["effective_value_bits"] == 16.0
     assert by["pn-mix"]["effective_key_bits"] < 16.0

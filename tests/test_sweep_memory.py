@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from kvbench.measure import memstat
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
+from kvbench.measure import memstat
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc peak RSS")
 
@@ -72,7 +72,7 @@ def test_many_runs_do_not_grow_resident_memory(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(memstat, "release", release)
     recs = run_suite(suite, tmp_path, quiet=True)
     assert len(recs) == 14
-    assert all(r["manifest"]["memory"]["rss_peak_scope"] == "run" for r in recs)
+    assert all(r.manifest["memory"]["rss_peak_scope"] == "run" for r in recs)
     # the first runs warm up (imports, allocator pools); from run 5 on, resident memory after a
     # run moves only by allocator noise: the growth from run 5 to the last must stay below one
     # run's cache plus twice the largest step seen between consecutive warmed-up runs (a leak of
@@ -81,7 +81,7 @@ def test_many_runs_do_not_grow_resident_memory(tmp_path, monkeypatch) -> None:
     steps = [abs(b - a) for a, b in zip(runs[4:], runs[5:])]
     mib = [r // 2**20 for r in runs]
     assert runs[-1] - runs[4] < 24 * 2**20 + 2 * max(steps), mib
-    peaks = [r["manifest"]["memory"]["peak_rss_bytes"] for r in recs]
+    peaks = [r.manifest["memory"]["peak_rss_bytes"] for r in recs]
     assert max(peaks[-4:]) - max(peaks[4:8]) < 24 * 2**20, [p // 2**20 for p in peaks]
 
 
@@ -97,9 +97,9 @@ def test_a_dropped_cache_is_freed_without_the_cyclic_collector(name: str) -> Non
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvbench.cache.registry import get_method
     from kvbench.hf.attention import use_kvbench_attention
     from kvbench.hf.cache import cache_kwarg, make_hf_cache
-    from kvbench.cache.registry import get_method
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

@@ -19,10 +19,10 @@ import pytest
 import torch
 from data_helpers import local_data_dir
 
-from kvbench.cache.registry import get_method
-from kvbench.bench.runner import RunContext
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
+from kvbench.cache.registry import get_method
 
 needs_data = pytest.mark.data
 
@@ -158,9 +158,9 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
 
 
 def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
-    from kvbench.cache.method import Capabilities
     from kvbench.bench.workloads import HIGHER
     from kvbench.bench.workloads.taskbase import COMMON_PARAMS, TaskWorkload
+    from kvbench.cache.method import Capabilities
 
     class Echo(TaskWorkload):
         type = "echo-test"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench.cli import main
 from kvbench.bench import validate
 from kvbench.bench.suite import DEFAULT_CALIBRATION, load_suite, parse_suite
+from kvbench.cli import main
 
 SMOKE = Path(__file__).resolve().parents[1] / "suites" / "smoke.yaml"
 MODEL_FREE = {

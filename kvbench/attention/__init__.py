@@ -8,12 +8,9 @@ Importing this package installs the registry's dispatch into
 imports ``attend``.
 """
 
-from kvbench.attention import triton  # noqa: F401 - registrations
-
 from kvbench.attention import codedomain as cpu
-
-from kvbench.attention import mixed_channel as mixed
-
 from kvbench.attention import dispatch as registry
+from kvbench.attention import mixed_channel as mixed
+from kvbench.attention import triton  # noqa: F401 - registrations
 
 registry.install()

@@ -64,7 +64,6 @@ from typing import Any
 import torch
 
 from kvbench.attention import native
-from kvbench.attention.reference import length_mask
 from kvbench.attention.dispatch import (
     BlockKernel,
     block_kernel,
@@ -72,6 +71,7 @@ from kvbench.attention.dispatch import (
     install_code_domain,
     register_block_kernel,
 )
+from kvbench.attention.reference import length_mask
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.quant import unpack_bits

@@ -8,6 +8,8 @@ Layout::
 
 ``run_id`` hashes the model, method, config and workload, so a rerun of the same suite finds
 its record and skips the run (resume), and ``kvbench compare`` matches runs across result sets.
+:class:`Record` reads and writes that object: a record without ``schema_version`` is version 1,
+one newer than :data:`SCHEMA_VERSION` is refused.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+#: the record layout this code writes and the newest it reads
 SCHEMA_VERSION = 1
 
 
 class RecordError(ValueError):
-    """A record that is missing, unreadable or of another schema version."""
+    """A record that is missing, unreadable, malformed or of a newer schema version."""
 
 
 def canonical(obj: Any) -> str:
@@ -39,6 +43,90 @@ def make_run_id(model: dict, method: str, config: dict, workload: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@dataclass
+class Record:
+    """One run's result as read from and written to ``<run_id>.json`` (layout above).
+
+    ``files`` are per-sample logs the runner writes beside the record (``<run_id>.<name>``,
+    JSON Lines); they are not part of the record's JSON.
+    """
+
+    run_id: str
+    method: str
+    config: dict[str, Any]
+    metrics: dict[str, float]
+    model: dict[str, Any] = field(default_factory=dict)
+    workload: dict[str, Any] = field(default_factory=dict)
+    per_layer: dict[str, Any] | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The method's label in its suite (``manifest.label``), else the method name."""
+        return self.manifest.get("label") or self.method
+
+    @property
+    def workload_type(self) -> str:
+        return self.workload.get("type", "?")
+
+    @property
+    def config_key(self) -> str:
+        """What identifies a method configuration across workloads: model, method and config."""
+        return canonical({"model": self.model, "method": self.method, "config": self.config})
+
+    @property
+    def flags(self) -> list[str]:
+        """The runner's warnings about this run (``manifest.flags``)."""
+        return list(self.manifest.get("flags") or [])
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str | Path) -> Record:
+        """A record from its JSON object, or from the file at a path.
+
+        A record without ``schema_version`` is read as version 1.
+
+        Raises
+        ------
+        RecordError
+            Unreadable JSON, not an object, a ``schema_version`` newer than
+            :data:`SCHEMA_VERSION` (naming both), a missing ``run_id``, ``method``, ``config``
+            or ``metrics``, or a key that is not a record field.
+        """
+        where = ""
+        if isinstance(data, (str, Path)):
+            where = f"{data}: "
+            try:
+                data = json.loads(Path(data).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise RecordError(f"{where}not a readable record ({exc})") from exc
+        if not isinstance(data, dict):
+            raise RecordError(f"{where}not a kvbench record (a JSON object)")
+        version = data.get("schema_version", 1)
+        if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
+            raise RecordError(
+                f"{where}schema_version {version} is not supported: this kvbench reads records "
+                f"up to schema_version {SCHEMA_VERSION}"
+            )
+        for key in _REQUIRED:
+            if key not in data:
+                raise RecordError(f"{where}record lacks {key!r}")
+        unknown = sorted(set(data) - _FIELDS)
+        if unknown:
+            raise RecordError(f"{where}unknown record field(s) {unknown}")
+        return cls(**{**data, "schema_version": version})
+
+    def to_json(self) -> dict[str, Any]:
+        """The record's JSON object (every field but ``files``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
+
+
+_REQUIRED = ("run_id", "method", "config", "metrics")
+_FIELDS = {f.name for f in fields(Record)} - {"files"}
+
+
 def new_record(
     *,
     method: str,
@@ -48,23 +136,22 @@ def new_record(
     metrics: dict[str, float],
     manifest: dict,
     per_layer: dict | None = None,
-) -> dict[str, Any]:
-    """Assemble a record; ``metrics`` must be a flat name -> number mapping."""
+) -> Record:
+    """Assemble a record; ``metrics`` must be a flat name -> number mapping (``ValueError``)."""
     for k, v in metrics.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ValueError(f"metric {k!r} must be a number, got {type(v).__name__}")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "run_id": make_run_id(model, method, config, workload),
-        "method": method,
-        "config": config,
-        "model": model,
-        "workload": workload,
-        "metrics": metrics,
-        "per_layer": per_layer,
-        "manifest": manifest,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+    return Record(
+        run_id=make_run_id(model, method, config, workload),
+        method=method,
+        config=config,
+        model=model,
+        workload=workload,
+        metrics=metrics,
+        per_layer=per_layer,
+        manifest=manifest,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def record_path(out_dir: str | Path, run_id: str) -> Path:
@@ -98,6 +185,11 @@ def write_atomic(path: str | Path, data: Any) -> None:
         raise
 
 
+def write_record(path: str | Path, rec: Record) -> None:
+    """Write ``rec``'s JSON atomically (:func:`write_atomic`)."""
+    write_atomic(path, rec.to_json())
+
+
 def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> None:
     """Write one JSON object per line to ``path`` atomically (as :func:`write_atomic`)."""
     path = Path(path)
@@ -124,34 +216,12 @@ def sidecar_path(record: str | Path, name: str) -> Path:
     return record.with_name(f"{record.stem}.{name}")
 
 
-def load_record(path: str | Path) -> dict[str, Any]:
-    """Read and check one record.
-
-    Raises
-    ------
-    RecordError
-        Unreadable JSON, a missing ``schema_version``, or a version other than
-        :data:`SCHEMA_VERSION`.
-    """
-    path = Path(path)
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path}: not a readable record ({exc})") from exc
-    if not isinstance(rec, dict) or "schema_version" not in rec:
-        raise RecordError(f"{path}: missing schema_version (not a kvbench record)")
-    if rec["schema_version"] != SCHEMA_VERSION:
-        raise RecordError(
-            f"{path}: schema_version {rec['schema_version']} is not supported "
-            f"(this kvbench reads {SCHEMA_VERSION})"
-        )
-    for key in ("run_id", "method", "config", "metrics"):
-        if key not in rec:
-            raise RecordError(f"{path}: record lacks {key!r}")
-    return rec
+def load_record(path: str | Path) -> Record:
+    """Read and check one record (:meth:`Record.from_json`; ``RecordError``)."""
+    return Record.from_json(Path(path))
 
 
-def load_records(paths: str | Path | Iterable[str | Path]) -> list[dict[str, Any]]:
+def load_records(paths: str | Path | Iterable[str | Path]) -> list[Record]:
     """Records from files and/or folders (``*.json`` directly inside a folder)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]

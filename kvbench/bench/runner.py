@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +19,29 @@ import torch
 from tqdm import tqdm
 
 from kvbench.bench import validate
+from kvbench.bench.context import RunContext
 from kvbench.bench.manifest import base_manifest
 from kvbench.bench.records import (
+    Record,
     load_record,
     make_run_id,
     new_record,
     record_path,
     sidecar_path,
-    write_atomic,
     write_jsonl_atomic,
+    write_record,
 )
 from kvbench.bench.suite import MethodSpec, Suite
-from kvbench.bench.workloads import WORKLOADS, Result, Workload, check_random_weights
+from kvbench.bench.workloads import (
+    WORKLOADS,
+    Result,
+    Workload,
+    check_metrics,
+    check_random_weights,
+)
+from kvbench.cache.method import Method
 from kvbench.cache.registry import BASELINE, get_method
 from kvbench.measure import memstat
-
-
-@dataclass
-class RunContext:
-    """What workloads share on one model: the model, tokenizer, info and a scratch cache."""
-
-    model: Any = None
-    tokenizer: Any = None
-    model_spec: dict[str, Any] | None = None
-    model_info: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    limit: int | None = None
-    shared: dict[str, Any] = field(default_factory=dict)
 
 
 def _load_model(
@@ -73,7 +69,7 @@ def _load_model(
     return model, tokenizer, {**info, **model_info(model)}
 
 
-def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, Any]:
+def calibrate(ctx: RunContext, method: Method, spec: dict[str, Any]) -> dict[str, Any]:
     """Calibrate ``method`` on captured full-precision K/V of the calibration text (one window
     of ``spec['tokens']`` tokens of ``spec['text']``, captured once per model) and return the
     provenance recorded in the manifest."""
@@ -86,32 +82,32 @@ def calibrate(ctx: RunContext, method: Any, spec: dict[str, Any]) -> dict[str, A
         what = "synthetic K/V of the shape"
         from kvbench.bench.workloads.synthetic_kv import synthetic_calibration
 
-        layers = ctx.shared.get("shape_layers_measured")
+        layers = ctx.shared.shape_layers_measured
         key = (*key, layers)
-        if key not in ctx.shared:
-            ctx.shared[key] = synthetic_calibration(
+        if key not in ctx.shared.calibration_kv:
+            ctx.shared.calibration_kv[key] = synthetic_calibration(
                 ctx.model.config, spec["tokens"], ctx.seed, layers
             )
-    if key not in ctx.shared:
+    if key not in ctx.shared.calibration_kv:
         text, tinfo = load_text(spec["text"])
         ids, winfo = token_windows(ctx.tokenizer, text, spec["tokens"], 1)
         cap = capture_qkv(ctx.model, ids)
         keys = {lid: k for lid, k in zip(cap.layer_ids, cap.keys)}
         values = {lid: v for lid, v in zip(cap.layer_ids, cap.values)}
-        ctx.shared[key] = (keys, values, {"dataset": tinfo, "windows": winfo})
-    keys, values, info = ctx.shared[key]
+        ctx.shared.calibration_kv[key] = (keys, values, {"dataset": tinfo, "windows": winfo})
+    keys, values, info = ctx.shared.calibration_kv[key]
     method.calibrate(keys, values, source=f"{what}[:{spec['tokens']} tokens]")
     return {"calibration": info}
 
 
 def calibrate_model_free(
-    ctx: RunContext, workload: Workload, method: Any, spec: dict[str, Any], run: Any
+    ctx: RunContext, workload: Workload, method: Method, spec: dict[str, Any], run: PlannedRun
 ) -> dict[str, Any]:
     """Calibrate ``method`` in a model-free suite on the workload's own synthetic K/V
     (:meth:`Workload.calibration_kv`: ``spec['tokens']`` tokens disjoint from the measured
     ones); ``ValueError`` when the workload has none (it needs a model to calibrate on)."""
     key = ("calibration", "model-free", repr(sorted(workload.spec.items())), spec["tokens"])
-    if key not in ctx.shared:
+    if key not in ctx.shared.calibration_kv:
         got = workload.calibration_kv(ctx.seed, spec["tokens"])
         if got is None:
             raise ValueError(
@@ -119,15 +115,15 @@ def calibrate_model_free(
                 f"(capability needs_calibration); the suite has none and workload "
                 f"{workload.type!r} draws no synthetic calibration K/V (source: synthetic does)"
             )
-        ctx.shared[key] = got
-    keys, values, info = ctx.shared[key]
+        ctx.shared.calibration_kv[key] = got
+    keys, values, info = ctx.shared.calibration_kv[key]
     method.calibrate(keys, values, source=f"synthetic[:{spec['tokens']} tokens]")
     return {"calibration": info}
 
 
 def calibrated(
-    ctx: RunContext, method: Any, run: PlannedRun, spec: dict[str, Any]
-) -> tuple[Any, dict[str, Any]]:
+    ctx: RunContext, method: Method, run: PlannedRun, spec: dict[str, Any]
+) -> tuple[Method, dict[str, Any]]:
     """``method`` calibrated on the suite's calibration text (:func:`calibrate`) and the
     manifest provenance.  Calibration depends only on the configuration and the text, so a
     configuration calibrated for an earlier workload on this model is reused (a deep copy of
@@ -138,13 +134,13 @@ def calibrated(
     from kvbench.bench.records import canonical
 
     key = ("calibrated", run.method.name, canonical(method.config.to_dict()), canonical(spec))
-    if key in ctx.shared:
-        fitted, info = ctx.shared[key]
+    if key in ctx.shared.calibrated:
+        fitted, info = ctx.shared.calibrated[key]
         return copy.deepcopy(fitted), {**info, "calibration_reused": True, "calibration_cpu_s": 0.0}
     c0 = time.process_time()
     info = calibrate(ctx, method, spec)
     info["calibration_cpu_s"] = round(time.process_time() - c0, 3)
-    ctx.shared[key] = (copy.deepcopy(method), info)
+    ctx.shared.calibrated[key] = (copy.deepcopy(method), info)
     return method, {**info, "calibration_reused": False}
 
 
@@ -159,7 +155,7 @@ def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[st
     return out
 
 
-def skip_reason(method: Any, workload: Workload) -> str | None:
+def skip_reason(method: Method, workload: Workload) -> str | None:
     """Why ``method`` cannot run in ``workload`` here (``None``: it can): a peer without kvbench
     layer caches in a workload that needs them, or a missing optional package."""
     if workload.layer_cache and not method.capabilities.layer_cache:
@@ -218,7 +214,7 @@ def plan_runs(suite: Suite, out_dir: str | Path, limit: int | None = None) -> li
     return runs
 
 
-def finished_record(run: PlannedRun, force: bool = False) -> dict[str, Any] | None:
+def finished_record(run: PlannedRun, force: bool = False) -> Record | None:
     """The record a previous sweep wrote for ``run`` (resume), or ``None`` to compute it."""
     if force or not run.path.exists():
         return None
@@ -240,10 +236,12 @@ def execute_run(
     run: PlannedRun,
     calibration: dict[str, Any],
     baseline: dict[str, float] | None,
-) -> tuple[dict[str, float], dict[str, Any], Result, Any]:
+) -> tuple[dict[str, float], dict[str, Any], Result, Method]:
     """Run one method configuration in a prepared workload: build the method, fill its model-
-    dependent fields, calibrate it if it needs it, run the workload and add ``*_ratio`` metrics
-    against ``baseline``.  Returns (metrics, manifest extras, result, method)."""
+    dependent fields, calibrate it if it needs it, run the workload, check that it declares
+    every metric it reported (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``)
+    and add ``*_ratio`` metrics against ``baseline``.  Returns (metrics, manifest extras,
+    result, method)."""
     method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
     calib_info: dict[str, Any] = {}
     if method.needs_calibration and workload.builds_caches:
@@ -254,8 +252,9 @@ def execute_run(
             torch.manual_seed(ctx.seed)  # the run starts from the same RNG state, cached or not
     per_run = memstat.reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
-    result: Result = workload.run(ctx, method)
+    result = workload.run(ctx, method)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    check_metrics(type(workload), result.metrics)
     memory = memstat.peak(per_run)
     metrics = dict(result.metrics)
     if not run.is_baseline:  # ratios a workload measured itself (interleaved timing) win
@@ -276,11 +275,11 @@ def make_record(
     suite: Suite,
     ctx: RunContext,
     run: PlannedRun,
-    method: Any,
+    method: Method,
     metrics: dict[str, float],
     extras: dict[str, Any],
     result: Result,
-) -> dict[str, Any]:
+) -> Record:
     """The JSON record of one finished run (config, metrics, manifest, per-layer data)."""
     manifest = base_manifest(run.model_spec["device"] if run.model_spec else "cpu", suite.seed)
     manifest.update({"model": ctx.model_info, "suite": suite.path, **extras})
@@ -293,7 +292,7 @@ def make_record(
         manifest=manifest,
         per_layer=result.per_layer,
     )
-    rec["run_id"] = run.run_id
+    rec.run_id = run.run_id
     return rec
 
 
@@ -317,7 +316,7 @@ def compute_record(
     run: PlannedRun,
     baseline: dict[str, float] | None,
     threads: int | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """One run in a prepared workload, from a fresh ``torch.manual_seed(suite.seed)``:
     :func:`execute_run` then :func:`make_record`.  The record depends on the run alone, not on
     its position in the sweep, so a resumed or distributed sweep gives the same records.
@@ -339,21 +338,16 @@ def compute_record(
     if flag:
         extras["flags"] = [flag]
     rec = make_record(suite, ctx, run, method, metrics, extras, result)
-    if result.files:  # per-sample logs, written beside the record by :func:`write_run`
-        rec[SIDECARS] = dict(result.files)
+    rec.files = dict(result.files)  # per-sample logs, written beside the record by write_run
     return rec
 
 
-#: transient record key holding a run's sidecar files until :func:`write_run` writes them
-SIDECARS = "_sidecars"
-
-
-def write_run(path: Path, rec: dict[str, Any]) -> None:
-    """Write a computed run: its sidecar files first (``<run_id>.<name>.jsonl``), then the record
-    atomically, so that an existing record always means a complete run."""
-    for name, rows in rec.pop(SIDECARS, {}).items():
+def write_run(path: Path, rec: Record) -> None:
+    """Write a computed run: its sidecar files first (``<run_id>.<name>``, :attr:`Record.files`),
+    then the record atomically, so that an existing record always means a complete run."""
+    for name, rows in rec.files.items():
         write_jsonl_atomic(sidecar_path(path, name), rows)
-    write_atomic(path, rec)
+    write_record(path, rec)
 
 
 #: a run whose method quantized fewer than this fraction of the key tokens it read is flagged
@@ -436,7 +430,7 @@ def run_suite(
     force: bool = False,
     quiet: bool = False,
     skip_unavailable: bool = False,
-) -> list[dict[str, Any]]:
+) -> list[Record]:
     """Run every (model, workload, method) of ``suite``; returns the records (new and resumed).
 
     The steps: :func:`plan_runs` (ids and paths, no model), then per model and workload:
@@ -457,7 +451,7 @@ def run_suite(
     materialize = any(WORKLOADS.get(t).shape_forward for t in types)
 
     runs = plan_runs(suite, out_dir, limit)
-    records: list[dict[str, Any]] = []
+    records: list[Record] = []
     eta = Eta(runs)
     bar = tqdm(
         total=len(runs),
@@ -513,7 +507,7 @@ def run_suite(
                             prepared = True
                         t0 = time.perf_counter()
                         rec = compute_record(suite, ctx, workload, run, baseline, threads)
-                        for flag in rec["manifest"].get("flags") or []:
+                        for flag in rec.flags:
                             note(f"warning: {run.title}: {flag}")
                         write_run(run.path, rec)
                         memstat.release()
@@ -522,7 +516,7 @@ def run_suite(
                         eta.done(run, None)
                     records.append(rec)
                     if run.is_baseline:
-                        baseline = rec["metrics"]
+                        baseline = rec.metrics
                     bar.update(1)
                 del workload  # its prepared tensors (captures, reference logits) go before the next
                 memstat.release()

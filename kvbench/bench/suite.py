@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from kvbench.cache.registry import get_method_class
 from kvbench.bench import validate
+from kvbench.cache.registry import get_method_class
 
 TOP_KEYS = {
     "name",

@@ -27,7 +27,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms, dtype_name
-from kvbench.cache.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
+from kvbench.cache.quant import (
+    check_bits,
+    dequantize_groups,
+    pack_bits,
+    quantize_groups,
+    unpack_bits,
+)
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:

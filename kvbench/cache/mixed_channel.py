@@ -33,7 +33,13 @@ import torch
 from kvbench.cache.blocks import own_storage
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Permutation, dtype_name
 from kvbench.cache.native_quant import quantize_pack
-from kvbench.cache.quant import check_bits, dequantize_groups, pack_bits, quantize_groups, unpack_bits
+from kvbench.cache.quant import (
+    check_bits,
+    dequantize_groups,
+    pack_bits,
+    quantize_groups,
+    unpack_bits,
+)
 
 #: ``selector(x [..., T, D], queries [B, H_q, T, D] | None) -> LongTensor [..., D]`` classes
 Selector = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]

@@ -36,6 +36,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.records import Record
 from kvbench.bench.validate import check_entry
 
 PAPER_KEYS = {
@@ -98,23 +99,23 @@ def validate(paper: Any, where: str = "paper") -> dict[str, Any]:
     return paper
 
 
-def _label(rec: dict[str, Any]) -> str:
-    return rec.get("manifest", {}).get("label") or rec.get("method", "?")
+def _label(rec: Record) -> str:
+    return rec.label
 
 
-def _model_id(rec: dict[str, Any]) -> str | None:
-    return (rec.get("model") or {}).get("id")
+def _model_id(rec: Record) -> str | None:
+    return rec.model.get("id")
 
 
-def _matches(rec: dict[str, Any], col: dict[str, Any]) -> bool:
-    wl = rec.get("workload") or {}
+def _matches(rec: Record, col: dict[str, Any]) -> bool:
+    wl = rec.workload
     if col.get("workload") and wl.get("type") != col["workload"]:
         return False
     return all(wl.get(k) == v for k, v in (col.get("where") or {}).items())
 
 
 def kvbench_value(
-    records: list[dict[str, Any]], label: str, col: dict[str, Any], model: str | None = None
+    records: list[Record], label: str, col: dict[str, Any], model: str | None = None
 ) -> float | None:
     """The column's metric from the first record of ``label`` (and ``model``) that matches the
     column's workload filter, scaled; ``None`` when there is none."""
@@ -125,7 +126,7 @@ def kvbench_value(
             continue
         if not _matches(rec, col):
             continue
-        v = rec.get("metrics", {}).get(col["metric"])
+        v = rec.metrics.get(col["metric"])
         if isinstance(v, (int, float)):
             return float(v) * float(col.get("scale", 1))
     return None
@@ -143,7 +144,7 @@ def _fmt(v: Any, digits: int) -> str:
     return f"{v:.{digits}f}"
 
 
-def _rows(paper: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _rows(paper: dict[str, Any], records: list[Record]) -> list[dict[str, Any]]:
     rows = [dict(r) for r in paper.get("rows") or []]
     named = {r["label"] for r in rows}
     models = {_model_id(r) for r in records}
@@ -167,7 +168,7 @@ def _rows(paper: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str
     return rows
 
 
-def comparison_table(paper: dict[str, Any], records: list[dict[str, Any]]) -> str:
+def comparison_table(paper: dict[str, Any], records: list[Record]) -> str:
     """Markdown: the paper's values and kvbench's side by side (see the module docstring),
     then the claims checked on kvbench's values."""
     validate(paper)
@@ -217,7 +218,7 @@ def comparison_table(paper: dict[str, Any], records: list[dict[str, Any]]) -> st
     return "\n".join(lines)
 
 
-def check_claims(paper: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_claims(paper: dict[str, Any], records: list[Record]) -> list[dict[str, Any]]:
     """Each claim with kvbench's values in its order and a verdict: ``holds``,
     ``does not hold`` or ``not measured``."""
     cols = {c["name"]: c for c in paper.get("columns") or []}
@@ -243,9 +244,7 @@ def check_claims(paper: dict[str, Any], records: list[dict[str, Any]]) -> list[d
     return out
 
 
-def write_figures(
-    paper: dict[str, Any], records: list[dict[str, Any]], folder: str | Path
-) -> list[Path]:
+def write_figures(paper: dict[str, Any], records: list[Record], folder: str | Path) -> list[Path]:
     """PNG Pareto plots of ``figure: {x, y}`` (``y`` one metric or a list) with
     :func:`kvbench.report.plots.pareto_plot`; returns the written paths."""
     fig = paper.get("figure")

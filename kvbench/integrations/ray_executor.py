@@ -45,11 +45,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvbench.cache.registry import get_method
-from kvbench.bench.records import SCHEMA_VERSION, write_atomic
+from kvbench.bench.context import RunContext
+from kvbench.bench.records import SCHEMA_VERSION, Record, write_atomic
 from kvbench.bench.runner import (
     PlannedRun,
-    RunContext,
     compute_record,
     ensure_model,
     finished_record,
@@ -61,6 +60,7 @@ from kvbench.bench.runner import (
 )
 from kvbench.bench.suite import Suite
 from kvbench.bench.workloads import WORKLOADS, Workload
+from kvbench.cache.registry import get_method
 
 INSTALL_HINT = "pip install 'kvbench[ray]'"
 #: seconds to reach a cluster's head (``--address``) before giving up
@@ -246,13 +246,14 @@ class ModelWorker:
 
     def prepare(self, index: int, spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """``workload.prepare`` of workload ``index``; returns (status, shared state).  The
-        state (the prepared workload's attributes and the ``ctx.shared`` entries it added) goes
+        state (the prepared workload's attributes and the ``ctx.shared`` entries it added,
+        :meth:`~kvbench.bench.context.Shared.added_since`) goes
         to the object store for the model's other workers (:meth:`install`).  A
         ``FileNotFoundError`` (data not available here) is returned as
         ``{"unavailable": message}``, any other error raised."""
         ensure_model(self.ctx)
         workload = WORKLOADS.get(spec["type"])(spec)
-        before = set(self.ctx.shared)
+        before = self.ctx.shared.snapshot()
         try:
             prepare_workload(self.ctx, workload, self.suite.seed)
         except FileNotFoundError as exc:
@@ -261,7 +262,7 @@ class ModelWorker:
         self.origin[index] = "here"
         state = {
             "workload": dict(vars(workload)),
-            "shared": {k: v for k, v in self.ctx.shared.items() if k not in before},
+            "shared": self.ctx.shared.added_since(before),
         }
         return {"ok": True}, state
 
@@ -269,7 +270,7 @@ class ModelWorker:
         """Take workload ``index`` as another worker prepared it (no recomputation)."""
         workload = WORKLOADS.get(spec["type"])(spec)
         vars(workload).update(state["workload"])
-        self.ctx.shared.update(state["shared"])
+        self.ctx.shared.merge(state["shared"])
         self.workloads[index] = workload
         self.origin[index] = "object store"
 
@@ -290,8 +291,8 @@ class ModelWorker:
             self.suite, self.ctx, self.workloads[run.workload_index], run, baseline
         )
         t2 = time.perf_counter()
-        rec["manifest"]["executor"] = "ray"
-        rec["manifest"]["node"] = node_info()
+        rec.manifest["executor"] = "ray"
+        rec.manifest["node"] = node_info()
         prepared = self.origin[run.workload_index]
         return {"record": rec, "setup_s": t1 - t0, "exec_s": t2 - t1, "prepared": prepared}
 
@@ -352,7 +353,7 @@ class RayExecutor:
         self.force, self.quiet, self.skip_unavailable = force, quiet, skip_unavailable
         self.progress_workers, self.connect_timeout_s = progress_workers, connect_timeout_s
         self.worker_cls = worker_cls
-        self.records: list[dict[str, Any]] = []
+        self.records: list[Record] = []
         self.failed: list[dict[str, Any]] = []
         self.timings: list[dict[str, Any]] = []
         self.startup_s = 0.0
@@ -364,7 +365,7 @@ class RayExecutor:
         if not self.quiet:
             tqdm.write(msg, file=sys.stderr)
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[Record]:
         """Plan, resume, submit, collect; returns the records.  See the module docstring."""
         runs = plan_runs(self.suite, self.out_dir, self.limit)  # config errors before Ray
         if not self.force and all(r.path.exists() for r in runs):  # nothing to do: no Ray
@@ -382,11 +383,11 @@ class RayExecutor:
             if started:
                 ray.shutdown()
 
-    def _run(self, runs: list[PlannedRun]) -> list[dict[str, Any]]:
+    def _run(self, runs: list[PlannedRun]) -> list[Record]:
         ray = self.ray
         groups = group_by_model(runs)
         self.capacity = check_capacity(ray, self.suite, groups)
-        self.results: dict[str, dict[str, Any]] = {}
+        self.results: dict[str, Record] = {}
         self.pending: dict[int, deque[PlannedRun]] = {}
         self.baseline: dict[tuple[int, int], Any] = {}  # metrics | "pending" | "failed"
         self.prepared: dict[tuple[int, int], Any] = {}  # key -> ref | "running" | "skip"
@@ -401,7 +402,7 @@ class RayExecutor:
                 if rec is not None:
                     self.results[run.run_id] = rec
                     if run.is_baseline:
-                        self.baseline[key] = rec["metrics"]
+                        self.baseline[key] = rec.metrics
                     done += 1
                     continue
                 wl = workloads.setdefault(
@@ -616,7 +617,7 @@ class RayExecutor:
         w.has.add(task.key[1])
         run = task.run
         rec = out["record"]
-        rec["manifest"]["ray"] = {
+        rec.manifest["ray"] = {
             "worker": w.name,
             "attempt": task.attempt,
             "resources": self.capacity[run.model_index][0],
@@ -628,7 +629,7 @@ class RayExecutor:
         written = time.perf_counter()
         self.results[run.run_id] = rec
         if run.is_baseline:
-            self.baseline[task.key] = rec["metrics"]
+            self.baseline[task.key] = rec.metrics
         self.timings.append(
             {
                 "run_id": run.run_id,
@@ -741,7 +742,7 @@ def runner_from_args(args: Any) -> Any:
     Raises :class:`RayUnavailableError` at once (before any folder is made) without ray."""
     import_ray()
 
-    def runner(suite: Suite, out_dir: str | Path, **kwargs: Any) -> list[dict[str, Any]]:
+    def runner(suite: Suite, out_dir: str | Path, **kwargs: Any) -> list[Record]:
         ex = RayExecutor(
             suite,
             out_dir,

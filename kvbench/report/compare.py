@@ -20,9 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.bench.records import RecordError, load_records
+from kvbench.bench.records import Record, RecordError, load_records
 from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
-from kvbench.report.labels import label_of
 from kvbench.report.tables import workload_label
 
 
@@ -65,6 +64,10 @@ class Gate:
         return worse > limit + 1e-12 * max(abs(base), 1.0)
 
 
+#: what defines a run (hashed into its ``run_id``)
+RUN_KEYS = ("model", "method", "config", "workload")
+
+
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -74,9 +77,9 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def run_name(r: dict[str, Any]) -> str:
+def run_name(r: Record) -> str:
     """A run as a reader knows it: its label and workload."""
-    return f"{label_of(r)} / {workload_label(r.get('workload', {}))}"
+    return f"{r.label} / {workload_label(r.workload)}"
 
 
 def moved(b: float, n: float, min_change: float) -> bool:
@@ -92,26 +95,25 @@ def moved(b: float, n: float, min_change: float) -> bool:
 
 
 def changes(
-    base: list[dict], new: list[dict], gates: list[Gate], min_change: float = 1e-4
+    base: list[Record], new: list[Record], gates: list[Gate], min_change: float = 1e-4
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Return (changes, failure lines); a change is ``{"run", "run_id", "metric", "base",
     "new", "relative"}``."""
-    if len(base) == 1 and len(new) == 1 and base[0]["run_id"] != new[0]["run_id"]:
+    if len(base) == 1 and len(new) == 1 and base[0].run_id != new[0].run_id:
         keys = _diff_keys(
-            {k: base[0].get(k) for k in ("model", "method", "config", "workload")},
-            {k: new[0].get(k) for k in ("model", "method", "config", "workload")},
+            {k: getattr(base[0], k) for k in RUN_KEYS}, {k: getattr(new[0], k) for k in RUN_KEYS}
         )
         raise ValueError(f"the two records are different runs; differing keys: {keys}")
-    by_id = {r["run_id"]: r for r in new}
+    by_id = {r.run_id: r for r in new}
     out, failures = [], []
     for rb in base:
-        rid, name = rb["run_id"], run_name(rb)
+        rid, name = rb.run_id, run_name(rb)
         rn = by_id.get(rid)
         if rn is None:
             failures.append(f"{name}: missing from NEW (run {rid})")
             continue
-        for metric in sorted(set(rb["metrics"]) & set(rn["metrics"])):
-            b, n = float(rb["metrics"][metric]), float(rn["metrics"][metric])
+        for metric in sorted(set(rb.metrics) & set(rn.metrics)):
+            b, n = float(rb.metrics[metric]), float(rn.metrics[metric])
             if moved(b, n, min_change):
                 rel = (n - b) / abs(b) if b and not math.isnan(b + n) else None
                 out.append(
@@ -125,8 +127,8 @@ def changes(
                     }
                 )
         for g in gates:
-            if g.metric in rb["metrics"] and g.metric in rn["metrics"]:
-                b, n = float(rb["metrics"][g.metric]), float(rn["metrics"][g.metric])
+            if g.metric in rb.metrics and g.metric in rn.metrics:
+                b, n = float(rb.metrics[g.metric]), float(rn.metrics[g.metric])
                 if g.regressed(b, n):
                     thr = f"{g.threshold:.2%}" if g.relative else f"{g.threshold:g}"
                     failures.append(f"{name} {g.metric}: {b:.6g} -> {n:.6g} exceeds {thr}")
@@ -134,7 +136,7 @@ def changes(
 
 
 def compare(
-    base: list[dict], new: list[dict], gates: list[Gate], min_change: float = 1e-4
+    base: list[Record], new: list[Record], gates: list[Gate], min_change: float = 1e-4
 ) -> tuple[list[str], list[str]]:
     """Return (report lines, failure lines)."""
     found, failures = changes(base, new, gates, min_change)
@@ -183,10 +185,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(str(exc)) from exc
     if not base:
         raise ValueError(f"{args.base}: no records")
-    min_change = getattr(args, "min_change", 1e-4)
+    min_change = args.min_change
     found, failures = changes(base, new, gates, min_change)
-    matched = sum(1 for r in base if r["run_id"] in {x["run_id"] for x in new})
-    if getattr(args, "json", False):
+    matched = sum(1 for r in base if r.run_id in {x.run_id for x in new})
+    if args.json:
         print(
             json.dumps(
                 {

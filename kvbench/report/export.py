@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvbench.bench.records import load_records, write_atomic
+from kvbench.bench.records import Record, load_records, write_atomic
+from kvbench.report.headline import headline_table
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"
@@ -52,15 +53,16 @@ def machine() -> str:
 
 
 def make_export(
-    records: list[dict[str, Any]], command: str, machine_desc: str, wall_s: float | None
+    records: list[Record], command: str, machine_desc: str, wall_s: float | None
 ) -> dict[str, Any]:
     """The export dict of ``records`` (sorted by run id, so a rerun gives the same file)."""
     recs = []
-    for r in sorted(records, key=lambda r: r["run_id"]):
-        out = {k: r[k] for k in KEEP if k in r}
-        out["manifest"] = strip_paths(r.get("manifest", {}))
+    for r in sorted(records, key=lambda r: r.run_id):
+        data = r.to_json()
+        out = {k: data[k] for k in KEEP}
+        out["manifest"] = strip_paths(r.manifest)
         recs.append(out)
-    suites = sorted({str(r.get("manifest", {}).get("suite")) for r in records})
+    suites = sorted({str(r.manifest.get("suite")) for r in records})
     return {
         "export_version": EXPORT_VERSION,
         "suite": strip_paths(suites[0]) if len(suites) == 1 else strip_paths(suites),
@@ -82,8 +84,6 @@ def load_export(path: str | Path) -> dict[str, Any]:
 def readme_block(export_path: str | Path, rel: str) -> str:
     """The README block for the export at ``export_path`` (``rel``: its path in the repository):
     begin marker, the run's command, machine and wall time, the headline table, end marker."""
-    from kvbench.report.headline import headline_table
-
     data = load_export(export_path)
     wall = data.get("wall_s")
     head = (
@@ -91,7 +91,8 @@ def readme_block(export_path: str | Path, rel: str) -> str:
         + (f"{wall / 60:.1f} min" if wall is not None else "not recorded")
         + f"; records: `{rel}`."
     )
-    return "\n".join([BEGIN.format(path=rel), head, "", headline_table(data["records"]), END])
+    records = [Record.from_json(r) for r in data["records"]]
+    return "\n".join([BEGIN.format(path=rel), head, "", headline_table(records), END])
 
 
 def readme_blocks(text: str) -> dict[str, str]:

@@ -24,36 +24,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.bench.records import Record
 from kvbench.cache.registry import BASELINE
-from kvbench.report.labels import label_of
 from kvbench.report.pareto import pareto_mask
 
 DTYPE_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
 
 
-def _keys_only(rec: dict[str, Any], e: dict[str, Any]) -> bool:
+def _keys_only(rec: Record, e: dict[str, Any]) -> bool:
     """Values stored at the full width of the memory workload's dtype, keys below it (measured);
     the configuration's ``value_bits == 16`` when nothing was measured."""
-    if rec["method"] == BASELINE:
+    if rec.method == BASELINE:
         return False
     full, kb, vb = e.get("dtype_bits", 16), e.get("key_bits"), e.get("value_bits")
     if kb is not None and vb is not None:
         return vb >= full - 1e-9 and kb < full - 1e-9
-    return rec.get("config", {}).get("value_bits") == 16
+    return rec.config.get("value_bits") == 16
 
 
-def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rows(records: list[Record]) -> list[dict[str, Any]]:
     """One dict per label with ``label``, ``section`` (``a``/``b``/``base``), ``bytes``,
     ``bytes_ratio``, ``key_bits``, ``value_bits``, ``next_token_kl``, ``ppl``, ``attn_kl``.
     Configurations without a memory record are left out. ValueError without a ``full`` memory
     record (the 16-bit baseline)."""
     by: dict[str, dict[str, Any]] = {}
     for r in records:
-        e = by.setdefault(label_of(r), {"label": label_of(r), "rec": r})
-        wtype = r.get("workload", {}).get("type")
-        m = r["metrics"]
+        e = by.setdefault(r.label, {"label": r.label, "rec": r})
+        wtype, m = r.workload_type, r.metrics
         if wtype == "memory":
-            dtype = r["workload"].get("dtype", "float16")
+            dtype = r.workload.get("dtype", "float16")
             e.update(
                 bytes=m.get("bytes_total"),
                 key_bits=m.get("effective_key_bits"),
@@ -64,7 +63,7 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             e.update(next_token_kl=m.get("next_token_kl"), ppl=m.get("ppl"))
         elif wtype == "fidelity":
             e.update(attn_kl=m.get("attn_kl"))
-    base = next((e for e in by.values() if e["rec"]["method"] == BASELINE and "bytes" in e), None)
+    base = next((e for e in by.values() if e["rec"].method == BASELINE and "bytes" in e), None)
     if base is None:
         raise ValueError("the headline table needs a 'full' memory record (the 16-bit baseline)")
     bytes16 = base["bytes"] * 16 / base["dtype_bits"]
@@ -73,7 +72,7 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if e.get("bytes") is None:
             continue
         rec = e.pop("rec")
-        e["section"] = "base" if rec["method"] == BASELINE else ("b" if _keys_only(rec, e) else "a")
+        e["section"] = "base" if rec.method == BASELINE else ("b" if _keys_only(rec, e) else "a")
         e["bytes_ratio"] = e["bytes"] / bytes16
         out.append(e)
     return out
@@ -93,7 +92,7 @@ SECTIONS = {
 }
 
 
-def headline_table(records: list[dict[str, Any]]) -> str:
+def headline_table(records: list[Record]) -> str:
     """Markdown: one table per section, rows sorted by bytes, Pareto frontier marked (see the
     module docstring). Configurations without a next-token KL are listed but not ranked."""
     allrows = rows(records)

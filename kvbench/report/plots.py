@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.records import Record
 from kvbench.bench.workloads.metrics import HIGHER, direction
 from kvbench.cache.registry import BASELINE
-from kvbench.report.labels import label_of
 from kvbench.report.pareto import pareto_mask
 
 #: quality metrics drawn as Pareto figures, each against nominal key bits, measured bits and
@@ -57,16 +57,10 @@ def _figure():
     return plt
 
 
-def _config_key(r: dict[str, Any]) -> str:
-    from kvbench.bench.records import canonical
-
-    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
-
-
-def _metric(r: dict[str, Any], name: str) -> float | None:
+def _metric(r: Record, name: str) -> float | None:
     """A record's metric; ``effective_bits`` from the key and value sides when only those are
     recorded (fidelity)."""
-    m = r["metrics"]
+    m = r.metrics
     if name in m:
         return m[name]
     if name == "effective_bits" and "effective_key_bits" in m and "effective_value_bits" in m:
@@ -74,7 +68,7 @@ def _metric(r: dict[str, Any], name: str) -> float | None:
     return None
 
 
-def pareto_points(records: list[dict[str, Any]], x: str, y: str) -> dict[str, Any]:
+def pareto_points(records: list[Record], x: str, y: str) -> dict[str, Any]:
     """The points of one Pareto figure: ``{"points": [(x, y, label, method)], "baseline":
     (x or None, y) | None, "context", "dtype"}``.
 
@@ -83,27 +77,27 @@ def pareto_points(records: list[dict[str, Any]], x: str, y: str) -> dict[str, An
     joined with the bytes of its memory record at the context most configurations have (the
     largest on ties), and ``context``/``dtype`` say which.  The ``full`` baseline is returned
     apart (drawn as a reference line, not a point)."""
-    direct = [r for r in records if _metric(r, x) is not None and y in r["metrics"]]
+    direct = [r for r in records if _metric(r, x) is not None and y in r.metrics]
     context = dtype = None
     rows: list[tuple[float, float, str, str]] = []
     if direct:
-        rows = [(_metric(r, x), r["metrics"][y], label_of(r), r["method"]) for r in direct]
-        ws = {(r["workload"].get("context"), r["workload"].get("dtype")) for r in direct}
+        rows = [(_metric(r, x), r.metrics[y], r.label, r.method) for r in direct]
+        ws = {(r.workload.get("context"), r.workload.get("dtype")) for r in direct}
         if len(ws) == 1:
             context, dtype = next(iter(ws))
     elif x == "bytes_total":
-        mem: dict[str, dict[Any, dict[str, Any]]] = {}
+        mem: dict[str, dict[Any, Record]] = {}
         for r in records:
-            if r.get("workload", {}).get("type") == "memory" and x in r["metrics"]:
-                mem.setdefault(_config_key(r), {})[r["workload"].get("context")] = r
+            if r.workload_type == "memory" and x in r.metrics:
+                mem.setdefault(r.config_key, {})[r.workload.get("context")] = r
         depths = [c for d in mem.values() for c in d]
         if depths:
             context = max(depths, key=lambda c: (depths.count(c), c or 0))
             for r in records:
-                m = mem.get(_config_key(r), {}).get(context)
-                if m is not None and y in r["metrics"]:
-                    rows.append((m["metrics"][x], r["metrics"][y], label_of(r), r["method"]))
-                    dtype = m["workload"].get("dtype")
+                m = mem.get(r.config_key, {}).get(context)
+                if m is not None and y in r.metrics:
+                    rows.append((m.metrics[x], r.metrics[y], r.label, r.method))
+                    dtype = m.workload.get("dtype")
     if x == "bytes_total":
         rows = [(a / 2**20, b, lab, meth) for a, b, lab, meth in rows]
     base = [row for row in rows if row[3] == BASELINE]
@@ -168,7 +162,7 @@ def _apply_scale(ax: Any, axis: str, values: list[float]) -> None:
         setter("log")
 
 
-def pareto_figure(records: list[dict[str, Any]], x: str, y: str, title: str = "") -> Any:
+def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Any:
     """The Pareto figure of quality ``y`` against cost ``x`` (see :func:`pareto_points`), or
     ``None`` with fewer than two points.  Colors by method family (legend), hollow markers for
     dominated points, the frontier as a line, every point labelled (coincident ones share a
@@ -235,9 +229,7 @@ def pareto_figure(records: list[dict[str, Any]], x: str, y: str, title: str = ""
     return fig
 
 
-def pareto_plot(
-    records: list[dict[str, Any]], x: str, y: str, path: Path, title: str = ""
-) -> Path | None:
+def pareto_plot(records: list[Record], x: str, y: str, path: Path, title: str = "") -> Path | None:
     """Write :func:`pareto_figure` to ``path`` (PNG); ``None`` when it has too few points."""
     fig = pareto_figure(records, x, y, title)
     if fig is None:
@@ -260,7 +252,7 @@ def _style(i: int) -> dict[str, Any]:
 
 
 def series_plot(
-    records: list[dict[str, Any]],
+    records: list[Record],
     x_key: str,
     y: str,
     path: Path,
@@ -275,11 +267,11 @@ def series_plot(
     the y axis logarithmic.  The legend sits outside the axes, sorted by the last point."""
     series: dict[str, list[tuple[float, float]]] = {}
     for r in records:
-        w = r.get("workload", {})
-        if workload is not None and w.get("type") != workload:
+        w = r.workload
+        if workload is not None and r.workload_type != workload:
             continue
-        if y in r["metrics"] and x_key in w:
-            series.setdefault(label_of(r), []).append((w[x_key], r["metrics"][y]))
+        if y in r.metrics and x_key in w:
+            series.setdefault(r.label, []).append((w[x_key], r.metrics[y]))
     if not series:
         return None
     if "bytes" in y:  # bytes read better in MiB
@@ -321,18 +313,12 @@ def series_plot(
     return path
 
 
-def _join_key(r: dict[str, Any]) -> str:
-    from kvbench.bench.records import canonical
-
-    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
-
-
 #: quality metrics the three-way view can use, in order of preference
 QUALITY = ("attn_kl", "next_token_kl", "ppl_delta", "key_mse")
 
 
 def tradeoff_points(
-    records: list[dict[str, Any]], quality: str | None = None, context: int | None = None
+    records: list[Record], quality: str | None = None, context: int | None = None
 ) -> tuple[list[tuple[float, float, float, str]], int | None, str | None, bool]:
     """Join the records of each method configuration (same model, method and config) across
     workloads for :func:`tradeoff_plot`.
@@ -346,21 +332,21 @@ def tradeoff_points(
     or, failing that, from any other non-latency record (fidelity, perplexity).
     """
     by: dict[str, dict[str, Any]] = {}
-    ratio = any("decode_ms_p50_ratio" in r["metrics"] for r in records)
+    ratio = any("decode_ms_p50_ratio" in r.metrics for r in records)
     for r in records:
-        e = by.setdefault(_join_key(r), {"label": label_of(r), "mem": {}, "lat": {}, "q": {}})
-        w, m = r.get("workload", {}), r["metrics"]
-        c = w.get("context")
-        if w.get("type") == "memory" and "bytes_total" in m:
+        e = by.setdefault(r.config_key, {"label": r.label, "mem": {}, "lat": {}, "q": {}})
+        m, kind = r.metrics, r.workload_type
+        c = r.workload.get("context")
+        if kind == "memory" and "bytes_total" in m:
             e["mem"][c] = m["bytes_total"]
-        if w.get("type") == "latency":
+        if kind == "latency":
             lat = m.get("decode_ms_p50_ratio") if ratio else m.get("decode_ms_p50")
             if lat is not None:
                 e["lat"][c] = lat
             continue
         for q in QUALITY:
             if q in m:  # memory records by depth; others (fidelity...) under None
-                e["q"].setdefault(q, {})[c if w.get("type") == "memory" else None] = m[q]
+                e["q"].setdefault(q, {})[c if kind == "memory" else None] = m[q]
     if context is None:
         common = [c for e in by.values() for c in set(e["mem"]) & set(e["lat"])]
         if not common:
@@ -378,7 +364,7 @@ def tradeoff_points(
 
 
 def tradeoff_plot(
-    records: list[dict[str, Any]],
+    records: list[Record],
     path: Path,
     quality: str | None = None,
     context: int | None = None,
@@ -444,14 +430,14 @@ def tradeoff_plot(
     return path
 
 
-def write_plots(records: list[dict[str, Any]], folder: str | Path) -> list[Path]:
+def write_plots(records: list[Record], folder: str | Path) -> list[Path]:
     """Write every plot the records support into ``folder``; returns the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     family = sorted(  # lm-eval task metrics with a declared direction, each vs nominal bits
-        {m for r in records for m in r["metrics"] if m.startswith("lm_eval.") and direction(m)}
-        - {m for r in records for m in r["metrics"] if m.endswith("_ratio")}
+        {m for r in records for m in r.metrics if m.startswith("lm_eval.") and direction(m)}
+        - {m for r in records for m in r.metrics if m.endswith("_ratio")}
     )
     for x, y in [*PARETO, *(("nominal_key_bits", m) for m in family)]:
         safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
@@ -466,7 +452,7 @@ def write_plots(records: list[dict[str, Any]], folder: str | Path) -> list[Path]
         ("effective_bits", "effective bits / element (8 x bytes / elements)", "memory"),
         ("peak_step_bytes", "transient bytes of one decode step", "memory"),
     ):
-        cpu = kind == "latency" and any(r.get("manifest", {}).get("timing_note") for r in records)
+        cpu = kind == "latency" and any(r.manifest.get("timing_note") for r in records)
         title = f"{label} vs context depth" + (
             " (CPU: framework overhead dominates)" if cpu else ""
         )

@@ -17,13 +17,15 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvbench.bench.records import canonical, load_records
+from kvbench.bench.records import Record, canonical, load_records
 from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import headline_table
-from kvbench.report.labels import label_of
 from kvbench.report.plots import write_plots
+
+if TYPE_CHECKING:
+    from kvbench.bench.suite import Suite
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [
@@ -68,16 +70,11 @@ BITS = ("nominal_key_bits", "nominal_value_bits", "effective_key_bits", "effecti
 WORKLOAD_ORDER = ["bits", "fidelity", "perplexity", "generation", "passkey", "memory", "latency"]
 
 
-def config_key(r: dict[str, Any]) -> str:
-    """What identifies a method configuration across workloads: model, method and config."""
-    return canonical({"model": r.get("model"), "method": r["method"], "config": r.get("config")})
-
-
-def row_order(r: dict[str, Any]) -> tuple:
+def row_order(r: Record) -> tuple:
     """Sort key of a row: method family (``full`` first, then the method name), nominal key
     bits, label."""
-    bits = r["metrics"].get("nominal_key_bits", math.inf)
-    return (r["method"] != BASELINE, r["method"], bits, label_of(r))
+    bits = r.metrics.get("nominal_key_bits", math.inf)
+    return (r.method != BASELINE, r.method, bits, r.label)
 
 
 def workload_order(w: dict[str, Any]) -> tuple:
@@ -86,38 +83,34 @@ def workload_order(w: dict[str, Any]) -> tuple:
     return (rank, t, w.get("context", 0) or 0, workload_label(w))
 
 
-def borrowed_bits(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per configuration (:func:`config_key`), the :data:`BITS` metrics any of its records has
+def borrowed_bits(records: list[Record]) -> dict[str, dict[str, float]]:
+    """Per configuration (:attr:`Record.config_key`), the :data:`BITS` metrics any of its records has
     (fidelity's over memory's over others': the first found in workload order)."""
     out: dict[str, dict[str, float]] = {}
-    for r in sorted(records, key=lambda r: workload_order(r.get("workload", {}))):
-        e = out.setdefault(config_key(r), {})
+    for r in sorted(records, key=lambda r: workload_order(r.workload)):
+        e = out.setdefault(r.config_key, {})
         for k in BITS:
-            if k in r["metrics"] and k not in e:
-                e[k] = r["metrics"][k]
+            if k in r.metrics and k not in e:
+                e[k] = r.metrics[k]
     for r in records:  # no record of the configuration has nominal bits: the formula's
-        e = out[config_key(r)]
-        d = (r.get("manifest", {}).get("model") or {}).get("head_dim")
+        e = out[r.config_key]
+        d = (r.manifest.get("model") or {}).get("head_dim")
         if "nominal_key_bits" not in e and d:
             e.update(_nominal(r, int(d)))
     return out
 
 
-def _nominal(r: dict[str, Any], head_dim: int) -> dict[str, float]:
+def _nominal(r: Record, head_dim: int) -> dict[str, float]:
     """Nominal bits of a record's configuration from its method's formula (``{}`` when the
     method is not installed here or its config no longer loads)."""
     from kvbench.cache.registry import get_method
 
     try:
-        m = get_method(r["method"], **(r.get("config") or {}))
+        m = get_method(r.method, **r.config)
         b = m.average_bits(head_dim=head_dim)
     except Exception:  # noqa: BLE001 - a report must render records of methods gone since
         return {}
     return {"nominal_key_bits": b["key_bits"], "nominal_value_bits": b["value_bits"]}
-
-
-def flags_of(r: dict[str, Any]) -> list[str]:
-    return list(r.get("manifest", {}).get("flags") or [])
 
 
 def _fmt(v: Any) -> str:
@@ -132,11 +125,11 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def model_labels(records: list[dict[str, Any]]) -> dict[str, str]:
+def model_labels(records: list[Record]) -> dict[str, str]:
     """Canonical model spec -> the name tables give it: the id (``shape:<preset>`` for a shape
     model, with ``[layers N]`` for a slice; ``none`` model-free), and its dtype and device
     where two specs of the records would otherwise share a name."""
-    specs = {canonical(r.get("model")): r.get("model") or {} for r in records}
+    specs = {canonical(r.model): r.model for r in records}
 
     def short(m: dict[str, Any]) -> str:
         return (m.get("id") or "none") + (f" [layers {m['layers']}]" if m.get("layers") else "")
@@ -156,17 +149,17 @@ def workload_label(w: dict[str, Any]) -> str:
     )
 
 
-def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> list[dict[str, Any]]:
+def tables(records: list[Record], columns: list[str] | None = None) -> list[dict[str, Any]]:
     """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
     "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
     in report order (see the module docstring)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[Record]] = {}
     order: dict[str, tuple] = {}
     # records of several models: one table per workload and model, the model in its title
     names = model_labels(records)
     several = len(set(names.values())) > 1
     for r in records:
-        w, m = r.get("workload", {}), names[canonical(r.get("model"))]
+        w, m = r.workload, names[canonical(r.model)]
         key = workload_label(w) + (f" on {m}" if several else "")
         groups.setdefault(key, []).append(r)
         order[key] = (*workload_order(w), m)
@@ -174,7 +167,7 @@ def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> l
     out = []
     for wl in sorted(groups, key=lambda k: order[k]):
         recs = sorted(groups[wl], key=row_order)
-        present = {k for r in recs for k in r["metrics"]}
+        present = {k for r in recs for k in r.metrics}
         cols = [c for c in (columns or COLUMNS) if c in present and c not in BITS]
         if columns is None:
             cols += sorted(
@@ -184,30 +177,30 @@ def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> l
             )
         if not cols:  # a workload with none of the preferred metrics: show its own
             cols = sorted(c for c in present if not c.endswith("_ratio") and c not in BITS)[:8]
-        have_bits = [c for c in BITS if c in present or any(c in bits[config_key(r)] for r in recs)]
+        have_bits = [c for c in BITS if c in present or any(c in bits[r.config_key] for r in recs)]
         cols = have_bits + cols
         rows = []
         for r in recs:
             values, borrowed = {}, []
             for c in cols:
-                if c in r["metrics"]:
-                    values[c] = r["metrics"][c]
-                elif c in bits[config_key(r)]:
-                    values[c] = bits[config_key(r)][c]
+                if c in r.metrics:
+                    values[c] = r.metrics[c]
+                elif c in bits[r.config_key]:
+                    values[c] = bits[r.config_key][c]
                     borrowed.append(c)
             rows.append(
                 {
-                    "label": label_of(r),
-                    "run_id": r.get("run_id"),
-                    "method": r["method"],
+                    "label": r.label,
+                    "run_id": r.run_id,
+                    "method": r.method,
                     "values": values,
                     "borrowed": borrowed,
-                    "flags": flags_of(r),
+                    "flags": r.flags,
                 }
             )
-        notes = sorted({r.get("manifest", {}).get("timing_note") for r in recs} - {None})
+        notes = sorted({r.manifest.get("timing_note") for r in recs} - {None})
         if any("_ratio" in c and c.startswith(("decode", "prefill")) for c in cols):
-            base = sorted({r.get("manifest", {}).get("baseline") for r in recs} - {None})
+            base = sorted({r.manifest.get("baseline") for r in recs} - {None})
             if base:
                 notes.append(f"timing ratios: against {', '.join(base)} interleaved in each run")
         if any(row["borrowed"] for row in rows):
@@ -219,7 +212,7 @@ def tables(records: list[dict[str, Any]], columns: list[str] | None = None) -> l
 
 
 def summary_table(
-    records: list[dict[str, Any]], suite: Any = None, columns: list[str] | None = None
+    records: list[Record], suite: Suite | None = None, columns: list[str] | None = None
 ) -> str:
     """Markdown tables, one per workload (see the module docstring for order and columns)."""
     parts = []
@@ -259,11 +252,11 @@ def main(args: argparse.Namespace) -> int:
         paths = write_plots(records, folder)
         for path in paths:
             print(f"wrote {path}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps({"tables": tables(records), "plots": [str(p) for p in paths]}))
         return 0
-    if any(r.get("workload", {}).get("type") == "memory" for r in records) and any(
-        r["method"] == BASELINE for r in records
+    if any(r.workload_type == "memory" for r in records) and any(
+        r.method == BASELINE for r in records
     ):
         print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
     print(summary_table(records))

@@ -19,13 +19,13 @@ from test_workload_metrics import _toy_llama
 
 import kvbench.data.loaders as loaders
 from kvbench.attention import codedomain as cpu
-from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import decode_route
-from kvbench.hf.capture import capture_prompt
-from kvbench.cache.registry import get_method
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.generation import forced_logprobs
 from kvbench.bench.workloads.perplexity import chunked_logits
+from kvbench.cache.registry import get_method
+from kvbench.hf.attention import kvbench_attention
+from kvbench.hf.cache import decode_route
+from kvbench.hf.capture import capture_prompt
 
 SMALL = dict(group_size=16, residual_length=16)
 #: layouts with different code-domain kernels, one needing prefill queries (pn-mix), one with no

@@ -14,7 +14,12 @@ import torch
 import kvbench
 from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
 from kvbench.cache.layer import LayerCache
-from kvbench.cache.schedule import AllButNewestSchedule, BlockSchedule, NeverSchedule, SlidingSchedule
+from kvbench.cache.schedule import (
+    AllButNewestSchedule,
+    BlockSchedule,
+    NeverSchedule,
+    SlidingSchedule,
+)
 
 F32 = torch.float32
 

@@ -18,7 +18,13 @@ import pytest
 import torch
 from scipy import special, stats
 
-from kvbench.bench.workloads.metrics import add_ci, attention_fidelity, bootstrap_ci, direction, key_mse
+from kvbench.bench.workloads.metrics import (
+    add_ci,
+    attention_fidelity,
+    bootstrap_ci,
+    direction,
+    key_mse,
+)
 
 
 def _loop_attention(q, k_ref, v_ref, k_q, v_q, start, scale):

@@ -28,14 +28,15 @@ import torch
 from scipy import special
 from torch.distributions import Categorical, kl_divergence
 
-from kvbench.hf.attention import use_kvbench_attention
-from kvbench.cache.registry import get_method
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import generation as gen_mod
 from kvbench.bench.workloads import perplexity as ppl_mod
 from kvbench.bench.workloads.fidelity import Fidelity, layer_fidelity
 from kvbench.bench.workloads.generation import Generation, run_batched
 from kvbench.bench.workloads.passkey import Passkey
 from kvbench.bench.workloads.perplexity import Perplexity, chunked_logits
+from kvbench.cache.registry import get_method
+from kvbench.hf.attention import use_kvbench_attention
 
 V = 11  # vocabulary of the hand-built distributions; != the number of positions scored
 
@@ -45,8 +46,8 @@ def _logprobs(n: int, seed: int, sharp: float = 1.5) -> torch.Tensor:
     return torch.log_softmax(sharp * torch.randn(n, V, generator=g), dim=-1)
 
 
-def _ctx(seed: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(model=None, seed=seed, model_info={"head_dim": 64}, shared={})
+def _ctx(seed: int = 0) -> RunContext:
+    return RunContext(model=None, seed=seed, model_info={"head_dim": 64})
 
 
 def _kl_loop(ref: torch.Tensor, lp: torch.Tensor) -> list[float]:
@@ -247,7 +248,7 @@ def test_passkey_accuracy_counts_answers_in_the_completion(monkeypatch) -> None:
         )  # fmt: skip
         for i, a in enumerate(answers)
     ]
-    res = wl.run(SimpleNamespace(model=Model(), tokenizer=tok, seed=0), get_method("full"))
+    res = wl.run(RunContext(model=Model(), tokenizer=tok, seed=0), get_method("full"))
     assert res.metrics == {"passkey_acc": 0.5}  # examples 0 and 3: "1234 5" is not "12345"
     assert [r["correct"] for r in res.per_layer["examples"]] == [True, False, False, True]
 
@@ -516,7 +517,7 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
     wl = Perplexity(Perplexity.validate(spec))
     wl.windows, wl.ref, wl.prompts, wl.info = windows, refs, prompts, {"dataset": "d"}
     info = {} if head_dim is None else {"head_dim": head_dim}
-    ctx = SimpleNamespace(model=model, seed=5, model_info=info, shared={})
+    ctx = RunContext(model=model, seed=5, model_info=info)
     res = wl.run(ctx, method)
     for (m_, ids, meth, p, c, path, prompt), w, pr in zip(calls, windows, prompts):
         assert m_ is model and meth is method and prompt is pr
@@ -577,7 +578,7 @@ def test_generation_run_teacher_forces_the_reference_and_reports_per_prompt(monk
     ref_lps = [torch.log_softmax(_logprobs(2, 70 + i)[:, :3], -1) for i in range(3)]
     wl.items = list(zip(prompts, refs, ref_lps))
     model, method = object(), get_method("full")
-    res = wl.run(SimpleNamespace(model=model, seed=5, model_info={}, shared={}), method)
+    res = wl.run(RunContext(model=model, seed=5, model_info={}), method)
     # one prompt at a time: its greedy continuation, then its *reference* teacher-forced
     assert calls == [
         c for i, r in zip((1, 2, 3), refs)
@@ -615,7 +616,7 @@ def test_generation_intervals_resample_with_the_run_seed(monkeypatch) -> None:
     refs = [torch.tensor([i] * k + [99] * (10 - k)) for i, k in enumerate(firsts)]
     wl = Generation(Generation.validate({"type": "generation", "new_tokens": 10, "bucket": 5}))
     wl.items = [(torch.tensor([[i]]), r, torch.zeros(10, 3)) for i, r in enumerate(refs)]
-    m = wl.run(SimpleNamespace(model=None, seed=7, model_info={}, shared={}), get_method("full"))
+    m = wl.run(RunContext(model=None, seed=7, model_info={}), get_method("full"))
     assert m.per_layer["first_divergence"] == firsts
     for name, vals in (
         ("gen_first_divergence", firsts),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.kernels import pack
 from kvbench.cache.quant import pack_bits as core_pack
 from kvbench.cache.quant import unpack_bits as core_unpack
+from kvbench.kernels import pack
 
 
 def test_hand_packed_bytes(poison):

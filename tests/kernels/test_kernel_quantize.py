@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
+from kvbench.cache.mixed_channel import MixedChannelCodec
 from kvbench.kernels import quantize as Q
 from kvbench.kernels.decode_attention import QuantKeys, dequantize_keys_reference
 from kvbench.kernels.pack import unpack_bits
-from kvbench.cache.blocks import PerChannelCodec, PerTokenCodec
-from kvbench.cache.mixed_channel import MixedChannelCodec
 from kvbench.methods.kitty import KittySelector
 
 

@@ -17,6 +17,10 @@ import torch
 from transformers import LlamaConfig
 
 import kvbench
+from kvbench.bench.runner import skip_reason
+from kvbench.bench.workloads.fidelity import Fidelity
+from kvbench.bench.workloads.latency import Latency
+from kvbench.bench.workloads.memory import Memory
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import (
     cache_nbytes,
@@ -25,10 +29,6 @@ from kvbench.hf.peers import (
     plain_tensors,
     storage_nbytes,
 )
-from kvbench.bench.runner import skip_reason
-from kvbench.bench.workloads.fidelity import Fidelity
-from kvbench.bench.workloads.latency import Latency
-from kvbench.bench.workloads.memory import Memory
 
 HAVE_QUANTO = importlib.util.find_spec("optimum") is not None and (
     importlib.util.find_spec("optimum.quanto") is not None

@@ -23,9 +23,12 @@ is an error at run time.
 from __future__ import annotations
 
 import fnmatch
-import functools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from kvbench.bench.context import RunContext
+    from kvbench.cache.method import Method
 
 from kvbench.registry import Registry, RegistryError
 
@@ -172,7 +175,11 @@ KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
 
 
 class Workload:
-    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required)."""
+    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required).
+
+    The runner calls ``prepare(ctx)`` once per model (from a fresh seed), then
+    ``run(ctx, method)`` once per method configuration, then :func:`check_metrics` on the
+    result; ``ctx`` is the model's :class:`~kvbench.bench.context.RunContext`."""
 
     type: ClassVar[str] = ""
     needs_model: ClassVar[bool] = True
@@ -248,25 +255,12 @@ class Workload:
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         """Extra validation of a filled spec; raise ``ValueError`` starting with ``pre``."""
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        run = cls.__dict__.get("run")
-        if run is not None and not getattr(run, "_checks_metrics", False):
-
-            @functools.wraps(run)
-            def checked(self: Workload, ctx: Any, method: Any) -> Result:
-                result = run(self, ctx, method)
-                check_metrics(type(self), result.metrics)
-                return result
-
-            checked._checks_metrics = True  # type: ignore[attr-defined]
-            cls.run = checked  # type: ignore[method-assign]
-
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
 
-    def prepare(self, ctx: Any) -> None:
-        """Work shared by every method on one model (called once before the runs)."""
+    def prepare(self, ctx: RunContext) -> None:
+        """Work shared by every method on one model (called once before the runs); what other
+        workloads on the model may reuse goes to ``ctx.shared``."""
 
     def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
         """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
@@ -275,5 +269,7 @@ class Workload:
         model to calibrate on).  Called by the runner for methods with ``needs_calibration``."""
         return None
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
+        """Measure ``method`` in the prepared workload.  Every metric of the result must match
+        a ``METRICS`` declaration: the runner checks it (:func:`check_metrics`) after the run."""
         raise NotImplementedError

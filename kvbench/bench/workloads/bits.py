@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import LOWER
+from kvbench.cache.method import Method
 
 from . import Result, Workload
 
@@ -29,6 +31,6 @@ class Bits(Workload):
             if not isinstance(spec[k], int) or spec[k] < 1:
                 raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         r = method.average_bits(head_dim=self.spec["head_dim"], tokens=self.spec["tokens"])
         return Result({"nominal_key_bits": r["key_bits"], "nominal_value_bits": r["value_bits"]})

@@ -29,8 +29,15 @@ from typing import Any
 import torch
 
 from kvbench.attention.reference import reference_attention
+from kvbench.bench.context import Capture, RunContext
+from kvbench.bench.workloads.metrics import (
+    LOWER,
+    NONE,
+    STORAGE_METRICS,
+    attention_fidelity,
+    key_mse,
+)
 from kvbench.cache.method import Method
-from kvbench.bench.workloads.metrics import LOWER, NONE, STORAGE_METRICS, attention_fidelity, key_mse
 
 from . import KV_SOURCE_PARAMS, Result, Workload
 
@@ -155,7 +162,7 @@ class Fidelity(Workload):
         info = {"source": "synthetic (fidelity workload, drawn after the measured Q/K/V)"}
         return keys, values, {"dataset": {**info, "seed": seed}, "tokens": tokens}
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.data.loaders import load_text, token_windows
         from kvbench.hf.capture import capture_qkv
 
@@ -166,14 +173,15 @@ class Fidelity(Workload):
             raise ValueError("fidelity with source 'model' needs a model (the suite has none)")
 
         key = ("fidelity", self.spec["text"], self.spec["tokens"], self.spec["window"])
-        if key in ctx.shared:
-            self.captured, self.info = ctx.shared[key]
+        if key in ctx.shared.captures:
+            got = ctx.shared.captures[key]
+            self.captured, self.info = got.qkv, got.info
             return
         text, tinfo = load_text(self.spec["text"])
         w = self.spec["window"]
         ids, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], w + 1)
         ids = ids[w : w + 1]
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if self.spec["tokens"] > max_pos:
             raise ValueError(
                 f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
@@ -181,9 +189,9 @@ class Fidelity(Workload):
         captured = capture_qkv(ctx.model, ids)
         self.captured = captured
         self.info = {"dataset": tinfo, "windows": winfo}
-        ctx.shared[key] = (captured, self.info)
+        ctx.shared.captures[key] = Capture(captured, self.info)
 
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         n = len(self.captured.keys)
         layers = range(n) if self.spec["layers"] == "all" else self.spec["layers"]
         per: dict[str, list[float]] = {}

@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
-from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
-from kvbench.cache.method import Method, require_padding
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER
 from kvbench.bench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
 from kvbench.bench.workloads.metrics import add_ci
+from kvbench.cache.method import Method, require_padding
+from kvbench.hf.attention import kvbench_attention
+from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
 
 from . import Result, Workload
 
@@ -280,7 +281,7 @@ class Generation(Workload):
                 f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
             )
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.cache.registry import get_method
 
         prompts = self.spec["prompts"] or DEFAULT_PROMPTS
@@ -296,17 +297,17 @@ class Generation(Workload):
             prompts = [f"{d}\n\nThe text above is background. {p}" for d, p in zip(docs, prompts)]
         bs, route = self.spec.get("batch_size", 1), self.spec["path"]
         key = ("generation", tuple(prompts), self.spec["new_tokens"], route, bs)
-        if key in ctx.shared:
-            self.items = ctx.shared[key]
+        if key in ctx.shared.continuations:
+            self.items = ctx.shared.continuations[key]
             return
         ids = [encode_prompt(ctx.tokenizer, p) for p in prompts]
         refs, ref_lps = run_batched(
             ctx.model, ids, get_method("full"), self.spec["new_tokens"], route, bs
         )
         self.items = list(zip(ids, refs, ref_lps))
-        ctx.shared[key] = self.items
+        ctx.shared.continuations[key] = self.items
 
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         n, bucket = self.spec["new_tokens"], self.spec["bucket"]
         first, match, kl_steps, top1_steps = [], [], [], []
         route, decode = self.spec["path"], {}

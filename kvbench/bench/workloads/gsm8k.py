@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.tasks.extract import (
     gsm8k_cot_strict,
     gsm8k_flexible,
@@ -127,7 +128,7 @@ class GSM8K(TaskWorkload):
                 f"{pre}compare={spec['compare']!r} is not supported; allowed: {list(COMPARES)}"
             )
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows
 
         rows, info = load_rows("gsm8k")

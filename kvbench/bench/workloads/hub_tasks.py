@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
@@ -85,7 +86,7 @@ class GPQA(TaskWorkload):
     PARAMS = {**COMMON_PARAMS, "new_tokens": 1024, "subset": "gpqa_diamond"}
     PRIMARY = "gpqa_acc"
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows, info = hub_rows(
             "Idavidrein/gpqa",
             self.spec["subset"],
@@ -239,7 +240,7 @@ class InfiniteBench(TaskWorkload):
         if isinstance(m, bool) or not isinstance(m, int) or m < 16:
             raise ValueError(f"{pre}max_context={m!r} must be an integer >= 16")
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         examples, infos = [], {}
         half = self.spec["max_context"] // 2
         for task in self.spec["tasks"]:
@@ -296,7 +297,7 @@ class InfiniteBench(TaskWorkload):
             "budgets": IB_BUDGETS,
         }
 
-    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
         from .taskbase import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])

@@ -22,6 +22,7 @@ import hashlib
 import re
 from typing import Any
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
@@ -62,7 +63,7 @@ class HumanEval(TaskWorkload):
             return list(s)
         return list(CODEX_STOP) if self.spec["mode"] == "completion" else ["<|im_end|>", "</s>"]
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.bench.tasks.humaneval import humaneval_path, load_problems
 
         path = humaneval_path()

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.bench.workloads.batching import check_batch_size, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
@@ -213,11 +214,11 @@ class Latency(Workload):
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.data.loaders import load_text, token_windows
 
         s = self.spec
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if s["context"] > max_pos:
             raise ValueError(
                 f"context={s['context']} exceeds the model's maximum context {max_pos} "
@@ -225,14 +226,14 @@ class Latency(Workload):
             )
         bs = s["batch_size"]
         key = ("latency-ids", s["text"], s["window"], s["context"], bs)
-        if key not in ctx.shared:
+        if key not in ctx.shared.token_ids:
             text, tinfo = load_text(s["text"])
             ids, winfo = token_windows(ctx.tokenizer, text, s["context"], s["window"] + bs)
-            ctx.shared[key] = (
+            ctx.shared.token_ids[key] = (
                 ids[s["window"] : s["window"] + bs],
                 {"dataset": tinfo, "windows": winfo},
             )
-        self.ids, self.info = ctx.shared[key]
+        self.ids, self.info = ctx.shared.token_ids[key]
 
     def _attend(self, method: Method) -> bool:
         p = self.spec["path"]
@@ -241,7 +242,7 @@ class Latency(Workload):
         return p == "attend"
 
     @torch.no_grad()
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         from kvbench.cache.registry import get_method
         from kvbench.hf.cache import cache_kwarg
 
@@ -269,7 +270,7 @@ class Latency(Workload):
             mask = torch.ones(bs, d, dtype=torch.long, device=dev)
             for b, k in enumerate(lens):
                 mask[b, : p - k] = 0
-            ids = ids.masked_fill(mask == 0, pad_id(model, getattr(ctx, "tokenizer", None)))
+            ids = ids.masked_fill(mask == 0, pad_id(model, ctx.tokenizer))
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}

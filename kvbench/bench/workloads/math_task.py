@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
 from kvbench.bench.workloads import HIGHER
 
@@ -66,7 +67,7 @@ class MathTask(TaskWorkload):
         if not isinstance(t, str) or "{problem}" not in t:
             raise ValueError(f"{pre}prompt_template must be a string containing '{{problem}}'")
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows
 
         rows, info = load_rows(self.spec["dataset"])

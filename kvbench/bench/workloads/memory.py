@@ -80,9 +80,10 @@ from typing import Any
 
 import torch
 
-from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
-from kvbench.cache.method import Method
+from kvbench.bench.context import Capture, RunContext
 from kvbench.bench.workloads.metrics import LOWER, STORAGE_METRICS
+from kvbench.cache.method import Method
+from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 
 from . import KV_SOURCE_PARAMS, Result, Workload
 
@@ -381,20 +382,20 @@ class Memory(Workload):
         info = {"source": "synthetic (memory workload, positions after context)", "seed": seed}
         return keys, values, {"dataset": info, "tokens": tokens}
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         s = self.spec
         d = s["context"]
-        self.shape = bool((getattr(ctx, "model_info", None) or {}).get("random_weights"))
+        self.shape = bool(ctx.model_info.get("random_weights"))
         if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
             from kvbench.bench.workloads.synthetic_kv import shape_inputs
 
-            self.device = torch.device((ctx.model_spec or {}).get("device", "cpu"))
+            self.device = ctx.device
             self.qkv, self.layer_ids, self.info = shape_inputs(
                 ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
                 DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=s["appends"],
             )  # fmt: skip
             self.config, self.seed = ctx.model.config, ctx.seed
-            ctx.shared["shape_layers_measured"] = tuple(self.layer_ids)  # what to calibrate
+            ctx.shared.shape_layers_measured = tuple(self.layer_ids)  # what to calibrate
             return
         if s.get("batch", 1) != 1:
             raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
@@ -412,10 +413,9 @@ class Memory(Workload):
                 raise ValueError(f"layers={s['layers']} names layers outside {self.layer_ids}")
             self.qkv = [self.qkv[i] for i in keep]
             self.layer_ids = [self.layer_ids[i] for i in keep]
-        spec_dev = (ctx.model_spec or {}).get("device", "cpu")
-        self.device = torch.device(spec_dev if s["source"] == "model" else "cpu")
+        self.device = ctx.device if s["source"] == "model" else torch.device("cpu")
 
-    def _capture(self, ctx: Any) -> None:
+    def _capture(self, ctx: RunContext) -> None:
         s = self.spec
         d = s["context"]
         if ctx.model is None:
@@ -423,7 +423,7 @@ class Memory(Workload):
                 "memory workload with source: model needs a model; use source: synthetic for "
                 "model-free runs"
             )
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if d > max_pos:
             raise ValueError(
                 f"context={d} exceeds the model's maximum context {max_pos} "
@@ -435,14 +435,14 @@ class Memory(Workload):
         # one capture serves every shorter context of the same text (causal: a prefix's K/V do
         # not depend on later tokens)
         key = ("memory-capture", s["text"], s["window"])
-        got = ctx.shared.get(key)
-        if got is None or got[0] < d:
+        got = ctx.shared.captures.get(key)
+        if got is None or got.tokens < d:
             text, tinfo = load_text(s["text"])
             ids, winfo = token_windows(ctx.tokenizer, text, d, s["window"] + 1)
             captured = capture_qkv(ctx.model, ids[s["window"] : s["window"] + 1])
-            got = (d, captured, {"dataset": tinfo, "windows": winfo})
-            ctx.shared[key] = got
-        _, c, info = got
+            got = Capture(captured, {"dataset": tinfo, "windows": winfo}, tokens=d)
+            ctx.shared.captures[key] = got
+        c, info = got.qkv, got.info
         self.qkv = [
             (q[:, :, :d], k[:, :, :d], v[:, :, :d]) for q, k, v in zip(c.queries, c.keys, c.values)
         ]
@@ -450,7 +450,7 @@ class Memory(Workload):
         self.info = {"kv_source": "model capture (post-RoPE)", **info}
 
     # ------------------------------------------------------------------ run
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         """The replay, bytes, peak and errors of ``method`` (see the module docstring), with
         glibc serving the run's allocations from its heap (:func:`kvbench.measure.heap.heap_reuse`:
         no fresh pages for every large temporary; nothing measured changes)."""
@@ -465,7 +465,7 @@ class Memory(Workload):
         )
         return result
 
-    def _run(self, ctx: Any, method: Method) -> Result:
+    def _run(self, ctx: RunContext, method: Method) -> Result:
         s = self.spec
         d, n_app = s["context"], s["appends"]
         p = d - n_app

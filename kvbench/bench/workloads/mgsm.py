@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.tasks.extract import (
     FLEXIBLE_REGEX,
     INVALID,
@@ -122,7 +123,7 @@ class MGSM(TaskWorkload):
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8:
             raise ValueError(f"{pre}num_fewshot={k!r} must be an integer in 0..8")
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows
 
         k = self.spec["num_fewshot"]

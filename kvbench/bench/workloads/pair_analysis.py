@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.mixed_channel import high_pairs, pair_channels
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
+from kvbench.cache.method import Method
+from kvbench.cache.mixed_channel import high_pairs, pair_channels
 
 from . import Result, Workload
 
@@ -67,7 +69,7 @@ def _check_source(spec: dict[str, Any], pre: str) -> None:
 
 
 def sample_prompts(
-    ctx: Any, source: str, samples: int, tokens: int, extra: int = 0
+    ctx: RunContext, source: str, samples: int, tokens: int, extra: int = 0
 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """Token ids ``[1, n]`` of up to ``samples`` prompts (``ctx.limit`` caps the count).
 
@@ -105,12 +107,12 @@ def top_mask(scores: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
 
 
-def _pair_scores(method: Any):
+def _pair_scores(method: Method):
     """The method's RoPE-pair scoring hook ``method.pair_scores(keys, queries, score, pairing)
     -> [B, H_kv, D/2]`` (PN-Mix provides it).  Raises ``ValueError`` for a method without one."""
     fn = getattr(method, "pair_scores", None)
     if not callable(fn):
-        name = getattr(method, "name", "") or type(method).__name__
+        name = method.name or type(method).__name__
         raise ValueError(
             f"method {name!r} has no pair_scores(keys, queries, score, pairing) hook; the "
             "pair studies (score_agreement, selection_stability) need a method that selects "
@@ -119,13 +121,13 @@ def _pair_scores(method: Any):
     return fn
 
 
-def _criterion(method: Any, default: str) -> str:
-    score = getattr(getattr(method, "config", None), "score", None)
+def _criterion(method: Method, default: str) -> str:
+    score = getattr(method.config, "score", None)
     return score if score in QK_SCORES else default
 
 
-def _pairing(method: Any) -> str:
-    p = getattr(getattr(method, "config", None), "pairing", "rotate-half")
+def _pairing(method: Method) -> str:
+    p = getattr(method.config, "pairing", "rotate-half")
     return {"rotate_half": "rotate-half"}.get(p, p)
 
 
@@ -164,7 +166,7 @@ class ScoreAgreement(Workload):
         ):
             raise ValueError(f"{pre}ratios must be a list of fractions in (0, 1]")
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.hf.capture import capture_qkv
 
         key = (
@@ -174,7 +176,7 @@ class ScoreAgreement(Workload):
             self.spec["tokens"],
             ctx.limit,
         )
-        if key not in ctx.shared:
+        if key not in ctx.shared.qk_samples:
             prompts, info = sample_prompts(
                 ctx, self.spec["source"], self.spec["samples"], self.spec["tokens"]
             )
@@ -182,10 +184,10 @@ class ScoreAgreement(Workload):
             for ids in prompts:
                 c = capture_qkv(ctx.model, ids)
                 caps.append((c.queries, c.keys))  # values are not needed
-            ctx.shared[key] = (caps, info)
-        self.captured, self.info = ctx.shared[key]
+            ctx.shared.qk_samples[key] = (caps, info)
+        self.captured, self.info = ctx.shared.qk_samples[key]
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         from scipy.stats import spearmanr
 
         scores = _pair_scores(method)
@@ -281,7 +283,7 @@ class SelectionStability(Workload):
             raise ValueError(f"{pre}score={spec['score']!r} is not supported")
 
     @torch.no_grad()
-    def _continue(self, ctx: Any, ids: torch.Tensor) -> torch.Tensor:
+    def _continue(self, ctx: RunContext, ids: torch.Tensor) -> torch.Tensor:
         n = self.spec["decode_steps"]
         if self.spec["continuation"] == "text":
             return ids
@@ -290,7 +292,7 @@ class SelectionStability(Workload):
         )
         return out.cpu()
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.hf.capture import capture_qkv
 
         s = self.spec
@@ -307,8 +309,8 @@ class SelectionStability(Workload):
             repr(s["layers"]),
             ctx.limit,
         )
-        if key in ctx.shared:
-            self.data, self.info = ctx.shared[key]
+        if key in ctx.shared.selections:
+            self.data, self.info = ctx.shared.selections[key]
             return
         extra = s["decode_steps"] if s["continuation"] == "text" else 0
         prompts, info = sample_prompts(ctx, s["source"], s["samples"], s["tokens"], extra)
@@ -344,7 +346,7 @@ class SelectionStability(Workload):
             "reference_aggregation": "sum over decode keys P <= s <= t [RECON]",
         }
         self.data, self.info = data, info
-        ctx.shared[key] = (data, info)
+        ctx.shared.selections[key] = (data, info)
 
     def _reference(self, q: torch.Tensor, k: torch.Tensor, p: int, ref: str) -> torch.Tensor:
         """Reference pair scores ``[H_q, steps, D/2]`` of the decode queries ``p..T-1`` (every
@@ -377,7 +379,7 @@ class SelectionStability(Workload):
                     score[:, c0:c1, i] = (dots.abs() * causal).sum(-1).double()
         return score
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
 
         s = self.spec
         scores = _pair_scores(method)

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.method import Method, require_padding
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
 from kvbench.bench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
+from kvbench.cache.method import Method, require_padding
 
 from . import Result, Workload
 
@@ -76,10 +77,10 @@ class Passkey(Workload):
                 f"length={spec['length']} for the needle"
             )
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.bench.tasks.synthetic import niah_single
 
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if self.spec["length"] > max_pos:
             raise ValueError(
                 f"length={self.spec['length']} exceeds the model's maximum context {max_pos}"
@@ -106,7 +107,7 @@ class Passkey(Workload):
                 self.examples.append((ex, ids))
 
     @torch.no_grad()
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         from kvbench.hf.attention import kvbench_attention
         from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
 

@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.context import Reference, RunContext
+from kvbench.bench.workloads.metrics import HIGHER, LOWER, NONE, STORAGE_METRICS, add_ci
+from kvbench.cache.method import Method
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
     DECODE_PATHS,
@@ -40,8 +43,7 @@ from kvbench.hf.cache import (
     decode_route,
     make_hf_cache,
 )
-from kvbench.cache.method import Method
-from kvbench.bench.workloads.metrics import HIGHER, LOWER, NONE, STORAGE_METRICS, add_ci
+from kvbench.hf.capture import PromptState
 
 from . import Result, Workload
 
@@ -103,6 +105,8 @@ class Perplexity(Workload):
         **STORAGE_METRICS,
     }
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
+    #: per window, the prompt's K/V and last logits (``prepare``); ``None``: each run prefills
+    prompts: list[PromptState] | None = None
     PARAMS = {
         "text": "wikitext2",
         "tokens": 2048,
@@ -125,18 +129,24 @@ class Perplexity(Workload):
                 f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
             )
 
-    def prepare(self, ctx: Any) -> None:
-        from kvbench.data.loaders import load_text, token_windows
+    def prepare(self, ctx: RunContext) -> None:
         from kvbench.cache.registry import get_method
+        from kvbench.data.loaders import load_text, token_windows
 
         key = (
             "perplexity",
             *(self.spec[k] for k in ("text", "tokens", "prefill", "chunk", "windows", "path")),
         )
-        if key in ctx.shared:
-            self.windows, self.prompts, self.ref, self.info = ctx.shared[key]
+        if key in ctx.shared.references:
+            got = ctx.shared.references[key]
+            self.windows, self.prompts, self.ref, self.info = (
+                got.windows,
+                got.prompts,
+                got.logprobs,
+                got.info,
+            )
             return
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if self.spec["tokens"] > max_pos:
             raise ValueError(
                 f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
@@ -156,14 +166,14 @@ class Perplexity(Workload):
             for w, prompt in zip(self.windows, self.prompts)
         ]
         self.info = {"dataset": tinfo, "windows": winfo}
-        ctx.shared[key] = (self.windows, self.prompts, self.ref, self.info)
+        ctx.shared.references[key] = Reference(self.windows, self.prompts, self.ref, self.info)
 
-    def run(self, ctx: Any, method: Method) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         p = self.spec["prefill"]
         nll, nll_ref, kls, agree = [], [], [], []
         nbytes: dict[str, int] = {}
         decode: dict[str, Any] = {}
-        prompts = getattr(self, "prompts", None) or [None] * len(self.windows)
+        prompts = self.prompts or [None] * len(self.windows)
         for w, ref, prompt in zip(self.windows, self.ref, prompts):
             lp, nbytes = chunked_logits(
                 ctx.model, w[None], method, p, self.spec["chunk"], self.spec["path"], prompt,

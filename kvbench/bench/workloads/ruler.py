@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from kvbench.bench.workloads import HIGHER
+from kvbench.bench.context import RunContext
+from kvbench.bench.workloads import HIGHER, Result
+from kvbench.cache.method import Method
 
 from .passkey import chat_wrap
 from .taskbase import COMMON_PARAMS, TaskWorkload
@@ -102,14 +104,14 @@ class Ruler(TaskWorkload):
                 f"length ({min(spec['lengths'])}) for the needles"
             )
 
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.bench.tasks.synthetic import generate
         from kvbench.bench.tasks.tokens import encode
 
         tok = ctx.tokenizer
         if tok is None:
             raise ValueError("ruler needs a tokenizer to place the needles")
-        max_pos = (ctx.model_info or {}).get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if max(self.spec["lengths"]) > max_pos:
             raise ValueError(
                 f"ruler: length {max(self.spec['lengths'])} exceeds the model's context {max_pos}"
@@ -187,7 +189,7 @@ class Ruler(TaskWorkload):
             "truncation": "none: prompts are generated to fit each length",
         }
 
-    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
         from .taskbase import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
@@ -202,7 +204,7 @@ class Ruler(TaskWorkload):
             "gold": example["answers"],
         }
 
-    def run(self, ctx: Any, method: Any) -> Any:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
         ns = getattr(method.config, "num_sink_tokens", 0)
         rows = result.per_layer["examples"]

@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.method import require_padding
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, NONE
 from kvbench.bench.workloads.batching import PadLedger, stored_pad_tokens
+from kvbench.cache.method import Method, require_padding
 
 from . import Result, Workload
 
@@ -132,7 +133,7 @@ def greedy_generate(
     model: Any,
     tokenizer: Any,
     ids: torch.Tensor,
-    method: Any,
+    method: Method,
     max_new_tokens: int,
     stop: Sequence[str] = (),
     path: str = "attend",
@@ -208,7 +209,7 @@ def greedy_generate_batch(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[torch.Tensor],
-    method: Any,
+    method: Method,
     max_new_tokens: Sequence[int],
     stop: Sequence[str] = (),
     path: str = "attend",
@@ -360,7 +361,7 @@ class TaskWorkload(Workload):
         """Task-specific validation (raise ``ValueError`` starting with ``pre``)."""
 
     # ----------------------------------------------------------------- subclass hooks
-    def load(self, ctx: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """All examples of the task and a manifest dict (dataset info, prompt template...)."""
         raise NotImplementedError
 
@@ -374,10 +375,10 @@ class TaskWorkload(Workload):
         s = self.spec.get("stop")
         return list(self.DEFAULT_STOP) if s is None else list(s)
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         key = (self.type, repr(sorted(self.spec.items())), ctx.limit, ctx.seed)
-        if key in ctx.shared:
-            self.examples, self.info = ctx.shared[key]
+        if key in ctx.shared.examples:
+            self.examples, self.info = ctx.shared.examples[key]
             return
         examples, info = self.load(ctx)
         limit = self.spec.get("max_examples")  # per group
@@ -435,13 +436,13 @@ class TaskWorkload(Workload):
             " the context left",
         )
         self.info = info
-        ctx.shared[key] = (self.examples, self.info)
+        ctx.shared.examples[key] = (self.examples, self.info)
 
-    def prompt_ids(self, ctx: Any, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """The example's prompt ids ``[1, P]`` and its new-token budget.  Raises
         ``ValueError`` if the prompt does not fit the model's context."""
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
-        max_pos = ctx.model_info.get("max_position_embeddings") or 1 << 30
+        max_pos = ctx.max_positions
         if ids.shape[1] >= max_pos:
             raise ValueError(
                 f"{self.type} example {example['index']}: prompt of {ids.shape[1]} tokens does "
@@ -449,7 +450,7 @@ class TaskWorkload(Workload):
             )
         return ids, min(self.spec["new_tokens"], max_pos - ids.shape[1])
 
-    def generate(self, ctx: Any, method: Any, example: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, ctx: RunContext, method: Method, example: dict[str, Any]) -> dict[str, Any]:
         """Greedy completion of one example (tests replace this with a stub)."""
         ids, n = self.prompt_ids(ctx, example)
         return greedy_generate(
@@ -457,7 +458,7 @@ class TaskWorkload(Workload):
         )
 
     def generate_batch(
-        self, ctx: Any, method: Any, examples: list[dict[str, Any]]
+        self, ctx: RunContext, method: Method, examples: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
         """Greedy completions of several examples in one left-padded batch."""
         if len(examples) == 1:
@@ -477,7 +478,7 @@ class TaskWorkload(Workload):
         """Metrics beyond the per-score means (e.g. per-language averages)."""
         return {}
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         rows: list[dict[str, Any]] = []
         sums: dict[str, float] = {}
         bs = self.spec.get("batch_size", 1)

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
-
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import LOWER, NONE, Result, Workload
+from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
+from kvbench.cache.method import Method
 
 
 def _number(v: Any) -> float | None:
@@ -100,7 +101,7 @@ class LMEval(Workload):
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ValueError(f"{pre}bootstrap_iters={b!r} must be an integer >= 0")
 
-    def prepare(self, ctx: Any) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         """Check lm-eval, build the task manager and load every task once (so a dataset that
         cannot be loaded here fails before any method runs: ``FileNotFoundError`` naming the
         task and the local-YAML route)."""
@@ -110,7 +111,7 @@ class LMEval(Workload):
         from kvbench.integrations.lm_eval.tasks import hub_guard, local_task_names, task_manager
 
         key = ("lm_eval", tuple(self.spec["tasks"]), tuple(self.spec["include_path"] or ()))
-        if key not in ctx.shared:
+        if key not in ctx.shared.task_managers:
             tm = task_manager(self.spec["tasks"], self.spec["include_path"] or ())
             unknown = [t for t in self.spec["tasks"] if t not in tm.all_tasks]
             if unknown:
@@ -121,16 +122,16 @@ class LMEval(Workload):
                 )
             with hub_guard():
                 tm.load_task_or_group(self.spec["tasks"])
-            ctx.shared[key] = tm
-        self.task_manager = ctx.shared[key]
+            ctx.shared.task_managers[key] = tm
+        self.task_manager = ctx.shared.task_managers[key]
 
-    def limit(self, ctx: Any) -> int | None:
+    def limit(self, ctx: RunContext) -> int | None:
         lim = self.spec["limit"]
         if ctx.limit is not None:
             lim = ctx.limit if lim is None else min(lim, ctx.limit)
         return lim
 
-    def run(self, ctx: Any, method: Any) -> Result:
+    def run(self, ctx: RunContext, method: Method) -> Result:
         import lm_eval
         from lm_eval.utils import handle_non_serializable
 
