@@ -89,8 +89,10 @@ class Field:
     choices : the allowed values (compared after the type check, so ``2.0`` is not ``2``).
     low, high : inclusive bounds (``low_open`` / ``high_open``: exclusive).
     optional : ``None`` is allowed too.
-    shape : ``"one"`` (a single value), ``"list"`` (a non-empty list or tuple of such values)
-        or ``"one-or-list"``.
+    extra : other values allowed as they are (``("all",)`` beside a list of layer indices).
+    shape : ``"one"`` (a single value), ``"list"`` (a list or tuple of such values, at least
+        ``min_items`` long) or ``"one-or-list"``.
+    min_items : the shortest list ``shape`` allows (default 1).
     nonempty : a string (or each string) must not be empty.
     text : what is allowed, in words, instead of the generated description.
     """
@@ -102,7 +104,9 @@ class Field:
     low_open: bool = False
     high_open: bool = False
     optional: bool = False
+    extra: tuple[object, ...] = ()
     shape: Shape = "one"
+    min_items: int = 1
     nonempty: bool = False
     text: str = ""
 
@@ -147,10 +151,12 @@ class Field:
         """Whether ``value`` satisfies this rule."""
         if value is None:
             return self.optional
+        if any(value == e and type(value) is type(e) for e in self.extra):
+            return True
         many = isinstance(value, list | tuple)
         if self.shape == "one" or (self.shape == "one-or-list" and not many):
             return self._one(value)
-        return many and len(value) > 0 and all(self._one(v) for v in value)  # type: ignore[arg-type]
+        return many and len(value) >= self.min_items and all(self._one(v) for v in value)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ wording
     def allowed(self) -> str:
@@ -171,11 +177,15 @@ class Field:
                 if not (self.low_open or self.high_open):
                     rng = f"{lo}..{hi}"
             one = f"{noun} {rng}".strip()
+        some = "a non-empty list" if self.min_items == 1 else "a list"
+        if self.min_items > 1:
+            some = f"a list of at least {self.min_items}"
         if self.shape == "list":
-            one = f"a non-empty list of {one}"
+            one = f"{some} of {one}"
         elif self.shape == "one-or-list":
-            one = f"{one}, or a non-empty list of them"
-        return f"None or {one}" if self.optional else one
+            one = f"{one}, or {some} of them"
+        pre = [repr(e) for e in self.extra] + (["None"] if self.optional else [])
+        return " or ".join([*pre, one])
 
     def check(self, value: object, name: str, where: str = "") -> None:
         """``ValueError`` (:func:`message`) unless :meth:`accepts` ``value``."""
