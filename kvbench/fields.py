@@ -68,6 +68,17 @@ def describe_choices(choices: tuple[object, ...]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
+def _same(value: object, choice: object) -> bool:
+    """``value == choice`` as a plain bool, bools apart from numbers (``True`` is not ``1``); a
+    comparison that fails (an array of several values) is False."""
+    if isinstance(value, bool) != isinstance(choice, bool):
+        return False
+    try:
+        return bool(value == choice)
+    except (TypeError, ValueError):  # an array's ambiguous truth
+        return False
+
+
 def _bound(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     if low is not None and high is not None:
         return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
@@ -129,9 +140,7 @@ class Field:
             return False
         if self.nonempty and isinstance(value, str) and not value:
             return False
-        if self.choices is not None and not any(  # True is not 1
-            value == c and isinstance(value, bool) == isinstance(c, bool) for c in self.choices
-        ):
+        if self.choices is not None and not any(_same(value, c) for c in self.choices):
             return False
         if self.low is not None or self.high is not None:
             try:
@@ -143,7 +152,7 @@ class Field:
                     value < self.high if self.high_open else value <= self.high  # type: ignore[operator]
                 ):
                     return False
-            except TypeError:
+            except (TypeError, ValueError):  # not comparable, or an array's ambiguous truth
                 return False
         return True
 
@@ -151,7 +160,7 @@ class Field:
         """Whether ``value`` satisfies this rule."""
         if value is None:
             return self.optional
-        if any(value == e and type(value) is type(e) for e in self.extra):
+        if any(type(value) is type(e) and _same(value, e) for e in self.extra):
             return True
         many = isinstance(value, list | tuple)
         if self.shape == "one" or (self.shape == "one-or-list" and not many):

@@ -86,6 +86,9 @@ def test_ranges_inclusive_and_open() -> None:
     assert [upper_open.accepts(v) for v in (-100, 3, 4)] == [1, 1, 0]
     assert not closed.accepts(float("nan"))
     assert not Field(None, low=0).accepts("a")  # no comparison: refused, not TypeError
+    assert not Field(None, low=0).accepts(np.array([1, 2]))  # ambiguous truth: refused
+    assert not Field(None, choices=("a",)).accepts(np.array(["a", "a"]))
+    assert Field(None, choices=("a",)).accepts(np.str_("a"))
 
 
 @pytest.mark.parametrize(
