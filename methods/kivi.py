@@ -25,8 +25,8 @@ from kvbench.cache.quant import SUPPORTED_BITS
 
 @dataclass(frozen=True)
 class KIVIConfig(CacheConfig):
-    """``bits``: key code width (1..8, or 16: full precision); other fields:
-    :class:`kvbench.cache.method.CacheConfig`."""
+    """``bits``: key code width (1..8 or 16: :data:`kvbench.cache.quant.SUPPORTED_BITS`); other
+    fields: :class:`kvbench.cache.method.CacheConfig`."""
 
     bits: int = kf.spec(2, int, choices=SUPPORTED_BITS)
 
