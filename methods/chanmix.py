@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import Codec
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import CacheConfig, Capabilities, Method
@@ -47,7 +48,6 @@ from kvbench.cache.mixed_channel import (
     mixed_layout,
     rank_classes,
 )
-from kvbench.cache.quant import check_bits
 
 SCORES = {"k-range": "range", "k-magnitude": "magnitude", "k-absmax": "absmax"}
 CLASSIFICATIONS = ("prefill", "calibrated")
@@ -79,46 +79,33 @@ class ChanMixConfig(CacheConfig):
     """
 
     num_sink_tokens: int = 0
-    retrieval_bits: int = 4
-    outlier_bits: int = 3
-    normal_bits: int = 2
-    subnormal_bits: int = 1
-    retrieval_ratio: float = 0.1
-    outlier_ratio: float = 0.1
-    subnormal_ratio: float = 0.1
-    class_rounding: str = "floor"
-    key_scale_dtype: str = "float8_e4m3fn"
-    classification: str = "prefill"
-    score: str = "k-range"
-    midpoint_correction: bool = False
+    retrieval_bits: int = kf.spec(4, int, low=1, high=8)
+    outlier_bits: int = kf.spec(3, int, low=1, high=8)
+    normal_bits: int = kf.spec(2, int, low=1, high=8)
+    subnormal_bits: int = kf.spec(1, int, low=1, high=8)
+    retrieval_ratio: float = kf.spec(0.1, float, low=0, high=1)
+    outlier_ratio: float = kf.spec(0.1, float, low=0, high=1)
+    subnormal_ratio: float = kf.spec(0.1, float, low=0, high=1)
+    class_rounding: str = kf.spec("floor", str, choices=ROUNDINGS)
+    key_scale_dtype: str = kf.spec("float8_e4m3fn", str, choices=tuple(KEY_SCALE_DTYPES))
+    classification: str = kf.spec("prefill", str, choices=CLASSIFICATIONS)
+    score: str = kf.spec("k-range", str, choices=tuple(SCORES))
+    midpoint_correction: bool = kf.spec(False, bool)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         bits = [getattr(self, f) for f in BITS_FIELDS]
-        for name, b in zip(BITS_FIELDS, bits):
-            if check_bits(b, name) == 16:
-                raise ValueError(f"{name}=16 is not supported; allowed: 1..8")
-        if any(lo >= hi for hi, lo in zip(bits, bits[1:])):
-            raise ValueError(f"{'/'.join(BITS_FIELDS)}={bits} must be strictly decreasing")
-        ratios = ("retrieval_ratio", "outlier_ratio", "subnormal_ratio")
-        for name in ratios:
-            r = getattr(self, name)
-            if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
-                raise ValueError(f"{name}={r!r} must be a number in [0, 1]")
-        if sum(getattr(self, n) for n in ratios) > 1 + 1e-9:
-            raise ValueError(f"{' + '.join(ratios)} must be <= 1")
-        for name, allowed in (
-            ("class_rounding", ROUNDINGS),
-            ("key_scale_dtype", tuple(KEY_SCALE_DTYPES)),
-            ("classification", CLASSIFICATIONS),
-            ("score", tuple(SCORES)),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
+        for name, hi, lo in zip(BITS_FIELDS[1:], bits, bits[1:]):
+            if lo >= hi:
+                self.reject(
+                    name, f"integers below {hi} ({' > '.join(BITS_FIELDS)}: strictly decreasing)"
                 )
-        if not isinstance(self.midpoint_correction, bool):
-            raise ValueError(f"midpoint_correction={self.midpoint_correction!r} must be a bool")
+        ratios = ("retrieval_ratio", "outlier_ratio", "subnormal_ratio")
+        if sum(getattr(self, n) for n in ratios) > 1 + 1e-9:
+            others = 1 - self.retrieval_ratio - self.outlier_ratio
+            self.reject(
+                "subnormal_ratio", f"numbers in [0, {others:g}] ({' + '.join(ratios)} <= 1)"
+            )
 
     def class_counts(self, head_dim: int) -> list[int]:
         """Channels per class, best first (retrieval, outlier, normal, subnormal)."""

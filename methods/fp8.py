@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.attention import native
 from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
 from kvbench.attention.dispatch import register_block_kernel
@@ -53,7 +54,7 @@ from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms, dtype_name
-from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.method import Capabilities, Method, MethodConfig
 from kvbench.cache.quant import round_up_to_dtype
 from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
 
@@ -391,28 +392,13 @@ class FP8Config(MethodConfig):
     num_sink_tokens : N_s first tokens kept in full precision (default 0).
     """
 
-    format: str = "e4m3fn"
-    scale: str = "unit"
-    scale_granularity: str = "per-tensor"
-    scale_dtype: str = "float32"
-    overflow: str = "saturate"
-    residual_length: int = 0
-    num_sink_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name, allowed in (
-            ("format", tuple(FORMATS)),
-            ("scale", SCALE_MODES),
-            ("scale_granularity", GRANULARITIES),
-            ("scale_dtype", tuple(FP8_SCALE_DTYPES)),
-            ("overflow", OVERFLOW),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
-                )
-        check_int(self.residual_length, "residual_length", 0)
-        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
+    format: str = kf.spec("e4m3fn", str, choices=tuple(FORMATS))
+    scale: str = kf.spec("unit", str, choices=SCALE_MODES)
+    scale_granularity: str = kf.spec("per-tensor", str, choices=GRANULARITIES)
+    scale_dtype: str = kf.spec("float32", str, choices=tuple(FP8_SCALE_DTYPES))
+    overflow: str = kf.spec("saturate", str, choices=OVERFLOW)
+    residual_length: int = kf.spec(0, int, low=0)
+    num_sink_tokens: int = kf.spec(0, int, low=0)
 
 
 class FP8(Method):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvbench import fields as kf
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
 
 from .hf_quanto import HFQuantizedConfig, HFQuanto
@@ -27,8 +28,9 @@ from .hf_quanto import HFQuantizedConfig, HFQuanto
 class HFHQQConfig(HFQuantizedConfig):
     """As :class:`HFQuantizedConfig`; HQQ allows ``nbits`` in 1, 2, 3, 4, 8 and axes 0, 1."""
 
-    BITS: ClassVar[tuple] = (1, 2, 3, 4, 8)
-    AXES: ClassVar[tuple] = (0, 1)
+    nbits: int = kf.spec(4, int, choices=(1, 2, 3, 4, 8))
+    axis_key: int = kf.spec(0, int, choices=(0, 1))
+    axis_value: int = kf.spec(0, int, choices=(0, 1))
 
 
 class HFHQQ(HFQuanto):

@@ -25,19 +25,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvbench import fields as kf
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms
 from kvbench.cache.method import MethodConfig
 from kvbench.hf.peers import HFPeer, text_config
-
-
-def _choice(value: Any, name: str, allowed: tuple) -> None:
-    if isinstance(value, bool) or value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: {list(allowed)}")
-
-
-def _positive(value: Any, name: str, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 
 
 @dataclass(frozen=True)
@@ -53,21 +44,11 @@ class HFQuantizedConfig(MethodConfig):
     residual_length : the full-precision window; a flush re-quantizes everything.
     """
 
-    nbits: int = 4
-    axis_key: int = 0
-    axis_value: int = 0
-    q_group_size: int = 64
-    residual_length: int = 128
-
-    BITS: ClassVar[tuple] = (2, 4)
-    AXES: ClassVar[tuple] = (0, -1)
-
-    def __post_init__(self) -> None:
-        _choice(self.nbits, "nbits", self.BITS)
-        _choice(self.axis_key, "axis_key", self.AXES)
-        _choice(self.axis_value, "axis_value", self.AXES)
-        _positive(self.q_group_size, "q_group_size", 1)
-        _positive(self.residual_length, "residual_length", 0)
+    nbits: int = kf.spec(4, int, choices=(2, 4))
+    axis_key: int = kf.spec(0, int, choices=(0, -1))
+    axis_value: int = kf.spec(0, int, choices=(0, -1))
+    q_group_size: int = kf.spec(64, int, low=1)
+    residual_length: int = kf.spec(128, int, low=0)
 
     def cache_kwargs(self) -> dict[str, int]:
         return {

@@ -38,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import AffineBlock, PerTokenCodec, affine_layout
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout
-from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.method import Capabilities, Method, MethodConfig
 from kvbench.cache.quant import pack_bits, packed_size
 from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
 
@@ -121,26 +122,12 @@ class Int8BlockConfig(MethodConfig):
     num_sink_tokens : N_s first tokens kept in full precision (default 0).
     """
 
-    key_type: str = "q8_0"
-    value_type: str = "q8_0"
-    q4_rule: str = "llamacpp"
-    block_size: int = 32
-    residual_length: int = 0
-    num_sink_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name, allowed in (
-            ("key_type", BLOCK_TYPES),
-            ("value_type", BLOCK_TYPES),
-            ("q4_rule", Q4_RULES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
-                )
-        check_int(self.block_size, "block_size", 1)
-        check_int(self.residual_length, "residual_length", 0)
-        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
+    key_type: str = kf.spec("q8_0", str, choices=BLOCK_TYPES)
+    value_type: str = kf.spec("q8_0", str, choices=BLOCK_TYPES)
+    q4_rule: str = kf.spec("llamacpp", str, choices=Q4_RULES)
+    block_size: int = kf.spec(32, int, low=1)
+    residual_length: int = kf.spec(0, int, low=0)
+    num_sink_tokens: int = kf.spec(0, int, low=0)
 
 
 @dataclass(frozen=True)

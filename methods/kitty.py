@@ -33,14 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import Codec
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.mixed_channel import (
-    MixedChannelCodec,
-    channel_scores,
-    check_mixed_bits,
-    rank_classes,
-)
+from kvbench.cache.mixed_channel import MixedChannelCodec, channel_scores, rank_classes
 from kvbench.cache.schedule import AllButNewestSchedule
 
 SELECTIONS = ("magnitude", "variance", "random")
@@ -61,22 +57,16 @@ class KittyConfig(CacheConfig):
     group_size: int = 128
     residual_length: int = 128
     num_sink_tokens: int = 32
-    high_bits: int = 4
-    low_bits: int = 2
-    high_ratio: float = 1 / 32
-    channel_selection: str = "magnitude"
-    seed: int = 0
+    high_bits: int = kf.spec(4, int, low=1, high=8)
+    low_bits: int = kf.spec(2, int, low=1, high=8)
+    high_ratio: float = kf.spec(1 / 32, float, low=0, high=1)
+    channel_selection: str = kf.spec("magnitude", str, choices=SELECTIONS)
+    seed: int = kf.spec(0, int)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_mixed_bits(self.high_bits, self.low_bits, self.high_ratio)
-        if self.channel_selection not in SELECTIONS:
-            raise ValueError(
-                f"channel_selection={self.channel_selection!r} is not supported; "
-                f"allowed: {list(SELECTIONS)}"
-            )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.low_bits >= self.high_bits:
+            self.reject("low_bits", f"integers below high_bits={self.high_bits}")
 
 
 def promoted_channels(head_dim: int, high_ratio: float) -> int:

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import Codec, PerChannelCodec
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.quant import check_bits
+from kvbench.cache.quant import SUPPORTED_BITS
 
 
 @dataclass(frozen=True)
 class KIVIConfig(CacheConfig):
-    """``bits``: key code width (1..8); other fields: :class:`kvbench.cache.method.CacheConfig`."""
+    """``bits``: key code width (1..8 or 16: :data:`kvbench.cache.quant.SUPPORTED_BITS`); other
+    fields: :class:`kvbench.cache.method.CacheConfig`."""
 
-    bits: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bits(self.bits, "bits")
+    bits: int = kf.spec(2, int, choices=SUPPORTED_BITS)
 
 
 class KIVI(Method):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kvbench import fields as kf
 from kvbench.attention import native
 from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.attention.dispatch import register_block_kernel
@@ -421,16 +422,7 @@ class PreRopeSide(Side):
         self.block = cat_blocks(self.block, blk)
 
 
-_NUM = (int, float)
 DEFAULT_THETA = 10000.0  # RoPE base when neither the config nor a model gives one
-_RULES = (  # (field, test, allowed values for the error message); type() excludes bools
-    ("bits", lambda v: type(v) is int and v in (2, 3, 4), "2, 3, 4"),
-    ("sparsity_threshold", lambda v: type(v) in _NUM and 0.5 < v <= 1, "a number in (0.5, 1]"),
-    ("nuq", lambda v: type(v) is bool, "True, False"),
-    ("pre_rope", lambda v: type(v) is bool, "True, False"),
-    ("rope_theta", lambda v: v is None or (type(v) in _NUM and v > 0), "None or a positive number"),
-    ("rope_layout", lambda v: v in ROPE_LAYOUTS, str(ROPE_LAYOUTS)),
-)
 
 
 @dataclass(frozen=True)
@@ -448,22 +440,16 @@ class KVQuantConfig(CacheConfig):
     ``residual_length=0`` (every token is quantized); ``group_size`` only sets the value group.
     """
 
-    bits: int = 4
+    bits: int = kf.spec(4, int, choices=(2, 3, 4))
     num_sink_tokens: int = 1
     residual_length: int = 0
-    sparsity_threshold: float = 0.99
-    nuq: bool = True
-    pre_rope: bool = True
-    rope_theta: float | None = None
-    rope_layout: str = "rotate_half"
+    sparsity_threshold: float = kf.spec(0.99, float, low=0.5, high=1, low_open=True)
+    nuq: bool = kf.spec(True, bool)
+    pre_rope: bool = kf.spec(True, bool)
+    rope_theta: float | None = kf.spec(None, float, low=0, low_open=True, optional=True)
+    rope_layout: str = kf.spec("rotate_half", str, choices=ROPE_LAYOUTS)
 
     token_axis_keys = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name, ok, allowed in _RULES:
-            if not ok(v := getattr(self, name)):
-                raise ValueError(f"{name}={v!r} is not supported; allowed: {allowed}")
 
 
 class KVQuant(Method):

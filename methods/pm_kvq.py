@@ -49,11 +49,12 @@ from typing import Any
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import AffineBlock, PerTokenCodec
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms
-from kvbench.cache.method import PAIR_BITS, Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.method import PAIR_BITS, Capabilities, Method, MethodConfig
 from kvbench.cache.quant import pack_bits, packed_size, resolve_scale_dtype
 from kvbench.cache.schedule import BlockSchedule
 
@@ -225,15 +226,6 @@ class ProgressiveLayerCache(LayerCache):
         self.k.codec.bits = self.v.codec.bits = self.init_bits
 
 
-def _budget(value: Any, name: str, low: float) -> Any:
-    """Validate a number or per-layer list (each >= ``low``, or > 0 if ``low`` is 0)."""
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    for v in items:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= low and v > 0):
-            raise ValueError(f"{name}={value!r}: every entry must be a number >= {low} and > 0")
-    return tuple(items) if isinstance(value, (list, tuple)) else value
-
-
 @dataclass(frozen=True)
 class PMKVQConfig(MethodConfig):
     """PM-KVQ settings (choices: module docstring).
@@ -250,41 +242,29 @@ class PMKVQConfig(MethodConfig):
     scale_dtype : ``float16`` (default), ``bfloat16`` (the original's) or ``float32``.
     """
 
-    channel_group_size: int | None = None
-    residual_length: int = 128
-    num_sink_tokens: int = 1
-    init_bits: int = 16
-    budget_bits: float | tuple[float, ...] | None = None
-    budget_bytes: float | tuple[float, ...] | None = None
-    budget_tokens: int = 32768
-    budget_scope: str = "codes"
-    on_overflow: str = "raise"
-    scale_dtype: str = "float16"
+    channel_group_size: int | None = kf.spec(None, int, low=1, optional=True)
+    residual_length: int = kf.spec(128, int, low=0)
+    num_sink_tokens: int = kf.spec(1, int, low=0)
+    init_bits: int = kf.spec(16, int, choices=WIDTHS)
+    #: below 2 bits no width can hold budget_tokens tokens
+    budget_bits: float | tuple[float, ...] | None = kf.spec(
+        None, float, low=2, shape="one-or-list", optional=True
+    )
+    budget_bytes: float | tuple[float, ...] | None = kf.spec(
+        None, float, low=0, low_open=True, shape="one-or-list", optional=True
+    )
+    budget_tokens: int = kf.spec(32768, int, low=1)
+    budget_scope: str = kf.spec("codes", str, choices=("codes", "all"))
+    on_overflow: str = kf.spec("raise", str, choices=("raise", "allow"))
+    scale_dtype: str = kf.spec("float16", str, choices=tuple(sorted(PAIR_BITS)))
 
     def __post_init__(self) -> None:
-        if self.channel_group_size is not None:
-            check_int(self.channel_group_size, "channel_group_size", 1)
-        check_int(self.residual_length, "residual_length", 0)
-        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
-        check_int(self.budget_tokens, "budget_tokens", 1)
-        if isinstance(self.init_bits, bool) or self.init_bits not in WIDTHS:
-            raise ValueError(f"init_bits={self.init_bits!r} is not supported; allowed: {WIDTHS}")
+        super().__post_init__()
         if self.budget_bits is not None and self.budget_bytes is not None:
-            raise ValueError("set one of budget_bits and budget_bytes, not both")
-        if self.budget_bytes is not None:
-            object.__setattr__(self, "budget_bytes", _budget(self.budget_bytes, "budget_bytes", 0))
-        if self.budget_bits is not None:  # below 2: no width can hold budget_tokens tokens
-            object.__setattr__(self, "budget_bits", _budget(self.budget_bits, "budget_bits", 2))
-        for name, allowed in (
-            ("budget_scope", ("codes", "all")),
-            ("on_overflow", ("raise", "allow")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {allowed}"
-                )
-        if self.scale_dtype not in PAIR_BITS:
-            raise ValueError(f"scale_dtype={self.scale_dtype!r}; allowed: {sorted(PAIR_BITS)}")
+            self.reject("budget_bytes", "None when budget_bits is set (set one of the two)")
+        for name in ("budget_bits", "budget_bytes"):  # per-layer lists are stored as tuples
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def bits_budget(self) -> float | tuple[float, ...] | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import Codec
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.method import CacheConfig, Capabilities, Method
@@ -44,7 +45,6 @@ from kvbench.cache.mixed_channel import (
     PAIRINGS,
     MixedChannelCodec,
     channel_scores,
-    check_mixed_bits,
     high_pairs,
     pair_channels,
     rank_classes,
@@ -152,26 +152,19 @@ class PNMixConfig(CacheConfig):
     group_size: int = 128
     residual_length: int = 128
     num_sink_tokens: int = 32
-    high_bits: int = 3
-    low_bits: int = 1
-    high_ratio: float = 0.5
-    score: str = "qk-pair-norm"
-    pairing: str = "rotate-half"
-    midpoint_correction: bool = True
-    flush: str = "kivi"
-    score_sink_tokens: bool = True
+    high_bits: int = kf.spec(3, int, low=1, high=8)
+    low_bits: int = kf.spec(1, int, low=1, high=8)
+    high_ratio: float = kf.spec(0.5, float, low=0, high=1)
+    score: str = kf.spec("qk-pair-norm", str, choices=SCORES)
+    pairing: str = kf.spec("rotate-half", str, choices=tuple(PAIRINGS))
+    midpoint_correction: bool = kf.spec(True, bool)
+    flush: str = kf.spec("kivi", str, choices=FLUSHES)
+    score_sink_tokens: bool = kf.spec(True, bool)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_mixed_bits(self.high_bits, self.low_bits, self.high_ratio)
-        for name, allowed in (("score", SCORES), ("pairing", PAIRINGS), ("flush", FLUSHES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
-                )
-        for name in ("midpoint_correction", "score_sink_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+        if self.low_bits >= self.high_bits:
+            self.reject("low_bits", f"integers below high_bits={self.high_bits}")
 
 
 class PairSelector:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache.blocks import AffineBlock, Codec, PerChannelCodec
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.cache.method import CacheConfig, Capabilities, Method
@@ -289,25 +290,10 @@ class PolarQuantConfig(CacheConfig):
     angle_wrap : ``"minmax"`` (default) or ``"circular"``; see the module docstring [RECON].
     """
 
-    radius_bits: int = 2
-    angle_bits: int = 2
-    pairing: str = "rotate_half"
-    angle_wrap: str = "minmax"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("radius_bits", "angle_bits"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v not in CODE_BITS:
-                raise ValueError(f"{name}={v!r} is not supported; allowed: 1..8")
-        if self.pairing not in PAIRINGS:
-            raise ValueError(
-                f"pairing={self.pairing!r} is not supported; allowed: {list(PAIRINGS)}"
-            )
-        if self.angle_wrap not in ANGLE_WRAPS:
-            raise ValueError(
-                f"angle_wrap={self.angle_wrap!r} is not supported; allowed: {list(ANGLE_WRAPS)}"
-            )
+    radius_bits: int = kf.spec(2, int, choices=CODE_BITS)
+    angle_bits: int = kf.spec(2, int, choices=CODE_BITS)
+    pairing: str = kf.spec("rotate_half", str, choices=PAIRINGS)
+    angle_wrap: str = kf.spec("minmax", str, choices=ANGLE_WRAPS)
 
 
 class PolarQuant(Method):

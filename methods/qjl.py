@@ -33,6 +33,7 @@ from functools import lru_cache
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.attention import native
 from kvbench.attention.codedomain import native_allowed, note_impl
 from kvbench.attention.dispatch import register_block_kernel
@@ -41,7 +42,7 @@ from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
-from kvbench.cache.method import CacheConfig, Capabilities, Method, check_int
+from kvbench.cache.method import CacheConfig, Capabilities, Method
 from kvbench.cache.quant import pack_bits, unpack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
@@ -333,27 +334,20 @@ class QJLConfig(CacheConfig):
     group_size: int = 32
     residual_length: int = 128
     value_bits: int = 2
-    sketch_dim: int = 256
-    outlier_channels: int = 0
-    outlier_sketch_dim: int | None = None
-    sketch: str = "gaussian"
-    seed: int = 0
-    norm_dtype: str = "float16"
+    sketch_dim: int = kf.spec(256, int, low=1)
+    outlier_channels: int = kf.spec(0, int, low=0)
+    outlier_sketch_dim: int | None = kf.spec(None, int, low=1, optional=True)
+    sketch: str = kf.spec("gaussian", str, choices=SKETCHES)
+    seed: int = kf.spec(0, int, low=0)
+    norm_dtype: str = kf.spec("float16", str, choices=tuple(NORM_DTYPES))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int(self.sketch_dim, "sketch_dim", 1)
-        check_int(self.outlier_channels, "outlier_channels", 0)
-        if self.outlier_sketch_dim is not None:
-            check_int(self.outlier_sketch_dim, "outlier_sketch_dim", 1)
-        check_int(self.seed, "seed", 0)
         if self.outlier_dim > self.sketch_dim:
-            raise ValueError(f"outlier_sketch_dim={self.outlier_dim} must be <= sketch_dim")
-        for name, allowed in (("sketch", SKETCHES), ("norm_dtype", tuple(NORM_DTYPES))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
-                )
+            self.reject(
+                "outlier_sketch_dim",
+                f"None (sketch_dim // 2) or integers 1..{self.sketch_dim} (<= sketch_dim)",
+            )
 
     @property
     def outlier_dim(self) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.attention import native
 from kvbench.attention.codedomain import (
     AffineBlockAttention,
@@ -408,31 +409,24 @@ class SemKVConfig(CacheConfig):
     mixed_values: values at their token's width (default True), else ``value_bits`` (16 = full
     precision).  ``residual_length``: any R >= 0."""
 
-    high_bits: int = 3
-    low_bits: int = 2
-    target_bits: float = 2.5
-    score: str = "attention"
-    score_window: int = 32
-    mixed_values: bool = True
+    high_bits: int = kf.spec(3, int, low=2, high=8)
+    low_bits: int = kf.spec(2, int, low=1, high=7)
+    target_bits: float = kf.spec(2.5, float, low=1, high=8)
+    score: str = kf.spec("attention", str, choices=SCORES)
+    score_window: int = kf.spec(32, int, low=1)
+    mixed_values: bool = kf.spec(True, bool)
 
     token_axis_keys = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        lo, hi, tb, mv = self.low_bits, self.high_bits, self.target_bits, self.mixed_values
-        ints = type(lo) is int and type(hi) is int  # type() also refuses bools
-        for name, ok, allowed in (
-            ("low_bits", type(lo) is int and 1 <= lo <= 7, "integers 1..7"),
-            ("high_bits", ints and lo < hi <= 8, f"integers {lo}+1..8"),
-            ("target_bits", ints and type(tb) in (int, float) and lo <= tb <= hi, f"[{lo}, {hi}]"),
-            ("score", self.score in SCORES, str(SCORES)),
-            ("score_window", type(self.score_window) is int and self.score_window >= 1, ">= 1"),
-            ("mixed_values", type(mv) is bool, "True, False"),
-            ("value_bits", not mv or self.value_bits == 16, "16 with mixed_values=True"),
-        ):
-            if not ok:
-                msg = f"{name}={getattr(self, name)!r} is not supported"
-                raise ValueError(f"{msg}; allowed: {allowed}")
+        lo, hi = self.low_bits, self.high_bits
+        if hi <= lo:
+            self.reject("high_bits", f"integers {lo + 1}..8 (above low_bits={lo})")
+        if not lo <= self.target_bits <= hi:
+            self.reject("target_bits", f"numbers in [{lo}, {hi}] (low_bits..high_bits)")
+        if self.mixed_values and self.value_bits != 16:
+            self.reject("value_bits", "16 with mixed_values=True")
 
 
 class SemKV(Method):

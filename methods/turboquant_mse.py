@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from scipy import special
 
+from kvbench import fields as kf
 from kvbench.attention import native
 from kvbench.attention.codedomain import (
     EAGER_CHUNK_TOKENS,
@@ -48,7 +49,7 @@ from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
-from kvbench.cache.method import Capabilities, Method, MethodConfig, check_int
+from kvbench.cache.method import Capabilities, Method, MethodConfig
 from kvbench.cache.quant import bucket_index, pack_bits, packed_size, unpack_bits
 from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
 
@@ -347,29 +348,14 @@ class TurboQuantMSEConfig(MethodConfig):
     residual_length, num_sink_tokens : full-precision windows (default 0, 0).
     """
 
-    bits: int = 2
-    apply_to: str = "both"
-    codebook: str = "exact"
-    seed: int = 0
-    store_rotation: bool = False
-    norm_dtype: str = "float16"
-    residual_length: int = 0
-    num_sink_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in (1, 2, 3, 4):
-            raise ValueError(f"bits={self.bits!r} is not supported; allowed: [1, 2, 3, 4]")
-        choices = {"apply_to": APPLY_TO, "codebook": CODEBOOKS, "norm_dtype": tuple(NORM_DTYPES)}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; allowed: {list(allowed)}"
-                )
-        if not isinstance(self.store_rotation, bool):
-            raise ValueError(f"store_rotation={self.store_rotation!r} must be True or False")
-        check_int(self.seed, "seed", 0)
-        check_int(self.residual_length, "residual_length", 0)
-        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
+    bits: int = kf.spec(2, int, choices=(1, 2, 3, 4))
+    apply_to: str = kf.spec("both", str, choices=APPLY_TO)
+    codebook: str = kf.spec("exact", str, choices=CODEBOOKS)
+    seed: int = kf.spec(0, int, low=0)
+    store_rotation: bool = kf.spec(False, bool)
+    norm_dtype: str = kf.spec("float16", str, choices=tuple(NORM_DTYPES))
+    residual_length: int = kf.spec(0, int, low=0)
+    num_sink_tokens: int = kf.spec(0, int, low=0)
 
 
 class TurboQuantMSE(Method):

@@ -199,10 +199,16 @@ def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     "params, match",
     [
-        ({"context": 20, "steps": 20, "warmup": 3}, "context > warmup \\+ steps"),
-        ({"steps": 0}, "steps >= 1"),
-        ({"prefill_repeats": 0}, "prefill_repeats=0 must be >= 1"),
-        ({"warmup": -1}, "warmup >= 0"),
+        (
+            {"context": 20, "steps": 20, "warmup": 3},
+            "field 'context': 20 .*> warmup \\+ steps = 23",
+        ),
+        ({"steps": 0}, "field 'steps': 0 is not allowed; allowed: integers >= 1"),
+        (
+            {"prefill_repeats": 0},
+            "field 'prefill_repeats': 0 is not allowed; allowed: integers >= 1",
+        ),
+        ({"warmup": -1}, "field 'warmup': -1 is not allowed; allowed: integers >= 0"),
         ({"context": 2048.0}, "integers"),
         ({"path": "fast"}, "allowed"),
         ({"baseline": "fulll"}, "did you mean 'full'"),
@@ -306,8 +312,8 @@ def test_padded_batch_refuses_a_method_without_padding() -> None:
 @pytest.mark.parametrize(
     "params, match",
     [
-        ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
-        ({"batch_size": 2, "padding": "right"}, r"padding='right' is not allowed.*'left'"),
+        ({"batch_size": 0}, "field 'batch_size': 0 is not allowed; allowed: integers >= 1"),
+        ({"batch_size": 2, "padding": "right"}, r"field 'padding': 'right' is not allowed.*'left'"),
         ({"padding": "left"}, "needs batch_size >= 2"),
     ],
 )

@@ -313,13 +313,22 @@ def test_no_full_precision_copy(name: str) -> None:
 @pytest.mark.parametrize(
     "params, match",
     [
-        ({"context": 4, "appends": 4}, "appends < context"),
-        ({"appends": 0}, "appends < context"),
+        (
+            {"context": 4, "appends": 4},
+            r"field 'appends': 4 .*allowed: integers 1\.\.3 \(< context=4\)",
+        ),
+        ({"appends": 0}, "field 'appends': 0 is not allowed; allowed: integers >= 1"),
         ({"source": "disk"}, "allowed"),
         ({"dtype": "int8"}, "allowed"),
-        ({"path": "fast"}, "path='fast' is not allowed; allowed: \\['attend', 'reference'\\]"),
+        (
+            {"path": "fast"},
+            "field 'path': 'fast' is not allowed; allowed: \\['attend', 'reference'\\]",
+        ),
         ({"layers": 3}, "layers"),
-        ({"source": "synthetic", "num_kv_heads": 0}, "num_kv_heads=0 must be a positive"),
+        (
+            {"source": "synthetic", "num_kv_heads": 0},
+            "field 'num_kv_heads': 0 is not allowed; allowed: integers >= 1",
+        ),
         ({"source": "synthetic", "num_heads": 8, "num_kv_heads": 3}, "multiple"),
         ({"contex": 5}, "unknown parameter"),
     ],

@@ -16,8 +16,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvbench import fields as kf
+from kvbench.fields import Field
+
 #: model dtypes the loaders accept
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+#: the form of a model entry's fields (:func:`check_devices` checks the device exists here)
+MODEL_FIELDS = {
+    "id": Field(str, nonempty=True, text="a model id or a local folder"),
+    "dtype": Field(str, choices=MODEL_DTYPES),
+    "device": Field(str, text="a string such as 'cpu' or 'cuda:0'"),
+}
 
 
 def close_matches(word: Any, allowed: list[str]) -> str:
@@ -57,9 +66,8 @@ def check_entry(
 
 
 def check_int(value: Any, where: str, field: str, low: int = 0) -> int:
-    """``value`` as an int >= ``low`` (bools and strings rejected)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{where}: {field}={value!r} must be an integer >= {low}")
+    """``value`` as an int >= ``low`` (bools and strings rejected; :mod:`kvbench.fields`)."""
+    Field(int, low=low).check(value, field, where)
     return value
 
 
@@ -92,8 +100,7 @@ def check_calibration(block: Any, where: str, default: dict[str, Any]) -> dict[s
     shape = "calibration must be a mapping {text: NAME, tokens: N}"
     check_entry(block, where, default, kind="calibration", shape=shape)
     out = {**default, **block}
-    if not isinstance(out["text"], str) or not out["text"]:
-        raise ValueError(f"{where}: calibration.text={out['text']!r} must be a text name")
+    Field(str, nonempty=True, text="a text name").check(out["text"], "calibration.text", where)
     check_int(out["tokens"], where, "calibration.tokens", 16)
     return out
 
@@ -103,7 +110,7 @@ def device_problem(device: Any) -> str | None:
     import torch
 
     if not isinstance(device, str):
-        return f"device={device!r} must be a string such as 'cpu' or 'cuda:0'"
+        return kf.message("", "device", device, "a string such as 'cpu' or 'cuda:0'")
     kind, _, index = device.partition(":")
     if kind == "cpu" and not index:
         return None
@@ -112,30 +119,24 @@ def device_problem(device: Any) -> str | None:
             built = "a CUDA build of torch" if torch.version.cuda else "torch without CUDA"
             return f"device={device!r}: no CUDA device is available ({built}); use 'cpu'"
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            return (
-                f"device={device!r}: allowed: cuda, "
-                + ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-                + ", cpu"
-            )
+            here = ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+            return kf.message("", "device", device, f"cuda, {here}, cpu")
         return None
     if kind == "mps" and not index:
         ok = getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
         return None if ok else f"device={device!r}: MPS is not available here; use 'cpu'"
-    return f"device={device!r} is not supported; allowed: cpu, cuda, cuda:N, mps"
+    return kf.message("", "device", device, "cpu, cuda, cuda:N, mps")
 
 
 def check_model(model: dict[str, Any], where: str) -> None:
     """A model entry's ``id``, ``dtype`` and ``device`` (its form; :func:`check_devices`
     checks that it exists here, at run time)."""
-    if not isinstance(model["id"], str) or not model["id"]:
-        raise ValueError(f"{where}: id={model['id']!r} must be a model id or a local folder")
-    if model["dtype"] not in MODEL_DTYPES:
-        raise ValueError(
-            f"{where}: dtype={model['dtype']!r} is not supported; allowed: {list(MODEL_DTYPES)}"
-            + close_matches(model["dtype"], list(MODEL_DTYPES))
-        )
-    if not isinstance(model["device"], str):
-        raise ValueError(f"{where}: device={model['device']!r} must be a string such as 'cpu'")
+    MODEL_FIELDS["id"].check(model["id"], "id", where)
+    dtype = MODEL_FIELDS["dtype"]
+    if not dtype.accepts(model["dtype"]):
+        msg = kf.message(where, "dtype", model["dtype"], dtype.allowed())
+        raise ValueError(msg + close_matches(model["dtype"], list(MODEL_DTYPES)))
+    MODEL_FIELDS["device"].check(model["device"], "device", where)
 
 
 def check_devices(suite: Any) -> None:
@@ -146,28 +147,6 @@ def check_devices(suite: Any) -> None:
         if why:
             where = "model" if len(suite.models) == 1 else f"models[{i}]"
             raise ValueError(f"{suite.path}: {where}: {why}")
-
-
-def check_params(cls: Any, spec: dict[str, Any], where: str) -> None:
-    """Type checks of a workload's parameters against their defaults: an int default wants an
-    integer >= 0, a float a number, a bool a bool, a str a string (lists are allowed where the
-    workload declares them in ``LIST_PARAMS``)."""
-    for k, default in cls.PARAMS.items():
-        v = spec.get(k)
-        if default is None or default is ... or v is None or k in cls.LIST_PARAMS:
-            continue
-        if isinstance(default, bool):
-            ok, want = isinstance(v, bool), "true or false"
-        elif isinstance(default, int):
-            ok, want = not isinstance(v, bool) and isinstance(v, int) and v >= 0, "an integer >= 0"
-        elif isinstance(default, float):
-            ok, want = not isinstance(v, bool) and isinstance(v, (int, float)), "a number"
-        elif isinstance(default, str):
-            ok, want = isinstance(v, str), "a string"
-        else:
-            continue
-        if not ok:
-            raise ValueError(f"{where}: {k}={v!r} must be {want}")
 
 
 def check_labels(labels: list[tuple[str, str]], path: str) -> None:

@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
+from kvbench import fields as kf
 from kvbench.cache import finite
 from kvbench.cache.blocks import Codec, PerTokenCodec
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, average_bits, bit_terms
-from kvbench.cache.quant import check_bits, resolve_scale_dtype
+from kvbench.cache.quant import SUPPORTED_BITS, resolve_scale_dtype
 from kvbench.cache.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
 
 #: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
@@ -54,7 +55,20 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Base of every method config: frozen, typed, validated, serializable."""
+    """Base of every method config: frozen, typed, validated, serializable.
+
+    Each field declares what it allows with :func:`kvbench.fields.spec`; ``__post_init__``
+    checks them all (:func:`kvbench.fields.validate`, errors prefixed with the class name).  A
+    subclass adds its cross-field rules after ``super().__post_init__()`` and raises them through
+    :meth:`reject`."""
+
+    def __post_init__(self) -> None:
+        kf.validate(self, type(self).__name__)
+
+    def reject(self, name: str, allowed: str) -> NoReturn:
+        """Raise the refusal of field ``name`` (its current value) with ``allowed`` in words:
+        for rules that relate several fields (:func:`kvbench.fields.reject`)."""
+        kf.reject(type(self).__name__, name, getattr(self, name), allowed)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "") -> MethodConfig:
@@ -85,16 +99,6 @@ def require_padding(method: Any) -> None:
         )
 
 
-def check_int(value: Any, name: str, low: int = 0) -> None:
-    """Validate an integer config field: raises ``ValueError`` naming ``name`` unless ``value``
-    is an int (not a bool) ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-
-
-_int = check_int  # old private name, kept for one release
-
-
 @dataclass(frozen=True)
 class CacheConfig(MethodConfig):
     """Fields every quantized cache shares (docs/design.md#names).
@@ -110,34 +114,25 @@ class CacheConfig(MethodConfig):
     scale_dtype : storage of scales and zeros: ``float16`` (default), ``bfloat16``, ``float32``.
     """
 
-    group_size: int = 128
-    residual_length: int = 128
-    num_sink_tokens: int = 0
-    value_bits: int = 16
-    value_group_size: int | None = None
-    scale_dtype: str = "float16"
+    group_size: int = kf.spec(128, int, low=1)
+    residual_length: int = kf.spec(128, int, low=0)
+    num_sink_tokens: int = kf.spec(0, int, low=0)
+    value_bits: int = kf.spec(16, int, choices=SUPPORTED_BITS)
+    value_group_size: int | None = kf.spec(None, int, low=1, optional=True)
+    scale_dtype: str = kf.spec("float16", str, choices=tuple(sorted(PAIR_BITS)))
 
     #: whether the method's keys use token-axis groups (then R must be a multiple of G)
     token_axis_keys: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        check_int(self.group_size, "group_size", 1)
-        check_int(self.residual_length, "residual_length", 0)
-        check_int(self.num_sink_tokens, "num_sink_tokens", 0)
-        check_bits(self.value_bits, "value_bits")
-        if self.value_group_size is not None:
-            check_int(self.value_group_size, "value_group_size", 1)
-        if not isinstance(self.scale_dtype, str):  # a torch.dtype would break pair_bits/to_dict
-            raise ValueError(
-                f"scale_dtype={self.scale_dtype!r} must be a name; allowed: {sorted(PAIR_BITS)}"
-            )
-        resolve_scale_dtype(self.scale_dtype)
+        super().__post_init__()
         if self.token_axis_keys and (
             self.residual_length == 0 or self.residual_length % self.group_size
         ):
-            raise ValueError(
-                f"residual_length={self.residual_length} must be a positive multiple of "
-                f"group_size={self.group_size} (per-channel key groups hold G tokens)"
+            self.reject(
+                "residual_length",
+                f"a positive multiple of group_size={self.group_size} (per-channel key groups "
+                "hold G tokens)",
             )
 
     @property

@@ -181,20 +181,6 @@ def channel_scores(x: torch.Tensor, stat: str) -> torch.Tensor:
     raise ValueError(f"channel statistic {stat!r} is not supported; allowed: {list(CHANNEL_STATS)}")
 
 
-def check_mixed_bits(high_bits: int, low_bits: int, high_ratio: float) -> None:
-    """Validate a two-class config: ``high_bits`` / ``low_bits`` (1..8, low < high) and
-    ``high_ratio`` in [0, 1].  Raises ``ValueError`` naming the field."""
-    for name, b in (("high_bits", high_bits), ("low_bits", low_bits)):
-        if check_bits(b, name) == 16:
-            raise ValueError(f"{name}=16 is not supported; allowed: 1..8")
-    if low_bits >= high_bits:
-        raise ValueError(f"low_bits={low_bits} must be < high_bits={high_bits}")
-    if isinstance(high_ratio, bool) or not isinstance(high_ratio, int | float):
-        raise ValueError(f"high_ratio={high_ratio!r} must be a number in [0, 1]")
-    if not 0.0 <= high_ratio <= 1.0:
-        raise ValueError(f"high_ratio={high_ratio!r} must lie in [0, 1]")
-
-
 def _expand(t: torch.Tensor, group_len: list[int]) -> torch.Tensor:
     """Per-group ``[B, H, NG, X]`` -> per-token ``[B, H, sum(group_len), X]``."""
     if all(g == group_len[0] for g in group_len):

@@ -149,7 +149,7 @@ def test_planted_channels_beat_uniform_two_bit():
         ("high_ratio", -0.1, "high_ratio"),
         ("high_ratio", 1.5, "high_ratio"),
         ("high_ratio", "0.5", "high_ratio"),
-        ("low_bits", 4, "low_bits=4 must be < high_bits=4"),
+        ("low_bits", 4, "field 'low_bits': 4 is not allowed; allowed: integers below high_bits=4"),
         ("high_bits", 16, "high_bits"),
         ("channel_selection", "entropy", "channel_selection"),
         ("residual_length", 100, "residual_length"),

@@ -295,8 +295,8 @@ def test_score_sink_tokens_switch():
     [
         ("high_ratio", -0.01, "high_ratio"),
         ("high_ratio", 1.01, "high_ratio"),
-        ("low_bits", 3, "low_bits=3 must be < high_bits=3"),
-        ("low_bits", 5, "low_bits=5"),
+        ("low_bits", 3, "field 'low_bits': 3 is not allowed; allowed: integers below high_bits=3"),
+        ("low_bits", 5, "field 'low_bits': 5 is not allowed"),
         ("score", "qk-dot", "score"),
         ("pairing", "halves", "pairing"),
         ("flush", "hf", "flush"),

@@ -7,23 +7,19 @@ from typing import ClassVar
 
 from kvbench import CacheConfig, Capabilities, Method
 from kvbench.cache.blocks import PerTokenCodec
-from kvbench.cache.quant import check_bits
 from kvbench.cache.schedule import SlidingSchedule
+from kvbench.fields import spec
 
 
 @dataclass(frozen=True)
 class SignMagnitudeConfig(CacheConfig):
     """bits: key code width, 2..8 (a symmetric code needs a sign bit and a magnitude)."""
 
-    bits: int = 4
+    #: checked by CacheConfig.__post_init__ with G, R, N_s, value_bits, ...: an error says
+    #: "field 'bits': 9 is not allowed; allowed: integers 2..8"
+    bits: int = spec(4, int, low=2, high=8)
     #: per-token keys: no token-axis groups, so R need not be a multiple of G
     token_axis_keys: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # G, R, N_s, value_bits, value_group_size, scale_dtype
-        check_bits(self.bits, "bits")  # the core's check: integers 1..8 or 16
-        if not 2 <= self.bits <= 8:
-            raise ValueError(f"bits={self.bits!r} is not supported; allowed: 2..8")
 
 
 class SignMagnitude(Method):

@@ -23,14 +23,17 @@ is an error at run time.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+
+from kvbench import fields as kf
+from kvbench.fields import Field
+from kvbench.registry import Registry, RegistryError
 
 if TYPE_CHECKING:
     from kvbench.bench.context import RunContext
     from kvbench.cache.method import Method
-
-from kvbench.registry import Registry, RegistryError
 
 GROUP = "kvbench.workloads"
 LOWER, HIGHER, NONE = "lower", "higher", "none"
@@ -155,6 +158,12 @@ def check_metrics(cls: type[Workload], metrics: dict[str, Any]) -> None:
         )
 
 
+def reject(pre: str, name: str, value: object, allowed: str) -> NoReturn:
+    """:func:`kvbench.fields.reject` from a :meth:`Workload.check`: ``pre`` is its
+    ``"<where>: "`` prefix (or ``""``)."""
+    kf.reject(pre.removesuffix(": "), name, value, allowed)
+
+
 @dataclass
 class Result:
     """What one run of a workload returns."""
@@ -174,8 +183,49 @@ KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
+def _rule_of_default(default: object) -> Field | None:
+    """The rule a parameter without a declared :class:`~kvbench.fields.Field` gets from its
+    default: a bool wants true or false, an int an integer >= 0, a float a number, a str a
+    string, each or ``None``; other defaults (``None``, ``...``, lists) give no rule."""
+    if isinstance(default, bool):
+        return Field(bool, optional=True)
+    if isinstance(default, int):
+        return Field(int, low=0, optional=True)
+    if isinstance(default, float):
+        return Field(float, optional=True)
+    if isinstance(default, str):
+        return Field(str, optional=True)
+    return None
+
+
+@functools.cache
+def param_fields(cls: type[Workload]) -> dict[str, Field]:
+    """Parameter -> rule of ``cls``: its ``FIELDS`` merged over its bases (a subclass's entry
+    wins), else the rule of the parameter's default (:func:`_rule_of_default`; not for
+    ``LIST_PARAMS``)."""
+    declared: dict[str, Field] = {}
+    for klass in reversed(cls.__mro__):
+        declared.update(vars(klass).get("FIELDS", {}))
+    out: dict[str, Field] = {}
+    for name, default in cls.PARAMS.items():
+        rule = declared.get(name)
+        if rule is None and name not in cls.LIST_PARAMS:
+            rule = _rule_of_default(default)
+        if rule is not None:
+            out[name] = rule
+    return out
+
+
+#: ``layers:`` of the workloads that capture K/V per layer
+LAYERS = Field(int, shape="list", min_items=0, extra=("all",))
+#: ``source:`` of the workloads with :data:`KV_SOURCE_PARAMS`
+SOURCES = Field(str, choices=tuple(sorted(KV_SOURCE_PARAMS)))
+
+
 class Workload:
-    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required).
+    """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required);
+    ``FIELDS`` maps a parameter to its :class:`~kvbench.fields.Field` (type, range, allowed
+    values), else the default's type gives the rule (:func:`param_fields`).
 
     The runner calls ``prepare(ctx)`` once per model (from a fresh seed), then
     ``run(ctx, method)`` once per method configuration, then :func:`check_metrics` on the
@@ -200,6 +250,8 @@ class Workload:
     #: runner does not calibrate methods with ``needs_calibration`` for it
     builds_caches: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Any]] = {}
+    #: parameter -> what it allows, checked by :meth:`validate` before :meth:`check`
+    FIELDS: ClassVar[dict[str, Field]] = {}
     #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
     METRICS: ClassVar[dict[str, str]] = {}
     #: parameters whose value is a list by nature (not expanded into a sweep)
@@ -212,7 +264,8 @@ class Workload:
 
     @classmethod
     def validate(cls, spec: dict[str, Any], where: str = "") -> dict[str, Any]:
-        """Fill defaults and reject unknown or missing parameters (``ValueError``)."""
+        """Fill defaults; reject unknown or missing parameters and values their
+        :func:`param_fields` rule refuses, then run :meth:`check` (``ValueError``)."""
         pre = f"{where}: " if where else ""
         params = {k: v for k, v in spec.items() if k != "type"}
         unknown = sorted(set(params) - set(cls.PARAMS))
@@ -227,6 +280,7 @@ class Workload:
                 raise ValueError(f"{pre}workload {cls.type!r} needs parameter {k!r}")
             out[k] = params.get(k, default)
         unused = cls._unused_by_source(out, params, pre)
+        kf.validate(out, where, param_fields(cls))
         cls.check(out, pre)
         for k in unused:
             del out[k]
@@ -253,7 +307,8 @@ class Workload:
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        """Extra validation of a filled spec; raise ``ValueError`` starting with ``pre``."""
+        """Rules relating several parameters of a filled spec whose fields passed
+        :func:`param_fields`; raise through :func:`reject`."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec

@@ -19,12 +19,6 @@ from typing import Any
 import torch
 
 
-def check_batch_size(value: Any, pre: str = "") -> None:
-    """Raise ``ValueError`` naming ``batch_size`` unless ``value`` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{pre}batch_size={value!r} must be a positive integer")
-
-
 def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
     """``items`` cut into consecutive batches of ``size`` (the last may be shorter)."""
     return [list(items[i : i + size]) for i in range(0, len(items), size)]

@@ -6,11 +6,10 @@ This is how PN-Mix Table 10 and the "K bits" columns of Tables 2/3 are reproduce
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import LOWER
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 
 from . import Result, Workload
 
@@ -24,12 +23,7 @@ class Bits(Workload):
     shape_forward = False
     layer_cache = False  # only the bit formula; peers have one too
     PARAMS = {"head_dim": 128, "tokens": 32768}
-
-    @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
-        for k in ("head_dim", "tokens"):
-            if not isinstance(spec[k], int) or spec[k] < 1:
-                raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+    FIELDS = {"head_dim": Field(int, low=1), "tokens": Field(int, low=1)}
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         r = method.average_bits(head_dim=self.spec["head_dim"], tokens=self.spec["tokens"])

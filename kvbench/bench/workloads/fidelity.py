@@ -38,8 +38,9 @@ from kvbench.bench.workloads.metrics import (
     key_mse,
 )
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 
-from . import KV_SOURCE_PARAMS, Result, Workload
+from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, reject
 
 
 def replay(
@@ -107,25 +108,24 @@ class Fidelity(Workload):
         "num_kv_heads": 2,
         "head_dim": 64,
     }
+    FIELDS = {
+        "tokens": Field(int, low=2),
+        "prefill": Field(int, low=1),
+        "layers": LAYERS,
+        "source": SOURCES,
+        **{k: Field(int, low=1) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")},
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        t, p = spec["tokens"], spec["prefill"]
-        if not (isinstance(t, int) and isinstance(p, int) and 0 < p < t):
-            raise ValueError(
-                f"{pre}need integers 0 < prefill < tokens, got prefill={p!r}, tokens={t!r}"
-            )
-        if spec["layers"] != "all" and not isinstance(spec["layers"], list):
-            raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
-        if spec["source"] not in ("model", "synthetic"):
-            raise ValueError(
-                f"{pre}source={spec['source']!r} is not supported; allowed: ['model', 'synthetic']"
-            )
-        shape = [spec[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")]
-        if not all(isinstance(x, int) and x > 0 for x in shape) or shape[1] % shape[2]:
-            raise ValueError(
-                f"{pre}num_layers, num_heads, num_kv_heads, head_dim must be positive integers "
-                f"with num_heads a multiple of num_kv_heads; got {shape}"
+        if spec["prefill"] >= spec["tokens"]:
+            reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
+        if spec["num_heads"] % spec["num_kv_heads"]:
+            reject(
+                pre,
+                "num_heads",
+                spec["num_heads"],
+                f"multiples of num_kv_heads={spec['num_kv_heads']}",
             )
 
     def _synthetic(self, seed: int, calibration: int = 0) -> tuple[Any, dict[str, Any]]:

@@ -35,9 +35,10 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER
-from kvbench.bench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
+from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.workloads.metrics import add_ci
 from kvbench.cache.method import Method, require_padding
+from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
 
@@ -263,23 +264,14 @@ class Generation(Workload):
         "path": "attend",
         "batch_size": 1,
     }
-
-    @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
-        n, b, c = spec["new_tokens"], spec["bucket"], spec["context_tokens"]
-        if not (isinstance(n, int) and isinstance(b, int) and n >= 1 and b >= 1):
-            raise ValueError(f"{pre}new_tokens and bucket must be positive integers")
-        if not (isinstance(c, int) and c >= 0):
-            raise ValueError(f"{pre}context_tokens must be an integer >= 0")
-        check_batch_size(spec.get("batch_size", 1), pre)
-        if spec["prompts"] is not None and not (
-            isinstance(spec["prompts"], list) and all(isinstance(p, str) for p in spec["prompts"])
-        ):
-            raise ValueError(f"{pre}prompts must be a list of strings")
-        if spec["path"] not in DECODE_PATHS:
-            raise ValueError(
-                f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
-            )
+    FIELDS = {
+        "prompts": Field(str, shape="list", min_items=0, optional=True),
+        "new_tokens": Field(int, low=1),
+        "bucket": Field(int, low=1),
+        "context_tokens": Field(int, low=0),
+        "path": Field(str, choices=DECODE_PATHS),
+        "batch_size": Field(int, low=1),
+    }
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.cache.registry import get_method

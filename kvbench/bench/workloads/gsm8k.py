@@ -32,6 +32,7 @@ from kvbench.bench.tasks.extract import (
     numbers_equal,
 )
 from kvbench.bench.workloads import HIGHER
+from kvbench.fields import Field
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -115,18 +116,11 @@ class GSM8K(TaskWorkload):
     }
     PRIMARY = "gsm8k_flexible"
     DEFAULT_STOP = ("Q:", "</s>", "<|im_end|>")
-
-    @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        k = spec["num_fewshot"]
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(EXEMPLARS):
-            raise ValueError(f"{pre}num_fewshot={k!r} must be an integer in 0..{len(EXEMPLARS)}")
-        if not isinstance(spec["fewshot_as_multiturn"], bool):
-            raise ValueError(f"{pre}fewshot_as_multiturn must be true or false")
-        if spec["compare"] not in COMPARES:
-            raise ValueError(
-                f"{pre}compare={spec['compare']!r} is not supported; allowed: {list(COMPARES)}"
-            )
+    FIELDS = {
+        "num_fewshot": Field(int, low=0, high=len(EXEMPLARS)),
+        "fewshot_as_multiturn": Field(bool),
+        "compare": Field(str, choices=COMPARES),
+    }
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows

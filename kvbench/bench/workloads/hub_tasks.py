@@ -33,6 +33,7 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
+from kvbench.fields import Field
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -226,19 +227,11 @@ class InfiniteBench(TaskWorkload):
         "max_context": 32000,
     }
     PRIMARY = "ib_avg"
-
-    @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
-        super().check({**spec, "new_tokens": spec["new_tokens"] or 1}, pre)
-
-    @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        bad = [t for t in spec["tasks"] if t not in IB_TEMPLATES]
-        if bad or not spec["tasks"]:
-            raise ValueError(f"{pre}tasks {bad} not supported; allowed: {list(IB_TEMPLATES)}")
-        m = spec["max_context"]
-        if isinstance(m, bool) or not isinstance(m, int) or m < 16:
-            raise ValueError(f"{pre}max_context={m!r} must be an integer >= 16")
+    FIELDS = {
+        "new_tokens": Field(int, low=0, optional=True),  # None or 0: the tasks' own budgets
+        "tasks": Field(str, choices=tuple(IB_TEMPLATES), shape="list"),
+        "max_context": Field(int, low=16),
+    }
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         examples, infos = [], {}

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
+from kvbench.fields import Field
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -47,14 +48,10 @@ class HumanEval(TaskWorkload):
     METRICS = {"humaneval_pass1": HIGHER}
     PARAMS = {**COMMON_PARAMS, "new_tokens": 512, "mode": "completion", "timeout": 10.0}
     PRIMARY = "humaneval_pass1"
-
-    @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        if spec["mode"] not in MODES:
-            raise ValueError(f"{pre}mode={spec['mode']!r} is not supported; allowed: {list(MODES)}")
-        t = spec["timeout"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ValueError(f"{pre}timeout={t!r} must be a positive number of seconds")
+    FIELDS = {
+        "mode": Field(str, choices=MODES),
+        "timeout": Field(float, low=0, low_open=True, text="numbers > 0 (seconds)"),
+    }
 
     @property
     def stop(self) -> list[str]:

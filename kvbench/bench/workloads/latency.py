@@ -69,9 +69,10 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import check_batch_size, stored_pad_tokens
+from kvbench.bench.workloads.batching import stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
+from kvbench.fields import Field
 from kvbench.hf.cache import make_hf_cache
 from kvbench.hf.peers import cache_nbytes
 from kvbench.measure.timer import (
@@ -84,7 +85,7 @@ from kvbench.measure.timer import (
 )
 from kvbench.measure.window import flush_steps, split_steps
 
-from . import Result, Workload
+from . import Result, Workload, reject
 
 CPU_NOTE = (
     "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
@@ -177,39 +178,42 @@ class Latency(Workload):
         "batch_size": 1,
         "padding": "none",
     }
+    FIELDS = {
+        "context": Field(int, low=2),
+        "steps": Field(int, low=1),
+        "warmup": Field(int, low=0),
+        "prefill_repeats": Field(int, low=1),
+        "path": Field(str, choices=("attend", "auto", "reference")),
+        "batch_size": Field(int, low=1),
+        "padding": Field(str, choices=PADDINGS),
+        "baseline": Field(str, text="a registered method name"),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, n, w = spec["context"], spec["steps"], spec["warmup"]
-        r = spec["prefill_repeats"]
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, n, w, r)):
-            raise ValueError(f"{pre}context, steps, warmup and prefill_repeats must be integers")
-        if r < 1:
-            raise ValueError(f"{pre}prefill_repeats={r} must be >= 1")
-        if n < 1 or w < 0 or d <= n + w:
-            raise ValueError(
-                f"{pre}need steps >= 1, warmup >= 0 and context > warmup + steps (a prefill of "
-                f"at least one token); got context={d}, warmup={w}, steps={n}"
-            )
-        if spec["path"] not in ("auto", "reference", "attend"):
-            raise ValueError(
-                f"{pre}path={spec['path']!r} is not allowed; allowed: "
-                "['attend', 'auto', 'reference']"
-            )
-        check_batch_size(spec["batch_size"], pre)
-        if spec["padding"] not in PADDINGS:
-            raise ValueError(
-                f"{pre}padding={spec['padding']!r} is not allowed; allowed: {list(PADDINGS)}"
+        if d <= n + w:
+            reject(
+                pre,
+                "context",
+                d,
+                f"integers > warmup + steps = {w + n} (a prefill of at least one token)",
             )
         if spec["padding"] == "left" and spec["batch_size"] < 2:
-            raise ValueError(
-                f"{pre}padding='left' needs batch_size >= 2 (rows of different lengths); "
-                f"got batch_size={spec['batch_size']}"
+            reject(
+                pre,
+                "padding",
+                "left",
+                f"'none' with batch_size={spec['batch_size']}; 'left' needs batch_size >= 2 "
+                "(rows of different lengths)",
             )
         if spec["padding"] == "left" and (d - n - w) // 2 < 1:
-            raise ValueError(f"{pre}padding='left' needs a prefill of at least 2 tokens")
-        if not isinstance(spec["baseline"], str):
-            raise ValueError(f"{pre}baseline must be a registered method name")
+            reject(
+                pre,
+                "context",
+                d,
+                f"integers >= {w + n + 2} with padding='left' (a prefill of at least 2 tokens)",
+            )
         from kvbench.cache.registry import get_method_class
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"

@@ -25,7 +25,9 @@ from typing import Any
 from kvbench.bench.context import RunContext
 from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
 from kvbench.bench.workloads import HIGHER
+from kvbench.fields import Field
 
+from . import reject
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 DATASETS = ("math500", "aime24", "aime25", "amc23")
@@ -46,6 +48,11 @@ class MathTask(TaskWorkload):
         "levels": None,
         "prompt_template": DEFAULT_TEMPLATE,
     }
+    FIELDS = {
+        "dataset": Field(str, choices=DATASETS),
+        "subjects": Field(None, shape="list", min_items=0, optional=True),
+        "levels": Field(None, shape="list", min_items=0, optional=True),
+    }
 
     @property
     def PRIMARY(self) -> str:  # noqa: N802 - the base's class attribute name
@@ -53,19 +60,14 @@ class MathTask(TaskWorkload):
 
     @classmethod
     def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        if spec["dataset"] not in DATASETS:
-            raise ValueError(
-                f"{pre}dataset={spec['dataset']!r} is not supported; allowed: {list(DATASETS)}"
-            )
         for name in ("subjects", "levels"):
-            v = spec[name]
-            if v is not None and not isinstance(v, list):
-                raise ValueError(f"{pre}{name} must be a list or null")
-        if (spec["subjects"] or spec["levels"]) and spec["dataset"] != "math500":
-            raise ValueError(f"{pre}subjects/levels filter only dataset 'math500'")
-        t = spec["prompt_template"]
-        if not isinstance(t, str) or "{problem}" not in t:
-            raise ValueError(f"{pre}prompt_template must be a string containing '{{problem}}'")
+            if spec[name] and spec["dataset"] != "math500":
+                allowed = f"None with dataset={spec['dataset']!r} (they filter only 'math500')"
+                reject(pre, name, spec[name], allowed)
+        if "{problem}" not in spec["prompt_template"]:
+            reject(
+                pre, "prompt_template", spec["prompt_template"], "strings containing '{problem}'"
+            )
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows

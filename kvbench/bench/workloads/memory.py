@@ -83,9 +83,10 @@ import torch
 from kvbench.bench.context import Capture, RunContext
 from kvbench.bench.workloads.metrics import LOWER, STORAGE_METRICS
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 
-from . import KV_SOURCE_PARAMS, Result, Workload
+from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, reject
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
@@ -330,39 +331,32 @@ class Memory(Workload):
         "path": "attend",
         "batch": 1,
     }
+    FIELDS = {
+        "context": Field(int, low=2),
+        "appends": Field(int, low=1),
+        "source": SOURCES,
+        "path": Field(str, choices=tuple(sorted(STEP_PATHS))),
+        "dtype": Field(str, choices=tuple(sorted(DTYPES))),
+        "layers": LAYERS,
+        **{
+            k: Field(int, low=1)
+            for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch")
+        },
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, a = spec["context"], spec["appends"]
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (d, a)) or not (
-            1 <= a < d
-        ):
-            raise ValueError(
-                f"{pre}need integers 1 <= appends < context, got appends={a!r}, context={d!r}"
-            )
-        if spec["source"] not in ("model", "synthetic"):
-            raise ValueError(
-                f"{pre}source={spec['source']!r} is not allowed; allowed: ['model', 'synthetic']"
-            )
-        if spec["path"] not in STEP_PATHS:
-            raise ValueError(
-                f"{pre}path={spec['path']!r} is not allowed; allowed: {sorted(STEP_PATHS)}"
-            )
-        if spec["dtype"] not in DTYPES:
-            raise ValueError(
-                f"{pre}dtype={spec['dtype']!r} is not allowed; allowed: {sorted(DTYPES)}"
-            )
-        if spec["layers"] != "all" and not isinstance(spec["layers"], list):
-            raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
-        for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "batch"):
-            if not isinstance(spec[k], int) or spec[k] < 1:
-                raise ValueError(f"{pre}{k}={spec[k]!r} must be a positive integer")
+        if a >= d:
+            reject(pre, "appends", a, f"integers 1..{d - 1} (< context={d})")
         if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
             del spec["batch"]
         if spec["num_heads"] % spec["num_kv_heads"]:
-            raise ValueError(
-                f"{pre}num_heads={spec['num_heads']} must be a multiple of "
-                f"num_kv_heads={spec['num_kv_heads']}"
+            reject(
+                pre,
+                "num_heads",
+                spec["num_heads"],
+                f"multiples of num_kv_heads={spec['num_kv_heads']}",
             )
 
     # ------------------------------------------------------------------ inputs

@@ -36,6 +36,7 @@ from kvbench.bench.tasks.extract import (
     regex_filter,
 )
 from kvbench.bench.workloads import HIGHER
+from kvbench.fields import Field
 
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -110,18 +111,15 @@ class MGSM(TaskWorkload):
     PARAMS = {**COMMON_PARAMS, "languages": list(LANGUAGES), "num_fewshot": 8}
     PRIMARY = "mgsm_flexible"
     DEFAULT_STOP = ("\n\n", "</s>", "<|im_end|>")
+    FIELDS = {
+        "languages": Field(str, choices=LANGUAGES, shape="one-or-list"),
+        "num_fewshot": Field(int, low=0, high=8),
+    }
 
     @classmethod
     def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        langs = spec["languages"]
-        if isinstance(langs, str):
-            langs = spec["languages"] = [langs]
-        bad = [x for x in langs if x not in PREFIXES] if isinstance(langs, list) else [langs]
-        if bad or not langs:
-            raise ValueError(f"{pre}languages {bad} not supported; allowed: {list(LANGUAGES)}")
-        k = spec["num_fewshot"]
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 8:
-            raise ValueError(f"{pre}num_fewshot={k!r} must be an integer in 0..8")
+        if isinstance(spec["languages"], str):
+            spec["languages"] = [spec["languages"]]
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.data.loaders import load_rows

@@ -45,27 +45,23 @@ from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method
 from kvbench.cache.mixed_channel import high_pairs, pair_channels
+from kvbench.fields import Field
 
-from . import Result, Workload
+from . import LAYERS, Result, Workload, reject
 
 ROW_SOURCES = ("aime25", "aime24", "math500", "amc23", "gsm8k")
 TEXT_SOURCES = ("wikitext2", "essays")
 QK_SCORES = ("qk-pair-norm", "qk-pair-norm-causal", "k-range", "k-magnitude", "k-pair-norm")
 REFERENCES = ("norm", "dot")
-
-
-def _check_source(spec: dict[str, Any], pre: str) -> None:
-    if spec["source"] not in ROW_SOURCES + TEXT_SOURCES:
-        raise ValueError(
-            f"{pre}source={spec['source']!r} is not supported; allowed: "
-            f"{list(ROW_SOURCES + TEXT_SOURCES)}"
-        )
-    for k in ("samples", "tokens"):
-        v = spec[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{pre}{k}={v!r} must be a positive integer")
-    if spec["layers"] != "all" and not isinstance(spec["layers"], list):
-        raise ValueError(f"{pre}layers must be 'all' or a list of layer indices")
+#: the rules both pair-analysis workloads share
+SHARED_FIELDS = {
+    "source": Field(str, choices=ROW_SOURCES + TEXT_SOURCES),
+    "samples": Field(int, low=1),
+    "tokens": Field(int, low=1),
+    "layers": LAYERS,
+    "score": Field(str, choices=QK_SCORES),
+    "ratios": Field(float, low=0, high=1, low_open=True, shape="list"),
+}
 
 
 def sample_prompts(
@@ -149,22 +145,7 @@ class ScoreAgreement(Workload):
         "reference": "qk-pair-norm-causal",
         "ratios": [0.1, 0.5],
     }
-
-    @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
-        _check_source(spec, pre)
-        for k in ("score", "reference"):
-            if spec[k] not in QK_SCORES:
-                raise ValueError(
-                    f"{pre}{k}={spec[k]!r} is not supported; allowed: {list(QK_SCORES)}"
-                )
-        r = spec["ratios"]
-        if (
-            not isinstance(r, list)
-            or not r
-            or not all(isinstance(x, (int, float)) and 0 < x <= 1 for x in r)
-        ):
-            raise ValueError(f"{pre}ratios must be a list of fractions in (0, 1]")
+    FIELDS = {**SHARED_FIELDS, "reference": Field(str, choices=QK_SCORES)}
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.hf.capture import capture_qkv
@@ -257,30 +238,24 @@ class SelectionStability(Workload):
         "references": ["norm", "dot"],
         "score": "qk-pair-norm",
     }
+    FIELDS = {
+        **SHARED_FIELDS,
+        "decode_steps": Field(int, low=1),
+        "bin": Field(int, low=1),
+        "query_stride": Field(int, low=1),
+        "continuation": Field(str, choices=("generate", "text")),
+        "references": Field(str, choices=REFERENCES, shape="list"),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        _check_source(spec, pre)
-        for k in ("decode_steps", "bin", "query_stride"):
-            v = spec[k]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{pre}{k}={v!r} must be a positive integer")
-        if spec["continuation"] not in ("generate", "text"):
-            raise ValueError(f"{pre}continuation must be 'generate' or 'text'")
         if spec["continuation"] == "text" and spec["source"] not in TEXT_SOURCES:
-            raise ValueError(f"{pre}continuation 'text' needs a text source {TEXT_SOURCES}")
-        bad = [r for r in spec["references"] if r not in REFERENCES]
-        if bad or not spec["references"]:
-            raise ValueError(f"{pre}references {bad} not supported; allowed: {list(REFERENCES)}")
-        r = spec["ratios"]
-        if (
-            not isinstance(r, list)
-            or not r
-            or not all(isinstance(x, (int, float)) and 0 < x <= 1 for x in r)
-        ):
-            raise ValueError(f"{pre}ratios must be a list of fractions in (0, 1]")
-        if spec["score"] not in QK_SCORES:
-            raise ValueError(f"{pre}score={spec['score']!r} is not supported")
+            reject(
+                pre,
+                "continuation",
+                "text",
+                f"'generate', or 'text' with a text source {list(TEXT_SOURCES)}",
+            )
 
     @torch.no_grad()
     def _continue(self, ctx: RunContext, ids: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,11 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER
-from kvbench.bench.workloads.batching import PadLedger, check_batch_size, chunks, left_pad, pad_id
+from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.cache.method import Method, require_padding
+from kvbench.fields import Field
 
-from . import Result, Workload
+from . import Result, Workload, reject
 
 
 def chat_wrap(tokenizer: Any) -> tuple[str, str]:
@@ -58,23 +59,24 @@ class Passkey(Workload):
         "path": "attend",  # decode attention: LayerCache.attend, or "reference" (sdpa)
         "batch_size": 1,
     }
+    FIELDS = {
+        "depths": Field(float, low=0, high=1, shape="list", min_items=0),
+        "batch_size": Field(int, low=1),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        if not all(isinstance(d, (int, float)) and 0 <= d <= 1 for d in spec["depths"]):
-            raise ValueError(f"{pre}depths must be fractions in [0, 1]")
-        from kvbench.hf.cache import DECODE_PATHS
+        from kvbench.hf.cache import DECODE_PATHS  # not at import: it loads transformers
 
-        check_batch_size(spec.get("batch_size", 1), pre)
-
-        if spec["path"] not in DECODE_PATHS:
-            raise ValueError(
-                f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
-            )
+        Field(str, choices=DECODE_PATHS).check(spec["path"], "path", pre.removesuffix(": "))
         if spec["protect_prefix"] + spec["protect_suffix"] >= spec["length"] // 2:
-            raise ValueError(
-                f"{pre}protect_prefix + protect_suffix must leave at least half of "
-                f"length={spec['length']} for the needle"
+            reject(
+                pre,
+                "protect_suffix",
+                spec["protect_suffix"],
+                f"integers < {spec['length'] // 2 - spec['protect_prefix']} (protect_prefix + "
+                f"protect_suffix must leave at least half of length={spec['length']} for the "
+                "needle)",
             )
 
     def prepare(self, ctx: RunContext) -> None:

@@ -35,6 +35,7 @@ import torch
 from kvbench.bench.context import Reference, RunContext
 from kvbench.bench.workloads.metrics import HIGHER, LOWER, NONE, STORAGE_METRICS, add_ci
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
     DECODE_PATHS,
@@ -45,7 +46,7 @@ from kvbench.hf.cache import (
 )
 from kvbench.hf.capture import PromptState
 
-from . import Result, Workload
+from . import Result, Workload, reject
 
 
 @torch.no_grad()
@@ -115,19 +116,18 @@ class Perplexity(Workload):
         "windows": 2,
         "path": "attend",
     }
+    FIELDS = {
+        "tokens": Field(int, low=2),
+        "prefill": Field(int, low=1),
+        "chunk": Field(int, low=1),
+        "windows": Field(int, low=1),
+        "path": Field(str, choices=DECODE_PATHS),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        t, p, c, w = spec["tokens"], spec["prefill"], spec["chunk"], spec["windows"]
-        if not all(isinstance(x, int) for x in (t, p, c, w)) or not (0 < p < t) or c < 1 or w < 1:
-            raise ValueError(
-                f"{pre}need integers 0 < prefill < tokens, chunk >= 1, windows >= 1;"
-                f" got tokens={t!r}, prefill={p!r}, chunk={c!r}, windows={w!r}"
-            )
-        if spec["path"] not in DECODE_PATHS:
-            raise ValueError(
-                f"{pre}path={spec['path']!r} is not supported; allowed: {list(DECODE_PATHS)}"
-            )
+        if spec["prefill"] >= spec["tokens"]:
+            reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.cache.registry import get_method

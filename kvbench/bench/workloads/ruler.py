@@ -35,7 +35,9 @@ import torch
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 
+from . import reject
 from .passkey import chat_wrap
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
@@ -67,41 +69,27 @@ class Ruler(TaskWorkload):
         "protect_suffix": 256,
     }
     PRIMARY = "ruler_avg"
-
-    @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
-        if spec["new_tokens"] is None:  # the tasks' own budgets
-            super().check({**spec, "new_tokens": 1}, pre)
-        else:
-            super().check(spec, pre)
+    FIELDS = {
+        "new_tokens": Field(int, low=1, optional=True),  # None: the tasks' own budgets
+        "tasks": Field(str, choices=RULER_TASKS, shape="one-or-list"),
+        "lengths": Field(int, low=64, shape="one-or-list"),
+        "num_examples": Field(int, low=1),
+        "depth": Field(float, low=0, high=1, optional=True),
+    }
 
     @classmethod
     def check_task(cls, spec: dict[str, Any], pre: str) -> None:
         for name in ("tasks", "lengths"):
             if isinstance(spec[name], (str, int)):
                 spec[name] = [spec[name]]
-        bad = [t for t in spec["tasks"] if t not in RULER_TASKS]
-        if bad or not spec["tasks"]:
-            raise ValueError(f"{pre}tasks {bad} not supported; allowed: {list(RULER_TASKS)}")
-        if not spec["lengths"] or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 64 for n in spec["lengths"]
-        ):
-            raise ValueError(f"{pre}lengths must be a list of integers >= 64")
-        n = spec["num_examples"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{pre}num_examples={n!r} must be a positive integer")
-        d = spec["depth"]
-        if d is not None and (
-            isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1
-        ):
-            raise ValueError(f"{pre}depth={d!r} must be a fraction in [0, 1] or null")
-        pp, ps = spec["protect_prefix"], spec["protect_suffix"]
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (pp, ps)):
-            raise ValueError(f"{pre}protect_prefix and protect_suffix must be integers >= 0")
-        if pp + ps >= min(spec["lengths"]) // 2:
-            raise ValueError(
-                f"{pre}protect_prefix + protect_suffix must leave at least half of the shortest "
-                f"length ({min(spec['lengths'])}) for the needles"
+        pp, ps, shortest = spec["protect_prefix"], spec["protect_suffix"], min(spec["lengths"])
+        if pp + ps >= shortest // 2:
+            reject(
+                pre,
+                "protect_suffix",
+                ps,
+                f"integers < {shortest // 2 - pp} (protect_prefix + protect_suffix must leave at "
+                f"least half of the shortest length ({shortest}) for the needles)",
             )
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -46,6 +46,7 @@ from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, NONE
 from kvbench.bench.workloads.batching import PadLedger, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
+from kvbench.fields import Field
 
 from . import Result, Workload
 
@@ -325,40 +326,26 @@ class TaskWorkload(Workload):
     PRIMARY: str = "accuracy"
     METRICS = {"task_score": HIGHER, "num_examples": NONE}
     DEFAULT_STOP: tuple[str, ...] = ()
+    FIELDS = {
+        "max_examples": Field(int, low=1, optional=True),
+        "sample": Field(str, choices=SAMPLES),
+        "new_tokens": Field(int, low=1),
+        "chat_template": Field(bool),
+        "stop": Field(str, nonempty=True, shape="list", min_items=0, optional=True),
+        "batch_size": Field(int, low=1),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        m = spec.get("max_examples")
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"{pre}max_examples={m!r} must be a positive integer or null")
-        if spec.get("sample") not in SAMPLES:
-            raise ValueError(
-                f"{pre}sample={spec.get('sample')!r} is not supported; allowed: {list(SAMPLES)}"
-            )
-        n = spec.get("new_tokens")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{pre}new_tokens={n!r} must be a positive integer")
-        bs = spec.get("batch_size", 1)
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-            raise ValueError(f"{pre}batch_size={bs!r} must be a positive integer")
-        if not isinstance(spec.get("chat_template"), bool):
-            raise ValueError(f"{pre}chat_template must be true or false")
-        stop = spec.get("stop")
-        if stop is not None and not (
-            isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
-        ):
-            raise ValueError(f"{pre}stop must be a list of non-empty strings or null")
-        from kvbench.hf.cache import DECODE_PATHS
+        from kvbench.hf.cache import DECODE_PATHS  # not at import: it loads transformers
 
-        if spec.get("path", "attend") not in DECODE_PATHS:
-            raise ValueError(
-                f"{pre}path={spec.get('path')!r} is not supported; allowed: {list(DECODE_PATHS)}"
-            )
+        Field(str, choices=DECODE_PATHS).check(spec["path"], "path", pre.removesuffix(": "))
         cls.check_task(spec, pre)
 
     @classmethod
     def check_task(cls, spec: dict[str, Any], pre: str) -> None:
-        """Task-specific validation (raise ``ValueError`` starting with ``pre``)."""
+        """Task-specific rules relating parameters, or normalizing them (raise through
+        :func:`kvbench.bench.workloads.reject`)."""
 
     # ----------------------------------------------------------------- subclass hooks
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:

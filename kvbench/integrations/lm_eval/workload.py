@@ -31,9 +31,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.bench.context import RunContext
-from kvbench.bench.workloads import LOWER, NONE, Result, Workload
+from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
 from kvbench.cache.method import Method
+from kvbench.fields import Field
 
 
 def _number(v: Any) -> float | None:
@@ -70,36 +71,26 @@ class LMEval(Workload):
         "bootstrap_iters": 100000,
     }
     LIST_PARAMS = frozenset({"tasks", "include_path"})
+    FIELDS = {
+        "tasks": Field(str, shape="one-or-list", text="an lm-eval task name or a non-empty list"),
+        "num_fewshot": Field(int, low=0, optional=True),
+        "limit": Field(int, low=0, optional=True),
+        "chunk": Field(int, low=1),
+        "include_path": Field(
+            str, shape="one-or-list", min_items=0, optional=True, text="a folder or a list"
+        ),
+        "apply_chat_template": Field(bool),
+        "fewshot_as_multiturn": Field(bool),
+        "bootstrap_iters": Field(int, low=0),
+    }
 
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
-        tasks = spec["tasks"]
-        if isinstance(tasks, str):
-            tasks = spec["tasks"] = [tasks]
-        if not (isinstance(tasks, list) and tasks and all(isinstance(t, str) for t in tasks)):
-            raise ValueError(f"{pre}tasks must be a non-empty list of lm-eval task names")
-        for k in ("num_fewshot", "limit"):
-            v = spec[k]
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{pre}{k}={v!r} must be an integer >= 0 or null")
-        c = spec["chunk"]
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"{pre}chunk={c!r} must be an integer >= 1")
-        inc = spec["include_path"]
-        if isinstance(inc, str):
-            spec["include_path"] = [inc]
-        elif inc is not None and not (
-            isinstance(inc, list) and all(isinstance(p, str) for p in inc)
-        ):
-            raise ValueError(f"{pre}include_path must be a folder or a list of folders")
+        for k in ("tasks", "include_path"):
+            if isinstance(spec[k], str):
+                spec[k] = [spec[k]]
         if spec["gen_kwargs"] is not None and not isinstance(spec["gen_kwargs"], dict):
-            raise ValueError(f"{pre}gen_kwargs must be a mapping (e.g. {{max_gen_toks: 64}})")
-        for k in ("apply_chat_template", "fewshot_as_multiturn"):
-            if not isinstance(spec[k], bool):
-                raise ValueError(f"{pre}{k} must be true or false")
-        b = spec["bootstrap_iters"]
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"{pre}bootstrap_iters={b!r} must be an integer >= 0")
+            reject(pre, "gen_kwargs", spec["gen_kwargs"], "None or a mapping ({max_gen_toks: 64})")
 
     def prepare(self, ctx: RunContext) -> None:
         """Check lm-eval, build the task manager and load every task once (so a dataset that
