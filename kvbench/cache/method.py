@@ -11,7 +11,6 @@ derived from the codec's stored layout (:mod:`kvbench.cache.layout`).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NoReturn
 
@@ -323,24 +322,10 @@ class Method:
         """What a value block stores; default: the layout of :meth:`value_codec`."""
         return self._codec_layout(self.value_codec(0, head_dim), "value", head_dim)
 
-    def _side_terms(self, side: str, head_dim: int) -> dict[str, float]:
-        name = f"{side}_bit_terms"
-        if getattr(type(self), name) is not getattr(Method, name):
-            warnings.warn(
-                f"{type(self).__name__}.{name} is deprecated and will be removed in the next "
-                f"release: the bit terms are derived from {side}_layout() (the codec's "
-                "layout(); docs/design.md#stored-layouts)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            return getattr(self, name)(head_dim)
-        layout = self.key_layout(head_dim) if side == "key" else self.value_layout(head_dim)
-        return bit_terms(layout).to_dict()
-
     def key_bit_terms(self, head_dim: int) -> dict[str, float]:
         """Terms of docs/methods.md#average-bits for keys (``b_eff``, ``m_q``, ``group`` elements,
-        ``m_sal``), derived from :meth:`key_layout`.  Overriding it is deprecated (one release):
-        describe the stored layout instead."""
+        ``m_sal``), derived from :meth:`key_layout` (a method describes its stored layout; it
+        does not restate the formula)."""
         return bit_terms(self.key_layout(head_dim)).to_dict()
 
     def value_bit_terms(self, head_dim: int) -> dict[str, float]:
@@ -355,7 +340,7 @@ class Method:
         :meth:`key_layout` / :meth:`value_layout`.
         """
         ns = getattr(self.config, "num_sink_tokens", 0)
-        kt, vt = self._side_terms("key", head_dim), self._side_terms("value", head_dim)
+        kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
         return {
             "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
             "value_bits": average_bits(

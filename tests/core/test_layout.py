@@ -4,8 +4,6 @@ the bytes a block actually holds match the layout's bits per element."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -168,23 +166,6 @@ def test_layout_types_are_frozen_and_checked():
     with pytest.raises(ValueError, match="packing"):
         Codes.uniform(2, 8, "zip")
     assert Permutation("int16", True, 128).bits_per_element == 16 / 128
-
-
-def test_deprecated_key_bit_terms_override_still_counts():
-    class Legacy(Method):
-        Config = CacheConfig
-
-        def key_codec(self, layer_idx, head_dim):
-            return PerChannelCodec(2, group_size=self.config.group_size)
-
-        def key_bit_terms(self, head_dim):
-            return {"b_eff": 3, "m_q": 32, "group": 64, "m_sal": 0}
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        bits = Legacy(group_size=64, residual_length=64).average_bits(128, 1024)
-    assert bits["key_bits"] == 3.5  # the override's terms, not the codec's 2.5
-    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
 
 
 def test_codec_without_layout_names_what_to_implement():
