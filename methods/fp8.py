@@ -47,8 +47,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvbench.attention import native
+from kvbench.attention.block_kernels import register_block_kernel
 from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite

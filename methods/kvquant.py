@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from kvbench.attention import native
+from kvbench.attention.block_kernels import register_block_kernel
 from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.blocks import cat_blocks, own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite

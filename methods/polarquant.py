@@ -152,7 +152,12 @@ class PolarAttention:
 
     def key_logits(self, block: PolarBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
         from kvbench.attention import native
-        from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, affine_terms, native_allowed, note_impl
+        from kvbench.attention.codedomain import (
+            EAGER_CHUNK_TOKENS,
+            affine_terms,
+            native_allowed,
+            note_impl,
+        )
         from kvbench.cache.quant import unpack_bits
 
         rad, ang = block.radius, block.angle
@@ -210,7 +215,7 @@ class PolarAttention:
 
 
 def _register() -> None:
-    from kvbench.attention.dispatch import register_block_kernel
+    from kvbench.attention.block_kernels import register_block_kernel
 
     register_block_kernel(PolarBlock, PolarAttention(), ("cpu",))
 

@@ -34,8 +34,8 @@ from functools import lru_cache
 import torch
 
 from kvbench.attention import native
+from kvbench.attention.block_kernels import register_block_kernel
 from kvbench.attention.codedomain import native_allowed, note_impl
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvbench.attention import native
+from kvbench.attention.block_kernels import register_block_kernel
 from kvbench.attention.codedomain import (
     AffineBlockAttention,
     affine_terms,
@@ -32,7 +33,6 @@ from kvbench.attention.codedomain import (
     note_impl,
 )
 from kvbench.attention.reference import causal_mask, length_mask
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.blocks import AffineBlock, cat_blocks, own_storage
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms

@@ -34,6 +34,7 @@ import torch
 from scipy import special
 
 from kvbench.attention import native
+from kvbench.attention.block_kernels import register_block_kernel
 from kvbench.attention.codedomain import (
     EAGER_CHUNK_TOKENS,
     code_layout,
@@ -43,7 +44,6 @@ from kvbench.attention.codedomain import (
     subcodes,
     to_subcode_order,
 )
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite

@@ -1,4 +1,4 @@
-"""Registration of the fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
+"""The fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
 :mod:`kvbench.attention.dispatch`.
 
 Layouts: :class:`kvbench.cache.blocks.AffineBlock` (per-channel key pages of a multiple of 16
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvbench.attention.dispatch import Backend, register_backend
+from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.mixed_channel import MixedChannelBlock
 
@@ -106,4 +106,5 @@ def _run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: 
     return dispatch.fused_attend(layer_cache, query, scaling)
 
 
-register_backend(Backend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run, priority=10))
+#: the CUDA backend (registered in :data:`kvbench.attention.dispatch.BACKENDS`)
+BACKEND = WholeCacheBackend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.attention import native
-
 from kvbench.attention import codedomain as cpu
+from kvbench.attention import native
 from kvbench.cache.mixed_channel import pack_mixed
 from kvbench.cache.quant import pack_bits
 
