@@ -8,7 +8,8 @@ in :data:`BACKENDS` below (one ``register`` call each, nothing registers itself 
    cache;
 2. ``"code-domain"`` (any device; :mod:`kvbench.attention.codedomain`): sinks and residual as
    matmuls, each quantized block through the block kernel registered for its type and device
-   (:mod:`kvbench.attention.block_kernels`; the core's kernels are registered below);
+   (:mod:`kvbench.attention.block_kernels`; the built-in kernels, :mod:`kvbench.attention.blocks`
+   for the methods' own layouts, are registered below, in one place);
 3. the *reference* path, always last: :meth:`~kvbench.cache.layer.LayerCache.keys_values`
    (dequantize) and :func:`kvbench.attention.reference.reference_attention`.
 
@@ -37,6 +38,7 @@ import torch
 from kvbench.attention import codedomain, triton
 from kvbench.attention.backend import AttentionCache, Backend, common_reason, layout_name
 from kvbench.attention.block_kernels import kernel_devices, register_block_kernel
+from kvbench.attention.blocks import fp8, lut, mixed_tokens, polar, qjl, turbo
 from kvbench.attention.mixed_channel import MixedChannelAttention
 from kvbench.attention.reference import (
     length_mask,
@@ -45,7 +47,13 @@ from kvbench.attention.reference import (
     repeat_kv,
 )
 from kvbench.cache.blocks import AffineBlock
+from kvbench.cache.fp8 import FP8Block
+from kvbench.cache.lut import LUTBlock
 from kvbench.cache.mixed_channel import MixedChannelBlock
+from kvbench.cache.mixed_tokens import MixedBlock
+from kvbench.cache.polar import PolarBlock
+from kvbench.cache.qjl import QJLBlock
+from kvbench.cache.turbo import TurboBlock
 from kvbench.registry import Registry
 
 REFERENCE_PATH = "reference"
@@ -63,9 +71,16 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 #: the order for a device type not in :data:`PREFERENCE`
 OTHER_DEVICES: tuple[str, ...] = (codedomain.NAME,)
 
-# the core's code-domain block kernels (the methods register their own block types' kernels)
+# the code-domain kernel of every built-in block type, one layout each (a plugin registers its
+# own block type with kvbench.attention.block_kernels.register_block_kernel)
 register_block_kernel(AffineBlock, codedomain.AffineBlockAttention(), ("cpu",))
 register_block_kernel(MixedChannelBlock, MixedChannelAttention(), ("cpu",))
+register_block_kernel(FP8Block, fp8.FP8Attention(), ("cpu",))
+register_block_kernel(LUTBlock, lut.LUTAttention(), ("cpu",))
+register_block_kernel(PolarBlock, polar.PolarAttention(), ("cpu",))
+register_block_kernel(QJLBlock, qjl.QJLAttention(), ("cpu", "cuda"))
+register_block_kernel(MixedBlock, mixed_tokens.MixedBlockAttention(), ("cpu",))
+register_block_kernel(TurboBlock, turbo.TurboAttention(), ("cpu",))
 
 
 def backends_for(block_type: type) -> dict[str, list[str]]:

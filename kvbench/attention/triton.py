@@ -76,10 +76,20 @@ def affine_values(block: AffineBlock):
     return QuantValues(block.codes, block.scale, block.zero, block.bits, bool(block.midpoint))
 
 
-#: how the kernel reads each block type (``kvbench.kernels.dispatch`` looks these up):
-#: ``key(block, head_dim) -> QuantKeys | reason``, ``value(block) -> QuantValues | reason``
+#: how the kernel reads each block type (handed to ``kvbench.kernels.dispatch`` by
+#: :func:`fused_layouts`): ``key(block, head_dim) -> QuantKeys | reason``,
+#: ``value(block) -> QuantValues | reason``
 KEY_LAYOUTS = {AffineBlock: affine_keys, MixedChannelBlock: mixed_keys}
 VALUE_LAYOUTS = {AffineBlock: affine_values}
+
+
+def fused_layouts():
+    """``kvbench.kernels.dispatch.Layouts`` of :data:`KEY_LAYOUTS` / :data:`VALUE_LAYOUTS`: what
+    the kernels' dispatch (and ``kernels/bench_decode.py``) needs to read the core's blocks.
+    Imports ``kvbench.kernels.dispatch`` (torch only, no Triton)."""
+    from kvbench.kernels.dispatch import Layouts
+
+    return Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
 
 
 def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
@@ -97,13 +107,13 @@ def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
         return "per-row lengths are not supported by the fused kernel yet"
     from kvbench.kernels import dispatch
 
-    return dispatch.unsupported(layer_cache, query)
+    return dispatch.unsupported(layer_cache, query, fused_layouts())
 
 
 def _run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
     from kvbench.kernels import dispatch
 
-    return dispatch.fused_attend(layer_cache, query, scaling)
+    return dispatch.fused_attend(layer_cache, query, scaling, layouts=fused_layouts())
 
 
 #: the CUDA backend (registered in :data:`kvbench.attention.dispatch.BACKENDS`)

@@ -229,7 +229,8 @@ def test_per_row_lengths(name, cfg):
 
 
 def test_fp8_table_equals_the_cast():
-    from kvbench.methods.fp8 import FORMATS, fp8_table
+    from kvbench.attention.blocks.fp8 import fp8_table
+    from kvbench.cache.fp8 import FORMATS
 
     for fmt, dt in FORMATS.items():
         bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -491,7 +492,7 @@ def test_semkv_scores_from_every_backend_and_records_the_path(monkeypatch):
     """SemKV's attention score reads each step's softmax through ``observe_attention``: the
     code-domain and the reference path give it the same statistics, both record their path,
     and a whole-cache backend (which cannot hand out probabilities) declines with the reason."""
-    from kvbench.methods.semkv import MixedBlock
+    from kvbench.cache.mixed_tokens import MixedBlock
 
     cfg = dict(SMALL, num_sink_tokens=2)
     fake = WholeCacheBackend("fake", "cpu", (MixedBlock,), lambda lc, q, ln: None, None)

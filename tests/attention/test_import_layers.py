@@ -153,3 +153,18 @@ def test_attend_needs_only_the_layer_module():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_methods_import_no_attention_backend():
+    # a method declares its layout by building blocks of a core type; the code-domain kernels
+    # of those blocks live in kvbench.attention.blocks, registered in kvbench.attention.dispatch.
+    # A method may use the public reference math (kvbench.attention.reference), nothing else.
+    methods = KVBENCH.parent / "methods"
+    bad = [
+        (p.name, name)
+        for p in sorted(methods.glob("*.py"))
+        for name in imports(p)
+        if name.startswith("kvbench.attention")
+        and not name.startswith("kvbench.attention.reference")
+    ]
+    assert not bad, f"methods import attention backends: {bad}"
