@@ -82,12 +82,19 @@ def _kernels():
 def load_method(name: str, **config):
     """A kvbench method from the method registry (entry points of the installed kvbench).
 
-    The fused kernel is reached through ``dispatch.fused_attend`` (the kernels' dispatch); the
-    attention-backend registry of ``kvbench.attention`` is the seam to switch to once it selects
-    backends by stored layout."""
+    The fused kernel is reached through ``dispatch.fused_attend`` (the kernels' dispatch) with
+    the block converters of :func:`fused_layouts`."""
     from kvbench.cache.registry import get_method
 
     return get_method(name, **config)
+
+
+def fused_layouts(dispatch):
+    """``dispatch.Layouts`` of the core's block types, from the CUDA attention backend
+    (``kvbench.attention.triton``; the benchmark imports the backend, never the reverse)."""
+    from kvbench.attention.triton import KEY_LAYOUTS, VALUE_LAYOUTS
+
+    return dispatch.Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
 
 
 def _version(dist: str) -> str:
@@ -330,6 +337,7 @@ def _step_row(
 def _time_shape(K, device, rec, timer, step_us, copy_gbps, ctx_len, b, gen, out_of_time):
     """All rows of one (context, batch): the two baselines, then each method and value width."""
     da, dispatch, quant = K["decode_attention"], K["dispatch"], K["quantize"]
+    layouts = fused_layouts(dispatch)
     k = torch.randn(b, HKV, ctx_len, D, generator=gen).to(device, torch.float16)
     v = torch.randn(b, HKV, ctx_len, D, generator=gen).to(device, torch.float16)
     q = torch.randn(b, HQ, 1, D, generator=gen).to(device, torch.float16)
@@ -366,14 +374,14 @@ def _time_shape(K, device, rec, timer, step_us, copy_gbps, ctx_len, b, gen, out_
                 nbytes = lc.nbytes()["total"] + 2 * q.nbytes
                 keys = f"{m.average_bits(D, ctx_len)['key_bits']:.2f} b"
                 vals = "fp16" if vb == 16 else f"{vb}-bit"
-                err = guard_error(lc, q, dispatch.fused_attend(lc, q))
+                err = guard_error(lc, q, dispatch.fused_attend(lc, q, layouts=layouts))
                 us = _step_row(
                     *args,
                     label,
                     keys,
                     vals,
                     nbytes,
-                    lambda lc=lc: dispatch.fused_attend(lc, q),
+                    lambda lc=lc: dispatch.fused_attend(lc, q, layouts=layouts),
                     err=err,
                 )
                 step_us[(ctx_len, b, label, vb)] = us
@@ -432,6 +440,7 @@ def tune(K, device, rec: Recorder, timer: Timer, ctx_len: int, b: int) -> None:
     """Opt-in sweep at one shape: tile size and warps (each pair a compile), then the number
     of splits (no compile), for the control and the target configurations."""
     da, dispatch = K["decode_attention"], K["dispatch"]
+    layouts = fused_layouts(dispatch)
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(b, HKV, ctx_len, D, generator=gen).to(device, torch.float16)
     v = torch.randn(b, HKV, ctx_len, D, generator=gen).to(device, torch.float16)
@@ -442,7 +451,12 @@ def tune(K, device, rec: Recorder, timer: Timer, ctx_len: int, b: int) -> None:
         lc = m.new_layer(0, HKV, D, dtype=torch.float16, device=device)
         qs = torch.randn(b, HQ, ctx_len, D, generator=gen).to(device, torch.float16)
         lc.prefill(k, v, qs if m.needs_queries else None)
-        runs.append((f"{label} V{vb}", lambda lc=lc, **kw: dispatch.fused_attend(lc, q, **kw)))
+        runs.append(
+            (
+                f"{label} V{vb}",
+                lambda lc=lc, **kw: dispatch.fused_attend(lc, q, layouts=layouts, **kw),
+            )
+        )
     tiles = ctx_len // 64
     auto = da.auto_num_splits(q, b * HKV, tiles)
     for label, fn in runs:

@@ -11,15 +11,16 @@ per-head/per-tensor keys, float8 scales, more than two channel classes, ...).  E
 layer cache records which path ran in ``layer_cache.attend_path`` (``"triton"`` or
 ``"reference"``) and why in ``layer_cache.attend_path_reason``.
 
-Block types are handed to the kernel by converters that ``kvbench.attention.triton`` declares per
-exact type (``KEY_LAYOUTS`` / ``VALUE_LAYOUTS``: ``AffineBlock``, ``MixedChannelBlock``), so
-this module imports only torch; it never imports the kvbench core.
+Block types are handed to the kernel by converters that the caller passes as :class:`Layouts`
+(per exact block type; ``kvbench.attention.triton.fused_layouts()`` gives the core's:
+``AffineBlock``, ``MixedChannelBlock``), so this module imports only torch; it never imports
+nor looks up the kvbench core.
 """
 
 from __future__ import annotations
 
 import os
-import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -28,35 +29,35 @@ TRITON_PATH, REFERENCE_PATH = "triton", "reference"
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-PROVIDER = "kvbench.attention.triton"
+@dataclass(frozen=True)
+class Layouts:
+    """How the kernel reads each stored block type (exact types; this module imports only
+    torch, so the converters come from the caller).
+
+    ``key[type](block, head_dim)`` -> :class:`~.decode_attention.QuantKeys` or a reason string;
+    ``value[type](block)`` -> :class:`~.decode_attention.QuantValues` or a reason string."""
+
+    key: dict
+    value: dict
 
 
-def _converter(kind: str, block):
-    """The converter registered for ``type(block)`` by :data:`PROVIDER` (looked up in
-    ``sys.modules``, never imported: it is loaded with the kvbench core, and a reload of this
-    module keeps it), or ``None``."""
-    mod = sys.modules.get(PROVIDER)
-    table = getattr(mod, f"{kind.upper()}_LAYOUTS", {}) if mod is not None else {}
-    return table.get(type(block))
-
-
-def key_layout(block, head_dim: int):
+def key_layout(block, head_dim: int, layouts: Layouts):
     """:class:`~.decode_attention.QuantKeys` for a key block, or a reason string."""
-    fn = _converter("key", block)
+    fn = layouts.key.get(type(block))
     if fn is None:
         return f"key block {type(block).__name__} has no fused kernel"
     return fn(block, head_dim)
 
 
-def value_layout(block):
+def value_layout(block, layouts: Layouts):
     """:class:`~.decode_attention.QuantValues` for a value block, or a reason string."""
-    fn = _converter("value", block)
+    fn = layouts.value.get(type(block))
     if fn is None:
         return f"value block {type(block).__name__} has no fused kernel"
     return fn(block)
 
 
-def unsupported(layer_cache, query: torch.Tensor) -> str | None:
+def unsupported(layer_cache, query: torch.Tensor, layouts: Layouts) -> str | None:
     """Why :func:`fused_attend` cannot run ``query`` over ``layer_cache`` (``None``: it can);
     checks only, launches nothing."""
     from .decode_attention import SUPPORTED_HEAD_DIMS
@@ -66,12 +67,12 @@ def unsupported(layer_cache, query: torch.Tensor) -> str | None:
         return "the fused kernel takes one query token per sequence"
     if d not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={d} not supported by the fused kernel"
-    layouts = []
+    found = []
     if layer_cache.k.block is not None:
-        layouts.append(key_layout(layer_cache.k.block, d))
+        found.append(key_layout(layer_cache.k.block, d, layouts))
     if layer_cache.v.block is not None:
-        layouts.append(value_layout(layer_cache.v.block))
-    for x in layouts:
+        found.append(value_layout(layer_cache.v.block, layouts))
+    for x in found:
         if isinstance(x, str):
             return x
         if x.scale.dtype not in _SCALE_DTYPES:
@@ -79,8 +80,16 @@ def unsupported(layer_cache, query: torch.Tensor) -> str | None:
     return None
 
 
-def fused_attend(layer_cache, query: torch.Tensor, scaling: float | None = None, **kernel_kwargs):
-    """Run the fused kernel on ``layer_cache``'s storage (no device or Triton gate).
+def fused_attend(
+    layer_cache,
+    query: torch.Tensor,
+    scaling: float | None = None,
+    *,
+    layouts: Layouts,
+    **kernel_kwargs,
+):
+    """Run the fused kernel on ``layer_cache``'s storage (no device or Triton gate); the blocks
+    are read through ``layouts``.
 
     ``query``: ``[B, H_q, 1, D]``.  Returns ``[B, H_q, 1, D]`` in the query dtype.  Raises
     ``ValueError`` when the layout is not supported (the reason in the message), plus whatever
@@ -98,11 +107,11 @@ def fused_attend(layer_cache, query: torch.Tensor, scaling: float | None = None,
     ks, vs = layer_cache.k, layer_cache.v
     kq = vq = None
     if ks.block is not None:
-        kq = key_layout(ks.block, d)
+        kq = key_layout(ks.block, d, layouts)
         if isinstance(kq, str):
             raise ValueError(kq)
     if vs.block is not None:
-        vq = value_layout(vs.block)
+        vq = value_layout(vs.block, layouts)
         if isinstance(vq, str):
             raise ValueError(vq)
     for x in (kq, vq):
@@ -130,7 +139,7 @@ def _set_path(layer_cache, path: str, reason: str) -> None:
 
 
 def try_fused_attend(
-    layer_cache, query: torch.Tensor, scaling: float | None = None
+    layer_cache, query: torch.Tensor, scaling: float | None = None, *, layouts: Layouts
 ) -> torch.Tensor | None:
     """The fused kernel's attention output for ``layer_cache``, or ``None`` to use the
     reference path (see the module docstring).  Records ``layer_cache.attend_path``."""
@@ -148,7 +157,7 @@ def try_fused_attend(
         _set_path(layer_cache, REFERENCE_PATH, "Triton is not installed")
         return None
     try:
-        out = fused_attend(layer_cache, query, scaling)
+        out = fused_attend(layer_cache, query, scaling, layouts=layouts)
     except ValueError as e:  # unsupported layout: the reference path handles it
         _set_path(layer_cache, REFERENCE_PATH, str(e))
         return None

@@ -16,7 +16,6 @@ import sys
 if "torch" not in sys.modules:  # kineto reads it once, when torch loads
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-import kvbench.attention  # noqa: E402, F401 - installs LayerCache.attend's backend registry
 from kvbench.cache.method import CacheConfig, Capabilities, Method, MethodConfig  # noqa: E402
 from kvbench.cache.registry import get_method, get_method_class, list_methods  # noqa: E402
 

@@ -40,30 +40,20 @@ scale across heads as well, so its true overhead is lower).
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kvbench import fields as kf
-from kvbench.attention import native
-from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
-from kvbench.attention.dispatch import register_block_kernel
-from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
+from kvbench.cache.fp8 import FORMATS, FP8Block
 from kvbench.cache.layout import BlockLayout, Codes, GroupTerms, dtype_name
 from kvbench.cache.method import Capabilities, Method, MethodConfig
 from kvbench.cache.quant import round_up_to_dtype
 from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
 
-FORMATS = {
-    "e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
 GRANULARITIES = ("per-tensor", "per-head", "per-token")
 SCALE_MODES = ("unit", "amax")
 FP8_SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -109,82 +99,6 @@ def _report_overflow(n_over: int, fmt: str, overflow: str) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
-
-
-def fp8_decode(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Float32 values of stored fp8 codes ``[...]``.
-
-    ``codes`` is a tensor of ``FORMATS[fmt]`` or a uint8 buffer holding fp8 bit patterns; the
-    buffer is reinterpreted with ``.view`` (bytes 0x3C, 0xC0, 0x38, 0x00 in e5m2 are
-    [1, -2, 0.5, 0]), never value-cast (uint8 buffer holding fp8 bits must be reinterpreted, not value-cast: vllm-project/vllm PR#3234 (fixes #3156), docs/methods.md#uint8-storage-reinterpreted-as-fp8).  Raises ``ValueError`` for any other dtype.
-    """
-    dt = FORMATS[fmt]
-    if codes.dtype == torch.uint8:
-        codes = codes.view(dt)
-    elif codes.dtype != dt:
-        raise ValueError(f"fp8 {fmt} codes must be {dt} or uint8 bits, got {codes.dtype}")
-    return codes.float()
-
-
-def _expand(t: torch.Tensor, group_len: list[int]) -> torch.Tensor:
-    """Per-group scales ``[., ., NG, 1]`` -> per token ``[., ., n, 1]``."""
-    if all(g == 1 for g in group_len):
-        return t
-    return t.repeat_interleave(torch.tensor(group_len, device=t.device), dim=2)
-
-
-@dataclass
-class FP8Block:
-    """fp8 codes of a run of tokens.
-
-    Attributes
-    ----------
-    codes : ``[B, H_kv, n, D]`` of ``FORMATS[fmt]`` (or uint8 fp8 bits), 1 byte per element.
-    scale : ``[B|1, H_kv|1, NG, 1]`` float32/float16, or ``None`` for unit scale.
-    group_len : tokens covered by each of the NG scale groups (sums to ``n``).
-    fmt : format name, a key of :data:`FORMATS`.
-    batch_shared : the scale is shared by every batch row (per-tensor).
-    """
-
-    codes: torch.Tensor
-    scale: torch.Tensor | None
-    group_len: list[int]
-    fmt: str
-    batch_shared: bool = False
-
-    @property
-    def ntokens(self) -> int:
-        return self.codes.shape[2]
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        x = fp8_decode(self.codes, self.fmt)
-        if self.scale is not None:
-            x = x * _expand(self.scale, self.group_len).float()
-        return x.to(dtype)
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = [("codes", self.codes)]
-        return out if self.scale is None else [*out, ("scales", self.scale)]
-
-    def cat(self, other: FP8Block) -> FP8Block:
-        if other.fmt != self.fmt or (other.scale is None) != (self.scale is None):
-            raise ValueError("cannot concatenate fp8 blocks of different formats or scale modes")
-        scale = None if self.scale is None else torch.cat([self.scale, other.scale], dim=2)
-        codes = torch.cat([self.codes, other.codes], dim=2)
-        return replace(self, codes=codes, scale=scale, group_len=self.group_len + other.group_len)
-
-    def crop(self, n: int) -> FP8Block:
-        starts = itertools.accumulate(self.group_len, initial=0)
-        lens = [min(g, n - s) for g, s in zip(self.group_len, starts) if s < n]
-        scale = None if self.scale is None else own_storage(self.scale[:, :, : len(lens)])
-        return replace(self, codes=own_storage(self.codes[:, :, :n]), scale=scale, group_len=lens)
-
-    def index_batch(self, idx: torch.Tensor) -> FP8Block:
-        codes = self.codes.index_select(0, idx.to(self.codes.device))
-        scale = self.scale  # a per-tensor scale is shared by all rows; others follow the codes
-        if scale is not None and not self.batch_shared:
-            scale = scale.index_select(0, idx.to(scale.device))
-        return replace(self, codes=codes, scale=scale)
 
 
 @dataclass
@@ -280,100 +194,6 @@ class FP8Codec:
                 f"{self.scale_dtype}; use scale_dtype='float32'"
             )
         return torch.where(s > 0, s, torch.ones((), dtype=s.dtype, device=s.device)), lens
-
-
-# ------------------------------------------------------------------------------ attention
-_LUTS: dict[tuple[str, str], torch.Tensor] = {}
-
-
-def fp8_table(fmt: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Float32 ``[256]``: the value of each fp8 byte of format ``fmt`` (NaN bytes are NaN).
-
-    A 256-entry lookup gives exactly the values of the ``fp8 -> float32`` cast (the table is
-    made by that cast) and is several times faster than the cast on the CPU."""
-    key = (fmt, str(device))
-    if key not in _LUTS:
-        bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        _LUTS[key] = bytes_.view(FORMATS[fmt]).float().to(device)
-    return _LUTS[key]
-
-
-def _token_scale(block: FP8Block) -> torch.Tensor | None:
-    """Float32 ``[B|1, H|1, 1, n]``: the scale of each token (``None``: unit scale)."""
-    if block.scale is None:
-        return None
-    return _expand(block.scale, block.group_len).float()[..., 0].unsqueeze(2)
-
-
-def _bytes(block: FP8Block) -> torch.Tensor:
-    return block.codes if block.codes.dtype == torch.uint8 else block.codes.view(torch.uint8)
-
-
-def _fp8_logits(codes: torch.Tensor, q: torch.Tensor, lut: torch.Tensor, tag: int):
-    """``q . lut[codes_t]`` (the compiled kernel's source): uint8 ``[B, H, n, D]``, float32
-    ``[B, H, M, D]`` -> ``[B, H, M, n]``; the lookup is fused into the reduction."""
-    x = lut[codes.long()]  # [B, H, n, D] in registers once compiled
-    return (q.unsqueeze(3) * x.unsqueeze(2)).sum(-1)
-
-
-def _fp8_values(codes: torch.Tensor, p: torch.Tensor, lut: torch.Tensor, tag: int):
-    """``sum_t p_t lut[codes_t]`` (the compiled kernel's source): ``[B, H, M, n]`` ->
-    ``[B, H, M, D]``."""
-    x = lut[codes.long()]
-    return (p.unsqueeze(-1) * x.unsqueeze(2)).sum(3)
-
-
-class FP8Attention:
-    """Code-domain attention terms of :class:`FP8Block` (``kvbench.attention.dispatch``).
-
-    ``logit_t = s_t (q . fp8(c_t))`` and ``out = sum_t (p_t s_t) fp8(c_t)`` with ``fp8(.)`` the
-    256-entry table :func:`fp8_table` (no dequantized cache: compiled, the lookup is fused into
-    the reduction; eager, in chunks of ``EAGER_CHUNK_TOKENS`` tokens)."""
-
-    def key_reason(self, block: FP8Block, head_dim: int) -> str | None:
-        return None
-
-    value_reason = key_reason
-
-    def key_logits(self, block: FP8Block, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        codes, lut = _bytes(block), fp8_table(block.fmt, q.device)
-        out = None
-        if compiled and native_allowed() and native.supports(codes, 8, q.shape[-1]):
-            out = native.keys_lut(codes, q, lut, 8)
-            note_impl("native")
-        elif compiled:
-            out = run_compiled(_fp8_logits, [(codes, 2), (q, 2)], codes, q, lut, 8)
-        if out is None:
-            outs = []
-            for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
-                x = lut[codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS].long()]
-                outs.append(torch.matmul(q, x.transpose(-1, -2)))
-            out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
-        s = _token_scale(block)
-        return out if s is None else out * s
-
-    def value_output(self, block: FP8Block, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        s = _token_scale(block)
-        ps = p if s is None else p * s
-        codes, lut = _bytes(block), fp8_table(block.fmt, p.device)
-        if compiled and native_allowed() and native.supports(codes, 8, codes.shape[-1]):
-            note_impl("native")
-            return native.values_lut(codes, ps, lut, 8, codes.shape[-1])
-        out = (
-            run_compiled(_fp8_values, [(codes, 2), (ps, 3)], codes, ps, lut, 8)
-            if compiled
-            else None
-        )
-        if out is not None:
-            return out
-        out = 0
-        for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
-            sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
-            out = out + torch.matmul(ps[..., sl], lut[codes[:, :, sl].long()])
-        return out
-
-
-register_block_kernel(FP8Block, FP8Attention(), ("cpu",))
 
 
 @dataclass(frozen=True)

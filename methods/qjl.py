@@ -26,7 +26,6 @@ sqrt(d)), slightly biased for small d.  Key bits ``m/d + 16/d`` (+ ``(m_o + 16)/
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -34,23 +33,16 @@ from functools import lru_cache
 import torch
 
 from kvbench import fields as kf
-from kvbench.attention import native
-from kvbench.attention.codedomain import native_allowed, note_impl
-from kvbench.attention.dispatch import register_block_kernel
-from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.quant import pack_bits, unpack_bits
+from kvbench.cache.qjl import NO_KEYS, QJLBlock
+from kvbench.cache.quant import pack_bits
 
 SKETCHES = ("gaussian", "orthogonal")
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-NO_KEYS = (
-    "QJL has no dequantized keys (capability keys_values=False): its keys are 1-bit JL "
-    "sketches; use LayerCache.attend(query), which scores them with the QJL estimator"
-)
 
 
 @lru_cache(maxsize=256)
@@ -61,108 +53,6 @@ def qjl_sketch_matrix(m: int, d: int, seed: int, kind: str = "gaussian") -> torc
     if kind == "orthogonal":
         s = torch.cat([torch.linalg.qr(c.T)[0].T * math.sqrt(d) for c in s.split(d)], dim=0)
     return s.float()
-
-
-def _signs(packed: torch.Tensor, m: int) -> torch.Tensor:
-    return unpack_bits(packed, 1, m).float() * 2 - 1  # [..., m] in {-1, +1}
-
-
-@dataclass
-class QJLBlock:
-    """Sketched keys of a run of tokens (no ``dequantize``: see :meth:`scores`).
-
-    Attributes
-    ----------
-    signs : uint8 ``[B, H_kv, n, ceil(m/8)]``; norms : ``[B, H_kv, n]`` (inlier) L2 norms.
-    sketch : ``S [m, d]`` float32 (a seed-derived constant; not counted).
-    group_len : tokens per outlier group.  With outliers: ``outlier_idx`` uint8
-    ``[B, H_kv, NG, o]``, ``outlier_signs`` uint8 ``[B, H_kv, n, ceil(m_o/8)]``,
-    ``outlier_norms`` ``[B, H_kv, n]``.
-    """
-
-    signs: torch.Tensor
-    norms: torch.Tensor
-    sketch: torch.Tensor
-    group_len: list[int]
-    outlier_idx: torch.Tensor | None = None
-    outlier_signs: torch.Tensor | None = None
-    outlier_norms: torch.Tensor | None = None
-    outlier_dim: int = 0
-
-    @property
-    def ntokens(self) -> int:
-        return self.signs.shape[2]
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError(NO_KEYS)
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        tok, grp = self._fields()
-        cats = {"signs": "codes", "outlier_signs": "codes", "outlier_idx": "metadata"}
-        return [(cats.get(f, "scales"), getattr(self, f)) for f in tok + grp]
-
-    def _fields(self) -> tuple[list[str], list[str]]:
-        if self.outlier_idx is None:
-            return ["signs", "norms"], []
-        return ["signs", "norms", "outlier_signs", "outlier_norms"], ["outlier_idx"]
-
-    def cat(self, other: QJLBlock) -> QJLBlock:
-        if self._fields() != other._fields() or not torch.equal(other.sketch, self.sketch):
-            raise ValueError("cannot concatenate QJL blocks of different sketches or outliers")
-        tok, grp = self._fields()
-        kw = {f: torch.cat([getattr(self, f), getattr(other, f)], dim=2) for f in tok + grp}
-        return replace(self, group_len=self.group_len + other.group_len, **kw)
-
-    def crop(self, n: int) -> QJLBlock:
-        starts = itertools.accumulate(self.group_len, initial=0)
-        lens = [min(g, n - s) for g, s in zip(self.group_len, starts) if s < n]
-        tok, grp = self._fields()
-        kw = {f: own_storage(getattr(self, f)[:, :, :n]) for f in tok}
-        kw |= {f: own_storage(getattr(self, f)[:, :, : len(lens)]) for f in grp}
-        return replace(self, group_len=lens, **kw)
-
-    def index_batch(self, idx: torch.Tensor) -> QJLBlock:
-        tok, grp = self._fields()
-        idx = idx.to(self.signs.device)
-        return replace(self, **{f: getattr(self, f).index_select(0, idx) for f in tok + grp})
-
-    def native_scores(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The estimator of :meth:`scores` without outliers, in the code domain of the native
-        kernels (:mod:`kvbench.attention.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
-        one KV head) -> ``[B, H_kv, M, n]`` float32, or ``None`` where the kernels do not take
-        the block (outlier channels, ``m`` not a multiple of 8, no native build).
-
-        With sign bits ``b_j`` (``sign = 2 b_j - 1``) and ``c_t = sqrt(pi/2) / m * |k_t|``:
-        ``c_t <S q, sign(S k_t)> = sum_j (S q)_j (b_j a_t + z_t)``, ``a_t = 2 c_t``, ``z_t =
-        -c_t``: the per-token affine key kernel over the ``m`` sketch coordinates (one group),
-        after sketching the query once (``S q``, ``M x D x m`` multiply-adds per KV head)."""
-        m = self.sketch.shape[0]
-        if self.outlier_idx is not None or not native.supports(self.signs, 1, m):
-            return None
-        sq = q @ self.sketch.to(q.device).T  # [B, H, M, m]
-        c = (math.sqrt(math.pi / 2) / m * self.norms.float()).unsqueeze(-1)  # [B, H, n, 1]
-        return native.keys_groups(self.signs, sq, 2 * c, -c, 1)
-
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        """Estimated ``<q, k>``: ``query [B, H_q, n_q, D]`` -> ``[B, H_q, n_q, n]`` float32; query
-        head h reads KV head ``h // (H_q / H_kv)``; outliers use ``<S q', s> = <q', S^T s>``."""
-        b, hq, nq, d = query.shape
-        h, m = self.signs.shape[1], self.sketch.shape[0]
-        s_mat = self.sketch.to(query.device)
-        q = query.float().reshape(b, h, (hq // h) * nq, d)  # query heads of one KV head
-        s_in = _signs(self.signs, m)  # [B, H, n, m]
-        c_in = math.sqrt(math.pi / 2) / m * self.norms.float()  # [B, H, n]
-        logits = (q @ s_mat.T) @ s_in.transpose(-1, -2) * c_in.unsqueeze(-2)
-        if self.outlier_idx is not None:
-            mo = self.outlier_dim
-            c_out = math.sqrt(math.pi / 2) / mo * self.outlier_norms.float()
-            groups = torch.repeat_interleave(torch.tensor(self.group_len, device=q.device))
-            idx = self.outlier_idx.long()[:, :, groups]  # [B, H, n, o]
-            mask = torch.zeros(*idx.shape[:3], d, device=q.device).scatter_(-1, idx, 1.0)
-            z_out = _signs(self.outlier_signs, mo) @ s_mat[:mo]  # S_o^T sign(S_o k_out)
-            w = mask * (c_out.unsqueeze(-1) * z_out - c_in.unsqueeze(-1) * (s_in @ s_mat))
-            logits = logits + q @ w.transpose(-1, -2)
-        return logits.reshape(b, hq, nq, -1)
 
 
 def qjl_layout(
@@ -280,37 +170,10 @@ class QJLKeyCodec:
         return QJLBlock(b_in, n_in, self.sketch, lens, idx, b_out, n_out, mo)
 
 
-class QJLAttention:
-    """Code-domain keys of :class:`QJLBlock` for ``kvbench.attention.dispatch``: the estimator
-    :meth:`QJLBlock.scores` (the query sketched once per step, ``S q``, then dotted with the
-    stored signs), on the native per-token kernel where it takes the block
-    (:meth:`QJLBlock.native_scores`), else eager.  Keys only; the eager estimator is also the
-    reference of these keys (they have no dequantized form)."""
-
-    def key_reason(self, block: QJLBlock, head_dim: int) -> str | None:
-        return None
-
-    def value_reason(self, block: QJLBlock, head_dim: int) -> str | None:
-        return "QJL sketches keys only"
-
-    def key_logits(self, block: QJLBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        # q [B, H_kv, M, D] (one row group per KV head) -> [B, H, M, n]
-        out = block.native_scores(q) if compiled and native_allowed() else None
-        if out is not None:
-            note_impl("native")
-            return out
-        return block.scores(q)
-
-    def value_output(self, block: QJLBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        raise ValueError(self.value_reason(block, 0))
-
-
-register_block_kernel(QJLBlock, QJLAttention(), ("cpu", "cuda"))
-
-
 class QJLLayerCache(LayerCache):
     """A :class:`~kvbench.cache.layer.LayerCache` whose sketched keys are read only by
-    :meth:`attend` (through the registered :class:`QJLAttention`: exact logits for sinks and
+    :meth:`attend` (through the registered kernel,
+    :class:`kvbench.attention.blocks.qjl.QJLAttention`: exact logits for sinks and
     residual, the QJL estimate for sketched keys, float32 softmax)."""
 
     def keys_values(self, dtype: torch.dtype | None = None):

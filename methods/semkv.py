@@ -19,210 +19,22 @@ model-internal score, and assigns two adjacent above-cliff precisions".  Reconst
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kvbench import fields as kf
-from kvbench.attention import native
-from kvbench.attention.codedomain import (
-    AffineBlockAttention,
-    affine_terms,
-    code_layout,
-    native_allowed,
-    note_impl,
-)
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.attention.reference import causal_mask, length_mask
-from kvbench.cache.blocks import AffineBlock, cat_blocks, own_storage
+from kvbench.cache.blocks import cat_blocks, own_storage
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms
 from kvbench.cache.method import CacheConfig, Capabilities, Method
+from kvbench.cache.mixed_tokens import MixedTokenBlock
 from kvbench.cache.native_quant import quantize_pack
-from kvbench.cache.quant import pack_bits, quantize_groups, unpack_bits
+from kvbench.cache.quant import pack_bits, quantize_groups
 from kvbench.cache.schedule import SlidingSchedule
 
 SCORES = ("attention", "key-norm")
-_PER_TOKEN = ("low", "scale", "zero")  # MixedTokenBlock fields laid out [B, H_kv, n, ...]
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)])  # set bits of each byte
-
-
-@dataclass
-class MixedTokenBlock:
-    """Per-token min-max codes at two widths.  low: uint8 ``[B, H_kv, n, ceil(D*lb/8)]``
-    (``low_bits`` plane of every token); extra: uint8 ``[N_high, ceil(D*(hb-lb)/8)]`` (upper
-    bits of high tokens, ``[n, B, H_kv]`` order); mask: uint8 ``[B, H_kv, ceil(n/8)]`` (1 bit
-    per token: high); scale, zero: ``[B, H_kv, n, NG]`` (scale dtype)."""
-
-    low: torch.Tensor
-    extra: torch.Tensor
-    mask: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    low_bits: int
-    high_bits: int
-    head_dim: int
-
-    @property
-    def ntokens(self) -> int:
-        return self.scale.shape[2]
-
-    def high(self) -> torch.Tensor:
-        """Bool ``[B, H_kv, n]``: which tokens hold ``high_bits`` codes."""
-        return unpack_bits(self.mask, 1, self.ntokens).bool()
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        b, h, n, d = *self.low.shape[:3], self.head_dim
-        codes = unpack_bits(self.low, self.low_bits, d).int().permute(2, 0, 1, 3)
-        up = unpack_bits(self.extra, self.high_bits - self.low_bits, d).int()
-        codes[self.high().permute(2, 0, 1)] += up << self.low_bits
-        c = codes.permute(1, 2, 0, 3).float().reshape(b, h, n, self.scale.shape[-1], -1)
-        x = c * self.scale.float()[..., None] + self.zero.float()[..., None]
-        return x.reshape(b, h, n, d).to(dtype)
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        parts = ("codes", "low"), ("codes", "extra"), ("metadata", "mask"), ("scales", "scale")
-        return [(cat, getattr(self, k)) for cat, k in (*parts, ("scales", "zero"))]
-
-    def _with(self, high: torch.Tensor, extra: torch.Tensor, **kw) -> MixedTokenBlock:
-        mask = pack_bits(high.to(torch.uint8), 1, check=False)  # 0/1 by construction
-        return replace(self, mask=mask, extra=extra, **kw)
-
-    def high_count(self) -> torch.Tensor:
-        """Int64 ``[B, H_kv]``: high tokens per (row, KV head), from the mask's bytes (the
-        bits past ``ntokens`` are zero)."""
-        return _POPCOUNT.to(self.mask.device)[self.mask.long()].sum(-1)
-
-    def cat(self, other: MixedTokenBlock) -> MixedTokenBlock:
-        """Tokens of ``self`` then ``other``.  The masks' bit streams are joined at the tail
-        of ``self``'s: only its last, partly filled byte is unpacked, so a one-token flush
-        costs O(1) bit work (the per-token tensors are concatenated whole)."""
-        n, whole = self.ntokens, self.ntokens // 8
-        mask = self.mask[..., :whole]
-        if n % 8:
-            tail = unpack_bits(self.mask[..., whole:], 1, n - 8 * whole)
-            bits = torch.cat([tail, unpack_bits(other.mask, 1, other.ntokens)], -1)
-            mask = torch.cat([mask, pack_bits(bits, 1, check=False)], -1)
-        else:
-            mask = torch.cat([mask, other.mask], -1)
-        cat2 = {k: torch.cat([getattr(self, k), getattr(other, k)], 2) for k in _PER_TOKEN}
-        return replace(self, mask=mask, extra=torch.cat([self.extra, other.extra]), **cat2)
-
-    def crop(self, n: int) -> MixedTokenBlock:
-        high = self.high()[:, :, :n]
-        kept = {k: own_storage(getattr(self, k)[:, :, :n]) for k in _PER_TOKEN}
-        return self._with(high, own_storage(self.extra[: int(high.sum())]), **kept)
-
-    def index_batch(self, idx: torch.Tensor) -> MixedTokenBlock:
-        idx = idx.to(self.low.device).long()
-        hi_t = self.high().permute(2, 0, 1)  # [n, B, H]
-        rows = torch.full(hi_t.shape, -1, dtype=torch.long, device=hi_t.device)
-        rows[hi_t] = torch.arange(int(hi_t.sum()), device=hi_t.device)
-        extra = self.extra[rows[:, idx][hi_t[:, idx]]]
-        sel = {k: getattr(self, k)[idx] for k in _PER_TOKEN}
-        return self._with(self.high()[idx], extra, **sel)
-
-
-class MixedTokenAttention:
-    """Code-domain keys and values of :class:`MixedTokenBlock` for
-    ``kvbench.attention.dispatch``.
-
-    A token's code is ``c = low + 2^lb up`` (``up`` only for high tokens), so with per-token
-    terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
-    (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + sum_g 2^lb scale_{t,g} (q_g . up_{t,g})``
-    and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
-    kernel (:class:`kvbench.attention.codedomain.AffineBlockAttention`: native, compiled or eager): the
-    low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
-    token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
-    rows placed at their positions and zero codes for the low tokens (a transient of ``(hb -
-    lb) / 8`` bytes per element, built once per read from the ``extra`` rows and the mask).
-    With the native kernels both planes are read in one call instead (:meth:`_native`): the
-    upper rows where they are stored, found through a per-token row index (:meth:`upper_rows`,
-    int32, 4 bytes a token), added to the high tokens' low codes in the keys kernel and summed
-    over the high tokens after the low plane for values.  No dequantized key or value is
-    formed."""
-
-    def key_reason(self, block: MixedTokenBlock, head_dim: int) -> str | None:
-        return None if head_dim % block.scale.shape[-1] == 0 else "groups do not divide D"
-
-    value_reason = key_reason
-
-    @staticmethod
-    def _low(block: MixedTokenBlock) -> AffineBlock:
-        n = block.ntokens
-        return AffineBlock(
-            block.low, block.scale, block.zero, [1] * n, block.low_bits, block.head_dim
-        )
-
-    @staticmethod
-    def _upper(block: MixedTokenBlock) -> AffineBlock:
-        """The upper plane of every token: uint8 ``[B, H_kv, n, ceil(D (hb - lb) / 8)]`` (zero
-        rows for low tokens), scale float32 ``2^lb scale`` for high tokens and 0 for low ones,
-        zero 0.  (A low token's zero codes with its own, large low-bit scale would add exactly
-        0 in exact arithmetic, but the centred kernels compute ``(0 - h) a + h a`` with ``h =
-        (2^(hb - lb) - 1) / 2``: two large float32 terms whose rounding, at 1/8 bits, reached
-        9e-5 of the output.)"""
-        b, h, n, _ = block.low.shape
-        nb = block.extra.shape[-1]
-        rows = block.extra.new_zeros(n * b * h, nb)  # the extra rows' own [n, B, H] order
-        high = block.high()
-        at = high.permute(2, 0, 1).reshape(-1).nonzero().squeeze(1)
-        rows.index_copy_(0, at, block.extra)
-        dense = rows.view(n, b, h, nb).permute(1, 2, 0, 3)  # [B, H, n, nb], strided rows
-        scale = block.scale.float() * (high[..., None] * float(1 << block.low_bits))
-        bits = block.high_bits - block.low_bits
-        return AffineBlock(dense, scale, torch.zeros_like(scale), [1] * n, bits, block.head_dim)
-
-    @staticmethod
-    def upper_rows(block: MixedTokenBlock) -> torch.Tensor:
-        """Int32 ``[B, H_kv, n]``: each token's row of ``extra`` (its rank among the high
-        flags in ``[n, B, H_kv]`` order), -1 for low tokens."""
-        b, h, n, _ = block.low.shape
-        flags = block.high().permute(2, 0, 1).reshape(-1).to(torch.int32)
-        rows = flags.cumsum(0, dtype=torch.int32).mul_(flags).sub_(1)  # rank - 1, or -1
-        return rows.view(n, b, h).permute(1, 2, 0).contiguous()
-
-    def _native(self, block: MixedTokenBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
-        """Both planes in one native call (:class:`kvbench.attention.native.Upper`: the low plane
-        by the per-token group kernel, the high tokens' upper rows read where they are stored)
-        where it applies, else ``None``.  ``x``: the query (keys) or probabilities (values)."""
-        low, d, m = self._low(block), block.head_dim, x.shape[2]
-        if not native_allowed() or not native.supports(low.codes, low.bits, d):
-            return None
-        a, z = affine_terms(low)
-        group = d // a.shape[-1]
-        if group % code_layout(low.bits)[1]:
-            return None
-        upper = None
-        if block.extra.shape[0]:
-            shift, ub = block.low_bits, block.high_bits - block.low_bits
-            upper = native.Upper(block.extra, self.upper_rows(block), ub, shift)
-            if not native.upper_fits(upper, low.bits, d, m, group, values):
-                return None
-        note_impl("native")
-        if values:
-            return native.values_groups(low.codes, x, a, z, low.bits, d, upper)
-        return native.keys_groups(low.codes, x, a, z, low.bits, upper)
-
-    def key_logits(self, block: MixedTokenBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        if compiled and (out := self._native(block, q, values=False)) is not None:
-            return out
-        lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
-        if not block.extra.shape[0]:
-            return lg
-        return lg + _AFFINE.key_logits(self._upper(block), q, compiled)
-
-    def value_output(self, block: MixedTokenBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        if compiled and (out := self._native(block, p, values=True)) is not None:
-            return out
-        out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
-        if not block.extra.shape[0]:
-            return out
-        return out + _AFFINE.value_output(self._upper(block), p, compiled)
-
-
-_AFFINE = AffineBlockAttention()
-register_block_kernel(MixedTokenBlock, MixedTokenAttention(), ("cpu",))
 
 
 @dataclass

@@ -26,7 +26,7 @@ in full precision (default 0, quantize on write) and ``num_sink_tokens``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -34,24 +34,13 @@ import torch
 from scipy import special
 
 from kvbench import fields as kf
-from kvbench.attention import native
-from kvbench.attention.codedomain import (
-    EAGER_CHUNK_TOKENS,
-    code_layout,
-    native_allowed,
-    note_impl,
-    run_compiled,
-    subcodes,
-    to_subcode_order,
-)
-from kvbench.attention.dispatch import register_block_kernel
-from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
 from kvbench.cache.method import Capabilities, Method, MethodConfig
-from kvbench.cache.quant import bucket_index, pack_bits, packed_size, unpack_bits
+from kvbench.cache.quant import bucket_index, pack_bits, packed_size
 from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
+from kvbench.cache.turbo import TurboBlock
 
 APPLY_TO = ("keys", "values", "both")
 CODEBOOKS = ("exact", "gaussian")
@@ -123,145 +112,6 @@ def haar_rotation(dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).float()
-
-
-@dataclass
-class TurboBlock:
-    """TurboQuant-MSE codes of a run of tokens.
-
-    Attributes
-    ----------
-    codes : uint8 ``[B, H_kv, n, ceil(D*bits/8)]``, packed codebook indices.
-    norms : ``[B, H_kv, n, 1]`` in ``norm_dtype``, the tokens' L2 norms.
-    rotation : ``[D, D]`` float32 ``Pi``; counted as metadata only if ``rotation_stored``.
-    centroids : ``[2^bits]`` float32 codebook (a constant of (bits, D); never counted).
-    """
-
-    codes: torch.Tensor
-    norms: torch.Tensor
-    rotation: torch.Tensor
-    centroids: torch.Tensor
-    bits: int
-    rotation_stored: bool = False
-
-    @property
-    def ntokens(self) -> int:
-        return self.codes.shape[2]
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        d = self.rotation.shape[0]
-        idx = unpack_bits(self.codes, self.bits, d).long()
-        y = self.centroids.to(self.codes.device)[idx]  # [B, H, n, D]
-        return (y @ self.rotation.to(y.device) * self.norms.float()).to(dtype)
-
-    def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = [("codes", self.codes), ("scales", self.norms)]
-        return [*out, ("metadata", self.rotation)] if self.rotation_stored else out
-
-    def cat(self, other: TurboBlock) -> TurboBlock:
-        if other.bits != self.bits or not torch.equal(other.rotation, self.rotation):
-            raise ValueError("cannot concatenate TurboQuant blocks of different bits/rotation")
-        return replace(
-            self,
-            codes=torch.cat([self.codes, other.codes], dim=2),
-            norms=torch.cat([self.norms, other.norms], dim=2),
-        )
-
-    def crop(self, n: int) -> TurboBlock:
-        return replace(
-            self, codes=own_storage(self.codes[:, :, :n]), norms=own_storage(self.norms[:, :, :n])
-        )
-
-    def index_batch(self, idx: torch.Tensor) -> TurboBlock:
-        return replace(
-            self,
-            codes=self.codes.index_select(0, idx.to(self.codes.device)),
-            norms=self.norms.index_select(0, idx.to(self.norms.device)),
-        )
-
-
-# ------------------------------------------------------------------------------ attention
-def _tq_logits(packed, qsub, cent, bits):
-    """``sum_j qrot_j * centroid[c_{t,j}]`` (the compiled kernel's source): packed uint8
-    ``[B, H, n, nbytes]``, ``qsub`` the rotated query in sub-code order ``[B, H, M, cpw, W]``
-    -> ``[B, H, M, n]``; the codebook lookup stays in registers once compiled."""
-    acc = None
-    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # [B, H, 1, n, W]
-        term = (qsub[:, :, :, i].unsqueeze(3) * cent[c.long()]).sum(-1)
-        acc = term if acc is None else acc + term
-    return acc
-
-
-def _tq_values(packed, ps, cent, bits):
-    """``sum_t ps_t centroid[c_t]`` in the rotated basis (the compiled kernel's source):
-    ``ps [B, H, M, n]`` -> ``[B, H, M, D]``."""
-    outs = [
-        (ps.unsqueeze(-1) * cent[c.long()]).sum(3)  # [B, H, M, W]
-        for c in subcodes(packed.unsqueeze(2), bits)
-    ]
-    return torch.stack(outs, -1).reshape(*ps.shape[:3], -1)
-
-
-class TurboAttention:
-    """Code-domain attention of :class:`TurboBlock` for ``kvbench.attention.dispatch``.
-
-    With ``x_t = |x_t| centroid[c_t] Pi`` (Zandieh et al., arXiv 2504.19874, Alg. 1): keys
-    ``q . x_t = |x_t| (q Pi^T) . centroid[c_t]`` (the query rotated once per step); values
-    ``sum_t p_t x_t = (sum_t p_t |x_t| centroid[c_t]) Pi`` (one rotation of the output).  No
-    rotated or dequantized cache is made: compiled, the codebook lookup is fused into the
-    reduction; eager, unpack + lookup + matmul in chunks of ``EAGER_CHUNK_TOKENS``."""
-
-    def key_reason(self, block: TurboBlock, head_dim: int) -> str | None:
-        return (
-            None
-            if 8 % block.bits == 0 or head_dim % code_layout(block.bits)[1] == 0
-            else ("head_dim does not fit whole code words")
-        )
-
-    value_reason = key_reason
-
-    def key_logits(self, block: TurboBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        rot = block.rotation.to(q.device)
-        cent = block.centroids.to(q.device).float()
-        qr = q @ rot.T  # [B, H, M, D]
-        d, bits = rot.shape[0], block.bits
-        out = None
-        if compiled and native_allowed() and native.supports(block.codes, bits, d):
-            out = native.keys_lut(block.codes, qr, cent, bits)
-            note_impl("native")
-        elif compiled:
-            qsub = to_subcode_order(qr, bits)
-            out = run_compiled(_tq_logits, [(block.codes, 2)], block.codes, qsub, cent, bits)
-        if out is None:
-            outs = []
-            for t0 in range(0, block.ntokens, EAGER_CHUNK_TOKENS):
-                sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
-                y = cent[unpack_bits(block.codes[:, :, sl], bits, d).long()]
-                outs.append(torch.matmul(qr, y.transpose(-1, -2)))
-            out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
-        return out * block.norms.float()[..., 0].unsqueeze(2)
-
-    def value_output(self, block: TurboBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        rot = block.rotation.to(p.device)
-        cent = block.centroids.to(p.device).float()
-        ps = p * block.norms.float()[..., 0].unsqueeze(2)
-        d, bits = rot.shape[0], block.bits
-        out = None
-        if compiled and native_allowed() and native.supports(block.codes, bits, d):
-            out = native.values_lut(block.codes, ps, cent, bits, d)
-            note_impl("native")
-        elif compiled:
-            out = run_compiled(_tq_values, [(block.codes, 2)], block.codes, ps, cent, bits)
-        if out is None:
-            out = 0
-            for t0 in range(0, block.ntokens, EAGER_CHUNK_TOKENS):
-                sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
-                y = cent[unpack_bits(block.codes[:, :, sl], bits, d).long()]
-                out = out + torch.matmul(ps[..., sl], y)
-        return out @ rot
-
-
-register_block_kernel(TurboBlock, TurboAttention(), ("cpu",))
 
 
 def turbo_layout(bits: int, head_dim: int, norm_dtype: torch.dtype | str) -> BlockLayout:

@@ -21,6 +21,8 @@ An import of ``pkg.mod`` also runs ``pkg/__init__.py`` first; that implicit step
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,3 +265,63 @@ def test_the_cycle_finder_finds_cycles():
     two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}}
     assert components(two) == [["c", "d", "e"], ["a", "b"]]
     assert path_between({"a": {"b"}, "b": set()}, "b", "a") is None
+
+
+def test_the_dispatch_call_is_the_only_import_of_attention_in_cache():
+    """``LayerCache.attend`` calls :func:`kvbench.attention.dispatch.attend` (explicit dispatch,
+    no import-time hook); no module of ``kvbench.attention`` imports ``kvbench.cache.layer``, so
+    the seam adds no cycle."""
+    g = graph()
+    seam = sorted(
+        (n, i.target)
+        for n, imps in g.items()
+        if under(n, ["kvbench.cache"])
+        for i in imps
+        if under(i.target, ["kvbench.attention"])
+    )
+    assert seam == [("kvbench.cache.layer", "kvbench.attention.dispatch")], seam
+    back = sorted(
+        (n, i.target)
+        for n, imps in g.items()
+        if under(n, ["kvbench.attention"])
+        for i in imps
+        if i.target == "kvbench.cache.layer"
+    )
+    assert not back, f"attention modules import kvbench.cache.layer: {back}"
+
+
+def test_attend_needs_only_the_layer_module():
+    """A fresh interpreter imports the layer cache alone, attends, and gets a code-domain path."""
+    code = (
+        "import sys, torch\n"
+        "from kvbench.cache.layer import LayerCache\n"
+        "from kvbench.cache.blocks import PerChannelCodec\n"
+        "from kvbench.cache.schedule import BlockSchedule\n"
+        "lc = LayerCache(PerChannelCodec(2, group_size=4), None, BlockSchedule(4))\n"
+        "x = torch.randn(1, 2, 12, 16)\n"
+        "lc.prefill(x, x)\n"
+        "assert lc.attend(torch.randn(1, 4, 1, 16)).shape == (1, 4, 1, 16)\n"
+        "assert lc.attend_path.startswith('cpu-'), lc.attend_path\n"
+        "assert 'kvbench.methods' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_methods_import_no_attention_backend():
+    """A method declares its layout by building blocks of a core type; the code-domain kernels
+    of those blocks live in ``kvbench.attention.blocks``.  A method may use the public reference
+    math (``kvbench.attention.reference``), nothing else of ``kvbench.attention``."""
+    g = graph()
+    bad = sorted(
+        (n, i.target)
+        for n, imps in g.items()
+        if under(n, ["kvbench.methods"])
+        for i in imps
+        if under(i.target, ["kvbench.attention"])
+        and not under(i.target, ["kvbench.attention.reference"])
+    )
+    assert not bad, f"methods import attention backends: {bad}"

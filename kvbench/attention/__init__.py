@@ -1,16 +1,8 @@
-"""Attention over a layer cache: the backend registry (:mod:`.registry`), the reference
-(dequantize-and-softmax) math (:mod:`.reference`), the CPU code-domain backend (:mod:`.cpu`,
-:mod:`.mixed`) and the Triton backend's registration (:mod:`.triton`; the kernels live in
-``kvbench.kernels``).
+"""Attention over a layer cache.
 
-Importing this package installs the registry's dispatch into
-:meth:`kvbench.cache.layer.LayerCache.attend` (``kvbench/__init__.py`` imports it), so ``kv`` never
-imports ``attend``.
+:mod:`.dispatch` picks the backend of each decode step (:func:`.dispatch.attend`, called by
+:meth:`kvbench.cache.layer.LayerCache.attend`); :mod:`.backend` says what a backend is;
+:mod:`.reference` is the dequantize-and-softmax math; :mod:`.codedomain` the code-domain backend
+and :mod:`.block_kernels` its per-block-type kernels; :mod:`.triton` the fused CUDA backend (its
+kernels live in ``kvbench.kernels``); :mod:`.native` the C kernels.
 """
-
-from kvbench.attention import codedomain as cpu
-from kvbench.attention import dispatch as registry
-from kvbench.attention import mixed_channel as mixed
-from kvbench.attention import triton  # noqa: F401 - registrations
-
-registry.install()

@@ -3,10 +3,10 @@ dequantizing the cache.
 
 This is the *code-domain* backend of :mod:`kvbench.attention.dispatch` (which decides when it runs
 and records ``attend_path`` / ``attend_path_reason``): sinks and the full-precision residual as
-matmuls, each quantized block through the :class:`~kvbench.attention.dispatch.BlockKernel`
-registered for its type (this module registers :class:`kvbench.cache.blocks.AffineBlock`;
-:mod:`kvbench.attention.mixed_channel` the mixed-precision channel classes; methods register their own
-block types).  Paths recorded: :data:`COMPILED_PATH`, :data:`EAGER_PATH`.
+matmuls, each quantized block through the :class:`~kvbench.attention.block_kernels.BlockKernel`
+registered for its type (this module holds :class:`kvbench.cache.blocks.AffineBlock`'s;
+:mod:`kvbench.attention.mixed_channel` the mixed-precision channel classes'; all are registered
+in :mod:`kvbench.attention.dispatch`).  Paths recorded: :data:`COMPILED_PATH`, :data:`EAGER_PATH`.
 
 Math (one KV head, ``M = (H_q / H_kv) * n_q`` query rows ``q`` already multiplied by the logit
 scale; a block stores codes ``c`` with per-group affine terms ``x = c * a + b``, where
@@ -64,13 +64,8 @@ from typing import Any
 import torch
 
 from kvbench.attention import native
-from kvbench.attention.dispatch import (
-    BlockKernel,
-    block_kernel,
-    common_reason,
-    install_code_domain,
-    register_block_kernel,
-)
+from kvbench.attention.backend import AttentionCache, common_reason
+from kvbench.attention.block_kernels import block_kernel
 from kvbench.attention.reference import length_mask
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.chunks import token_chunks
@@ -80,6 +75,8 @@ ENV_MODE = "KVBENCH_CPU_ATTENTION"
 MODES = ("auto", "native", "compiled", "eager", "reference")
 COMPILED_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-compiled", "cpu-eager", "reference"
 NATIVE_PATH = "cpu-native"
+#: the backend's name in :data:`kvbench.attention.dispatch.BACKENDS`
+NAME = "code-domain"
 #: in ``auto`` mode, quantized tokens (keys + values of one layer) from which the compiled
 #: kernels are used
 COMPILE_MIN_TOKENS = 1024
@@ -480,25 +477,9 @@ def run_compiled(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *a
     return _run(fn, dyn, *args)
 
 
-# ------------------------------------------------------------------------------ registry
-BlockAttention = (
-    BlockKernel  # the per-block interface (:class:`kvbench.attention.dispatch.BlockKernel`)
-)
-
-
-def register_block_attention(block_type: type, impl: BlockKernel) -> None:
-    """Register ``impl`` for CPU blocks of exactly ``block_type``
-    (:func:`kvbench.attention.dispatch.register_block_kernel` with ``devices=("cpu",)``)."""
-    register_block_kernel(block_type, impl, ("cpu",))
-
-
-def block_attention(block: Any) -> BlockKernel | None:
-    """The CPU kernel registered for ``type(block)``, or ``None``."""
-    return block_kernel(block, "cpu")
-
-
+# ------------------------------------------------------------------------------ affine blocks
 class AffineBlockAttention:
-    """:class:`BlockKernel` of :class:`kvbench.cache.blocks.AffineBlock` (see module docstring).
+    """:class:`~kvbench.attention.block_kernels.BlockKernel` of :class:`kvbench.cache.blocks.AffineBlock` (see module docstring).
 
     Keys and values: per-token groups (per-token, int8/int4-block and llama.cpp ``q4_0``),
     pages of ``L >= 2`` tokens (all equal but a shorter last one, e.g. after ``crop``; keys), or
@@ -607,9 +588,6 @@ class AffineBlockAttention:
             if out is not None:
                 return out + _per_channel(pb, d)
         return value_tokens_eager(pk, p, a, b, bits, d)
-
-
-register_block_attention(AffineBlock, AffineBlockAttention())
 
 
 # ------------------------------------------------------------------------------ attention
@@ -803,4 +781,37 @@ def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, 
     return out, "cpu-" + "+".join(kinds)
 
 
-install_code_domain(code_domain_reason, _registry_run, _attend)
+def eager_attend(
+    layer_cache: AttentionCache,
+    query: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The eager code-domain attention without layout checks: the reference of blocks that
+    have no dequantized form (QJL's sketches; :func:`kvbench.attention.dispatch.reference_attend`)."""
+    return _attend(layer_cache, query, scaling, False, lengths)
+
+
+class CodeDomainBackend:
+    """The code-domain :class:`~kvbench.attention.backend.Backend` (any device whose blocks
+    have kernels): :func:`code_domain_reason` and :func:`_registry_run`."""
+
+    name = NAME
+    device = "*"
+
+    def reason(
+        self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
+    ) -> str | None:
+        return code_domain_reason(cache, query, lengths, common=False)
+
+    def run(
+        self,
+        cache: AttentionCache,
+        query: torch.Tensor,
+        scaling: float | None,
+        lengths: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, str]:
+        return _registry_run(cache, query, scaling, lengths)
+
+
+BACKEND = CodeDomainBackend()

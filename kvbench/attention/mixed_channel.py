@@ -31,7 +31,6 @@ from kvbench.attention.codedomain import (
     note_impl,
     to_subcode_order,
 )
-from kvbench.attention.dispatch import register_block_kernel
 from kvbench.cache.mixed_channel import MixedChannelBlock, unpack_mixed
 from kvbench.cache.quant import unpack_bits
 
@@ -232,7 +231,7 @@ def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: i
 
 
 class MixedChannelAttention:
-    """:class:`~kvbench.attention.dispatch.BlockKernel` of
+    """:class:`~kvbench.attention.block_kernels.BlockKernel` of
     :class:`~kvbench.cache.mixed_channel.MixedChannelBlock` keys (see the module docstring)."""
 
     def key_reason(self, block: MixedChannelBlock, head_dim: int) -> str | None:
@@ -279,6 +278,3 @@ class MixedChannelAttention:
 
     def value_output(self, block: MixedChannelBlock, p: torch.Tensor, compiled: bool):
         raise ValueError(self.value_reason(block, block.head_dim))
-
-
-register_block_kernel(MixedChannelBlock, MixedChannelAttention(), ("cpu",))

@@ -1,4 +1,4 @@
-"""Registration of the fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
+"""The fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
 :mod:`kvbench.attention.dispatch`.
 
 Layouts: :class:`kvbench.cache.blocks.AffineBlock` (per-channel key pages of a multiple of 16
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvbench.attention.dispatch import Backend, register_backend
+from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.mixed_channel import MixedChannelBlock
 
@@ -76,10 +76,20 @@ def affine_values(block: AffineBlock):
     return QuantValues(block.codes, block.scale, block.zero, block.bits, bool(block.midpoint))
 
 
-#: how the kernel reads each block type (``kvbench.kernels.dispatch`` looks these up):
-#: ``key(block, head_dim) -> QuantKeys | reason``, ``value(block) -> QuantValues | reason``
+#: how the kernel reads each block type (handed to ``kvbench.kernels.dispatch`` by
+#: :func:`fused_layouts`): ``key(block, head_dim) -> QuantKeys | reason``,
+#: ``value(block) -> QuantValues | reason``
 KEY_LAYOUTS = {AffineBlock: affine_keys, MixedChannelBlock: mixed_keys}
 VALUE_LAYOUTS = {AffineBlock: affine_values}
+
+
+def fused_layouts():
+    """``kvbench.kernels.dispatch.Layouts`` of :data:`KEY_LAYOUTS` / :data:`VALUE_LAYOUTS`: what
+    the kernels' dispatch (and ``kernels/bench_decode.py``) needs to read the core's blocks.
+    Imports ``kvbench.kernels.dispatch`` (torch only, no Triton)."""
+    from kvbench.kernels.dispatch import Layouts
+
+    return Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
 
 
 def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
@@ -97,13 +107,14 @@ def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
         return "per-row lengths are not supported by the fused kernel yet"
     from kvbench.kernels import dispatch
 
-    return dispatch.unsupported(layer_cache, query)
+    return dispatch.unsupported(layer_cache, query, fused_layouts())
 
 
 def _run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
     from kvbench.kernels import dispatch
 
-    return dispatch.fused_attend(layer_cache, query, scaling)
+    return dispatch.fused_attend(layer_cache, query, scaling, layouts=fused_layouts())
 
 
-register_backend(Backend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run, priority=10))
+#: the CUDA backend (registered in :data:`kvbench.attention.dispatch.BACKENDS`)
+BACKEND = WholeCacheBackend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run)

@@ -10,12 +10,10 @@ residual, and the flush happens *after* that attention: :meth:`LayerCache.append
 and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by
 whoever finishes the step).
 
-Attention (:meth:`LayerCache.attend`) is computed by the backend registry of
-:mod:`kvbench.attention.dispatch`, which depends on this module; this module never imports
-:mod:`kvbench.attention`.  The registry installs itself with :meth:`LayerCache.install_attention`
-when :mod:`kvbench.attention` is imported (``import kvbench`` does it), so there is no import cycle
-between the core folders.  A subclass whose reads differ from its stored parts (sinks, blocks,
-residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
+Attention (:meth:`LayerCache.attend`) is computed by :func:`kvbench.attention.dispatch.attend`,
+called directly; the dispatch reads the cache through its public attributes and never imports
+this module, so there is no import cycle.  A subclass whose reads differ from its stored parts
+(sinks, blocks, residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
 the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
 reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores tokens by the
 attention they receive (SemKV) sets ``observes_attention`` and implements
@@ -25,7 +23,8 @@ attention they receive (SemKV) sets ``observes_attention`` and implements
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so that a
 row's codes never depend on its padding.  Every public operation then dispatches to those rows,
-also the overrides of a subclass (``__init_subclass__`` wraps them).
+also the overrides of a subclass (``__init_subclass__`` wraps them; the base class's own
+operations check for rows explicitly).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.attention import dispatch
 from kvbench.cache import finite, ragged
 from kvbench.cache.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.cache.schedule import NeverSchedule
@@ -94,14 +94,25 @@ def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
     def wrapper(self, keys, values, queries=None, lengths=None):
         if lengths is None:
             return fn(self, keys, values, queries)
-        self._check(keys, values)
-        if self.seq_length:
-            raise ValueError("prefill() needs an empty cache; use append() for later tokens")
-        n = ragged.check_lengths(lengths, keys.shape[0], keys.shape[2])
-        return ragged.prefill(self, keys, values, queries, n)
+        return _prefill_rows(self, keys, values, queries, lengths)
 
     wrapper._row_dispatch = True
     return wrapper
+
+
+def _prefill_rows(
+    layer: LayerCache,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor | None,
+    lengths: torch.Tensor,
+) -> None:
+    """The padded prefill: checks, then one row cache per sequence (:func:`ragged.prefill`)."""
+    layer._check(keys, values)
+    if layer.seq_length:
+        raise ValueError("prefill() needs an empty cache; use append() for later tokens")
+    n = ragged.check_lengths(lengths, keys.shape[0], keys.shape[2])
+    ragged.prefill(layer, keys, values, queries, n)
 
 
 @dataclass
@@ -173,7 +184,6 @@ class LayerCache:
     reads_transformed: ClassVar[str | None] = None
     #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
     observes_attention: ClassVar[bool] = False
-    _attention: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -184,12 +194,6 @@ class LayerCache:
         fn = cls.__dict__.get("prefill")
         if callable(fn) and not getattr(fn, "_row_dispatch", False):
             cls.prefill = _padded_prefill(fn)
-
-    @classmethod
-    def install_attention(cls, fn: Callable[..., torch.Tensor]) -> None:
-        """Install the attention dispatch ``fn(layer_cache, query, scaling, lengths)`` that
-        :meth:`attend` calls (done by :mod:`kvbench.attention` at import)."""
-        LayerCache._attention = fn
 
     def __init__(
         self,
@@ -275,6 +279,8 @@ class LayerCache:
             On bad shapes/dtypes, a prefill into a non-empty cache, or ``lengths`` that are not
             ``B`` integers in ``[1, P]`` (the message names the row).
         """
+        if lengths is not None:
+            return _prefill_rows(self, keys, values, queries, lengths)
         self._check(keys, values)
         finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.cache.finite)
         if self.seq_length:
@@ -289,6 +295,8 @@ class LayerCache:
 
     def provide_queries(self, queries: torch.Tensor) -> None:
         """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
+        if self._rows is not None:
+            return ragged.provide_queries(self, queries)
         if not self._awaiting_queries:
             return
         keys = self.k.read(self.dtype)
@@ -308,6 +316,8 @@ class LayerCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
         :meth:`end_step`."""
+        if self._rows is not None:
+            return ragged.append(self, keys, values)
         if self._awaiting_queries:
             raise ValueError(
                 "this method needs queries at prefill (capability needs_queries); call "
@@ -330,6 +340,8 @@ class LayerCache:
 
     def end_step(self) -> None:
         """Run the flush deferred by the last :meth:`append` (idempotent)."""
+        if self._rows is not None:
+            return ragged.end_step(self)
         if not self._pending:
             return
         self._pending = False
@@ -338,6 +350,8 @@ class LayerCache:
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual)."""
+        if self._rows is not None:
+            return ragged.keys_values(self, dtype)
         if not self.seq_length:
             raise ValueError("the cache is empty")
         dt = dtype or self.dtype
@@ -359,11 +373,10 @@ class LayerCache:
         CPU, else the reference path over :meth:`keys_values`; all agree up to float rounding.
         ``self.attend_path`` / ``self.attend_path_reason`` record which ran and why.
 
-        Raises ``RuntimeError`` if no dispatch is installed (``import kvbench`` installs it)."""
-        fn = LayerCache._attention
-        if fn is None:
-            raise RuntimeError("no attention dispatch installed; import kvbench.attention first")
-        return fn(self, query, scaling, lengths)
+        Raises ``ValueError`` for ``lengths`` outside ``[n_q, T]``."""
+        if self._rows is not None:
+            return ragged.attend(self, query, scaling, lengths)
+        return dispatch.attend(self, query, scaling, lengths)
 
     def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,
@@ -407,10 +420,14 @@ class LayerCache:
 
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) tokens currently held in quantized form."""
+        if self._rows is not None:
+            return ragged.quantized_tokens(self)
         return _len(self.k.block), _len(self.v.block)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
+        if self._rows is not None:
+            return ragged.crop(self, max_length)
         n = self.seq_length + max_length if max_length < 0 else max_length
         for side in (self.k, self.v):
             ns, nb = _len(side.sinks), _len(side.block)
@@ -425,6 +442,8 @@ class LayerCache:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
+        if self._rows is not None:
+            return ragged.index_batch(self, idx)
         idx = torch.as_tensor(idx, dtype=torch.long)
         for side in (self.k, self.v):
             if side.sinks is not None:
@@ -458,6 +477,8 @@ class LayerCache:
     # ---------------------------------------------------------------- accounting
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
+        if self._rows is not None:
+            return ragged.tensors(self)
         return [
             (name, cat, t)
             for name, side in (("key", self.k), ("value", self.v))
@@ -475,12 +496,3 @@ class LayerCache:
             out[f"{side}_total"] += n
         out["total"] = out["key_total"] + out["value_total"]
         return out
-
-
-# The base class's own operations dispatch to the rows like a subclass's overrides
-# (``__init_subclass__``).  Wrapped here rather than decorated in the class body so that they
-# stay plain functions in the source: mutmut skips decorated functions (docs/mutation.md).
-for _name in ROW_DISPATCH:
-    setattr(LayerCache, _name, _row_dispatch(LayerCache.__dict__[_name]))
-LayerCache.prefill = _padded_prefill(LayerCache.__dict__["prefill"])
-del _name

@@ -17,13 +17,15 @@ import pytest
 import torch
 
 import kvbench
+from kvbench.attention import block_kernels, native
 from kvbench.attention import codedomain as cpu
 from kvbench.attention import dispatch as registry
-from kvbench.attention import native
+from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock, PerChannelCodec
 from kvbench.cache.layer import LayerCache, Side
 from kvbench.cache.mixed_channel import MixedChannelBlock
 from kvbench.cache.schedule import BlockSchedule
+from kvbench.registry import Registry
 
 HQ, HKV, B = 4, 2, 2
 SMALL = dict(group_size=16, residual_length=16)
@@ -227,7 +229,8 @@ def test_per_row_lengths(name, cfg):
 
 
 def test_fp8_table_equals_the_cast():
-    from kvbench.methods.fp8 import FORMATS, fp8_table
+    from kvbench.attention.blocks.fp8 import fp8_table
+    from kvbench.cache.fp8 import FORMATS
 
     for fmt, dt in FORMATS.items():
         bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -286,13 +289,23 @@ def test_a_backend_that_raises_is_reported_and_the_reference_runs(monkeypatch):
         def key_logits(self, block, q, compiled):
             raise RuntimeError("kernel bug")
 
-    monkeypatch.setitem(registry._BLOCK_KERNELS, (Opaque, "cpu"), Broken())
+    monkeypatch.setitem(block_kernels._KERNELS, (Opaque, "cpu"), Broken())
     lc = opaque_layer()
     q = torch.randn(1, 4, 1, 16)
     with pytest.warns(RuntimeWarning, match=r"keys=Opaque.*cpu.*kernel bug"):
         out = lc.attend(q)
     close_rows(out, ref64(lc, q))
     assert lc.attend_path == "reference" and "kernel bug" in lc.attend_path_reason
+
+
+def with_backend(monkeypatch, backend: WholeCacheBackend) -> None:
+    """Register ``backend`` for this test only, first in its device's order of preference."""
+    fresh = Registry("attention backend")
+    for name in registry.BACKENDS.names():
+        fresh.register(name, registry.BACKENDS.get(name))
+    fresh.register(backend.name, backend)
+    monkeypatch.setattr(registry, "BACKENDS", fresh)
+    monkeypatch.setitem(registry.PREFERENCE, backend.device, (backend.name, "code-domain"))
 
 
 def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
@@ -306,9 +319,9 @@ def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
     assert registry.backends_for(AffineBlock)["fused"] == ["triton@cuda"]
     assert registry.backends_for(MixedChannelBlock)["fused"] == ["triton@cuda"]
     assert registry.backends_for(AffineBlock)["code_domain"] == ["cpu"]
-    be = registry.Backend("fake", "meta", (AffineBlock,), lambda lc, q, ln: None, run, 5)
-    monkeypatch.setattr(registry, "_BACKENDS", list(registry._BACKENDS))
-    registry.register_backend(be)
+    be = WholeCacheBackend("fake", "meta", (AffineBlock,), lambda lc, q, ln: None, run)
+    with_backend(monkeypatch, be)
+    assert registry.backends_for(AffineBlock)["fused"] == ["fake@meta", "triton@cuda"]
     lc, _ = build("kivi", CASES[0][1], 64, 45, 1)
     q = torch.empty(B, HQ, 1, 64, device="meta")
     assert lc.attend(q, 0.5).shape == q.shape and calls == [(lc, 0.5)]
@@ -479,11 +492,11 @@ def test_semkv_scores_from_every_backend_and_records_the_path(monkeypatch):
     """SemKV's attention score reads each step's softmax through ``observe_attention``: the
     code-domain and the reference path give it the same statistics, both record their path,
     and a whole-cache backend (which cannot hand out probabilities) declines with the reason."""
-    from kvbench.methods.semkv import MixedTokenBlock
+    from kvbench.cache.mixed_tokens import MixedTokenBlock
 
     cfg = dict(SMALL, num_sink_tokens=2)
-    fake = registry.Backend("fake", "cpu", (MixedTokenBlock,), lambda lc, q, ln: None, None, 5)
-    monkeypatch.setattr(registry, "_BACKENDS", [fake])
+    fake = WholeCacheBackend("fake", "cpu", (MixedTokenBlock,), lambda lc, q, ln: None, None)
+    with_backend(monkeypatch, fake)
     stats = {}
     for mode, path in (("eager", cpu.EAGER_PATH), ("reference", "reference")):
         lc, g = build("semkv", cfg, 64, 45, 0, seed=3)

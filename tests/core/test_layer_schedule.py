@@ -361,27 +361,22 @@ def test_crop_with_sinks_at_every_length() -> None:
             assert torch.equal(k, k_full[:, :, :m]) and torch.equal(v, v_full[:, :, :m]), n
 
 
-def test_install_attention_is_what_attend_calls() -> None:
-    # attend() is a thin wrapper of the installed dispatch: the layer, the query, the scaling
-    # and the lengths go to it unchanged and its result comes back
-    before = LayerCache._attention
+def test_attend_calls_the_dispatch(monkeypatch) -> None:
+    # attend() is a thin wrapper of kvbench.attention.dispatch.attend: the layer, the query, the
+    # scaling and the lengths go to it unchanged and its result comes back
+    from kvbench.attention import dispatch
+
     seen = []
 
     def fake(layer, query, scaling, lengths):
         seen.append((layer, scaling, lengths))
         return query * 2
 
-    try:
-        LayerCache.install_attention(fake)
-        layer = LayerCache(None, None)
-        q, lens = torch.ones(1, 1, 1, 4), torch.tensor([3])
-        assert torch.equal(layer.attend(q, 0.5, lens), q * 2)
-        assert seen == [(layer, 0.5, lens)]
-        LayerCache._attention = None
-        with pytest.raises(RuntimeError, match="no attention dispatch installed; import kvbench"):
-            layer.attend(q)
-    finally:
-        LayerCache._attention = before
+    monkeypatch.setattr(dispatch, "attend", fake)
+    layer = LayerCache(None, None)
+    q, lens = torch.ones(1, 1, 1, 4), torch.tensor([3])
+    assert torch.equal(layer.attend(q, 0.5, lens), q * 2)
+    assert seen == [(layer, 0.5, lens)]
 
 
 def test_index_batch_keeps_sinks_and_codec_state() -> None:

@@ -49,7 +49,7 @@ else:
 q, k = torch.randn(1, 2, 1, 64), torch.randn(1, 1, 5, 64)
 assert decode_attention.decode_attention_reference(q, k, k).shape == (1, 2, 1, 64)
 class Cache: pass
-assert dispatch.try_fused_attend(Cache(), q) is None
+assert dispatch.try_fused_attend(Cache(), q, layouts=dispatch.Layouts({}, {})) is None
 print("ok")
 """
     )

@@ -16,7 +16,8 @@ import torch
 
 import kvbench
 from kvbench.cache.finite import nonfinite
-from kvbench.methods.kvquant import KVQuant, lloyd_levels, rope
+from kvbench.cache.rope import rope
+from kvbench.methods.kvquant import KVQuant, lloyd_levels
 
 THETA = 1e4
 

@@ -323,7 +323,8 @@ def test_upper_plane_places_each_extra_row_at_its_token():
     """The upper plane read by the attention kernels: token ``t`` of (row ``b``, head ``h``)
     holds the ``i``-th extra row, ``i`` counting high tokens in ``[n, B, H]`` order, and zero
     bytes for low tokens (a loop over the tokens as the reference)."""
-    from kvbench.methods.semkv import MixedTokenAttention, MixedTokenCodec
+    from kvbench.attention.blocks.mixed_tokens import MixedTokenAttention
+    from kvbench.methods.semkv import MixedTokenCodec
 
     g = torch.Generator().manual_seed(5)
     b, h, n = 2, 3, 13
@@ -348,7 +349,7 @@ def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     (``kvbench.attention.native.Upper``): the dense upper-plane transient of the two-pass route
     (``MixedTokenAttention._upper``) is never built (the step runs without a fallback
     warning), and the output equals the float64 attention over the dequantized cache."""
-    from kvbench.methods.semkv import MixedTokenAttention
+    from kvbench.attention.blocks.mixed_tokens import MixedTokenAttention
 
     g = torch.Generator().manual_seed(2)
     lc = kvbench.get_method("semkv", residual_length=8, score="key-norm").new_layer(0, 2, 64)

@@ -1,0 +1,159 @@
+"""What an attention backend is, and what it may read of a cache.
+
+A *backend* computes one decode step's attention over a layer cache
+(:class:`Backend`); :mod:`kvbench.attention.dispatch` holds the registered ones and the order
+in which each device tries them.  A backend reads only the public attributes of
+:class:`AttentionCache` (the layer cache's sides, shape and flags), so nothing here imports
+:mod:`kvbench.cache.layer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class AttentionSide(Protocol):
+    """One side (keys or values) of a cache, in token order: ``sinks`` ``[B, H_kv, S, D]``
+    (full precision or ``None``), ``block`` (the quantized tokens, a block object or
+    ``None``), ``residual`` ``[B, H_kv, R, D]`` (full precision or ``None``)."""
+
+    sinks: torch.Tensor | None
+    block: object | None
+    residual: torch.Tensor | None
+
+    def __len__(self) -> int: ...
+
+
+class AttentionCache(Protocol):
+    """The public attributes of :class:`kvbench.cache.layer.LayerCache` that the backends read.
+
+    Optional flags, read with ``getattr``: ``reads_transformed`` (on the cache or a side: why
+    attention may not read the stored parts), ``observes_attention`` (the cache wants each
+    step's probabilities through ``observe_attention(probs, lengths)``)."""
+
+    k: AttentionSide
+    v: AttentionSide
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int] | None: ...
+
+    @property
+    def seq_length(self) -> int: ...
+
+    @property
+    def awaiting_queries(self) -> bool: ...
+
+    def quantized_tokens(self) -> tuple[int, int]: ...
+
+    def keys_values(
+        self, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None: ...
+
+
+class Backend(Protocol):
+    """A decode-attention backend.
+
+    ``name``: the path it records when it runs (``"triton"``, ``"code-domain"``);
+    ``device``: the device type it serves (``"cuda"``; ``"*"``: any device);
+    ``reason(cache, query, lengths)``: ``None`` when it can run this step, else why not (the
+    string recorded in ``attend_path_reason``); ``run(cache, query, scaling, lengths)``:
+    ``(out [B, H_q, n_q, D] in the query's dtype, the recorded path)``."""
+
+    name: str
+    device: str
+
+    def reason(
+        self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
+    ) -> str | None: ...
+
+    def run(
+        self,
+        cache: AttentionCache,
+        query: torch.Tensor,
+        scaling: float | None,
+        lengths: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, str]: ...
+
+
+@dataclass(frozen=True)
+class WholeCacheBackend:
+    """A :class:`Backend` that reads the whole cache in one kernel (the fused Triton kernel).
+
+    ``layouts``: the block types it reads (a side with no block always fits); ``check(cache,
+    query, lengths) -> str | None``: its own further reasons; ``compute(cache, query, scaling,
+    lengths) -> [B, H_q, n_q, D]``.  It declines a block type outside ``layouts`` and a cache
+    that observes the attention probabilities (it cannot hand them out); its reasons are
+    recorded as ``"<name>: <why>"``."""
+
+    name: str
+    device: str
+    layouts: tuple[type, ...]
+    check: Callable[[AttentionCache, torch.Tensor, torch.Tensor | None], str | None]
+    compute: Callable[..., torch.Tensor]
+
+    def reason(
+        self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
+    ) -> str | None:
+        why = self._fits(cache) or self.check(cache, query, lengths)
+        if why is None and getattr(cache, "observes_attention", False):
+            why = "the cache observes the attention probabilities"
+        return None if why is None else f"{self.name}: {why}"
+
+    def _fits(self, cache: AttentionCache) -> str | None:
+        for name, side in (("key", cache.k), ("value", cache.v)):
+            if side.block is not None and type(side.block) not in self.layouts:
+                return f"{name} block {type(side.block).__name__} has no {self.name} kernel"
+        return None
+
+    def run(
+        self,
+        cache: AttentionCache,
+        query: torch.Tensor,
+        scaling: float | None,
+        lengths: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, str]:
+        return self.compute(cache, query, scaling, lengths), self.name
+
+
+def layout_name(cache: AttentionCache) -> str:
+    """``"keys=<type>, values=<type>"`` of a cache's stored blocks (for messages)."""
+    kb, vb = cache.k.block, cache.v.block
+    return (
+        f"keys={type(kb).__name__ if kb is not None else 'none'}, "
+        f"values={type(vb).__name__ if vb is not None else 'none'}"
+    )
+
+
+def common_reason(
+    cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
+) -> str | None:
+    """Why no backend but the reference may read ``cache`` for ``query`` (``None``: the stored
+    parts are what attention reads and the shapes fit)."""
+    why = getattr(cache, "reads_transformed", None)
+    if why:
+        return why
+    for name, side in (("key", cache.k), ("value", cache.v)):
+        why = getattr(side, "reads_transformed", None)
+        if why:
+            return f"{name} side: {why}"
+    if cache.awaiting_queries or not cache.seq_length:
+        return "no stored tokens to attend to"
+    shape = cache.kv_shape
+    if (
+        query.dim() != 4
+        or shape is None
+        or query.shape[0] != shape[0]
+        or query.shape[3] != shape[2]
+    ):
+        return "query does not fit the cache"
+    if query.shape[1] % shape[1]:
+        return "query heads are not a multiple of the KV heads"
+    if len(cache.k) != len(cache.v):
+        return "keys and values hold different token counts"
+    return None
