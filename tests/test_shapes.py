@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from kvbench.bench.context import RunContext
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
 from kvbench.bench.workloads import synthetic_kv
@@ -471,7 +472,6 @@ def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
     """A shape model at batch 2: bytes and peak from both rows, ``key_mse``/``value_mse`` from
     batch row 0 (``errors_cover`` says so), equal to the float64 error of row 0 of a full
     read-back of the same replay (an independent cache fed the same tensors)."""
-    from types import SimpleNamespace
 
     import kvbench
     from kvbench.bench.workloads.memory import Memory, Replay
@@ -480,7 +480,7 @@ def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
     spec = {**Memory.PARAMS, "context": 260, "batch": 2, "appends": 4}
     Memory.check(spec, "")
     w = Memory(spec)
-    w.prepare(SimpleNamespace(model=model, model_info=info, model_spec={}, seed=0, shared={}))
+    w.prepare(RunContext(model=model, model_info=info, model_spec={}, seed=0))
     method = kvbench.get_method(name).for_model(info)
     res = w.run(None, method)
     assert res.info["errors_cover"].startswith("batch rows [0, 1) of 2")

@@ -3,7 +3,7 @@ budgets, and the registry.
 
 Right values: float64 numpy references of each method's documented grouping (conftest.py),
 docs/methods.md#kivi and docs/methods.md#average-bits bit formulas (2.25 / 2.50 / 3.00), the textbook's per-head vs per-tensor direction
-(docs/methods.md#per-head: INT4 per-head MSE about a fifth below per-tensor), docs/design.md#registry.
+(docs/methods.md#per-head: INT4 per-head MSE about a fifth below per-tensor), docs/design.md#registries.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from test_workload_metrics import _toy_llama
 
 import kvbench.data.loaders as loaders
 from kvbench.attention import codedomain as cpu
+from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.generation import forced_logprobs
 from kvbench.bench.workloads.perplexity import chunked_logits
@@ -92,11 +93,7 @@ def _perplexity(monkeypatch, model, ids, path):
     cls = WORKLOADS.get("perplexity")
     spec = {"type": "perplexity", "tokens": 72, "prefill": 32, "chunk": 8, "windows": 1}
     wl = cls(cls.validate({**spec, "path": path}))
-    from types import SimpleNamespace
-
-    ctx = SimpleNamespace(
-        model=model, tokenizer=None, limit=None, seed=0, shared={}, model_info={"head_dim": 16}
-    )
+    ctx = RunContext(model=model, seed=0, model_info={"head_dim": 16})
     wl.prepare(ctx)
     return wl, ctx
 

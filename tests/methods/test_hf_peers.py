@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig
 
 import kvbench
+from kvbench.bench.context import RunContext
 from kvbench.bench.runner import skip_reason
 from kvbench.bench.workloads.fidelity import Fidelity
 from kvbench.bench.workloads.latency import Latency
@@ -206,13 +207,14 @@ def test_memory_workload_counts_peers_like_full() -> None:
         }
     )
     w = Memory(spec)
-    w.prepare(type("Ctx", (), {"seed": 0, "model_spec": None})())
-    full = w.run(None, kvbench.get_method("full")).metrics
-    dyn = w.run(None, kvbench.get_method("hf-dynamic")).metrics
+    ctx = RunContext(seed=0, model_spec=None)
+    w.prepare(ctx)
+    full = w.run(ctx, kvbench.get_method("full")).metrics
+    dyn = w.run(ctx, kvbench.get_method("hf-dynamic")).metrics
     assert dyn["bytes_total"] == full["bytes_total"] == 2 * 2 * 320 * 64 * 2
     assert dyn["effective_bits"] == 16.0 and dyn["key_mse"] == 0.0
     if HAVE_QUANTO:
-        q = w.run(None, kvbench.get_method("hf-quanto", nbits=2)).metrics
+        q = w.run(ctx, kvbench.get_method("hf-quanto", nbits=2)).metrics
         # 316 tokens quantized: 316 * 2 heads groups of 64 -> codes 316*2*16 B, scales 316*2*4 B;
         # 4 residual tokens at fp16: 4*2*64*2 B; per side
         side = 316 * 2 * 16 + 316 * 2 * 4 + 4 * 2 * 64 * 2
