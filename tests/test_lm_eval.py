@@ -21,7 +21,12 @@ lm_eval = pytest.importorskip(
 )
 
 from kvbench.integrations.lm_eval.backend import KVBenchLM  # noqa: E402
-from kvbench.integrations.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard, local_task_names  # noqa: E402
+from kvbench.integrations.lm_eval.tasks import (  # noqa: E402
+    TASK_DIR,
+    TaskDataUnavailable,
+    hub_guard,
+    local_task_names,
+)
 
 GSM8K = Path(os.environ.get("KVBENCH_DATA_DIR", "")) / "gsm8k" / "test.jsonl"
 _skip_without_gsm8k = pytest.mark.skipif(
@@ -75,10 +80,16 @@ def test_method_config_file_and_batch_refusal(tmp_path):
     cfg.write_text("method: kivi\nbits: 2\nresidual_length: 32\ngroup_size: 32\nnope: 1\n")
     with pytest.raises(ValueError, match=r"unknown config field\(s\) \['nope'\]"):
         KVBenchLM(method=None, method_config=str(cfg))
-    with pytest.raises(ValueError, match=r"batch_size=4.*one request at a time"):
+    with pytest.raises(ValueError, match=r"batch_size=4.*one request at a time") as err:
         KVBenchLM(method="full", batch_size=4)
+    msg = str(err.value)  # why, and what to use instead
+    assert "left padding only" in msg and "chunk=C" in msg and "--model hf" in msg
     with pytest.raises(ValueError, match=r"batch_size='auto'"):
         KVBenchLM(method="full", batch_size="auto")
+    with pytest.raises(
+        ValueError, match=r"min_quantized_fraction=1.5 must be a number in \[0, 1\]"
+    ):
+        KVBenchLM(method="full", min_quantized_fraction=1.5)
 
 
 def test_local_tasks_listed():
@@ -217,8 +228,8 @@ def test_full_equals_hf_backend_loglikelihood_and_generation(model_tok):
 @pytest.mark.slow
 @needs_gsm8k
 def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
-    from kvbench.cache.registry import get_method
     from kvbench.bench.workloads.perplexity import chunked_logits
+    from kvbench.cache.registry import get_method
 
     model, tok = model_tok
     kw = {"bits": 2, "value_bits": 2, "group_size": 32, "residual_length": 32}
@@ -243,10 +254,10 @@ def test_two_bit_loglikelihood_reads_quantized_context(model_tok):
 @pytest.mark.slow
 @needs_gsm8k
 def test_workload_records_metrics_manifest_and_samples(tmp_path):
-    from kvbench.report.compare import Gate, compare
-    from kvbench.report.tables import summary_table
     from kvbench.bench.runner import run_suite
     from kvbench.bench.suite import parse_suite
+    from kvbench.report.compare import Gate, compare
+    from kvbench.report.tables import summary_table
 
     suite = parse_suite(
         {
@@ -297,3 +308,221 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
 
     paths = write_plots(recs + [dict(worse, run_id="x", method="kivi2")], tmp_path / "plots")
     assert any("lm_eval" in p.name and "perplexity" in p.name for p in paths)
+
+
+# ---------------------------------------------------------------------- the CLI as a user meets it
+def test_lm_eval_alone_does_not_know_kvbench():
+    """The premise of `kvbench lm-eval`: lm-eval 0.4 has no model entry points, so a process
+    that did not import the backend answers `--model kvbench` with its unknown-model error."""
+    import subprocess
+    import sys
+
+    code = "from lm_eval.api.registry import get_model; get_model('kvbench')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "kvbench" in r.stderr
+
+
+def test_help_shows_lm_eval_run_options(capsys):
+    from kvbench.cli import main
+
+    for argv in (["lm-eval", "--help"], ["lm-eval"], ["lm-eval", "run", "-h"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "kvbench lm-eval --model kvbench" in out and "lm_eval --model kvbench" in out
+        for opt in ("--model_args", "--num_fewshot", "--include_path", "--output_path"):
+            assert opt in out, (argv, opt)  # lm-eval run's own options
+        assert "min_quantized_fraction" in out
+
+
+def test_docs_commands_use_the_wrapper():
+    """Every command of docs/lm-eval.md that names `--model kvbench` runs `kvbench lm-eval`."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lm-eval.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()]
+    named = [c for c in commands if "--model kvbench" in c]
+    assert named and all(c.lstrip().startswith("kvbench lm-eval ") for c in named), named
+    assert "unknown model" in text  # says why `lm_eval --model kvbench` fails
+
+
+def test_include_path_merged_with_kvbench_tasks():
+    from kvbench.integrations.lm_eval.cli import merged_include_path, split_include_path
+
+    sep, tasks = os.pathsep, str(TASK_DIR)
+    assert merged_include_path(["--tasks", "t"], TASK_DIR) == [
+        "--tasks",
+        "t",
+        "--include_path",
+        tasks,
+    ]
+    assert merged_include_path(["--include_path", "mine", "--tasks", "t"], TASK_DIR) == [
+        "--include_path",
+        f"mine{sep}{tasks}",
+        "--tasks",
+        "t",
+    ]
+    assert merged_include_path(["--include_path=a", "--include_path=b"], TASK_DIR) == [
+        "--include_path=a",
+        f"--include_path=b{sep}{tasks}",
+    ]
+    assert split_include_path(f"a{sep}{sep}b") == ["a", "b"]
+    assert split_include_path("a") == "a" and split_include_path(["a"]) == ["a"]
+
+
+def test_output_folder_named_after_method_and_config(tmp_path):
+    from kvbench.integrations.lm_eval.naming import MAX_NAME, output_folder_name
+
+    name = output_folder_name("pretrained=default,method=kivi,bits=2,value_bits=2,device=cpu")
+    assert name == "default__kivi-bits2-value_bits2"
+    assert output_folder_name("pretrained=org/m,value_bits=2,method=kivi,bits=2") == (
+        "org_m__kivi-bits2-value_bits2"
+    )
+    assert output_folder_name("") == "default__full"
+    assert output_folder_name({"pretrained": "default", "method": "kivi", "chunk": 4}) == (
+        "default__kivi-chunk4"
+    )
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("method: kivi\nbits: 4\ncalibration: {text: t, tokens: 8}\n")
+    assert output_folder_name(f"method_config={cfg},bits=2,min_quantized_fraction=0") == (
+        "default__kivi-bits2-calibrationtext_t_tokens_8"
+    )
+    long_a = output_folder_name("method=x," + ",".join(f"f{i}={i}" for i in range(60)))
+    long_b = output_folder_name("method=x," + ",".join(f"f{i}={i + 1}" for i in range(60)))
+    assert len(long_a) == len(long_b) == MAX_NAME and long_a != long_b
+
+
+def test_quantized_fraction_per_task_by_hand():
+    from kvbench.integrations.lm_eval.coverage import low_coverage_message, per_task
+
+    log = [
+        {"task": "a", "quantized_fraction": 0.5, "past_tokens_read": 10, "context_tokens": 20},
+        {"task": "a", "quantized_fraction": 0.0, "past_tokens_read": 30, "context_tokens": 40},
+        {"task": "b", "quantized_fraction": 0.9, "past_tokens_read": 10, "context_tokens": 300},
+        {"task": "c", "quantized_fraction": None, "past_tokens_read": 10, "context_tokens": 5},
+        {"task": "d", "quantized_fraction": 0.0, "past_tokens_read": 0, "context_tokens": 1},
+    ]
+    fr = per_task(log)
+    assert fr == {"a": 5 / 40, "b": 0.9, "c": None, "d": 0.0}
+    msg = low_coverage_message(fr, log, 0.5, "kivi", 128)
+    assert "a: 0.125 (mean context 30 tokens)" in msg and "d: 0.000" in msg
+    assert "b:" not in msg and "c:" not in msg and "residual_length=128" in msg
+    assert low_coverage_message(fr, log, 0.0, "kivi", 128) is None
+
+
+# ---------------------------------------------------------------------- tiny model, local task
+TINY_TASK = "kvbench_test_tiny_ll"
+
+
+def _tiny_task(folder: Path, words: int) -> Path:
+    """A loglikelihood task over 3 local rows whose contexts have ``words`` essay words."""
+    from kvbench.bench.tasks.haystack import haystack_sentences
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = " ".join(haystack_sentences("essay")[700:800]).split()
+    rows = folder / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"q": " ".join(text[i * 7 : i * 7 + words]), "a": text[i * 7 + words]})
+            + "\n"
+            for i in range(3)
+        )
+    )
+    (folder / "tiny.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {rows}\n"
+        "test_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: ' {{a}}'\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n"
+    )
+    return folder
+
+
+def test_quantized_fraction_in_results_and_warned_once(tmp_path):
+    import warnings
+
+    from lm_eval.tasks import TaskManager
+    from tiny_lm import tiny_lm
+
+    from kvbench.integrations.lm_eval.coverage import LowQuantizedFractionWarning
+
+    model, tok, _ = tiny_lm()
+    tm = TaskManager(include_path=str(_tiny_task(tmp_path / "t", 60)), include_defaults=False)
+    kw = {"bits": 2, "group_size": 8, "residual_length": 8}
+    quant = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", **kw)
+    short = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", bits=2)  # R = 128
+    outs = {}
+    for name, lm in (("quant", quant), ("short", short)):
+        with warnings.catch_warnings(record=True) as seen, hub_guard():
+            warnings.simplefilter("always")
+            outs[name] = lm_eval.simple_evaluate(
+                model=lm, tasks=[TINY_TASK], task_manager=tm, bootstrap_iters=0
+            )
+            lm.get_model_info()  # a second call: no second warning
+        outs[name, "warned"] = [w for w in seen if w.category is LowQuantizedFractionWarning]
+    got = outs["quant"]["config"]["kvbench_kv_quantized_fraction"][TINY_TASK]
+    log = quant.request_log
+    assert len(log) == 3 and min(e["context_tokens"] for e in log) > 40
+    by_hand = sum(e["quantized_fraction"] * e["past_tokens_read"] for e in log) / sum(
+        e["past_tokens_read"] for e in log
+    )
+    assert got == pytest.approx(by_hand) and 0.5 < got < 1
+    assert outs["quant", "warned"] == []
+    assert outs["short"]["config"]["kvbench_kv_quantized_fraction"] == {TINY_TASK: 0.0}
+    assert outs["short"]["config"]["kvbench_min_quantized_fraction"] == 0.5
+    (w,) = outs["short", "warned"]  # once, with the numbers
+    assert f"{TINY_TASK}: 0.000 (mean context" in str(w.message)
+    assert "residual_length=128" in str(w.message)
+    silent = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", min_quantized_fraction=0)
+    silent.request_log = list(short.request_log)
+    full = KVBenchLM(pretrained=model, tokenizer=tok, method="full")
+    full.request_log = [dict(e, quantized_fraction=0.0) for e in short.request_log]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        silent.get_model_info()
+        full.get_model_info()  # exact storage: 0 is expected, no warning
+
+
+def test_cli_two_methods_own_folders_and_merged_include_path(tmp_path, monkeypatch):
+    """`kvbench lm-eval` end to end on a saved tiny model: two methods into one --output_path
+    write two folders; the user's --include_path keeps kvbench's tasks; the results JSON
+    carries kv_quantized_fraction."""
+    from lm_eval.tasks import TaskManager
+    from tiny_lm import tiny_lm
+
+    from kvbench.cli import main
+
+    model, tok, _ = tiny_lm()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    tasks = _tiny_task(tmp_path / "tasks", 20)
+    built = []
+    init = TaskManager.__init__
+
+    def no_defaults(self, *a, **k):  # lm-eval's full index takes a minute: local tasks only
+        k["include_defaults"] = False
+        init(self, *a, **k)
+        built.append(self)
+
+    monkeypatch.setattr(TaskManager, "__init__", no_defaults)
+    out = tmp_path / "out"
+    common = ["--tasks", TINY_TASK, "--limit", "2", "--output_path", str(out), "--device", "cpu"]
+    for args in ("method=full", "method=kivi,bits=2,group_size=8,residual_length=8"):
+        model_args = f"pretrained={tmp_path / 'model'},{args}"
+        argv = ["lm-eval", "--model", "kvbench", "--model_args", model_args, *common]
+        assert main([*argv, "--include_path", str(tasks)]) == 0
+    assert {LL_TASK, GEN_TASK, TINY_TASK} <= set(built[-1].all_tasks)
+    folders = sorted(p.name for p in out.iterdir())
+    prefix = str(tmp_path / "model").strip("/").replace("/", "_")
+    assert folders == [
+        f"{prefix}__full",
+        f"{prefix}__kivi-bits2-group_size8-residual_length8",
+    ]
+    (kivi,) = (out / folders[1]).glob("results_*.json")
+    cfg = json.loads(kivi.read_text())["config"]
+    assert cfg["kvbench_method"] == "kivi" and cfg["kvbench_config"]["residual_length"] == 8
+    assert 0 < cfg["kvbench_kv_quantized_fraction"][TINY_TASK] <= 1
+    (full,) = (out / folders[0]).glob("results_*.json")
+    assert json.loads(full.read_text())["config"]["kvbench_kv_quantized_fraction"] == {
+        TINY_TASK: 0.0
+    }

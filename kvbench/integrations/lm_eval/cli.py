@@ -1,0 +1,164 @@
+"""``kvbench lm-eval ARGS``: lm-eval's own CLI with the ``kvbench`` model registered.
+
+lm-eval 0.4 has no model entry points (``@register_model`` runs when a module is imported), so
+``lm_eval --model kvbench`` fails with lm-eval's "unknown model"; this wrapper imports the
+backend and then runs lm-eval's CLI unchanged, with three additions while it runs:
+
+* ``--include_path``: kvbench's local task folder
+  (:data:`~kvbench.integrations.lm_eval.tasks.TASK_DIR`) is always on the include path (of
+  ``run``, ``ls`` and ``validate``), merged with the user's folders (``--include_path A:B``:
+  folders separated by ``os.pathsep``, as lm-eval's own help writes it);
+* ``--output_path``: results of ``--model kvbench`` go to a folder named after the model, the
+  method and its configuration (:func:`~kvbench.integrations.lm_eval.naming.output_folder_name`)
+  instead of lm-eval's folder named after ``pretrained`` only;
+* ``--help`` (or no argument): kvbench's usage line, then lm-eval's ``run`` options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+#: printed before lm-eval's own ``run`` help by ``kvbench lm-eval --help``
+USAGE = """\
+kvbench lm-eval: lm-evaluation-harness's CLI with kvbench's model registered.
+
+  kvbench lm-eval --model kvbench \\
+      --model_args pretrained=default,method=kivi,bits=2,value_bits=2 \\
+      --tasks gsm8k_local_answer_ll --limit 50 --output_path out/
+
+`lm_eval --model kvbench` does not work: lm-eval 0.4 loads no model plugins and answers with
+its generic unknown-model error. Every argument after `kvbench lm-eval` is lm-eval's (below).
+kvbench adds its local task folder to --include_path, merged with yours (separate several
+folders with '{sep}'); its tasks: {tasks}. Results go to a folder of --output_path named after
+the model, the method and its configuration (e.g. default__kivi-bits2-value_bits2).
+--model_args of --model kvbench: pretrained, method, method_config, any config field of the
+method, chunk, dtype, device, min_quantized_fraction, and lm-eval HFLM's arguments
+(docs/lm-eval.md).
+
+lm-eval's options (`lm-eval run --help`):
+"""
+
+_HELP = ("-h", "--help")
+
+
+def merged_include_path(argv: Sequence[str], task_dir: str | Path) -> list[str]:
+    """``argv`` with ``task_dir`` joined (``os.pathsep``) to the ``--include_path`` value, or
+    ``--include_path task_dir`` appended when there is none.  Both ``--include_path X`` and
+    ``--include_path=X`` are read; a repeated flag keeps its last value, as argparse does."""
+    argv = list(argv)
+    task_dir = str(task_dir)
+    where = [
+        i for i, a in enumerate(argv) if a == "--include_path" or a.startswith("--include_path=")
+    ]
+    if not where:
+        return [*argv, "--include_path", task_dir]
+    i = where[-1]
+    if argv[i] == "--include_path":
+        if i + 1 >= len(argv):
+            return argv  # argparse reports the missing value
+        argv[i + 1] = f"{argv[i + 1]}{os.pathsep}{task_dir}"
+    else:
+        argv[i] = f"{argv[i]}{os.pathsep}{task_dir}"
+    return argv
+
+
+def split_include_path(include_path: Any) -> Any:
+    """A ``str`` holding several folders separated by ``os.pathsep`` -> a list of folders
+    (empty parts dropped); anything else unchanged."""
+    if isinstance(include_path, (str, Path)) and os.pathsep in str(include_path):
+        return [p for p in str(include_path).split(os.pathsep) if p]
+    return include_path
+
+
+@contextlib.contextmanager
+def cli_patches() -> Iterator[None]:
+    """While active: lm-eval's ``TaskManager`` reads an ``os.pathsep``-separated
+    ``include_path`` as several folders, and the results folder of ``--model kvbench`` is
+    :func:`~kvbench.integrations.lm_eval.naming.output_folder_name`.  Restored on exit."""
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+    from lm_eval.tasks import TaskManager
+
+    from kvbench.integrations.lm_eval.naming import output_folder_name
+
+    tm_init = TaskManager.__init__
+    log_args = GeneralConfigTracker.log_experiment_args
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) >= 2:
+            args = (args[0], split_include_path(args[1]), *args[2:])
+        if "include_path" in kwargs:
+            kwargs["include_path"] = split_include_path(kwargs["include_path"])
+        tm_init(self, *args, **kwargs)
+
+    def log_experiment_args(self: Any, model_source: str, model_args: Any, *a: Any, **k: Any):
+        log_args(self, model_source, model_args, *a, **k)
+        if model_source == "kvbench":
+            self.model_name_sanitized = output_folder_name(model_args)
+
+    TaskManager.__init__ = init
+    GeneralConfigTracker.log_experiment_args = log_experiment_args
+    try:
+        yield
+    finally:
+        TaskManager.__init__ = tm_init
+        GeneralConfigTracker.log_experiment_args = log_args
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """No argument, ``-h``/``--help`` alone or first, or ``run`` with nothing else or help."""
+    args = list(argv)
+    if args[:1] == ["run"]:
+        args = args[1:]
+    return not args or args[0] in _HELP
+
+
+def print_help() -> None:
+    """kvbench's usage (:data:`USAGE`), then lm-eval's ``run`` options."""
+    from kvbench.integrations.lm_eval.tasks import local_task_names
+
+    print(USAGE.format(tasks=", ".join(sorted(local_task_names())), sep=os.pathsep))
+    sys.stdout.flush()
+    _lm_eval_cli(["run", "--help"])
+
+
+def _lm_eval_cli(argv: list[str]) -> int:
+    from lm_eval.__main__ import cli_evaluate
+
+    old = sys.argv
+    sys.argv = ["lm-eval", *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as exc:  # argparse's --help / usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        sys.argv = old
+    return 0
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """``lm-eval ARGS`` in this process after registering the backend (module docstring).
+
+    Returns the exit status.  Raises ``RuntimeError`` when lm-eval is missing or of an
+    unsupported version, or naming a task whose dataset needs the unreachable hub (with the
+    local-YAML route)."""
+    from kvbench.integrations.lm_eval import require_lm_eval
+
+    require_lm_eval()
+    import kvbench.integrations.lm_eval.backend  # noqa: F401  (registers --model kvbench)
+    from kvbench.integrations.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard
+
+    argv = list(argv)
+    if wants_help(argv):
+        print_help()
+        return 0
+    argv = merged_include_path(argv, TASK_DIR)
+    try:
+        with hub_guard(), cli_patches():
+            return _lm_eval_cli(argv)
+    except TaskDataUnavailable as exc:
+        raise RuntimeError(str(exc)) from None
