@@ -103,9 +103,10 @@ _HFLM_LOADING = {
 BATCH_REFUSAL = (
     "batch_size={!r}: the kvbench backend scores one request at a time (batch_size=1). Why: "
     "each log-likelihood request is prefilled and then decoded token by token through its own "
-    "cache, so that every scored position reads the context as the method stores it; requests "
-    "of different lengths cannot share those decode steps without padding inside the decode, "
-    "which kvbench caches refuse (they take left padding only, docs/design.md#padding). "
+    "cache, so that every scored position reads the context as the method stores it; batching "
+    "would make requests of different lengths share those decode steps (left-padded prefill, "
+    "positions from the mask, per-row accounting of what was read quantized: kvbench caches "
+    "take left padding only, docs/design.md#padding), which this backend does not do. "
     "Instead: keep batch_size=1 and raise chunk (model_args chunk=C feeds C tokens per step), "
     "run on a GPU (device=cuda), or, for method=full only, use lm-eval's --model hf, which "
     "batches and gives the same scores."
@@ -115,7 +116,9 @@ HFLM_ARGS = tuple(
 )
 
 
-def _read_method_config(path: str | Path) -> dict[str, Any]:
+def read_method_config(path: str | Path) -> dict[str, Any]:
+    """The mapping of a ``method_config`` YAML file; ``ValueError`` when it is missing or not a
+    mapping."""
     import yaml
 
     p = Path(path).expanduser()
@@ -138,7 +141,7 @@ def build_method(
     (with the allowed ones), or fields given with an instance."""
     cfg = dict(method_config) if isinstance(method_config, dict) else {}
     if isinstance(method_config, (str, Path)):
-        cfg = _read_method_config(method_config)
+        cfg = read_method_config(method_config)
     calibration = cfg.pop("calibration", None)
     name = cfg.pop("method", None)
     if isinstance(method, Method):
@@ -276,7 +279,7 @@ class KVBenchLM(HFLM):
     def _method_class(method: Any, method_config: Any) -> type[Method]:
         if method is None or method == "":
             cfg = (
-                _read_method_config(method_config)
+                read_method_config(method_config)
                 if isinstance(method_config, (str, Path))
                 else dict(method_config or {})
             )

@@ -48,12 +48,12 @@ def output_folder_name(model_args: str | dict[str, Any] | None) -> str:
 
     Raises ``ValueError`` for a ``method_config`` that is not a YAML mapping file (as the
     backend does)."""
-    from kvbench.integrations.lm_eval.backend import _read_method_config
+    from kvbench.integrations.lm_eval.backend import read_method_config
 
     args = _parse(model_args)
     fields: dict[str, Any] = {}
     if args.get("method_config"):
-        fields = _read_method_config(Path(str(args["method_config"])))
+        fields = read_method_config(Path(str(args["method_config"])))
     method = args.get("method") or fields.pop("method", None) or "full"
     fields.pop("method", None)
     fields.update({k: v for k, v in args.items() if k not in NOT_IN_NAME})
