@@ -122,6 +122,7 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
     import sys
 
     import lm_eval.__main__ as lm_main
+    from lm_eval.tasks import TaskManager
 
     seen = {}
 
@@ -130,14 +131,15 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
 
         seen["argv"] = list(sys.argv)
         seen["model"] = get_model("kvbench")
+        seen["tasks"] = set(TaskManager(include_defaults=False).all_tasks)
 
     monkeypatch.setattr(lm_main, "cli_evaluate", fake_cli)
     from kvbench.cli import main
 
     assert main(["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]) == 0
     assert seen["model"] is KVBenchLM
-    assert seen["argv"][:5] == ["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]
-    assert seen["argv"][-2:] == ["--include_path", str(TASK_DIR)]
+    assert seen["argv"] == ["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]  # unchanged
+    assert {LL_TASK, GEN_TASK} <= seen["tasks"]  # kvbench's folder on every task index
 
 
 def test_workload_validation():
@@ -348,28 +350,28 @@ def test_docs_commands_use_the_wrapper():
     assert "but no model for this name found!" in flat
 
 
-def test_include_path_merged_with_kvbench_tasks():
-    from kvbench.integrations.lm_eval.cli import merged_include_path, split_include_path
+def test_include_path_merged_with_kvbench_tasks(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    from kvbench.integrations.lm_eval.cli import cli_patches, include_paths
 
     sep, tasks = os.pathsep, str(TASK_DIR)
-    assert merged_include_path(["--tasks", "t"], TASK_DIR) == [
-        "--tasks",
-        "t",
-        "--include_path",
-        tasks,
-    ]
-    assert merged_include_path(["--include_path", "mine", "--tasks", "t"], TASK_DIR) == [
-        "--include_path",
-        f"mine{sep}{tasks}",
-        "--tasks",
-        "t",
-    ]
-    assert merged_include_path(["--include_path=a", "--include_path=b"], TASK_DIR) == [
-        "--include_path=a",
-        f"--include_path=b{sep}{tasks}",
-    ]
-    assert split_include_path(f"a{sep}{sep}b") == ["a", "b"]
-    assert split_include_path("a") == "a" and split_include_path(["a"]) == ["a"]
+    assert include_paths(None, TASK_DIR) == [tasks]
+    assert include_paths("mine", TASK_DIR) == ["mine", tasks]
+    assert include_paths(f"a{sep}{sep}b", TASK_DIR) == ["a", "b", tasks]
+    assert include_paths(["a", f"b{sep}c"], TASK_DIR) == ["a", "b", "c", tasks]
+    assert include_paths([tasks + "/", "a"], TASK_DIR) == [tasks + "/", "a"]  # once
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "t.yaml").write_text(
+            f"task: {name}_task\ndataset_path: json\noutput_type: loglikelihood\n"
+        )
+    folders = f"{tmp_path / 'one'}{sep}{tmp_path / 'two'}"
+    with cli_patches():
+        tm = TaskManager(include_path=folders, include_defaults=False)
+    assert {"one_task", "two_task", LL_TASK, GEN_TASK} <= set(tm.all_tasks)
+    plain = TaskManager(include_path=str(tmp_path / "one"), include_defaults=False)
+    assert LL_TASK not in plain.all_tasks  # restored on exit
 
 
 def test_output_folder_named_after_method_and_config(tmp_path):
@@ -509,11 +511,16 @@ def test_cli_two_methods_own_folders_and_merged_include_path(tmp_path, monkeypat
     monkeypatch.setattr(TaskManager, "__init__", no_defaults)
     out = tmp_path / "out"
     common = ["--tasks", TINY_TASK, "--limit", "2", "--output_path", str(out), "--device", "cpu"]
-    for args in ("method=full", "method=kivi,bits=2,group_size=8,residual_length=8"):
+    yaml_cfg = tmp_path / "run.yaml"  # lm-eval's --config: include_path from a YAML
+    yaml_cfg.write_text(f"include_path: {tasks}\n")
+    for args, where in (
+        ("method=full", ["--include_path", str(tasks)]),
+        ("method=kivi,bits=2,group_size=8,residual_length=8", ["--config", str(yaml_cfg)]),
+    ):
         model_args = f"pretrained={tmp_path / 'model'},{args}"
         argv = ["lm-eval", "--model", "kvbench", "--model_args", model_args, *common]
-        assert main([*argv, "--include_path", str(tasks)]) == 0
-    assert {LL_TASK, GEN_TASK, TINY_TASK} <= set(built[-1].all_tasks)
+        assert main([*argv, *where]) == 0
+        assert {LL_TASK, GEN_TASK, TINY_TASK} <= set(built[-1].all_tasks)
     folders = sorted(p.name for p in out.iterdir())
     prefix = str(tmp_path / "model").strip("/").replace("/", "_")
     assert folders == [

@@ -5,9 +5,10 @@ lm-eval 0.4 has no model entry points (``@register_model`` runs when a module is
 backend and then runs lm-eval's CLI unchanged, with three additions while it runs:
 
 * ``--include_path``: kvbench's local task folder
-  (:data:`~kvbench.integrations.lm_eval.tasks.TASK_DIR`) is always on the include path (of
-  ``run``, ``ls`` and ``validate``), merged with the user's folders (``--include_path A:B``:
-  folders separated by ``os.pathsep``, as lm-eval's own help writes it);
+  (:data:`~kvbench.integrations.lm_eval.tasks.TASK_DIR`) is on every task index lm-eval builds
+  (``run``, ``ls``, ``validate``), merged with the user's folders, given with ``--include_path``
+  or in a ``--config`` YAML (``A:B``: folders separated by ``os.pathsep``, as lm-eval's own help
+  writes it);
 * ``--output_path``: results of ``--model kvbench`` go to a folder named after the model, the
   method and its configuration (:func:`~kvbench.integrations.lm_eval.naming.output_folder_name`)
   instead of lm-eval's folder named after ``pretrained`` only;
@@ -46,54 +47,35 @@ lm-eval's options (`lm-eval run --help`):
 _HELP = ("-h", "--help")
 
 
-def merged_include_path(argv: Sequence[str], task_dir: str | Path) -> list[str]:
-    """``argv`` with ``task_dir`` joined (``os.pathsep``) to the ``--include_path`` value, or
-    ``--include_path task_dir`` appended when there is none.  Both ``--include_path X`` and
-    ``--include_path=X`` are read; a repeated flag keeps its last value, as argparse does."""
-    argv = list(argv)
-    task_dir = str(task_dir)
-    where = [
-        i for i, a in enumerate(argv) if a == "--include_path" or a.startswith("--include_path=")
-    ]
-    if not where:
-        return [*argv, "--include_path", task_dir]
-    i = where[-1]
-    if argv[i] == "--include_path":
-        if i + 1 >= len(argv):
-            return argv  # argparse reports the missing value
-        argv[i + 1] = f"{argv[i + 1]}{os.pathsep}{task_dir}"
-    else:
-        argv[i] = f"{argv[i]}{os.pathsep}{task_dir}"
-    return argv
-
-
-def split_include_path(include_path: Any) -> Any:
-    """A ``str`` holding several folders separated by ``os.pathsep`` -> a list of folders
-    (empty parts dropped); anything else unchanged."""
-    if isinstance(include_path, (str, Path)) and os.pathsep in str(include_path):
-        return [p for p in str(include_path).split(os.pathsep) if p]
-    return include_path
+def include_paths(include_path: Any, task_dir: str | Path) -> list[str]:
+    """lm-eval's ``include_path`` (``None``, a folder, folders joined by ``os.pathsep``, or a
+    list of those) as a list of folders, empty parts dropped, with ``task_dir`` last unless it
+    is already there."""
+    given = include_path if isinstance(include_path, (list, tuple)) else [include_path]
+    folders = [p for g in given if g for p in str(g).split(os.pathsep) if p]
+    if not any(Path(p).resolve() == Path(task_dir).resolve() for p in folders):
+        folders.append(str(task_dir))
+    return folders
 
 
 @contextlib.contextmanager
 def cli_patches() -> Iterator[None]:
-    """While active: lm-eval's ``TaskManager`` reads an ``os.pathsep``-separated
-    ``include_path`` as several folders, and the results folder of ``--model kvbench`` is
-    :func:`~kvbench.integrations.lm_eval.naming.output_folder_name`.  Restored on exit."""
+    """While active: every lm-eval ``TaskManager`` gets :func:`include_paths` (the user's
+    folders, from ``--include_path`` or a ``--config`` YAML, and kvbench's
+    :data:`~kvbench.integrations.lm_eval.tasks.TASK_DIR`), and the results folder of ``--model
+    kvbench`` is :func:`~kvbench.integrations.lm_eval.naming.output_folder_name`.  Restored on
+    exit."""
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.tasks import TaskManager
 
     from kvbench.integrations.lm_eval.naming import output_folder_name
+    from kvbench.integrations.lm_eval.tasks import TASK_DIR
 
     tm_init = TaskManager.__init__
     log_args = GeneralConfigTracker.log_experiment_args
 
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) >= 2:
-            args = (args[0], split_include_path(args[1]), *args[2:])
-        if "include_path" in kwargs:
-            kwargs["include_path"] = split_include_path(kwargs["include_path"])
-        tm_init(self, *args, **kwargs)
+    def init(self: Any, verbosity: Any = None, include_path: Any = None, **kwargs: Any) -> None:
+        tm_init(self, verbosity, include_paths(include_path, TASK_DIR), **kwargs)
 
     def log_experiment_args(self: Any, model_source: str, model_args: Any, *a: Any, **k: Any):
         log_args(self, model_source, model_args, *a, **k)
@@ -150,13 +132,12 @@ def run_cli(argv: Sequence[str]) -> int:
 
     require_lm_eval()
     import kvbench.integrations.lm_eval.backend  # noqa: F401  (registers --model kvbench)
-    from kvbench.integrations.lm_eval.tasks import TASK_DIR, TaskDataUnavailable, hub_guard
+    from kvbench.integrations.lm_eval.tasks import TaskDataUnavailable, hub_guard
 
     argv = list(argv)
     if wants_help(argv):
         print_help()
         return 0
-    argv = merged_include_path(argv, TASK_DIR)
     try:
         with hub_guard(), cli_patches():
             return _lm_eval_cli(argv)
