@@ -39,7 +39,8 @@ folders with '{sep}'); its tasks: {tasks}. Results go to a folder of --output_pa
 the model, the method and its configuration (e.g. default__kivi-bits2-value_bits2).
 --model_args of --model kvbench: pretrained, method, method_config, any config field of the
 method, chunk, dtype, device, min_quantized_fraction, and lm-eval HFLM's arguments
-(docs/lm-eval.md).
+(docs/lm-eval.md). lm-eval's other commands work too: `kvbench lm-eval ls tasks`,
+`kvbench lm-eval validate --tasks NAME`.
 
 lm-eval's options (`lm-eval run --help`):
 """
