@@ -82,10 +82,16 @@ def test_method_config_file_and_batch_refusal(tmp_path):
     cfg.write_text("method: kivi\nbits: 2\nresidual_length: 32\ngroup_size: 32\nnope: 1\n")
     with pytest.raises(ValueError, match=r"unknown config field\(s\) \['nope'\]"):
         KVBenchLM(method=None, method_config=str(cfg))
-    with pytest.raises(ValueError, match=r"batch_size=4.*one request at a time"):
+    with pytest.raises(ValueError, match=r"batch_size=4.*one request at a time") as err:
         KVBenchLM(method="full", batch_size=4)
+    msg = str(err.value)  # why, and what to use instead
+    assert "left padding only" in msg and "chunk=C" in msg and "--model hf" in msg
     with pytest.raises(ValueError, match=r"batch_size='auto'"):
         KVBenchLM(method="full", batch_size="auto")
+    with pytest.raises(
+        ValueError, match=r"min_quantized_fraction=1.5 must be a number in \[0, 1\]"
+    ):
+        KVBenchLM(method="full", min_quantized_fraction=1.5)
 
 
 def test_local_tasks_listed():
@@ -118,6 +124,7 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
     import sys
 
     import lm_eval.__main__ as lm_main
+    from lm_eval.tasks import TaskManager
 
     seen = {}
 
@@ -126,14 +133,15 @@ def test_cli_registers_backend_and_adds_local_tasks(monkeypatch):
 
         seen["argv"] = list(sys.argv)
         seen["model"] = get_model("kvbench")
+        seen["tasks"] = set(TaskManager(include_defaults=False).all_tasks)
 
     monkeypatch.setattr(lm_main, "cli_evaluate", fake_cli)
     from kvbench.cli import main
 
     assert main(["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]) == 0
     assert seen["model"] is KVBenchLM
-    assert seen["argv"][:5] == ["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]
-    assert seen["argv"][-2:] == ["--include_path", str(TASK_DIR)]
+    assert seen["argv"] == ["lm-eval", "--model", "kvbench", "--tasks", LL_TASK]  # unchanged
+    assert {LL_TASK, GEN_TASK} <= seen["tasks"]  # kvbench's folder on every task index
 
 
 def test_workload_validation():
@@ -305,3 +313,228 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
         recs + [dataclasses.replace(worse, run_id="x", method="kivi2")], tmp_path / "plots"
     )
     assert any("lm_eval" in p.name and "perplexity" in p.name for p in paths)
+
+
+# ---------------------------------------------------------------------- the CLI as a user meets it
+def test_lm_eval_alone_does_not_know_kvbench():
+    """The premise of `kvbench lm-eval`: lm-eval 0.4 has no model entry points, so a process
+    that did not import the backend answers `--model kvbench` with its unknown-model error."""
+    import subprocess
+    import sys
+
+    code = "from lm_eval.api.registry import get_model; get_model('kvbench')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "'kvbench', but no model for this name found" in r.stderr
+
+
+def test_help_shows_lm_eval_run_options(capsys):
+    from kvbench.cli import main
+
+    for argv in (["lm-eval", "--help"], ["lm-eval"], ["lm-eval", "run", "-h"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "kvbench lm-eval --model kvbench" in out and "lm_eval --model kvbench" in out
+        for opt in ("--model_args", "--num_fewshot", "--include_path", "--output_path"):
+            assert opt in out, (argv, opt)  # lm-eval run's own options
+        assert "min_quantized_fraction" in out
+
+
+def test_docs_commands_use_the_wrapper():
+    """Every command of docs/lm-eval.md that names `--model kvbench` runs `kvbench lm-eval`."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lm-eval.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    commands = [c for b in blocks for c in b.replace("\\\n", " ").splitlines()]
+    named = [c for c in commands if "--model kvbench" in c]
+    assert named and all(c.lstrip().startswith("kvbench lm-eval ") for c in named), named
+    flat = " ".join(text.split())  # lm-eval's error, why, and the fix
+    assert "`lm_eval --model kvbench ...` does **not** work" in flat
+    assert "but no model for this name found!" in flat
+
+
+def test_include_path_merged_with_kvbench_tasks(tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    from kvbench.integrations.lm_eval.cli import cli_patches, include_paths
+
+    sep, tasks = os.pathsep, str(TASK_DIR)
+    assert include_paths(None, TASK_DIR) == [tasks]
+    assert include_paths("mine", TASK_DIR) == ["mine", tasks]
+    assert include_paths(f"a{sep}{sep}b", TASK_DIR) == ["a", "b", tasks]
+    assert include_paths(["a", f"b{sep}c"], TASK_DIR) == ["a", "b", "c", tasks]
+    assert include_paths([tasks + "/", "a"], TASK_DIR) == [tasks + "/", "a"]  # once
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "t.yaml").write_text(
+            f"task: {name}_task\ndataset_path: json\noutput_type: loglikelihood\n"
+        )
+    folders = f"{tmp_path / 'one'}{sep}{tmp_path / 'two'}"
+    with cli_patches():
+        tm = TaskManager(include_path=folders, include_defaults=False)
+    assert {"one_task", "two_task", LL_TASK, GEN_TASK} <= set(tm.all_tasks)
+    plain = TaskManager(include_path=str(tmp_path / "one"), include_defaults=False)
+    assert LL_TASK not in plain.all_tasks  # restored on exit
+
+
+def test_output_folder_named_after_method_and_config(tmp_path):
+    from kvbench.integrations.lm_eval.naming import MAX_NAME, output_folder_name
+
+    name = output_folder_name("pretrained=default,method=kivi,bits=2,value_bits=2,device=cpu")
+    assert name == "default__kivi-bits2-value_bits2"
+    assert output_folder_name("pretrained=org/m,value_bits=2,method=kivi,bits=2") == (
+        "org_m__kivi-bits2-value_bits2"
+    )
+    assert output_folder_name("") == "default__full"
+    assert output_folder_name({"pretrained": "default", "method": "kivi", "chunk": 4}) == (
+        "default__kivi-chunk4"
+    )
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("method: kivi\nbits: 4\ncalibration: {text: t, tokens: 8}\n")
+    assert output_folder_name(f"method_config={cfg},bits=2,min_quantized_fraction=0") == (
+        "default__kivi-bits2-calibrationtext_t_tokens_8"
+    )
+    long_a = output_folder_name("method=x," + ",".join(f"f{i}={i}" for i in range(60)))
+    long_b = output_folder_name("method=x," + ",".join(f"f{i}={i + 1}" for i in range(60)))
+    assert len(long_a) == len(long_b) == MAX_NAME and long_a != long_b
+
+
+def test_quantized_fraction_per_task_by_hand():
+    from kvbench.integrations.lm_eval.coverage import low_coverage_message, per_task
+
+    log = [
+        {"task": "a", "quantized_fraction": 0.5, "past_tokens_read": 10, "context_tokens": 20},
+        {"task": "a", "quantized_fraction": 0.0, "past_tokens_read": 30, "context_tokens": 40},
+        {"task": "b", "quantized_fraction": 0.9, "past_tokens_read": 10, "context_tokens": 300},
+        {"task": "c", "quantized_fraction": None, "past_tokens_read": 10, "context_tokens": 5},
+        {"task": "d", "quantized_fraction": 0.0, "past_tokens_read": 0, "context_tokens": 1},
+    ]
+    fr = per_task(log)
+    assert fr == {"a": 5 / 40, "b": 0.9, "c": None, "d": 0.0}
+    msg = low_coverage_message(fr, log, 0.5, "kivi", 128)
+    assert "a: 0.125 (mean context 30 tokens)" in msg and "d: 0.000" in msg
+    assert "b:" not in msg and "c:" not in msg and "residual_length=128" in msg
+    assert low_coverage_message(fr, log, 0.0, "kivi", 128) is None
+
+
+# ---------------------------------------------------------------------- tiny model, local task
+TINY_TASK = "kvbench_test_tiny_ll"
+
+
+def _tiny_task(folder: Path, words: int) -> Path:
+    """A loglikelihood task over 3 local rows whose contexts have ``words`` essay words."""
+    from kvbench.bench.tasks.haystack import haystack_sentences
+
+    folder.mkdir(parents=True, exist_ok=True)
+    text = " ".join(haystack_sentences("essay")[700:800]).split()
+    rows = folder / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"q": " ".join(text[i * 7 : i * 7 + words]), "a": text[i * 7 + words]})
+            + "\n"
+            for i in range(3)
+        )
+    )
+    (folder / "tiny.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {rows}\n"
+        "test_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: ' {{a}}'\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n"
+    )
+    return folder
+
+
+def test_quantized_fraction_in_results_and_warned_once(tmp_path):
+    import warnings
+
+    from lm_eval.tasks import TaskManager
+    from tiny_lm import tiny_lm
+
+    from kvbench.integrations.lm_eval.coverage import LowQuantizedFractionWarning
+
+    model, tok, _ = tiny_lm()
+    tm = TaskManager(include_path=str(_tiny_task(tmp_path / "t", 30)), include_defaults=False)
+    kw = {"bits": 2, "group_size": 8, "residual_length": 8}
+    quant = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", **kw)
+    short = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", bits=2)  # R = 128
+    outs = {}
+    for name, lm in (("quant", quant), ("short", short)):
+        with warnings.catch_warnings(record=True) as seen, hub_guard():
+            warnings.simplefilter("always")
+            outs[name] = lm_eval.simple_evaluate(
+                model=lm, tasks=[TINY_TASK], task_manager=tm, bootstrap_iters=0
+            )
+            lm.get_model_info()  # a second call: no second warning
+        outs[name, "warned"] = [w for w in seen if w.category is LowQuantizedFractionWarning]
+    got = outs["quant"]["config"]["kvbench_kv_quantized_fraction"][TINY_TASK]
+    log = quant.request_log
+    assert len(log) == 3 and min(e["context_tokens"] for e in log) > 40
+    by_hand = sum(e["quantized_fraction"] * e["past_tokens_read"] for e in log) / sum(
+        e["past_tokens_read"] for e in log
+    )
+    assert got == pytest.approx(by_hand) and 0.5 < got < 1
+    assert outs["quant", "warned"] == []
+    assert outs["short"]["config"]["kvbench_kv_quantized_fraction"] == {TINY_TASK: 0.0}
+    assert outs["short"]["config"]["kvbench_min_quantized_fraction"] == 0.5
+    (w,) = outs["short", "warned"]  # once, with the numbers
+    assert f"{TINY_TASK}: 0.000 (mean context" in str(w.message)
+    assert "residual_length=128" in str(w.message)
+    silent = KVBenchLM(pretrained=model, tokenizer=tok, method="kivi", min_quantized_fraction=0)
+    silent.request_log = list(short.request_log)
+    full = KVBenchLM(pretrained=model, tokenizer=tok, method="full")
+    full.request_log = [dict(e, quantized_fraction=0.0) for e in short.request_log]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        silent.get_model_info()
+        full.get_model_info()  # exact storage: 0 is expected, no warning
+
+
+def test_cli_two_methods_own_folders_and_merged_include_path(tmp_path, monkeypatch):
+    """`kvbench lm-eval` end to end on a saved tiny model: two methods into one --output_path
+    write two folders; the user's --include_path keeps kvbench's tasks; the results JSON
+    carries kv_quantized_fraction."""
+    from lm_eval.tasks import TaskManager
+    from tiny_lm import tiny_lm
+
+    from kvbench.cli import main
+
+    model, tok, _ = tiny_lm()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    tasks = _tiny_task(tmp_path / "tasks", 20)
+    built = []
+    init = TaskManager.__init__
+
+    def no_defaults(self, *a, **k):  # lm-eval's full index takes a minute: local tasks only
+        k["include_defaults"] = False
+        init(self, *a, **k)
+        built.append(self)
+
+    monkeypatch.setattr(TaskManager, "__init__", no_defaults)
+    out = tmp_path / "out"
+    common = ["--tasks", TINY_TASK, "--limit", "2", "--output_path", str(out), "--device", "cpu"]
+    yaml_cfg = tmp_path / "run.yaml"  # lm-eval's --config: include_path from a YAML
+    yaml_cfg.write_text(f"include_path: {tasks}\n")
+    for args, where in (
+        ("method=full", ["--include_path", str(tasks)]),
+        ("method=kivi,bits=2,group_size=8,residual_length=8", ["--config", str(yaml_cfg)]),
+    ):
+        model_args = f"pretrained={tmp_path / 'model'},{args}"
+        argv = ["lm-eval", "--model", "kvbench", "--model_args", model_args, *common]
+        assert main([*argv, *where]) == 0
+        assert {LL_TASK, GEN_TASK, TINY_TASK} <= set(built[-1].all_tasks)
+    folders = sorted(p.name for p in out.iterdir())
+    prefix = str(tmp_path / "model").strip("/").replace("/", "_")
+    assert folders == [
+        f"{prefix}__full",
+        f"{prefix}__kivi-bits2-group_size8-residual_length8",
+    ]
+    (kivi,) = (out / folders[1]).glob("results_*.json")
+    cfg = json.loads(kivi.read_text())["config"]
+    assert cfg["kvbench_method"] == "kivi" and cfg["kvbench_config"]["residual_length"] == 8
+    assert 0 < cfg["kvbench_kv_quantized_fraction"][TINY_TASK] <= 1
+    (full,) = (out / folders[0]).glob("results_*.json")
+    assert json.loads(full.read_text())["config"]["kvbench_kv_quantized_fraction"] == {
+        TINY_TASK: 0.0
+    }

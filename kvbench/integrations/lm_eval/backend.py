@@ -15,20 +15,24 @@ are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
   tokens at a time (default 1: exact decode), each step attending to the cache's quantized past
   (as the ``perplexity`` workload does).  Every scored position therefore reads the quantized
   context once the context is longer than the method's full-precision residual.
-* batches: one request at a time (``batch_size=1``); larger batches are refused: kvbench caches
-  take left-padded batches only (docs/design.md#padding) and this backend does not batch yet.
+* batches: one request at a time (``batch_size=1``); larger batches are refused with what to
+  use instead (:data:`BATCH_REFUSAL`).
 
 Model arguments (``--model_args k=v,...`` or keywords): ``pretrained`` (Hugging Face id, local
 folder, ``default`` = HuggingFaceTB/SmolLM2-135M-Instruct, or a loaded model with
 ``tokenizer=``), ``method`` (a registered kvbench method name or a ``Method`` instance),
 ``method_config`` (a YAML file: a mapping of config fields, optionally ``method:`` and
 ``calibration: {text, tokens}``), any config field of the method (``bits=2,value_bits=2``),
-``chunk``, ``dtype`` (float32), ``device`` (cuda if available, else cpu), and ``HFLM``'s own
-arguments (``max_length``, ``add_bos_token``, ...).  An unknown name is a ``ValueError`` naming
+``chunk``, ``dtype`` (float32), ``device`` (cuda if available, else cpu),
+``min_quantized_fraction`` (warn below it), and ``HFLM``'s own arguments (``max_length``,
+``add_bos_token``, ...).  An unknown name is a ``ValueError`` naming
 it, the method's config fields and the backend's arguments.
 
 After a run, :attr:`KVBenchLM.request_log` holds one entry per request (task, doc id, request
-type, context and scored tokens, and the quantized share of the past the scored positions read).
+type, context and scored tokens, and the quantized share of the past the scored positions read);
+:meth:`KVBenchLM.get_model_info` puts its per-task aggregate into lm-eval's results
+(``config.kvbench_kv_quantized_fraction``) and warns (:class:`LowQuantizedFractionWarning`, once
+per backend) when a task's share is below ``min_quantized_fraction``.
 """
 
 from __future__ import annotations
@@ -51,11 +55,27 @@ from kvbench.hf.attention import register, use_kvbench_attention
 from kvbench.hf.cache import cache_kwarg, make_hf_cache
 from kvbench.hf.info import model_info
 from kvbench.hf.models import DEFAULT_MODEL, load_model
+from kvbench.integrations.lm_eval.coverage import (
+    DEFAULT_MIN_QUANTIZED_FRACTION,
+    LowQuantizedFractionWarning,
+    low_coverage_message,
+    per_task,
+    quantized_fraction,
+)
 
 #: calibration text for methods that need it when none is configured (disjoint from the tasks)
 DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
 #: this backend's own arguments (the rest go to the method config or to ``HFLM``)
-OWN_ARGS = ("pretrained", "method", "method_config", "chunk", "dtype", "device", "tokenizer")
+OWN_ARGS = (
+    "pretrained",
+    "method",
+    "method_config",
+    "chunk",
+    "dtype",
+    "device",
+    "tokenizer",
+    "min_quantized_fraction",
+)
 #: ``HFLM`` arguments that load or place a model from a string; meaningless here
 _HFLM_LOADING = {
     "backend",
@@ -80,12 +100,26 @@ _HFLM_LOADING = {
     "device",
     "dtype",
 }
+#: the error for ``batch_size`` other than 1: why, and what to use instead
+BATCH_REFUSAL = (
+    "batch_size={!r}: the kvbench backend scores one request at a time (batch_size=1). Why: "
+    "each log-likelihood request is prefilled and then decoded token by token through its own "
+    "cache, so that every scored position reads the context as the method stores it; batching "
+    "would make requests of different lengths share those decode steps (left-padded prefill, "
+    "positions from the mask, per-row accounting of what was read quantized: kvbench caches "
+    "take left padding only, docs/design.md#padding), which this backend does not do. "
+    "Instead: keep batch_size=1 and raise chunk (model_args chunk=C feeds C tokens per step), "
+    "run on a GPU (device=cuda), or, for method=full only, use lm-eval's --model hf, which "
+    "batches and gives the same scores."
+)
 HFLM_ARGS = tuple(
     sorted(set(inspect.signature(HFLM.__init__).parameters) - _HFLM_LOADING - {"batch_size"})
 )
 
 
-def _read_method_config(path: str | Path) -> dict[str, Any]:
+def read_method_config(path: str | Path) -> dict[str, Any]:
+    """The mapping of a ``method_config`` YAML file; ``ValueError`` when it is missing or not a
+    mapping."""
     import yaml
 
     p = Path(path).expanduser()
@@ -108,7 +142,7 @@ def build_method(
     (with the allowed ones), or fields given with an instance."""
     cfg = dict(method_config) if isinstance(method_config, dict) else {}
     if isinstance(method_config, (str, Path)):
-        cfg = _read_method_config(method_config)
+        cfg = read_method_config(method_config)
     calibration = cfg.pop("calibration", None)
     name = cfg.pop("method", None)
     if isinstance(method, Method):
@@ -167,14 +201,17 @@ class KVBenchLM(HFLM):
         ``calibration: {text, tokens}``; keyword fields override it.
     chunk : tokens fed per step while scoring log-likelihoods (1 = exact decode).
     dtype, device : model dtype (default float32) and device (default cuda when available).
-    batch_size : must be 1.
+    min_quantized_fraction : warn (:class:`LowQuantizedFractionWarning`, once) when a task's
+        ``kv_quantized_fraction`` ends below it (default 0.5; 0 = never).  Not for methods that
+        store K/V exactly (16 nominal bits: ``full``).
+    batch_size : must be 1 (:data:`BATCH_REFUSAL`).
     **kwargs : config fields of the method, then ``HFLM`` arguments (:data:`HFLM_ARGS`).
 
     Raises
     ------
     ValueError
         Unknown method, config field or argument (each named with the allowed values);
-        ``batch_size`` other than 1; ``chunk`` < 1.
+        ``batch_size`` other than 1; ``chunk`` < 1; ``min_quantized_fraction`` outside [0, 1].
     """
 
     def __init__(
@@ -187,16 +224,18 @@ class KVBenchLM(HFLM):
         device: str | None = None,
         batch_size: int | str = 1,
         tokenizer: Any = None,
+        min_quantized_fraction: float = DEFAULT_MIN_QUANTIZED_FRACTION,
         **kwargs: Any,
     ) -> None:
         if str(batch_size) != "1":
-            raise ValueError(
-                f"batch_size={batch_size!r}: the kvbench backend runs one request at a time "
-                "(batch_size=1); batched evaluation is not supported by this backend yet "
-                "(kvbench caches take left-padded batches, docs/design.md#padding)"
-            )
+            raise ValueError(BATCH_REFUSAL.format(batch_size))
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
+        mqf = min_quantized_fraction
+        if isinstance(mqf, bool) or not isinstance(mqf, (int, float)) or not 0 <= mqf <= 1:
+            raise ValueError(f"min_quantized_fraction={mqf!r} must be a number in [0, 1]")
+        self.min_quantized_fraction = float(mqf)
+        self._coverage_warned = False
         name = method.name if isinstance(method, Method) else method
         cls = None if isinstance(method, Method) else self._method_class(method, method_config)
         fields = {f.name for f in dataclasses.fields(cls.Config)} if cls is not None else set()
@@ -241,7 +280,7 @@ class KVBenchLM(HFLM):
     def _method_class(method: Any, method_config: Any) -> type[Method]:
         if method is None or method == "":
             cfg = (
-                _read_method_config(method_config)
+                read_method_config(method_config)
                 if isinstance(method_config, (str, Path))
                 else dict(method_config or {})
             )
@@ -414,4 +453,34 @@ class KVBenchLM(HFLM):
             "kvbench_method": self.method.name,
             "kvbench_config": self.method.config.to_dict(),
             "kvbench_chunk": self.chunk,
+            **self.coverage(),
         }
+
+    def coverage(self) -> dict[str, Any]:
+        """``kvbench_kv_quantized_fraction`` (task -> share of the past read quantized, over
+        :attr:`request_log`; ``None`` for a cache that is not kvbench's), its overall value and
+        ``kvbench_min_quantized_fraction``; warns once per backend when a task is below the
+        threshold (module docstring)."""
+        tasks = per_task(self.request_log)
+        out = {
+            "kvbench_kv_quantized_fraction": tasks,
+            "kvbench_kv_quantized_fraction_all": (
+                quantized_fraction(self.request_log) if self.request_log else None
+            ),
+            "kvbench_min_quantized_fraction": self.min_quantized_fraction,
+        }
+        head_dim = self.model_load_info.get("head_dim") or 128
+        bits = self.method.average_bits(head_dim=head_dim)
+        exact = min(bits["key_bits"], bits["value_bits"]) >= 16
+        if not exact and not self._coverage_warned:
+            msg = low_coverage_message(
+                tasks,
+                self.request_log,
+                self.min_quantized_fraction,
+                self.method.name,
+                getattr(self.method.config, "residual_length", None),
+            )
+            if msg is not None:
+                self._coverage_warned = True
+                warnings.warn(msg, LowQuantizedFractionWarning, stacklevel=2)
+        return out

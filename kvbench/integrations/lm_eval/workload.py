@@ -127,6 +127,7 @@ class LMEval(Workload):
         from lm_eval.utils import handle_non_serializable
 
         from kvbench.integrations.lm_eval.backend import KVBenchLM
+        from kvbench.integrations.lm_eval.coverage import per_task, quantized_fraction
         from kvbench.integrations.lm_eval.tasks import LOADED, hub_guard
 
         lm = KVBenchLM(
@@ -159,22 +160,10 @@ class LMEval(Workload):
                     if x is not None and k not in ("sample_len",):
                         metrics[f"lm_eval.{task}.{k}"] = x
         log = lm.request_log
-        by_task: dict[str, list[dict[str, Any]]] = {}
-        for e in log:
-            by_task.setdefault(e["task"], []).append(e)
-
-        def fraction(entries: list[dict[str, Any]]) -> float | None:
-            if any(e["quantized_fraction"] is None for e in entries):
-                return None  # a cache that is not kvbench's (peer): not measured
-            past = sum(e["past_tokens_read"] for e in entries)
-            q = sum(e["quantized_fraction"] * e["past_tokens_read"] for e in entries)
-            return q / past if past else 0.0
-
-        for task, entries in by_task.items():
-            f = fraction(entries)
-            if f is not None:
+        for task, f in per_task(log).items():
+            if f is not None:  # None: a cache that is not kvbench's (peer), not measured
                 metrics[f"lm_eval.{task}.kv_quantized_fraction"] = f
-        f = fraction(log) if log else None
+        f = quantized_fraction(log) if log else None
         if f is not None:
             metrics["kv_quantized_fraction"] = f
         metrics["num_requests"] = float(len(log))
