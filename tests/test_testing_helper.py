@@ -1,0 +1,200 @@
+"""``kvbench.testing.check_method``: passes built-ins and the example plugin, and each
+deliberately broken method fails the check that guards what it broke (docs/plugins.md#testing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvbench
+from kvbench.cache.blocks import AffineBlock, PerTokenCodec
+from kvbench.cache.layer import LayerCache
+from kvbench.cache.method import CacheConfig, MethodConfig
+from kvbench.testing import check_method, half_step_bound
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"bits": 2, "group_size": 4, "residual_length": 4, "num_sink_tokens": 2, "value_bits": 2}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("full", {}),
+        ("kivi", SMALL),
+        ("kivi", {"bits": 4, "group_size": 8, "residual_length": 16}),
+        ("per-token", {"bits": 3, "residual_length": 5, "value_bits": 4, "group_size": 8}),
+        ("example-sign", {"bits": 2, "residual_length": 3, "group_size": 16}),
+        ("example-sign", {}),  # the defaults: R = G = 128, 4-bit keys
+    ],
+)
+def test_builtins_and_the_example_plugin_pass(name: str, config: dict) -> None:
+    got = check_method(kvbench.get_method(name, **config), bad_configs=[{"value_bits": 9}])
+    assert got.padding_checked
+    assert got.attend_error <= 1e-5
+    if name == "full":
+        assert got.quantized_tokens == (0, 0) and got.key_error == got.value_error == 0.0
+    else:
+        assert got.quantized_tokens[0] > 0 and 0 < got.key_error <= got.key_bound
+
+
+def test_the_token_counts_of_a_small_kivi_by_hand() -> None:
+    got = check_method(kvbench.get_method("kivi", **SMALL))
+    # prompt N_s + 2 max(R, G) + 1 = 2 + 8 + 1 = 11, decode max(R, G) + 1 = 5: 16 tokens.
+    # keys (R-blocks): 2 sinks; prefill 9 -> 8 quantized, 1 residual; the 3rd decode token
+    # fills the residual to 4 and flushes it -> 12; 2 residual at the end.
+    # values (sliding R): 16 - 2 sinks - 4 window = 10.
+    assert (got.prompt_tokens, got.decode_tokens) == (11, 5)
+    assert got.quantized_tokens == (12, 10)
+
+
+def test_half_step_bound_by_hand() -> None:
+    x = torch.tensor([-3.0, 1.0, 2.5])
+    assert half_step_bound(x, 2) == pytest.approx(1.01 * 3.0 / 2)  # 2-bit: max|x| / (4 - 2)
+    assert half_step_bound(x, 4) == pytest.approx(1.01 * 3.0 / 14)
+    assert half_step_bound(x, 1) == pytest.approx(1.01 * 3.0)
+    assert half_step_bound(x, 16) == 0.0
+
+
+def test_the_bound_is_that_of_a_real_two_bit_code() -> None:
+    """A 2-bit per-token absmax code of [-3, 3]: codes -1, 0, 1 at scale 3; 1.4 rounds to 0
+    with error 1.4, within the half step 1.5, and 1.6 to 3 with error 1.4 as well."""
+    x = torch.tensor([[[[-3.0, 1.4, 1.6, 3.0]]]])
+    block = PerTokenCodec(2, torch.float32, symmetric=True, channel_group=4).encode(x)
+    err = float((block.dequantize(torch.float32) - x).abs().max())
+    assert err == pytest.approx(1.4, abs=1e-6)
+    assert err <= half_step_bound(x, 2) and err > 1.5 * 0.9
+
+
+def test_the_example_plugins_own_tests_pass() -> None:
+    plugin = ROOT / "examples" / "kvbench-example-plugin"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "tests"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=plugin,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "4 passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-3000:]
+
+
+# ----------------------------------------------------------------- broken methods
+def kivi_class() -> type:
+    return type(kvbench.get_method("kivi"))
+
+
+def broken(name: str, layer: type[LayerCache] | None = None, **members: object) -> kvbench.Method:
+    """A small KIVI whose layer class is ``layer`` and with ``members`` overridden."""
+    base = kivi_class()
+    body = dict(members)
+    if layer is not None:
+
+        def new_layer(self, layer_idx, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+            return self.layer_cache(layer_idx, num_kv_heads, head_dim, cls=layer)
+
+        body["new_layer"] = new_layer
+    cls = type(f"Broken{name}", (base,), body)
+    m = cls(**SMALL)
+    m.name = name
+    return m
+
+
+class LyingBytes(LayerCache):
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        out["codes"] -= 1  # "forgets" a byte of codes
+        out["key_total"] -= 1
+        out["total"] -= 1
+        return out
+
+
+class ViewSinks(LayerCache):
+    def prefill(self, keys, values, queries=None, lengths=None) -> None:
+        super().prefill(keys, values, queries)
+        n = self.k.sinks.shape[2]  # the sinks kept as a view: the whole prompt stays allocated
+        self.k.sinks = keys[:, :, :n]
+
+
+class OffAttend(LayerCache):
+    def attend(self, query, scaling=None, lengths=None) -> torch.Tensor:
+        return super().attend(query, scaling, lengths) * 1.001
+
+
+class PadBlind(LayerCache):
+    pass
+
+
+def _drop_lengths(self, keys, values, queries=None, lengths=None) -> None:
+    LayerCache.prefill(self, keys, values, queries)  # stores the pads as tokens
+
+
+PadBlind.prefill = _drop_lengths  # set after the class: not wrapped by the padded prefill
+
+
+@dataclasses.dataclass
+class TripleScaleCodec(PerTokenCodec):
+    """Stores the right codes but a scale three times too large."""
+
+    def encode(self, x: torch.Tensor) -> AffineBlock:
+        block = super().encode(x)
+        return dataclasses.replace(block, scale=block.scale * 3)
+
+
+def triple_scale_codec(self, layer_idx: int, head_dim: int) -> TripleScaleCodec:
+    return TripleScaleCodec(2, torch.float16, channel_group=head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaxConfig(CacheConfig):
+    bits: int = 2
+
+    @classmethod
+    def from_dict(cls, values, where: str = "") -> MethodConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})  # drops typos silently
+
+
+@pytest.mark.parametrize(
+    ("method", "check", "says"),
+    [
+        (lambda: broken("lying", LyingBytes), "bytes", "nbytes()['codes'] = "),
+        (lambda: broken("view", ViewSinks), "bytes", "is a view of a larger allocation"),
+        (lambda: broken("off-attend", OffAttend), "attend", "differs from attention over"),
+        (lambda: broken("pad-blind", PadBlind), "padding", "did not cache each row apart"),
+        (
+            lambda: broken("triple", key_codec=triple_scale_codec, key_schedule=per_token_sched),
+            "round trip",
+            "dequantized keys are up to",
+        ),
+        (lambda: broken("lax", Config=LaxConfig), "config", "accepted an unknown field"),
+    ],
+    ids=["nbytes-lies", "view-storage", "attend-off", "pads-stored", "dequantize-wrong", "lax"],
+)
+def test_a_broken_method_fails_the_right_check(method, check: str, says: str) -> None:
+    m = method()
+    with pytest.raises(AssertionError) as e:
+        check_method(m)
+    msg = str(e.value)
+    assert msg.startswith(f"check_method({m.name!r}): {check}: "), msg
+    assert says in msg, msg
+
+
+def per_token_sched(self) -> object:
+    from kvbench.cache.schedule import SlidingSchedule
+
+    return SlidingSchedule(self.config.residual_length)
+
+
+def test_bad_configs_must_be_refused_naming_the_field() -> None:
+    m = kvbench.get_method("example-sign", residual_length=2)
+    check_method(m, bad_configs=[{"bits": 0}, {"bits": 9}], prompt_tokens=5, decode_tokens=1)
+    with pytest.raises(AssertionError, match=r"config: .*accepted the bad config \{'bits': 3\}"):
+        check_method(m, bad_configs=[{"bits": 3}])
