@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-import kvbench.attention  # noqa: F401  (installs LayerCache.attend's backend dispatch)
 from kvbench.cache.layer import BYTE_KEYS, LayerCache
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import Method
