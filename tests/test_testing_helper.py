@@ -8,6 +8,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import kvbench
 from kvbench.cache.blocks import AffineBlock, PerTokenCodec
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.method import CacheConfig, MethodConfig
+from kvbench.cache.quant import pack_bits
 from kvbench.testing import check_method, half_step_bound
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +154,33 @@ def triple_scale_codec(self, layer_idx: int, head_dim: int) -> TripleScaleCodec:
     return TripleScaleCodec(2, torch.float16, channel_group=head_dim)
 
 
+def shared_state_method() -> kvbench.Method:
+    """Symmetric per-token keys whose scale drifts (by 1e-6 per flush) with a flush counter kept
+    on the codec class: hidden state shared by every cache of the method, so a padded row's
+    stored scales depend on the rows flushed before it (its round trip stays within bounds)."""
+
+    @dataclasses.dataclass
+    class DriftingCodec(PerTokenCodec):
+        flushes: ClassVar[list[int]] = [0]
+
+        def encode(self, x: torch.Tensor) -> AffineBlock:
+            DriftingCodec.flushes[0] += 1
+            half = 2 ** (self.bits - 1)
+            amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-6)  # [B, H, n, 1]
+            scale = (amax / (half - 1) * (1 + 1e-6 * DriftingCodec.flushes[0])).to(self.scale_dtype)
+            codes = torch.round(x / scale).clamp(1 - half, half - 1) + half
+            b, h, n, d = x.shape
+            return AffineBlock(
+                pack_bits(codes.to(torch.uint8), self.bits), scale, None, [1] * n, self.bits, d,
+                symmetric=True,
+            )  # fmt: skip
+
+    def key_codec(self, layer_idx: int, head_dim: int) -> DriftingCodec:
+        return DriftingCodec(4, torch.float32, symmetric=True, channel_group=head_dim)
+
+    return broken("shared-state", key_codec=key_codec, key_schedule=per_token_sched)
+
+
 @dataclasses.dataclass(frozen=True)
 class LaxConfig(CacheConfig):
     bits: int = 2
@@ -174,9 +203,18 @@ class LaxConfig(CacheConfig):
             "round trip",
             "dequantized keys are up to",
         ),
+        (shared_state_method, "padding", "stores other tensors than the row alone"),
         (lambda: broken("lax", Config=LaxConfig), "config", "accepted an unknown field"),
     ],
-    ids=["nbytes-lies", "view-storage", "attend-off", "pads-stored", "dequantize-wrong", "lax"],
+    ids=[
+        "nbytes-lies",
+        "view-storage",
+        "attend-off",
+        "pads-stored",
+        "dequantize-wrong",
+        "shared-state",
+        "lax",
+    ],  # fmt: skip
 )
 def test_a_broken_method_fails_the_right_check(method, check: str, says: str) -> None:
     m = method()
