@@ -12,7 +12,8 @@ it, decodes token by token and checks, in this order:
     (the first ``num_sink_tokens`` and the residual after the quantized ones) come back exactly;
     the quantized ones lie within half a quantization step of the input: ``max |x|`` over the
     side's input divided by ``2^b - 2`` (``b`` the narrowest code width of the side's
-    ``BlockLayout``; 1-bit codes: ``max |x|``), plus 1 % for scale rounding.  That is the
+    ``BlockLayout``; 1-bit codes: ``max |x|``), plus 1 % for scale rounding and the cache
+    dtype's rounding of the dequantized value (:func:`half_step_bound`).  That is the
     half step of a symmetric absmax code and at least that of a min-max affine code; a codec of
     another kind (floating-point codes, codebooks, projections) passes its own
     ``round_trip_atol``.  A side whose layout is full precision must come back exactly, and a
@@ -21,12 +22,13 @@ it, decodes token by token and checks, in this order:
     ``nbytes()`` equals the sum of the stored tensors' ``nbytes`` (``tensors()``) per category
     and per side, the categories add up to ``total``, every stored tensor owns its allocation
     (no view keeping a larger tensor alive), the residual and sinks hold exactly the
-    full-precision tokens in the cache dtype, and the quantized tokens take fewer bytes than
+    full-precision tokens in the cache dtype, and the quantized tokens take no more bytes than
     they would in the cache dtype.
 ``attend``
     at every decode step, ``attend(query)`` equals softmax attention computed here in float64
     over ``keys_values()`` (GQA: query head ``h`` reads KV head ``h // (H_q / H_kv)``) within
-    ``attend_atol`` times ``max |v|``.
+    ``attend_atol`` times ``max |v|`` (1e-5 in float32, twice the dtype's epsilon in float16 and
+    bfloat16).
 ``padding`` (when ``capabilities.padding`` and ``capabilities.batch``)
     a left-padded batch (pads of 1e3 in keys, -1e3 in values, so a pad that entered any
     statistic would show) stores for each row bit-identical tensors to the row run alone, its
@@ -101,12 +103,15 @@ def _code_bits(layout: BlockLayout) -> int:
 
 
 def half_step_bound(x: torch.Tensor, bits: int) -> float:
-    """Largest error of a ``bits``-bit absmax or min-max code of ``x``'s values: ``max|x| /
-    (2^bits - 2)`` (``max|x|`` for 1 bit), plus 1 % for scale rounding; 0.0 for ``bits >= 16``."""
+    """Largest error of a ``bits``-bit absmax or min-max code of ``x``'s values, read back in
+    ``x``'s dtype: ``1.01 * max|x| / (2^bits - 2)`` (``1.01 * max|x|`` for 1 bit; 1 % for scale
+    rounding) plus ``eps * max|x|`` (``eps`` of ``x``'s dtype: rounding the dequantized value);
+    0.0 for ``bits >= 16``."""
     if bits >= 16:
         return 0.0
     amax = float(x.abs().max())
-    return 1.01 * (amax if bits == 1 else amax / (2**bits - 2))
+    step = amax if bits == 1 else amax / (2**bits - 2)
+    return 1.01 * step + torch.finfo(x.dtype).eps * amax
 
 
 def reference_attention64(
@@ -308,9 +313,9 @@ def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
         )
         packed = nb[f"{side}_total"] - fp
         chk.require(
-            nq == 0 or packed < nq * b * h * d * itemsize,
+            nq == 0 or packed <= nq * b * h * d * itemsize,
             "bytes",
-            f"{nq} quantized {side}s take {packed} bytes, not fewer than in the cache dtype "
+            f"{nq} quantized {side}s take {packed} bytes, more than in the cache dtype "
             f"({nq * b * h * d * itemsize})",
         )
 
@@ -395,7 +400,7 @@ def check_method(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     round_trip_atol: Mapping[str, float] | None = None,
-    attend_atol: float = 1e-5,
+    attend_atol: float | None = None,
     bad_configs: Sequence[Mapping[str, Any]] = (),
 ) -> MethodCheck:
     """Check ``method``'s contract (see the module docstring); returns what was measured.
@@ -414,7 +419,9 @@ def check_method(
     seed : seed of the random keys, values and queries.
     round_trip_atol : ``{"key": ..., "value": ...}``: absolute bounds replacing the derived
         half-step bound (codecs that are not uniform integer codes).
-    attend_atol : allowed ``|attend - reference|`` in units of ``max |v|``.
+    attend_atol : allowed ``|attend - reference|`` in units of ``max |v|``; default 1e-5 for a
+        float32 cache, ``2 * eps`` of a float16 / bfloat16 one (``attend`` returns the query's
+        dtype).
     bad_configs : configs (mappings) that ``Config.from_dict`` must refuse with a
         ``ValueError`` naming one of their fields, e.g. ``[{"bits": 0}, {"bits": 9}]``.
 
@@ -429,6 +436,10 @@ def check_method(
         ``round trip``, ``bytes``, ``attend``, ``padding``).
     """
     chk = _Checker(method)
+    if attend_atol is None:
+        attend_atol = (
+            1e-5 if dtype in (torch.float32, torch.float64) else 2 * torch.finfo(dtype).eps
+        )
     _check_config(chk, method, bad_configs)
     caps = method.capabilities
     if not caps.layer_cache:

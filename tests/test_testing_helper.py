@@ -47,6 +47,16 @@ def test_builtins_and_the_example_plugin_pass(name: str, config: dict) -> None:
         assert got.quantized_tokens[0] > 0 and 0 < got.key_error <= got.key_bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["kivi", "example-sign"])
+def test_half_precision_caches_pass(name: str, dtype: torch.dtype) -> None:
+    """``attend`` returns the query's dtype and the dequantized keys are rounded to it: the
+    tolerances follow the dtype (8-bit keys: the rounding is larger than half a step)."""
+    config = {"bits": 8, "group_size": 8, "residual_length": 8, "scale_dtype": "bfloat16"}
+    got = check_method(kvbench.get_method(name, **config), dtype=dtype)
+    assert got.quantized_tokens[0] > 0
+
+
 def test_the_token_counts_of_a_small_kivi_by_hand() -> None:
     got = check_method(kvbench.get_method("kivi", **SMALL))
     # prompt N_s + 2 max(R, G) + 1 = 2 + 8 + 1 = 11, decode max(R, G) + 1 = 5: 16 tokens.
@@ -59,9 +69,11 @@ def test_the_token_counts_of_a_small_kivi_by_hand() -> None:
 
 def test_half_step_bound_by_hand() -> None:
     x = torch.tensor([-3.0, 1.0, 2.5])
-    assert half_step_bound(x, 2) == pytest.approx(1.01 * 3.0 / 2)  # 2-bit: max|x| / (4 - 2)
-    assert half_step_bound(x, 4) == pytest.approx(1.01 * 3.0 / 14)
-    assert half_step_bound(x, 1) == pytest.approx(1.01 * 3.0)
+    eps = 2.0**-23  # float32: the dequantized value's rounding, eps * max|x|
+    assert half_step_bound(x, 2) == pytest.approx(1.01 * 3.0 / 2 + 3 * eps, rel=1e-12)
+    assert half_step_bound(x, 4) == pytest.approx(1.01 * 3.0 / 14 + 3 * eps, rel=1e-12)
+    assert half_step_bound(x, 1) == pytest.approx(1.01 * 3.0 + 3 * eps, rel=1e-12)
+    assert half_step_bound(x.bfloat16(), 4) == pytest.approx(1.01 * 3 / 14 + 3 / 128, rel=1e-12)
     assert half_step_bound(x, 16) == 0.0
 
 
