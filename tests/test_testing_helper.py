@@ -57,6 +57,26 @@ def test_half_precision_caches_pass(name: str, dtype: torch.dtype) -> None:
     assert got.quantized_tokens[0] > 0
 
 
+def test_a_method_without_keys_values_is_checked_through_attend_only() -> None:
+    """QJL's keys are sketches (``keys_values=False``): no round trip, no reference attention;
+    bytes and padding (stored tensors, attention of a padded row) are still checked."""
+    m = kvbench.get_method("qjl", group_size=4, residual_length=4, value_bits=2)
+    got = check_method(m)
+    assert got.padding_checked and got.quantized_tokens[0] > 0
+    assert got.key_error == got.attend_error == 0.0  # not measured
+
+
+def test_float_codes_pass_their_own_round_trip_bound() -> None:
+    """fp8 codes are not uniform integers: the derived 8-bit half step (max|x| / 254) is too
+    tight for e4m3's 3 mantissa bits, so the caller states the bound."""
+    m = kvbench.get_method("fp8", residual_length=4)
+    with pytest.raises(AssertionError, match=r"'fp8'\): round trip: dequantized keys"):
+        check_method(m)
+    # e4m3 rounds to 3 mantissa bits: at most 2^-4 of |x|, |x| <= 40 for these keys
+    got = check_method(m, round_trip_atol={"key": 40 / 16, "value": 5 / 16})  # |v| <= 5
+    assert got.key_bound == 2.5 and 0 < got.key_error <= 2.5
+
+
 def test_the_token_counts_of_a_small_kivi_by_hand() -> None:
     got = check_method(kvbench.get_method("kivi", **SMALL))
     # prompt N_s + 2 max(R, G) + 1 = 2 + 8 + 1 = 11, decode max(R, G) + 1 = 5: 16 tokens.
