@@ -29,7 +29,7 @@ it, decodes token by token and checks, in this order:
     over ``keys_values()`` (GQA: query head ``h`` reads KV head ``h // (H_q / H_kv)``) within
     ``attend_atol`` times ``max |v|`` (1e-5 in float32, twice the dtype's epsilon in float16 and
     bfloat16).
-``padding`` (when ``capabilities.padding`` and ``capabilities.batch``)
+``padding`` (when ``capabilities.padding``)
     a left-padded batch (pads of 1e3 in keys, -1e3 in values, so a pad that entered any
     statistic would show) stores for each row bit-identical tensors to the row run alone, its
     ``keys_values()`` are the row's with zeros at the left, and its attention agrees.
@@ -397,6 +397,7 @@ def check_method(
     head_dim: int = 32,
     num_kv_heads: int = 2,
     batch: int = 2,
+    num_query_heads: int | None = None,
     prompt_tokens: int | None = None,
     decode_tokens: int | None = None,
     dtype: torch.dtype = torch.float32,
@@ -410,9 +411,9 @@ def check_method(
     Parameters
     ----------
     method : a configured (and, if it needs it, calibrated) method.
-    head_dim, num_kv_heads, batch : the cache's ``D``, ``H_kv`` and ``B`` (``B`` is 1 for a
-        method without ``capabilities.batch``); queries have ``2 * H_kv`` heads when
-        ``capabilities.gqa``, else ``H_kv``.
+    head_dim, num_kv_heads, batch : the cache's ``D``, ``H_kv`` and ``B``.
+    num_query_heads : ``H_q`` of the queries, a multiple of ``H_kv``; default ``2 * H_kv``
+        (grouped-query attention: query head ``h`` reads KV head ``h // (H_q / H_kv)``).
     prompt_tokens, decode_tokens : default ``N_s + 2 * max(R, G, 1) + 1`` and
         ``max(R, G, 1) + 1`` from the config's ``num_sink_tokens`` (N_s),
         ``residual_length`` (R) and ``group_size`` (G), so that tokens are quantized at the
@@ -449,9 +450,8 @@ def check_method(
     dp, dd = _default_lengths(method)
     prompt = dp if prompt_tokens is None else prompt_tokens
     steps = dd if decode_tokens is None else decode_tokens
-    b = batch if caps.batch else 1
-    hq = 2 * num_kv_heads if caps.gqa else num_kv_heads
-    k, v, q = _data(b, num_kv_heads, hq, prompt + steps, head_dim, dtype, seed)
+    hq = 2 * num_kv_heads if num_query_heads is None else num_query_heads
+    k, v, q = _data(batch, num_kv_heads, hq, prompt + steps, head_dim, dtype, seed)
     worst = [0.0]
     vmax = float(v.abs().max())
 
@@ -474,7 +474,7 @@ def check_method(
     if caps.keys_values:
         errs, bounds = _check_round_trip(chk, method, lc, (k, v), round_trip_atol or {})
     _check_bytes(chk, lc, k.element_size())
-    padded = caps.padding and caps.batch
+    padded = caps.padding
     if padded:
         pk, pv, pq = _data(2, num_kv_heads, hq, prompt + steps, head_dim, dtype, seed + 1)
         _check_padding(chk, method, pk, pv, pq, prompt, max(attend_atol, 1e-6))
