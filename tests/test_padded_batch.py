@@ -8,6 +8,7 @@ small groups and residuals so that every method quantizes within the few tokens 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -222,3 +223,84 @@ def test_rows_apart_keeps_per_tensor_statistics_per_row(rows_apart):
         assert got and len(got) == len(want)
         same.append(all(torch.equal(x, y) for x, y in zip(got, want)))
     assert all(same) if rows_apart else not all(same)
+
+
+@functools.cache
+def sdpa_toy() -> LlamaForCausalLM:
+    """The toy of issue #41: head_dim 16, stock ``attn_implementation="sdpa"`` (no kvbench mask
+    function, so the cache never sees the 2-D attention_mask)."""
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        intermediate_size=128,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+KIVI_41 = {"bits": 2, "group_size": 4, "residual_length": 4}  # issue #41's kivi; no sinks
+
+
+def method41(name: str):
+    fields = {f.name for f in dataclasses.fields(get_method_class(name).Config)}
+    return get_method(name, **{k: v for k, v in KIVI_41.items() if k in fields})
+
+
+def prefill_keys(m, ids, mask, name: str, row: int, n: int) -> torch.Tensor:
+    """Layer 0's ``keys_values()`` keys of ``row``'s ``n`` real tokens after one prefill."""
+    cache = QuantizedKVCache(method41(name), m)
+    pos = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        m(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwarg(cache, m))
+    keys, _ = cache.layer_caches()[0].keys_values()
+    return keys[row : row + 1, :, keys.shape[2] - n :]
+
+
+@pytest.mark.filterwarnings("ignore:QuantizedKVCache is used without")
+@pytest.mark.parametrize(
+    ("name", "differs"), [("kivi", True), ("per-token", False), ("full", False)]
+)
+def test_without_kvbench_attention_pads_enter_kivi_groups(name, differs):
+    """The measured cause behind the refusal below: under stock sdpa the cache cannot see the
+    mask, so a left-padded row is stored with its pads.  KIVI's per-channel key groups (G = 4
+    tokens) and R-blocks then hold pads beside the row's real tokens, and the real tokens'
+    codes change; a per-token codec quantizes each token alone, so its real tokens are equal."""
+    m = sdpa_toy()
+    rows = prompts()
+    ids, mask = left_pad(rows)
+    b, n = 1, LENS[1]  # 4 real tokens after 5 pads: alone, one whole group of 4
+    got = prefill_keys(m, ids, mask, name, b, n)
+    want = prefill_keys(m, rows[b].view(1, -1), None, name, 0, n)
+    diff = float((got - want).abs().max())
+    assert (diff > 1e-2) if differs else diff == 0.0, (name, diff)
+
+
+@pytest.mark.filterwarnings("ignore:QuantizedKVCache is used without")
+@pytest.mark.parametrize("name", ["kivi", "per-token", "full"])
+def test_batched_decode_without_kvbench_attention_is_refused(name):
+    """Issue #41: a left-padded batch through stock sdpa gave kivi's padded rows other logits
+    than the rows alone (pads in its key groups, test above); the cache cannot tell padded
+    from unpadded rows without the mask, so every decode of more than one row is refused
+    there, before a wrong logit is produced, and one row at a time still runs."""
+    m = sdpa_toy()
+    rows = prompts()
+    ids, mask = left_pad(rows)
+    with pytest.raises(
+        PaddedBatchError, match="batch of 3 rows needs attn_implementation='kvbench'"
+    ):
+        generate(m, ids, mask, QuantizedKVCache(method41(name), m))
+    # a single row decodes under sdpa as under kvbench's attention function
+    one = rows[1].view(1, -1)
+    ones = torch.ones_like(one)
+    sd = generate(m, one, ones, QuantizedKVCache(method41(name), m))
+    kv = use_kvbench_attention(copy.deepcopy(m))  # its own config: m stays on sdpa
+    assert m.config._attn_implementation == "sdpa"
+    ref = generate(kv, one, ones, QuantizedKVCache(method41(name), kv))
+    assert torch.equal(sd.sequences, ref.sequences)

@@ -26,8 +26,10 @@ Update protocol (docs/design.md#protocols):
 Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
 :func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
 ``needs_queries`` get their post-RoPE prefill queries and how padded batches are detected.
-Without it the cache still works for methods that need no queries, with the flush at the next
-step and no padding check (a warning says so once).
+Without it the cache still works for methods that need no queries and for one row at a time,
+with the flush at the next step (a warning says so once); a decode step of several rows is
+refused with :class:`~kvbench.hf.padding.PaddedBatchError`, since the cache cannot see whether
+they are left-padded (stored pads would share KIVI's key groups with real tokens).
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class KVBenchLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         lc = self.layer_cache
         if self._unconsumed:
-            self.owner._attention_not_bound(self.layer_idx)
+            self.owner._attention_not_bound(self.layer_idx, key_states.shape[0])
         prefill = lc.seq_length == 0
         attend = self.owner.attend and not prefill
         b, _, n, _ = key_states.shape
@@ -338,12 +340,25 @@ class QuantizedKVCache(Cache):
     def __repr__(self) -> str:
         return f"QuantizedKVCache({self.method!r}, layers={len(self.layers)})"
 
-    def _attention_not_bound(self, layer_idx: int) -> None:
-        """The last ``update`` of a layer was not followed by kvbench's attention function."""
+    def _attention_not_bound(self, layer_idx: int, batch: int) -> None:
+        """The last ``update`` of a layer was not followed by kvbench's attention function.
+
+        Raises ``ValueError`` on the attend path, and :class:`~kvbench.hf.padding.PaddedBatchError`
+        for a decode step of ``batch > 1`` rows: without kvbench's mask function the cache cannot
+        see the ``attention_mask``, so a left-padded row would have been stored with its pads
+        (docs/design.md#padding)."""
         if self.attend:
             raise ValueError(
                 f"layer {layer_idx}: the attend path needs attn_implementation="
                 f"{ATTN_IMPLEMENTATION!r} (kvbench.hf.attention.use_kvbench_attention(model))"
+            )
+        if batch > 1:
+            raise padding.PaddedBatchError(
+                f"layer {layer_idx}: decoding a batch of {batch} rows needs attn_implementation="
+                f"{ATTN_IMPLEMENTATION!r} (kvbench.hf.attention.use_kvbench_attention(model)): "
+                "without it the cache cannot see the attention_mask, so a left-padded row is "
+                "stored with its pads, which then share key groups and flush blocks with the "
+                "row's real tokens and change its results (docs/design.md#padding)"
             )
         if not self._warned:
             self._warned = True

@@ -1,0 +1,484 @@
+"""Contract checks for a method: what a plugin's own tests call (docs/plugins.md#testing).
+
+:func:`check_method` builds a method's layer cache on seeded random keys and values, prefills
+it, decodes token by token and checks, in this order:
+
+``config``
+    ``Config.from_dict`` refuses an unknown field with a ``ValueError`` naming it, each of
+    ``bad_configs`` is refused with a ``ValueError`` naming its field, and the method's own
+    config survives ``to_dict`` / ``from_dict``.
+``round trip``
+    ``keys_values()`` returns ``[B, H_kv, T, D]`` in the cache dtype; the full-precision tokens
+    (the first ``num_sink_tokens`` and the residual after the quantized ones) come back exactly;
+    the quantized ones lie within half a quantization step of the input: ``max |x|`` over the
+    side's input divided by ``2^b - 2`` (``b`` the narrowest code width of the side's
+    ``BlockLayout``; 1-bit codes: ``max |x|``), plus 1 % for scale rounding and the cache
+    dtype's rounding of the dequantized value (:func:`half_step_bound`).  That is the
+    half step of a symmetric absmax code and at least that of a min-max affine code; a codec of
+    another kind (floating-point codes, codebooks, projections) passes its own
+    ``round_trip_atol``.  A side whose layout is full precision must come back exactly, and a
+    quantized layout must have quantized some tokens.
+``bytes``
+    ``nbytes()`` equals the sum of the stored tensors' ``nbytes`` (``tensors()``) per category
+    and per side, the categories add up to ``total``, every stored tensor owns its allocation
+    (no view keeping a larger tensor alive), the residual and sinks hold exactly the
+    full-precision tokens in the cache dtype, and the quantized tokens take no more bytes than
+    they would in the cache dtype.
+``attend``
+    at every decode step, ``attend(query)`` equals softmax attention computed here in float64
+    over ``keys_values()`` (GQA: query head ``h`` reads KV head ``h // (H_q / H_kv)``) within
+    ``attend_atol`` times ``max |v|`` (1e-5 in float32, twice the dtype's epsilon in float16 and
+    bfloat16).
+``padding`` (when ``capabilities.padding``)
+    a left-padded batch (pads of 1e3 in keys, -1e3 in values, so a pad that entered any
+    statistic would show) stores for each row bit-identical tensors to the row run alone, its
+    ``keys_values()`` are the row's with zeros at the left, and its attention agrees.
+
+A failed check raises ``AssertionError`` whose message starts with
+``check_method(<method>): <check>:`` and says what differed.  A method that needs calibration
+must be calibrated before the call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.cache.layer import BYTE_KEYS, LayerCache
+from kvbench.cache.layout import BlockLayout
+from kvbench.cache.method import Method
+
+#: the field name used to check that an unknown config field is refused
+UNKNOWN_FIELD = "no_such_field_kvbench_check"
+#: pad values of the padding check (keys, values, queries): no statistic may see them
+PAD_KEY, PAD_VALUE, PAD_QUERY = 1e3, -1e3, 50.0
+
+
+@dataclass(frozen=True)
+class MethodCheck:
+    """What :func:`check_method` measured (every check passed).
+
+    Attributes
+    ----------
+    prompt_tokens, decode_tokens : tokens prefilled and then appended one at a time.
+    quantized_tokens : ``(keys, values)`` held quantized at the end.
+    key_error, value_error : largest ``|x_hat - x|`` over the quantized tokens (0.0 when none).
+    key_bound, value_bound : the bound each was checked against (0.0: exact required).
+    attend_error : largest ``|attend - reference|`` over the decode steps, in units of ``max|v|``.
+    padding_checked : whether the padding check ran.
+    """
+
+    prompt_tokens: int
+    decode_tokens: int
+    quantized_tokens: tuple[int, int]
+    key_error: float
+    value_error: float
+    key_bound: float
+    value_bound: float
+    attend_error: float
+    padding_checked: bool
+
+
+class _Checker:
+    """Formats failures as ``check_method(<name>): <check>: <message>``."""
+
+    def __init__(self, method: Method) -> None:
+        self.name = method.name or type(method).__name__
+
+    def fail(self, check: str, message: str) -> AssertionError:
+        return AssertionError(f"check_method({self.name!r}): {check}: {message}")
+
+    def require(self, ok: bool, check: str, message: str) -> None:
+        if not ok:
+            raise self.fail(check, message)
+
+
+def _code_bits(layout: BlockLayout) -> int:
+    """The narrowest code width of ``layout`` (16 or more: full precision)."""
+    return min(c.bits for c in layout.codes.classes)
+
+
+def half_step_bound(x: torch.Tensor, bits: int) -> float:
+    """Largest error of a ``bits``-bit absmax or min-max code of ``x``'s values, read back in
+    ``x``'s dtype: ``1.01 * max|x| / (2^bits - 2)`` (``1.01 * max|x|`` for 1 bit; 1 % for scale
+    rounding) plus ``eps * max|x|`` (``eps`` of ``x``'s dtype: rounding the dequantized value);
+    0.0 for ``bits >= 16``."""
+    if bits >= 16:
+        return 0.0
+    amax = float(x.abs().max())
+    step = amax if bits == 1 else amax / (2**bits - 2)
+    return 1.01 * step + torch.finfo(x.dtype).eps * amax
+
+
+def reference_attention64(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Float64 softmax attention of ``query [B, H_q, 1, D]`` over every cached token of
+    ``keys``, ``values [B, H_kv, T, D]``; returns ``[B, H_q, 1, D]`` float64."""
+    rep = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(rep, dim=1)
+    v = values.double().repeat_interleave(rep, dim=1)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    probs = torch.softmax(query.double() @ k.transpose(-1, -2) * scale, dim=-1)
+    return probs @ v
+
+
+def _default_lengths(method: Method) -> tuple[int, int]:
+    """Prompt and decode lengths that reach quantized tokens and a decode-time flush."""
+    c = method.config
+    r = int(getattr(c, "residual_length", 0) or 0)
+    g = int(getattr(c, "group_size", 1) or 1)
+    ns = int(getattr(c, "num_sink_tokens", 0) or 0)
+    span = max(r, g, 1)
+    return ns + 2 * span + 1, span + 1
+
+
+def _data(
+    batch: int, hkv: int, hq: int, tokens: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded keys, values ``[B, H_kv, T, D]`` and queries ``[B, H_q, T, D]`` in ``dtype``;
+    keys have an offset and one outlier channel, as post-RoPE keys do."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, hkv, tokens, head_dim, generator=g, dtype=torch.float64) * 1.5 + 0.3
+    k[..., min(3, head_dim - 1)] *= 6
+    v = torch.randn(batch, hkv, tokens, head_dim, generator=g, dtype=torch.float64)
+    q = torch.randn(batch, hq, tokens, head_dim, generator=g, dtype=torch.float64)
+    return k.to(dtype), v.to(dtype), q.to(dtype)
+
+
+def _run(
+    method: Method,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q: torch.Tensor,
+    prompt: int,
+    lengths: list[int] | None = None,
+    on_step: Any = None,
+) -> tuple[LayerCache, list[torch.Tensor]]:
+    """Prefill ``prompt`` tokens (left-padded to ``lengths`` if given), then append the rest one
+    token at a time; ``on_step(layer, t, out)`` sees each decode step's attention output."""
+    lc = method.new_layer(0, k.shape[1], k.shape[3], k.dtype)
+    queries = q[:, :, :prompt] if method.needs_queries else None
+    lc.prefill(k[:, :, :prompt], v[:, :, :prompt], queries, lengths=lengths)
+    outs = []
+    for t in range(prompt, k.shape[2]):
+        lc.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        out = lc.attend(q[:, :, t : t + 1])
+        if on_step is not None:
+            on_step(lc, t, out)
+        outs.append(out)
+        lc.end_step()
+    return lc, outs
+
+
+def _check_config(chk: _Checker, method: Method, bad_configs: Sequence[Mapping[str, Any]]) -> None:
+    cls = type(method).Config
+    try:
+        cls.from_dict({UNKNOWN_FIELD: 1})
+    except ValueError as e:
+        chk.require(
+            UNKNOWN_FIELD in str(e),
+            "config",
+            f"the ValueError for an unknown field does not name it: {e}",
+        )
+    else:
+        raise chk.fail("config", f"{cls.__name__}.from_dict accepted an unknown field")
+    for bad in bad_configs:
+        try:
+            cls.from_dict(dict(bad))
+        except ValueError as e:
+            named = [f for f in bad if f in str(e)]
+            chk.require(
+                bool(named),
+                "config",
+                f"the ValueError for {dict(bad)} names none of {list(bad)}: {e}",
+            )
+        else:
+            raise chk.fail(
+                "config", f"{cls.__name__}.from_dict accepted the bad config {dict(bad)}"
+            )
+    again = cls.from_dict(method.config.to_dict())
+    chk.require(
+        again == method.config,
+        "config",
+        f"from_dict(to_dict()) gave {again}, not {method.config}",
+    )
+
+
+def _check_round_trip(
+    chk: _Checker,
+    method: Method,
+    lc: LayerCache,
+    inputs: tuple[torch.Tensor, torch.Tensor],
+    atol: Mapping[str, float],
+) -> tuple[list[float], list[float]]:
+    kv = lc.keys_values()
+    held = inputs[0].shape[2]
+    ns = min(int(getattr(method.config, "num_sink_tokens", 0) or 0), held)
+    errors, bounds = [], []
+    for i, side in enumerate(("key", "value")):
+        got, x = kv[i], inputs[i]
+        chk.require(
+            got.shape == x.shape and got.dtype == x.dtype,
+            "round trip",
+            f"keys_values() {side}s are {tuple(got.shape)} {got.dtype}; expected "
+            f"{tuple(x.shape)} {x.dtype} ([B, H_kv, T, D] in the cache dtype)",
+        )
+        nq = lc.quantized_tokens()[i]
+        layout = method.key_layout(x.shape[3]) if i == 0 else method.value_layout(x.shape[3])
+        bits = _code_bits(layout)
+        full = [*range(ns), *range(ns + nq, held)]
+        bad = [t for t in full if not torch.equal(got[:, :, t], x[:, :, t])]
+        chk.require(
+            not bad,
+            "round trip",
+            f"{side}s of full-precision tokens (sinks, residual) differ from the input at "
+            f"positions {bad[:8]} (sinks {ns}, quantized {nq}, held {held})",
+        )
+        if bits >= 16:
+            chk.require(
+                nq == 0 or torch.equal(got, x),
+                "round trip",
+                f"the {side} layout is full precision but dequantized {side}s differ",
+            )
+        else:
+            chk.require(
+                nq > 0,
+                "round trip",
+                f"no {side} was quantized after {held} tokens ({bits}-bit layout): raise "
+                "prompt_tokens / decode_tokens past the residual window",
+            )
+        bound = atol.get(side, half_step_bound(x[:, :, ns : ns + nq], bits))
+        err = float((got - x)[:, :, ns : ns + nq].abs().max()) if nq else 0.0
+        chk.require(
+            err <= bound,
+            "round trip",
+            f"dequantized {side}s are up to {err:.4g} away from the input; the {bits}-bit "
+            f"bound is {bound:.4g} (max|x| / (2^b - 2))",
+        )
+        errors.append(err)
+        bounds.append(bound)
+    return errors, bounds
+
+
+def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
+    nb = lc.nbytes()
+    want = dict.fromkeys(BYTE_KEYS, 0) | {"key_total": 0, "value_total": 0}
+    for side, cat, t in lc.tensors():
+        chk.require(
+            cat in BYTE_KEYS,
+            "bytes",
+            f"a stored {side} tensor has category {cat!r}; allowed: {list(BYTE_KEYS)}",
+        )
+        chk.require(
+            t.untyped_storage().nbytes() == t.numel() * t.element_size(),
+            "bytes",
+            f"a stored {side} {cat} tensor {tuple(t.shape)} is a view of a larger allocation "
+            f"({t.untyped_storage().nbytes()} bytes held, {t.numel() * t.element_size()} "
+            "counted); store a compact copy (kvbench.cache.blocks.own_storage)",
+        )
+        want[cat] += t.numel() * t.element_size()
+        want[f"{side}_total"] += t.numel() * t.element_size()
+    want["total"] = want["key_total"] + want["value_total"]
+    for key, n in want.items():
+        chk.require(
+            nb.get(key) == n,
+            "bytes",
+            f"nbytes()[{key!r}] = {nb.get(key)} but the stored tensors hold {n} bytes",
+        )
+    chk.require(
+        sum(nb[c] for c in BYTE_KEYS) == nb["total"],
+        "bytes",
+        f"the categories {BYTE_KEYS} add up to {sum(nb[c] for c in BYTE_KEYS)}, not "
+        f"total={nb['total']}",
+    )
+    b, h, d = lc.kv_shape
+    held = lc.seq_length
+    for i, side in enumerate(("key", "value")):
+        fp = sum(
+            t.numel() * t.element_size()
+            for s, c, t in lc.tensors()
+            if s == side and c in ("residual", "sinks")
+        )
+        nq = lc.quantized_tokens()[i]
+        chk.require(
+            fp == (held - nq) * b * h * d * itemsize,
+            "bytes",
+            f"{side} residual + sinks hold {fp} bytes, not the {held - nq} full-precision "
+            f"tokens x {b * h * d} elements x {itemsize} bytes",
+        )
+        packed = nb[f"{side}_total"] - fp
+        chk.require(
+            nq == 0 or packed <= nq * b * h * d * itemsize,
+            "bytes",
+            f"{nq} quantized {side}s take {packed} bytes, more than in the cache dtype "
+            f"({nq * b * h * d * itemsize})",
+        )
+
+
+def _check_padding(
+    chk: _Checker,
+    method: Method,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q: torch.Tensor,
+    prompt: int,
+    atol: float,
+) -> None:
+    """Two rows ``k, v, q`` ``[2, H, T, D]``: row 0 holds the whole prompt, row 1 about a
+    third less (left-padded)."""
+    k, v, q = k.clone(), v.clone(), q.clone()
+    lengths = [prompt, max(1, prompt - max(1, prompt // 3))]
+    for row, n in enumerate(lengths):
+        k[row, :, : prompt - n], v[row, :, : prompt - n] = PAD_KEY, PAD_VALUE
+        q[row, :, : prompt - n] = PAD_QUERY
+    batch, outs = _run(method, k, v, q, prompt, lengths=lengths)
+    chk.require(
+        batch.rows is not None and batch.row_lengths == [n + k.shape[2] - prompt for n in lengths],
+        "padding",
+        f"prefill(..., lengths={lengths}) did not cache each row apart (rows: "
+        f"{batch.row_lengths}); the pads were stored as tokens (docs/design.md#padding)",
+    )
+    out = torch.cat(outs, dim=2)
+    kv = method.capabilities.keys_values
+    kb, vb = batch.keys_values() if kv else (None, None)
+    stored = 0
+    for row, n in enumerate(lengths):
+        pad = prompt - n
+        sl = slice(pad, None)
+        alone, ref = _run(
+            method, k[row : row + 1, :, sl], v[row : row + 1, :, sl], q[row : row + 1, :, sl], n
+        )
+        got, want = batch.rows[row].tensors(), alone.tensors()
+        same = len(got) == len(want) and all(
+            (s, c) == (s2, c2) and a.shape == b.shape and torch.equal(a, b)
+            for (s, c, a), (s2, c2, b) in zip(got, want)
+        )
+        chk.require(
+            same,
+            "padding",
+            f"row {row} of a left-padded batch ({pad} pads) stores other tensors than the row "
+            "alone: its codes depend on the pads",
+        )
+        if kv:
+            ka, va = alone.keys_values()
+            chk.require(
+                torch.equal(kb[row : row + 1, :, pad:], ka)
+                and torch.equal(vb[row : row + 1, :, pad:], va)
+                and not kb[row, :, :pad].any()
+                and not vb[row, :, :pad].any(),
+                "padding",
+                f"keys_values() of padded row {row} is not the row alone with zeros at the left",
+            )
+        diff = float((out[row : row + 1] - torch.cat(ref, dim=2)).abs().max())
+        scale = float(v[row, :, pad:].abs().max())
+        chk.require(
+            diff <= atol * scale,
+            "padding",
+            f"attention of padded row {row} differs from the row alone by {diff:.3g} "
+            f"(allowed {atol * scale:.3g})",
+        )
+        stored += alone.nbytes()["total"]
+    chk.require(
+        batch.nbytes()["total"] == stored,
+        "padding",
+        f"a padded batch holds {batch.nbytes()['total']} bytes, its rows alone {stored}: "
+        "pads were stored",
+    )
+
+
+def check_method(
+    method: Method,
+    *,
+    head_dim: int = 32,
+    num_kv_heads: int = 2,
+    batch: int = 2,
+    num_query_heads: int | None = None,
+    prompt_tokens: int | None = None,
+    decode_tokens: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    round_trip_atol: Mapping[str, float] | None = None,
+    attend_atol: float | None = None,
+    bad_configs: Sequence[Mapping[str, Any]] = (),
+) -> MethodCheck:
+    """Check ``method``'s contract (see the module docstring); returns what was measured.
+
+    Parameters
+    ----------
+    method : a configured (and, if it needs it, calibrated) method.
+    head_dim, num_kv_heads, batch : the cache's ``D``, ``H_kv`` and ``B``.
+    num_query_heads : ``H_q`` of the queries, a multiple of ``H_kv``; default ``2 * H_kv``
+        (grouped-query attention: query head ``h`` reads KV head ``h // (H_q / H_kv)``).
+    prompt_tokens, decode_tokens : default ``N_s + 2 * max(R, G, 1) + 1`` and
+        ``max(R, G, 1) + 1`` from the config's ``num_sink_tokens`` (N_s),
+        ``residual_length`` (R) and ``group_size`` (G), so that tokens are quantized at the
+        prefill and flushed again while decoding.
+    dtype : the cache dtype of keys, values and queries (float16, bfloat16, float32).
+    seed : seed of the random keys, values and queries.
+    round_trip_atol : ``{"key": ..., "value": ...}``: absolute bounds replacing the derived
+        half-step bound (codecs that are not uniform integer codes).
+    attend_atol : allowed ``|attend - reference|`` in units of ``max |v|``; default 1e-5 for a
+        float32 cache, ``2 * eps`` of a float16 / bfloat16 one (``attend`` returns the query's
+        dtype).
+    bad_configs : configs (mappings) that ``Config.from_dict`` must refuse with a
+        ``ValueError`` naming one of their fields, e.g. ``[{"bits": 0}, {"bits": 9}]``.
+
+    Returns
+    -------
+    MethodCheck
+
+    Raises
+    ------
+    AssertionError
+        ``check_method(<method>): <check>: ...`` for the first check that failed (``config``,
+        ``round trip``, ``bytes``, ``attend``, ``padding``).
+    """
+    chk = _Checker(method)
+    if attend_atol is None:
+        attend_atol = (
+            1e-5 if dtype in (torch.float32, torch.float64) else 2 * torch.finfo(dtype).eps
+        )
+    _check_config(chk, method, bad_configs)
+    caps = method.capabilities
+    if not caps.layer_cache:
+        raise chk.fail("config", "capabilities.layer_cache is False: no LayerCache to check")
+    dp, dd = _default_lengths(method)
+    prompt = dp if prompt_tokens is None else prompt_tokens
+    steps = dd if decode_tokens is None else decode_tokens
+    hq = 2 * num_kv_heads if num_query_heads is None else num_query_heads
+    k, v, q = _data(batch, num_kv_heads, hq, prompt + steps, head_dim, dtype, seed)
+    worst = [0.0]
+    vmax = float(v.abs().max())
+
+    def compare(lc: LayerCache, t: int, out: torch.Tensor) -> None:
+        if not caps.keys_values:
+            return
+        keys, values = lc.keys_values()
+        want = reference_attention64(q[:, :, t : t + 1], keys, values, None)
+        err = float((out.double() - want).abs().max()) / vmax
+        worst[0] = max(worst[0], err)
+        chk.require(
+            out.shape == want.shape and err <= attend_atol,
+            "attend",
+            f"attend() at decode position {t} differs from attention over keys_values() by "
+            f"{err:.3g} x max|v| (allowed {attend_atol:g}; path {getattr(lc, 'attend_path', '?')})",
+        )
+
+    lc, _ = _run(method, k, v, q, prompt, on_step=compare)
+    errs, bounds = [0.0, 0.0], [0.0, 0.0]
+    if caps.keys_values:
+        errs, bounds = _check_round_trip(chk, method, lc, (k, v), round_trip_atol or {})
+    _check_bytes(chk, lc, k.element_size())
+    padded = caps.padding
+    if padded:
+        pk, pv, pq = _data(2, num_kv_heads, hq, prompt + steps, head_dim, dtype, seed + 1)
+        _check_padding(chk, method, pk, pv, pq, prompt, max(attend_atol, 1e-6))
+    return MethodCheck(
+        prompt, steps, lc.quantized_tokens(), errs[0], errs[1], bounds[0], bounds[1], worst[0],
+        padded,
+    )  # fmt: skip
