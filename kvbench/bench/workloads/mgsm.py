@@ -84,13 +84,13 @@ def load_exemplars(lang: str, k: int) -> list[tuple[str, str]]:
     Raises ``FileNotFoundError`` with an actionable message when the hub is unreachable.
     """
     from kvbench.data.hub import offline_requested
-    from kvbench.data.loaders import _hub_rows  # the train split exists only on the hub
+    from kvbench.data.loaders import hub_rows  # the train split exists only on the hub
 
     _, a = PREFIXES[lang]
     try:
         if offline_requested():
             raise OSError("KVBENCH_OFFLINE=1")
-        rows = _hub_rows("juletxara/mgsm", lang, "train")
+        rows = hub_rows("juletxara/mgsm", lang, "train")
     except Exception as exc:  # offline, missing...
         raise FileNotFoundError(
             f"MGSM {k}-shot native CoT needs the exemplars of the train split of "

@@ -19,7 +19,6 @@ the backend overrides private ``HFLM`` methods, so the range is pinned and teste
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 #: the optional dependency, as pip spells it
@@ -41,15 +40,3 @@ def require_lm_eval() -> Any:
     if not ((0, 4, 13) <= v < (0, 5)):
         raise RuntimeError(f"kvbench's lm-eval backend supports {REQUIREMENT}; found {v}")
     return lm_eval
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of lm-eval's CLI")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run lm-eval's CLI with the ``kvbench`` model registered (``kvbench lm-eval ARGS``;
-    :func:`kvbench.integrations.lm_eval.cli.run_cli`)."""
-    from kvbench.integrations.lm_eval.cli import run_cli
-
-    return run_cli(list(args.args))

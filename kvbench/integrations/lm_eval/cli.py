@@ -17,6 +17,7 @@ backend and then runs lm-eval's CLI unchanged, with three additions while it run
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -144,3 +145,13 @@ def run_cli(argv: Sequence[str]) -> int:
             return _lm_eval_cli(argv)
     except TaskDataUnavailable as exc:
         raise RuntimeError(str(exc)) from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of lm-eval's CLI")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run lm-eval's CLI with the ``kvbench`` model registered (``kvbench lm-eval ARGS``;
+    :func:`run_cli`)."""
+    return run_cli(list(args.args))
