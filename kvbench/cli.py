@@ -15,6 +15,7 @@ import argparse
 import importlib
 import json
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -126,6 +127,48 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress-workers", action="store_true", help="one line per Ray worker")
 
 
+def workload_types_help() -> str:
+    """The ``kvbench run --help`` epilog: every registered workload type (``WORKLOADS.names()``)
+    with its parameters and their defaults (``PARAMS``; ``...`` marks a required one).  Loads
+    every workload's entry point, so it is built only when the help is shown."""
+    from kvbench.bench.workloads import WORKLOADS
+
+    lines = [
+        "workload types (a suite's `workloads:` entries, `{type: NAME, PARAM: VALUE, ...}`;",
+        "each parameter with its default, `...` = required; kvbench/bench/workloads/NAME.py):",
+    ]
+    for name in WORKLOADS.names():
+        try:
+            params = WORKLOADS.get(name).PARAMS
+        except Exception as exc:  # noqa: BLE001 - a broken plugin still lists the others
+            text = f"[failed to load] {type(exc).__name__}: {exc}"
+        else:
+            text = (
+                ", ".join(f"{k}=..." if v is ... else f"{k}={v!r}" for k, v in params.items())
+                or "(no parameters)"
+            )
+        lines += textwrap.wrap(
+            text, width=96, initial_indent=f"  {name}: ", subsequent_indent="      "
+        )
+    return "\n".join(lines)
+
+
+class _RunHelp(argparse.Action):
+    """``kvbench run -h``: the help with the workload types appended (built on demand, so other
+    commands do not load every workload)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.epilog = workload_types_help()
+        parser.print_help()
+        parser.exit()
+
+
 def run_summary(records: list[Record], out: str, suite_path: str) -> dict:
     """The machine-readable summary ``kvbench run --json`` prints."""
     return {
@@ -159,11 +202,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from kvbench.integrations.paper import validate
 
         validate(paper_block, suite.path)
-    from kvbench.bench.preflight import format_missing, preflight
+    from kvbench.bench.outlock import output_lock
+    from kvbench.bench.preflight import check_contexts, format_missing, preflight
 
     if missing := preflight(suite):  # every asset resolved before the first run
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
+    check_contexts(suite)  # a context beyond a model's maximum: refused before --out is made
     out = args.out or f"results/{suite.name}"
     runner = run_suite
     if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
@@ -175,14 +220,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_output(out)
     args._out = out  # for the Ctrl-C message
     try:
-        records = runner(
-            suite,
-            out,
-            limit=args.limit,
-            force=args.force,
-            quiet=args.quiet,
-            skip_unavailable=getattr(args, "skip_unavailable", False),
-        )
+        with output_lock(out):  # a second run into this --out fails here, naming this one
+            records = runner(
+                suite,
+                out,
+                limit=args.limit,
+                force=args.force,
+                quiet=args.quiet,
+                skip_unavailable=getattr(args, "skip_unavailable", False),
+            )
     except FileNotFoundError as exc:  # an asset that vanished after the pre-flight
         print(f"kvbench run: error: {exc}", file=sys.stderr)
         return 2
@@ -224,11 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pl = sub.add_parser("list", help="registered methods")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument(
+        "--json",
+        action="store_true",
+        help="print every method as JSON (name, distribution, description, capabilities, "
+        "load error) instead of one line each",
+    )
     pl.set_defaults(func=cmd_list)
     pb = sub.add_parser("bits", help="nominal average bits per key and value element")
-    pb.add_argument("method")
-    pb.add_argument("--set", action="append", metavar="KEY=VALUE", help="config field")
+    pb.add_argument("method", help="a registered method name (see `kvbench list`), e.g. kivi")
+    pb.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a field of the method's config (bits=2); repeat for several",
+    )
     pb.add_argument(
         "--head-dim", type=_positive(2, even=True), default=128, help="channels per head D"
     )
@@ -237,7 +293,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pb.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pb.set_defaults(func=cmd_bits)
-    pr = sub.add_parser("run", help="run a suite YAML")
+    pr = sub.add_parser(
+        "run",
+        help="run a suite YAML",
+        description="Run every (model, method, workload) of a suite: one JSON record per run\n"
+        "in --out; a rerun skips the runs whose record exists.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+    )
+    pr.add_argument(
+        "-h",
+        "--help",
+        action=_RunHelp,
+        nargs=0,
+        help="show this help, with the workload types and their parameters, and exit",
+    )
     add_run_arguments(pr)
     pr.set_defaults(func=cmd_run)
     for name, (module, help_) in EXTERNAL.items():

@@ -9,11 +9,15 @@ calibration; each loaded from its source and checked against its pinned checksum
 :func:`format_missing` turns the list into one message that says how to provide each item.
 
 ``kvbench run`` calls both before it runs anything and exits with status 2 on a missing asset.
+:func:`check_contexts` (called by ``kvbench run`` and :func:`kvbench.bench.runner.run_suite`
+before the result folder is made) refuses a workload whose context exceeds its model's
+``max_position_embeddings``, read from the model's config without loading weights.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +38,16 @@ WORKLOAD_PACKAGES = {
 DATASET_PARAMS = ("text", "context_text", "dataset", "source")
 #: parameters that must name a text of the catalog (any other value is bad input)
 TEXT_PARAMS = ("text", "context_text")
+#: workload type -> its parameter holding the context (token count, or a list of them) that
+#: its ``prepare`` checks against the model's ``max_position_embeddings`` (with ``source: model``)
+CONTEXT_PARAMS = {
+    "fidelity": "tokens",
+    "latency": "context",
+    "memory": "context",
+    "passkey": "length",
+    "perplexity": "tokens",
+    "ruler": "lengths",
+}
 
 
 @dataclass
@@ -220,3 +234,72 @@ def format_missing(missing: list[MissingAsset], suite_path: str = "the suite") -
         "(layout and checksums: kvbench/data/catalog.py)."
     )
     return "\n".join(lines)
+
+
+def _read_max_positions(config_json: str | os.PathLike) -> int | None:
+    try:
+        with open(config_json, encoding="utf-8") as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def model_max_positions(spec: dict[str, Any]) -> int | None:
+    """The ``max_position_embeddings`` of model entry ``spec`` from its config alone (a shape
+    preset, the default model's pinned architecture, a local folder's or the Hugging Face
+    cache's ``config.json``); ``None`` when it is not known without the hub (the workload then
+    checks it after the model loads).  Reads no weights and makes no network request."""
+    from kvbench.hf import models
+
+    if "shape" in spec:
+        from kvbench.hf.shapes import preset, preset_names
+
+        if spec["shape"] in preset_names():
+            return preset(spec["shape"])["config"].get("max_position_embeddings")
+        return None
+    mid = spec["id"]
+    if mid == models.DEFAULT_MODEL:  # the load checks the config equals DEFAULT_CONFIG
+        return models.DEFAULT_CONFIG["max_position_embeddings"]
+    folder = Path(mid).expanduser()
+    if (folder / "config.json").is_file():
+        return _read_max_positions(folder / "config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(mid, "config.json")
+    except Exception:  # a malformed id: the load reports it
+        return None
+    return _read_max_positions(cached) if isinstance(cached, str) else None
+
+
+def check_contexts(suite: Any) -> None:
+    """Refuse a workload whose context is longer than its model's maximum, before anything is
+    created or loaded (the workload's own check, after the model loads, would leave an empty
+    result folder behind).
+
+    Raises
+    ------
+    ValueError
+        Names the suite entry, the parameter, its value, the model and its maximum.
+    """
+    for mi, spec in enumerate(suite.models):
+        if spec is None:
+            continue
+        max_pos = model_max_positions(spec)
+        if max_pos is None:
+            continue
+        model = spec.get("id") or f"shape {spec['shape']}"
+        for wi, w in enumerate(suite.workloads):
+            param = CONTEXT_PARAMS.get(w["type"])
+            if param is None or w.get("source", "model") != "model":
+                continue
+            value = w.get(param)
+            longest = max(value, default=0) if isinstance(value, list) else value
+            if isinstance(longest, int) and longest > max_pos:
+                where = "" if len(suite.models) == 1 else f" on models[{mi}]"
+                raise ValueError(
+                    f"{suite.path}: workloads[{wi}] ({w['type']}){where}: {param}={value} exceeds "
+                    f"the maximum context of {model}, {max_pos} tokens "
+                    "(max_position_embeddings); nothing was run or created"
+                )

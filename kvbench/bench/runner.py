@@ -21,6 +21,7 @@ from tqdm import tqdm
 from kvbench.bench import validate
 from kvbench.bench.context import RunContext
 from kvbench.bench.manifest import base_manifest
+from kvbench.bench.preflight import check_contexts
 from kvbench.bench.records import (
     Record,
     load_record,
@@ -441,6 +442,7 @@ def run_suite(
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
     instead of stopping the suite."""
     validate.check_devices(suite)
+    check_contexts(suite)  # before check_output makes the folder
     validate.check_output(out_dir)
     torch.manual_seed(suite.seed)
     threads = set_threads(suite.threads)

@@ -291,12 +291,18 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
 
 
 def load_suite(path: str | Path, overrides: dict[str, Any] | None = None) -> Suite:
-    """Read a suite YAML file, apply dotted ``overrides`` (``--set``), validate and expand."""
+    """Read a suite YAML file (UTF-8), apply dotted ``overrides`` (``--set``), validate and
+    expand.  ``ValueError`` names the file when it is missing, not UTF-8, or not valid YAML."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p}: no such suite file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{p}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save the suite file as UTF-8"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ValueError(f"{p}: invalid YAML: {exc}") from exc
     data = copy.deepcopy(data) or {}

@@ -8,7 +8,8 @@ or any change from an exact 0.  ``--json`` prints one object (changes, failures,
 (exit 1) when METRIC moves in its bad direction (declared in each workload's ``METRICS``;
 a ``none`` metric fails when it moves either way) by more than
 THRESHOLD in any matched run, or when a BASE run is missing from NEW.  Two single records of
-different runs are an error that names the differing keys.
+different runs are an error that names the differing keys; two sets with no run in common are an
+error (exit 2) that says how many records each side has.
 """
 
 from __future__ import annotations
@@ -188,6 +189,12 @@ def main(args: argparse.Namespace) -> int:
     min_change = args.min_change
     found, failures = changes(base, new, gates, min_change)
     matched = sum(1 for r in base if r.run_id in {x.run_id for x in new})
+    if not matched:  # nothing to compare: a gate that checks nothing must not pass
+        raise ValueError(
+            f"no records in common: {args.base} has {len(base)} record(s), {args.new} has "
+            f"{len(new)}, and no run_id is in both (different suites, models or --set "
+            "values?); nothing was compared"
+        )
     if args.json:
         print(
             json.dumps(

@@ -235,7 +235,9 @@ def summary_table(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="result folder(s) or record files")
     p.add_argument("--plots", default=None, help="folder for PNGs (default: the first folder)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--no-plots", action="store_true", help="print the tables only; write no PNG files"
+    )
     p.add_argument("--json", action="store_true", help="the tables and plot paths as one JSON")
 
 

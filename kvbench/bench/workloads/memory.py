@@ -162,8 +162,12 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
         return torch.cuda.max_memory_allocated(device) - m0, "torch.cuda.max_memory_allocated"
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    from kvbench.measure.stderr_filter import drop_stderr_lines
+
+    # the allocator logs the (uncounted) free of a block from before the profile: dropped
+    with drop_stderr_lines():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
     try:
         events = cpu_allocator_events(prof)
     except (AttributeError, RuntimeError) as exc:  # a torch without allocation events
