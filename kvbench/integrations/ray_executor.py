@@ -800,8 +800,10 @@ class RayExecutor:
     def _fail_group(self, key: tuple[int, int], message: str, attempts: int) -> None:
         self.prepared[key] = "skip"
         queue = self.pending.get(key[0]) or deque()
-        for r in [r for r in queue if r.workload_index == key[1]]:
+        runs = [r for r in queue if r.workload_index == key[1]]
+        for r in runs:  # all out of the queue first: a failed baseline would fail them again
             queue.remove(r)
+        for r in runs:
             self._fail(r, message, attempts, None)
 
     def _fail(
