@@ -340,6 +340,26 @@ def test_worker_death_is_retried_once_then_recorded_failed(cluster, tmp_path: Pa
     assert {k: v for k, v in _files(out).items() if k in before} == before
 
 
+class FailingPrepare(ModelWorker):
+    """Its ``workload.prepare`` raises (as a broken data file would)."""
+
+    def prepare(self, index, spec):  # type: ignore[override]
+        raise RuntimeError("prepare broke")
+
+
+def test_failed_preparation_fails_each_run_once(cluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    ex = run_suite_ray(_model_free(), out, max_parallel=1, quiet=True, worker_cls=FailingPrepare)
+    assert ex.records == []
+    labels = ["full", "kivi[bits=2]", "kivi[bits=4]", "per-token"]
+    assert sorted(f["label"] for f in ex.failed) == labels  # each once, the baseline included
+    for f in ex.failed:  # the cause, not "baseline 'full' failed"
+        assert (
+            f["error"].startswith("workload preparation failed: ") and "prepare broke" in f["error"]
+        )
+    assert len(list((out / "failed").glob("*.json"))) == 4 and not list(out.glob("*.json"))
+
+
 class InterruptingExecutor(RayExecutor):
     """Sends itself SIGINT (Ctrl-C) right after the ``stop_after``-th record is written."""
 
