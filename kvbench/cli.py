@@ -125,6 +125,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster: auto, HOST:PORT, ray://HOST:PORT")
     p.add_argument("--max-parallel", type=int, default=None, help="Ray workers at once")
     p.add_argument("--progress-workers", action="store_true", help="one line per Ray worker")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --executor ray: stop a run after SECONDS, record it failed (timed out) and "
+        "go on; a rerun retries it",
+    )
 
 
 def workload_types_help() -> str:
@@ -210,6 +218,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     check_contexts(suite)  # a context beyond a model's maximum: refused before --out is made
     out = args.out or f"results/{suite.name}"
+    timeout = getattr(args, "run_timeout", None)
+    if timeout is not None and getattr(args, "executor", "local") != "ray":
+        raise ValueError(
+            "--run-timeout needs --executor ray: the local executor runs each run in this "
+            "process and cannot stop a hung one; add --executor ray (without --address it "
+            "starts a Ray instance on this machine; pip install 'kvbench[ray]')"
+        )
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--run-timeout must be > 0 seconds, got {timeout:g}")
     runner = run_suite
     if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
         from kvbench.integrations.ray_executor import runner_from_args

@@ -21,6 +21,7 @@ from kvbench.bench.records import Record, load_record
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
 from kvbench.integrations.ray_executor import (
+    ClusterAuthError,
     ClusterConnectError,
     ModelWorker,
     RayExecutor,
@@ -109,6 +110,90 @@ def test_unreachable_address_fails_fast_and_writes_nothing(tmp_path: Path) -> No
         RayExecutor(_model_free(), out, address="127.0.0.1:1", connect_timeout_s=2).run()
     assert time.perf_counter() - t0 < 10
     assert not out.exists()
+
+
+def _auth_failures(address: str) -> list[BaseException]:
+    """What ``ray.init`` raises on a token-authentication failure (Ray 2.60's code paths,
+    ray/_private/worker.py and node.py): with ``RAY_AUTH_MODE=token`` and no token here,
+    ``AuthenticationError`` at once; without ``RAY_AUTH_MODE`` here, the head refuses the GCS
+    calls (gRPC UNAUTHENTICATED) and ``ray.init`` raises a bare ``ConnectionError`` chained to
+    the ``RuntimeError`` that carries the last connection error."""
+    import ray.exceptions
+    from ray._private.authentication.authentication_constants import (
+        TOKEN_AUTH_ENABLED_BUT_NO_TOKEN_FOUND_ERROR_MESSAGE as NO_TOKEN,
+    )
+
+    missing = ray.exceptions.AuthenticationError(NO_TOKEN)
+    inner = RuntimeError(
+        "Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+        '  File "ray/_private/node.py", line 996, in _init_gcs_client\n'
+        "ray.exceptions.RpcError: UNAUTHENTICATED: Invalid or missing authentication token\n"
+    )
+    bare = ConnectionError(f"Failed to connect to Ray cluster at {address}")
+    bare.__cause__ = inner
+    return [missing, bare]
+
+
+def test_token_auth_failure_says_how_to_pass_the_token(monkeypatch, tmp_path, capsys) -> None:
+    ray = pytest.importorskip("ray")
+    import socket
+
+    from kvbench.cli import main
+
+    head = socket.socket()  # a listening "head", so the TCP probe of HOST:PORT passes
+    head.bind(("127.0.0.1", 0))
+    head.listen()
+    address = f"127.0.0.1:{head.getsockname()[1]}"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    raised: list[BaseException] = []
+
+    def init(**kwargs) -> None:
+        raise raised[-1]
+
+    monkeypatch.setattr(ray, "init", init)
+    hints = ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN=<token>", "RAY_AUTH_TOKEN_PATH=<file>",
+             "~/.ray/auth_token", "`ray get-auth-token`", "requires token authentication")  # fmt: skip
+    try:
+        for exc in _auth_failures(address):
+            raised.append(exc)
+            with pytest.raises(ClusterAuthError) as info:
+                RayExecutor(_model_free(), tmp_path / "out", address=address).run()
+            msg = str(info.value)
+            assert all(h in msg for h in hints), msg
+            assert f"--address {address!r}" in msg
+            assert ("no authentication token was found" in msg) == (exc is raised[0])
+            assert not (tmp_path / "out").exists()
+        # through the CLI: exit 2 with the same explanation, nothing written
+        suite = tmp_path / "s.yaml"
+        suite.write_text("model: none\nmethods: [full]\nworkloads: [{type: bits}]\n")
+        argv = ["run", str(suite), "--executor", "ray", "--address", address, "--quiet"]
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+        assert "RAY_AUTH_TOKEN_PATH=<file>" in capsys.readouterr().err
+        assert not list((tmp_path / "out").rglob("*.json"))  # (the CLI makes the folder first)
+        # any other failure to connect keeps its own message and is not called an auth error
+        raised.append(ConnectionError(f"Failed to connect to Ray cluster at {address}"))
+        with pytest.raises(ClusterConnectError) as info:
+            RayExecutor(_model_free(), tmp_path / "out", address=address).run()
+        assert not isinstance(info.value, ClusterAuthError)
+        assert "Failed to connect to Ray cluster" in str(info.value)
+    finally:
+        head.close()
+
+
+def test_ray_cluster_extra_brings_the_job_cli_and_is_documented() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["ray"] == ["ray>=2.40,<3"]  # plain ray stays the light extra
+    assert extras["ray-cluster"] == ["ray[default]>=2.40,<3"]  # ray job submit, dashboard
+    doc = (root / "docs" / "cluster.md").read_text()
+    assert "pip install 'kvbench[ray-cluster]'" in doc
+    submit = doc.index("ray job submit --address")
+    assert doc.index("--executor ray", submit) - submit < 200  # the job runs kvbench run
+    assert "RAY_AUTH_TOKEN_PATH" in doc and "--run-timeout" in doc
 
 
 # ------------------------------------------------------------------ one local cluster
@@ -253,6 +338,26 @@ def test_worker_death_is_retried_once_then_recorded_failed(cluster, tmp_path: Pa
     assert [t["title"] for t in again.timings] == ["per-token / bits"]
     assert not again.failed and not path.exists() and len(again.records) == 4
     assert {k: v for k, v in _files(out).items() if k in before} == before
+
+
+class FailingPrepare(ModelWorker):
+    """Its ``workload.prepare`` raises (as a broken data file would)."""
+
+    def prepare(self, index, spec):  # type: ignore[override]
+        raise RuntimeError("prepare broke")
+
+
+def test_failed_preparation_fails_each_run_once(cluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    ex = run_suite_ray(_model_free(), out, max_parallel=1, quiet=True, worker_cls=FailingPrepare)
+    assert ex.records == []
+    labels = ["full", "kivi[bits=2]", "kivi[bits=4]", "per-token"]
+    assert sorted(f["label"] for f in ex.failed) == labels  # each once, the baseline included
+    for f in ex.failed:  # the cause, not "baseline 'full' failed"
+        assert (
+            f["error"].startswith("workload preparation failed: ") and "prepare broke" in f["error"]
+        )
+    assert len(list((out / "failed").glob("*.json"))) == 4 and not list(out.glob("*.json"))
 
 
 class InterruptingExecutor(RayExecutor):

@@ -27,6 +27,10 @@ and in which order runs may start.  The pieces (docs/cluster.md has the user's v
   attempts, the node) is written and the sweep goes on.  Failed records live outside the result
   folder's top level, so ``kvbench report``/``compare`` and resume never take them for finished
   runs: a rerun retries them, and a success removes the failed record.
+* **Timeouts.**  With ``run_timeout_s`` (``--run-timeout``), a run still going that many
+  seconds after it reached its worker (or after the worker's model load, if later) is stopped by
+  killing its worker, and a failed record with ``"timed_out": true`` and ``"timeout_s"`` is
+  written; the sweep goes on on a fresh worker, and a rerun retries the run.
 * **Ctrl-C.**  The driver kills its workers (which cancels their running tasks) and re-raises
   ``KeyboardInterrupt``; only complete records are on disk, and a rerun resumes.
 """
@@ -79,6 +83,17 @@ class ClusterConnectError(RuntimeError):
     """The Ray cluster at ``--address`` cannot be reached (nothing was run or written)."""
 
 
+class ClusterAuthError(ClusterConnectError):
+    """The Ray cluster at ``--address`` uses token authentication (``RAY_AUTH_MODE=token``) and
+    this process has no valid token; the message says how to pass it."""
+
+
+#: what Ray's token-authentication failures say: ``ray.exceptions.AuthenticationError`` (Ray
+#: >= 2.50) and the gRPC status a head answers a request without a valid token with, which
+#: ``ray.init`` wraps in a bare "Failed to connect to Ray cluster at ..."
+AUTH_MARKERS = ("unauthenticated", "authentication token", "authenticationerror")
+
+
 def import_ray() -> Any:
     """``import ray`` or :class:`RayUnavailableError` naming ``pip install 'kvbench[ray]'``."""
     try:
@@ -89,6 +104,39 @@ def import_ray() -> Any:
             f"install it with: {INSTALL_HINT}"
         ) from None
     return ray
+
+
+def auth_cause(exc: BaseException) -> BaseException | None:
+    """The token-authentication failure in ``exc``'s chain (``__cause__``/``__context__``):
+    a ``ray.exceptions.AuthenticationError`` or an error whose text names the missing or
+    invalid token (:data:`AUTH_MARKERS`); ``None`` when the failure is something else."""
+    import ray.exceptions
+
+    auth_type = getattr(ray.exceptions, "AuthenticationError", ())
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = f"{type(err).__name__} {getattr(err, 'message', '')} {err}".lower()
+        if isinstance(err, auth_type) or any(m in text for m in AUTH_MARKERS):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def auth_message(address: str | None, cause: BaseException) -> str:
+    """The :class:`ClusterAuthError` text: the cluster needs a token, and the variables and
+    file through which Ray reads it."""
+    said = str(getattr(cause, "message", "") or cause).strip().splitlines()
+    said = said[0][:200] if said else type(cause).__name__
+    return (
+        f"the Ray cluster at --address {address!r} requires token authentication "
+        f"(RAY_AUTH_MODE=token, the default of recent Ray releases) and this process has no "
+        f"valid token (Ray: {said}). Pass the cluster's token (print it on the head node with "
+        "`ray get-auth-token`): export RAY_AUTH_MODE=token and either RAY_AUTH_TOKEN=<token> "
+        "or the token in the file ~/.ray/auth_token (another file: RAY_AUTH_TOKEN_PATH=<file>) "
+        "before `kvbench run`; docs/cluster.md#token-authentication"
+    )
 
 
 def failed_path(out_dir: str | Path, run_id: str) -> Path:
@@ -120,6 +168,10 @@ def connect(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     ClusterConnectError
         ``HOST:PORT`` not reachable within ``timeout_s`` seconds (a TCP probe of the head before
         Ray's own, longer retry loop), or Ray refusing the address (``auto`` with no cluster).
+    ClusterAuthError
+        The cluster uses token authentication and this process has no valid token
+        (:func:`auth_cause` found it in Ray's error); the message names ``RAY_AUTH_MODE``,
+        ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` and ``~/.ray/auth_token``.
     """
     ray = import_ray()
     if address not in (None, "auto", "local"):
@@ -138,7 +190,12 @@ def connect(address: str | None, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
 
     try:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
+    except Exception as exc:  # Ray's AuthenticationError is none of the three below
+        cause = auth_cause(exc)
+        if cause is not None:
+            raise ClusterAuthError(auth_message(address, cause)) from None
+        if not isinstance(exc, (ConnectionError, RuntimeError, ValueError)):
+            raise
         raise ClusterConnectError(
             f"cannot connect to Ray at --address {address!r}: {exc}"
         ) from None
@@ -305,6 +362,8 @@ class _Worker:
     name: str
     info: dict[str, Any] = field(default_factory=dict)
     info_ref: Any = None
+    load_ref: Any = None  # the model load, submitted on creation
+    ready_at: float | None = None  # when the driver saw the load finish (runs timed from here)
     has: set[int] = field(default_factory=set)  # workload indices installed or prepared here
     busy: Any = None  # the _Task in flight
     bar: Any = None
@@ -329,7 +388,10 @@ class RayExecutor:
     ``failed`` (failed records written), ``timings`` (per run computed here: ``submit_s`` to
     ``written_s`` on the driver's clock, ``exec_s`` inside the worker, ``overhead_s`` = the
     difference minus ``exec_s``), ``startup_s`` (connecting or starting Ray), ``spawn_s`` (per
-    worker: creation until it answers, i.e. process start and imports; the model loads after)."""
+    worker: creation until it answers, i.e. process start and imports; the model loads after).
+    ``run_timeout_s``: stop a run that takes longer (:meth:`_expire`); ``None``: no limit.
+
+    Raises ``ValueError`` for ``max_parallel < 1`` or ``run_timeout_s <= 0``."""
 
     def __init__(
         self,
@@ -345,9 +407,13 @@ class RayExecutor:
         progress_workers: bool = False,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         worker_cls: type = ModelWorker,
+        run_timeout_s: float | None = None,
     ) -> None:
         if max_parallel is not None and max_parallel < 1:
             raise ValueError(f"--max-parallel must be >= 1, got {max_parallel}")
+        if run_timeout_s is not None and not run_timeout_s > 0:
+            raise ValueError(f"--run-timeout must be > 0 seconds, got {run_timeout_s}")
+        self.run_timeout_s = run_timeout_s
         self.suite, self.out_dir = suite, Path(out_dir)
         self.address, self.max_parallel, self.limit = address, max_parallel, limit
         self.force, self.quiet, self.skip_unavailable = force, quiet, skip_unavailable
@@ -480,7 +546,7 @@ class RayExecutor:
         self.n_workers += 1
         w = _Worker(handle, mi, f"w{self.n_workers - 1}")
         w.info_ref = handle.describe.remote()  # answers once the process runs
-        handle.load.remote()  # the model loads while other workers prepare
+        w.load_ref = handle.load.remote()  # the model loads while other workers prepare
         if self.progress_workers and not self.quiet:
             w.bar = tqdm(
                 total=0,
@@ -578,8 +644,10 @@ class RayExecutor:
                 if any(self.pending.values()):  # cannot happen: every wait has a task in flight
                     raise RuntimeError("internal: runs pending with no Ray task in flight")
                 continue
-            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=1.0)
+            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=self._wait_s())
             for w in self.workers:
+                if w.load_ref is not None and ray.wait([w.load_ref], timeout=0)[0]:
+                    w.load_ref, w.ready_at = None, time.perf_counter()  # loaded (or failed)
                 if w.info_ref is not None:
                     got, _ = ray.wait([w.info_ref], timeout=0)
                     if got:
@@ -591,8 +659,52 @@ class RayExecutor:
                         self.spawn_s.append(time.perf_counter() - w.created)
             for ref in ready:
                 self._collect(ref, self.inflight.pop(ref))
+            self._expire()
             for w in self.workers:  # refresh per-worker lines (elapsed)
                 self._show(w)
+
+    # -- per-run timeout (--run-timeout)
+    def _started(self, task: _Task) -> float | None:
+        """When ``task`` (a run) started counting against the timeout: its submission, or the
+        end of its worker's model load if later (``None``: the model is still loading)."""
+        ready = task.worker.ready_at
+        return None if ready is None else max(task.submitted, ready)
+
+    def _wait_s(self) -> float:
+        """How long the loop may block in ``ray.wait``: 1 s, less when a run's time is up
+        sooner."""
+        wait = 1.0
+        if self.run_timeout_s is not None:
+            now = time.perf_counter()
+            for task in self.inflight.values():
+                start = self._started(task) if task.kind == "run" else None
+                if start is not None:
+                    wait = min(wait, max(0.0, start + self.run_timeout_s - now))
+        return wait
+
+    def _expire(self) -> None:
+        """Stop every run past ``--run-timeout``: kill its worker (``ray.kill``; Ray refuses
+        ``ray.cancel(force=True)`` for an actor's task, and a hung run may not return to
+        Python for a soft cancel) and write a failed record saying it timed out, without a
+        retry in this sweep (a rerun retries it).  The model's remaining runs go to a fresh
+        worker."""
+        if self.run_timeout_s is None:
+            return
+        now = time.perf_counter()
+        for ref, task in list(self.inflight.items()):
+            start = self._started(task) if task.kind == "run" else None
+            if start is None or now - start < self.run_timeout_s:
+                continue
+            del self.inflight[ref]
+            task.worker.busy = None
+            self._retire(task.worker)  # kills the process, which cancels the task
+            limit = self.run_timeout_s
+            msg = (
+                f"timed out: still running after --run-timeout {limit:g} s (ran "
+                f"{now - start:.1f} s); its worker was stopped and a rerun retries it"
+            )
+            extra = {"timed_out": True, "timeout_s": limit}
+            self._fail(task.run, msg, task.attempt, task.worker, extra)
 
     def _collect(self, ref: Any, task: _Task) -> None:
         ray = self.ray
@@ -688,11 +800,21 @@ class RayExecutor:
     def _fail_group(self, key: tuple[int, int], message: str, attempts: int) -> None:
         self.prepared[key] = "skip"
         queue = self.pending.get(key[0]) or deque()
-        for r in [r for r in queue if r.workload_index == key[1]]:
+        runs = [r for r in queue if r.workload_index == key[1]]
+        for r in runs:  # all out of the queue first: a failed baseline would fail them again
             queue.remove(r)
+        for r in runs:
             self._fail(r, message, attempts, None)
 
-    def _fail(self, run: PlannedRun, message: str, attempts: int, w: _Worker | None) -> None:
+    def _fail(
+        self,
+        run: PlannedRun,
+        message: str,
+        attempts: int,
+        w: _Worker | None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the failed record of ``run`` (``extra``: more fields, e.g. ``timed_out``)."""
         key = (run.model_index, run.workload_index)
         rec = {
             "schema_version": SCHEMA_VERSION,
@@ -706,6 +828,7 @@ class RayExecutor:
             "metrics": {},
             "error": message,
             "attempts": attempts,
+            **(extra or {}),
             "manifest": {
                 "executor": "ray",
                 "node": (w.info if w else {}),
@@ -736,7 +859,7 @@ def run_suite_ray(suite: Suite, out_dir: str | Path, **kwargs: Any) -> RayExecut
 
 def runner_from_args(args: Any) -> Any:
     """A ``run_suite``-compatible callable for ``kvbench run --executor ray`` (the CLI's
-    ``--address``, ``--max-parallel``, ``--progress-workers``); after the call its ``failed``
+    ``--address``, ``--max-parallel``, ``--progress-workers``, ``--run-timeout``); after the call its ``failed``
     attribute lists the failed records and ``executor`` is the :class:`RayExecutor`.
 
     Raises :class:`RayUnavailableError` at once (before any folder is made) without ray."""
@@ -749,6 +872,7 @@ def runner_from_args(args: Any) -> Any:
             address=args.address,
             max_parallel=args.max_parallel,
             progress_workers=args.progress_workers,
+            run_timeout_s=getattr(args, "run_timeout", None),
             **kwargs,
         )
         runner.executor = ex
