@@ -100,6 +100,23 @@ def test_local_tasks_listed():
     assert all(p.parent == TASK_DIR for p in names.values())
 
 
+def test_local_gsm8k_without_data_names_both_tasks_and_the_data_folder(monkeypatch):
+    # a new user offline without a data folder runs gsm8k_local_answer_ll: the error must name
+    # that task (not only gsm8k_local) and say where the rows go
+    import kvbench.data.loaders as loaders
+    from kvbench.integrations.lm_eval.tasks import gsm8k_local
+
+    def missing(name, split):
+        raise FileNotFoundError(f"dataset {name!r} is not available (test)")
+
+    monkeypatch.setattr(loaders, "load_rows", missing)
+    with pytest.raises(TaskDataUnavailable) as err:
+        gsm8k_local()
+    msg = str(err.value)
+    assert LL_TASK in msg and GEN_TASK in msg
+    assert "$KVBENCH_DATA_DIR/gsm8k/test.jsonl" in msg and "dataset 'gsm8k'" in msg
+
+
 def test_hub_task_offline_names_task_and_local_route(tmp_path, monkeypatch):
     (tmp_path / "t.yaml").write_text(
         "task: needs_hub_task\ndataset_path: kvbench-test/not-a-dataset\noutput_type: "
