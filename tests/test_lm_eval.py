@@ -19,7 +19,7 @@ import pytest
 import torch
 
 lm_eval = pytest.importorskip(
-    "lm_eval", reason="lm-eval not installed (pip install kvbench[lm-eval])"
+    "lm_eval", reason="lm-eval not installed (pip install -e '.[lm-eval]')"
 )
 
 from kvbench.integrations.lm_eval.backend import KVBenchLM  # noqa: E402
@@ -555,3 +555,17 @@ def test_cli_two_methods_own_folders_and_merged_include_path(tmp_path, monkeypat
     assert json.loads(full.read_text())["config"]["kvbench_kv_quantized_fraction"] == {
         TINY_TASK: 0.0
     }
+
+
+def test_missing_lm_eval_hint_installs_from_the_clone(monkeypatch):
+    # kvbench is not on the package index: `pip install 'kvbench[lm-eval]'` fails there
+    import sys
+
+    from kvbench.integrations.lm_eval import require_lm_eval
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    with pytest.raises(RuntimeError) as err:
+        require_lm_eval()
+    msg = str(err.value)
+    assert "pip install -e '.[lm-eval]'" in msg and "kvbench[lm-eval]" not in msg
+    assert "lm-eval>=0.4.13,<0.5" in msg
