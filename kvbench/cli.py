@@ -120,7 +120,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--executor",
         choices=["local", "ray"],
         default="local",
-        help="local: this process (default); ray: a Ray cluster (pip install 'kvbench[ray]')",
+        help="local: this process (default); ray: a Ray cluster (extra ray: pip install -e '.[ray]')",
     )
     p.add_argument("--address", default=None, help="Ray cluster: auto, HOST:PORT, ray://HOST:PORT")
     p.add_argument("--max-parallel", type=int, default=None, help="Ray workers at once")
@@ -223,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--run-timeout needs --executor ray: the local executor runs each run in this "
             "process and cannot stop a hung one; add --executor ray (without --address it "
-            "starts a Ray instance on this machine; pip install 'kvbench[ray]')"
+            "starts a Ray instance on this machine; extra ray: pip install -e '.[ray]')"
         )
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--run-timeout must be > 0 seconds, got {timeout:g}")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 lm_eval = pytest.importorskip(
-    "lm_eval", reason="lm-eval not installed (pip install kvbench[lm-eval])"
+    "lm_eval", reason="lm-eval not installed (pip install -e '.[lm-eval]')"
 )
 
 from kvbench.integrations.lm_eval.backend import KVBenchLM  # noqa: E402
@@ -98,6 +98,23 @@ def test_local_tasks_listed():
     names = local_task_names()
     assert {LL_TASK, GEN_TASK} <= set(names)
     assert all(p.parent == TASK_DIR for p in names.values())
+
+
+def test_local_gsm8k_without_data_names_both_tasks_and_the_data_folder(monkeypatch):
+    # a new user offline without a data folder runs gsm8k_local_answer_ll: the error must name
+    # that task (not only gsm8k_local) and say where the rows go
+    import kvbench.data.loaders as loaders
+    from kvbench.integrations.lm_eval.tasks import gsm8k_local
+
+    def missing(name, split):
+        raise FileNotFoundError(f"dataset {name!r} is not available (test)")
+
+    monkeypatch.setattr(loaders, "load_rows", missing)
+    with pytest.raises(TaskDataUnavailable) as err:
+        gsm8k_local()
+    msg = str(err.value)
+    assert LL_TASK in msg and GEN_TASK in msg
+    assert "$KVBENCH_DATA_DIR/gsm8k/test.jsonl" in msg and "dataset 'gsm8k'" in msg
 
 
 def test_hub_task_offline_names_task_and_local_route(tmp_path, monkeypatch):
@@ -538,3 +555,17 @@ def test_cli_two_methods_own_folders_and_merged_include_path(tmp_path, monkeypat
     assert json.loads(full.read_text())["config"]["kvbench_kv_quantized_fraction"] == {
         TINY_TASK: 0.0
     }
+
+
+def test_missing_lm_eval_hint_installs_from_the_clone(monkeypatch):
+    # kvbench is not on the package index: `pip install 'kvbench[lm-eval]'` fails there
+    import sys
+
+    from kvbench.integrations.lm_eval import require_lm_eval
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    with pytest.raises(RuntimeError) as err:
+        require_lm_eval()
+    msg = str(err.value)
+    assert "pip install -e '.[lm-eval]'" in msg and "kvbench[lm-eval]" not in msg
+    assert "lm-eval>=0.4.13,<0.5" in msg

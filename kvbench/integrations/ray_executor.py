@@ -1,6 +1,6 @@
 """``kvbench run SUITE --executor ray``: the same suite, records and resume on a Ray cluster.
 
-Ray (``pip install 'kvbench[ray]'``) places the work; kvbench only says what each worker holds
+Ray (the extra ``ray``: ``pip install -e '.[ray]'``) places the work; kvbench only says what each worker holds
 and in which order runs may start.  The pieces (docs/cluster.md has the user's view):
 
 * **Workers.**  One Ray actor (:class:`ModelWorker`) per model per device: its resources are the
@@ -66,7 +66,10 @@ from kvbench.bench.suite import Suite
 from kvbench.bench.workloads import WORKLOADS, Workload
 from kvbench.cache.registry import get_method
 
-INSTALL_HINT = "pip install 'kvbench[ray]'"
+INSTALL_HINT = (
+    "pip install -e '.[ray]' in the kvbench clone (kvbench is not on the package index; make env "
+    "installs it), or pip install 'ray>=2.40,<3' into kvbench's environment"
+)
 #: seconds to reach a cluster's head (``--address``) before giving up
 CONNECT_TIMEOUT_S = 15.0
 FAILED_DIR = "failed"
@@ -95,7 +98,7 @@ AUTH_MARKERS = ("unauthenticated", "authentication token", "authenticationerror"
 
 
 def import_ray() -> Any:
-    """``import ray`` or :class:`RayUnavailableError` naming ``pip install 'kvbench[ray]'``."""
+    """``import ray`` or :class:`RayUnavailableError` naming :data:`INSTALL_HINT`."""
     try:
         import ray
     except ImportError as exc:

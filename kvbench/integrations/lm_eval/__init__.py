@@ -13,7 +13,7 @@
 * :mod:`kvbench.integrations.lm_eval.coverage`: the per-task share of the past read quantized
   and the warning when it is low.
 
-lm-eval is an optional dependency: ``pip install 'kvbench[lm-eval]'`` (``lm-eval>=0.4.13,<0.5``;
+lm-eval is an optional dependency: ``pip install -e '.[lm-eval]'`` from the clone (``lm-eval>=0.4.13,<0.5``;
 the backend overrides private ``HFLM`` methods, so the range is pinned and tested).
 """
 
@@ -32,7 +32,9 @@ def require_lm_eval() -> Any:
         import lm_eval
     except ImportError as exc:
         raise RuntimeError(
-            f"the lm-eval backend needs {REQUIREMENT}: pip install 'kvbench[lm-eval]' ({exc})"
+            f"the lm-eval backend needs {REQUIREMENT}: pip install -e '.[lm-eval]' in the "
+            f"kvbench clone (kvbench is not on the package index; make env installs it), or "
+            f"pip install '{REQUIREMENT}' ({exc})"
         ) from None
     from importlib.metadata import version
 

@@ -53,7 +53,8 @@ def gsm8k_local(**_: Any) -> Any:
         rows, info = load_rows("gsm8k", "test")
     except FileNotFoundError as exc:
         raise TaskDataUnavailable(
-            f"lm-eval task gsm8k_local needs dataset gsm8k: put GSM8K's test.jsonl at "
+            "kvbench's local GSM8K tasks (gsm8k_local, gsm8k_local_answer_ll) need dataset "
+            "gsm8k: put GSM8K's test.jsonl at "
             f"$KVBENCH_DATA_DIR/gsm8k/test.jsonl (KVBENCH_DATA_DIR: the local data folder) or "
             f"make the hub reachable ({exc})"
         ) from None
