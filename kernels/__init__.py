@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 
-INSTALL_HINT = "pip install 'kvbench[triton]' (or pip install triton)"
+INSTALL_HINT = "pip install triton (or .venv/bin/pip install -e '.[triton]' in a kvbench clone)"
 
 
 def _find_triton() -> bool:

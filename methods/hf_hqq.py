@@ -10,7 +10,7 @@ walks that dict.  ``axis=1`` groups ``q_group_size`` consecutive channels of a t
 (per-token); ``axis=0`` (transformers' default) reshapes to ``[q_group_size, -1]``, so a group is
 ``q_group_size`` elements strided through the flat tensor: not a clean per-channel grouping of a
 4-D cache (docs/methods.md#hf-hqq).  Defaults are transformers' (4 bits, axes 0, groups of 64,
-residual 128).  Requires ``hqq`` (``pip install 'kvbench[peers]'``).
+residual 128).  Requires ``hqq`` (``pip install hqq``, or the clone's ``.[peers]`` extra).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ transformers ``cache_utils.py`` ``QuantizedLayer`` / ``QuantoQuantizedLayer`` (d
 Bytes are counted from the packed ``uint8`` data and the ``_scale``/``_shift`` tensors inside
 quanto's ``WeightQBitsTensor`` (whose own ``numel() * element_size()`` reports the full-precision
 size).  Defaults are transformers' (4 bits, axes 0, groups of 64, residual 128).
-Requires ``optimum-quanto >= 0.2.5`` (``pip install 'kvbench[peers]'``).
+Requires ``optimum-quanto >= 0.2.5`` (``pip install optimum-quanto``, or the clone's ``.[peers]`` extra).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class HFQuanto(HFPeer):
         ):
             return (
                 f"method {self.name or self.backend!r} needs {self.requirement} "
-                f"(pip install 'kvbench[peers]')"
+                f"(pip install '{self.requirement}', or .venv/bin/pip install -e '.[peers]' in a "
+                "kvbench clone)"
             )
         return None
 

@@ -46,7 +46,7 @@ if HAVE_TRITON:
 def pytest_collection_modifyitems(config, items):
     if HAVE_TRITON:
         return
-    skip = pytest.mark.skip(reason="Triton is not installed (pip install 'kvbench[triton]')")
+    skip = pytest.mark.skip(reason="Triton is not installed (pip install triton)")
     here = os.path.dirname(__file__)
     for item in items:
         runs_anyway = getattr(getattr(item, "module", None), "RUNS_WITHOUT_TRITON", False)
