@@ -226,7 +226,16 @@ class Method:
 
     # ----------------------------------------------------------- layer construction
     def key_codec(self, layer_idx: int, head_dim: int) -> Codec | None:
-        raise NotImplementedError
+        """The codec of layer ``layer_idx``'s keys, or ``None`` for full-precision keys.
+
+        A method supplies its keys one of two ways: this codec (the default :meth:`new_layer`
+        and :meth:`key_layout` read it) or an override of :meth:`new_layer` together with
+        :meth:`key_layout`.  Raises ``TypeError`` naming both when a class does neither."""
+        raise TypeError(
+            f"method class {type(self).__name__} defines no key_codec(layer_idx, head_dim): "
+            "return a codec (or None for full-precision keys), or override new_layer and "
+            "key_layout"
+        )
 
     def key_schedule(self) -> object:
         """Default: KIVI's key schedule (blocks of R tokens, docs/methods.md#kivi)."""

@@ -21,6 +21,7 @@ plain tensors that own storage, and sums the storage of each distinct allocation
 
 from __future__ import annotations
 
+import abc
 from typing import Any, ClassVar
 
 import torch
@@ -148,7 +149,7 @@ def cache_nbytes(cache: Any) -> dict[str, int]:
     return out
 
 
-class HFPeer(Method):
+class HFPeer(Method, abc.ABC):
     """Base of the transformers-cache peers (see the module docstring).
 
     Subclasses implement :meth:`new_hf_layer` and :meth:`transformers_cache`, and may override
@@ -169,12 +170,13 @@ class HFPeer(Method):
             "replay layer caches (fidelity)"
         )
 
+    @abc.abstractmethod
     def new_hf_layer(self) -> Any:
         """One empty transformers cache layer (``CacheLayerMixin``), fed by ``update(k, v)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def transformers_cache(self, model: Any, attend: bool = False) -> Any:
-        raise NotImplementedError
+        """The peer's transformers ``Cache`` for ``model`` (see :meth:`Method.transformers_cache`)."""
 
     def read_layer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K/V held by one of this method's layers (:func:`hf_layer_keys_values`)."""

@@ -180,3 +180,13 @@ def test_codec_without_layout_names_what_to_implement():
 
     with pytest.raises(TypeError, match=r"key codec Bare has no layout\(head_dim, flush_tokens\)"):
         NoLayout().average_bits(64)
+
+
+def test_a_method_without_key_codec_or_new_layer_names_both():
+    class NoKeys(Method):
+        Config = CacheConfig
+
+    with pytest.raises(TypeError, match=r"NoKeys defines no key_codec.*override new_layer"):
+        NoKeys().new_layer(0, 2, 64)
+    with pytest.raises(TypeError, match=r"NoKeys defines no key_codec"):
+        NoKeys().key_layout(64)

@@ -341,7 +341,7 @@ def test_workload_registration_checks(scratch_workloads) -> None:
     with pytest.raises(WorkloadRegistrationError, match="is not a kvbench.bench.workloads.Workl"):
         WORKLOADS.register("tmp_bad", dict)
     with pytest.raises(WorkloadRegistrationError, match="is not a kvbench.bench.workloads.Workl"):
-        WORKLOADS.register("tmp_bad", Workload({}))  # an instance, not a type
+        WORKLOADS.register("tmp_bad", WORKLOADS.get("bits")({}))  # an instance, not a type
     with pytest.raises(WorkloadRegistrationError) as err:
         WORKLOADS.register("tmp_bad", NoMetrics)
     assert str(err.value) == (
@@ -418,3 +418,23 @@ def test_unknown_text_and_task_set_names_did_you_mean() -> None:
     )
     with pytest.raises(UnknownName, match=r"^unknown dataset 'essay'; did you mean 'essays'"):
         catalog.spec("essay")
+
+
+def test_a_workload_without_its_hooks_cannot_be_built() -> None:
+    """``run`` (every workload) and ``load`` / ``score`` (task workloads) are abstract: a class
+    that lacks one fails when it is instantiated, naming the missing hook."""
+    from kvbench.bench.workloads.taskbase import TaskWorkload
+
+    class NoRun(Workload):
+        METRICS = {"x": HIGHER}
+
+    class NoScore(TaskWorkload):
+        def load(self, ctx):
+            return [], {}
+
+    with pytest.raises(TypeError, match="abstract method '?run\\b"):
+        NoRun({})
+    with pytest.raises(TypeError, match="abstract method '?score\\b"):
+        NoScore({})
+    with pytest.raises(TypeError, match="abstract method"):
+        Workload({})

@@ -280,3 +280,18 @@ def test_missing_backend_is_a_clear_reason(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.delattr(cache_utils, "Fp8QuantizedLayer", raising=False)
     assert "fp8" in kvbench.get_method("hf-fp8").unavailable_reason()
+
+
+def test_a_peer_without_its_transformers_hooks_cannot_be_built() -> None:
+    """``new_hf_layer`` and ``transformers_cache`` are abstract on :class:`HFPeer`."""
+    from kvbench.cache.method import MethodConfig
+    from kvbench.hf.peers import HFPeer
+
+    class Half(HFPeer):
+        Config = MethodConfig
+
+        def new_hf_layer(self):
+            return None
+
+    with pytest.raises(TypeError, match="abstract method '?transformers_cache\\b"):
+        Half()

@@ -22,6 +22,7 @@ is an error at run time.
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 import functools
 from dataclasses import dataclass, field
@@ -222,7 +223,7 @@ LAYERS = Field(int, shape="list", min_items=0, extra=("all",))
 SOURCES = Field(str, choices=tuple(sorted(KV_SOURCE_PARAMS)))
 
 
-class Workload:
+class Workload(abc.ABC):
     """Base class.  ``PARAMS`` maps each parameter to its default (``...`` = required);
     ``FIELDS`` maps a parameter to its :class:`~kvbench.fields.Field` (type, range, allowed
     values), else the default's type gives the rule (:func:`param_fields`).
@@ -308,14 +309,16 @@ class Workload:
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         """Rules relating several parameters of a filled spec whose fields passed
-        :func:`param_fields`; raise through :func:`reject`."""
+        :func:`param_fields`; raise through :func:`reject`.  Default: no such rules."""
+        return None
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
 
     def prepare(self, ctx: RunContext) -> None:
         """Work shared by every method on one model (called once before the runs); what other
-        workloads on the model may reuse goes to ``ctx.shared``."""
+        workloads on the model may reuse goes to ``ctx.shared``.  Default: nothing shared."""
+        return None
 
     def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
         """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
@@ -324,7 +327,8 @@ class Workload:
         model to calibrate on).  Called by the runner for methods with ``needs_calibration``."""
         return None
 
+    @abc.abstractmethod
     def run(self, ctx: RunContext, method: Method) -> Result:
         """Measure ``method`` in the prepared workload.  Every metric of the result must match
-        a ``METRICS`` declaration: the runner checks it (:func:`check_metrics`) after the run."""
-        raise NotImplementedError
+        a ``METRICS`` declaration: the runner checks it (:func:`check_metrics`) after the run.
+        Abstract: a workload class without ``run`` cannot be instantiated (``TypeError``)."""

@@ -36,6 +36,7 @@ a model.
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -348,13 +349,13 @@ class TaskWorkload(Workload):
         :func:`kvbench.bench.workloads.reject`)."""
 
     # ----------------------------------------------------------------- subclass hooks
+    @abc.abstractmethod
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """All examples of the task and a manifest dict (dataset info, prompt template...)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
         """``{"scores": {name: value in [0, 1]}, "extracted": ..., "gold": ...}``."""
-        raise NotImplementedError
 
     # ----------------------------------------------------------------- machinery
     @property
