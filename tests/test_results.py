@@ -54,6 +54,30 @@ def test_write_atomic_leaves_no_partial_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temp file left
 
 
+def test_atomic_file_modes(tmp_path: Path) -> None:
+    """Records get a plain file's mode (0o666 less the umask), sidecars and binary writes
+    mkstemp's 0o600; bytes are written as given; a failed write leaves nothing."""
+    import os
+    import stat
+
+    from kvbench.paths import atomic_file
+
+    old = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "r.json", {"a": 1})
+        with atomic_file(tmp_path / "sub" / "t.bin", "wb") as f:
+            f.write(b"\x00\xff")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "sub" / "t.bin").stat().st_mode) == 0o600
+    assert (tmp_path / "sub" / "t.bin").read_bytes() == b"\x00\xff"
+    with pytest.raises(RuntimeError), atomic_file(tmp_path / "sub" / "u.txt") as f:
+        f.write("half")
+        raise RuntimeError
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["t.bin"]
+
+
 def test_load_record_schema_errors(tmp_path: Path) -> None:
     rec = _rec({"key_mse": 1.0})
     write_record(tmp_path / "ok.json", rec)

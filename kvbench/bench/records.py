@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from kvbench.paths import atomic_file
 
 #: the record layout this code writes and the newest it reads
 SCHEMA_VERSION = 1
@@ -158,31 +158,13 @@ def record_path(out_dir: str | Path, run_id: str) -> Path:
     return Path(out_dir) / f"{run_id}.json"
 
 
-def _umask() -> int:
-    """The process umask (read by setting and restoring it)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_atomic(path: str | Path, data: Any) -> None:
     """Write JSON to ``path`` via a temporary file in the same folder and ``os.replace``, so a
     crash never leaves a partial file behind.  The file gets the mode a plain ``open`` would
     give (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, plain=True) as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+        f.write("\n")
 
 
 def write_record(path: str | Path, rec: Record) -> None:
@@ -192,19 +174,9 @@ def write_record(path: str | Path, rec: Record) -> None:
 
 def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> None:
     """Write one JSON object per line to ``path`` atomically (as :func:`write_atomic`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, sort_keys=True, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True, default=str) + "\n")
 
 
 def sidecar_path(record: str | Path, name: str) -> Path:

@@ -17,11 +17,11 @@ import argparse
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from kvbench.data.catalog import TEXTS, DatasetSpec
 from kvbench.data.loaders import DATA_DIR_ENV, hub_rows
+from kvbench.paths import atomic_file
 
 #: the text column of a hub text's rows
 TEXT_FIELD = "text"
@@ -107,15 +107,8 @@ def prepare_text(
             f"(config {spec.config}) as published"
         )
     dest = target_folder(out) / spec.local
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(dest, "wb") as f:
+        f.write(text.encode("utf-8"))
     return dest
 
 

@@ -9,12 +9,12 @@ docs/methods.md#kivi and docs/methods.md#average-bits bit formulas (2.25 / 2.50 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
 import torch
+from test_registry import FakeDist, FakeEP  # duck-typed entry points, shared
 
 import kvbench
 from kvbench import registry
@@ -219,30 +219,6 @@ def test_list_methods_has_the_builtins() -> None:
 def test_unknown_method_did_you_mean() -> None:
     with pytest.raises(ValueError, match=r"unknown method 'kivy'; did you mean 'kivi'"):
         kvbench.get_method("kivy")
-
-
-@dataclass
-class FakeDist:
-    name: str
-
-    @property
-    def metadata(self):
-        return {"Name": self.name}
-
-
-@dataclass
-class FakeEP:
-    """Duck-typed entry point: name, value, dist, load()."""
-
-    name: str
-    value: str
-    dist: FakeDist
-    target: object = None
-
-    def load(self):
-        if isinstance(self.target, Exception):
-            raise self.target
-        return self.target
 
 
 @pytest.fixture
