@@ -329,3 +329,15 @@ def test_int_block_q4_rule_default_is_llamacpp_in_code_and_docs() -> None:
     section = dict(_sections())["int8-block and int4-block"]
     assert '`q4_rule="llamacpp"` (default)' in section
     assert '`q4_rule="absmax7"` (default)' not in section
+
+
+@pytest.mark.parametrize("kind", ["fidelity", "memory"])
+def test_drawn_geometry_needs_whole_query_groups(kind):
+    """Both K/V-source workloads refuse query heads that are not a multiple of the KV heads."""
+    from kvbench.bench.workloads import WORKLOADS
+
+    cls = WORKLOADS.get(kind)
+    spec = {"type": kind, "source": "synthetic", "num_heads": 8, "num_kv_heads": 3}
+    with pytest.raises(ValueError, match=r"field 'num_heads': 8 .*multiples of num_kv_heads=3"):
+        cls.validate(spec, "s.yaml")
+    assert cls.validate({**spec, "num_heads": 9}, "s.yaml")["num_heads"] == 9

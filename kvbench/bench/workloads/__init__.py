@@ -184,6 +184,15 @@ KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
+def check_kv_heads(spec: dict[str, Any], pre: str) -> None:
+    """The drawn geometry of a K/V-source workload: ``num_heads`` a multiple of
+    ``num_kv_heads`` (GQA); else :func:`reject` naming both."""
+    if spec["num_heads"] % spec["num_kv_heads"]:
+        reject(
+            pre, "num_heads", spec["num_heads"], f"multiples of num_kv_heads={spec['num_kv_heads']}"
+        )
+
+
 def _rule_of_default(default: object) -> Field | None:
     """The rule a parameter without a declared :class:`~kvbench.fields.Field` gets from its
     default: a bool wants true or false, an int an integer >= 0, a float a number, a str a

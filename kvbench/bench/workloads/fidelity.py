@@ -40,7 +40,7 @@ from kvbench.bench.workloads.metrics import (
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 
-from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, reject
+from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
 
 
 def replay(
@@ -120,13 +120,7 @@ class Fidelity(Workload):
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         if spec["prefill"] >= spec["tokens"]:
             reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
-        if spec["num_heads"] % spec["num_kv_heads"]:
-            reject(
-                pre,
-                "num_heads",
-                spec["num_heads"],
-                f"multiples of num_kv_heads={spec['num_kv_heads']}",
-            )
+        check_kv_heads(spec, pre)
 
     def _synthetic(self, seed: int, calibration: int = 0) -> tuple[Any, dict[str, Any]]:
         """Seeded Q/K/V (module docstring); ``calibration`` > 0 also draws that many further

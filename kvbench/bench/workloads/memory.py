@@ -86,7 +86,7 @@ from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 
-from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, reject
+from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
@@ -355,13 +355,7 @@ class Memory(Workload):
             reject(pre, "appends", a, f"integers 1..{d - 1} (< context={d})")
         if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
             del spec["batch"]
-        if spec["num_heads"] % spec["num_kv_heads"]:
-            reject(
-                pre,
-                "num_heads",
-                spec["num_heads"],
-                f"multiples of num_kv_heads={spec['num_kv_heads']}",
-            )
+        check_kv_heads(spec, pre)
 
     # ------------------------------------------------------------------ inputs
     def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
