@@ -218,8 +218,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     check_contexts(suite)  # a context beyond a model's maximum: refused before --out is made
     out = args.out or f"results/{suite.name}"
-    timeout = getattr(args, "run_timeout", None)
-    if timeout is not None and getattr(args, "executor", "local") != "ray":
+    timeout = args.run_timeout
+    if timeout is not None and args.executor != "ray":
         raise ValueError(
             "--run-timeout needs --executor ray: the local executor runs each run in this "
             "process and cannot stop a hung one; add --executor ray (without --address it "
@@ -228,11 +228,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--run-timeout must be > 0 seconds, got {timeout:g}")
     runner = run_suite
-    if getattr(args, "executor", "local") == "ray":  # same records and resume; docs/cluster.md
+    if args.executor == "ray":  # same records and resume; docs/cluster.md
         from kvbench.integrations.ray_executor import runner_from_args
 
         runner = runner_from_args(args)  # checks ray and the address before anything is written
-    elif getattr(args, "address", None) or getattr(args, "max_parallel", None):
+    elif args.address or args.max_parallel:
         raise ValueError("--address and --max-parallel need --executor ray")
     check_output(out)
     args._out = out  # for the Ctrl-C message
@@ -244,7 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 limit=args.limit,
                 force=args.force,
                 quiet=args.quiet,
-                skip_unavailable=getattr(args, "skip_unavailable", False),
+                skip_unavailable=args.skip_unavailable,
             )
     except FileNotFoundError as exc:  # an asset that vanished after the pre-flight
         print(f"kvbench run: error: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ and in which order runs may start.  The pieces (docs/cluster.md has the user's v
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -860,7 +861,7 @@ def run_suite_ray(suite: Suite, out_dir: str | Path, **kwargs: Any) -> RayExecut
     return ex
 
 
-def runner_from_args(args: Any) -> Any:
+def runner_from_args(args: argparse.Namespace) -> Any:
     """A ``run_suite``-compatible callable for ``kvbench run --executor ray`` (the CLI's
     ``--address``, ``--max-parallel``, ``--progress-workers``, ``--run-timeout``); after the call its ``failed``
     attribute lists the failed records and ``executor`` is the :class:`RayExecutor`.
@@ -875,7 +876,7 @@ def runner_from_args(args: Any) -> Any:
             address=args.address,
             max_parallel=args.max_parallel,
             progress_workers=args.progress_workers,
-            run_timeout_s=getattr(args, "run_timeout", None),
+            run_timeout_s=args.run_timeout,
             **kwargs,
         )
         runner.executor = ex
