@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--cpu-attention",
         default=None,
         help="kvbench CPU attention mode (kvbench.attention.codedomain.MODES; default: its own, "
-        "$KVBENCH_CPU_ATTENTION or auto; --tiny: eager, no compilation)",
+        "$KVBENCH_CPU_ATTENTION or auto; --tiny: eager)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/decode_step"))
     args = ap.parse_args(argv)

@@ -9,17 +9,16 @@ float32 accumulation bound of :func:`_check`.
 Groups (read the ratios within a group, all in one run):
 
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
-  softmax), the eager, compiled and native code-domain paths (:mod:`kvbench.attention.codedomain`,
+  softmax), the eager and native code-domain paths (:mod:`kvbench.attention.codedomain`,
   :mod:`kvbench.attention.native`);
 * ``keys``: the key logits of the 32 quantized pages, by the candidate kernels
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
   a byte + matmul, (c) per-page partial sums: a query-side table of the partial dot product
-  of each byte value per page, then gathers only, and (a) the ``torch.compile``d sub-code
-  kernel, and the native C kernel (:func:`kvbench.attention.native.keys_rows`, what ``auto``
-  mode runs where it is built);
+  of each byte value per page, then gathers only, and the native C kernel
+  (:func:`kvbench.attention.native.keys_rows`, what ``auto`` mode runs where it is built);
 * ``values``: the attention-weighted value sum over 3968 per-token quantized values:
-  dequantize + matmul, eager code domain, compiled code domain, native.
+  dequantize + matmul, eager code domain, native.
 """
 
 from __future__ import annotations
@@ -75,13 +74,12 @@ def _attend_scale(lc, q: torch.Tensor) -> torch.Tensor:
     return p @ vr.abs()
 
 
-@pytest.mark.parametrize("mode", ["reference", "eager", "compiled", "native"])
+@pytest.mark.parametrize("mode", ["reference", "eager", "native"])
 def test_attend(benchmark, mode):
     lc, q, ref = _cache()
     benchmark.group = "attend [1,3,4096,64] 2-bit"
     with fastpath.cpu_attention_mode(mode):
         _check(lc.attend(q), ref, _attend_scale(lc, q), T + D)  # logits (D), value sum (T)
-        lc.attend(q)  # a second call: compiled kernels settle their dynamic shapes
         benchmark(lc.attend, q)
 
 
@@ -123,11 +121,6 @@ def keys_page_tables(blk, pk, q, a, b):
     return lg.permute(0, 1, 3, 2, 4).flatten(-2)
 
 
-def keys_compiled(blk, pk, q, a, b):
-    qs, qb = fastpath.key_page_terms(q, a, b, 2)
-    return fastpath._run(fastpath.key_pages_fused, [], pk, qs, qb, 2)
-
-
 def _need_native():
     if not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
@@ -147,7 +140,6 @@ def keys_native(blk, pk, q, a, b):
         keys_unpack_matmul,
         keys_lut_matmul,
         keys_page_tables,
-        keys_compiled,
         keys_native,
     ],
     ids=lambda f: f.__name__,
@@ -180,12 +172,6 @@ def values_eager(blk, p):
     return fastpath.value_tokens_eager(blk.codes, p, a, b, 2, D)
 
 
-def values_compiled(blk, p):
-    a, b = fastpath.affine_terms(blk)
-    ps, pb = fastpath.value_token_terms(p, a, b, 2)
-    return fastpath._run(fastpath.value_tokens_fused, [], blk.codes, ps, 2) + pb
-
-
 def values_native(blk, p):
     _need_native()
     a, b = fastpath.affine_terms(blk)
@@ -194,7 +180,7 @@ def values_native(blk, p):
 
 @pytest.mark.parametrize(
     "fn",
-    [values_dequantize, values_eager, values_compiled, values_native],
+    [values_dequantize, values_eager, values_native],
     ids=lambda f: f.__name__,
 )
 def test_values(benchmark, fn):

@@ -27,9 +27,9 @@ from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
 @pytest.fixture(autouse=True)
 def _without_native(monkeypatch):
-    """These tests are about the ``torch.compile`` / eager kernels and the mode rules between
-    them; the native C kernels, which ``auto`` mode prefers where built, are tested in
-    tests/attention/test_native.py and tests/attention/test_attend_backends.py."""
+    """These tests are about the eager kernels and the mode rules; the native C kernels, which
+    ``auto`` mode prefers where built, are tested in tests/attention/test_native.py and
+    tests/attention/test_attend_backends.py."""
     from kvbench.attention import native
 
     monkeypatch.setattr(native, "available", lambda: False)
@@ -80,16 +80,6 @@ def fill(lc: LayerCache, B: int, hkv: int, prompt: int, steps: int, D: int, seed
     return lc
 
 
-def fused_uncompiled(lc, query, scaling=None):
-    """The compiled kernels' source run eagerly (their math, without torch.compile)."""
-    old = fastpath._run
-    fastpath._run = lambda fn, dyn, *args: fn(*args)
-    try:
-        return fastpath.code_domain_attend(lc, query, scaling, compiled=True)
-    finally:
-        fastpath._run = old
-
-
 def query(B, hq, nq, D, seed=1):
     return torch.randn(B, hq, nq, D, generator=torch.Generator().manual_seed(seed))
 
@@ -103,7 +93,6 @@ def test_bits_and_value_groups(bits, vg):
     q = query(2, 6, 1, 16)
     ref = ref64(lc, q)
     close(fastpath.code_domain_attend(lc, q), ref)
-    close(fused_uncompiled(lc, q), ref)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +113,6 @@ def test_shapes(hkv, rep, D, G, R, prompt, steps, ns, B, bits):
     q = query(B, hkv * rep, 1, D)
     ref = ref64(lc, q, scaling=0.3)
     close(fastpath.code_domain_attend(lc, q, 0.3), ref)
-    close(fused_uncompiled(lc, q, 0.3), ref)
 
 
 def test_chunk_of_queries_is_causal():
@@ -135,7 +123,6 @@ def test_chunk_of_queries_is_causal():
     q = query(1, 4, 6, 16)  # the 6 new positions, before the deferred flush
     ref = ref64(lc, q)
     close(fastpath.code_domain_attend(lc, q), ref)
-    close(fused_uncompiled(lc, q), ref)
 
 
 def test_values_full_precision_and_fp32_scales():
@@ -153,7 +140,6 @@ def test_cropped_partial_page_and_batch_ops():
     q = query(3, 4, 1, 16)
     ref = ref64(lc, q)
     close(fastpath.code_domain_attend(lc, q), ref)
-    close(fused_uncompiled(lc, q), ref)
 
 
 @pytest.mark.parametrize("kind", ["symmetric", "midpoint", "per-head"])
@@ -174,7 +160,6 @@ def test_other_affine_layouts(kind):
     q = query(1, 4, 1, 16)
     ref = ref64(lc, q)
     close(fastpath.code_domain_attend(lc, q), ref)
-    close(fused_uncompiled(lc, q), ref)
 
 
 def test_kvq08_gqa_head_mapping():
@@ -199,7 +184,7 @@ def test_attend_dispatch_and_paths(monkeypatch):
     held = [(s, c, t.data_ptr(), t.shape) for s, c, t in lc.tensors()]
     nbytes = lc.nbytes()
     out = lc.attend(q)
-    assert lc.attend_path == fastpath.EAGER_PATH  # 36 quantized tokens < COMPILE_MIN_TOKENS
+    assert lc.attend_path == fastpath.EAGER_PATH
     assert [(s, c, t.data_ptr(), t.shape) for s, c, t in lc.tensors()] == held
     assert lc.nbytes() == nbytes  # attention stores nothing
     with fastpath.cpu_attention_mode("reference"):
@@ -251,34 +236,6 @@ def test_nan_group_propagates_like_the_reference():
     assert torch.isnan(out[0, 0]).all() and not torch.isnan(out[0, 1]).any()
 
 
-def test_auto_mode_compiles_long_decode_steps_only(monkeypatch):
-    calls = []
-    monkeypatch.setattr(fastpath, "_compiled_kernel", lambda fn, bits: calls.append(fn) or fn)
-    lc = fill(kivi_layer(2, 2, G=4, R=8), 1, 2, 20, 3, 16)
-    lc.attend(query(1, 4, 1, 16))
-    assert not calls and lc.attend_path == fastpath.EAGER_PATH
-    monkeypatch.setattr(fastpath, "COMPILE_MIN_TOKENS", 30)  # 36 quantized tokens now
-    q = query(1, 4, 1, 16)
-    close(lc.attend(q), ref64(lc, q))
-    assert len(calls) == 2 and lc.attend_path == fastpath.COMPILED_PATH
-    lc.attend(query(1, 4, 2, 16))  # two queries: eager
-    assert len(calls) == 2 and lc.attend_path == fastpath.EAGER_PATH
-
-
-def test_compile_failure_falls_back_to_eager(monkeypatch):
-    def broken(fn, bits):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(fastpath, "_compiled_kernel", broken)
-    monkeypatch.setattr(fastpath, "_compile_error", None)
-    lc = fill(kivi_layer(2, 2, G=4, R=8), 1, 2, 20, 3, 16)
-    q = query(1, 4, 1, 16)
-    with fastpath.cpu_attention_mode("compiled"), pytest.warns(UserWarning, match="eager"):
-        out = lc.attend(q)
-    assert lc.attend_path == fastpath.EAGER_PATH
-    close(out, ref64(lc, q))
-
-
 def test_bad_modes(monkeypatch):
     with pytest.raises(ValueError, match="mode='fast'.*allowed"):
         with fastpath.cpu_attention_mode("fast"):
@@ -292,13 +249,6 @@ def test_code_layout():
     assert [fastpath.code_layout(b) for b in range(1, 9)] == [
         (1, 8), (1, 4), (3, 8), (1, 2), (5, 8), (3, 4), (7, 8), (1, 1),
     ]  # fmt: skip
-    # 3-bit codes 0..7 then 7..0 packed LSB-first: word of 3 bytes
-    from kvbench.cache.quant import pack_bits
-
-    codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]])
-    sub = fastpath.subcodes(pack_bits(codes, 3), 3)
-    assert [s.tolist() for s in sub] == [[[0, 7]], [[1, 6]], [[2, 5]], [[3, 4]],
-                                         [[4, 3]], [[5, 2]], [[6, 1]], [[7, 0]]]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- model level
@@ -340,17 +290,3 @@ def test_model_greedy_tokens_match_reference_path():
     assert toks == ref_toks
     err = (logits - ref_logits).abs().max().item()
     assert err <= 1e-4 * ref_logits.abs().max().item()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("bits,vg", [(2, 8), (3, None)])
-def test_compiled_kernels_match(bits, vg):
-    """torch.compile (inductor) of the kernels: tens of seconds each on a first run."""
-    lc = fill(kivi_layer(bits, bits, G=32, R=32, vg=vg, hkv=3, D=64), 1, 3, 320, 40, 64)
-    q = query(1, 9, 1, 64)
-    with fastpath.cpu_attention_mode("compiled"):
-        out = lc.attend(q)
-        assert lc.attend_path == fastpath.COMPILED_PATH
-        close(out, ref64(lc, q))
-        lc.append(torch.ones(1, 3, 1, 64), torch.ones(1, 3, 1, 64))  # one more value token
-        close(lc.attend(q), ref64(lc, q))

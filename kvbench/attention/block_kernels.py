@@ -18,21 +18,21 @@ class BlockKernel(Protocol):
     """Code-domain attention terms of one stored block type on one device.
 
     ``key_reason(block, head_dim)`` / ``value_reason(block, head_dim)``: ``None`` when the
-    block is supported on that side, else why not.  ``key_logits(block, q, compiled) ->
-    float32 [B, H_kv, M, n]`` for query rows ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
-    applied; ``M = (H_q / H_kv) * n_q`` rows per KV head).  ``value_output(block, p, compiled)
-    -> float32 [B, H_kv, M, D]`` for probabilities ``p`` float32 ``[B, H_kv, M, n]``.
-    ``compiled``: the caller allows the native or ``torch.compile``d kernels (a kernel may
-    ignore it).
+    block is supported on that side, else why not.  ``key_logits(block, q) -> float32
+    [B, H_kv, M, n]`` for query rows ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
+    applied; ``M = (H_q / H_kv) * n_q`` rows per KV head).  ``value_output(block, p) ->
+    float32 [B, H_kv, M, D]`` for probabilities ``p`` float32 ``[B, H_kv, M, n]``.  A kernel
+    with a native form uses it only where the running step allows it
+    (``native_allowed()`` of the code-domain backend) and reports it (``note_impl``).
     """
 
     def key_reason(self, block: object, head_dim: int) -> str | None: ...
 
     def value_reason(self, block: object, head_dim: int) -> str | None: ...
 
-    def key_logits(self, block: object, q: torch.Tensor, compiled: bool) -> torch.Tensor: ...
+    def key_logits(self, block: object, q: torch.Tensor) -> torch.Tensor: ...
 
-    def value_output(self, block: object, p: torch.Tensor, compiled: bool) -> torch.Tensor: ...
+    def value_output(self, block: object, p: torch.Tensor) -> torch.Tensor: ...
 
 
 _KERNELS: dict[tuple[type, str], BlockKernel] = {}

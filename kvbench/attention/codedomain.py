@@ -6,7 +6,7 @@ and records ``attend_path`` / ``attend_path_reason``): sinks and the full-precis
 matmuls, each quantized block through the :class:`~kvbench.attention.block_kernels.BlockKernel`
 registered for its type (this module holds :class:`kvbench.cache.blocks.AffineBlock`'s;
 :mod:`kvbench.attention.mixed_channel` the mixed-precision channel classes'; all are registered
-in :mod:`kvbench.attention.dispatch`).  Paths recorded: :data:`COMPILED_PATH`, :data:`EAGER_PATH`.
+in :mod:`kvbench.attention.dispatch`).  Paths recorded: :data:`NATIVE_PATH`, :data:`EAGER_PATH`.
 
 Math (one KV head, ``M = (H_q / H_kv) * n_q`` query rows ``q`` already multiplied by the logit
 scale; a block stores codes ``c`` with per-group affine terms ``x = c * a + b``, where
@@ -27,24 +27,14 @@ scale; a block stores codes ``c`` with per-group affine terms ``x = c * a + b``,
 
 Two implementations of the block terms, equal up to float rounding:
 
-* *compiled* (:data:`COMPILED_PATH`): ``torch.compile`` (inductor, C++ on the CPU) of the
-  sub-code formulation: the packed bytes are split into ``codes_per_word`` strided sub-codes
-  (shift and mask), each multiplied and reduced in registers, so no unpacked or dequantized
-  tensor of the cache is ever written.  Measured on ``[1, 3, 4096, 64]`` 2-bit, 9 query
-  heads, 1 thread (``benchmarks/test_bench_decode.py``, minima on a busy machine): key logits
-  0.37 ms (dequantize + matmul 2.5 ms, unpack + matmul 1.4 ms, a 256-entry byte table +
-  matmul 0.92 ms, per-page partial-sum tables + gathers 1.0 ms), value sum 0.24 ms (1.9 ms),
-  the whole ``attend`` 0.79 ms against 6.1 ms for the reference path;
+* *native* (:data:`NATIVE_PATH`): the C kernels of :mod:`kvbench.attention.native`, where
+  built and where they take the block;
 * *eager* (:data:`EAGER_PATH`): ``unpack_bits`` + matmul in chunks of
-  :data:`EAGER_CHUNK_TOKENS` tokens (bounded temporaries), for small caches and machines
-  without a C++ compiler.
+  :data:`EAGER_CHUNK_TOKENS` tokens (bounded temporaries), for every other block and machines
+  without a C compiler.
 
-Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto``
-(default: compiled for single-query decode steps once a layer holds :data:`COMPILE_MIN_TOKENS`
-quantized tokens, since a first compile costs tens of seconds; eager otherwise), ``compiled``,
-``eager``, ``reference``.  A compile failure (no compiler) falls back to eager with one
-warning.  The compiled kernels treat the token counts as dynamic, so a growing cache reuses
-them; the first decode steps compile (run warm-up steps before timing).
+Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto`` (default)
+and ``native``: native where a block supports it, else eager; ``eager``; ``reference``.
 
 The core's :class:`kvbench.cache.blocks.AffineBlock` kernel covers per-channel/per-head pages and
 per-token groups for keys, per-token groups for values, 1..8 bits, any channel group dividing
@@ -56,9 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import types
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,14 +60,10 @@ from kvbench.cache.chunks import token_chunks
 from kvbench.cache.quant import unpack_bits
 
 ENV_MODE = "KVBENCH_CPU_ATTENTION"
-MODES = ("auto", "native", "compiled", "eager", "reference")
-COMPILED_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-compiled", "cpu-eager", "reference"
-NATIVE_PATH = "cpu-native"
+MODES = ("auto", "native", "eager", "reference")
+NATIVE_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-native", "cpu-eager", "reference"
 #: the backend's name in :data:`kvbench.attention.dispatch.BACKENDS`
 NAME = "code-domain"
-#: in ``auto`` mode, quantized tokens (keys + values of one layer) from which the compiled
-#: kernels are used
-COMPILE_MIN_TOKENS = 1024
 #: tokens per chunk of the eager path (bounds its temporary unpacked codes)
 EAGER_CHUNK_TOKENS = 1024
 #: bytes of the float32 scratch a full-precision part (residual, sinks, ``full``'s whole cache)
@@ -87,23 +71,20 @@ EAGER_CHUNK_TOKENS = 1024
 DENSE_CHUNK_BYTES = 8 << 20
 
 _mode_override: str | None = None
-_compiled: dict[tuple[str, int], Callable[..., Any]] = {}
-_compile_error: str | None = None
 
 
 class _StepState:
-    """What the running :func:`_registry_run` allows (``native``, ``inductor``) and which
-    implementation each quantized block used (``used``, for the recorded path)."""
+    """What the running :func:`_registry_run` allows (``native``) and which implementation
+    each quantized block used (``used``, for the recorded path)."""
 
     native = False
-    inductor = True
     used: list[str] = []
 
 
 _state = _StepState()
 
 
-KERNEL_KINDS = ("native", "compiled", "eager")
+KERNEL_KINDS = ("native", "eager")
 
 
 def path_kinds(path: str) -> set[str]:
@@ -122,8 +103,8 @@ def native_allowed() -> bool:
 
 
 def note_impl(impl: str) -> None:
-    """A block kernel reports the implementation it ran (``"native"``, ``"compiled"``,
-    ``"eager"``): the recorded path names them (``cpu-native``, ``cpu-compiled+native``)."""
+    """A block kernel reports the implementation it ran (``"native"``): the recorded path
+    names it (``cpu-native``; ``cpu-native+eager`` when another block did not report)."""
     _state.used.append(impl)
 
 
@@ -160,23 +141,6 @@ def code_layout(bits: int) -> tuple[int, int]:
     return bits // g, 8 // g
 
 
-def subcodes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
-    """Split packed codes ``[..., W * bytes_per_word]`` uint8 into ``codes_per_word`` int32
-    tensors ``[..., W]``: entry ``i`` holds the codes of channels ``j * codes_per_word + i``.
-    Shifts and masks only (a code straddling two bytes reads both)."""
-    bpw, cpw = code_layout(bits)
-    w = packed.reshape(*packed.shape[:-1], -1, bpw)
-    mask = (1 << bits) - 1
-    out = []
-    for i in range(cpw):
-        k, sh = divmod(i * bits, 8)
-        x = w[..., k].to(torch.int32)
-        if sh + bits > 8:
-            x = x | (w[..., k + 1].to(torch.int32) << 8)
-        out.append((x >> sh) & mask if (sh or bits < 8) else x)
-    return out
-
-
 def affine_terms(block: AffineBlock) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(a, b)`` ``[B|1, H|1, NG, Dg]`` with ``x = code * a + b`` for ``block``
     (exactly :func:`kvbench.cache.quant.dequantize_groups`'s three cases)."""
@@ -195,110 +159,13 @@ def _per_channel(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ kernels
-def to_subcode_order(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., D]`` -> ``[..., codes_per_word, W]`` (contiguous): entry ``[i, j]`` is channel
-    ``j * codes_per_word + i``, the order of :func:`subcodes`."""
-    _, cpw = code_layout(bits)
-    return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).contiguous()
-
-
-def key_page_terms(
-    q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query-side terms of the key pages: ``qs [B, H, M, NP, codes_per_word, W]`` (``q * a``
-    per page, in sub-code order) and ``qb [B, H, M, NP]`` (``q . b`` per page).
-
-    ``q``: float32 ``[B, H, M, D]``; ``a, b``: float32 ``[B|1, H|1, NP, D]`` per channel."""
-    qs = to_subcode_order(q, bits).unsqueeze(3) * to_subcode_order(a, bits).unsqueeze(2)
-    return qs.contiguous(), (q.unsqueeze(3) * b.unsqueeze(2)).sum(-1)
-
-
-def key_pages_fused(
-    packed: torch.Tensor, qs: torch.Tensor, qb: torch.Tensor, bits: int
-) -> torch.Tensor:
-    """Key logits of whole pages in the code domain (the compiled kernel's source).
-
-    Parameters
-    ----------
-    packed : uint8 ``[B, H, NP, L, nbytes]``, the codes of ``NP`` pages of ``L`` tokens.
-    qs, qb : float32 ``[B, H, M, NP, codes_per_word, W]`` and ``[B, H, M, NP]`` from
-        :func:`key_page_terms` (precomputed: inductor would otherwise recompute ``q * a`` with
-        strided loads inside the reduction).
-    bits : code width, 1..8; ``D = codes_per_word * W``.
-
-    Returns
-    -------
-    float32 ``[B, H, M, NP * L]``: ``q . (c * a + b)`` for every token of the pages.
-    """
-    bsz, h, m, npg = qb.shape
-    length = packed.shape[3]
-    acc = None
-    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, NP, L, W]
-        term = qs[..., i, :].unsqueeze(4) * c.float()  # [B, H, M, NP, L, W]
-        acc = term if acc is None else acc + term
-    return (acc.sum(-1) + qb.unsqueeze(-1)).reshape(bsz, h, m, npg * length)
-
-
-def _weights_for(ps: torch.Tensor, i: int, cpw: int, cg: int) -> torch.Tensor:
-    """``ps [..., n, Dg]`` -> the weight of channel ``j * cpw + i`` for each word ``j``."""
-    dg = ps.shape[-1]
-    if dg == 1:
-        return ps
-    w = dg * cg // cpw
-    if cg % cpw == 0:  # a word's channels share one group
-        return ps.unsqueeze(-1).expand(*ps.shape, cg // cpw).reshape(*ps.shape[:-1], w)
-    if cpw % cg == 0:  # a word spans cpw // cg groups
-        return ps.reshape(*ps.shape[:-1], w, cpw // cg)[..., i // cg]
-    idx = torch.tensor([(j * cpw + i) // cg for j in range(w)], device=ps.device)
-    return ps.index_select(-1, idx)
-
-
-def value_token_terms(
-    p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probability-side terms of per-token values: ``ps = p * a`` ``[B, H, M, n, Dg]`` and
-    ``pb = sum_t p_t (b_t + a_t h)`` ``[B, H, M, Dg]`` with ``h = (2^bits - 1) / 2``.
-
-    The codes are used centred (``c - h``, see :func:`value_tokens_fused`) and the offset
-    ``b + a h`` is about the group's middle, so the two sums do not cancel each other and the
-    long float32 sum over ``n`` stays accurate.  ``p``: float32 ``[B, H, M, n]``; ``a, b``:
-    float32 ``[B|1, H|1, n, Dg]``."""
-    half = ((1 << bits) - 1) / 2
-    ps = p.unsqueeze(-1) * a.unsqueeze(2)
-    return ps, (p.unsqueeze(-1) * (b + a * half).unsqueeze(2)).sum(3)
-
-
-def value_tokens_fused(packed: torch.Tensor, ps: torch.Tensor, bits: int) -> torch.Tensor:
-    """``sum_t ps_t (c_t - h)`` over per-token quantized values in the code domain (the
-    compiled kernel's source); add ``pb`` of :func:`value_token_terms` for the output.
-
-    Parameters
-    ----------
-    packed : uint8 ``[B, H, n, nbytes]``.
-    ps : float32 ``[B, H, M, n, Dg]`` from :func:`value_token_terms`.
-    bits : code width, 1..8; ``D = nbytes * 8 / bits`` a multiple of ``codes_per_word``.
-
-    Returns
-    -------
-    float32 ``[B, H, M, D]``.
-    """
-    bsz, h, n, nbytes = packed.shape
-    m, dg = ps.shape[2], ps.shape[-1]
-    _, cpw = code_layout(bits)
-    d = nbytes * 8 // bits
-    half = ((1 << bits) - 1) / 2
-    outs = [
-        (_weights_for(ps, i, cpw, d // dg) * (c.float() - half)).sum(3)  # [B, H, M, W]
-        for i, c in enumerate(subcodes(packed.unsqueeze(2), bits))  # [B, H, 1, n, W]
-    ]
-    return torch.stack(outs, -1).reshape(bsz, h, m, d)
-
-
 def key_pages_eager(
     packed: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
 ) -> torch.Tensor:
-    """Same result as :func:`key_pages_fused` by ``unpack_bits`` + matmul, in chunks of about
-    :data:`EAGER_CHUNK_TOKENS` tokens (any ``D``)."""
+    """Key logits ``[B, H, M, NP * L]`` of whole pages: ``q . (c * a + b)`` for every token,
+    by ``unpack_bits`` + matmul in chunks of about :data:`EAGER_CHUNK_TOKENS` tokens (any
+    ``D``).  ``packed`` uint8 ``[B, H, NP, L, nbytes]``, the codes of ``NP`` pages of ``L``
+    tokens; ``q`` float32 ``[B, H, M, D]``; ``a, b`` float32 ``[B|1, H|1, NP, D]`` per channel."""
     bsz, h, npg, length, _ = packed.shape
     d = q.shape[-1]
     step = max(1, EAGER_CHUNK_TOKENS // length)
@@ -317,8 +184,9 @@ def key_pages_eager(
 def value_tokens_eager(
     packed: torch.Tensor, p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, d: int
 ) -> torch.Tensor:
-    """Same result as :func:`value_tokens_fused` by ``unpack_bits`` + matmul in chunks
-    (any ``D``, given as ``d``)."""
+    """``sum_t p_t (c_t * a_t + b_t)`` ``[B, H, M, D]`` over per-token quantized values
+    (``packed`` uint8 ``[B, H, n, nbytes]``, ``p`` float32 ``[B, H, M, n]``, ``a, b`` float32
+    ``[B|1, H|1, n, Dg]``) by ``unpack_bits`` + matmul in chunks (any ``D``, given as ``d``)."""
     bsz, h, n, _ = packed.shape
     m, dg = p.shape[2], a.shape[-1]
     cg = d // dg
@@ -333,51 +201,20 @@ def value_tokens_eager(
     return (out + pb.unsqueeze(-1)).reshape(bsz, h, m, d)
 
 
-def key_tokens_fused(packed: torch.Tensor, qsub: torch.Tensor, a: torch.Tensor, bits: int):
-    """``sum_g a_{t,g} (q_g . c_{t,g})`` over per-token quantized keys in the code domain (the
-    compiled kernel's source); add ``sum_g b_{t,g} sum(q_g)`` for the logits.
-
-    Parameters
-    ----------
-    packed : uint8 ``[B, H, n, nbytes]``.
-    qsub : float32 ``[B, H, M, codes_per_word, Dg, Wg]``: the query in sub-code order, split
-        into the ``Dg`` channel groups of ``Wg = cg / codes_per_word`` words each.
-    a : float32 ``[B|1, H|1, n, Dg]``.
-
-    Returns
-    -------
-    float32 ``[B, H, M, n]``.
-    """
-    dg, wg = qsub.shape[-2], qsub.shape[-1]
-    acc = None
-    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # c: [B, H, 1, n, W]
-        c = c.reshape(*c.shape[:-1], dg, wg).float()
-        term = (qsub[:, :, :, i].unsqueeze(3) * c).sum(-1)  # [B, H, M, n, Dg]
-        acc = term if acc is None else acc + term
-    return (acc * a.unsqueeze(2)).sum(-1)
-
-
 def key_tokens(
     packed: torch.Tensor,
     q: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
     bits: int,
-    compiled: bool,
 ) -> torch.Tensor:
     """Logits ``[B, H, M, n]`` of per-token quantized keys (codes ``packed [B, H, n, nbytes]``,
     terms ``a, b`` float32 ``[B|1, H|1, n, Dg]``) for query rows ``q [B, H, M, D]``."""
     bsz, h, m, d = q.shape
     dg = a.shape[-1]
     cg = d // dg
-    _, cpw = code_layout(bits)
     qsum = q.reshape(bsz, h, m, dg, cg).sum(-1)  # [B, H, M, Dg]
     bias = torch.matmul(qsum, b.transpose(-1, -2))  # [B, H, M, n]
-    if compiled and cg % cpw == 0:
-        qsub = to_subcode_order(q, bits).reshape(bsz, h, m, cpw, dg, cg // cpw)
-        out = _run(key_tokens_fused, [(packed, 2), (a, 2)], packed, qsub, a, bits)
-        if out is not None:
-            return out + bias
     n = packed.shape[2]
     qg = q.reshape(bsz, h, m, dg, cg).transpose(2, 3)  # [B, H, Dg, M, cg]
     outs = []
@@ -389,47 +226,6 @@ def key_tokens(
         outs.append((part * a[:, :, sl].permute(0, 1, 3, 2).unsqueeze(3)).sum(2))
     out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
     return out + bias
-
-
-# ------------------------------------------------------------------------------ compile
-def _fresh_function(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """A copy of ``fn`` with its own code object: dynamo keeps its compiled graphs (and its
-    recompile limit) per code object, so each bit width gets its own cache."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
-
-
-def _compiled_kernel(fn: Callable[..., Any], bits: int) -> Callable[..., Any]:
-    key = (fn.__name__, bits)
-    if key not in _compiled:
-        # dynamic=None: besides the dims the caller marks, any dim that changes between calls
-        # (a context-sized operand the caller did not list) becomes dynamic at its first
-        # change, instead of one recompile per decode step up to dynamo's limit
-        _compiled[key] = torch.compile(_fresh_function(fn, f"b{bits}"), dynamic=None)
-    return _compiled[key]
-
-
-def _run(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
-    """The compiled ``fn(*args)`` (``args[-1]`` is the bit width), or ``None`` once compiling
-    failed; ``dyn``: (tensor, dim) pairs whose size grows with the context, marked dynamic so
-    that a longer cache reuses the compiled code."""
-    global _compile_error
-    if _compile_error is not None or not _state.inductor:
-        return None
-    for t, dim in dyn:
-        torch._dynamo.maybe_mark_dynamic(t, dim)
-    try:
-        out = _compiled_kernel(fn, args[-1])(*args)
-        note_impl("compiled")
-        return out
-    except Exception as e:  # noqa: BLE001 - no compiler, inductor bug: eager is still right
-        _compile_error = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            f"kvbench.attention.codedomain: torch.compile failed ({_compile_error[:200]}); using the "
-            "eager code-domain path from now on",
-            stacklevel=2,
-        )
-    return None
 
 
 def _group_slices(group_len: list[int]) -> list[tuple[int, slice]]:
@@ -467,14 +263,6 @@ def value_groups_eager(packed, p, a, b, group_len, bits, d) -> torch.Tensor:
         out = out + torch.matmul(pg, c) * a[:, :, gi : gi + 1]
         out = out + pg.sum(-1, keepdim=True) * b[:, :, gi : gi + 1]
     return out
-
-
-def run_compiled(fn: Callable[..., Any], dyn: list[tuple[torch.Tensor, int]], *args):
-    """Public form of the compile runner for block kernels outside this module: the
-    ``torch.compile``d ``fn(*args)`` (``args[-1]``: an int tag, e.g. the bit width, that keys
-    the compiled cache), or ``None`` once compiling failed (one warning; use the eager kernel).
-    ``dyn``: ``(tensor, dim)`` pairs whose size grows with the context."""
-    return _run(fn, dyn, *args)
 
 
 # ------------------------------------------------------------------------------ affine blocks
@@ -535,15 +323,14 @@ class AffineBlockAttention:
         a, b = _per_channel(a, d), _per_channel(b, d)
         return native.keys_rows(codes, q, a, b, block.group_len[0], bits)
 
-    def key_logits(self, block: AffineBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        out = self._native_keys(block, q) if compiled else None
+    def key_logits(self, block: AffineBlock, q: torch.Tensor) -> torch.Tensor:
+        out = self._native_keys(block, q)
         if out is not None:
             note_impl("native")
             return out
-        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
         if len(block.group_len) == block.ntokens:
             a, b = affine_terms(block)
-            return key_tokens(block.codes, q, a, b, block.bits, compiled)
+            return key_tokens(block.codes, q, a, b, block.bits)
         if not self._pages(block):  # flushes of different lengths (per-head, per-tensor)
             a, b = affine_terms(block)
             d = q.shape[-1]
@@ -557,36 +344,25 @@ class AffineBlockAttention:
         parts = []
         if full:
             pk = block.codes[:, :, : full * length].reshape(bsz, h, full, length, nbytes)
-            af, bf = a[:, :, :full], b[:, :, :full]
-            out = None
-            if compiled and d % code_layout(bits)[1] == 0:
-                qs, qb = key_page_terms(q, af, bf, bits)
-                out = _run(key_pages_fused, [(pk, 2), (qs, 3), (qb, 3)], pk, qs, qb, bits)
-            parts.append(out if out is not None else key_pages_eager(pk, q, af, bf, bits))
+            parts.append(key_pages_eager(pk, q, a[:, :, :full], b[:, :, :full], bits))
         if n > full * length:
             pk = block.codes[:, :, full * length :].unsqueeze(2)
             at, bt = a[:, :, full : full + 1], b[:, :, full : full + 1]
             parts.append(key_pages_eager(pk, q, at, bt, bits))
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
-    def value_output(self, block: AffineBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: AffineBlock, p: torch.Tensor) -> torch.Tensor:
         d, bits = block.head_dim, block.bits
         a, b = affine_terms(block)
         pk = block.codes
         if len(block.group_len) != block.ntokens:  # token groups (per-head, per-tensor values)
             a, b = _per_channel(a, d), _per_channel(b, d)
             return value_groups_eager(pk, p, a, b, block.group_len, bits, d)
-        if compiled and native_allowed():
+        if native_allowed():
             nk, na, nb = self._native_codes(block)
             if native.supports(nk, bits, d) and (d // na.shape[-1]) % code_layout(bits)[1] == 0:
                 note_impl("native")
                 return native.values_groups(nk, p, na, nb, bits, d)
-        compiled = compiled and block.bits <= 8  # 16-bit codes (int16): native or eager
-        if compiled and d % code_layout(bits)[1] == 0:
-            ps, pb = value_token_terms(p, a, b, bits)
-            out = _run(value_tokens_fused, [(pk, 2), (ps, 3)], pk, ps, bits)
-            if out is not None:
-                return out + _per_channel(pb, d)
         return value_tokens_eager(pk, p, a, b, bits, d)
 
 
@@ -625,7 +401,6 @@ def code_domain_attend(
     layer_cache: Any,
     query: torch.Tensor,
     scaling: float | None = None,
-    compiled: bool = False,
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query [B, H_q, n_q, D]`` over ``layer_cache`` (a
@@ -635,8 +410,6 @@ def code_domain_attend(
     aligned to the end when ``n_q > 1``; ``lengths``: per-row valid tokens; float32 logits and
     softmax).
 
-    ``compiled``: use the ``torch.compile`` kernels (else the eager ones).
-
     Raises
     ------
     ValueError
@@ -645,7 +418,7 @@ def code_domain_attend(
     why = code_domain_reason(layer_cache, query, lengths, check_mode=False)
     if why:
         raise ValueError(why)
-    return _attend(layer_cache, query, scaling, compiled, lengths)
+    return _attend(layer_cache, query, scaling, lengths)
 
 
 def _float_pieces(part: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -704,7 +477,6 @@ def _attend(
     layer_cache: Any,
     query: torch.Tensor,
     scaling: float | None,
-    compiled: bool,
     lengths: torch.Tensor | None = None,
 ):
     """:func:`code_domain_attend` without its layout checks."""
@@ -720,7 +492,7 @@ def _attend(
         if isinstance(part, torch.Tensor):
             logits.append(dense_logits(q, part))
         elif part is not None:
-            logits.append(block_kernel(part, dev).key_logits(part, q, compiled))
+            logits.append(block_kernel(part, dev).key_logits(part, q))
     lg = torch.cat(logits, -1) if len(logits) > 1 else logits[0]  # [B, H_kv, M, T]
     t = lg.shape[-1]
     if nq > 1 or lengths is not None:
@@ -740,7 +512,7 @@ def _attend(
         if isinstance(part, torch.Tensor):
             o = dense_output(p, part)
         else:
-            o = block_kernel(part, dev).value_output(part, p.contiguous(), compiled)
+            o = block_kernel(part, dev).value_output(part, p.contiguous())
         out = o if out is None else out + o
     return out.reshape(bsz, hq, nq, d).to(query.dtype)
 
@@ -748,36 +520,24 @@ def _attend(
 def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
     """The registry's code-domain backend: ``(out, path)``; the mode picks the kernels.
 
-    ``auto``: the native kernels (:mod:`kvbench.attention.native`) wherever a block supports them
-    (no per-shape compile cost), else ``torch.compile`` for single-query decode steps once a
-    layer holds :data:`COMPILE_MIN_TOKENS` quantized tokens, else eager.  ``native``: native,
-    else eager.  ``compiled``: ``torch.compile``, else eager.  The path names what ran:
-    ``cpu-native``, ``cpu-compiled``, ``cpu-eager``, or a ``+`` join when blocks differed."""
+    ``auto`` and ``native``: the native kernels (:mod:`kvbench.attention.native`) wherever a
+    block supports them, else eager; ``eager``: eager.  The path names what ran:
+    ``cpu-native``, ``cpu-eager``, or ``cpu-native+eager`` when blocks differed."""
     mode = cpu_mode()
-    cpu = query.device.type == "cpu"
-    inductor = cpu and (
-        mode == "compiled"
-        or (
-            mode == "auto"
-            and query.shape[2] == 1  # decode steps; chunks of queries would add graphs
-            and sum(layer_cache.quantized_tokens()) >= COMPILE_MIN_TOKENS
-        )
-    )
-    inductor = inductor and _compile_error is None
-    nat = cpu and mode in ("auto", "native") and native.available()
-    _state.native, _state.inductor, _state.used = nat, inductor, []
+    _state.native = query.device.type == "cpu" and mode in ("auto", "native") and native.available()
+    _state.used = []
     try:
-        out = _attend(layer_cache, query, scaling, nat or inductor, lengths)
+        out = _attend(layer_cache, query, scaling, lengths)
     finally:
         used, _state.used = _state.used, []
-        _state.native, _state.inductor = False, True
+        _state.native = False
     dev = query.device.type
     if dev != "cpu":  # a block kernel registered for another device (QJL's on CUDA): eager
         return out, f"{dev}-eager"
     blocks = sum(side.block is not None for side in (layer_cache.k, layer_cache.v))
     if len(used) < blocks:  # a kernel that did not report ran its eager code
         used.append("eager")
-    kinds = sorted(set(used) or {"eager"}, key=("native", "compiled", "eager").index)
+    kinds = sorted(set(used) or {"eager"}, key=KERNEL_KINDS.index)
     return out, "cpu-" + "+".join(kinds)
 
 
@@ -789,7 +549,7 @@ def eager_attend(
 ) -> torch.Tensor:
     """The eager code-domain attention without layout checks: the reference of blocks that
     have no dequantized form (QJL's sketches; :func:`kvbench.attention.dispatch.reference_attend`)."""
-    return _attend(layer_cache, query, scaling, False, lengths)
+    return _attend(layer_cache, query, scaling, lengths)
 
 
 class CodeDomainBackend:

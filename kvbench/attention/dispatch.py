@@ -14,8 +14,8 @@ in :data:`BACKENDS` below (one ``register`` call each, nothing registers itself 
    (dequantize) and :func:`kvbench.attention.reference.reference_attention`.
 
 The first backend whose ``reason`` is ``None`` runs.  The path taken is recorded on the cache as
-``attend_path`` (``"triton"``, ``"cpu-native"``, ``"cpu-compiled"``, ``"cpu-eager"`` or a ``+``
-join of the CPU kinds, ``"<device>-eager"``, or ``"reference"``) and why the faster ones declined
+``attend_path`` (``"triton"``, ``"cpu-native"``, ``"cpu-eager"``, ``"cpu-native+eager"``,
+``"<device>-eager"``, or ``"reference"``) and why the faster ones declined
 as ``attend_path_reason`` (``""`` when the first choice ran).  Nothing here reads a type name or
 a private field: a cache (or side) whose reads are not its stored parts says so with
 ``reads_transformed`` (a reason string), and a block type says what it stores by its kernel.

@@ -10,9 +10,9 @@ with the midpoint terms), the logit of token ``t`` of page ``P`` is::
 
 so the query is gathered once per step (``q_perm = q[perm]``: once per page for Kitty's per-page
 permutation, once for a fixed one), then each class is a per-channel page product on its own
-slice of the packed bytes (:func:`kvbench.attention.codedomain.key_pages_fused`, compiled; or unpack +
-matmul, eager).  Bit-plane packed layouts (a class boundary not on a byte,
-:func:`kvbench.cache.mixed_channel.pack_mixed`) take the eager path.  Values are never stored this way.
+slice of the packed bytes (native; or unpack + matmul, eager).  Bit-plane packed layouts (a
+class boundary not on a byte, :func:`kvbench.cache.mixed_channel.pack_mixed`) are read by the
+native bit-stream kernels, else eager.  Values are never stored this way.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import torch
 from kvbench.attention import native
 from kvbench.attention.codedomain import (
     EAGER_CHUNK_TOKENS,
-    _run,
     code_layout,
-    key_pages_fused,
     native_allowed,
     note_impl,
-    to_subcode_order,
 )
 from kvbench.cache.mixed_channel import MixedChannelBlock, unpack_mixed
 from kvbench.cache.quant import unpack_bits
@@ -136,13 +133,11 @@ def _pages(
     qp: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    compiled: bool,
-    inductor: bool = True,
 ) -> torch.Tensor:
     """Logits ``[B, H, M, np * L]`` of ``np`` pages of ``L`` tokens: ``codes`` uint8
     ``[B, H, np, L, nbytes]``, ``qp`` the class-sorted query ``[B, H, M, np|1, D]``, ``a, b``
-    ``[B, H, np, D]``.  ``compiled``: fast kernels allowed (native where available, else
-    ``torch.compile`` when ``inductor``); else unpack + matmul."""
+    ``[B, H, np, D]``: native where the step allows it and the class fits, else unpack +
+    matmul."""
     bsz, h, npg, length, nbytes = codes.shape
     m = qp.shape[2]
     qs_all = qp * a.unsqueeze(2)  # [B, H, M, np, D]
@@ -156,7 +151,7 @@ def _pages(
         qs = qs_all[..., off : off + cnt]
         nb = (cnt * bits + 7) // 8
         res = None
-        if wide is not None and compiled and native_allowed():
+        if wide is not None and native_allowed():
             nw = wide[ci] * bits // 8  # whole words (the last class may read trailing bits)
             flat = codes.reshape(bsz, h, npg * length, nbytes)[..., boff : boff + nw]
             if native.supports(flat, bits, wide[ci]):
@@ -164,13 +159,6 @@ def _pages(
                 res = native.keys_raw_rows(flat, qw, length, bits)
                 res = res.reshape(bsz, h, m, npg, length)
                 note_impl("native")
-        if res is None and aligned and compiled and inductor and cnt % code_layout(bits)[1] == 0:
-            seg = codes[..., boff : boff + nb]
-            qsub = to_subcode_order(qs, bits)  # [B, H, M, np, cpw, W]
-            zero = torch.zeros(bsz, h, m, npg, device=qs.device)
-            res = _run(key_pages_fused, [(seg, 2), (qsub, 3), (zero, 3)], seg, qsub, zero, bits)
-            if res is not None:
-                res = res.reshape(bsz, h, m, npg, length)
         if res is None:
             res = _eager_class(block, codes, qs, ci, cnt, bits, boff, nb, aligned)
         out = out + res
@@ -243,7 +231,7 @@ class MixedChannelAttention:
     def value_reason(self, block: MixedChannelBlock, head_dim: int) -> str | None:
         return "mixed channel classes are a key layout (values are per-token)"
 
-    def key_logits(self, block: MixedChannelBlock, q: torch.Tensor, compiled: bool):
+    def key_logits(self, block: MixedChannelBlock, q: torch.Tensor):
         bsz, h, m, d = q.shape
         length = block.group_len[0]
         n = block.ntokens
@@ -256,7 +244,7 @@ class MixedChannelAttention:
             perm = block.perm.long().expand(bsz, h, -1, d)  # [B, H, NP|1, D]
             qx = q.unsqueeze(3).expand(bsz, h, m, perm.shape[2], d)
             qp = qx.gather(-1, perm.unsqueeze(2).expand(bsz, h, m, perm.shape[2], d))
-        if compiled and native_allowed() and not _native_classes(block):
+        if native_allowed() and not _native_classes(block):
             out = _native_stream(block, qp, n, length)
             if out is not None:
                 note_impl("native")
@@ -267,14 +255,14 @@ class MixedChannelAttention:
             a, b = _class_terms(block, sl)
             ck = codes[:, :, : full * length].reshape(bsz, h, full, length, nbytes)
             qf = qp if qp.shape[3] == 1 else qp[:, :, :, sl]
-            parts.append(_pages(block, ck, qf, a, b, compiled))
+            parts.append(_pages(block, ck, qf, a, b))
         if n > full * length:
             sl = slice(full, full + 1)
             a, b = _class_terms(block, sl)
             ck = codes[:, :, full * length :].unsqueeze(2)
             qt = qp if qp.shape[3] == 1 else qp[:, :, :, sl]
-            parts.append(_pages(block, ck, qt, a, b, compiled, inductor=False))
+            parts.append(_pages(block, ck, qt, a, b))
         return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
 
-    def value_output(self, block: MixedChannelBlock, p: torch.Tensor, compiled: bool):
+    def value_output(self, block: MixedChannelBlock, p: torch.Tensor):
         raise ValueError(self.value_reason(block, block.head_dim))

@@ -1,14 +1,10 @@
 """Native (C) CPU kernels of the code-domain decode attention: one read of each stored token.
 
-:mod:`kvbench.attention.codedomain` computes a decode step's attention on the stored codes.  Its
-``torch.compile`` kernels pay two costs that dwarf the bytes a 2-bit cache holds: dynamo's
-guard and wrapper overhead on every call (about 0.5 ms per call, two calls per layer and step),
-and inductor's loop order for these shapes (the query rows outermost, so every token's codes
-are unpacked once per query row, and a horizontal reduction per token and row).  This module
-calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (see Build below),
-through :mod:`ctypes` (a few microseconds per call): per KV head, each token's codes are
-decoded into a float buffer in L1 and used by all ``M`` query rows before the next token is
-read (see the C file's header for the math).
+:mod:`kvbench.attention.codedomain` computes a decode step's attention on the stored codes.
+This module calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (see Build
+below), through :mod:`ctypes` (a few microseconds per call): per KV head, each token's codes are
+decoded into a float buffer in L1 and used by all ``M`` query rows before the next token is read
+(see the C file's header for the math).
 
 Layouts served (exactly :func:`kvbench.cache.quant.dequantize_groups`'s affine terms, or a table):
 
@@ -28,8 +24,8 @@ Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (plus ``$KVBENCH_
 into :data:`LIBRARY`, next to this module, at ``pip install .`` / ``pip install -e .`` (about 80
 CPU-s); :mod:`kvbench.clib` loads it and checks its ABI and source digest.  Not built (no
 compiler at install, a source checkout never built), stale or failed: :func:`available` is
-``False`` with the reason (:func:`unavailable_reason`), and the callers use the
-``torch.compile`` / eager kernels.  ``KVBENCH_NATIVE=0`` disables this module.
+``False`` with the reason (:func:`unavailable_reason`), and the callers use the eager
+kernels.  ``KVBENCH_NATIVE=0`` disables this module.
 
 Shapes: ``codes`` uint8 ``[B, H_kv, T, nbytes]`` (any strides with contiguous rows; a view of a
 byte slice of each row for a mixed class), ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale

@@ -464,7 +464,7 @@ def decode_route(method: Method, model: Any, path: str = "attend") -> tuple[bool
 def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
     """What a workload records about its decode attention (manifest ``decode_attention``):
     ``route`` (``attend`` or ``reference``), ``route_reason``, and summed over ``caches``
-    ``paths`` (layer decode calls per path that ran: ``cpu-compiled``, ``cpu-eager``,
+    ``paths`` (layer decode calls per path that ran: ``cpu-native``, ``cpu-eager``,
     ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the reference
     route) and ``path_reasons`` (why faster backends declined)."""
     paths: dict[str, int] = {}

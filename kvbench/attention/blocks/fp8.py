@@ -1,5 +1,5 @@
 """Code-domain attention of :class:`kvbench.cache.fp8.FP8Block` (the ``fp8`` method's blocks):
-a 256-entry table of the format's values read by the native, compiled or eager kernels.
+a 256-entry table of the format's values read by the native or eager kernels.
 Registered in :mod:`kvbench.attention.dispatch`.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.attention import native
-from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl, run_compiled
+from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.cache.fp8 import FORMATS, FP8Block, expand_groups
 
 _LUTS: dict[tuple[str, str], torch.Tensor] = {}
@@ -37,41 +37,24 @@ def _bytes(block: FP8Block) -> torch.Tensor:
     return block.codes if block.codes.dtype == torch.uint8 else block.codes.view(torch.uint8)
 
 
-def _fp8_logits(codes: torch.Tensor, q: torch.Tensor, lut: torch.Tensor, tag: int):
-    """``q . lut[codes_t]`` (the compiled kernel's source): uint8 ``[B, H, n, D]``, float32
-    ``[B, H, M, D]`` -> ``[B, H, M, n]``; the lookup is fused into the reduction."""
-    x = lut[codes.long()]  # [B, H, n, D] in registers once compiled
-    return (q.unsqueeze(3) * x.unsqueeze(2)).sum(-1)
-
-
-def _fp8_values(codes: torch.Tensor, p: torch.Tensor, lut: torch.Tensor, tag: int):
-    """``sum_t p_t lut[codes_t]`` (the compiled kernel's source): ``[B, H, M, n]`` ->
-    ``[B, H, M, D]``."""
-    x = lut[codes.long()]
-    return (p.unsqueeze(-1) * x.unsqueeze(2)).sum(3)
-
-
 class FP8Attention:
     """Code-domain attention terms of :class:`FP8Block` (a block kernel).
 
     ``logit_t = s_t (q . fp8(c_t))`` and ``out = sum_t (p_t s_t) fp8(c_t)`` with ``fp8(.)`` the
-    256-entry table :func:`fp8_table` (no dequantized cache: compiled, the lookup is fused into
-    the reduction; eager, in chunks of ``EAGER_CHUNK_TOKENS`` tokens)."""
+    256-entry table :func:`fp8_table` (no dequantized cache: native, the lookup is done in
+    registers; eager, in chunks of ``EAGER_CHUNK_TOKENS`` tokens)."""
 
     def key_reason(self, block: FP8Block, head_dim: int) -> str | None:
         return None
 
     value_reason = key_reason
 
-    def key_logits(self, block: FP8Block, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: FP8Block, q: torch.Tensor) -> torch.Tensor:
         codes, lut = _bytes(block), fp8_table(block.fmt, q.device)
-        out = None
-        if compiled and native_allowed() and native.supports(codes, 8, q.shape[-1]):
+        if native_allowed() and native.supports(codes, 8, q.shape[-1]):
             out = native.keys_lut(codes, q, lut, 8)
             note_impl("native")
-        elif compiled:
-            out = run_compiled(_fp8_logits, [(codes, 2), (q, 2)], codes, q, lut, 8)
-        if out is None:
+        else:
             outs = []
             for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
                 x = lut[codes[:, :, t0 : t0 + EAGER_CHUNK_TOKENS].long()]
@@ -80,20 +63,13 @@ class FP8Attention:
         s = _token_scale(block)
         return out if s is None else out * s
 
-    def value_output(self, block: FP8Block, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: FP8Block, p: torch.Tensor) -> torch.Tensor:
         s = _token_scale(block)
         ps = p if s is None else p * s
         codes, lut = _bytes(block), fp8_table(block.fmt, p.device)
-        if compiled and native_allowed() and native.supports(codes, 8, codes.shape[-1]):
+        if native_allowed() and native.supports(codes, 8, codes.shape[-1]):
             note_impl("native")
             return native.values_lut(codes, ps, lut, 8, codes.shape[-1])
-        out = (
-            run_compiled(_fp8_values, [(codes, 2), (ps, 3)], codes, ps, lut, 8)
-            if compiled
-            else None
-        )
-        if out is not None:
-            return out
         out = 0
         for t0 in range(0, codes.shape[2], EAGER_CHUNK_TOKENS):
             sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)

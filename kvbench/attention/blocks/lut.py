@@ -56,14 +56,14 @@ class LUTAttention:
     def value_reason(self, block: LUTBlock, head_dim: int) -> str | None:
         return "KVQuant's LUT codes are a key layout"
 
-    def key_logits(self, block: LUTBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: LUTBlock, q: torch.Tensor) -> torch.Tensor:
         b, h, n, _ = block.codes.shape
         d, rot, dev = block.head_dim, block.rotary, q.device
         lut = block.lut.float().to(dev)
         if rot is not None:
             i1, i2 = (i.to(dev) for i in rope_pairs(d, rot.layout))
             cos, sin = (t.to(dev) for t in rope_angles(rot.start, n, d, rot.theta, dev))
-        if compiled and native_allowed() and native.supports(block.codes, block.bits, d):
+        if native_allowed() and native.supports(block.codes, block.bits, d):
             note_impl("native")
             return native.keys_lut_outliers(
                 block.codes, q, lut, block.half, block.center, block.out_idx, block.out_val,
@@ -112,5 +112,5 @@ class LUTAttention:
             lg = flat.reshape(b, h, n, -1).permute(0, 1, 3, 2)
         return lg
 
-    def value_output(self, block: LUTBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: LUTBlock, p: torch.Tensor) -> torch.Tensor:
         raise ValueError(self.value_reason(block, 0))

@@ -27,7 +27,7 @@ class MixedTokenAttention:
     terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
     (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + sum_g 2^lb scale_{t,g} (q_g . up_{t,g})``
     and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
-    kernel (:class:`kvbench.attention.codedomain.AffineBlockAttention`: native, compiled or eager): the
+    kernel (:class:`kvbench.attention.codedomain.AffineBlockAttention`: native or eager): the
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
     token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
     rows placed at their positions and zero codes for the low tokens (a transient of ``(hb -
@@ -100,18 +100,18 @@ class MixedTokenAttention:
             return native.values_groups(low.codes, x, a, z, low.bits, d, upper)
         return native.keys_groups(low.codes, x, a, z, low.bits, upper)
 
-    def key_logits(self, block: MixedTokenBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
-        if compiled and (out := self._native(block, q, values=False)) is not None:
+    def key_logits(self, block: MixedTokenBlock, q: torch.Tensor) -> torch.Tensor:
+        if (out := self._native(block, q, values=False)) is not None:
             return out
-        lg = _AFFINE.key_logits(self._low(block), q, compiled)  # [B, H, M, n]
+        lg = _AFFINE.key_logits(self._low(block), q)  # [B, H, M, n]
         if not block.extra.shape[0]:
             return lg
-        return lg + _AFFINE.key_logits(self._upper(block), q, compiled)
+        return lg + _AFFINE.key_logits(self._upper(block), q)
 
-    def value_output(self, block: MixedTokenBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
-        if compiled and (out := self._native(block, p, values=True)) is not None:
+    def value_output(self, block: MixedTokenBlock, p: torch.Tensor) -> torch.Tensor:
+        if (out := self._native(block, p, values=True)) is not None:
             return out
-        out = _AFFINE.value_output(self._low(block), p, compiled)  # [B, H, M, D]
+        out = _AFFINE.value_output(self._low(block), p)  # [B, H, M, D]
         if not block.extra.shape[0]:
             return out
-        return out + _AFFINE.value_output(self._upper(block), p, compiled)
+        return out + _AFFINE.value_output(self._upper(block), p)

@@ -38,7 +38,7 @@ class PolarAttention:
     def value_reason(self, block: PolarBlock, head_dim: int) -> str | None:
         return "PolarQuant is a key layout"
 
-    def key_logits(self, block: PolarBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: PolarBlock, q: torch.Tensor) -> torch.Tensor:
         rad, ang = block.radius, block.angle
         bsz, h, m, d = q.shape
         d2, length, n = d // 2, rad.group_len[0], rad.ntokens
@@ -47,8 +47,7 @@ class PolarAttention:
         at, bt = affine_terms(ang)
         lv = torch.arange(1 << ang.bits, device=q.device, dtype=torch.float32)
         if (
-            compiled
-            and native_allowed()
+            native_allowed()
             and rad.codes.device.type == "cpu"
             and max(rad.bits, ang.bits) <= 8
             and native.available()
@@ -89,5 +88,5 @@ class PolarAttention:
             outs.append(lg[..., : t1 - t0])
         return torch.cat(outs, -1) if len(outs) > 1 else outs[0]
 
-    def value_output(self, block: PolarBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: PolarBlock, p: torch.Tensor) -> torch.Tensor:
         raise ValueError(self.value_reason(block, 0))

@@ -44,13 +44,13 @@ class QJLAttention:
     def value_reason(self, block: QJLBlock, head_dim: int) -> str | None:
         return "QJL sketches keys only"
 
-    def key_logits(self, block: QJLBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: QJLBlock, q: torch.Tensor) -> torch.Tensor:
         # q [B, H_kv, M, D] (one row group per KV head) -> [B, H, M, n]
-        out = native_scores(block, q) if compiled and native_allowed() else None
+        out = native_scores(block, q) if native_allowed() else None
         if out is not None:
             note_impl("native")
             return out
         return block.scores(q)
 
-    def value_output(self, block: QJLBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: QJLBlock, p: torch.Tensor) -> torch.Tensor:
         raise ValueError(self.value_reason(block, 0))

@@ -7,38 +7,9 @@ from __future__ import annotations
 import torch
 
 from kvbench.attention import native
-from kvbench.attention.codedomain import (
-    EAGER_CHUNK_TOKENS,
-    code_layout,
-    native_allowed,
-    note_impl,
-    run_compiled,
-    subcodes,
-    to_subcode_order,
-)
+from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, code_layout, native_allowed, note_impl
 from kvbench.cache.quant import unpack_bits
 from kvbench.cache.turbo import TurboBlock
-
-
-def _tq_logits(packed, qsub, cent, bits):
-    """``sum_j qrot_j * centroid[c_{t,j}]`` (the compiled kernel's source): packed uint8
-    ``[B, H, n, nbytes]``, ``qsub`` the rotated query in sub-code order ``[B, H, M, cpw, W]``
-    -> ``[B, H, M, n]``; the codebook lookup stays in registers once compiled."""
-    acc = None
-    for i, c in enumerate(subcodes(packed.unsqueeze(2), bits)):  # [B, H, 1, n, W]
-        term = (qsub[:, :, :, i].unsqueeze(3) * cent[c.long()]).sum(-1)
-        acc = term if acc is None else acc + term
-    return acc
-
-
-def _tq_values(packed, ps, cent, bits):
-    """``sum_t ps_t centroid[c_t]`` in the rotated basis (the compiled kernel's source):
-    ``ps [B, H, M, n]`` -> ``[B, H, M, D]``."""
-    outs = [
-        (ps.unsqueeze(-1) * cent[c.long()]).sum(3)  # [B, H, M, W]
-        for c in subcodes(packed.unsqueeze(2), bits)
-    ]
-    return torch.stack(outs, -1).reshape(*ps.shape[:3], -1)
 
 
 class TurboAttention:
@@ -47,8 +18,8 @@ class TurboAttention:
     With ``x_t = |x_t| centroid[c_t] Pi`` (Zandieh et al., arXiv 2504.19874, Alg. 1): keys
     ``q . x_t = |x_t| (q Pi^T) . centroid[c_t]`` (the query rotated once per step); values
     ``sum_t p_t x_t = (sum_t p_t |x_t| centroid[c_t]) Pi`` (one rotation of the output).  No
-    rotated or dequantized cache is made: compiled, the codebook lookup is fused into the
-    reduction; eager, unpack + lookup + matmul in chunks of ``EAGER_CHUNK_TOKENS``."""
+    rotated or dequantized cache is made: native, the codebook lookup is done in registers;
+    eager, unpack + lookup + matmul in chunks of ``EAGER_CHUNK_TOKENS``."""
 
     def key_reason(self, block: TurboBlock, head_dim: int) -> str | None:
         return (
@@ -59,19 +30,15 @@ class TurboAttention:
 
     value_reason = key_reason
 
-    def key_logits(self, block: TurboBlock, q: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def key_logits(self, block: TurboBlock, q: torch.Tensor) -> torch.Tensor:
         rot = block.rotation.to(q.device)
         cent = block.centroids.to(q.device).float()
         qr = q @ rot.T  # [B, H, M, D]
         d, bits = rot.shape[0], block.bits
-        out = None
-        if compiled and native_allowed() and native.supports(block.codes, bits, d):
+        if native_allowed() and native.supports(block.codes, bits, d):
             out = native.keys_lut(block.codes, qr, cent, bits)
             note_impl("native")
-        elif compiled:
-            qsub = to_subcode_order(qr, bits)
-            out = run_compiled(_tq_logits, [(block.codes, 2)], block.codes, qsub, cent, bits)
-        if out is None:
+        else:
             outs = []
             for t0 in range(0, block.ntokens, EAGER_CHUNK_TOKENS):
                 sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
@@ -80,18 +47,15 @@ class TurboAttention:
             out = torch.cat(outs, -1) if len(outs) > 1 else outs[0]
         return out * block.norms.float()[..., 0].unsqueeze(2)
 
-    def value_output(self, block: TurboBlock, p: torch.Tensor, compiled: bool) -> torch.Tensor:
+    def value_output(self, block: TurboBlock, p: torch.Tensor) -> torch.Tensor:
         rot = block.rotation.to(p.device)
         cent = block.centroids.to(p.device).float()
         ps = p * block.norms.float()[..., 0].unsqueeze(2)
         d, bits = rot.shape[0], block.bits
-        out = None
-        if compiled and native_allowed() and native.supports(block.codes, bits, d):
+        if native_allowed() and native.supports(block.codes, bits, d):
             out = native.values_lut(block.codes, ps, cent, bits, d)
             note_impl("native")
-        elif compiled:
-            out = run_compiled(_tq_values, [(block.codes, 2)], block.codes, ps, cent, bits)
-        if out is None:
+        else:
             out = 0
             for t0 in range(0, block.ntokens, EAGER_CHUNK_TOKENS):
                 sl = slice(t0, t0 + EAGER_CHUNK_TOKENS)
