@@ -19,7 +19,7 @@ env: $(STAMP)
 
 # setup.py compiles the native C kernels during the editable install (~80 CPU-s): an edit of a C
 # source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler flags (docs/design.md).
-$(STAMP): pyproject.toml setup.py kvbench/attention/csrc/codes.c kvbench/cache/csrc/affine.c \
+$(STAMP): pyproject.toml setup.py kernels/cpu/csrc/codes.c kvbench/cache/csrc/affine.c \
 		requirements-assets.txt examples/kvbench-example-plugin/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

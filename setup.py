@@ -8,7 +8,7 @@ into ``_<name>.so`` next to that module, with the source's SHA-256 as the symbol
 ``pip install .`` puts the libraries in the installed package; ``pip install -e .`` (and
 ``python setup.py build_ext --inplace``) in the source tree.  With no compiler or a failed
 compile the install still succeeds with one line saying so, and kvbench uses its torch paths
-(``kvbench.attention.native.unavailable_reason()`` says why).
+(``kvbench.kernels.cpu.native.unavailable_reason()`` says why).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ENV_FLAGS = "KVBENCH_NATIVE_CFLAGS"
 SOURCE_SYMBOL = "kvbench_source_sha256"  # kvbench.clib.SOURCE_SYMBOL
 # (library, C source, the module that loads it and defines its FLAGS)
 LIBRARIES = (
-    ("kvbench.attention._codes", "kvbench/attention/csrc/codes.c", "kvbench/attention/native.py"),
+    ("kvbench.kernels.cpu._codes", "kernels/cpu/csrc/codes.c", "kernels/cpu/native.py"),
     ("kvbench.cache._affine", "kvbench/cache/csrc/affine.c", "kvbench/cache/native_quant.py"),
 )
 

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--cpu-attention",
         default=None,
-        help="kvbench CPU attention mode (kvbench.attention.codedomain.MODES; default: its own, "
+        help="kvbench CPU attention mode (kvbench.kernels.cpu.codedomain.MODES; default: its own, "
         "$KVBENCH_CPU_ATTENTION or auto; --tiny: eager)",
     )
     ap.add_argument("--out", type=Path, default=Path("results/decode_step"))
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     res: dict[str, Any] = {"env": env, "contexts": args.contexts, "rows": [], "targets": []}
     json_path, md_path = args.out.with_suffix(".json"), args.out.with_suffix(".md")
-    from kvbench.attention import codedomain as cpu_attention
+    from kvbench.kernels.cpu import codedomain as cpu_attention
 
     env["cpu_attention"] = args.cpu_attention or cpu_attention.cpu_mode()
     mode = (

@@ -14,7 +14,7 @@ Timed, each checked first against a float64 reference of the same cache contents
 * ``full-sdpa``: ``scaled_dot_product_attention`` over the stored K/V (what transformers runs
   with a ``DynamicCache``);
 * ``kivi-attend``: KIVI's ``LayerCache.attend`` (its fast path where one fits,
-  :mod:`kvbench.attention.codedomain`; else dequantize the whole cache, then attention);
+  :mod:`kvbench.kernels.cpu.codedomain`; else dequantize the whole cache, then attention);
 * ``kivi-read+sdpa``: ``keys_values()`` then sdpa (what the model runs on the fidelity path);
 * ``kivi-read``: ``keys_values()`` alone (the dequantization share of the step).
 """

@@ -9,14 +9,14 @@ float32 accumulation bound of :func:`_check`.
 Groups (read the ratios within a group, all in one run):
 
 * ``attend``: the whole ``LayerCache.attend`` step: the reference path (dequantize the cache +
-  softmax), the eager and native code-domain paths (:mod:`kvbench.attention.codedomain`,
-  :mod:`kvbench.attention.native`);
+  softmax), the eager and native code-domain paths (:mod:`kvbench.kernels.cpu.codedomain`,
+  :mod:`kvbench.kernels.cpu.native`);
 * ``keys``: the key logits of the 32 quantized pages, by the candidate kernels
   measure: dequantize + matmul (what the reference does), ``unpack_bits`` + matmul with the
   scale folded into the query (eager fast path), (b) a 256-entry lookup table of the 4 codes of
   a byte + matmul, (c) per-page partial sums: a query-side table of the partial dot product
   of each byte value per page, then gathers only, and the native C kernel
-  (:func:`kvbench.attention.native.keys_rows`, what ``auto`` mode runs where it is built);
+  (:func:`kvbench.kernels.cpu.native.keys_rows`, what ``auto`` mode runs where it is built);
 * ``values``: the attention-weighted value sum over 3968 per-token quantized values:
   dequantize + matmul, eager code domain, native.
 """
@@ -30,9 +30,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import codedomain as fastpath
-from kvbench.attention import native
 from kvbench.cache.quant import unpack_bits
+from kvbench.kernels.cpu import affine, codedomain, native
 
 B, HKV, T, D, REP = 1, 3, 4096, 64, 3
 
@@ -78,7 +77,7 @@ def _attend_scale(lc, q: torch.Tensor) -> torch.Tensor:
 def test_attend(benchmark, mode):
     lc, q, ref = _cache()
     benchmark.group = "attend [1,3,4096,64] 2-bit"
-    with fastpath.cpu_attention_mode(mode):
+    with codedomain.cpu_attention_mode(mode):
         _check(lc.attend(q), ref, _attend_scale(lc, q), T + D)  # logits (D), value sum (T)
         benchmark(lc.attend, q)
 
@@ -87,7 +86,7 @@ def test_attend(benchmark, mode):
 def _key_inputs():
     lc, q, _ = _cache()
     blk = lc.k.block
-    a, b = fastpath.affine_terms(blk)
+    a, b = affine.affine_terms(blk)
     qr = (q.float() / math.sqrt(D)).reshape(B, HKV, REP, D)
     pk = blk.codes.reshape(B, HKV, T // 128, 128, -1)
     return blk, pk, qr, a, b
@@ -98,7 +97,7 @@ def keys_dequantize(blk, pk, q, a, b):
 
 
 def keys_unpack_matmul(blk, pk, q, a, b):
-    return fastpath.key_pages_eager(pk, q, a, b, 2)
+    return affine.key_pages_eager(pk, q, a, b, 2)
 
 
 _LUT = ((torch.arange(256, dtype=torch.uint8).unsqueeze(-1) >> torch.arange(0, 8, 2, dtype=torch.uint8)) & 3).float()  # fmt: skip
@@ -129,7 +128,7 @@ def _need_native():
 def keys_native(blk, pk, q, a, b):
     _need_native()
     return native.keys_rows(
-        blk.codes, q, fastpath._per_channel(a, D), fastpath._per_channel(b, D), 128, 2
+        blk.codes, q, affine._per_channel(a, D), affine._per_channel(b, D), 128, 2
     )
 
 
@@ -168,13 +167,13 @@ def values_dequantize(blk, p):
 
 
 def values_eager(blk, p):
-    a, b = fastpath.affine_terms(blk)
-    return fastpath.value_tokens_eager(blk.codes, p, a, b, 2, D)
+    a, b = affine.affine_terms(blk)
+    return affine.value_tokens_eager(blk.codes, p, a, b, 2, D)
 
 
 def values_native(blk, p):
     _need_native()
-    a, b = fastpath.affine_terms(blk)
+    a, b = affine.affine_terms(blk)
     return native.values_groups(blk.codes, p, a, b, 2, D)
 
 

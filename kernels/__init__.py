@@ -1,6 +1,8 @@
-"""Triton kernels for quantized KV caches (``kvbench.kernels``).
+"""Kernels for quantized KV caches, and the attention backends built on them
+(``kvbench.kernels``).
 
-Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host wrappers):
+Triton kernel modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host
+wrappers):
 
 * :mod:`.pack`: pack / unpack of 1..8-bit codes in the core's layout
   (:func:`kvbench.cache.quant.pack_bits`);
@@ -8,15 +10,25 @@ Modules (each literate: a PyTorch reference, the ``@triton.jit`` kernels, host w
   PN-Mix mixed precision) and per-token values, bit-identical to the core codecs;
 * :mod:`.decode_attention`: fused split-KV decode attention over sinks + quantized pages +
   full-precision residual, and the same kernel over fp16 K/V (the control);
-* :mod:`.dispatch`: ``unsupported`` / ``fused_attend``, the CUDA backend of the attention
-  registry (``kvbench.attention.dispatch``, registered by ``kvbench.attention.triton``), and the
-  stand-alone ``try_fused_attend(layer_cache, query, scaling)`` (``None``: reference path);
+* :mod:`.dispatch`: ``unsupported`` / ``fused_attend`` over a layer cache's blocks through
+  converters the caller passes, and the stand-alone ``try_fused_attend(layer_cache, query,
+  scaling, layouts=...)`` (``None``: reference path);
 * ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
 
-Imports only torch and (optionally) triton: never transformers, datasets or the kvbench core,
-so ``PYTHONPATH=. python kernels/bench_decode.py`` runs from a bare source tree.  Importing this
-package does not import Triton (``HAS_TRITON`` only looks for it); the kernel modules import it
-and still load without it (the references work, launches raise :class:`TritonUnavailable`).
+These import only torch and (optionally) triton: never transformers, datasets or the kvbench
+core, so ``PYTHONPATH=. python kernels/bench_decode.py`` runs from a bare source tree (the
+script reaches the core lazily, for the methods and the reference it checks against).
+Importing this package does not import Triton (``HAS_TRITON`` only looks for it); the kernel
+modules import it and still load without it (the references work, launches raise
+:class:`TritonUnavailable`).
+
+Attention backends (entry-point group ``kvbench.backends``; they read the core's blocks, so
+they import the core, which never imports them):
+
+* :mod:`.triton_backend`: the CUDA backend ``triton``, the fused kernel above behind the core's
+  block types;
+* :mod:`.cpu`: the code-domain backend ``code-domain``: its block kernels (one per stored block
+  type) and the native C kernels (``cpu/csrc/codes.c``, built by ``setup.py``).
 """
 
 from __future__ import annotations

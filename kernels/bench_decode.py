@@ -90,9 +90,9 @@ def load_method(name: str, **config):
 
 
 def fused_layouts(dispatch):
-    """``dispatch.Layouts`` of the core's block types, from the CUDA attention backend
-    (``kvbench.attention.triton``; the benchmark imports the backend, never the reverse)."""
-    from kvbench.attention.triton import KEY_LAYOUTS, VALUE_LAYOUTS
+    """``dispatch.Layouts`` of the core's block types, from the CUDA attention backend's
+    adapter (``kvbench.kernels.triton_backend``; the kernel modules never import the core)."""
+    from kvbench.kernels.triton_backend import KEY_LAYOUTS, VALUE_LAYOUTS
 
     return dispatch.Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
 

@@ -1,7 +1,7 @@
 """Run a LayerCache's decode attention on the fused Triton kernel.
 
-The attention-backend registry (``kvbench.attention.dispatch``; this kernel is registered as its
-CUDA backend by ``kvbench.attention.triton``) calls :func:`unsupported` and :func:`fused_attend`.
+The CUDA attention backend (:mod:`kvbench.kernels.triton_backend`, entry point ``triton`` of
+``kvbench.backends``) calls :func:`unsupported` and :func:`fused_attend`.
 :func:`try_fused_attend` is the stand-alone form: the kernel's output, or ``None`` so that the
 caller takes the reference path (``keys_values()`` + softmax).  ``None`` is returned, without touching Triton,
 for CPU tensors (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch: normal CPU use never reaches a GPU launch), when Triton is missing,
@@ -12,7 +12,7 @@ layer cache records which path ran in ``layer_cache.attend_path`` (``"triton"`` 
 ``"reference"``) and why in ``layer_cache.attend_path_reason``.
 
 Block types are handed to the kernel by converters that the caller passes as :class:`Layouts`
-(per exact block type; ``kvbench.attention.triton.fused_layouts()`` gives the core's:
+(per exact block type; ``kvbench.kernels.triton_backend.LAYOUTS`` gives the core's:
 ``AffineBlock``, ``MixedChannelBlock``), so this module imports only torch; it never imports
 nor looks up the kvbench core.
 """

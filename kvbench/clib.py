@@ -1,8 +1,8 @@
 """Load a native C library that the package's build compiled next to its module.
 
 Used by the native quantizer (:mod:`kvbench.cache.native_quant`) and the native decode kernels
-(:mod:`kvbench.attention.native`).  ``setup.py`` compiles each C source into a shared object
-next to the module that loads it (``kvbench/attention/_codes.so``, ``kvbench/cache/_affine.so``),
+(``kvbench.kernels.cpu.native``).  ``setup.py`` compiles each C source into a shared object
+next to the module that loads it (``kernels/cpu/_codes.so``, ``kvbench/cache/_affine.so``),
 at ``pip install .`` and in place at ``pip install -e .``; nothing is compiled at run time.
 Each build carries its source's SHA-256 (the symbol :data:`SOURCE_SYMBOL`) and an ABI version,
 both checked at load, so a build of an edited source is never used.  ``KVBENCH_NATIVE=0``

@@ -173,7 +173,7 @@ class QJLKeyCodec:
 class QJLLayerCache(LayerCache):
     """A :class:`~kvbench.cache.layer.LayerCache` whose sketched keys are read only by
     :meth:`attend` (through the registered kernel,
-    :class:`kvbench.attention.blocks.qjl.QJLAttention`: exact logits for sinks and
+    :class:`kvbench.kernels.cpu.qjl.QJLAttention`: exact logits for sinks and
     residual, the QJL estimate for sketched keys, float32 softmax)."""
 
     def keys_values(self, dtype: torch.dtype | None = None):

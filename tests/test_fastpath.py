@@ -1,4 +1,4 @@
-"""Tests of ``kvbench.attention.codedomain``: code-domain attention over a ``LayerCache``.
+"""Tests of ``kvbench.kernels.cpu.codedomain``: code-domain attention over a ``LayerCache``.
 
 Right values: attention computed here in float64 numpy-style torch over the cache's own
 ``keys_values(float64)`` (dequantized blocks, sinks, residual; GQA by ``repeat_interleave``,
@@ -16,13 +16,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvbench
-from kvbench.attention import codedomain as fastpath
 from kvbench.cache.blocks import PerChannelCodec, PerHeadCodec, PerTokenCodec
 from kvbench.cache.finite import nonfinite
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.schedule import BlockSchedule, SlidingSchedule
 from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+from kvbench.kernels.cpu import codedomain as fastpath
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +30,7 @@ def _without_native(monkeypatch):
     """These tests are about the eager kernels and the mode rules; the native C kernels, which
     ``auto`` mode prefers where built, are tested in tests/attention/test_native.py and
     tests/attention/test_attend_backends.py."""
-    from kvbench.attention import native
+    from kvbench.kernels.cpu import native
 
     monkeypatch.setattr(native, "available", lambda: False)
 
@@ -246,7 +246,9 @@ def test_bad_modes(monkeypatch):
 
 
 def test_code_layout():
-    assert [fastpath.code_layout(b) for b in range(1, 9)] == [
+    from kvbench.kernels.cpu.native import code_layout
+
+    assert [code_layout(b) for b in range(1, 9)] == [
         (1, 8), (1, 4), (3, 8), (1, 2), (5, 8), (3, 4), (7, 8), (1, 1),
     ]  # fmt: skip
 

@@ -10,7 +10,10 @@ module of its own (``kvbench.cache``).  The tests fail on
 - any import cycle between modules (a strongly connected component of more than one module, or
   a module importing itself), naming the modules and the import lines that close the cycle;
 - any path of imports from the core to ``kvbench.integrations``, ``kvbench.methods``,
-  ``benchmarks`` or ``kvbench.cli`` (the edge imports the core, never the reverse);
+  ``kvbench.kernels``, ``benchmarks`` or ``kvbench.cli`` (the edge imports the core, never the
+  reverse: the core reaches methods, workloads and attention backends through entry points);
+- any import of an attention backend (``kvbench.kernels``, anything of ``kvbench.attention``
+  but the reference math) from a method;
 - any path from ``kvbench.cache`` to ``kvbench.bench``, ``kvbench.report`` or ``kvbench.hf``;
 - any import of the glibc heap tuning but the memory workload's.
 
@@ -51,7 +54,7 @@ CORE = (
     "kvbench.clib",
     "kvbench.paths",
 )
-EDGE = ("kvbench.integrations", "kvbench.methods", "benchmarks", "kvbench.cli")
+EDGE = ("kvbench.integrations", "kvbench.methods", "kvbench.kernels", "benchmarks", "kvbench.cli")
 HEAP, HEAP_USER = "kvbench.measure.heap", "kvbench.bench.workloads.memory"
 
 
@@ -291,7 +294,8 @@ def test_the_dispatch_call_is_the_only_import_of_attention_in_cache():
 
 
 def test_attend_needs_only_the_layer_module():
-    """A fresh interpreter imports the layer cache alone, attends, and gets a code-domain path."""
+    """A fresh interpreter imports the layer cache alone, attends, and gets a code-domain path
+    (the dispatch loads the backend through its entry point)."""
     code = (
         "import sys, torch\n"
         "from kvbench.cache.layer import LayerCache\n"
@@ -313,15 +317,16 @@ def test_attend_needs_only_the_layer_module():
 
 def test_methods_import_no_attention_backend():
     """A method declares its layout by building blocks of a core type; the code-domain kernels
-    of those blocks live in ``kvbench.attention.blocks``.  A method may use the public reference
-    math (``kvbench.attention.reference``), nothing else of ``kvbench.attention``."""
+    of those blocks live in ``kvbench.kernels.cpu``.  A method may use the public reference
+    math (``kvbench.attention.reference``), nothing else of ``kvbench.attention`` and nothing
+    of ``kvbench.kernels``."""
     g = graph()
     bad = sorted(
         (n, i.target)
         for n, imps in g.items()
         if under(n, ["kvbench.methods"])
         for i in imps
-        if under(i.target, ["kvbench.attention"])
+        if under(i.target, ["kvbench.attention", "kvbench.kernels"])
         and not under(i.target, ["kvbench.attention.reference"])
     )
     assert not bad, f"methods import attention backends: {bad}"

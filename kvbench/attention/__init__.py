@@ -1,8 +1,8 @@
-"""Attention over a layer cache.
+"""Attention over a layer cache: which backend runs a decode step, and the reference math.
 
 :mod:`.dispatch` picks the backend of each decode step (:func:`.dispatch.attend`, called by
-:meth:`kvbench.cache.layer.LayerCache.attend`); :mod:`.backend` says what a backend is;
-:mod:`.reference` is the dequantize-and-softmax math; :mod:`.codedomain` the code-domain backend
-and :mod:`.block_kernels` its per-block-type kernels; :mod:`.triton` the fused CUDA backend (its
-kernels live in ``kvbench.kernels``); :mod:`.native` the C kernels.
+:meth:`kvbench.cache.layer.LayerCache.attend`) from the entry-point group ``kvbench.backends``;
+:mod:`.backend` says what a backend is; :mod:`.reference` is the dequantize-and-softmax math.
+The backends themselves (code-domain kernels, native C, the Triton entry) live in
+``kvbench.kernels`` and are never imported by the core.
 """

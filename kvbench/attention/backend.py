@@ -1,7 +1,8 @@
 """What an attention backend is, and what it may read of a cache.
 
 A *backend* computes one decode step's attention over a layer cache
-(:class:`Backend`); :mod:`kvbench.attention.dispatch` holds the registered ones and the order
+(:class:`Backend`); it is registered in the entry-point group ``kvbench.backends`` (the
+built-in ones live in ``kvbench.kernels``) and :mod:`kvbench.attention.dispatch` holds the order
 in which each device tries them.  A backend reads only the public attributes of
 :class:`AttentionCache` (the layer cache's sides, shape and flags), so nothing here imports
 :mod:`kvbench.cache.layer`.
@@ -59,14 +60,17 @@ class AttentionCache(Protocol):
 class Backend(Protocol):
     """A decode-attention backend.
 
-    ``name``: the path it records when it runs (``"triton"``, ``"code-domain"``);
-    ``device``: the device type it serves (``"cuda"``; ``"*"``: any device);
+    ``name``: its name (``"triton"``, ``"code-domain"``); ``device``: the device type it
+    serves (``"cuda"``; ``"*"``: any device); ``devices_for(block_type)``: the device types on
+    which it reads blocks of ``block_type`` without dequantizing them;
     ``reason(cache, query, lengths)``: ``None`` when it can run this step, else why not (the
     string recorded in ``attend_path_reason``); ``run(cache, query, scaling, lengths)``:
     ``(out [B, H_q, n_q, D] in the query's dtype, the recorded path)``."""
 
     name: str
     device: str
+
+    def devices_for(self, block_type: type) -> list[str]: ...
 
     def reason(
         self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
@@ -96,6 +100,9 @@ class WholeCacheBackend:
     layouts: tuple[type, ...]
     check: Callable[[AttentionCache, torch.Tensor, torch.Tensor | None], str | None]
     compute: Callable[..., torch.Tensor]
+
+    def devices_for(self, block_type: type) -> list[str]:
+        return [self.device] if block_type in self.layouts else []
 
     def reason(
         self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None

@@ -1,15 +1,14 @@
 """The attention dispatch: which backend computes a decode step's attention over a layer cache.
 
-:meth:`kvbench.cache.layer.LayerCache.attend` calls :func:`attend`.  The backends are registered
-in :data:`BACKENDS` below (one ``register`` call each, nothing registers itself at import), and
+:meth:`kvbench.cache.layer.LayerCache.attend` calls :func:`attend`.  The backends are the entry
+points of the group ``kvbench.backends`` (:data:`BACKENDS`, loaded on first use; kvbench's own
+are declared in ``pyproject.toml`` exactly as a plugin declares its own), and
 :data:`PREFERENCE` says, per device type, in which order they are asked:
 
-1. ``"triton"`` (CUDA; :mod:`kvbench.attention.triton`): the fused decode kernel over the whole
-   cache;
-2. ``"code-domain"`` (any device; :mod:`kvbench.attention.codedomain`): sinks and residual as
-   matmuls, each quantized block through the block kernel registered for its type and device
-   (:mod:`kvbench.attention.block_kernels`; the built-in kernels, :mod:`kvbench.attention.blocks`
-   for the methods' own layouts, are registered below, in one place);
+1. ``"triton"`` (CUDA; ``kvbench.kernels.triton_backend``): the fused decode kernel over the
+   whole cache;
+2. ``"code-domain"`` (any device; ``kvbench.kernels.cpu``): sinks and residual as matmuls, each
+   quantized block through the block kernel registered for its type and device;
 3. the *reference* path, always last: :meth:`~kvbench.cache.layer.LayerCache.keys_values`
    (dequantize) and :func:`kvbench.attention.reference.reference_attention`.
 
@@ -26,7 +25,7 @@ time is reported (one ``RuntimeWarning`` naming the layout and the device, then 
 path runs; the reason is recorded).
 
 This module reads the cache through :class:`kvbench.attention.backend.AttentionCache` and never
-imports :mod:`kvbench.cache.layer` (which imports it).
+imports :mod:`kvbench.cache.layer` (which imports it) nor a backend (``kvbench.kernels``).
 """
 
 from __future__ import annotations
@@ -35,64 +34,48 @@ import warnings
 
 import torch
 
-from kvbench.attention import codedomain, triton
 from kvbench.attention.backend import AttentionCache, Backend, common_reason, layout_name
-from kvbench.attention.block_kernels import kernel_devices, register_block_kernel
-from kvbench.attention.blocks import fp8, lut, mixed_tokens, polar, qjl, turbo
-from kvbench.attention.mixed_channel import MixedChannelAttention
 from kvbench.attention.reference import (
     length_mask,
     reference_attention,
     reference_probabilities,
     repeat_kv,
 )
-from kvbench.cache.blocks import AffineBlock
-from kvbench.cache.fp8 import FP8Block
-from kvbench.cache.lut import LUTBlock
-from kvbench.cache.mixed_channel import MixedChannelBlock
-from kvbench.cache.mixed_tokens import MixedTokenBlock
-from kvbench.cache.polar import PolarBlock
-from kvbench.cache.qjl import QJLBlock
-from kvbench.cache.turbo import TurboBlock
 from kvbench.registry import Registry
 
 REFERENCE_PATH = "reference"
 
-#: every attention backend by name
-BACKENDS: Registry[Backend] = Registry("attention backend")
-BACKENDS.register(triton.NAME, triton.BACKEND)
-BACKENDS.register(codedomain.NAME, codedomain.BACKEND)
+
+def _check_backend(name: str, obj: object) -> Backend:
+    if not all(callable(getattr(obj, m, None)) for m in ("reason", "run", "devices_for")):
+        raise TypeError(
+            f"{obj!r} is not an attention backend: it needs reason(), run() and devices_for() "
+            "(kvbench.attention.backend.Backend)"
+        )
+    return obj  # type: ignore[return-value]
+
+
+#: every attention backend by name (entry-point group ``kvbench.backends``)
+BACKENDS: Registry[Backend] = Registry("attention backend", "kvbench.backends", _check_backend)
 
 #: backends asked, in order, for a query on each device type (the reference path comes last)
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": (triton.NAME, codedomain.NAME),
-    "cpu": (codedomain.NAME,),
+    "cuda": ("triton", "code-domain"),
+    "cpu": ("code-domain",),
 }
 #: the order for a device type not in :data:`PREFERENCE`
-OTHER_DEVICES: tuple[str, ...] = (codedomain.NAME,)
-
-# the code-domain kernel of every built-in block type, one layout each (a plugin registers its
-# own block type with kvbench.attention.block_kernels.register_block_kernel)
-register_block_kernel(AffineBlock, codedomain.AffineBlockAttention(), ("cpu",))
-register_block_kernel(MixedChannelBlock, MixedChannelAttention(), ("cpu",))
-register_block_kernel(FP8Block, fp8.FP8Attention(), ("cpu",))
-register_block_kernel(LUTBlock, lut.LUTAttention(), ("cpu",))
-register_block_kernel(PolarBlock, polar.PolarAttention(), ("cpu",))
-register_block_kernel(QJLBlock, qjl.QJLAttention(), ("cpu", "cuda"))
-register_block_kernel(MixedTokenBlock, mixed_tokens.MixedTokenAttention(), ("cpu",))
-register_block_kernel(TurboBlock, turbo.TurboAttention(), ("cpu",))
+OTHER_DEVICES: tuple[str, ...] = ("code-domain",)
+#: the backend whose eager kernels are the reference of blocks without a dequantized form
+#: (QJL's sketches): its ``eager(cache, query, scaling, lengths)`` (``None``: it cannot)
+ESTIMATOR = "code-domain"
 
 
 def backends_for(block_type: type) -> dict[str, list[str]]:
-    """Which devices can attend to ``block_type`` without dequantizing:
-    ``{"code_domain": [devices], "fused": ["<backend>@<device>", ...]}`` (for capabilities
-    reports; computed from the registrations)."""
-    fused = []
-    for name in BACKENDS.names():
-        b = BACKENDS.get(name)
-        if block_type in getattr(b, "layouts", ()):
-            fused.append(f"{b.name}@{b.device}")
-    return {"code_domain": kernel_devices(block_type), "fused": fused}
+    """Which backends read ``block_type`` without dequantizing it, and on which device types:
+    ``{backend name: [device types]}`` (for capabilities reports; computed from the
+    registrations)."""
+    found = {name: BACKENDS.get(name).devices_for(block_type) for name in BACKENDS.names()}
+    return {name: devs for name, devs in found.items() if devs}
 
 
 def device_type(query: torch.Tensor) -> str:
@@ -139,13 +122,15 @@ def reference_attend(
 ) -> torch.Tensor:
     """The reference path: dequantize (``keys_values``) and softmax.  A cache whose blocks have
     no dequantized form (``keys_values`` raises ``NotImplementedError``: QJL's sketches) is
-    read by the eager code-domain backend, its blocks' estimator being their reference."""
+    read by the eager kernels of :data:`ESTIMATOR`, its blocks' estimator being their
+    reference."""
     try:
         keys, values = cache.keys_values(query.dtype)
     except NotImplementedError:
-        if codedomain.code_domain_reason(cache, query, lengths, False):
+        out = BACKENDS.get(ESTIMATOR).eager(cache, query, scaling, lengths)
+        if out is None:
             raise
-        return codedomain.eager_attend(cache, query, scaling, lengths)
+        return out
     if not getattr(cache, "observes_attention", False):
         return reference_attention(query, keys, values, scaling, lengths=lengths)
     probs = reference_probabilities(query, keys, scaling, lengths)

@@ -1,7 +1,7 @@
 """The stored block of the ``fp8`` method: float8 codes with optional per-group scales.
 
 :class:`FP8Block` is the layout; ``methods/fp8.py`` (the codec) builds it and
-:mod:`kvbench.attention.blocks.fp8` reads it in the code domain.  Formats: :data:`FORMATS`
+``kvbench.kernels.cpu.fp8`` reads it in the code domain.  Formats: :data:`FORMATS`
 (Micikevicius et al., arXiv 2209.05433, Table 1).
 """
 

@@ -1,7 +1,7 @@
 """The stored key block of ``kvquant``: level indices into a small table, per-channel centre and
 half range, and exact sparse outliers, optionally pre-RoPE (Hooper et al., arXiv 2401.18079,
 §3).  ``methods/kvquant.py`` (the codec) builds :class:`LUTBlock`;
-:mod:`kvbench.attention.blocks.lut` reads it in the code domain."""
+``kvbench.kernels.cpu.lut`` reads it in the code domain."""
 
 from __future__ import annotations
 

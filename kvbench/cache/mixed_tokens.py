@@ -1,6 +1,6 @@
 """The stored block of ``semkv``: per-token min-max codes at two widths, the high-width tokens'
 upper bits stored apart.  ``methods/semkv.py`` (the codec) builds :class:`MixedTokenBlock`;
-:mod:`kvbench.attention.blocks.mixed_tokens` reads it in the code domain.
+``kvbench.kernels.cpu.mixed_tokens`` reads it in the code domain.
 """
 
 from __future__ import annotations

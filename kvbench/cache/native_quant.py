@@ -26,7 +26,7 @@ float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, the library not
 Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (``-O3 -march=native
 -ffp-contract=off``, IEEE semantics kept; plus ``$KVBENCH_NATIVE_CFLAGS``) into :data:`LIBRARY`,
 next to this module, at ``pip install .`` / ``pip install -e .``; :mod:`kvbench.clib` (shared
-with :mod:`kvbench.attention.native`) loads it and checks its ABI and source digest.  Rows
+with ``kvbench.kernels.cpu.native``) loads it and checks its ABI and source digest.  Rows
 (batch row, KV head) are split across ``torch.get_num_threads()`` Python threads (ctypes
 releases the GIL during the call).
 """

@@ -1,6 +1,6 @@
 """The stored key block of ``polarquant``: each RoPE pair ``(x, y)`` as a quantized radius and
 angle (Wu et al., PolarQuant).  ``methods/polarquant.py`` (the codec) builds
-:class:`PolarBlock`; :mod:`kvbench.attention.blocks.polar` reads it in the code domain.
+:class:`PolarBlock`; ``kvbench.kernels.cpu.polar`` reads it in the code domain.
 """
 
 from __future__ import annotations

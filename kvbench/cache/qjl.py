@@ -1,7 +1,7 @@
 """The stored key block of ``qjl``: 1-bit Johnson-Lindenstrauss sketches of the keys and their
 norms, with optional outlier channels sketched apart (Zandieh et al., QJL).  The block has no
 dequantized form; :meth:`QJLBlock.scores` is its estimator of ``<q, k>``.  ``methods/qjl.py``
-(the codec) builds it; :mod:`kvbench.attention.blocks.qjl` reads it in the code domain.
+(the codec) builds it; ``kvbench.kernels.cpu.qjl`` reads it in the code domain.
 """
 
 from __future__ import annotations

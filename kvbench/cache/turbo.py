@@ -1,6 +1,6 @@
 """The stored block of ``turboquant-mse``: codebook indices of the rotated unit vector and the
 token's norm (Zandieh et al., arXiv 2504.19874, Alg. 1).  ``methods/turboquant_mse.py`` (the
-codec) builds :class:`TurboBlock`; :mod:`kvbench.attention.blocks.turbo` reads it in the code
+codec) builds :class:`TurboBlock`; ``kvbench.kernels.cpu.turbo`` reads it in the code
 domain.
 """
 

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import block_kernels, native
-from kvbench.attention import codedomain as cpu
 from kvbench.attention import dispatch as registry
 from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock, PerChannelCodec
 from kvbench.cache.layer import LayerCache, Side
 from kvbench.cache.mixed_channel import MixedChannelBlock
+from kvbench.cache.qjl import QJLBlock
 from kvbench.cache.schedule import BlockSchedule
+from kvbench.kernels.cpu import codedomain as cpu
+from kvbench.kernels.cpu import native
 from kvbench.registry import Registry
 
 HQ, HKV, B = 4, 2, 2
@@ -63,7 +64,7 @@ CASES = [
     ("fp8", dict(scale="amax", scale_granularity="per-tensor", format="e5m2"), 30, 2),
 ]
 DIMS = (64, 96, 128, 256)
-#: methods whose key and value blocks both have native kernels (kvbench.attention.native)
+#: methods whose key and value blocks both have native kernels (kvbench.kernels.cpu.native)
 NATIVE_BOTH = {"kivi", "per-token", "int8-block", "int4-block", "kitty", "pn-mix", "chanmix",
                "fp8", "semkv", "turboquant-mse", "pm-kvq", "polarquant"}  # fmt: skip
 
@@ -130,7 +131,7 @@ def test_code_domain_matches_reference(name, cfg, prefill, steps, d):
     close_rows(cpu.code_domain_attend(lc, q3), ref64(lc, q3))
     if not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    with cpu.cpu_attention_mode("native"):  # the C kernels (kvbench/attention/csrc/codes.c)
+    with cpu.cpu_attention_mode("native"):  # the C kernels (kernels/cpu/csrc/codes.c)
         close_rows(lc.attend(q), ref)
         kinds = cpu.path_kinds(lc.attend_path)
         close_rows(lc.attend(q3), ref64(lc, q3))
@@ -145,13 +146,13 @@ def test_kitty_classes_take_the_per_class_kernels(d, monkeypatch):
     word; it is read as whole words with a zero query on the extra channels (the bit-stream
     kernel is never called) and agrees with the float64 reference.  (At head_dim 96 the 3
     high channels end inside a byte: that layout is read as one bit stream.)"""
-    from kvbench.attention import mixed_channel as mixed
+    from kvbench.kernels.cpu import mixed_channel as mixed
 
     if not native.available():
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
     lc, g = build("kitty", dict(SMALL, value_bits=2, num_sink_tokens=2), d, 45, 3)
     blk = lc.k.block
-    partial = any(n % cpu.code_layout(b)[1] for b, n in zip(blk.class_bits, blk.class_counts))
+    partial = any(n % native.code_layout(b)[1] for b, n in zip(blk.class_bits, blk.class_counts))
     assert partial == (d == 64)
 
     def no_stream(*a, **k):
@@ -166,7 +167,7 @@ def test_kitty_classes_take_the_per_class_kernels(d, monkeypatch):
 
 
 def test_word_counts_of_class_layouts():
-    from kvbench.attention.mixed_channel import _word_counts
+    from kvbench.kernels.cpu.mixed_channel import _word_counts
 
     # 1 + 16 bytes: room for 64 codes; the two 4-bit channels read as 8 (4 bytes, the next
     # class's bytes with a zero query) for the vectorised kernel
@@ -217,8 +218,8 @@ def test_per_row_lengths(name, cfg):
 
 
 def test_fp8_table_equals_the_cast():
-    from kvbench.attention.blocks.fp8 import fp8_table
     from kvbench.cache.fp8 import FORMATS
+    from kvbench.kernels.cpu.fp8 import fp8_table
 
     for fmt, dt in FORMATS.items():
         bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -267,6 +268,32 @@ def test_a_layout_without_backend_takes_the_reference_path_and_says_why():
     assert lc.attend_path_reason == "key block Opaque has no code-domain kernel"
 
 
+def test_a_plugin_block_type_with_its_registered_kernel(monkeypatch):
+    """``register_block_kernel`` (the public way for a plugin's block type) puts the block on
+    the code-domain path; the kernel here reads the wrapped affine block."""
+    monkeypatch.setattr(cpu, "_KERNELS", dict(cpu._KERNELS))
+    inner = cpu.block_kernel(opaque_layer().k.block.inner)
+
+    class OpaqueKernel:
+        def key_reason(self, block, d):
+            return inner.key_reason(block.inner, d)
+
+        value_reason = key_reason
+
+        def key_logits(self, block, q):
+            return inner.key_logits(block.inner, q)
+
+    cpu.register_block_kernel(Opaque, OpaqueKernel(), ("cpu", "meta"))
+    assert cpu.kernel_devices(Opaque) == ["cpu", "meta"]
+    assert registry.backends_for(Opaque) == {"code-domain": ["cpu", "meta"]}
+    lc = opaque_layer()
+    q = torch.randn(1, 4, 1, 16)
+    with cpu.cpu_attention_mode("eager"):
+        out = lc.attend(q)
+    assert lc.attend_path == cpu.EAGER_PATH and lc.attend_path_reason == ""
+    close_rows(out, ref64(lc, q))
+
+
 def test_a_backend_that_raises_is_reported_and_the_reference_runs(monkeypatch):
     class Broken:
         def key_reason(self, block, d):
@@ -277,13 +304,28 @@ def test_a_backend_that_raises_is_reported_and_the_reference_runs(monkeypatch):
         def key_logits(self, block, q):
             raise RuntimeError("kernel bug")
 
-    monkeypatch.setitem(block_kernels._KERNELS, (Opaque, "cpu"), Broken())
+    monkeypatch.setitem(cpu._KERNELS, (Opaque, "cpu"), Broken())
     lc = opaque_layer()
     q = torch.randn(1, 4, 1, 16)
     with pytest.warns(RuntimeWarning, match=r"keys=Opaque.*cpu.*kernel bug"):
         out = lc.attend(q)
     close_rows(out, ref64(lc, q))
     assert lc.attend_path == "reference" and "kernel bug" in lc.attend_path_reason
+
+
+def test_backends_are_the_entry_points_of_kvbench_backends():
+    """The built-in backends register exactly as a plugin would (pyproject.toml), every name
+    in the order of preference is one of them, and an object that is not a backend is refused
+    naming what it lacks."""
+    entries = registry.BACKENDS.entries()
+    assert {n: (e.value, e.dist) for n, e in entries.items()} == {
+        "code-domain": ("kvbench.kernels.cpu.codedomain:BACKEND", "kvbench"),
+        "triton": ("kvbench.kernels.triton_backend:BACKEND", "kvbench"),
+    }
+    for names in (*registry.PREFERENCE.values(), registry.OTHER_DEVICES, [registry.ESTIMATOR]):
+        assert set(names) <= set(entries)
+    with pytest.raises(TypeError, match=r"needs reason\(\), run\(\) and devices_for\(\)"):
+        Registry("attention backend", check=registry.BACKENDS._check).register("x", object())
 
 
 def with_backend(monkeypatch, backend: WholeCacheBackend) -> None:
@@ -303,13 +345,13 @@ def test_whole_cache_backends_are_chosen_per_device_once(monkeypatch):
         calls.append((lc, s))
         return torch.zeros(q.shape)
 
-    # the kivi layout on CUDA: the Triton backend is the one registered for its block types
-    assert registry.backends_for(AffineBlock)["fused"] == ["triton@cuda"]
-    assert registry.backends_for(MixedChannelBlock)["fused"] == ["triton@cuda"]
-    assert registry.backends_for(AffineBlock)["code_domain"] == ["cpu"]
+    # the kivi layout: the code-domain kernels on the CPU, the Triton backend on CUDA
+    assert registry.backends_for(AffineBlock) == {"code-domain": ["cpu"], "triton": ["cuda"]}
+    assert registry.backends_for(MixedChannelBlock) == {"code-domain": ["cpu"], "triton": ["cuda"]}
+    assert registry.backends_for(QJLBlock) == {"code-domain": ["cpu", "cuda"]}
     be = WholeCacheBackend("fake", "meta", (AffineBlock,), lambda lc, q, ln: None, run)
     with_backend(monkeypatch, be)
-    assert registry.backends_for(AffineBlock)["fused"] == ["fake@meta", "triton@cuda"]
+    assert registry.backends_for(AffineBlock)["fake"] == ["meta"]
     lc, _ = build("kivi", CASES[0][1], 64, 45, 1)
     q = torch.empty(B, HQ, 1, 64, device="meta")
     assert lc.attend(q, 0.5).shape == q.shape and calls == [(lc, 0.5)]

@@ -1,5 +1,5 @@
 """The full-precision parts of the CPU code-domain attention (residual, sinks, ``full``'s whole
-cache) are cast to float32 chunk by chunk along T (kvbench.attention.codedomain.dense_logits /
+cache) are cast to float32 chunk by chunk along T (kvbench.kernels.cpu.codedomain.dense_logits /
 dense_output); checked against a float64 matmul, with the chunk small enough that a part spans
 several chunks and a shorter last one."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.attention import codedomain as cpu
+from kvbench.kernels.cpu import codedomain as cpu
 
 
 def _parts(t: int, dtype=torch.float16):

@@ -1,4 +1,4 @@
-"""The native C kernels of the code-domain decode attention (kvbench.attention.native).
+"""The native C kernels of the code-domain decode attention (kvbench.kernels.cpu.native).
 
 Right values: float64 attention terms computed here from the integer codes (drawn first, then
 packed with :func:`kvbench.cache.quant.pack_bits` / :func:`kvbench.cache.mixed_channel.pack_mixed`) and the
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.attention import codedomain as cpu
-from kvbench.attention import native
 from kvbench.cache.mixed_channel import pack_mixed
 from kvbench.cache.quant import pack_bits
 from kvbench.clib import ENV_DISABLE
+from kvbench.kernels.cpu import codedomain as cpu
+from kvbench.kernels.cpu import native
 
 B, H, T, M = 2, 3, 300, 5
 pytestmark = pytest.mark.skipif(
@@ -31,7 +31,7 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 def cases():
     for bits in range(1, 9):
         for d in (64, 96, 128, 256):
-            if d % native._layout(bits)[1] == 0:
+            if d % native.code_layout(bits)[1] == 0:
                 yield bits, d
 
 
@@ -53,7 +53,7 @@ def test_affine_kernels_match_float64(bits, d, g):
     x = x + z.double().repeat_interleave(128, 2)[:, :, :T]
     assert rel(native.keys_rows(pk, q.float(), a, z, 128, bits), q @ x.transpose(-1, -2)) < 1e-5
     # per-token groups of 32 channels (one group where a word holds more than 32 channels)
-    dg = d // 32 if 32 % native._layout(bits)[1] == 0 else 1
+    dg = d // 32 if 32 % native.code_layout(bits)[1] == 0 else 1
     ag, zg = torch.rand(B, H, T, dg, generator=g), torch.randn(B, H, T, dg, generator=g)
     xg = c.double() * ag.double().repeat_interleave(d // dg, -1)
     xg = xg + zg.double().repeat_interleave(d // dg, -1)

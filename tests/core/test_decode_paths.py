@@ -18,7 +18,6 @@ import torch
 from test_workload_metrics import _toy_llama
 
 import kvbench.data.loaders as loaders
-from kvbench.attention import codedomain as cpu
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.generation import forced_logprobs
@@ -27,6 +26,7 @@ from kvbench.cache.registry import get_method
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import decode_route
 from kvbench.hf.capture import capture_prompt
+from kvbench.kernels.cpu import codedomain as cpu
 
 SMALL = dict(group_size=16, residual_length=16)
 #: layouts with different code-domain kernels, one needing prefill queries (pn-mix), one with no

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import hashlib
+import importlib
 from pathlib import Path
 from types import ModuleType
 
@@ -20,9 +21,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import codedomain, native
 from kvbench.cache import native_quant
 from kvbench.cache.blocks import PerTokenCodec
+from kvbench.kernels.cpu import codedomain, native
 
 # (module, the file setup.py builds next to it, its ABI symbol, its NativeLibrary's name)
 LIBRARIES = [
@@ -48,8 +49,9 @@ def _require_built(module: ModuleType, name: str) -> None:
 
 
 def test_setup_builds_each_library_where_its_module_loads_it():
-    """setup.py's table: each library's file (its dotted name as a path, ``.so``), C source and
-    flag-holding module are the loading module's :data:`LIBRARY`, :data:`SOURCE` and file."""
+    """setup.py's table: each library's file (``<name>.so`` in its dotted package's folder,
+    ``kvbench.kernels`` being ``kernels/``), C source and flag-holding module are the loading
+    module's :data:`LIBRARY`, :data:`SOURCE` and file."""
     setup_py = Path(__file__).resolve().parents[2] / "setup.py"
     if not setup_py.exists():
         pytest.skip("not a source checkout")
@@ -59,9 +61,12 @@ def test_setup_builds_each_library_where_its_module_loads_it():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LIBRARIES"
     )
     root = Path(kvbench.__file__).parent.parent
-    built = {
-        (root / (lib.replace(".", "/") + ".so"), root / src, root / mod) for lib, src, mod in table
-    }
+
+    def library_file(dotted: str) -> Path:
+        package, name = dotted.rsplit(".", 1)
+        return Path(importlib.import_module(package).__file__).parent / f"{name}.so"
+
+    built = {(library_file(lib), root / src, root / mod) for lib, src, mod in table}
     assert built == {(m.LIBRARY, m.SOURCE, Path(m.__file__)) for m, *_ in LIBRARIES}
 
 

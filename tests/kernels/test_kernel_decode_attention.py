@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvbench import get_method
-from kvbench.attention.triton import fused_layouts
 from kvbench.kernels import decode_attention as DA
 from kvbench.kernels import dispatch
 from kvbench.kernels.quantize import quantize_keys, quantize_values
+from kvbench.kernels.triton_backend import LAYOUTS
 
 TOL = 1e-3
 
@@ -55,7 +55,7 @@ def test_fused_matches_float64_reference(name, cfg, d, hq, hkv, prefill, steps, 
     lc, q = build(name, cfg, 2, hkv, hq, d, prefill, steps, gen)
     nk, nv = lc.quantized_tokens()
     assert nk > 0 and (nv > 0) == (cfg.get("value_bits", 16) != 16)
-    out = dispatch.fused_attend(lc, q, None, layouts=fused_layouts(), num_splits=3, block_n=16)
+    out = dispatch.fused_attend(lc, q, None, layouts=LAYOUTS, num_splits=3, block_n=16)
     k, v = lc.keys_values(q.dtype)
     ref = DA.decode_attention_reference(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -71,7 +71,7 @@ def test_fused_matches_float64_reference(name, cfg, d, hq, hkv, prefill, steps, 
 
 def test_float32_and_scaling(gen, poison):
     lc, q = build("kivi", dict(SMALL, value_bits=2), 1, 2, 4, 64, 40, 1, gen, torch.float32)
-    out = dispatch.fused_attend(lc, q, 0.3, layouts=fused_layouts(), num_splits=2, block_n=16)
+    out = dispatch.fused_attend(lc, q, 0.3, layouts=LAYOUTS, num_splits=2, block_n=16)
     k, v = lc.keys_values(torch.float32)
     assert rel_err(out, DA.decode_attention_reference(q, k, v, 0.3)) < TOL
 
@@ -206,22 +206,22 @@ def test_rejected_layouts(gen):
 def test_dispatch_paths(gen, monkeypatch):
     lc, q = build("pn-mix", dict(SMALL, num_sink_tokens=2), 1, 1, 2, 64, 40, 1, gen)
     # CPU tensors: the reference path, without launching anything (device placement before a kernel launch (CPU tensor to Triton): jy-yuan/KIVI#24 and #13, docs/methods.md#device-placement-before-a-kernel-launch)
-    assert dispatch.try_fused_attend(lc, q, layouts=fused_layouts()) is None
+    assert dispatch.try_fused_attend(lc, q, layouts=LAYOUTS) is None
     assert dispatch.attend_path(lc) == "reference" and lc.attend_path_reason == "CPU tensors"
     # unsupported layouts: a reason, no kernel
     ph = get_method("per-head", bits=4).new_layer(0, 1, 64)
     ph.prefill(torch.randn(1, 1, 300, 64), torch.randn(1, 1, 300, 64))
     with pytest.raises(ValueError, match="not per-channel"):  # per-head keys: one group
-        dispatch.fused_attend(ph, torch.randn(1, 2, 1, 64), layouts=fused_layouts())
+        dispatch.fused_attend(ph, torch.randn(1, 2, 1, 64), layouts=LAYOUTS)
     with pytest.raises(ValueError, match="head_dim=32"):
-        dispatch.fused_attend(ph, torch.randn(1, 2, 1, 32), layouts=fused_layouts())
+        dispatch.fused_attend(ph, torch.randn(1, 2, 1, 32), layouts=LAYOUTS)
     # the switch off
     monkeypatch.setenv(dispatch.ENV_SWITCH, "0")
 
     class FakeCuda:
         is_cuda = True
 
-    assert dispatch.try_fused_attend(lc, FakeCuda(), layouts=fused_layouts()) is None
+    assert dispatch.try_fused_attend(lc, FakeCuda(), layouts=LAYOUTS) is None
     assert lc.attend_path_reason == f"{dispatch.ENV_SWITCH}=0"
 
 

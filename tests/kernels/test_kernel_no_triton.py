@@ -94,7 +94,11 @@ def test_kernel_modules_import_only_torch_triton_and_stdlib():
         "functools",
         "contextlib",
     }
+    # the Triton kernel modules; not the backend adapters, which read the core's blocks
+    # (triton_backend.py, cpu/): the core never imports them, it loads them by entry point
     for path in sorted((ROOT / "kernels").glob("*.py")):
+        if path.name == "triton_backend.py":
+            continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention.native import available as native_available
 from kvbench.attention.reference import reference_attention
+from kvbench.kernels.cpu.native import available as native_available
 from kvbench.methods.semkv import SemKV, SemKVLayer
 
 
@@ -323,7 +323,7 @@ def test_upper_plane_places_each_extra_row_at_its_token():
     """The upper plane read by the attention kernels: token ``t`` of (row ``b``, head ``h``)
     holds the ``i``-th extra row, ``i`` counting high tokens in ``[n, B, H]`` order, and zero
     bytes for low tokens (a loop over the tokens as the reference)."""
-    from kvbench.attention.blocks.mixed_tokens import MixedTokenAttention
+    from kvbench.kernels.cpu.mixed_tokens import MixedTokenAttention
     from kvbench.methods.semkv import MixedTokenCodec
 
     g = torch.Generator().manual_seed(5)
@@ -346,10 +346,10 @@ def test_upper_plane_places_each_extra_row_at_its_token():
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_decode_reads_the_upper_rows_where_they_are_stored(monkeypatch):
     """With the native kernels, a SemKV decode step reads both planes in one call per block
-    (``kvbench.attention.native.Upper``): the dense upper-plane transient of the two-pass route
+    (``kvbench.kernels.cpu.native.Upper``): the dense upper-plane transient of the two-pass route
     (``MixedTokenAttention._upper``) is never built (the step runs without a fallback
     warning), and the output equals the float64 attention over the dequantized cache."""
-    from kvbench.attention.blocks.mixed_tokens import MixedTokenAttention
+    from kvbench.kernels.cpu.mixed_tokens import MixedTokenAttention
 
     g = torch.Generator().manual_seed(2)
     lc = kvbench.get_method("semkv", residual_length=8, score="key-norm").new_layer(0, 2, 64)

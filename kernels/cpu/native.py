@@ -1,7 +1,7 @@
 """Native (C) CPU kernels of the code-domain decode attention: one read of each stored token.
 
-:mod:`kvbench.attention.codedomain` computes a decode step's attention on the stored codes.
-This module calls ``kvbench/attention/csrc/codes.c``, compiled by the package's build (see Build
+:mod:`kvbench.kernels.cpu.codedomain` computes a decode step's attention on the stored codes.
+This module calls ``kernels/cpu/csrc/codes.c``, compiled by the package's build (see Build
 below), through :mod:`ctypes` (a few microseconds per call): per KV head, each token's codes are
 decoded into a float buffer in L1 and used by all ``M`` query rows before the next token is read
 (see the C file's header for the math).
@@ -30,7 +30,7 @@ kernels.  ``KVBENCH_NATIVE=0`` disables this module.
 Shapes: ``codes`` uint8 ``[B, H_kv, T, nbytes]`` (any strides with contiguous rows; a view of a
 byte slice of each row for a mixed class), ``q`` float32 ``[B, H_kv, M, D]`` (the logit scale
 applied), ``p`` float32 ``[B, H_kv, M, T]``; ``D = nbytes * 8 / bits``, a multiple of the codes
-per word (:func:`kvbench.attention.codedomain.code_layout`), at most :data:`MAX_HEAD_DIM`.  Results are
+per word (:func:`code_layout`), at most :data:`MAX_HEAD_DIM`.  Results are
 float32; sums in float32 in token order per row (the reference matmul's precision).
 """
 
@@ -165,8 +165,10 @@ unavailable_reason = _NATIVE.unavailable_reason  # None when available, else why
 
 
 # ------------------------------------------------------------------------------ helpers
-def _layout(bits: int) -> tuple[int, int]:
-    """``(bytes_per_word, codes_per_word)`` (:func:`kvbench.attention.codedomain.code_layout`)."""
+def code_layout(bits: int) -> tuple[int, int]:
+    """``(bytes_per_word, codes_per_word)`` of :func:`kvbench.cache.quant.pack_bits`'s LSB-first
+    stream: the smallest run of whole bytes holding whole codes (2 bits: 1 byte, 4 codes;
+    3 bits: 3 bytes, 8 codes); ``bits=0``, a bit stream of per-channel widths: ``(0, 1)``."""
     if bits == 0:  # a bit stream of per-channel widths: one "word" per channel
         return 0, 1
     g = math.gcd(bits, 8)
@@ -176,7 +178,7 @@ def _layout(bits: int) -> tuple[int, int]:
 def _sub(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., D]`` channel order -> float32 contiguous sub-code order (position ``i * W + w``
     holds channel ``w * cpw + i``)."""
-    cpw = _layout(bits)[1]
+    cpw = code_layout(bits)[1]
     x = x.float()
     return x.reshape(*x.shape[:-1], -1, cpw).transpose(-1, -2).reshape(x.shape).contiguous()
 
@@ -190,7 +192,7 @@ def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
         or codes.device.type != "cpu"
     ):
         return False
-    _, cpw = _layout(bits)
+    _, cpw = code_layout(bits)
     return (
         head_dim % cpw == 0
         and head_dim <= MAX_HEAD_DIM
@@ -202,7 +204,7 @@ def supports(codes: torch.Tensor, bits: int, head_dim: int) -> bool:
 
 def _args(codes, bits, d, m, qp, out, mode, a=None, z=None, length=1, wg=1, lut=None, rows=0):
     b, h, t, _ = codes.shape
-    w = d // _layout(bits)[1]
+    w = d // code_layout(bits)[1]
     args = _Args()
     args.codes = codes.data_ptr()
     args.cs_b, args.cs_h, args.cs_t = _row_strides(codes)
@@ -256,7 +258,7 @@ def _vectorised_keys(bits: int, d: int, m: int, wg: int | None = None) -> bool:
         return False
     if not (1 <= bits <= 4 or bits == 8) or d % 8:
         return False
-    cpw = _layout(bits)[1]
+    cpw = code_layout(bits)[1]
     return wg is None or ((wg * cpw) % 8 == 0 and (d // cpw) % wg == 0)
 
 
@@ -299,7 +301,7 @@ def keys_rows(codes, q, a, z, length: int, bits: int) -> torch.Tensor:
 
 def _group_terms(a, z, codes, bits, d):
     _check_terms(a, z, codes)
-    cpw = _layout(bits)[1]
+    cpw = code_layout(bits)[1]
     cg = d // a.shape[-1]
     if cg % cpw:
         raise ValueError(f"channel groups of {cg} do not hold whole words of {cpw} codes")
@@ -324,7 +326,7 @@ def upper_fits(upper: Upper, bits: int, d: int, m: int, group: int, values: bool
     channels in groups of ``group`` channels for ``m`` query rows (the C side's ``upper_ok``:
     the vectorised natural-order kernels for keys, ``upper.bits`` 1..4, ``upper.shift`` 0..23,
     groups of whole vectors of 8 channels)."""
-    wg = group // _layout(bits)[1] if group % _layout(bits)[1] == 0 else 0
+    wg = group // code_layout(bits)[1] if group % code_layout(bits)[1] == 0 else 0
     return (
         1 <= upper.bits <= 4
         and 0 <= upper.shift <= 23

@@ -1,15 +1,16 @@
 """Code-domain attention of :class:`kvbench.cache.turbo.TurboBlock` (``turboquant-mse``'s
 blocks): the query rotated once, a codebook lookup per code, one rotation of the output.
-Registered in :mod:`kvbench.attention.dispatch`."""
+Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, code_layout, native_allowed, note_impl
 from kvbench.cache.quant import unpack_bits
 from kvbench.cache.turbo import TurboBlock
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
+from kvbench.kernels.cpu.native import code_layout
 
 
 class TurboAttention:

@@ -1,20 +1,20 @@
 """Code-domain keys of :class:`kvbench.cache.polar.PolarBlock` (``polarquant``'s blocks): a
 per-page table of the query's projections on the angle levels, read at the angle codes.
-Registered in :mod:`kvbench.attention.dispatch`."""
+Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import (
+from kvbench.cache.polar import PolarBlock, split_pairs
+from kvbench.cache.quant import unpack_bits
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import (
     EAGER_CHUNK_TOKENS,
     affine_terms,
     native_allowed,
     note_impl,
 )
-from kvbench.cache.polar import PolarBlock, split_pairs
-from kvbench.cache.quant import unpack_bits
 
 
 class PolarAttention:
@@ -24,7 +24,7 @@ class PolarAttention:
     with ``r = c^r a^r_P + b^r_P`` and ``θ`` one of the page's ``2^angle_bits`` levels, so the
     step builds the table ``T_P[j, l] = qa_j cos θ_l + qb_j sin θ_l`` per page (once per query)
     and reads it at the angle codes (PolarQuant's table lookup, Wu et al. §3): native where
-    allowed (:func:`kvbench.attention.native.keys_polar`, one pass over the codes), else eager in
+    allowed (:func:`kvbench.kernels.cpu.native.keys_polar`, one pass over the codes), else eager in
     chunks of pages.  Keys only."""
 
     def key_reason(self, block: PolarBlock, head_dim: int) -> str | None:

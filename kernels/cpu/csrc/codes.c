@@ -1,4 +1,4 @@
-/* CPU code-domain decode attention over packed KV-cache codes (kvbench.attention.native).
+/* CPU code-domain decode attention over packed KV-cache codes (kvbench.kernels.cpu.native).
  *
  * One decode step reads each stored token once: its codes are decoded into a small float
  * buffer (registers / L1, never a dequantized cache) and used by all M query rows of its KV
@@ -9,7 +9,7 @@
  * 3 bytes, 8 codes; 16 bits: int16 codes, signed, 2 bytes each).  A token's D = CPW * W codes are decoded in *sub-code order*: position
  * i * W + w holds channel w * CPW + i (code i of word w), so that every sub-code plane is a
  * contiguous run of W floats and the decode loop vectorizes; the caller gives the query, the
- * affine terms and receives value outputs in the same order (kvbench/attention/native.py).
+ * affine terms and receives value outputs in the same order (kernels/cpu/native.py).
  *
  * Decoding (mode):
  *   MODE_AFFINE_ROWS:  x = c * A[row, k] + Z[row, k], row = t / L, terms per channel k in

@@ -1,16 +1,16 @@
 """Code-domain keys of :class:`kvbench.cache.lut.LUTBlock` (``kvquant``'s blocks): dense
 table lookups plus sparse outlier corrections, with the query turned instead of the keys for
-pre-RoPE codes.  Registered in :mod:`kvbench.attention.dispatch`."""
+pre-RoPE codes.  Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.cache.lut import LUTBlock
 from kvbench.cache.quant import unpack_bits
 from kvbench.cache.rope import rope_angles, rope_pairs
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 
 
 def _dense_eager(block: LUTBlock, qk: torch.Tensor, lut: torch.Tensor, rot) -> torch.Tensor:
@@ -46,7 +46,7 @@ class LUTAttention:
     c_i q_j - c_j q_i] . [C, S]``, and an outlier at channel ``d`` adds ``(value - dense)
     (R(-p_t) q)_d``: no rotated key is formed.  Eager: unpack + a ``2^bits``-entry lookup +
     matmul in chunks of tokens (the angle tables are cached, :func:`rope_angles`).  Native
-    where allowed (:func:`kvbench.attention.native.keys_lut_outliers`): each token's key is
+    where allowed (:func:`kvbench.kernels.cpu.native.keys_lut_outliers`): each token's key is
     dequantized in registers (table, half, centre, its outliers placed), turned by its cos/sin
     row and dotted with the query rows; nothing is written back."""
 

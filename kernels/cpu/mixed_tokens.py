@@ -1,21 +1,16 @@
 """Code-domain keys and values of :class:`kvbench.cache.mixed_tokens.MixedTokenBlock` (``semkv``'s
 two-width per-token codes): both planes through the core's per-token affine kernel, or one
-native call.  Registered in :mod:`kvbench.attention.dispatch`."""
+native call.  Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import (
-    AffineBlockAttention,
-    affine_terms,
-    code_layout,
-    native_allowed,
-    note_impl,
-)
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.mixed_tokens import MixedTokenBlock
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import AffineBlockAttention, affine_terms, native_allowed, note_impl
+from kvbench.kernels.cpu.native import code_layout
 
 _AFFINE = AffineBlockAttention()
 
@@ -27,7 +22,7 @@ class MixedTokenAttention:
     terms ``x = c * scale + zero`` over channel groups ``g``: keys ``q . x_t = sum_g scale_{t,g}
     (q_g . low_{t,g}) + sum_g zero_{t,g} sum(q_g) + sum_g 2^lb scale_{t,g} (q_g . up_{t,g})``
     and values ``sum_t p_t x_t`` likewise.  Both planes go through the core's per-token affine
-    kernel (:class:`kvbench.attention.codedomain.AffineBlockAttention`: native or eager): the
+    kernel (:class:`kvbench.kernels.cpu.affine.AffineBlockAttention`: native or eager): the
     low plane of every token as stored, and the upper plane as ``hb - lb``-bit codes of every
     token with terms ``(2^lb scale, 0)`` (``(0, 0)`` for low tokens), the high tokens' stored
     rows placed at their positions and zero codes for the low tokens (a transient of ``(hb -
@@ -79,7 +74,7 @@ class MixedTokenAttention:
         return rows.view(n, b, h).permute(1, 2, 0).contiguous()
 
     def _native(self, block: MixedTokenBlock, x: torch.Tensor, values: bool) -> torch.Tensor | None:
-        """Both planes in one native call (:class:`kvbench.attention.native.Upper`: the low plane
+        """Both planes in one native call (:class:`kvbench.kernels.cpu.native.Upper`: the low plane
         by the per-token group kernel, the high tokens' upper rows read where they are stored)
         where it applies, else ``None``.  ``x``: the query (keys) or probabilities (values)."""
         low, d, m = self._low(block), block.head_dim, x.shape[2]

@@ -1,6 +1,6 @@
 """Code-domain keys of :class:`kvbench.cache.qjl.QJLBlock` (``qjl``'s sketched keys): the QJL
 estimator on the native per-token kernel, else in torch.  Registered (CPU and CUDA) in
-:mod:`kvbench.attention.dispatch`."""
+:mod:`kvbench.kernels.cpu.codedomain`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import math
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import native_allowed, note_impl
 from kvbench.cache.qjl import QJLBlock
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import native_allowed, note_impl
 
 
 def native_scores(block: QJLBlock, q: torch.Tensor) -> torch.Tensor | None:
     """The estimator of :meth:`QJLBlock.scores` without outliers, in the code domain of the native
-    kernels (:mod:`kvbench.attention.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
+    kernels (:mod:`kvbench.kernels.cpu.native`): ``q [B, H_kv, M, D]`` float32 (query rows of
     one KV head) -> ``[B, H_kv, M, n]`` float32, or ``None`` where the kernels do not take
     the block (outlier channels, ``m`` not a multiple of 8, no native build).
 

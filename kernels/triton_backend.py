@@ -1,13 +1,15 @@
-"""The fused Triton decode kernel (``kvbench.kernels``) as the CUDA backend of
-:mod:`kvbench.attention.dispatch`.
+"""The fused Triton decode kernel (:mod:`kvbench.kernels.decode_attention`) as the CUDA
+attention backend, registered as ``triton`` in the entry-point group ``kvbench.backends``: the
+adapter that hands the core's blocks to the kernels' dispatch (:mod:`kvbench.kernels.dispatch`,
+which imports only torch).
 
 Layouts: :class:`kvbench.cache.blocks.AffineBlock` (per-channel key pages of a multiple of 16
-tokens, per-token values) and :class:`kvbench.cache.mixed_channel.MixedChannelBlock` keys; one query token
-per sequence; head_dim 64 or 128 (``kvbench.kernels.dispatch.fused_attend`` gives the exact
-reason when a layout does not fit).  Declines without touching Triton when the switch
+tokens, per-token values) and :class:`kvbench.cache.mixed_channel.MixedChannelBlock` keys; one
+query token per sequence; head_dim 64 or 128 (``kvbench.kernels.dispatch.fused_attend`` gives
+the exact reason when a layout does not fit).  Declines without touching Triton when the switch
 ``KVBENCH_FUSED_ATTENTION=0`` is set or Triton is not installed, and for per-row ``lengths``
-shorter than the cache (the kernel's ``seq_lens`` are not wired yet).  Nothing is imported from
-``kvbench.kernels`` until a CUDA query asks.
+shorter than the cache (the kernel's ``seq_lens`` are not wired yet).  The kernel modules are
+imported only when a CUDA query asks.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.mixed_channel import MixedChannelBlock
+from kvbench.kernels import HAS_TRITON, dispatch
+from kvbench.kernels.dispatch import ENV_SWITCH, Layouts
 
 NAME = "triton"
-ENV_SWITCH = "KVBENCH_FUSED_ATTENTION"
 
 
 def _pages_ok(group_len: list[int], g: int) -> bool:
@@ -76,45 +79,30 @@ def affine_values(block: AffineBlock):
     return QuantValues(block.codes, block.scale, block.zero, block.bits, bool(block.midpoint))
 
 
-#: how the kernel reads each block type (handed to ``kvbench.kernels.dispatch`` by
-#: :func:`fused_layouts`): ``key(block, head_dim) -> QuantKeys | reason``,
-#: ``value(block) -> QuantValues | reason``
+#: how the kernel reads each block type: ``key(block, head_dim) -> QuantKeys | reason``,
+#: ``value(block) -> QuantValues | reason`` (also what ``kernels/bench_decode.py`` hands the
+#: kernels' dispatch)
 KEY_LAYOUTS = {AffineBlock: affine_keys, MixedChannelBlock: mixed_keys}
 VALUE_LAYOUTS = {AffineBlock: affine_values}
-
-
-def fused_layouts():
-    """``kvbench.kernels.dispatch.Layouts`` of :data:`KEY_LAYOUTS` / :data:`VALUE_LAYOUTS`: what
-    the kernels' dispatch (and ``kernels/bench_decode.py``) needs to read the core's blocks.
-    Imports ``kvbench.kernels.dispatch`` (torch only, no Triton)."""
-    from kvbench.kernels.dispatch import Layouts
-
-    return Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
+#: the layouts as :mod:`kvbench.kernels.dispatch` takes them
+LAYOUTS = Layouts(KEY_LAYOUTS, VALUE_LAYOUTS)
 
 
 def _reason(layer_cache: Any, query: torch.Tensor, lengths: Any) -> str | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
-    try:
-        from kvbench import kernels
-    except ImportError as e:
-        return f"kernels unavailable: {e}"
-    if kernels.HAS_TRITON:
-        from kvbench.kernels import _triton
-    if not kernels.HAS_TRITON or not _triton.HAS_TRITON:
+    if HAS_TRITON:
+        from kvbench.kernels import _triton  # imports Triton (HAS_TRITON says if it worked)
+    if not HAS_TRITON or not _triton.HAS_TRITON:
         return "Triton is not installed"
     if lengths is not None and bool((torch.as_tensor(lengths) != layer_cache.seq_length).any()):
         return "per-row lengths are not supported by the fused kernel yet"
-    from kvbench.kernels import dispatch
-
-    return dispatch.unsupported(layer_cache, query, fused_layouts())
+    return dispatch.unsupported(layer_cache, query, LAYOUTS)
 
 
 def _run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
-    from kvbench.kernels import dispatch
-
-    return dispatch.fused_attend(layer_cache, query, scaling, layouts=fused_layouts())
+    return dispatch.fused_attend(layer_cache, query, scaling, layouts=LAYOUTS)
 
 
-#: the CUDA backend (registered in :data:`kvbench.attention.dispatch.BACKENDS`)
+#: the CUDA backend (entry point ``triton`` of ``kvbench.backends``)
 BACKEND = WholeCacheBackend(NAME, "cuda", tuple(KEY_LAYOUTS), _reason, _run)

@@ -3,7 +3,7 @@
 A :class:`kvbench.cache.mixed_channel.MixedChannelBlock` stores, per page of ``L`` tokens, the channels
 sorted by class (``perm``), each class ``c`` as ``class_bits[c]``-bit per-channel codes with
 one (scale, zero) per channel per page.  With ``x[t, perm[j]] = c_j[t] a_j + b_j`` (``j`` the
-class-sorted position; ``a, b`` as in :func:`kvbench.attention.codedomain.affine_terms`, 1-bit classes
+class-sorted position; ``a, b`` as in :func:`kvbench.kernels.cpu.affine.affine_terms`, 1-bit classes
 with the midpoint terms), the logit of token ``t`` of page ``P`` is::
 
     q . x_t = sum_c  (q_perm * a_P)[class c] . codes_c[t]  +  q_perm . b_P
@@ -21,15 +21,11 @@ import functools
 
 import torch
 
-from kvbench.attention import native
-from kvbench.attention.codedomain import (
-    EAGER_CHUNK_TOKENS,
-    code_layout,
-    native_allowed,
-    note_impl,
-)
 from kvbench.cache.mixed_channel import MixedChannelBlock, unpack_mixed
 from kvbench.cache.quant import unpack_bits
+from kvbench.kernels.cpu import native
+from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
+from kvbench.kernels.cpu.native import code_layout
 
 
 def _byte_aligned(bits: tuple[int, ...], counts: tuple[int, ...]) -> bool:
@@ -41,7 +37,7 @@ def _word_counts(bits: tuple[int, ...], counts: tuple[int, ...], nbytes: int) ->
     """Channels per class as the native per-class kernel reads them: each class's count rounded
     up to a multiple of 8 channels where the row has room after the class (the vectorised
     keys read 8 channels at a time), else to whole code words
-    (:func:`kvbench.attention.codedomain.code_layout`); ``None`` when a class that is not the last does
+    (:func:`kvbench.kernels.cpu.native.code_layout`); ``None`` when a class that is not the last does
     not end on a whole word, or the row has no room for the rounded-up last class.  The extra
     channels read the next class's bytes or the row's trailing bits and get a zero query, so
     they add nothing (Kitty's two 4-bit channels: one byte, read as 8 channels in 4)."""
@@ -196,7 +192,7 @@ def _native_classes(block: MixedChannelBlock) -> bool:
 def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: int):
     """All pages (a shorter last one included) in native calls over the bit stream of the
     class codes: per class from its first bit (:func:`_native_offbyte`), else one call of
-    :func:`kvbench.attention.native.keys_stream_rows`: ``[B, H, M, n]``, or ``None`` when the
+    :func:`kvbench.kernels.cpu.native.keys_stream_rows`: ``[B, H, M, n]``, or ``None`` when the
     native kernels cannot take the block."""
     codes = block.codes
     d = qp.shape[-1]
@@ -219,7 +215,7 @@ def _native_stream(block: MixedChannelBlock, qp: torch.Tensor, n: int, length: i
 
 
 class MixedChannelAttention:
-    """:class:`~kvbench.attention.block_kernels.BlockKernel` of
+    """:class:`~kvbench.kernels.cpu.codedomain.BlockKernel` of
     :class:`~kvbench.cache.mixed_channel.MixedChannelBlock` keys (see the module docstring)."""
 
     def key_reason(self, block: MixedChannelBlock, head_dim: int) -> str | None:
