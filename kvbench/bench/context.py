@@ -66,12 +66,6 @@ class Shared:
     calibrated: dict[Key, tuple[Method, Info]] = field(default_factory=dict)
     #: model captures of a text (``fidelity``, ``memory``)
     captures: dict[Key, Capture] = field(default_factory=dict)
-    #: per prompt, the captured post-RoPE queries and keys per layer (``score_agreement``)
-    qk_samples: dict[Key, tuple[list[tuple[list[torch.Tensor], list[torch.Tensor]]], Info]] = field(
-        default_factory=dict
-    )
-    #: per prompt, the reference selections of pairs (``selection_stability``)
-    selections: dict[Key, tuple[list[dict[str, Any]], Info]] = field(default_factory=dict)
     #: prompt token ids ``[B, T]`` and their provenance (``latency``)
     token_ids: dict[Key, tuple[torch.Tensor, Info]] = field(default_factory=dict)
     #: per prompt: its ids, the full-precision continuation and its log-probs (``generation``)
@@ -82,8 +76,9 @@ class Shared:
     references: dict[Key, Reference] = field(default_factory=dict)
     #: selected examples with rendered prompts, and their provenance (task workloads)
     examples: dict[Key, tuple[list[dict[str, Any]], Info]] = field(default_factory=dict)
-    #: ``lm_eval.tasks.TaskManager`` per task list (an optional package the core never imports)
-    task_managers: dict[Key, object] = field(default_factory=dict)
+    #: what workloads outside the core (``kvbench.integrations``, plugins) share, keyed by a
+    #: tuple that starts with the workload's type (the core never reads these values)
+    extra: dict[Key, Any] = field(default_factory=dict)
     #: the layers a shape model's ``memory`` workload measures (what calibration captures)
     shape_layers_measured: tuple[int, ...] | None = None
 

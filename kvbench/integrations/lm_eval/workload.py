@@ -102,7 +102,7 @@ class LMEval(Workload):
         from kvbench.integrations.lm_eval.tasks import hub_guard, local_task_names, task_manager
 
         key = ("lm_eval", tuple(self.spec["tasks"]), tuple(self.spec["include_path"] or ()))
-        if key not in ctx.shared.task_managers:
+        if key not in ctx.shared.extra:
             tm = task_manager(self.spec["tasks"], self.spec["include_path"] or ())
             unknown = [t for t in self.spec["tasks"] if t not in tm.all_tasks]
             if unknown:
@@ -113,8 +113,8 @@ class LMEval(Workload):
                 )
             with hub_guard():
                 tm.load_task_or_group(self.spec["tasks"])
-            ctx.shared.task_managers[key] = tm
-        self.task_manager = ctx.shared.task_managers[key]
+            ctx.shared.extra[key] = tm
+        self.task_manager = ctx.shared.extra[key]
 
     def limit(self, ctx: RunContext) -> int | None:
         lim = self.spec["limit"]

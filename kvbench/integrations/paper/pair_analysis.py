@@ -42,12 +42,10 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import RunContext
-from kvbench.bench.workloads import HIGHER, LOWER, NONE
+from kvbench.bench.workloads import HIGHER, LAYERS, LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.cache.mixed_channel import high_pairs, pair_channels
 from kvbench.fields import Field
-
-from . import LAYERS, Result, Workload, reject
 
 ROW_SOURCES = ("aime25", "aime24", "math500", "amc23", "gsm8k")
 TEXT_SOURCES = ("wikitext2", "essays")
@@ -72,10 +70,9 @@ def sample_prompts(
     Text sources give windows of ``tokens + extra`` tokens; row sources give each problem with
     the chat template (``extra`` ignored).  Returns the ids and a manifest dict.
     """
+    from kvbench.bench.workloads.math_task import DEFAULT_TEMPLATE
+    from kvbench.bench.workloads.taskbase import encode_text, render_prompt
     from kvbench.data.loaders import load_rows, load_text, token_windows
-
-    from .math_task import DEFAULT_TEMPLATE
-    from .taskbase import encode_text, render_prompt
 
     n = samples if ctx.limit is None else min(samples, ctx.limit)
     if source in TEXT_SOURCES:
@@ -157,7 +154,7 @@ class ScoreAgreement(Workload):
             self.spec["tokens"],
             ctx.limit,
         )
-        if key not in ctx.shared.qk_samples:
+        if key not in ctx.shared.extra:
             prompts, info = sample_prompts(
                 ctx, self.spec["source"], self.spec["samples"], self.spec["tokens"]
             )
@@ -165,8 +162,8 @@ class ScoreAgreement(Workload):
             for ids in prompts:
                 c = capture_qkv(ctx.model, ids)
                 caps.append((c.queries, c.keys))  # values are not needed
-            ctx.shared.qk_samples[key] = (caps, info)
-        self.captured, self.info = ctx.shared.qk_samples[key]
+            ctx.shared.extra[key] = (caps, info)
+        self.captured, self.info = ctx.shared.extra[key]
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         from scipy.stats import spearmanr
@@ -284,8 +281,8 @@ class SelectionStability(Workload):
             repr(s["layers"]),
             ctx.limit,
         )
-        if key in ctx.shared.selections:
-            self.data, self.info = ctx.shared.selections[key]
+        if key in ctx.shared.extra:
+            self.data, self.info = ctx.shared.extra[key]
             return
         extra = s["decode_steps"] if s["continuation"] == "text" else 0
         prompts, info = sample_prompts(ctx, s["source"], s["samples"], s["tokens"], extra)
@@ -321,7 +318,7 @@ class SelectionStability(Workload):
             "reference_aggregation": "sum over decode keys P <= s <= t [RECON]",
         }
         self.data, self.info = data, info
-        ctx.shared.selections[key] = (data, info)
+        ctx.shared.extra[key] = (data, info)
 
     def _reference(self, q: torch.Tensor, k: torch.Tensor, p: int, ref: str) -> torch.Tensor:
         """Reference pair scores ``[H_q, steps, D/2]`` of the decode queries ``p..T-1`` (every

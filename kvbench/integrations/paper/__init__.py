@@ -28,6 +28,10 @@ claim lists row labels whose kvbench values should be strictly increasing.
 
 ``kvbench run SUITE`` prints :func:`comparison_table` after its summary when the suite has a
 ``paper:`` block and writes :func:`write_figures` PNGs into the result folder.
+
+:mod:`.pair_analysis` holds the PN-Mix pair studies behind its Tables 1 and 11 (the
+``score_agreement`` and ``selection_stability`` workloads, entry points of
+``kvbench.workloads`` like the core's own).
 """
 
 from __future__ import annotations
