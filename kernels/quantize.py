@@ -119,7 +119,7 @@ def round_half_even(x, USE_RINT: tl.constexpr):
 
 @jit
 def round_up_to(s, SD: tl.constexpr):
-    """Non-negative float32 ``s`` stored as ``SD``, rounded up (kvbench.cache.quant._round_up_to_dtype)."""
+    """Non-negative float32 ``s`` stored as ``SD``, rounded up (kvbench.cache.quant.round_up_to_dtype)."""
     st = s.to(SD)
     if SD != tl.float32:
         stf = st.to(tl.float32)

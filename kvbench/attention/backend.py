@@ -10,8 +10,6 @@ in which each device tries them.  A backend reads only the public attributes of
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -48,8 +46,6 @@ class AttentionCache(Protocol):
     @property
     def awaiting_queries(self) -> bool: ...
 
-    def quantized_tokens(self) -> tuple[int, int]: ...
-
     def keys_values(
         self, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -83,49 +79,6 @@ class Backend(Protocol):
         scaling: float | None,
         lengths: torch.Tensor | None,
     ) -> tuple[torch.Tensor, str]: ...
-
-
-@dataclass(frozen=True)
-class WholeCacheBackend:
-    """A :class:`Backend` that reads the whole cache in one kernel (the fused Triton kernel).
-
-    ``layouts``: the block types it reads (a side with no block always fits); ``check(cache,
-    query, lengths) -> str | None``: its own further reasons; ``compute(cache, query, scaling,
-    lengths) -> [B, H_q, n_q, D]``.  It declines a block type outside ``layouts`` and a cache
-    that observes the attention probabilities (it cannot hand them out); its reasons are
-    recorded as ``"<name>: <why>"``."""
-
-    name: str
-    device: str
-    layouts: tuple[type, ...]
-    check: Callable[[AttentionCache, torch.Tensor, torch.Tensor | None], str | None]
-    compute: Callable[..., torch.Tensor]
-
-    def devices_for(self, block_type: type) -> list[str]:
-        return [self.device] if block_type in self.layouts else []
-
-    def reason(
-        self, cache: AttentionCache, query: torch.Tensor, lengths: torch.Tensor | None
-    ) -> str | None:
-        why = self._fits(cache) or self.check(cache, query, lengths)
-        if why is None and getattr(cache, "observes_attention", False):
-            why = "the cache observes the attention probabilities"
-        return None if why is None else f"{self.name}: {why}"
-
-    def _fits(self, cache: AttentionCache) -> str | None:
-        for name, side in (("key", cache.k), ("value", cache.v)):
-            if side.block is not None and type(side.block) not in self.layouts:
-                return f"{name} block {type(side.block).__name__} has no {self.name} kernel"
-        return None
-
-    def run(
-        self,
-        cache: AttentionCache,
-        query: torch.Tensor,
-        scaling: float | None,
-        lengths: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, str]:
-        return self.compute(cache, query, scaling, lengths), self.name
 
 
 def layout_name(cache: AttentionCache) -> str:

@@ -251,11 +251,6 @@ class BitTerms:
     def to_dict(self) -> dict[str, float]:
         return {"b_eff": self.b_eff, "m_q": self.m_q, "group": self.group, "m_sal": self.m_sal}
 
-    @property
-    def per_element(self) -> float:
-        """``b_eff + m_q / group + m_sal`` bits per quantized element."""
-        return self.b_eff + self.m_q / self.group + self.m_sal
-
 
 def bit_terms(layout: BlockLayout) -> BitTerms:
     """The formula's terms of ``layout``: ``b_eff`` = code bits per element; ``m_q``/``group``

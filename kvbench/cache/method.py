@@ -138,10 +138,6 @@ class CacheConfig(MethodConfig):
     def torch_scale_dtype(self) -> torch.dtype:
         return resolve_scale_dtype(self.scale_dtype)
 
-    @property
-    def pair_bits(self) -> int:
-        return PAIR_BITS[self.scale_dtype]
-
     def channel_group(self, head_dim: int) -> int:
         """Per-token group width: ``value_group_size`` or min(G, head_dim); must divide D."""
         cg = self.value_group_size or min(self.group_size, head_dim)

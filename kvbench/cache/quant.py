@@ -426,6 +426,3 @@ def fake_quantize(
     return dequantize_groups(
         g.codes, g.scale, g.zero, bits, symmetric=symmetric, midpoint=midpoint, dtype=x.dtype
     )
-
-
-_round_up_to_dtype = round_up_to_dtype  # old private name, kept for one release

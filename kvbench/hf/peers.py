@@ -178,10 +178,6 @@ class HFPeer(Method, abc.ABC):
     def transformers_cache(self, model: Any, attend: bool = False) -> Any:
         """The peer's transformers ``Cache`` for ``model`` (see :meth:`Method.transformers_cache`)."""
 
-    def read_layer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K/V held by one of this method's layers (:func:`hf_layer_keys_values`)."""
-        return hf_layer_keys_values(layer)
-
     def _check_available(self) -> None:
         reason = self.unavailable_reason()
         if reason:

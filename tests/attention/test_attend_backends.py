@@ -17,7 +17,6 @@ import torch
 
 import kvbench
 from kvbench.attention import dispatch as registry
-from kvbench.attention.backend import WholeCacheBackend
 from kvbench.cache.blocks import AffineBlock, PerChannelCodec
 from kvbench.cache.layer import LayerCache, Side
 from kvbench.cache.mixed_channel import MixedChannelBlock
@@ -25,6 +24,7 @@ from kvbench.cache.qjl import QJLBlock
 from kvbench.cache.schedule import BlockSchedule
 from kvbench.kernels.cpu import codedomain as cpu
 from kvbench.kernels.cpu import native
+from kvbench.kernels.triton_backend import WholeCacheBackend
 from kvbench.registry import Registry
 
 HQ, HKV, B = 4, 2, 2
