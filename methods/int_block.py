@@ -28,6 +28,19 @@ the codes are computed from the stored fp16 scale, rounded up (llama.cpp: from f
 Codes are packed as the core's LSB-first bit stream (llama.cpp's q4_0 puts element ``j`` and
 ``j + 16`` in one byte); the byte count is identical.
 
+Channel order (``channel_order``): ``hf`` (default) blocks the key channels in the order the
+model gives them.  ``gguf`` blocks them as llama.cpp does for a GGUF-converted Llama-family
+model: ``convert_hf_to_gguf.py`` (``LlamaModel.permute``: ``w.reshape(n_head, 2, D // 2,
+...).swapaxes(1, 2).reshape(w.shape)``) permutes the rows of the Q and K projections per head,
+so llama.cpp's key channel ``2i`` holds HF channel ``i`` and ``2i + 1`` HF channel ``D/2 + i``
+(:func:`gguf_key_order`); V is not permuted.  The permutation is the layer cache's key
+transform (:meth:`Int8Block.rotation`, :mod:`kvbench.cache.rotation`): keys, sinks and residual
+are stored in GGUF order and the query is permuted alike, so every attention backend reads
+the same logits; ``keys_values`` gives keys back in HF order.  With ``rotation: hadamard`` the
+order acts first and the Hadamard on the GGUF-ordered channels, then the blocks are quantized,
+as llama.cpp rotates the K it holds in its own (GGUF) channel order (ggml-org/llama.cpp PR
+#21038); values are only rotated.
+
 Windows: ``residual_length`` R (default 0: llama.cpp quantizes every token on write; otherwise a
 sliding window of the R newest tokens stays full precision) and ``num_sink_tokens``.
 """
@@ -45,11 +58,20 @@ from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import Capabilities, Method, MethodConfig
 from kvbench.cache.quant import pack_bits, packed_size
+from kvbench.cache.rotation import ChannelRotation, for_config
 from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
 
 BLOCK_TYPES = ("f16", "q8_0", "q4_0")
 Q4_RULES = ("absmax7", "llamacpp")
 CODE_BITS = {"f16": 16, "q8_0": 8, "q4_0": 4}
+CHANNEL_ORDERS = ("hf", "gguf")
+
+
+def gguf_key_order(head_dim: int) -> torch.Tensor:
+    """int64 ``[head_dim]`` (even): llama.cpp's key channel ``j`` of a GGUF-converted
+    Llama-family model is HF channel ``order[j]`` (``order = [0, D/2, 1, D/2 + 1, ...]``; module
+    docstring), so ``keys[..., order]`` is the GGUF order."""
+    return torch.arange(head_dim).reshape(2, head_dim // 2).T.reshape(head_dim)
 
 
 @dataclass
@@ -120,6 +142,8 @@ class Int8BlockConfig(MethodConfig):
     block_size : channels per block (32 in llama.cpp); must divide head_dim.
     residual_length : R newest tokens kept in full precision (default 0).
     num_sink_tokens : N_s first tokens kept in full precision (default 0).
+    channel_order : ``hf`` (default) or ``gguf``: the key channel order the blocks group
+        (module docstring).
     """
 
     key_type: str = kf.spec("q8_0", str, choices=BLOCK_TYPES)
@@ -128,6 +152,9 @@ class Int8BlockConfig(MethodConfig):
     block_size: int = kf.spec(32, int, low=1)
     residual_length: int = kf.spec(0, int, low=0)
     num_sink_tokens: int = kf.spec(0, int, low=0)
+    channel_order: str = kf.spec("hf", str, choices=CHANNEL_ORDERS)
+
+    omitted_defaults = (*MethodConfig.omitted_defaults, "channel_order")
 
 
 @dataclass(frozen=True)
@@ -160,6 +187,19 @@ class Int8Block(Method):
         return PerTokenCodec(
             CODE_BITS[kind], torch.float16, symmetric=True, channel_group=c.block_size
         )
+
+    def rotation(self, head_dim: int) -> ChannelRotation | None:
+        """The config's rotation with the keys in GGUF order first when ``channel_order`` is
+        ``gguf`` (module docstring).  ``ValueError`` naming ``channel_order`` (gguf) for an odd
+        head_dim, or ``rotation_block`` when it does not divide head_dim."""
+        c = self.config
+        if c.channel_order == "hf":
+            return for_config(c, head_dim)
+        if head_dim % 2:
+            c.reject(
+                "channel_order", f"'hf' for head_dim={head_dim} (gguf pairs channel i with D/2+i)"
+            )
+        return for_config(c, head_dim, gguf_key_order(head_dim))
 
     def key_codec(self, layer_idx: int, head_dim: int):
         return self._codec(self.config.key_type, head_dim)

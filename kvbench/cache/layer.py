@@ -20,6 +20,14 @@ attention they receive (SemKV) sets ``observes_attention`` and implements
 :meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
 (code-domain, reference) calls it; whole-cache fused backends decline.
 
+Rotation (docs/design.md#rotation, :mod:`kvbench.cache.rotation`): a layer whose ``rotation``
+is set (``Method.new_layer`` sets it from the config) rotates keys and values before anything is
+stored (prefill, append, each row of a padded batch) and the prefill queries it hands to the
+codecs; :meth:`LayerCache.attend` rotates the query and rotates the output back, and
+:meth:`LayerCache.keys_values` returns keys and values rotated back.  While :meth:`attend` runs,
+``keys_values`` returns the stored (rotated) space, so the backends, the reference path
+included, pair the rotated query with the stored keys.  Nothing of the rotation is stored.
+
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so that a
 row's codes never depend on its padding.  Every public operation then dispatches to those rows,
@@ -39,6 +47,7 @@ import torch
 from kvbench.attention import dispatch
 from kvbench.cache import finite, ragged
 from kvbench.cache.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
+from kvbench.cache.rotation import ChannelRotation
 from kvbench.cache.schedule import NeverSchedule
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -178,6 +187,9 @@ class LayerCache:
     num_kv_heads, head_dim : when given (``Method.new_layer`` does), K/V must have
         ``H_kv == num_kv_heads`` and ``D == head_dim``, so a wrong layout (e.g. ``[B, T, H, D]``)
         raises ``ValueError`` instead of being stored.
+
+    Attribute ``rotation``: a :class:`~kvbench.cache.rotation.ChannelRotation` or ``None``
+    (set by ``Method.new_layer`` before any token; see the module docstring).
     """
 
     #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
@@ -217,6 +229,14 @@ class LayerCache:
         self._hd = (num_kv_heads, head_dim)
         self._rows: list[LayerCache] | None = None  # a padded batch: one cache per row
         self._pads: list[int] = []
+        self.rotation: ChannelRotation | None = None
+        self._attending = False  # inside attend(): keys_values() reads the stored space
+
+    def _rot(self, x: torch.Tensor | None, side: str, back: bool = False) -> torch.Tensor | None:
+        """``x`` rotated into (``back``: out of) the stored space by ``self.rotation``."""
+        if self.rotation is None or x is None:
+            return x
+        return self.rotation.back(x, side) if back else self.rotation.forward(x, side)
 
     # ---------------------------------------------------------------- inputs
     def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -286,6 +306,11 @@ class LayerCache:
         if self.seq_length:
             raise ValueError("prefill() needs an empty cache; use append() for later tokens")
         self.dtype = keys.dtype
+        keys, values, queries = (
+            self._rot(keys, "keys"),
+            self._rot(values, "values"),
+            self._rot(queries, "keys"),
+        )
         k, v = self._take_sinks(keys, values)
         self.k.residual, self.v.residual = own_storage(k), own_storage(v)
         if self.needs_queries and queries is None:
@@ -299,9 +324,9 @@ class LayerCache:
             return ragged.provide_queries(self, queries)
         if not self._awaiting_queries:
             return
-        keys = self.k.read(self.dtype)
+        keys = self.k.read(self.dtype)  # the stored (rotated) space
         self._awaiting_queries = False
-        self.finish_prefill(keys, queries)
+        self.finish_prefill(keys, self._rot(queries, "keys"))
 
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         """Hook run once the prefill keys ``[B, H_kv, P, D]`` (and post-RoPE queries, or
@@ -333,7 +358,7 @@ class LayerCache:
         self.end_step()
         if self.dtype is None or not self.seq_length:
             self.dtype = keys.dtype
-        k, v = self._take_sinks(keys, values)
+        k, v = self._take_sinks(self._rot(keys, "keys"), self._rot(values, "values"))
         self.k.residual = own_storage(_cat(self.k.residual, k))
         self.v.residual = own_storage(_cat(self.v.residual, v))
         self._pending = True
@@ -349,13 +374,17 @@ class LayerCache:
             side.flush(side.schedule.flush_count(_len(side.residual)))
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual)."""
+        """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated
+        back when the layer rotates (inside :meth:`attend`: the stored space)."""
         if self._rows is not None:
             return ragged.keys_values(self, dtype)
         if not self.seq_length:
             raise ValueError("the cache is empty")
         dt = dtype or self.dtype
-        return self.k.read(dt), self.v.read(dt)
+        k, v = self.k.read(dt), self.v.read(dt)
+        if self._attending:
+            return k, v
+        return self._rot(k, "keys", back=True), self._rot(v, "values", back=True)
 
     def attend(
         self,
@@ -371,12 +400,20 @@ class LayerCache:
         :func:`kvbench.attention.dispatch.attend`).  A thin wrapper of the backend registry
         (:mod:`kvbench.attention.dispatch`): the fused kernel on CUDA, code-domain attention on the
         CPU, else the reference path over :meth:`keys_values`; all agree up to float rounding.
-        ``self.attend_path`` / ``self.attend_path_reason`` record which ran and why.
+        ``self.attend_path`` / ``self.attend_path_reason`` record which ran and why.  With a
+        ``rotation`` the backends get the rotated query and the output is rotated back.
 
         Raises ``ValueError`` for ``lengths`` outside ``[n_q, T]``."""
         if self._rows is not None:
             return ragged.attend(self, query, scaling, lengths)
-        return dispatch.attend(self, query, scaling, lengths)
+        if self.rotation is None:
+            return dispatch.attend(self, query, scaling, lengths)
+        self._attending = True
+        try:
+            out = dispatch.attend(self, self._rot(query, "keys"), scaling, lengths)
+        finally:
+            self._attending = False
+        return self._rot(out, "values", back=True)
 
     def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,

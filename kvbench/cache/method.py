@@ -11,17 +11,20 @@ derived from the codec's stored layout (:mod:`kvbench.cache.layout`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, ClassVar, NoReturn
 
 import torch
 
 from kvbench import fields as kf
-from kvbench.cache import finite
+from kvbench.cache import finite, rotation
 from kvbench.cache.blocks import Codec, PerTokenCodec
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.layout import BlockLayout, average_bits, bit_terms
 from kvbench.cache.quant import SUPPORTED_BITS, resolve_scale_dtype
+from kvbench.cache.rotation import BLOCKS, ROTATIONS, ChannelRotation
 from kvbench.cache.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
 
 #: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
@@ -59,10 +62,33 @@ class MethodConfig:
     Each field declares what it allows with :func:`kvbench.fields.spec`; ``__post_init__``
     checks them all (:func:`kvbench.fields.validate`, errors prefixed with the class name).  A
     subclass adds its cross-field rules after ``super().__post_init__()`` and raises them through
-    :meth:`reject`."""
+    :meth:`reject`.
+
+    Every method has the rotation fields (keyword-only; docs/design.md#rotation, applied by
+    the layer cache, :mod:`kvbench.cache.rotation`): ``rotation`` ``none`` | ``hadamard``,
+    ``rotation_block`` (64, llama.cpp's; a power of two dividing head_dim, checked by
+    ``new_layer``), ``rotation_seed`` (``None``: plain Walsh-Hadamard; an int: seeded random
+    signs, QuaRot arXiv:2404.00456).  The two others are refused unless ``rotation`` is
+    ``hadamard``.
+    """
+
+    _: KW_ONLY
+    rotation: str = kf.spec("none", str, choices=ROTATIONS)
+    rotation_block: int = kf.spec(64, int, choices=BLOCKS, text="powers of two 2..4096")
+    rotation_seed: int | None = kf.spec(None, int, low=0, optional=True)
+
+    #: fields left out of :meth:`to_dict` while they hold their default: fields added after
+    #: records existed, so the config (and the ``run_id`` hashed from it) of a run that does not
+    #: use them stays what it was (docs/design.md#run-id)
+    omitted_defaults: ClassVar[tuple[str, ...]] = ("rotation", "rotation_block", "rotation_seed")
 
     def __post_init__(self) -> None:
         kf.validate(self, type(self).__name__)
+        if self.rotation == "none":
+            if self.rotation_seed is not None:
+                self.reject("rotation_seed", "None unless rotation='hadamard'")
+            if self.rotation_block != 64:
+                self.reject("rotation_block", "64 (the default) unless rotation='hadamard'")
 
     def reject(self, name: str, allowed: str) -> NoReturn:
         """Raise the refusal of field ``name`` (its current value) with ``allowed`` in words:
@@ -83,7 +109,12 @@ class MethodConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict, without those of :attr:`omitted_defaults` at their default."""
+        out = dataclasses.asdict(self)
+        for f in fields(self):
+            if f.name in self.omitted_defaults and out[f.name] == f.default:
+                del out[f.name]
+        return out
 
 
 def require_padding(method: Any) -> None:
@@ -149,6 +180,48 @@ class CacheConfig(MethodConfig):
         return cg
 
 
+def _rotating(new_layer: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``Method.new_layer``: check :meth:`Method.rotation` for the head_dim first, then
+    hand it to the layer cache it returns (``layer.rotation``)."""
+    if getattr(new_layer, "_rotates", False):
+        return new_layer
+
+    @functools.wraps(new_layer)
+    def wrapper(self: Method, *args: Any, **kwargs: Any) -> Any:
+        rot = self.rotation(args[2] if len(args) > 2 else kwargs["head_dim"])
+        layer = new_layer(self, *args, **kwargs)
+        if rot is not None:
+            layer.rotation = rot
+        return layer
+
+    wrapper._rotates = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _rotated_calibration(calibrate: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``Method.calibrate``: its keys and values (a mapping or a sequence of ``[...,
+    D]`` tensors) are rotated as the layer caches will store them."""
+
+    def rotate(method: Method, data: Any, side: str) -> Any:
+        if data is None:
+            return None
+
+        def one(x: torch.Tensor) -> torch.Tensor:
+            rot = method.rotation(x.shape[-1])
+            return x if rot is None else rot.forward(x, side)
+
+        if isinstance(data, Mapping):
+            return {k: one(x) for k, x in data.items()}
+        return [one(x) for x in data]
+
+    @functools.wraps(calibrate)
+    def wrapper(self: Method, keys_by_layer: Any, values_by_layer: Any = None, *a, **kw) -> Any:
+        keys, values = rotate(self, keys_by_layer, "keys"), rotate(self, values_by_layer, "values")
+        return calibrate(self, keys, values, *a, **kw)
+
+    return wrapper
+
+
 class Method:
     """Base class of KV-cache quantization methods.
 
@@ -166,8 +239,10 @@ class Method:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "new_layer" in cls.__dict__:  # caches know their layer (NaN/Inf messages)
-            cls.new_layer = finite.named_layers(cls.__dict__["new_layer"])
+        if "new_layer" in cls.__dict__:  # caches know their layer (NaN/Inf messages), rotation
+            cls.new_layer = _rotating(finite.named_layers(cls.__dict__["new_layer"]))
+        if "calibrate" in cls.__dict__:  # calibration sees the space the cache stores
+            cls.calibrate = _rotated_calibration(cls.__dict__["calibrate"])
 
     def __init__(self, config: MethodConfig | None = None, **overrides: Any) -> None:
         if config is None:
@@ -176,11 +251,20 @@ class Method:
             allowed = [f.name for f in fields(config)]
             unknown = sorted(set(overrides) - set(allowed))
             if unknown:  # dataclasses.replace would raise a bare TypeError
-                raise ValueError(f"unknown config field(s) {unknown}; allowed: {allowed}")
+                raise ValueError(
+                    f"unknown config field(s) {unknown} for {type(config).__name__}; "
+                    f"allowed: {allowed}"
+                )
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.Config):
             raise ValueError(
                 f"config must be a {self.Config.__name__}, got {type(config).__name__}"
+            )
+        if config.rotation != "none" and not self.capabilities.layer_cache:
+            config.reject(
+                "rotation",
+                f"'none' ({type(self).__name__} wraps a transformers cache, capabilities."
+                "layer_cache=False, and rotations are applied by kvbench's LayerCache)",
             )
         self.config = config
 
@@ -250,6 +334,14 @@ class Method:
         c = self.config
         return NeverSchedule() if c.value_bits == 16 else SlidingSchedule(c.residual_length)
 
+    def rotation(self, head_dim: int) -> ChannelRotation | None:
+        """The channel rotation this method's layer caches apply for ``head_dim`` channels
+        (:func:`kvbench.cache.rotation.for_config` of the config; ``None``: none).  Raises
+        ``ValueError`` naming ``rotation_block`` when it does not divide ``head_dim``.  A method
+        that reorders its key channels (``int4-block``'s GGUF order) overrides it."""
+        return rotation.for_config(self.config, head_dim)
+
+    @_rotating
     @finite.named_layers
     def new_layer(
         self,
@@ -260,7 +352,10 @@ class Method:
         device: str | torch.device = "cpu",
     ) -> LayerCache:
         """One empty :class:`LayerCache` for layer ``layer_idx`` with ``num_kv_heads`` heads of
-        ``head_dim`` channels.  Raises ``ValueError`` if the config does not fit ``head_dim``."""
+        ``head_dim`` channels.  Raises ``ValueError`` if the config does not fit ``head_dim``.
+
+        Every override is wrapped (``__init_subclass__``): the cache knows its ``layer_idx`` and
+        gets :meth:`rotation` (checked before the layer is built) as ``layer.rotation``."""
         return self.layer_cache(layer_idx, num_kv_heads, head_dim)
 
     def layer_cache(
