@@ -236,8 +236,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--address and --max-parallel need --executor ray")
     check_output(out)
     args._out = out  # for the Ctrl-C message
+    from kvbench.bench.manifest import run_log
+
     try:
-        with output_lock(out):  # a second run into this --out fails here, naming this one
+        with output_lock(out), run_log(out, suite.path) as logged:  # one --out, one run at once
             records = runner(
                 suite,
                 out,
@@ -246,6 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 quiet=args.quiet,
                 skip_unavailable=args.skip_unavailable,
             )
+            logged["records"] = len(records)
     except FileNotFoundError as exc:  # an asset that vanished after the pre-flight
         print(f"kvbench run: error: {exc}", file=sys.stderr)
         return 2
@@ -377,10 +380,14 @@ USER_ERRORS = (ValueError, RuntimeError, OSError, LookupError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvbench.bench.manifest import cli_argv
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with cli_argv(argv):  # records and run logs name this command line
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         if args.debug:
             traceback.print_exc()

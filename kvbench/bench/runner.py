@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kvbench.bench import validate
 from kvbench.bench.context import RunContext
-from kvbench.bench.manifest import base_manifest
+from kvbench.bench.manifest import base_manifest, loadavg
 from kvbench.bench.preflight import check_contexts
 from kvbench.bench.records import (
     Record,
@@ -322,8 +322,11 @@ def compute_record(
     :func:`execute_run` then :func:`make_record`.  The record depends on the run alone, not on
     its position in the sweep, so a resumed or distributed sweep gives the same records.
     A ``ValueError`` of the run is re-raised naming the suite entry and workload; a run whose
-    method quantized (almost) nothing carries a flag (:func:`quantized_flag`)."""
+    method quantized (almost) nothing carries a flag (:func:`quantized_flag`).  The manifest
+    gets the load average just before and after the run (``loadavg_start``, ``loadavg_end``:
+    1, 5 and 15 minutes), so a reader sees what else the machine was doing."""
     torch.manual_seed(suite.seed)
+    load_start = loadavg()
     try:
         metrics, extras, result, method = execute_run(
             ctx, workload, run, suite.calibration, baseline
@@ -333,6 +336,7 @@ def compute_record(
             f"{suite.path}: {run.method.where or 'methods'} ({run.method.label}) "
             f"in workloads[{run.workload_index}] ({run.workload_spec['type']}): {exc}"
         ) from exc
+    extras.update(loadavg_start=load_start, loadavg_end=loadavg())
     if threads is not None:
         extras["threads"] = threads
     flag = quantized_flag(run, metrics)

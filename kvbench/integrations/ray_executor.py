@@ -51,6 +51,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.manifest import invocation
 from kvbench.bench.records import SCHEMA_VERSION, Record, write_atomic
 from kvbench.bench.runner import (
     PlannedRun,
@@ -733,6 +734,7 @@ class RayExecutor:
         w.has.add(task.key[1])
         run = task.run
         rec = out["record"]
+        rec.manifest.update(invocation())  # the driver's command line, not the worker's
         rec.manifest["ray"] = {
             "worker": w.name,
             "attempt": task.attempt,

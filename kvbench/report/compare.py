@@ -9,7 +9,10 @@ or any change from an exact 0.  ``--json`` prints one object (changes, failures,
 a ``none`` metric fails when it moves either way) by more than
 THRESHOLD in any matched run, or when a BASE run is missing from NEW.  Two single records of
 different runs are an error that names the differing keys; two sets with no run in common are an
-error (exit 2) that says how many records each side has.
+error (exit 2) that says how many records each side has.  When the two sets differ in provenance
+(commit, model checksum, dtype, library versions, CPU, threads, command:
+:func:`kvbench.report.provenance.differences`) a warning naming each differing field goes to
+stderr (and ``provenance_differs`` into ``--json``); it never changes the exit status.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from kvbench.bench.records import Record, RecordError, load_records
 from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
+from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label
 
 
@@ -195,10 +199,14 @@ def main(args: argparse.Namespace) -> int:
             f"{len(new)}, and no run_id is in both (different suites, models or --set "
             "values?); nothing was compared"
         )
+    diffs = differences(base, new)
+    if diffs:
+        print(differences_text(diffs), file=sys.stderr)
     if args.json:
         print(
             json.dumps(
                 {
+                    "provenance_differs": {n: {"base": b, "new": v} for n, b, v in diffs},
                     "matched": matched,
                     "base_runs": len(base),
                     "changes": found,

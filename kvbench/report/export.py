@@ -1,11 +1,13 @@
 """``kvbench export RESULTS --out FILE``: a compact, committable export of a result folder.
 
 The export is one JSON file: ``{"export_version", "suite", "command", "machine", "wall_s",
-"records"}`` where each record keeps ``run_id``, ``method``, ``config``, ``model``, ``workload``,
-``metrics`` and a manifest with machine-specific paths stripped (every string that is an
-absolute path becomes ``<local>/<file name>``); ``per_layer`` data is dropped. The README's
-headline table is rendered from such a file (:func:`readme_block`) and a test checks that the
-README shows exactly that rendering.
+"runs", "records"}`` where each record keeps ``run_id``, ``method``, ``config``, ``model``,
+``workload``, ``metrics``, ``created`` and a manifest with machine-specific paths stripped (every
+string that is an absolute path becomes ``<local>/<file name>``); ``per_layer`` data is dropped.
+``runs`` holds the run-log entries of the result folders (``kvbench-run.jsonl``: command, start,
+end, wall time, load average of each ``kvbench run``). The README's block, the provenance
+(:mod:`kvbench.report.provenance`) above the headline table, is rendered from such a file
+(:func:`readme_block`) and a test checks that the README shows exactly that rendering.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.manifest import cpu_model
 from kvbench.bench.records import Record, load_records, write_atomic
 from kvbench.report.headline import headline_table
+from kvbench.report.provenance import provenance_block, run_logs
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"
 END = "<!-- kvbench-headline:end -->"
 _ABS = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
-KEEP = ("run_id", "method", "config", "model", "workload", "metrics")
+KEEP = ("run_id", "method", "config", "model", "workload", "metrics", "created")
 
 
 def strip_paths(obj: Any) -> Any:
@@ -40,22 +44,20 @@ def strip_paths(obj: Any) -> Any:
 
 
 def machine() -> str:
-    """A one-line description of this machine: OS, CPU, cores."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores"
+    """A one-line description of this machine: OS, CPU model, cores."""
+    return f"{platform.system()} {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores"
 
 
 def make_export(
-    records: list[Record], command: str, machine_desc: str, wall_s: float | None
+    records: list[Record],
+    command: str,
+    machine_desc: str,
+    wall_s: float | None,
+    runs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The export dict of ``records`` (sorted by run id, so a rerun gives the same file)."""
+    """The export dict of ``records`` (sorted by run id, so a rerun gives the same file);
+    ``runs``: the run-log entries of their folders (:func:`kvbench.report.provenance.run_logs`),
+    paths stripped like the manifests'."""
     recs = []
     for r in sorted(records, key=lambda r: r.run_id):
         data = r.to_json()
@@ -69,6 +71,7 @@ def make_export(
         "command": command,
         "machine": machine_desc,
         "wall_s": wall_s,
+        "runs": strip_paths(runs or []),
         "records": recs,
     }
 
@@ -83,16 +86,29 @@ def load_export(path: str | Path) -> dict[str, Any]:
 
 def readme_block(export_path: str | Path, rel: str) -> str:
     """The README block for the export at ``export_path`` (``rel``: its path in the repository):
-    begin marker, the run's command, machine and wall time, the headline table, end marker."""
+    begin marker, the provenance (:func:`~kvbench.report.provenance.provenance_block` of the
+    records and run log, with the export's command, wall time and machine) and the records' path,
+    the headline table, end marker."""
     data = load_export(export_path)
-    wall = data.get("wall_s")
-    head = (
-        f"Command: `{data['command']}`; machine: {data['machine']}; wall time: "
-        + (f"{wall / 60:.1f} min" if wall is not None else "not recorded")
-        + f"; records: `{rel}`."
-    )
     records = [Record.from_json(r) for r in data["records"]]
-    return "\n".join([BEGIN.format(path=rel), head, "", headline_table(records), END])
+    head = provenance_block(
+        records,
+        data.get("runs"),
+        command=data["command"],
+        wall_s=data.get("wall_s"),
+        machine=data["machine"],
+    )
+    return "\n".join(
+        [
+            BEGIN.format(path=rel),
+            "#### Provenance",
+            "",
+            f"{head}\n- records: `{rel}`",
+            "",
+            headline_table(records),
+            END,
+        ]
+    )
 
 
 def readme_blocks(text: str) -> dict[str, str]:
@@ -123,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
     records = load_records(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
-    data = make_export(records, args.command, args.machine or machine(), args.wall_s)
+    runs = run_logs(args.results)
+    data = make_export(records, args.command, args.machine or machine(), args.wall_s, runs)
     write_atomic(args.out, data)
     print(f"wrote {args.out} ({len(data['records'])} records)")
     if args.readme_block:

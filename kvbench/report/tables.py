@@ -1,9 +1,11 @@
 """``kvbench report DIR``: Markdown tables of the records (stdout) and PNG plots beside them
 (their paths on stderr, so ``kvbench report DIR > report.md`` holds only the report).
 
-Tables: one per workload (workloads in :data:`WORKLOAD_ORDER`, then by parameters; one per
-workload and model, the model in the title, when the records cover several models), rows sorted
-by method family (``full`` first, then the method name), nominal key bits, then label.  Every
+The report starts with the provenance of the records (:mod:`kvbench.report.provenance`:
+command, date, wall time, load average, versions, model checksum, CPU, threads).  Tables: one
+per workload (workloads in :data:`WORKLOAD_ORDER`, then by parameters; one per workload and
+model, the model in the title, when the records cover several models), rows sorted by method
+family (``full`` first, then the method name), nominal key bits, then label.  Every
 table has the nominal and the measured (effective) key and value bits; a workload that does not
 measure them borrows them from a record of the same model, method and config that does
 (fidelity, memory), marked ``*``.  Runs the runner flagged (nothing quantized) are marked ``!``
@@ -23,6 +25,7 @@ from kvbench.bench.records import Record, canonical, load_records
 from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import headline_table
 from kvbench.report.plots import write_plots
+from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
     from kvbench.bench.suite import Suite
@@ -254,9 +257,19 @@ def main(args: argparse.Namespace) -> int:
         paths = write_plots(records, folder)
         for path in paths:
             print(f"wrote {path}", file=sys.stderr)
+    block = provenance_block(records, run_logs(args.results))
     if args.json:
-        print(json.dumps({"tables": tables(records), "plots": [str(p) for p in paths]}))
+        print(
+            json.dumps(
+                {
+                    "provenance": block.splitlines(),
+                    "tables": tables(records),
+                    "plots": [str(p) for p in paths],
+                }
+            )
+        )
         return 0
+    print("## Provenance\n\n" + block + "\n")
     if any(r.workload_type == "memory" for r in records) and any(
         r.method == BASELINE for r in records
     ):
