@@ -274,6 +274,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 #: subcommands provided by other modules: name -> (module, help)
 EXTERNAL = {
     "report": ("kvbench.report.tables", "summarize result records: Markdown table and plots"),
+    "plot": ("kvbench.report.plots", "draw the report's PNG figures of result records"),
     "compare": ("kvbench.report.compare", "compare two result sets; non-zero exit on regression"),
     "export": ("kvbench.report.export", "compact committable export of a result folder"),
     "data": ("kvbench.data.prepare", "build the local copy of a hub text (wikitext2)"),

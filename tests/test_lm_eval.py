@@ -327,7 +327,8 @@ def test_workload_records_metrics_manifest_and_samples(tmp_path):
     from kvbench.report.plots import write_plots
 
     paths = write_plots(
-        recs + [dataclasses.replace(worse, run_id="x", method="kivi2")], tmp_path / "plots"
+        recs + [dataclasses.replace(worse, run_id="x", manifest={**worse.manifest, "label": "k2"})],
+        tmp_path / "plots",
     )
     assert any("lm_eval" in p.name and "perplexity" in p.name for p in paths)
 

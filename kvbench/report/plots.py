@@ -1,54 +1,104 @@
-"""Matplotlib figures: Pareto frontiers (bits or bytes vs quality), latency and memory vs
-context.  Each PNG is readable without the JSON: titled, labelled axes with units, a legend,
-dominated points drawn hollow."""
+"""Matplotlib figures of result records (PNG, Agg backend): ``kvbench plot`` and ``kvbench report``.
+
+Figures (:func:`figures`; file name = key + ``.png``):
+
+* ``headline_{a,b}_{kl_vs_bytes,kl_vs_decode,bytes_vs_decode}``: one Pareto figure per section
+  of the headline table (:func:`kvbench.report.headline.rows`: (a) deployed, (b) keys only) and
+  pair of its axes: ``bytes_ratio`` (the memory record's ``bytes_total`` over a 16-bit cache of
+  ``full``), ``next_token_kl`` (perplexity record) and :data:`DECODE` (latency record: the
+  median decode step over that of ``full`` interleaved in the same run), joined by label.
+* ``pareto_<y>_vs_nominal_key_bits``: every quality metric of :data:`QUALITY` and every lm-eval
+  task metric with a direction, against nominal key bits, all configurations.
+* ``<y>_vs_context``: the latency and memory metrics of :data:`SWEEPS` over a context sweep, one
+  line per label.
+
+A figure that cannot be drawn is given as the reason instead (no records of a workload, one
+context only, fewer than two points).  Rules every figure follows:
+
+* **Style**: one colour and marker per method family (registered name), from its position in
+  the registry: built-in names sorted, then plugins sorted, then unregistered names sorted;
+  ``full`` is a black star.  Marker size encodes nothing.
+* **One point per label**: each metric is read from one workload (type, model and parameters):
+  the one most labels have (the larger context on a tie), named in the axis label.
+* **Frontier**: filled markers on the Pareto frontier (:func:`kvbench.report.pareto.pareto_mask`,
+  a staircase line), hollow ones dominated; ``full`` is the reference, not ranked (as in the
+  headline table).
+* **Noise floor** (metrics of :data:`NONNEG`, which cannot be negative): a figure's measured
+  noise is the largest of ``|full's own value|`` and ``|v|`` of its negative values ``v``
+  (rounding: KL of ``full`` against itself is 0 or ~1e-9, ``hf-dynamic``'s -8e-10).  Values at
+  or below it cannot be told from ``full``: they are drawn at the floor, max(noise, a tenth of
+  the smallest value above the noise), with a down arrow and "(<= noise)" in their label.
+* **Log axes** when the values above the noise span more than :data:`LOG_SPAN`; else linear.
+  Labels: adjustText, then any label still overlapping one placed before it is left out.
+"""
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvbench.bench.records import Record
+from kvbench.bench.records import Record, canonical, load_records
 from kvbench.bench.workloads.metrics import HIGHER, direction
-from kvbench.cache.registry import BASELINE
+from kvbench.cache.registry import BASELINE, METHODS
+from kvbench.report.headline import SECTIONS, rows
 from kvbench.report.pareto import pareto_mask
 
-#: quality metrics drawn as Pareto figures, each against nominal key bits, measured bits and
-#: measured bytes when the records have them
-QUALITY_FIGURES = ("attn_kl", "next_token_kl", "ppl_delta", "key_mse", "attn_out_rel_err")
-#: x axes of the Pareto figures
-X_AXES = ("nominal_key_bits", "effective_bits", "bytes_total")
-#: (x metric, y metric) pairs drawn as Pareto plots when the records have both
-PARETO = [(x, y) for y in QUALITY_FIGURES for x in X_AXES]
-#: human names (with units) of metrics, used in axis labels and titles
+#: the decode-step cost of the headline figures: median steady step / interleaved ``full``
+DECODE = "decode_ms_p50_ratio"
+#: quality metrics drawn against nominal key bits (with every directed lm-eval task metric)
+QUALITY = ("next_token_kl", "attn_kl", "key_mse", "attn_out_rel_err", "top1_agreement")
+#: metrics that cannot be negative and are 0 for ``full``: drawn with the noise floor
+NONNEG = ("next_token_kl", "attn_kl", "key_mse", "key_rel_mse", "attn_out_rel_err", "value_mse")
+#: (workload type, metric) drawn against context depth
+SWEEPS = [("latency", m) for m in ("decode_ms_p50", DECODE, "tokens_per_s")] + [
+    ("memory", m) for m in ("bytes_total", "effective_bits", "peak_step_bytes")
+]
+#: an axis is logarithmic when its values above the noise span more than this factor
+LOG_SPAN = 20.0
+#: a figure with more points labels only the frontier and ``full``
+MAX_LABELS = 30
+#: axis text (with units) of each metric
 NAMES = {
-    "nominal_key_bits": "nominal key bits / element (formula, residual excluded)",
-    "nominal_value_bits": "nominal value bits / element",
-    "effective_bits": "measured bits / element, keys and values (8 x stored bytes / elements)",
-    "effective_key_bits": "measured key bits / element",
-    "bytes_total": "KV cache at rest (MiB)",
+    "bytes_ratio": "bytes at rest / those of a 16-bit cache of the same tokens",
+    "next_token_kl": "next-token KL vs full (nats)",
     "attn_kl": "attention KL vs full (nats)",
     "ppl_delta": "perplexity increase vs full",
-    "ppl": "perplexity",
-    "next_token_kl": "next-token KL vs full (nats)",
-    "key_mse": "key MSE",
-    "attn_out_rel_err": "attention output relative error",
+    "key_mse": "key MSE vs full",
+    "attn_out_rel_err": "attention output relative error vs full",
+    "top1_agreement": "top-1 agreement with full (fraction, higher is better)",
+    "nominal_key_bits": "nominal key bits / element (formula, residual excluded)",
+    DECODE: "decode step, median / that of full interleaved in the same run",
+    "decode_ms_p50": "decode step, median (ms)",
+    "tokens_per_s": "decode tokens / s (higher is better)",
+    "bytes_total": "KV cache at rest (MiB)",
+    "effective_bits": "measured bits / element, K and V (8 x stored bytes / elements)",
+    "peak_step_bytes": "transient bytes of one decode step (MiB)",
 }
-TITLES = {
-    "attn_kl": "Attention KL",
-    "next_token_kl": "Next-token KL",
-    "ppl_delta": "Perplexity increase",
-    "key_mse": "Key MSE",
-    "attn_out_rel_err": "Attention output error",
-    "nominal_key_bits": "nominal key bits",
-    "effective_bits": "measured bits",
-    "bytes_total": "KV cache bytes",
+#: workload parameters named in axis labels, in this order, with their wording
+PARAMS = {
+    "text": "{}",
+    "context": "{} tokens",
+    "tokens": "{} tokens",
+    "prefill": "prefill {}",
+    "chunk": "chunks of {}",
+    "dtype": "{} K/V",
+    "batch_size": "batch {}",
+    "batch": "batch {}",
+    "layers": "layers {}",
 }
-#: figures with more points label only the Pareto frontier (the legend names the families)
-MAX_LABELS = 20
+COLORS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">")  # 9 and 10 coprime: 90 distinct pairs
 
 
-def _figure():
+def _short(metric: str) -> str:
+    short = {"bytes_ratio": "bytes", DECODE: "decode step"}
+    return short.get(metric) or NAMES.get(metric, metric).split(" (")[0].split(" vs ")[0]
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,417 +107,363 @@ def _figure():
     return plt
 
 
-def _metric(r: Record, name: str) -> float | None:
-    """A record's metric; ``effective_bits`` from the key and value sides when only those are
-    recorded (fidelity)."""
-    m = r.metrics
-    if name in m:
-        return m[name]
-    if name == "effective_bits" and "effective_key_bits" in m and "effective_value_bits" in m:
-        return (m["effective_key_bits"] + m["effective_value_bits"]) / 2
-    return None
+def family_styles(names: Iterable[str] = ()) -> dict[str, dict[str, str]]:
+    """``{family: {"color", "marker"}}`` for every registered method name and ``names``: the
+    i-th of (built-ins sorted, plugins sorted, other ``names`` sorted; ``full`` left out) gets
+    ``COLORS[i % 10]`` and ``MARKERS[i % 9]``; ``full`` black ``*``."""
+    entries = METHODS.entries()
+    order = sorted(entries, key=lambda n: (not entries[n].builtin, n))
+    order += sorted(set(names) - set(order))
+    order = [n for n in order if n != BASELINE]
+    out = {n: {"color": COLORS[i % 10], "marker": MARKERS[i % 9]} for i, n in enumerate(order)}
+    out[BASELINE] = {"color": "#000000", "marker": "*"}
+    return out
 
 
-def pareto_points(records: list[Record], x: str, y: str) -> dict[str, Any]:
-    """The points of one Pareto figure: ``{"points": [(x, y, label, method)], "baseline":
-    (x or None, y) | None, "context", "dtype"}``.
+def _group(records: list[Record], metric: str, wtype: str | None = None, drop=()) -> list[Record]:
+    """The records with ``metric`` (of type ``wtype``) from the one (type, model, workload
+    parameters but ``drop``) that most labels have; the larger context on a tie."""
+    groups: dict[str, dict[Any, Record]] = {}
+    for r in records:
+        if metric in r.metrics and wtype in (None, r.workload_type):
+            w = {k: v for k, v in r.workload.items() if k not in drop}
+            g = groups.setdefault(canonical({"model": r.model, "workload": w}), {})
+            g[(r.label, *(r.workload.get(k) for k in drop))] = r  # one record per label (and x)
 
-    ``x`` and ``y`` come from one record, except ``x == "bytes_total"`` for a quality ``y``
-    that memory records lack: then each configuration's (model, method, config) quality is
-    joined with the bytes of its memory record at the context most configurations have (the
-    largest on ties), and ``context``/``dtype`` say which.  The ``full`` baseline is returned
-    apart (drawn as a reference line, not a point)."""
-    direct = [r for r in records if _metric(r, x) is not None and y in r.metrics]
-    context = dtype = None
-    rows: list[tuple[float, float, str, str]] = []
-    if direct:
-        rows = [(_metric(r, x), r.metrics[y], r.label, r.method) for r in direct]
-        ws = {(r.workload.get("context"), r.workload.get("dtype")) for r in direct}
-        if len(ws) == 1:
-            context, dtype = next(iter(ws))
-    elif x == "bytes_total":
-        mem: dict[str, dict[Any, Record]] = {}
-        for r in records:
-            if r.workload_type == "memory" and x in r.metrics:
-                mem.setdefault(r.config_key, {})[r.workload.get("context")] = r
-        depths = [c for d in mem.values() for c in d]
-        if depths:
-            context = max(depths, key=lambda c: (depths.count(c), c or 0))
-            for r in records:
-                m = mem.get(r.config_key, {}).get(context)
-                if m is not None and y in r.metrics:
-                    rows.append((m.metrics[x], r.metrics[y], r.label, r.method))
-                    dtype = m.workload.get("dtype")
-    if x == "bytes_total":
-        rows = [(a / 2**20, b, lab, meth) for a, b, lab, meth in rows]
-    base = [row for row in rows if row[3] == BASELINE]
-    points = [row for row in rows if row[3] != BASELINE]
-    baseline = (base[0][0], base[0][1]) if base else None
-    return {"points": points, "baseline": baseline, "context": context, "dtype": dtype}
+    def cover(g: dict[Any, Record]) -> tuple[int, int]:  # labels, then the largest context
+        return len({k[0] for k in g}), max(r.workload.get("context") or 0 for r in g.values())
+
+    return list(max(groups.values(), key=cover).values()) if groups else []
 
 
-def choose_scale(values: list[float], ratio: float = 30.0) -> tuple[str, float | None]:
-    """``("linear" | "log" | "symlog", linthresh)`` for an axis holding ``values``: log when
-    all are positive and span more than ``ratio``; symlog (linear below the smallest non-zero
-    magnitude) when zeros or negatives sit beside positives spanning more than ``ratio``, so a
-    zero baseline does not flatten the rest; else linear."""
-    nonzero = [abs(v) for v in values if v != 0 and math.isfinite(v)]
-    if len(nonzero) < 2 or max(nonzero) / min(nonzero) <= ratio:
-        return "linear", None
-    if all(v > 0 for v in values):
-        return "log", None
-    return "symlog", min(nonzero)
+def describe(rec: Record, drop=()) -> str:
+    """``"(memory workload: essays, 2048 tokens, float16 K/V, layers all)"`` from a record."""
+    w = rec.workload
+    parts = [fmt.format(w[k]) for k, fmt in PARAMS.items() if k in w and k not in drop]
+    if rec.model.get("shape"):
+        parts.append(f"shape {rec.model['shape']}, random weights")
+    return f"({rec.workload_type} workload: {', '.join(parts)})" if parts else ""
 
 
-def _merge_coincident(points: list[tuple[float, float, str, str]]) -> list[tuple]:
-    """One point per distinct (x, y) (to 1e-9 relative): labels joined with " = "."""
-    merged: dict[tuple[float, float], list] = {}
-    for xv, yv, lab, meth in points:
-        key = (round(xv, 9), float(f"{yv:.9g}"))
-        e = merged.setdefault(key, [xv, yv, [], meth])
-        e[2].append(lab)
-    return [(xv, yv, " = ".join(labs), meth) for xv, yv, labs, meth in merged.values()]
+def noise_floor(values: list[float], base: list[float]) -> tuple[float, float]:
+    """``(noise, floor)`` of a metric that cannot be negative (module docstring): ``noise`` the
+    largest of ``|base|`` (``full``'s own values) and ``|v|`` of negative ``values``; ``floor``
+    max(noise, a tenth of the smallest value above the noise), ``noise`` when none is above."""
+    noise = max([abs(v) for v in base] + [-v for v in values if v < 0] + [0.0])
+    above = [v for v in values if v > noise]
+    return noise, max(noise, min(above) / 10) if above else noise
 
 
-def _place_labels(
-    ax: Any, texts: list[Any], tx: list[float], ty: list[float], xs: Any, ys: Any
-) -> None:
-    """Move labels (at their points ``tx, ty``) off each other and off every point ``xs, ys``
-    with adjustText, leader lines to the points; without adjustText, labels stay beside their
-    points, fanned out vertically."""
-    try:
-        from adjustText import adjust_text
-    except ImportError:
-        for i, t in enumerate(texts):
-            t.set_va("bottom" if i % 2 else "top")
+def _log_axis(ax: Any, axis: str, values: list[float]) -> None:
+    """Logarithmic ``axis`` (with 1-2-5 ticks written plainly) when ``values`` (all > 0) span
+    more than :data:`LOG_SPAN`."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    if not values or min(values) <= 0 or max(values) / min(values) <= LOG_SPAN:
         return
-    adjust_text(
-        texts,
-        x=list(xs),
-        y=list(ys),
-        target_x=list(tx),
-        target_y=list(ty),
-        ax=ax,
-        arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
-        time_lim=2,
-    )
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+    a.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    a.set_minor_formatter(NullFormatter())
 
 
-def _apply_scale(ax: Any, axis: str, values: list[float]) -> None:
-    scale, lin = choose_scale(values)
-    setter = ax.set_yscale if axis == "y" else ax.set_xscale
-    if scale == "symlog":
-        setter("symlog", linthresh=lin)
-    elif scale == "log":
-        setter("log")
-
-
-def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Any:
-    """The Pareto figure of quality ``y`` against cost ``x`` (see :func:`pareto_points`), or
-    ``None`` with fewer than two points.  Colors by method family (legend), hollow markers for
-    dominated points, the frontier as a line, every point labelled (coincident ones share a
-    label), the ``full`` baseline as a dashed reference line; axis scales from
-    :func:`choose_scale`."""
-    data = pareto_points(records, x, y)
-    pts = _merge_coincident(data["points"])
-    if len(pts) < 2:
-        return None
-    plt = _figure()
-    xs, ys, labels, methods = zip(*pts)
-    keep = pareto_mask(list(xs), list(ys), direction(y) == HIGHER)
-    families = sorted(set(methods))
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for fi, fam in enumerate(families):
-        color = _style(fi)["color"]
-        for k in (True, False):
-            sel = [(a, b) for a, b, m, kk in zip(xs, ys, methods, keep) if m == fam and kk == k]
-            if sel:
-                ax.scatter(
-                    *zip(*sel),
-                    s=42,
-                    facecolors=color if k else "none",
-                    edgecolors=color,
-                    linewidths=1.2,
-                    label=fam
-                    if k or not any(kk for m, kk in zip(methods, keep) if m == fam)
-                    else None,
-                    zorder=3,
-                    clip_on=False,
-                )
-    front = sorted((a, b) for a, b, k in zip(xs, ys, keep) if k)
-    if len(front) > 1:
-        ax.plot(*zip(*front), color="0.3", lw=1, zorder=2, label="Pareto frontier")
-    ally = list(ys)
-    if data["baseline"] is not None:
-        bx, by = data["baseline"]
-        ax.axhline(by, color="k", ls="--", lw=1, zorder=1, label=f"{BASELINE} (baseline)")
-        if x == "bytes_total":
-            ax.axvline(bx, color="k", ls=":", lw=1, zorder=1)
-        ally.append(by)
-    _apply_scale(ax, "y", ally)
-    _apply_scale(ax, "x", list(xs))
-    # dense figures: label the frontier, the legend's colors name the rest
-    shown = [i for i in range(len(pts)) if keep[i] or len(pts) <= MAX_LABELS]
-    texts = [ax.text(xs[i], ys[i], labels[i], fontsize=7, zorder=4) for i in shown]
-    ax.margins(0.08)
-    xlabel = NAMES.get(x, x)
-    if x == "bytes_total":
-        ctx = f"context {data['context']}" if data["context"] else "memory workload"
-        xlabel = f"{xlabel}, {ctx}, baseline {data['dtype'] or 'model dtype'}"
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(NAMES.get(y, y) + (" (higher is better)" if direction(y) == HIGHER else ""))
-    ax.set_title(
-        title
-        or f"{TITLES.get(y, y)} vs {TITLES.get(x, x)} "
-        "(filled: Pareto-optimal, hollow: dominated; lower-left is better)",
-        fontsize=10,
-    )
+def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, handles=None) -> None:
+    """Axis labels, title, grid, the legend right of the axes, tight layout."""
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    kw = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "frameon": False}
+    ax.legend(**kw) if handles is None else ax.legend(handles=handles, **kw)
     fig.tight_layout()
-    _place_labels(ax, texts, [xs[i] for i in shown], [ys[i] for i in shown], xs, ys)
+
+
+def scatter_figure(
+    points: list[tuple[str, str, float, float]],
+    x: str,
+    y: str,
+    text: tuple[str, str, str],
+    styles: dict[str, dict[str, str]],
+) -> Any:
+    """A Pareto figure of ``points`` = ``[(label, family, x value, y value)]`` (one per label)
+    by the module's rules; ``x``/``y`` name the metrics (direction, noise floor), ``text`` is
+    (x label, y label, title).  Each point is a ``Line2D`` whose gid is its label."""
+    from matplotlib.lines import Line2D
+
+    fig, ax = _plt().subplots(figsize=(10, 6.5))
+    higher, ys = direction(y) == HIGHER, [p[3] for p in points]
+    base = {i for i, p in enumerate(points) if p[1] == BASELINE}
+    noise, floor = noise_floor(ys, [ys[i] for i in base]) if y in NONNEG else (None, None)
+    low = {i for i, v in enumerate(ys) if noise is not None and v <= noise}
+    drawn = [floor if i in low else v for i, v in enumerate(ys)]
+    ranked = [i for i in range(len(points)) if i not in base]
+    mask = pareto_mask([points[i][2] for i in ranked], [ys[i] for i in ranked], higher)
+    front = {i for i, on in zip(ranked, mask) if on}
+    dot = {"ls": "none", "mew": 1.3, "zorder": 3, "clip_on": False}
+    for i, (label, fam, xv, _) in enumerate(points):
+        c, fill = styles[fam]["color"], i in front | base
+        ax.plot(
+            [xv],
+            [drawn[i]],
+            mec=c,
+            mfc=c if fill else "none",
+            ms=9 if i in base else 7,
+            marker=styles[fam]["marker"],
+            gid=label,
+            **dot,
+        )
+    handles = [
+        Line2D([], [], ls="none", label=f, **styles[f]) for f in sorted({p[1] for p in points})
+    ]
+    if len(front) > 1:
+        line = sorted((points[i][2], drawn[i]) for i in front)
+        handles += ax.plot(
+            *zip(*line),
+            drawstyle="steps-post",
+            color="0.35",
+            lw=1,
+            zorder=2,
+            gid="frontier",
+            label="Pareto frontier (filled markers)",
+        )
+    handles += [
+        Line2D([], [], ls="none", marker="o", mfc="none", mec="0.4", label="hollow: dominated")
+    ]
+    if low:
+        handles += ax.plot(
+            [points[i][2] for i in sorted(low)],
+            [floor] * len(low),
+            color="k",
+            ms=12,
+            ls="none",
+            marker=r"$\downarrow$",
+            zorder=4,
+            gid="noise",
+            label=f"<= noise of full ({noise:.2g}): drawn at {floor:.2g}",
+        )
+    _log_axis(ax, "x", [p[2] for p in points])
+    _log_axis(ax, "y", drawn)
+    if ax.get_yscale() == "log" and low:
+        ax.axhline(floor, color="0.5", ls=":", lw=1, zorder=1, gid="floor")
+    # one label per drawn position (coincident points share it), the frontier's and full's first
+    at: dict[tuple[float, float], list[str]] = {}
+    for i in sorted(range(len(points)), key=lambda i: i not in front | base):
+        if len(points) <= MAX_LABELS or i in front | base:  # else the legend names them
+            name = points[i][0] + (" (<= noise)" if i in low else "")
+            at.setdefault((points[i][2], drawn[i]), []).append(name)
+    texts = [ax.text(*xy, " = ".join(labs), fontsize=7, zorder=5) for xy, labs in at.items()]
+    ax.margins(0.08)
+    rule = f"filled: Pareto frontier, hollow: dominated; {'upper' if higher else 'lower'}-left is better"
+    _finish(fig, ax, text[0], text[1], f"{text[2]}\n({rule})", handles)
+    hidden = _place(fig, ax, texts, [p[2] for p in points], drawn)
+    if hidden:  # same two lines: the layout stands
+        ax.set_title(f"{text[2]}\n({rule}; {hidden} overlapping label(s) left out)", fontsize=10)
     return fig
 
 
-def pareto_plot(records: list[Record], x: str, y: str, path: Path, title: str = "") -> Path | None:
-    """Write :func:`pareto_figure` to ``path`` (PNG); ``None`` when it has too few points."""
-    fig = pareto_figure(records, x, y, title)
-    if fig is None:
-        return None
-    fig.savefig(path, dpi=130)
-    _figure().close(fig)
-    return path
+def _place(fig: Any, ax: Any, texts: list[Any], xs: list[float], ys: list[float]) -> int:
+    """Move labels off each other and off the points ``xs, ys`` (adjustText, a fixed number
+    of steps), leader lines to their points; then hide each label that still overlaps one
+    before it in ``texts``.  Returns how many were hidden."""
+    from adjustText import adjust_text
+
+    arrows = adjust_text(
+        texts,
+        x=list(xs),
+        y=list(ys),
+        ax=ax,
+        iter_lim=500,
+        arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
+    )[1]
+    renderer, kept, hidden = fig.canvas.get_renderer(), [], 0
+    for t in texts:
+        box = t.get_window_extent(renderer)
+        if any(box.overlaps(k) for k in kept):
+            hidden += 1
+            for a in [t] + [a for a in arrows if getattr(a, "patchA", None) is t]:
+                a.set_visible(False)
+        else:
+            kept.append(box)
+    return hidden
 
 
-def _style(i: int) -> dict[str, Any]:
-    """Distinct color/marker/line per series (20 colors x 4 markers), readable with 25 lines."""
-    import matplotlib
-
-    colors = matplotlib.colormaps["tab20"].colors
-    return {
-        "color": colors[(2 * i) % 20 if i < 10 else (2 * (i - 10) + 1) % 20],
-        "marker": "osD^v<>"[i // 10 % 7],
-        "linestyle": ("-", "--", ":")[i // 20 % 3],
+def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
+    """The Pareto figure of headline section ``section`` (``"a"``/``"b"``) with ``x``/``y`` in
+    ``bytes_ratio``, ``next_token_kl``, :data:`DECODE`, or the reason it is not drawn (str)."""
+    recs = {
+        "bytes_ratio": _group(records, "bytes_total", "memory"),
+        "next_token_kl": _group(records, "next_token_kl", "perplexity"),
+        DECODE: _group(records, DECODE, "latency"),
     }
+    for m in (x, y):
+        if not recs[m]:
+            what = {"bytes_ratio": "memory", "next_token_kl": "perplexity", DECODE: "latency"}[m]
+            return f"no {what} records with {'bytes_total' if m == 'bytes_ratio' else m}"
+    try:
+        table = rows(recs["bytes_ratio"] + recs["next_token_kl"])
+    except ValueError as exc:
+        return str(exc)
+    decode = {r.label: r.metrics[DECODE] for r in recs[DECODE]}
+    method = {r.label: r.method for rs in recs.values() for r in rs}
+    points = []
+    for row in table:
+        vals = {**row, DECODE: decode.get(row["label"])}
+        if (
+            row["section"] in (section, "base")
+            and vals.get(x) is not None
+            and vals.get(y) is not None
+        ):
+            points.append((row["label"], method[row["label"]], vals[x], vals[y]))
+    if sum(p[1] != BASELINE for p in points) < 2:
+        return f"fewer than two configurations of section ({section}) have {x} and {y}"
+    label = {m: f"{NAMES[m]}\n{describe(recs[m][0])}" for m in (x, y)}
+    title = f"{SECTIONS[section]}: {_short(y)} vs {_short(x)}"
+    styles = family_styles(r.method for r in records)
+    return scatter_figure(points, x, y, (label[x], label[y], title), styles)
 
 
-def series_plot(
-    records: list[Record],
-    x_key: str,
-    y: str,
-    path: Path,
-    ylabel: str,
-    title: str,
-    workload: str | None = None,
-    logy: bool | None = None,
-) -> Path | None:
-    """One line per method label: ``y`` against workload parameter ``x_key`` (context depth),
-    from records of workload type ``workload`` (all types when ``None``).  The context axis is
-    log2 when it spans more than 4x; ``logy`` (default: when ``y`` spans more than 20x) makes
-    the y axis logarithmic.  The legend sits outside the axes, sorted by the last point."""
-    series: dict[str, list[tuple[float, float]]] = {}
-    for r in records:
-        w = r.workload
-        if workload is not None and r.workload_type != workload:
-            continue
-        if y in r.metrics and x_key in w:
-            series.setdefault(r.label, []).append((w[x_key], r.metrics[y]))
-    if not series:
-        return None
-    if "bytes" in y:  # bytes read better in MiB
-        series = {k: [(x, v / 2**20) for x, v in pts] for k, pts in series.items()}
-        ylabel = f"{ylabel} (MiB)"
-    plt = _figure()
-    fig, ax = plt.subplots(figsize=(10, 5.5))
-    last = {lab: sorted(pts)[-1][1] for lab, pts in series.items()}
-    for i, lab in enumerate(sorted(series, key=lambda k: -last[k])):
-        pts = sorted(series[lab])
-        ax.plot(*zip(*pts), label=lab, lw=1.3, ms=4, **_style(i))
-    xs = [x for pts in series.values() for x, _ in pts]
-    ys = [v for pts in series.values() for _, v in pts if v > 0]
-    if min(xs) > 0 and max(xs) / min(xs) >= 4:
-        ax.set_xscale("log", base=2)
-        ticks = sorted(set(xs))
-        ax.set_xticks(
-            ticks, [f"{int(t) // 1024}K" if t >= 1024 and t % 1024 == 0 else str(t) for t in ticks]
+def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Any:
+    """The Pareto figure of metric ``y`` (from the one workload most labels have) against
+    metric ``x`` (from the same record, else from another record of the label), one point per
+    label, or the reason it is not drawn (str)."""
+    ys = _group(records, y)
+    xs = {r.label: r.metrics[x] for r in reversed(records) if x in r.metrics}
+    xs.update({r.label: r.metrics[x] for r in ys if x in r.metrics})
+    points = [(r.label, r.method, xs[r.label], r.metrics[y]) for r in ys if r.label in xs]
+    if sum(p[1] != BASELINE for p in points) < 2:
+        return f"fewer than two configurations have {x} and {y}"
+    styles = family_styles(r.method for r in records)
+    ylabel = f"{NAMES.get(y, y)}\n{describe(ys[0])}"
+    title = title or f"{_short(y)} vs {_short(x)}, all configurations"
+    return scatter_figure(points, x, y, (NAMES.get(x, x), ylabel, title), styles)
+
+
+def sweep_figure(records: list[Record], wtype: str, y: str) -> Any:
+    """``y`` against context depth, one line per label (style by family, line style by label
+    within it), from the ``wtype`` records of one workload but its context; a label measured
+    at one context only is a marker without a line.  The reason (str) when the records hold
+    fewer than two contexts."""
+    recs = _group(records, y, wtype, drop=("context",))
+    contexts = sorted({r.workload.get("context") for r in recs} - {None})
+    if len(contexts) < 2:
+        return f"{wtype} records of {y} at {len(contexts)} context(s) {contexts}: no sweep to draw"
+    scale = 2**-20 if "bytes" in y else 1.0  # bytes read better in MiB
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in sorted(recs, key=lambda r: r.workload.get("context") or 0):
+        series.setdefault(r.label, []).append((r.workload["context"], r.metrics[y] * scale))
+    method, styles = {r.label: r.method for r in recs}, family_styles(r.method for r in records)
+    fig, ax = _plt().subplots(figsize=(10, 5.5))
+    rank: dict[str, int] = {}
+    for label in sorted(series):
+        k = rank[method[label]] = rank.get(method[label], -1) + 1  # line style within a family
+        ls = ("-", "--", ":", "-.")[k % 4] if len(series[label]) > 1 else "none"
+        ax.plot(
+            *zip(*series[label]),
+            ls=ls,
+            ms=5,
+            lw=1.3,
+            label=label,
+            gid=label,
+            **styles[method[label]],
         )
-    if logy is None:
-        logy = bool(ys) and max(ys) / min(ys) > 20
-    if logy:
-        from matplotlib.ticker import FuncFormatter, LogLocator
-
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    _log_axis(ax, "x", contexts)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    _log_axis(ax, "y", [v for pts in series.values() for _, v in pts])
     if y.endswith("_ratio"):
         ax.axhline(1.0, color="0.4", lw=1, ls="--", zorder=0)
-    ax.set_xlabel(f"context depth ({x_key}, tokens)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    cpu = wtype == "latency" and any(r.manifest.get("timing_note") for r in recs)
+    title = f"{NAMES.get(y, y)} vs context depth" + (" (CPU: framework overhead dominates)" * cpu)
+    ylabel = f"{NAMES.get(y, y)}\n{describe(recs[0], drop=('context',))}"
+    _finish(fig, ax, "context depth (tokens)", ylabel, title)
+    return fig
 
 
-#: quality metrics the three-way view can use, in order of preference
-QUALITY = ("attn_kl", "next_token_kl", "ppl_delta", "key_mse")
-
-
-def tradeoff_points(
-    records: list[Record], quality: str | None = None, context: int | None = None
-) -> tuple[list[tuple[float, float, float, str]], int | None, str | None, bool]:
-    """Join the records of each method configuration (same model, method and config) across
-    workloads for :func:`tradeoff_plot`.
-
-    Returns ``(points, context, quality, ratio)``: one ``(bytes_total, quality, latency, label)``
-    per configuration that has all three, where ``bytes_total`` comes from its ``memory`` record
-    at context depth ``context`` (default: the depth most configurations have in both memory
-    and latency records, the largest on ties), latency is ``decode_ms_p50_ratio`` (``ratio``
-    True) or ``decode_ms_p50`` from its ``latency`` record at that depth, and ``quality``
-    (default: the first of :data:`QUALITY` any record has) from its memory record at that depth
-    or, failing that, from any other non-latency record (fidelity, perplexity).
-    """
-    by: dict[str, dict[str, Any]] = {}
-    ratio = any("decode_ms_p50_ratio" in r.metrics for r in records)
-    for r in records:
-        e = by.setdefault(r.config_key, {"label": r.label, "mem": {}, "lat": {}, "q": {}})
-        m, kind = r.metrics, r.workload_type
-        c = r.workload.get("context")
-        if kind == "memory" and "bytes_total" in m:
-            e["mem"][c] = m["bytes_total"]
-        if kind == "latency":
-            lat = m.get("decode_ms_p50_ratio") if ratio else m.get("decode_ms_p50")
-            if lat is not None:
-                e["lat"][c] = lat
-            continue
-        for q in QUALITY:
-            if q in m:  # memory records by depth; others (fidelity...) under None
-                e["q"].setdefault(q, {})[c if kind == "memory" else None] = m[q]
-    if context is None:
-        common = [c for e in by.values() for c in set(e["mem"]) & set(e["lat"])]
-        if not common:
-            return [], None, quality, ratio
-        context = max(common, key=lambda c: (common.count(c), c))
-    if quality is None:
-        quality = next((q for q in QUALITY if any(q in e["q"] for e in by.values())), None)
-    pts = []
-    for e in by.values():
-        qv = e["q"].get(quality, {})
-        y = qv.get(context, qv.get(None))
-        if context in e["mem"] and context in e["lat"] and y is not None:
-            pts.append((e["mem"][context], y, e["lat"][context], e["label"]))
-    return pts, context, quality, ratio
-
-
-def tradeoff_plot(
-    records: list[Record],
-    path: Path,
-    quality: str | None = None,
-    context: int | None = None,
-) -> Path | None:
-    """The three-way view: quality (y) vs bytes at rest (x, log) vs decode latency (color and
-    marker size), one point per method configuration (:func:`tradeoff_points` joins them).
-    Coincident points (``full`` and ``hf-dynamic``) share one marker; points dominated in bytes
-    and quality are marked.  Returns ``None`` when fewer than two configurations have all three.
-    """
-    pts, context, quality, ratio = tradeoff_points(records, quality, context)
-    if len(pts) < 2:
-        return None
-    merged: dict[tuple[float, float], list] = {}  # coincident points (full, hf-dynamic): one
-    for x, y, lat, lab in pts:
-        e = merged.setdefault((x, y), [x, y, [], []])
-        e[2].append(lat)
-        e[3].append(lab)
-    pts = [
-        (x / 2**20, y, sum(ls) / len(ls), " / ".join(labs))  # bytes -> MiB
-        for x, y, ls, labs in merged.values()
-    ]
-    plt = _figure()
-    xs, ys, lats, labels = zip(*pts)
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    lo, hi = min(lats), max(lats)
-    sizes = [40 + 260 * ((v - lo) / (hi - lo) if hi > lo else 0.5) for v in lats]
-    sc = ax.scatter(xs, ys, c=lats, s=sizes, cmap="viridis_r", edgecolors="k", linewidths=0.5)
-    sc.set_clip_on(False)  # a point at quality 0 (full) sits on the axis
-    keep = pareto_mask(list(xs), list(ys))
-    for xi, yi, lab, k in zip(xs, ys, labels, keep):
-        ax.annotate(
-            lab + ("" if k else " (dominated)"),
-            (xi, yi),
-            fontsize=7,
-            xytext=(4, 4),
-            textcoords="offset points",
-        )
-    cb = fig.colorbar(sc, ax=ax)
-    cb.set_label("decode step, median / interleaved full" if ratio else "decode step, median (ms)")
-    ax.set_xscale("log")
-    pos = [v for v in ys if v > 0]
-    if pos and (len(pos) < len(ys) or max(pos) / min(pos) > 100):
-        if len(pos) < len(ys):
-            ax.set_yscale("symlog", linthresh=min(pos))
-            ax.set_ylim(bottom=0, top=max(pos) * 3)
-        else:
-            ax.set_yscale("log")
-    ax.margins(x=0.12, y=0.12)
-    ax.set_xlabel(f"KV cache at rest, MiB (memory workload, context {context})")
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
-    ax.set_ylabel(NAMES.get(quality, quality))
-    ax.set_title(
-        f"quality vs memory vs decode latency at context {context}\n"
-        "(color and size: latency; lower-left is better; dominated in bytes and quality marked)"
-    )
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def write_plots(records: list[Record], folder: str | Path) -> list[Path]:
-    """Write every plot the records support into ``folder``; returns the paths."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    out = []
-    family = sorted(  # lm-eval task metrics with a declared direction, each vs nominal bits
+def figures(records: list[Record]) -> Iterator[tuple[str, Any]]:
+    """``(name, figure or the reason it is not drawn)`` for every figure of the module
+    docstring, one at a time (a caller closes each figure)."""
+    pairs = {
+        "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
+        "kl_vs_decode": (DECODE, "next_token_kl"),
+        "bytes_vs_decode": (DECODE, "bytes_ratio"),
+    }
+    for section in SECTIONS:
+        for name, (x, y) in pairs.items():
+            yield f"headline_{section}_{name}", section_figure(records, section, x, y)
+    tasks = sorted(
         {m for r in records for m in r.metrics if m.startswith("lm_eval.") and direction(m)}
         - {m for r in records for m in r.metrics if m.endswith("_ratio")}
     )
-    for x, y in [*PARETO, *(("nominal_key_bits", m) for m in family)]:
-        safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
-        p = pareto_plot(records, x, y, folder / f"pareto_{safe}_vs_{x}.png")
-        if p:
-            out.append(p)
-    for y, label, kind in (
-        ("decode_ms_p50", "decode step, median (ms)", "latency"),
-        ("decode_ms_p50_ratio", "decode step, median / interleaved full", "latency"),
-        ("tokens_per_s", "decode tokens / s", "latency"),
-        ("bytes_total", "KV cache bytes at rest", "memory"),
-        ("effective_bits", "effective bits / element (8 x bytes / elements)", "memory"),
-        ("peak_step_bytes", "transient bytes of one decode step", "memory"),
-    ):
-        cpu = kind == "latency" and any(r.manifest.get("timing_note") for r in records)
-        title = f"{label} vs context depth" + (
-            " (CPU: framework overhead dominates)" if cpu else ""
-        )
-        p = series_plot(
-            records,
-            "context",
-            y,
-            folder / f"{y}_vs_context.png",
-            label,
-            title,
-            workload=kind,
-        )
-        if p:
-            out.append(p)
-    p = tradeoff_plot(records, folder / "tradeoff_quality_bytes_latency.png")
-    if p:
-        out.append(p)
+    for y in (*QUALITY, *tasks):
+        if any(y in r.metrics for r in records):
+            safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
+            yield (
+                f"pareto_{safe}_vs_nominal_key_bits",
+                pareto_figure(records, "nominal_key_bits", y),
+            )
+    for wtype, y in SWEEPS:
+        if any(r.workload_type == wtype and y in r.metrics for r in records):
+            yield f"{y}_vs_context", sweep_figure(records, wtype, y)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=130)
+    _plt().close(fig)
+    return path
+
+
+def write_plots(
+    records: list[Record], folder: str | Path, skipped: list[str] | None = None
+) -> list[Path]:
+    """Write every figure of :func:`figures` into ``folder`` as PNG; returns the paths.  The
+    ones not drawn are appended to ``skipped`` as ``"<name>: <reason>"``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, fig in figures(records):
+        if isinstance(fig, str):
+            if skipped is not None:
+                skipped.append(f"{name}: {fig}")
+        else:
+            out.append(_save(fig, folder / f"{name}.png"))
     return out
+
+
+def pareto_plot(records: list[Record], x: str, y: str, path: Path, title: str = "") -> Path | None:
+    """Write :func:`pareto_figure` to ``path`` (PNG); ``None`` when it is not drawn."""
+    fig = pareto_figure(records, x, y, title)
+    return None if isinstance(fig, str) else _save(fig, Path(path))
+
+
+def load(paths: list[str]) -> list[Record]:
+    """Records of result folders, record files and export files (``kvbench export``)."""
+    from kvbench.report.export import load_export
+
+    out = []
+    for p in paths:
+        if Path(p).is_file() and "export_version" in json.loads(Path(p).read_text()):
+            out += [Record.from_json(r) for r in load_export(p)["records"]]
+        else:
+            out += load_records(p)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="result folder(s), record files or export files")
+    p.add_argument(
+        "--out", default=None, help="folder for the PNG files (default: the first results folder)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    records = load(args.results)
+    if not records:
+        raise ValueError(f"no records in {args.results}")
+    first = Path(args.results[0])
+    skipped: list[str] = []
+    for path in write_plots(
+        records, args.out or (first if first.is_dir() else first.parent), skipped
+    ):
+        print(f"wrote {path}")
+    for line in skipped:
+        print(f"not drawn: {line}")
+    return 0

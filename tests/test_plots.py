@@ -1,0 +1,268 @@
+"""The report's figures, read back from the matplotlib objects (not pixels).
+
+Right values: a small record set written here, every expected point worked by hand (bytes over
+``full``'s 16-bit bytes, the Pareto frontier by inspection, the noise floor from its rule); each
+family's style from the registry's sorted built-in names, computed here on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from kvbench.bench.records import Record, write_record  # noqa: E402
+from kvbench.cache.registry import METHODS  # noqa: E402
+from kvbench.cli import main  # noqa: E402
+from kvbench.report import plots  # noqa: E402
+from kvbench.report.export import make_export  # noqa: E402
+
+MEMORY = {"type": "memory", "text": "essays", "context": 2048, "dtype": "float16", "layers": "all"}
+PPL = {"type": "perplexity", "text": "essays", "tokens": 1536, "prefill": 1024, "chunk": 256}
+
+
+def _rec(label, method, workload, metrics):
+    return Record(
+        run_id=f"{label}-{json.dumps(workload, sort_keys=True)}",
+        method=method,
+        config={},
+        model={"id": "m"},
+        workload=workload,
+        metrics=metrics,
+        manifest={"label": label},
+    )
+
+
+# label, family, bytes_total (of 1000 for the 16-bit full cache), measured key/value bits,
+# next-token KL, decode-step ratio at context 2048 (and 1024 unless None)
+CONFIGS = [
+    ("full", "full", 1000, 16, 16, 0.0, 1.0, 1.0),
+    ("hf-dynamic", "hf-dynamic", 1000, 16, 16, -8.8e-10, 1.6, 1.5),  # below the noise
+    ("kivi K2V2", "kivi", 200, 2.5, 3.5, 0.3, 1.5, 1.4),
+    ("pn-mix V2", "pn-mix", 210, 3.1, 3.5, 0.03, 1.8, 1.7),
+    ("kitty V2", "kitty", 220, 3.3, 3.5, 0.1, 2.0, None),  # dominated; one latency context
+    ("kivi K2 V16", "kivi", 580, 2.5, 16, 0.28, 1.4, 1.3),  # section (b): values at 16 bits
+    ("pn-mix V16", "pn-mix", 600, 3.1, 16, 0.02, 1.7, 1.6),
+]
+
+
+def _records(latency: bool = True) -> list[Record]:
+    out = []
+    for label, fam, b, kb, vb, kl, r2048, r1024 in CONFIGS:
+        mem = {"bytes_total": b, "effective_key_bits": kb, "effective_value_bits": vb}
+        out.append(_rec(label, fam, MEMORY, mem))
+        out.append(_rec(label, fam, PPL, {"next_token_kl": kl, "nominal_key_bits": kb}))
+        for ctx, ratio in ((2048, r2048), (1024, r1024)):
+            if latency and ratio is not None:
+                w = {"type": "latency", "context": ctx, "batch_size": 1}
+                out.append(_rec(label, fam, w, {"decode_ms_p50_ratio": ratio}))
+    return out
+
+
+RECORDS = _records()
+#: section (a) on next-token KL vs bytes: noise = max(|0.0|, |-8.8e-10|) = 8.8e-10, the smallest
+#: KL above it 0.03, so the floor is 0.003; full and hf-dynamic are drawn there
+FLOOR_A = 0.003
+SECTION_A = {
+    "full": (1.0, FLOOR_A),
+    "hf-dynamic": (1.0, FLOOR_A),
+    "kivi K2V2": (0.2, 0.3),
+    "pn-mix V2": (0.21, 0.03),
+    "kitty V2": (0.22, 0.1),
+}
+
+
+def _points(fig) -> dict[str, tuple[float, float]]:
+    """gid (label) -> (x, y) of every one-point line: the figure's points."""
+    ax = fig.axes[0]
+    return {
+        ln.get_gid(): (float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
+        for ln in ax.lines
+        if ln.get_gid() in {c[0] for c in CONFIGS}
+    }
+
+
+def _same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k, xy in want.items():
+        assert got[k] == pytest.approx(xy, rel=1e-9), k
+
+
+def _line(fig, gid):
+    return next(ln for ln in fig.axes[0].lines if ln.get_gid() == gid)
+
+
+def _check_labels_apart(fig) -> None:
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in fig.axes[0].texts if t.get_visible() and t.get_text()]
+    assert boxes
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+
+
+def test_noise_floor_rule() -> None:
+    # noise: |full| and |negative values|; floor: a tenth of the smallest value above the noise
+    assert plots.noise_floor([0.3, 0.03, -8.8e-10, 0.0], [0.0]) == (8.8e-10, pytest.approx(0.003))
+    assert plots.noise_floor([0.3, 2e-9, 1e-9], [2e-9]) == (2e-9, pytest.approx(0.03))
+    assert plots.noise_floor([0.5, 0.4], [0.45]) == (0.45, 0.45)  # the noise above a tenth
+    assert plots.noise_floor([0.0, 0.0], [0.0]) == (0.0, 0.0)
+
+
+def test_section_a_quality_vs_bytes() -> None:
+    fig = plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl")
+    ax = fig.axes[0]
+    _same(_points(fig), SECTION_A)
+    # frontier among the section's rows (full is the reference, not ranked): kivi, pn-mix,
+    # hf-dynamic filled; kitty hollow (pn-mix has fewer bytes and a lower KL)
+    filled = {g for g in SECTION_A if _line(fig, g).get_markerfacecolor() != "none"}
+    assert filled == {"full", "hf-dynamic", "kivi K2V2", "pn-mix V2"}
+    front = _line(fig, "frontier")
+    assert list(front.get_xdata()) == pytest.approx([0.2, 0.21, 1.0])
+    assert list(front.get_ydata()) == pytest.approx([0.3, 0.03, FLOOR_A])
+    assert front.get_drawstyle() == "steps-post"
+    # below the noise: drawn at the floor, marked, and the floor drawn on the log axis
+    noise = _line(fig, "noise")
+    assert list(noise.get_xdata()) == [1.0, 1.0] and list(noise.get_ydata()) == [FLOOR_A] * 2
+    assert (
+        "<= noise" in noise.get_label() and list(_line(fig, "floor").get_ydata()) == [FLOOR_A] * 2
+    )
+    labels = {t.get_text() for t in ax.texts if t.get_text()}
+    assert "full (<= noise) = hf-dynamic (<= noise)" in labels and "kitty V2" in labels
+    assert ax.get_yscale() == "log" and ax.get_xscale() == "linear"  # 0.2..1: 5x, linear
+    assert ax.get_xlabel() == (
+        "bytes at rest / those of a 16-bit cache of the same tokens\n"
+        "(memory workload: essays, 2048 tokens, float16 K/V, layers all)"
+    )
+    assert ax.get_ylabel() == (
+        "next-token KL vs full (nats)\n"
+        "(perplexity workload: essays, 1536 tokens, prefill 1024, chunks of 256)"
+    )
+    assert ax.get_title().startswith("(a) Deployed")
+    _check_labels_apart(fig)
+
+
+def test_section_b_and_decode_axes() -> None:
+    fig = plots.section_figure(RECORDS, "b", "bytes_ratio", "next_token_kl")
+    # full alone sets the noise (0.0): floor a tenth of 0.02
+    _same(
+        _points(fig), {"full": (1.0, 0.002), "kivi K2 V16": (0.58, 0.28), "pn-mix V16": (0.6, 0.02)}
+    )
+    fig = plots.section_figure(RECORDS, "a", plots.DECODE, "next_token_kl")
+    # the decode ratio of the context most labels have: 2048 (kitty has
+    # no 1024 record); hf-dynamic (1.6, ~0) dominates pn-mix (1.8) and kitty (2.0)
+    pts = _points(fig)
+    assert {g: x for g, (x, _) in pts.items()} == pytest.approx(
+        {"full": 1.0, "hf-dynamic": 1.6, "kivi K2V2": 1.5, "pn-mix V2": 1.8, "kitty V2": 2.0}
+    )
+    filled = {g for g in pts if _line(fig, g).get_markerfacecolor() != "none"}
+    assert filled == {"full", "hf-dynamic", "kivi K2V2"}
+    assert fig.axes[0].get_xlabel() == (
+        "decode step, median / that of full interleaved in the same run\n"
+        "(latency workload: 2048 tokens, batch 1)"
+    )
+    fig = plots.section_figure(RECORDS, "a", plots.DECODE, "bytes_ratio")
+    assert _points(fig)["kitty V2"] == pytest.approx((2.0, 0.22))  # bytes: no noise floor
+    assert not any(ln.get_gid() == "noise" for ln in fig.axes[0].lines)
+
+
+def test_one_style_per_family_from_the_registry() -> None:
+    builtin = sorted(n for n, e in METHODS.entries().items() if e.builtin and n != "full")
+    styles = plots.family_styles(["not-registered"])
+    for fam in ("kivi", "pn-mix", "kitty", "hf-dynamic"):
+        i = builtin.index(fam)
+        assert styles[fam] == {"color": plots.COLORS[i % 10], "marker": plots.MARKERS[i % 9]}
+        assert plots.family_styles()[fam] == styles[fam]  # whatever else the records hold
+    assert styles["full"] == {"color": "#000000", "marker": "*"}
+    pairs = [(s["color"], s["marker"]) for s in styles.values()]
+    assert len(set(pairs)) == len(pairs)
+    # the same family in two figures: the same colour and marker, those of family_styles
+    figs = [
+        plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl"),
+        plots.section_figure(RECORDS, "b", "bytes_ratio", "next_token_kl"),
+        plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl"),
+        plots.sweep_figure(RECORDS, "latency", plots.DECODE),
+    ]
+    for label, fam in (("kivi K2V2", "kivi"), ("kivi K2 V16", "kivi"), ("pn-mix V16", "pn-mix")):
+        for fig in figs:
+            if any(ln.get_gid() == label for ln in fig.axes[0].lines):
+                ln = _line(fig, label)
+                assert (ln.get_markeredgecolor(), ln.get_marker()) == tuple(styles[fam].values())
+    legend = {t.get_text() for t in figs[0].axes[0].get_legend().get_texts()}
+    assert {"full", "hf-dynamic", "kivi", "kitty", "pn-mix"} <= legend
+
+
+def test_pareto_against_nominal_bits_one_point_per_label() -> None:
+    fig = plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl")
+    pts = _points(fig)
+    assert sorted(pts) == sorted(c[0] for c in CONFIGS)  # once each, though 4 records per label
+    assert pts["kivi K2 V16"] == pytest.approx((2.5, 0.28))
+    assert pts["hf-dynamic"] == pytest.approx((16, 0.002))  # floor: a tenth of 0.02
+    _check_labels_apart(fig)
+
+
+def test_context_sweep_lines_and_single_context() -> None:
+    fig = plots.sweep_figure(RECORDS, "latency", plots.DECODE)
+    kivi, kivi16, kitty = (_line(fig, g) for g in ("kivi K2V2", "kivi K2 V16", "kitty V2"))
+    assert list(kivi.get_xdata()) == [1024, 2048] and list(kivi.get_ydata()) == [1.4, 1.5]
+    assert {kivi.get_linestyle(), kivi16.get_linestyle()} == {"-", "--"}  # one family, two lines
+    assert kivi.get_color() == kivi16.get_color()
+    assert kitty.get_linestyle() == "None" and list(kitty.get_xdata()) == [2048]  # a marker only
+    assert fig.axes[0].get_xlabel() == "context depth (tokens)"
+    # memory at one context only: no figure, a reason
+    reason = plots.sweep_figure(RECORDS, "memory", "bytes_total")
+    assert isinstance(reason, str) and "1 context(s) [2048]" in reason
+
+
+def test_write_plots_and_reasons(tmp_path: Path) -> None:
+    skipped: list[str] = []
+    task = "lm_eval.t.acc,none"  # an lm-eval task metric with a direction (higher)
+    tasks = [
+        _rec(label, fam, {"type": "lm_eval"}, {task: acc, "nominal_key_bits": b})
+        for label, fam, acc, b in (
+            ("full", "full", 0.5, 16),
+            ("kivi K2V2", "kivi", 0.4, 2.5),
+            ("pn-mix V2", "pn-mix", 0.45, 3.1),
+        )
+    ]
+    records = _records(latency=False) + tasks
+    names = {p.name for p in plots.write_plots(records, tmp_path, skipped)}
+    assert names == {
+        "headline_a_kl_vs_bytes.png",
+        "headline_b_kl_vs_bytes.png",
+        "pareto_next_token_kl_vs_nominal_key_bits.png",
+        "pareto_lm_eval.t.acc_none_vs_nominal_key_bits.png",
+    }
+    assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+    assert "headline_a_kl_vs_decode: no latency records with decode_ms_p50_ratio" in skipped
+    assert any(s.startswith("bytes_total_vs_context: ") for s in skipped)
+
+
+def test_plot_command_reads_a_folder_and_an_export(tmp_path: Path, capsys) -> None:
+    for r in RECORDS:
+        write_record(tmp_path / f"{abs(hash(r.run_id))}.json", r)
+    export = tmp_path / "export" / "x.json"
+    export.parent.mkdir()
+    export.write_text(json.dumps(make_export(RECORDS, "make bench", "test", None)))
+    assert len(plots.load([str(export)])) == len(RECORDS)
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'png' / 'headline_a_kl_vs_decode.png'}" in out
+    assert "not drawn: bytes_total_vs_context:" in out
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    assert "export files" in capsys.readouterr().out
+
+
+def test_each_metric_from_the_workload_most_labels_have() -> None:
+    lat = [r for r in RECORDS if r.workload_type == "latency" and r.label != "kitty V2"]
+    # 6 labels at 1024 and at 2048: a tie, the larger context wins
+    for recs in (lat, lat[::-1]):  # whichever comes first
+        assert {r.workload["context"] for r in plots._group(recs, plots.DECODE)} == {2048}
+    extra = _rec("x", "kivi", {"type": "latency", "context": 1024, "batch_size": 1}, {})
+    extra.metrics[plots.DECODE] = 1.0
+    got = plots._group(lat + [extra], plots.DECODE)
+    assert {r.workload["context"] for r in got} == {1024} and len(got) == 7
