@@ -362,6 +362,11 @@ def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
     man = recs["kivi"].manifest
     assert man["model"]["random_weights"] and man["model"]["shape"] == "llama-3.1-8b"
     assert man["layers_measured"] == [0] and "32 layers x" in man["bytes_total_is"]
+    # the headline's 16-bit cache of the record (32 layers x 8 heads x 128 x B x T, K and V,
+    # 2 bytes) is exactly full's float16 bytes
+    from kvbench.report.headline import bytes_vs_16bit
+
+    assert bytes_vs_16bit(recs["full"]) == 1.0
     assert man["model"]["materialized"] is False  # memory reads only the config: meta device
     # the arithmetic extrapolation to the paper's setting: 32 layers, batch 1, 32K, FP16
     assert 32 * 2 * 1 * hkv * 32768 * 128 * 2 == 4 * 2**30
