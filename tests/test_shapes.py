@@ -331,7 +331,8 @@ def _kivi2_bytes_per_head(d: int, appends: int, head_dim: int = 128) -> dict[str
 
 def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
     """One layer of the Llama-3.1-8B shape, batch 2 x 516 tokens (float16): full = 2 sides x
-    B x 8 heads x T x 128 x 2 bytes; KIVI-2 by category; totals = 32 layers x one layer."""
+    B x 8 heads x T x 128 x 2 bytes per layer; KIVI-2 by category; ``bytes_total`` and every
+    category are the whole cache: 32 layers x the one layer measured (``bytes_per_layer``)."""
     b, d, hkv = 2, 516, 8
     kivi2 = {"bits": 2, "value_bits": 2, "group_size": 128, "value_group_size": 64}
     kivi2 |= {"residual_length": 128, "scale_dtype": "float16"}
@@ -345,20 +346,27 @@ def test_memory_bytes_at_llama_shape_equal_hand_count(tmp_path):
     )
     recs = {r.method: r for r in run_suite(suite, tmp_path, quiet=True)}
     full, kivi = recs["full"].metrics, recs["kivi"].metrics
-    assert full["bytes_total"] == 2 * b * hkv * d * 128 * 2
+    assert full["bytes_per_layer"] == 2 * b * hkv * d * 128 * 2
+    assert full["bytes_total"] == 32 * 2 * b * hkv * d * 128 * 2
     assert full["effective_bits"] == 16
     hand = {k: n * b * hkv for k, n in _kivi2_bytes_per_head(d, 4).items()}
     for cat, n in hand.items():
-        assert kivi[f"bytes_{cat}"] == n, cat
+        assert kivi[f"bytes_{cat}"] == 32 * n, cat
     assert kivi["bytes_metadata"] == kivi["bytes_sinks"] == 0
-    assert kivi["bytes_total"] == sum(hand.values())
+    assert kivi["bytes_per_layer"] == sum(hand.values())
+    assert kivi["bytes_total"] == 32 * sum(hand.values())
     assert kivi["effective_bits"] == 8 * sum(hand.values()) / (2 * b * hkv * d * 128)
-    for m in (full, kivi):  # one layer measured; the model's total is 32 x that
-        assert m["bytes_per_layer"] == m["bytes_total"]
-        assert m["bytes_total_all_layers"] == 32 * m["bytes_total"]
+    for m in (full, kivi):  # the sides add up to the whole cache too
+        assert m["bytes_key_total"] + m["bytes_value_total"] == m["bytes_total"]
+        assert "bytes_total_all_layers" not in m
     man = recs["kivi"].manifest
     assert man["model"]["random_weights"] and man["model"]["shape"] == "llama-3.1-8b"
-    assert man["layers_measured"] == [0] and "32 layers x" in man["bytes_total_all_layers_is"]
+    assert man["layers_measured"] == [0] and "32 layers x" in man["bytes_total_is"]
+    # the headline's 16-bit cache of the record (32 layers x 8 heads x 128 x B x T, K and V,
+    # 2 bytes) is exactly full's float16 bytes
+    from kvbench.report.headline import bytes_vs_16bit
+
+    assert bytes_vs_16bit(recs["full"]) == 1.0
     assert man["model"]["materialized"] is False  # memory reads only the config: meta device
     # the arithmetic extrapolation to the paper's setting: 32 layers, batch 1, 32K, FP16
     assert 32 * 2 * 1 * hkv * 32768 * 128 * 2 == 4 * 2**30
@@ -390,8 +398,8 @@ def test_memory_peers_at_llama_shape_count_their_inner_storage(tmp_path):
     )
     recs = {r.method: r.metrics for r in run_suite(suite, tmp_path, quiet=True)}
     dyn = recs["hf-dynamic"]
-    assert dyn["bytes_total"] == dyn["bytes_residual"] == 2 * b * hkv * d * 128 * 2
-    assert dyn["bytes_total_all_layers"] == 32 * dyn["bytes_total"]
+    assert dyn["bytes_per_layer"] == 2 * b * hkv * d * 128 * 2
+    assert dyn["bytes_total"] == dyn["bytes_residual"] == 32 * 2 * b * hkv * d * 128 * 2
     if quanto:
         q = recs["hf-quanto"]
         side = {
@@ -400,8 +408,8 @@ def test_memory_peers_at_llama_shape_count_their_inner_storage(tmp_path):
             "residual": b * hkv * (d - p) * 128 * 2,
         }
         for cat, n in side.items():
-            assert q[f"bytes_{cat}"] == 2 * n, cat
-        assert q["bytes_total"] == 2 * sum(side.values())
+            assert q[f"bytes_{cat}"] == 32 * 2 * n, cat
+        assert q["bytes_total"] == 32 * 2 * sum(side.values())
 
 
 def test_latency_runs_a_materialized_shape_slice(tmp_path):
@@ -490,7 +498,8 @@ def test_memory_errors_at_batch_above_one_read_back_row_zero(name):
     for t in range(256, 260):  # as the workload: the last two steps read, earlier ones store
         kt, vt, qt = k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t - 256 : t - 255]
         r.step(kt, vt, qt) if t >= 258 else r.store(kt, vt)
-    assert sum(n for _, _, n in r.nbytes()) == res.metrics["bytes_total"]  # both rows stored
+    assert sum(n for _, _, n in r.nbytes()) == res.metrics["bytes_per_layer"]  # both rows
+    assert res.metrics["bytes_total"] == 32 * res.metrics["bytes_per_layer"]  # 32 layers
     kq, vq = r.read()
     assert kq.shape[0] == 2
     for ref, got, key in ((k, kq, "key_mse"), (v, vq, "value_mse")):

@@ -1,23 +1,45 @@
 """The headline table of ``make bench``: one row per method configuration, ranked on the Pareto
 frontier of next-token KL vs measured bytes, in two sections.
 
-Rows join a configuration's records by label: ``memory`` (bytes at rest of every layer's cache,
-``bytes_total``, and the measured bits per key and value element), ``perplexity``
-(``next_token_kl``, ``ppl``) and ``fidelity`` (``attn_kl``). Sections:
+**One cache state per row.**  A row's quality, bits and bytes come from one record, the
+``perplexity`` record: ``next_token_kl`` (with its 95% interval ``next_token_kl_ci_low`` /
+``_ci_high``), ``top1_agreement``, ``ppl`` / ``ppl_ref``, and the measured ``bytes_total`` (the
+whole cache, every layer, after the last scored chunk) and ``effective_key_bits`` /
+``effective_value_bits`` of the cache the scored tokens attended to.  A method whose width
+depends on the length it holds (PM-KVQ's progressive budget) is therefore shown at the width its
+KL was measured at, not at the width another workload's longer run left it at.  Two columns
+need a workload of their own and say which (the note under the table names each column's
+workload, context, protocol and dtype):
+
+* ``step vs full``: ``decode_ms_p50_ratio`` of the ``latency`` record, the median steady-state
+  decode step of the method's cache over that of ``full`` timed interleaved in the same run;
+* ``peak vs full``: (``bytes_total`` + ``peak_step_bytes``) of the ``memory`` record (bytes at
+  rest plus the transient of one decode step) over the same sum of ``full``'s memory record.
+
+Where several records of one workload type exist, the one at the headline context (the
+perplexity workload's ``tokens``) is taken, else the closest context.
+
+``bytes vs 16-bit`` = ``bytes_total`` / :func:`bytes16` of the same record: the number of K/V
+elements the cache holds (tokens x layers x KV heads x head_dim x batch, from the record's
+workload and model) x 2 sides x 2 bytes, the deployed 16-bit cache whatever dtype the model
+computes in (``full`` in a float32 model holds 32-bit K/V and shows 2.0).  The report's tables
+give the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).
+
+Sections:
 
 * **(a) deployed**: keys and values quantized (every configuration whose values are not kept at
   16 bits);
-* **(b) keys only**: configurations whose values are stored unquantized while their keys are
-  quantized (the PN-Mix paper's b_V = 16 setting), decided from the measured bits per element of
-  the memory record (a method's ``value_bits`` field alone can mislead: SemKV keeps
-  ``value_bits: 16`` but stores values at each token's mixed width); from ``value_bits: 16`` in
-  the configuration only when the record has no measured bits.
+* **(b) keys only**: configurations whose values are stored unquantized (>= 16 bits per
+  element) while their keys are quantized (< 16 bits), the PN-Mix paper's b_V = 16 setting,
+  from the measured bits of the perplexity record; from its nominal bits when it has no
+  measured ones; from ``value_bits: 16`` in the configuration when it has neither (a method's
+  ``value_bits`` field alone can mislead: SemKV keeps ``value_bits: 16`` but stores values at
+  each token's mixed width).
 
-``bytes vs 16-bit`` = ``bytes_total`` / the bytes of a 16-bit cache of the same tokens: the
-``full`` configuration's ``bytes_total`` scaled to 16 bits per element from the dtype its memory
-workload stored K/V in (float16 in ``suites/default.yaml``, so the ratio is against ``full``
-itself). Rows are sorted by bytes; ``frontier`` marks the configurations no other row of the
-section beats on both bytes and KL (:func:`kvbench.report.pareto.pareto_mask`).
+Rows are sorted by bytes; ``frontier`` marks the configurations no other row of the section
+beats on both bytes and KL (:func:`kvbench.report.pareto.pareto_mask`).  ``†`` marks a row whose
+KL interval reaches ``full``'s noise floor (:func:`noise_floor`): its lower bound is at or below
+it, so the run cannot tell the row from ``full``.
 """
 
 from __future__ import annotations
@@ -28,54 +50,161 @@ from kvbench.bench.records import Record
 from kvbench.cache.registry import BASELINE
 from kvbench.report.pareto import pareto_mask
 
-DTYPE_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
+#: the quality workload whose record gives a row's quality, bits and bytes
+QUALITY = "perplexity"
+#: the smallest KL the headline tells from ``full``'s exact 0 (float32 log-probs)
+KL_FLOOR = 1e-6
+#: bits per element of the deployed baseline cache
+BASE_BITS = 16
 
 
-def _keys_only(rec: Record, e: dict[str, Any]) -> bool:
-    """Values stored at the full width of the memory workload's dtype, keys below it (measured);
-    the configuration's ``value_bits == 16`` when nothing was measured."""
+def _model(rec: Record) -> dict[str, Any]:
+    return rec.manifest.get("model") or {}
+
+
+def cache_tokens(rec: Record) -> int | None:
+    """Tokens per sequence the record's measured cache holds: ``perplexity`` ``tokens - 1``
+    (the last token is only predicted, never fed), ``memory`` and ``latency`` ``context``;
+    ``None`` for other workloads."""
+    w = rec.workload
+    if rec.workload_type == "perplexity" and "tokens" in w:
+        return int(w["tokens"]) - 1
+    if rec.workload_type in ("memory", "latency") and "context" in w:
+        return int(w["context"])
+    return None
+
+
+def kv_elements(rec: Record) -> int | None:
+    """K (or V) elements the record's ``bytes_total`` covers (the whole cache):
+    :func:`cache_tokens` x layers x KV heads x head_dim x batch rows, from the record's workload
+    and model (every layer of the model, also for a ``memory`` run that measured a subset or a
+    shape model's one layer, whose ``bytes_total`` is still the whole cache; a synthetic one's
+    own geometry).  ``None`` when the record does not say."""
+    t, w, m = cache_tokens(rec), rec.workload, _model(rec)
+    if t is None:
+        return None
+    if w.get("source") == "synthetic" and not m.get("random_weights"):
+        geo = (w.get("num_layers"), w.get("num_kv_heads"), w.get("head_dim"))
+    else:  # a shape model's memory run names the whole model's layers (a slice has fewer)
+        layers = rec.manifest.get("num_hidden_layers") or m.get("num_hidden_layers")
+        geo = (layers, m.get("num_key_value_heads"), m.get("head_dim"))
+    if any(g is None for g in geo):
+        return None
+    batch = w.get("batch") or w.get("batch_size") or 1
+    return t * geo[0] * geo[1] * geo[2] * int(batch)
+
+
+def bytes16(rec: Record) -> int | None:
+    """Bytes of a 16-bit K/V cache of the record's tokens: :func:`kv_elements` x 2 sides x 2
+    bytes (``None`` when the element count is unknown)."""
+    n = kv_elements(rec)
+    return None if n is None else n * 2 * BASE_BITS // 8
+
+
+def bytes_vs_16bit(rec: Record) -> float | None:
+    """``bytes_total`` / :func:`bytes16` of one record (``None`` when either is unknown)."""
+    b, n16 = rec.metrics.get("bytes_total"), bytes16(rec)
+    return None if b is None or not n16 else b / n16
+
+
+def _keys_only(rec: Record) -> bool:
+    """Values stored unquantized (>= 16 bits), keys quantized (< 16 bits): measured bits, else
+    nominal, else the configuration's ``value_bits == 16`` (module docstring)."""
     if rec.method == BASELINE:
         return False
-    full, kb, vb = e.get("dtype_bits", 16), e.get("key_bits"), e.get("value_bits")
-    if kb is not None and vb is not None:
-        return vb >= full - 1e-9 and kb < full - 1e-9
+    m = rec.metrics
+    for kind in ("effective", "nominal"):
+        kb, vb = m.get(f"{kind}_key_bits"), m.get(f"{kind}_value_bits")
+        if kb is not None and vb is not None:
+            return vb >= BASE_BITS - 1e-9 and kb < BASE_BITS - 1e-9
     return rec.config.get("value_bits") == 16
 
 
+def _context(rec: Record) -> int:
+    return cache_tokens(rec) or 0
+
+
+def _at_context(recs: list[Record], context: int | None) -> Record | None:
+    """The record at ``context`` tokens, else the closest one (ties: the longer)."""
+    if not recs:
+        return None
+    if context is None:
+        return recs[0]
+    return min(recs, key=lambda r: (abs(_context(r) - context), -_context(r)))
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
 def rows(records: list[Record]) -> list[dict[str, Any]]:
-    """One dict per label with ``label``, ``section`` (``a``/``b``/``base``), ``bytes``,
-    ``bytes_ratio``, ``key_bits``, ``value_bits``, ``next_token_kl``, ``ppl``, ``attn_kl``.
-    Configurations without a memory record are left out. ValueError without a ``full`` memory
-    record (the 16-bit baseline)."""
-    by: dict[str, dict[str, Any]] = {}
+    """One dict per label that has a ``perplexity`` record: ``label``, ``section``
+    (``a``/``b``/``base``), ``bytes``, ``bytes_ratio`` (vs 16-bit), ``key_bits``,
+    ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
+    ``ppl_ratio`` (``ppl`` / ``ppl_ref``, the ``full`` cache's perplexity under the same
+    schedule), ``step_ratio``, ``peak_ratio``, and ``sources`` (workload type -> the record
+    each column group came from).  ValueError without a ``full`` perplexity record."""
+    by: dict[str, dict[str, list[Record]]] = {}
     for r in records:
-        e = by.setdefault(r.label, {"label": r.label, "rec": r})
-        wtype, m = r.workload_type, r.metrics
-        if wtype == "memory":
-            dtype = r.workload.get("dtype", "float16")
-            e.update(
-                bytes=m.get("bytes_total"),
-                key_bits=m.get("effective_key_bits"),
-                value_bits=m.get("effective_value_bits"),
-                dtype_bits=DTYPE_BITS.get(dtype, 16),
-            )
-        elif wtype == "perplexity":
-            e.update(next_token_kl=m.get("next_token_kl"), ppl=m.get("ppl"))
-        elif wtype == "fidelity":
-            e.update(attn_kl=m.get("attn_kl"))
-    base = next((e for e in by.values() if e["rec"].method == BASELINE and "bytes" in e), None)
-    if base is None:
-        raise ValueError("the headline table needs a 'full' memory record (the 16-bit baseline)")
-    bytes16 = base["bytes"] * 16 / base["dtype_bits"]
+        by.setdefault(r.label, {}).setdefault(r.workload_type, []).append(r)
+    full = next(
+        (e for e in by.values() if any(r.method == BASELINE for r in e.get(QUALITY, []))), None
+    )
+    if full is None:
+        raise ValueError(
+            f"the headline table needs a 'full' {QUALITY} record (the reference of every row)"
+        )
+    context = cache_tokens(full[QUALITY][0])
+    base_mem = _at_context(full.get("memory", []), context)
     out = []
-    for e in by.values():
-        if e.get("bytes") is None:
+    for label, e in by.items():
+        q = _at_context(e.get(QUALITY, []), context)
+        if q is None:
             continue
-        rec = e.pop("rec")
-        e["section"] = "base" if rec.method == BASELINE else ("b" if _keys_only(rec, e) else "a")
-        e["bytes_ratio"] = e["bytes"] / bytes16
-        out.append(e)
+        m = q.metrics
+        lat, mem = (
+            _at_context(e.get("latency", []), context),
+            _at_context(e.get("memory", []), context),
+        )
+        peak = base = None
+        if mem is not None and base_mem is not None:
+            mm, bm = mem.metrics, base_mem.metrics
+            keys = ("bytes_total", "peak_step_bytes")
+            if all(k in mm and k in bm for k in keys):
+                peak, base = (sum(x[k] for k in keys) for x in (mm, bm))
+        out.append(
+            {
+                "label": label,
+                "section": "base" if q.method == BASELINE else ("b" if _keys_only(q) else "a"),
+                "bytes": m.get("bytes_total"),
+                "bytes_ratio": bytes_vs_16bit(q),
+                "key_bits": m.get("effective_key_bits"),
+                "value_bits": m.get("effective_value_bits"),
+                "next_token_kl": m.get("next_token_kl"),
+                "kl_low": m.get("next_token_kl_ci_low"),
+                "kl_high": m.get("next_token_kl_ci_high"),
+                "top1": m.get("top1_agreement"),
+                "ppl": m.get("ppl"),
+                "ppl_ratio": _ratio(m.get("ppl"), m.get("ppl_ref")),
+                "step_ratio": None if lat is None else lat.metrics.get("decode_ms_p50_ratio"),
+                "peak_ratio": _ratio(peak, base),
+                "sources": {
+                    k: r for k, r in ((QUALITY, q), ("latency", lat), ("memory", mem)) if r
+                },
+            }
+        )
     return out
+
+
+def noise_floor(rs: list[dict[str, Any]]) -> float:
+    """The KL below which a row is not told from ``full`` (whose KL is exactly 0): the largest
+    ``|KL|`` or interval bound of the rows that quantize nothing (measured key and value bits
+    >= 16, ``full`` aside: their KL is the run's float noise), and at least :data:`KL_FLOOR`."""
+    noise = [KL_FLOOR]
+    for r in rs:
+        if r["section"] != "base" and min(r["key_bits"] or 0, r["value_bits"] or 0) >= BASE_BITS:
+            noise += [abs(r[k]) for k in ("next_token_kl", "kl_low", "kl_high") if r[k] is not None]
+    return max(noise)
 
 
 def _f(v: Any, digits: int = 3) -> str:
@@ -86,41 +215,111 @@ def _f(v: Any, digits: int = 3) -> str:
     return f"{v:.{digits}f}"
 
 
+def _kl(v: float | None) -> str:
+    """KL: three decimals, or two significant digits below 0.001 (a 1e-5 KL is not 0)."""
+    if v is None:
+        return "–"
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:.1e}"
+    return _f(v)
+
+
+def kl_cell(r: dict[str, Any], floor: float) -> str:
+    """``KL [low, high]``, ``†`` when the lower bound is at or below ``floor``."""
+    cell = _kl(r["next_token_kl"])
+    if r["kl_low"] is None or r["kl_high"] is None:
+        return cell
+    dagger = " †" if r["kl_low"] <= floor and r["section"] != "base" else ""
+    return f"{cell} [{_kl(r['kl_low'])}, {_kl(r['kl_high'])}]{dagger}"
+
+
 SECTIONS = {
     "a": "(a) Deployed: keys and values quantized",
     "b": "(b) Keys only: values kept at 16 bits (b_V = 16, the PN-Mix paper's setting)",
 }
+HEAD = (
+    "| method | key bits | value bits | bytes vs 16-bit | next-token KL [95% CI] | top-1 "
+    "| ppl ratio | step vs full | peak vs full | frontier |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"
+)
+
+
+def _spec(rec: Record) -> str:
+    w = {k: v for k, v in rec.workload.items() if k != "type"}
+    return f"`{rec.workload_type}` (" + ", ".join(f"{k}={w[k]}" for k in sorted(w)) + ")"
+
+
+def _used(allrows: list[dict[str, Any]], kind: str) -> list[Record]:
+    """One record per distinct workload spec of ``kind`` the rows took a column from."""
+    seen: dict[str, Record] = {}
+    for r in allrows:
+        rec = r["sources"].get(kind)
+        if rec is not None:
+            seen.setdefault(_spec(rec), rec)
+    return list(seen.values())
+
+
+def note(allrows: list[dict[str, Any]], floor: float) -> str:
+    """The note under the tables: each column's workload, context, protocol and dtype."""
+    parts = []
+    for rec in _used(allrows, QUALITY):
+        model = _model(rec)
+        how = rec.manifest.get("intervals", "interval rule not recorded")
+        parts.append(
+            f"key/value bits, bytes vs 16-bit, next-token KL, top-1, ppl ratio: one record per "
+            f"row, {_spec(rec)}, model computed in {model.get('dtype', '?')}; bits and bytes "
+            f"measured on the stored tensors of the whole cache (every layer) after the last "
+            f"scored chunk ({cache_tokens(rec)} tokens), the cache the scored tokens attended "
+            f"to; bytes vs 16-bit: those bytes over K/V elements x 2 bytes (the deployed 16-bit "
+            f"cache, whatever dtype the model computes in); KL(full || method) and top-1 "
+            f"agreement against `full` under the same schedule, ppl ratio = ppl / `full`'s; "
+            f"KL interval: {how}"
+        )
+    for rec in _used(allrows, "latency"):
+        parts.append(
+            f"step vs full: decode_ms_p50 (median steady-state decode step, flush steps "
+            f"apart) over `{rec.manifest.get('baseline', BASELINE)}`'s timed interleaved in the "
+            f"same run, {_spec(rec)}, threads={rec.manifest.get('threads', '?')} on "
+            f"{rec.manifest.get('device', '?')}"
+        )
+    for rec in _used(allrows, "memory"):
+        parts.append(
+            f"peak vs full: (bytes at rest + transient peak of one decode step) over `full`'s, "
+            f"{_spec(rec)}, K/V stored in {rec.workload.get('dtype', '?')}"
+        )
+    parts.append(
+        f"†: the KL interval's lower bound is at or below full's noise floor ({floor:.0e}: the "
+        f"largest |KL| of unquantized rows, at least {KL_FLOOR:.0e}), so the run cannot tell "
+        "the row from full. ★: on the Pareto frontier of next-token KL vs bytes within the "
+        "section. –: not measured."
+    )
+    return "\n>\n".join(f"> {p}" for p in parts)
 
 
 def headline_table(records: list[Record]) -> str:
-    """Markdown: one table per section, rows sorted by bytes, Pareto frontier marked (see the
-    module docstring). Configurations without a next-token KL are listed but not ranked."""
+    """Markdown: one table per section, rows sorted by bytes, Pareto frontier marked, a note
+    naming each column's source (see the module docstring).  Rows without a KL or bytes are
+    listed but not ranked."""
     allrows = rows(records)
+    floor = noise_floor(allrows)
     base = [r for r in allrows if r["section"] == "base"]
     parts = []
     for sec, title in SECTIONS.items():
-        rs = sorted((r for r in allrows if r["section"] == sec), key=lambda r: r["bytes"])
+        rs = sorted(
+            (r for r in allrows if r["section"] == sec),
+            key=lambda r: (r["bytes_ratio"] is None, r["bytes_ratio"] or 0, r["label"]),
+        )
         if not rs:
             continue
-        ranked = [r for r in rs if r.get("next_token_kl") is not None]
-        mask = pareto_mask([r["bytes"] for r in ranked], [r["next_token_kl"] for r in ranked])
+        ranked = [r for r in rs if r["next_token_kl"] is not None and r["bytes_ratio"] is not None]
+        mask = pareto_mask([r["bytes_ratio"] for r in ranked], [r["next_token_kl"] for r in ranked])
         front = {id(r) for r, on in zip(ranked, mask) if on}
-        head = (
-            "| method | key bits | value bits | bytes vs 16-bit | next-token KL | ppl | attn KL "
-            "| frontier |\n|---|---:|---:|---:|---:|---:|---:|:---:|"
-        )
         lines = [
-            f"| {r['label']} | {_f(r.get('key_bits'), 2)} | {_f(r.get('value_bits'), 2)} | "
-            f"{_f(r['bytes_ratio'])} | {_f(r.get('next_token_kl'))} | {_f(r.get('ppl'), 2)} | "
-            f"{_f(r.get('attn_kl'))} | {'★' if id(r) in front else ''} |"
+            f"| {r['label']} | {_f(r['key_bits'], 2)} | {_f(r['value_bits'], 2)} | "
+            f"{_f(r['bytes_ratio'])} | {kl_cell(r, floor)} | {_f(r['top1'])} | "
+            f"{_f(r['ppl_ratio'])} | {_f(r['step_ratio'], 2)} | {_f(r['peak_ratio'])} | "
+            f"{'★' if id(r) in front else ''} |"
             for r in base + rs
         ]
-        parts.append(f"#### {title}\n\n{head}\n" + "\n".join(lines))
-    note = (
-        "> key/value bits: measured bits per stored element (memory workload: codes, scales, "
-        "metadata, full-precision residual and sinks). bytes vs 16-bit: measured bytes at rest "
-        "over those of a 16-bit cache of the same tokens (the deployed baseline), whatever dtype "
-        "the CPU model computes in. ★: on the Pareto frontier of next-token KL vs bytes within "
-        "the section."
-    )
-    return "\n\n".join(parts + [note])
+        parts.append(f"#### {title}\n\n{HEAD}\n" + "\n".join(lines))
+    return "\n\n".join(parts + [note(allrows, floor)])

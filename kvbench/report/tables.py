@@ -9,7 +9,9 @@ family (``full`` first, then the method name), nominal key bits, then label.  Ev
 table has the nominal and the measured (effective) key and value bits; a workload that does not
 measure them borrows them from a record of the same model, method and config that does
 (fidelity, memory), marked ``*``.  Runs the runner flagged (nothing quantized) are marked ``!``
-and the flag is printed under the table.
+and the flag is printed under the table.  ``bytes_vs_16bit`` is computed from each record as in
+the headline (:func:`kvbench.report.headline.bytes_vs_16bit`: ``bytes_total`` over 2 bytes per
+K/V element the record holds), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.bench.records import Record, canonical, load_records
 from kvbench.cache.registry import BASELINE
-from kvbench.report.headline import headline_table
+from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
 from kvbench.report.plots import write_plots
 from kvbench.report.provenance import provenance_block, run_logs
 
@@ -49,7 +51,7 @@ COLUMNS = [
     "passkey_acc",
     "task_score",
     "bytes_total",
-    "bytes_total_ratio",
+    "bytes_vs_16bit",
     "bytes_codes",
     "bytes_scales",
     "bytes_residual",
@@ -152,6 +154,14 @@ def workload_label(w: dict[str, Any]) -> str:
     )
 
 
+def _derived(r: Record) -> dict[str, float]:
+    """Columns computed from one record: ``bytes_vs_16bit``, its ``bytes_total`` over a 16-bit
+    cache of its K/V elements (:func:`kvbench.report.headline.bytes_vs_16bit`, the headline's
+    definition), where the record says how many elements it holds."""
+    ratio = bytes_vs_16bit(r)
+    return {} if ratio is None else {"bytes_vs_16bit": ratio}
+
+
 def tables(records: list[Record], columns: list[str] | None = None) -> list[dict[str, Any]]:
     """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
     "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
@@ -167,10 +177,11 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
         groups.setdefault(key, []).append(r)
         order[key] = (*workload_order(w), m)
     bits = borrowed_bits(records)
+    derived = {r.run_id: _derived(r) for r in records}
     out = []
     for wl in sorted(groups, key=lambda k: order[k]):
         recs = sorted(groups[wl], key=row_order)
-        present = {k for r in recs for k in r.metrics}
+        present = {k for r in recs for k in (*r.metrics, *derived[r.run_id])}
         cols = [c for c in (columns or COLUMNS) if c in present and c not in BITS]
         if columns is None:
             cols += sorted(
@@ -186,8 +197,8 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
         for r in recs:
             values, borrowed = {}, []
             for c in cols:
-                if c in r.metrics:
-                    values[c] = r.metrics[c]
+                if c in r.metrics or c in derived[r.run_id]:
+                    values[c] = r.metrics.get(c, derived[r.run_id].get(c))
                 elif c in bits[r.config_key]:
                     values[c] = bits[r.config_key][c]
                     borrowed.append(c)
@@ -270,9 +281,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 0
     print("## Provenance\n\n" + block + "\n")
-    if any(r.workload_type == "memory" for r in records) and any(
-        r.method == BASELINE for r in records
-    ):
+    if any(r.workload_type == QUALITY and r.method == BASELINE for r in records):
         print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
     print(summary_table(records))
     return 0

@@ -91,3 +91,40 @@ def ref():
         own = staticmethod(storage_is_own)
 
     return Ref
+
+
+def np_block_bootstrap(windows, block, seed, n_boot=2000, stat=None, alpha=0.05):
+    """Percentile block bootstrap of a token-level mean, float64 numpy with Python loops
+    (Carlstein 1986; Efron & Tibshirani 1993, ch. 13), the seeding documented by
+    ``kvbench.bench.workloads.metrics.block_bootstrap_ci``: a torch generator seeded ``seed``
+    draws ``torch.randint(0, n_blocks, (n_boot, n_blocks))``; that draw is all it shares.
+
+    ``windows``: per window, ``[N_w]`` or ``[N_w, K]`` values; blocks of ``block`` consecutive
+    tokens inside each window (``None``: the window), the last one shorter.  Each resample
+    concatenates its drawn blocks and takes the column means; ``stat(means)`` maps them to one
+    number (default: column 0).  Returns ``(low, high)`` or ``None`` below two blocks."""
+    blocks = []
+    for w in windows:
+        x = np.asarray(w, dtype=np.float64)
+        x = x[:, None] if x.ndim == 1 else x
+        step = len(x) if block is None else block
+        start = 0
+        while start < len(x):
+            blocks.append(x[start : start + step])
+            start += step
+    if len(blocks) < 2:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(blocks), (n_boot, len(blocks)), generator=g).numpy()
+    stats = []
+    for row in idx:
+        means = np.concatenate([blocks[i] for i in row]).mean(axis=0)
+        stats.append(means[0] if stat is None else stat(means))
+    lo, hi = np.quantile(np.asarray(stats), [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+@pytest.fixture
+def block_bootstrap_ref():
+    """:func:`np_block_bootstrap`, the independent reference of the block bootstrap."""
+    return np_block_bootstrap

@@ -496,7 +496,7 @@ def _bootstrap_by_hand(values, seed, n_boot=1000):
 
 @pytest.mark.parametrize("head_dim", [64, None])
 def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measured(
-    monkeypatch, head_dim
+    monkeypatch, head_dim, block_bootstrap_ref
 ) -> None:
     prefill, t, n = 4, 12, 6
     g = torch.Generator().manual_seed(3)
@@ -542,15 +542,48 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
     assert per["window_nll_ref"] == pytest.approx(nll_ref, rel=1e-5)
     assert per["window_kl"] == pytest.approx(kls, rel=1e-5)
     assert per["window_top1"] == pytest.approx(agree, abs=1e-7)
-    deltas = [math.exp(a) - math.exp(b) for a, b in zip(nll, nll_ref)]
-    for name, vals in (("ppl_delta", deltas), ("next_token_kl", kls), ("top1_agreement", agree)):
-        lo, hi = _bootstrap_by_hand(vals, seed=5)
+    # intervals: the block bootstrap (blocks of 32 scored tokens; 8 per window here, so one
+    # block per window) of the per-token values by float64 loops, against the numpy reference
+    toks = [
+        np.array([_kl_loop(ref, lp), [float(ref[i].argmax() == lp[i].argmax()) for i in range(
+            len(lp))], [-lp[i, k].double().item() for i, k in enumerate(w[prefill:].tolist())],
+            [-ref[i, k].double().item() for i, k in enumerate(w[prefill:].tolist())]]).T
+        for w, ref, lp in zip(windows, refs, lps)
+    ]  # fmt: skip
+    stats = {
+        "next_token_kl": lambda c: c[0],
+        "top1_agreement": lambda c: c[1],
+        "ppl_delta": lambda c: math.exp(c[2]) - math.exp(c[3]),
+    }
+    for name, stat in stats.items():
+        lo, hi = block_bootstrap_ref(toks, 32, seed=5, stat=stat)
         assert m[f"{name}_ci_low"] == pytest.approx(lo, rel=1e-5, abs=1e-7), name
         assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-5, abs=1e-7), name
         if name != "top1_agreement":  # continuous values: another seed, another interval
-            assert _bootstrap_by_hand(vals, seed=0) != pytest.approx((lo, hi))
-    assert res.info == {"dataset": "d", "decode_attention": {"paths": {"code-domain": 6}}}
+            assert block_bootstrap_ref(toks, 32, seed=0, stat=stat) != pytest.approx((lo, hi))
+    assert res.info == {
+        "dataset": "d",
+        "decode_attention": {"paths": {"code-domain": 6}},
+        "intervals": ppl_mod.interval_rule(n)[1],
+    }
+    assert "blocks of 32 consecutive scored tokens" in res.info["intervals"]
     assert wl.info == {"dataset": "d"}  # the workload's shared info is not changed
+
+
+def test_perplexity_one_window_has_block_intervals(monkeypatch, block_bootstrap_ref) -> None:
+    """One window of 66 scored tokens: three blocks (32, 32, 2), so an interval where a
+    bootstrap over windows had none, equal to the numpy reference over those blocks."""
+    t, prefill = 70, 4
+    ref, lp = _logprobs(t - prefill, 7), _logprobs(t - prefill, 8)
+    monkeypatch.setattr(ppl_mod, "chunked_logits", lambda *a, info=None: (lp, {}))
+    wl = Perplexity(Perplexity.validate({"type": "perplexity", "tokens": t, "prefill": prefill,
+                                         "windows": 1}))  # fmt: skip
+    wl.windows, wl.ref, wl.info = [torch.arange(t) % V], [ref], {}
+    m = wl.run(_ctx(seed=2), get_method("full")).metrics
+    kl = [_kl_loop(ref, lp)]
+    lo, hi = block_bootstrap_ref(kl, 32, seed=2)
+    assert (m["next_token_kl_ci_low"], m["next_token_kl_ci_high"]) == pytest.approx((lo, hi))
+    assert lo < m["next_token_kl"] < hi
 
 
 def test_perplexity_run_without_prompts_prefills_through_the_model(monkeypatch) -> None:

@@ -14,7 +14,7 @@ methods replay into their :class:`~kvbench.cache.layer.LayerCache` (``append``, 
 (``capabilities.layer_cache=False``) into the transformers cache layer they wrap
 (``new_hf_layer().update``).
 
-Metrics (summed over layers):
+Metrics (summed over layers: the whole cache, every layer):
 
 * ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``, ``bytes_metadata``,
   ``bytes_residual``, ``bytes_sinks`` (+ ``bytes_key_total``, ``bytes_value_total``): the bytes
@@ -29,6 +29,7 @@ Metrics (summed over layers):
   tokens (residual, sinks) at the stored dtype's width.  ``effective_*`` equals it where storage
   and formula agree; the rest of the gap is alignment (byte padding of packed rows), metadata the
   formula does not model, or shared scales;
+* ``bytes_per_layer``: ``bytes_total`` / layers (the mean over the measured layers);
 * ``peak_step_bytes``: the transient memory of one decode step of the cache, i.e. the peak of
   the bytes allocated during the last step above what was allocated before it, maximum over
   layers (a model runs its layers one after another).  The step is the path that runs
@@ -68,9 +69,10 @@ Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the mod
 ``batch`` x ``context`` are drawn by :mod:`kvbench.bench.workloads.synthetic_kv` (outlier key channels,
 the shape's RoPE) whatever ``source`` says; queries are drawn for the decode steps only, and
 for the prefill only when the method needs them there (``Method.needs_queries``); ``layers:
-all`` measures layer 0 only, and
-``bytes_total_all_layers`` = layers x ``bytes_per_layer`` (labelled in the manifest).  A run
-whose tensors would not fit the device's available memory is refused before allocating.
+all`` measures layer 0 only.  Whenever fewer layers are measured than the model has (a shape
+model, or a ``layers`` list), ``bytes_total`` and its breakdown are still the whole cache:
+layers x ``bytes_per_layer`` (:func:`whole_cache`; the manifest's ``bytes_total_is`` says so).
+A run whose tensors would not fit the device's available memory is refused before allocating.
 """
 
 from __future__ import annotations
@@ -310,6 +312,30 @@ def per_element_bits(terms: dict[str, float]) -> float:
     return terms["b_eff"] + terms["m_q"] / terms["group"] + terms["m_sal"]
 
 
+#: byte counts at rest that :func:`whole_cache` scales from the measured layers to all layers
+AT_REST = (
+    "bytes_total",
+    "bytes_key_total",
+    "bytes_value_total",
+    *(f"bytes_{c}" for c in BYTE_CATEGORIES),
+)
+
+
+def whole_cache(metrics: dict[str, float], measured: int, num_layers: int) -> dict[str, float]:
+    """``bytes_total`` (and every byte count of :data:`AT_REST`) as the whole cache of
+    ``num_layers`` layers, and ``bytes_per_layer`` = the mean over the ``measured`` layers.
+
+    ``metrics`` holds the sums over the measured layers; when fewer than ``num_layers`` were
+    measured (a shape model measures layer 0, a ``layers`` list a subset), each sum becomes
+    ``num_layers`` x its per-layer mean (the layers of these models share one shape)."""
+    if measured < 1 or num_layers < measured:
+        raise ValueError(f"whole_cache: measured={measured} of num_layers={num_layers}")
+    out = {"bytes_per_layer": metrics["bytes_total"] / measured}
+    if measured != num_layers:
+        out.update({k: metrics[k] * num_layers / measured for k in AT_REST if k in metrics})
+    return out
+
+
 class Memory(Workload):
     type = "memory"
     METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
@@ -387,6 +413,7 @@ class Memory(Workload):
                 DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=s["appends"],
             )  # fmt: skip
             self.config, self.seed = ctx.model.config, ctx.seed
+            self.num_layers = self.info["num_hidden_layers"]
             ctx.shared.shape_layers_measured = tuple(self.layer_ids)  # what to calibrate
             return
         if s.get("batch", 1) != 1:
@@ -399,6 +426,7 @@ class Memory(Workload):
             self.info = {"kv_source": "synthetic", "seed": ctx.seed}
         else:
             self._capture(ctx)
+        self.num_layers = len(self.layer_ids)  # the whole cache's layers (bytes_total)
         if s["layers"] != "all":
             keep = [self.layer_ids.index(i) for i in s["layers"] if i in self.layer_ids]
             if len(keep) != len(s["layers"]):
@@ -497,14 +525,10 @@ class Memory(Workload):
             metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
         metrics.update(self._bytes(method, caches, inputs, peaks))
         metrics.update(self._errors(caches, inputs))
-        if self.shape:  # the model's total: its layer count x the measured layer's bytes
-            from kvbench.bench.workloads.synthetic_kv import extrapolate
-
-            n_all = self.info["num_hidden_layers"]
-            metrics.update(extrapolate(metrics, len(caches), n_all))
+        metrics.update(whole_cache(metrics, len(caches), self.num_layers))
         per_layer = {
             "layers": self.layer_ids,
-            "bytes_total": [sum(n for _, _, n in c.nbytes()) for c in caches],
+            "bytes_per_layer": [sum(n for _, _, n in c.nbytes()) for c in caches],
             "peak_step_bytes": peaks,
         }
         info = {
@@ -528,11 +552,13 @@ class Memory(Workload):
                 else f"batch rows [0, {rows}) of "
                 f"{inputs[0][1].shape[0]} (all KV heads and tokens); bytes and peak: all rows"
             )
-        if self.shape:
-            info["bytes_total_all_layers_is"] = (
-                f"{self.info['num_hidden_layers']} layers x bytes_per_layer measured on "
-                f"layers {self.layer_ids} (all layers share one shape)"
-            )
+        info["bytes_total_is"] = (
+            f"the whole cache, measured on all {self.num_layers} layers"
+            if len(caches) == self.num_layers
+            else f"the whole cache: {self.num_layers} layers x bytes_per_layer measured on "
+            f"layers {self.layer_ids} (every bytes_* at rest scaled alike; the layers share one "
+            "shape)"
+        )
         return Result(metrics, per_layer, info)
 
     def _prefill_queries(self, method: Method, idx: int, q, p: int, r: Replay):

@@ -8,6 +8,7 @@ divided by the ``full`` baseline's in the same run) inherit the direction of the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -18,11 +19,15 @@ __all__ = [
     "HIGHER",
     "LOWER",
     "NONE",
+    "add_block_ci",
     "add_ci",
     "attention_fidelity",
+    "block_bootstrap_ci",
     "bootstrap_ci",
     "direction",
+    "interval_rule",
     "key_mse",
+    "token_blocks",
 ]
 
 #: bytes, bits and errors of what a cache stores: shared by several workloads
@@ -133,5 +138,121 @@ def add_ci(metrics: dict[str, float], name: str, values: list[float], seed: int 
     """Set ``metrics[name + '_ci_low' / '_ci_high']`` from :func:`bootstrap_ci` when there is an
     interval (two or more values); otherwise leave them out."""
     ci = bootstrap_ci(values, seed=seed)
+    if ci is not None:
+        metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = ci
+
+
+#: consecutive scored tokens per block of :func:`block_bootstrap_ci` in the perplexity workload
+BLOCK_TOKENS = 32
+#: from this many windows on, the perplexity workload resamples whole windows (one block each)
+WINDOW_BLOCKS_FROM = 20
+#: resamples of :func:`block_bootstrap_ci`
+BLOCK_RESAMPLES = 2000
+
+
+def interval_rule(windows: int) -> tuple[int | None, str]:
+    """The block length :func:`block_bootstrap_ci` uses for ``windows`` scored windows
+    (``None``: one block per window) and the rule in words, for the record's ``info``.
+
+    One rule: below :data:`WINDOW_BLOCKS_FROM` windows, blocks of :data:`BLOCK_TOKENS`
+    consecutive scored tokens (a handful of windows gives a percentile bootstrap over windows
+    too few units to resample: one window, none at all); from it on, whole windows, the
+    independent units of the sample, which also carry the dependence between tokens of one text
+    that blocks of 32 tokens cut."""
+    if windows >= WINDOW_BLOCKS_FROM:
+        block, unit = None, "whole windows (one block each)"
+    else:
+        block, unit = BLOCK_TOKENS, f"blocks of {BLOCK_TOKENS} consecutive scored tokens"
+    return block, (
+        f"95% percentile block bootstrap over {unit} (blocks never cross a window; a window's "
+        f"last block keeps its remainder; whole windows from {WINDOW_BLOCKS_FROM} windows on, "
+        f"blocks of {BLOCK_TOKENS} tokens below), the blocks of all windows resampled together "
+        f"with replacement, {BLOCK_RESAMPLES} resamples, torch generator seeded with the run's "
+        "seed; statistic: the token-weighted mean over the drawn blocks (ppl_delta: exp(mean "
+        "NLL) - exp(mean reference NLL) over the same blocks)"
+    )
+
+
+def token_blocks(lengths: list[int], block: int | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the blocks of :func:`block_bootstrap_ci` in the concatenation of
+    windows of ``lengths`` tokens: ``block`` consecutive tokens each, never crossing a window, a
+    window's last block holding its remainder when ``block`` does not divide its length;
+    ``block=None``: one block per (non-empty) window.
+
+    ValueError for ``block < 1`` or a negative length."""
+    if block is not None and block < 1:
+        raise ValueError(f"block={block} is not allowed; allowed: integers >= 1 or None")
+    out, start = [], 0
+    for n in lengths:
+        if n < 0:
+            raise ValueError(f"window length {n} is not allowed; allowed: integers >= 0")
+        step = max(n, 1) if block is None else block
+        out.extend((start + a, start + min(a + step, n)) for a in range(0, n, step))
+        start += n
+    return out
+
+
+def block_bootstrap_ci(
+    windows: list[torch.Tensor] | list[list[float]],
+    block: int | None = BLOCK_TOKENS,
+    n_boot: int = BLOCK_RESAMPLES,
+    alpha: float = 0.05,
+    seed: int = 0,
+    stat: Any = None,
+) -> tuple[float, float] | None:
+    """Percentile block bootstrap ``1 - alpha`` interval of a token-level mean, float64: the
+    non-overlapping block bootstrap (Carlstein 1986, Ann. Statist. 14(3); the moving-block
+    variant is Kunsch 1989) with the percentile interval (Efron & Tibshirani 1993, ch. 13).
+
+    ``windows``: per window, per-token values ``[N_w]`` or ``K`` aligned series ``[N_w, K]``
+    (e.g. the method's and the reference's NLL of each scored token).  The tokens are cut into
+    blocks (:func:`token_blocks`); each of ``n_boot`` resamples draws as many blocks as there
+    are, with replacement, by ``torch.randint(0, n_blocks, (n_boot, n_blocks), generator=g)``
+    with ``g = torch.Generator().manual_seed(seed)``, and takes each series' token-weighted mean
+    over the drawn blocks (sum of their values / sum of their tokens), ``[n_boot, K]``.
+    ``stat`` maps those means to one value per resample ``[n_boot]`` (default: the only
+    series); the interval is their ``alpha/2`` and ``1 - alpha/2`` quantiles
+    (``torch.quantile``, linear interpolation).
+
+    Blocks keep the dependence of neighbouring tokens (one text, one cached past) inside a
+    resampled unit, which a per-token bootstrap would break and so understate the spread.
+    Returns ``None`` with fewer than two blocks (no spread to resample).  ValueError for a
+    series count that differs between windows or a ``stat`` of the wrong shape."""
+    xs = [torch.as_tensor(w, dtype=torch.float64) for w in windows]
+    xs = [x[:, None] if x.dim() == 1 else x for x in xs]
+    if len({x.shape[1] for x in xs}) > 1:
+        raise ValueError("block_bootstrap_ci: every window needs the same number of series")
+    blocks = token_blocks([x.shape[0] for x in xs], block)
+    if len(blocks) < 2:
+        return None
+    x = torch.cat(xs)
+    sums = torch.stack([x[a:b].sum(0) for a, b in blocks])  # [n_blocks, K]
+    counts = torch.tensor([b - a for a, b in blocks], dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(blocks), (n_boot, len(blocks)), generator=g)
+    draws = torch.zeros(n_boot, len(blocks), dtype=torch.float64)
+    draws.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))  # times drawn
+    means = (draws @ sums) / (draws @ counts)[:, None]
+    vals = means[:, 0] if stat is None else torch.as_tensor(stat(means), dtype=torch.float64)
+    if vals.shape != (n_boot,):
+        raise ValueError(
+            f"block_bootstrap_ci: stat returned shape {tuple(vals.shape)}, expected ({n_boot},)"
+        )
+    q = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(vals, q)
+    return lo.item(), hi.item()
+
+
+def add_block_ci(
+    metrics: dict[str, float],
+    name: str,
+    windows: list[torch.Tensor],
+    block: int | None,
+    seed: int = 0,
+    stat: Any = None,
+) -> None:
+    """Set ``metrics[name + '_ci_low' / '_ci_high']`` from :func:`block_bootstrap_ci` when
+    there is an interval (two or more blocks); otherwise leave them out."""
+    ci = block_bootstrap_ci(windows, block=block, seed=seed, stat=stat)
     if ci is not None:
         metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = ci

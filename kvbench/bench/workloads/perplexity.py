@@ -7,7 +7,8 @@ quantized past plus full precision within the chunk (C = 1 is exact decode).  Pr
 tokens P..T-1 are scored.  The ``full`` cache under the identical schedule is the reference
 (computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
 ``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref.
-Bootstrap 95% intervals over windows (``*_ci_low``/``*_ci_high``; none with one window).
+Bootstrap 95% intervals (``*_ci_low``/``*_ci_high``) resample blocks of scored tokens
+(:func:`kvbench.bench.workloads.metrics.interval_rule`, recorded in ``info.intervals``).
 
 Decode attention (``path``, docs/design.md#two-attention-paths): ``attend`` (default) runs each
 chunk's attention of a kvbench cache through ``LayerCache.attend`` (the attention-backend
@@ -33,7 +34,14 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import Reference, RunContext
-from kvbench.bench.workloads.metrics import HIGHER, LOWER, NONE, STORAGE_METRICS, add_ci
+from kvbench.bench.workloads.metrics import (
+    HIGHER,
+    LOWER,
+    NONE,
+    STORAGE_METRICS,
+    add_block_ci,
+    interval_rule,
+)
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
@@ -170,7 +178,7 @@ class Perplexity(Workload):
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         p = self.spec["prefill"]
-        nll, nll_ref, kls, agree = [], [], [], []
+        nll, nll_ref, kls, agree, tokens = [], [], [], [], []
         nbytes: dict[str, int] = {}
         decode: dict[str, Any] = {}
         prompts = self.prompts or [None] * len(self.windows)
@@ -185,9 +193,11 @@ class Perplexity(Workload):
             nll_ref.append(-ref.gather(1, target[:, None]).mean().item())
             kl = (ref.exp() * (ref - lp)).sum(-1)
             kls.append(kl.mean().item())
-            agree.append((ref.argmax(-1) == lp.argmax(-1)).float().mean().item())
+            hit = (ref.argmax(-1) == lp.argmax(-1)).double()
+            agree.append(hit.mean().item())
+            tok_nll = [-x.gather(1, target[:, None])[:, 0].double() for x in (lp, ref)]
+            tokens.append(torch.stack([kl.double(), hit, *tok_nll], -1).cpu())  # [T - P, 4]
         ppl, ppl_ref = math.exp(sum(nll) / len(nll)), math.exp(sum(nll_ref) / len(nll_ref))
-        deltas = [math.exp(a) - math.exp(b) for a, b in zip(nll, nll_ref)]
         metrics = {
             "ppl": ppl,
             "ppl_ref": ppl_ref,
@@ -195,19 +205,20 @@ class Perplexity(Workload):
             "next_token_kl": sum(kls) / len(kls),
             "top1_agreement": sum(agree) / len(agree),
         }
-        for name, vals in (
-            ("ppl_delta", deltas),
-            ("next_token_kl", kls),
-            ("top1_agreement", agree),
+        block, rule = interval_rule(len(tokens))
+        for name, stat in (  # columns of `tokens`: KL, top-1 hit, NLL, reference NLL
+            ("ppl_delta", lambda m: m[:, 2].exp() - m[:, 3].exp()),
+            ("next_token_kl", lambda m: m[:, 0]),
+            ("top1_agreement", lambda m: m[:, 1]),
         ):
-            add_ci(metrics, name, vals, seed=ctx.seed)
+            add_block_ci(metrics, name, tokens, block, seed=ctx.seed, stat=stat)
         if nbytes:
             metrics["bytes_total"] = nbytes["total"]
         bits = method.average_bits(head_dim=ctx.model_info.get("head_dim", 128))
         metrics["nominal_key_bits"] = bits["key_bits"]
         metrics["nominal_value_bits"] = bits["value_bits"]
         per = {"window_nll": nll, "window_nll_ref": nll_ref, "window_kl": kls, "window_top1": agree}
-        info = dict(self.info)
+        info = {**self.info, "intervals": rule}
         if decode:
             info["decode_attention"] = decode
         return Result(metrics, per, info)

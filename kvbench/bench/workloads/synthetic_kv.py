@@ -284,7 +284,8 @@ def shape_inputs(
     method needs them at prefill); default all ``context``.
 
     ``layers``: ``"all"`` measures layer 0 only (every layer of these models has one shape, so
-    the model's total is ``num_hidden_layers`` x that layer's bytes; see :func:`extrapolate`),
+    the model's total is ``num_hidden_layers`` x that layer's bytes; see
+    :func:`kvbench.bench.workloads.memory.whole_cache`),
     or a list of layer indices.  The memory the run will need (inputs, caches, the read-back
     K/V and the float64 error terms) is checked against the device's available memory first.
 
@@ -334,10 +335,3 @@ def shape_inputs(
         "for methods that need queries at prefill (Method.needs_queries)",
     }
     return qkv, ids, info
-
-
-def extrapolate(metrics: dict[str, float], measured: int, num_layers: int) -> dict[str, float]:
-    """``bytes_per_layer`` (mean over the ``measured`` layers) and ``bytes_total_all_layers``
-    = ``num_layers`` x that (the model's layers share one shape)."""
-    per = metrics["bytes_total"] / measured
-    return {"bytes_per_layer": per, "bytes_total_all_layers": per * num_layers}
