@@ -4,8 +4,9 @@ Figures (:func:`figures`; file name = key + ``.png``):
 
 * ``headline_{a,b}_{kl_vs_bytes,kl_vs_decode,bytes_vs_decode}``: one Pareto figure per section
   of the headline table (:func:`kvbench.report.headline.rows`: (a) deployed, (b) keys only) and
-  pair of its axes: ``bytes_ratio`` (the memory record's ``bytes_total`` over a 16-bit cache of
-  ``full``), ``next_token_kl`` (perplexity record) and :data:`DECODE` (latency record: the
+  pair of its axes: ``bytes_ratio`` (the perplexity record's ``bytes_total``, the cache its
+  scored tokens attended to, over a 16-bit cache of the same tokens), ``next_token_kl`` (the same
+  record) and :data:`DECODE` (latency record: the
   median decode step over that of ``full`` interleaved in the same run), joined by label.
 * ``pareto_<y>_vs_nominal_key_bits``: every quality metric of :data:`QUALITY` and every lm-eval
   task metric with a direction, against nominal key bits, all configurations.
@@ -291,16 +292,19 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
     """The Pareto figure of headline section ``section`` (``"a"``/``"b"``) with ``x``/``y`` in
     ``bytes_ratio``, ``next_token_kl``, :data:`DECODE`, or the reason it is not drawn (str)."""
     recs = {
-        "bytes_ratio": _group(records, "bytes_total", "memory"),
+        # bytes of the very cache the quality was scored in (one cache state per row)
+        "bytes_ratio": _group(records, "bytes_total", "perplexity"),
         "next_token_kl": _group(records, "next_token_kl", "perplexity"),
         DECODE: _group(records, DECODE, "latency"),
     }
     for m in (x, y):
         if not recs[m]:
-            what = {"bytes_ratio": "memory", "next_token_kl": "perplexity", DECODE: "latency"}[m]
+            what = {"bytes_ratio": "perplexity", "next_token_kl": "perplexity", DECODE: "latency"}[
+                m
+            ]
             return f"no {what} records with {'bytes_total' if m == 'bytes_ratio' else m}"
     try:
-        table = rows(recs["bytes_ratio"] + recs["next_token_kl"])
+        table = rows(recs["next_token_kl"])
     except ValueError as exc:
         return str(exc)
     decode = {r.label: r.metrics[DECODE] for r in recs[DECODE]}

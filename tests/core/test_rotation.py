@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.attention import codedomain as cpu
-from kvbench.attention import native
 from kvbench.cache.rotation import ChannelRotation, hadamard
+from kvbench.kernels.cpu import codedomain as cpu
+from kvbench.kernels.cpu import native
 
 B, HKV, HQ, D = 2, 2, 4, 64
 SMALL = dict(group_size=16, residual_length=16)
