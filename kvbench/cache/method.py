@@ -52,6 +52,13 @@ class Capabilities:
         return dataclasses.asdict(self)
 
 
+#: ``prefill_attention`` values (docs/design.md#when-quantization-happens): ``full``, the
+#: prompt's queries read its full-precision K/V, which are then stored (how KIVI-style methods
+#: deploy); ``stored``, the prompt is stored first (prefill and its flush) and its queries read
+#: what the cache holds (llama.cpp)
+PREFILL_ATTENTION = ("full", "stored")
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Base of every method config: frozen, typed, validated, serializable.
@@ -59,7 +66,21 @@ class MethodConfig:
     Each field declares what it allows with :func:`kvbench.fields.spec`; ``__post_init__``
     checks them all (:func:`kvbench.fields.validate`, errors prefixed with the class name).  A
     subclass adds its cross-field rules after ``super().__post_init__()`` and raises them through
-    :meth:`reject`."""
+    :meth:`reject`.
+
+    Attributes
+    ----------
+    prefill_attention : how the method is deployed at prefill (:data:`PREFILL_ATTENTION`),
+        honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`):
+        ``full`` (default) or ``stored``.  Keyword-only, so it never shifts a subclass's
+        positional fields.
+    """
+
+    prefill_attention: str = dataclasses.field(
+        default="full",
+        kw_only=True,
+        metadata={kf.METADATA_KEY: kf.Field(str, choices=PREFILL_ATTENTION)},
+    )
 
     def __post_init__(self) -> None:
         kf.validate(self, type(self).__name__)
