@@ -35,8 +35,10 @@ Update protocol (docs/design.md#protocols):
 Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
 :func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
 ``needs_queries`` get their post-RoPE prefill queries and how padded batches are detected.
-Without it the cache still works for methods that need no queries and for one row at a time,
-with the flush at the next step (a warning says so once); a decode step of several rows is
+Without it the cache still works for methods that need no queries and for one row at a time
+(under ``in-chunk-full`` with the flush at the next step; a warning says so once), and a method
+with ``prefill_attention="stored"`` on the sdpa route still reads its stored prompt (``update``
+returns it) unless it waits for queries; a decode step of several rows is
 refused with :class:`~kvbench.hf.padding.PaddedBatchError`, since the cache cannot see whether
 they are left-padded (stored pads would share KIVI's key groups with real tokens).
 """
@@ -69,6 +71,8 @@ WRITE_THEN_ATTEND = "write-then-attend"
 #: waits until after the call's attention (KIVI's reference code at one token per call)
 IN_CHUNK_FULL = "in-chunk-full"
 PROTOCOLS = (WRITE_THEN_ATTEND, IN_CHUNK_FULL)
+#: the rule of a ``protocol`` argument or parameter (:mod:`kvbench.fields`)
+PROTOCOL_FIELD = Field(str, choices=PROTOCOLS)
 #: every kvbench cache's default, and so every workload's that decodes through the model
 DEFAULT_PROTOCOL = WRITE_THEN_ATTEND
 #: what records name for a transformers peer's cache, which runs its own ``update``: quanto and
@@ -363,7 +367,7 @@ class QuantizedKVCache(Cache):
         rows_apart: bool = False,
         protocol: str = DEFAULT_PROTOCOL,
     ) -> None:
-        Field(str, choices=PROTOCOLS).check(protocol, "protocol", "QuantizedKVCache")
+        PROTOCOL_FIELD.check(protocol, "protocol", "QuantizedKVCache")
         if isinstance(method, str):
             from kvbench.cache.registry import get_method
 
@@ -425,9 +429,10 @@ class QuantizedKVCache(Cache):
             )
         if not self._warned:
             self._warned = True
+            late = "flushes run at the next step and " if self.protocol == IN_CHUNK_FULL else ""
             warnings.warn(
                 f"QuantizedKVCache is used without attn_implementation={ATTN_IMPLEMENTATION!r}: "
-                "flushes run at the next step and padded batches are not detected",
+                f"{late}padded batches are not detected",
                 stacklevel=3,
             )
 
@@ -478,6 +483,7 @@ __all__ = [
     "KVBenchLayer",
     "PEER_PROTOCOL",
     "PROTOCOLS",
+    "PROTOCOL_FIELD",
     "QuantizedKVCache",
     "WRITE_THEN_ATTEND",
     "cache_kwarg",
@@ -506,7 +512,7 @@ def make_hf_cache(
     ``LayerCache.attend``; ``protocol``: :data:`PROTOCOLS`).  Raises ``ValueError`` for a
     ``protocol`` not in :data:`PROTOCOLS`.
     """
-    Field(str, choices=PROTOCOLS).check(protocol, "protocol", "make_hf_cache")
+    PROTOCOL_FIELD.check(protocol, "protocol", "make_hf_cache")
     own = method.transformers_cache(model, attend=attend)
     if own is not None:
         return own

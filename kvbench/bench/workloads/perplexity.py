@@ -78,7 +78,7 @@ from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
     DECODE_PATHS,
     DEFAULT_PROTOCOL,
-    PROTOCOLS,
+    PROTOCOL_FIELD,
     QuantizedKVCache,
     decode_info,
     decode_route,
@@ -239,7 +239,7 @@ class Perplexity(Workload):
         "chunk": Field(int, low=1),
         "windows": Field(int, low=1),
         "path": Field(str, choices=DECODE_PATHS),
-        "protocol": Field(str, choices=PROTOCOLS),
+        "protocol": PROTOCOL_FIELD,
     }
 
     @classmethod

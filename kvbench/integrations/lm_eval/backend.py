@@ -57,12 +57,11 @@ from tqdm import tqdm
 
 from kvbench.cache.method import Method
 from kvbench.cache.registry import get_method, get_method_class
-from kvbench.fields import Field
 from kvbench.hf.attention import register, use_kvbench_attention
 from kvbench.hf.cache import (
     DEFAULT_PROTOCOL,
     PEER_PROTOCOL,
-    PROTOCOLS,
+    PROTOCOL_FIELD,
     cache_kwarg,
     make_hf_cache,
 )
@@ -249,7 +248,7 @@ class KVBenchLM(HFLM):
             raise ValueError(BATCH_REFUSAL.format(batch_size))
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
-        Field(str, choices=PROTOCOLS).check(protocol, "protocol", "kvbench backend")
+        PROTOCOL_FIELD.check(protocol, "protocol", "kvbench backend")
         self.protocol = protocol
         mqf = min_quantized_fraction
         if isinstance(mqf, bool) or not isinstance(mqf, (int, float)) or not 0 <= mqf <= 1:

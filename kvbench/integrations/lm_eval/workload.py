@@ -38,7 +38,7 @@ from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
 from kvbench.cache.method import Method
 from kvbench.fields import Field
-from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOLS
+from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD
 
 
 def _number(v: Any) -> float | None:
@@ -81,7 +81,7 @@ class LMEval(Workload):
         "num_fewshot": Field(int, low=0, optional=True),
         "limit": Field(int, low=0, optional=True),
         "chunk": Field(int, low=1),
-        "protocol": Field(str, choices=PROTOCOLS),
+        "protocol": PROTOCOL_FIELD,
         "include_path": Field(
             str, shape="one-or-list", min_items=0, optional=True, text="a folder or a list"
         ),
