@@ -153,20 +153,29 @@ def test_generate_with_kivi_quantizes_per_spec_schedule(arch):
 
 
 def test_flush_runs_when_attention_finishes():
+    """protocol="in-chunk-full": the flush waits for the end of the step's attention."""
     m = model()
     ids = prompt(n=7)
-    cache = QuantizedKVCache("kivi", m, method_config=KIVI2)
+    cache = QuantizedKVCache("kivi", m, method_config=KIVI2, protocol="in-chunk-full")
     forward(m, ids, cache)  # prefill 7: keys 4 quantized (7 - 7 mod 4), values 3 (7 - R)
     assert cache.quantized_tokens(0) == (4, 3)
     forward(m, prompt(n=1, seed=5), cache)  # 8 tokens: the flush ran after this step's attention
     assert cache.quantized_tokens(0) == (8, 4)
     # with stock sdpa attention the flush waits for the next append (and a warning says so)
     m2 = model(attn="sdpa")
-    cache2 = QuantizedKVCache("kivi", m2, method_config=KIVI2)
+    cache2 = QuantizedKVCache("kivi", m2, method_config=KIVI2, protocol="in-chunk-full")
     forward(m2, ids, cache2)
     with pytest.warns(UserWarning, match="attn_implementation='kvbench'"):
         forward(m2, prompt(n=1, seed=5), cache2)
     assert cache2.quantized_tokens(0) == (4, 3)  # 8 held, the step-8 flush still pending
+    # write-then-attend (the default): update stores the step, its flush included, before any
+    # attention function reads it
+    cache3 = QuantizedKVCache("kivi", m2, method_config=KIVI2)
+    assert cache3.protocol == "write-then-attend"
+    forward(m2, ids, cache3)
+    with pytest.warns(UserWarning, match="attn_implementation='kvbench'"):
+        forward(m2, prompt(n=1, seed=5), cache3)
+    assert cache3.quantized_tokens(0) == (8, 4)
 
 
 # --------------------------------------------------------------------------------- prefill
@@ -258,9 +267,12 @@ def fake_q8_0(x: torch.Tensor, block: int = 16) -> torch.Tensor:
 class FakeQ8Cache(DynamicCache):
     """Stock DynamicCache that stores every written K/V token q8_0 quantize-dequantized (what a
     llama.cpp ``-ctk q8_0 -ctv q8_0`` cache holds), in transformers' own cache and beam logic,
-    under kvbench's protocol (docs/design.md#when-quantization-happens): prefill attends the
-    original prompt K/V, and a decode step attends its own new token before that token is
-    quantized (it is flushed after the step's attention)."""
+    under kvbench's protocols (docs/design.md#protocols): prefill attends the original prompt
+    K/V; a decode step attends what is stored, its own new token quantized
+    (``write-then-attend``), or its own new token before that token is quantized
+    (``in-chunk-full``: it is flushed after the step's attention)."""
+
+    protocol = "write-then-attend"
 
     def update(self, key_states, value_states, layer_idx, *args, **kw):
         k, v = super().update(
@@ -269,6 +281,8 @@ class FakeQ8Cache(DynamicCache):
         n = key_states.shape[2]
         if k.shape[2] == n:  # prefill
             return key_states, value_states
+        if self.protocol == "write-then-attend":
+            return k, v
         return torch.cat([k[:, :, :-n], key_states], 2), torch.cat([v[:, :, :-n], value_states], 2)
 
 
@@ -286,14 +300,18 @@ def test_beam_search():
     assert torch.equal(out.sequences, ref.sequences)  # reorder_cache keeps beams exact
 
 
-def test_beam_search_int8_block_equals_fake_q8_0_dynamic_cache():
+@pytest.mark.parametrize("protocol", ["write-then-attend", "in-chunk-full"])
+def test_beam_search_int8_block_equals_fake_q8_0_dynamic_cache(protocol):
     """Beams and their scores through kvbench's int8-block cache (block 16 = the model's
     head_dim) equal those of a stock DynamicCache holding q8_0-rounded K/V (independent
-    quantizer above): the quantized store and its beam reordering are both right."""
+    quantizer above) under each protocol: the quantized store, the order of storing and
+    attending, and the beam reordering are right."""
     m = model()
     cfg = dict(block_size=16)
-    got = beams(m, QuantizedKVCache("int8-block", m, method_config=cfg))
-    ref = beams(m, FakeQ8Cache(config=m.config))
+    got = beams(m, QuantizedKVCache("int8-block", m, method_config=cfg, protocol=protocol))
+    fake = FakeQ8Cache(config=m.config)
+    fake.protocol = protocol
+    ref = beams(m, fake)
     assert torch.equal(got.sequences, ref.sequences)
     assert torch.allclose(got.sequences_scores, ref.sequences_scores, atol=1e-6, rtol=0)
     plain = beams(m, None)  # the quantization is visible: scores differ from full precision

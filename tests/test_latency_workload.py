@@ -163,9 +163,11 @@ def test_end_to_end_records() -> None:
     # auto: kvbench methods decode through LayerCache.attend (code-domain fast path when it fits)
     assert "LayerCache.attend" in info["attention_path"]
     assert m["bytes_total"] > 0
+    assert info["protocol"] == info["baseline_protocol"] == "write-then-attend"
     # a peer runs through its transformers cache
     res = w.run(ctx, kvbench.get_method("hf-dynamic"))
     assert "transformers cache" in res.info["attention_path"]
+    assert res.info["protocol"] == "transformers-update"
     # 48 tokens x 2 layers x K and V x 2 heads x 16 x 4 bytes (float32 model)
     assert res.metrics["bytes_total"] == 48 * 2 * 2 * 2 * 16 * 4
 

@@ -92,6 +92,8 @@ def test_method_config_file_and_batch_refusal(tmp_path):
         ValueError, match=r"min_quantized_fraction=1.5 must be a number in \[0, 1\]"
     ):
         KVBenchLM(method="full", min_quantized_fraction=1.5)
+    with pytest.raises(ValueError, match=r"kvbench backend: field 'protocol': 'chunked'"):
+        KVBenchLM(method="full", protocol="chunked")
 
 
 def test_local_tasks_listed():
@@ -167,6 +169,9 @@ def test_workload_validation():
     cls = WORKLOADS.get("lm_eval")
     spec = cls.validate({"type": "lm_eval", "tasks": "gsm8k"})
     assert spec["tasks"] == ["gsm8k"] and spec["chunk"] == 1
+    assert spec["protocol"] == "write-then-attend"
+    with pytest.raises(ValueError, match=r"field 'protocol': 'x' is not allowed; allowed: \["):
+        cls.validate({"type": "lm_eval", "tasks": ["x"], "protocol": "x"})
     with pytest.raises(ValueError, match="tasks"):
         cls.validate({"type": "lm_eval", "tasks": []})
     with pytest.raises(ValueError, match="field 'chunk': 0 is not allowed; allowed: integers"):

@@ -55,6 +55,13 @@ class Capabilities:
         return dataclasses.asdict(self)
 
 
+#: ``prefill_attention`` values (docs/design.md#when-quantization-happens): ``full``, the
+#: prompt's queries read its full-precision K/V, which are then stored (how KIVI-style methods
+#: deploy); ``stored``, the prompt is stored first (prefill and its flush) and its queries read
+#: what the cache holds (llama.cpp)
+PREFILL_ATTENTION = ("full", "stored")
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Base of every method config: frozen, typed, validated, serializable.
@@ -70,17 +77,28 @@ class MethodConfig:
     ``new_layer``), ``rotation_seed`` (``None``: plain Walsh-Hadamard; an int: seeded random
     signs, QuaRot arXiv:2404.00456).  The two others are refused unless ``rotation`` is
     ``hadamard``.
+
+    ``prefill_attention`` (keyword-only): how the method is deployed at prefill
+    (:data:`PREFILL_ATTENTION`), honoured by kvbench's transformers attention function
+    (:mod:`kvbench.hf.attention`): ``full`` (default: the prompt attends in full precision, then
+    is stored) or ``stored`` (the prompt attends to the stored cache: llama.cpp).
     """
 
     _: KW_ONLY
     rotation: str = kf.spec("none", str, choices=ROTATIONS)
     rotation_block: int = kf.spec(64, int, choices=BLOCKS, text="powers of two 2..4096")
     rotation_seed: int | None = kf.spec(None, int, low=0, optional=True)
+    prefill_attention: str = kf.spec("full", str, choices=PREFILL_ATTENTION)
 
     #: fields left out of :meth:`to_dict` while they hold their default: fields added after
     #: records existed, so the config (and the ``run_id`` hashed from it) of a run that does not
     #: use them stays what it was (docs/design.md#run-id)
-    omitted_defaults: ClassVar[tuple[str, ...]] = ("rotation", "rotation_block", "rotation_seed")
+    omitted_defaults: ClassVar[tuple[str, ...]] = (
+        "rotation",
+        "rotation_block",
+        "rotation_seed",
+        "prefill_attention",
+    )
 
     def __post_init__(self) -> None:
         kf.validate(self, type(self).__name__)

@@ -17,9 +17,13 @@ the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context v
      (``provide_queries``; a no-op for methods without ``needs_queries``);
    * computes attention by delegating to transformers' own
      ``sdpa_attention_forward`` over the K/V that ``update`` returned, so the numerics equal
-     the stock ``"sdpa"`` path; or, for decode steps when the binding says so (the kernel path,
-     or methods without ``keys_values``), through ``layer_cache.attend(query, scaling)``;
-   * finishes the step with ``layer_cache.end_step()`` (the flush deferred by ``append``).
+     the stock ``"sdpa"`` path; or, when the binding says so (the kernel path, or methods
+     without ``keys_values``), through ``layer_cache.attend(query, scaling)`` (causal, aligned
+     to the end); a prefill of a method with ``prefill_attention="stored"`` whose stored K/V
+     ``update`` could not return yet (the layer waited for these queries) reads
+     ``keys_values()`` here, after ``provide_queries``;
+   * finishes the step with ``layer_cache.end_step()`` (the flush deferred by ``append``; a
+     no-op under the ``write-then-attend`` protocol, where ``update`` ran it before attention).
 
    Without a matching binding (another cache class, no cache) it is plain sdpa.
 
@@ -66,9 +70,12 @@ class StepBinding:
     layer_idx : the model layer (``module.layer_idx`` must match).
     keys : the exact key tensor ``update`` returned (matched by identity).
     prefill : this call was the layer's prefill (queries go to ``provide_queries``).
-    attend : route this (decode) step through ``layer_cache.attend`` instead of sdpa.
+    attend : route this step through ``layer_cache.attend`` instead of sdpa (a decode step, or
+        a prefill with ``prefill_attention="stored"``).
     on_consumed : called when the attention function has used the binding.
     on_attended : called after a decode step's attention with ``(path, reason)``.
+    read_stored : a prefill with ``prefill_attention="stored"`` on the sdpa route: attend to the
+        layer cache's ``keys_values()`` after ``provide_queries`` instead of ``keys``.
     """
 
     layer_cache: Any
@@ -80,6 +87,7 @@ class StepBinding:
     #: called after a decode step's attention with the path that ran (the registry's
     #: ``attend_path`` on the attend route, :data:`SDPA_PATH` on the reference route) and why
     on_attended: Callable[[str, str], None] | None = None
+    read_stored: bool = False
 
 
 _STEP: ContextVar[StepBinding | None] = ContextVar("kvbench_step", default=None)
@@ -191,16 +199,18 @@ def kvbench_attention_forward(
         provide = getattr(lc, "provide_queries", None)
         if provide is not None:
             provide(query)
-    if step.attend and not step.prefill:
+    if step.attend:
         if dropout:
             raise ValueError(
                 f"dropout={dropout} is not supported on the attend path; call model.eval()"
             )
-        out = lc.attend(query, scaling)  # [B, H_q, T, D]
+        out = _attend_prompt(lc, query, scaling) if step.prefill else lc.attend(query, scaling)
         result = (out.transpose(1, 2).contiguous(), None)
         path = getattr(lc, "attend_path", None) or "unknown"
         reason = getattr(lc, "attend_path_reason", "") or ""
     else:
+        if step.read_stored:  # prefill_attention="stored", after the prefill waited for queries
+            key, value = lc.keys_values()
         result = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -209,6 +219,23 @@ def kvbench_attention_forward(
         step.on_attended(path, reason)
     lc.end_step()
     return result
+
+
+def _attend_prompt(lc: Any, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """A prompt's attention ``[B, H_q, P, D]`` over what ``lc`` stores (``prefill_attention=
+    "stored"``), causal aligned to the end.  A layer that caches rows apart (a padded batch)
+    is read row by row: row ``b`` holds its ``n_b`` real tokens, its last ``n_b`` queries attend
+    to them, and its pad positions (never stored, never read by a real token) get zeros."""
+    rows = getattr(lc, "rows", None)
+    if rows is None:
+        return lc.attend(query, scaling)
+    out = torch.zeros_like(query)
+    for b, row in enumerate(rows):
+        n = row.seq_length
+        out[b : b + 1, :, -n:] = row.attend(query[b : b + 1, :, -n:], scaling)
+    lc.attend_path = "+".join(sorted({str(getattr(r, "attend_path", None)) for r in rows}))
+    lc.attend_path_reason = "per-row caches (padded batch)"
+    return out
 
 
 def register() -> str:

@@ -16,18 +16,29 @@ naming the row or the method.
 
 Update protocol (docs/design.md#protocols):
 
-* the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)`` and the
-  *original* full-precision ``k, v`` are returned (prefill attention is full precision);
-* every later ``update`` appends: ``layer_cache.append(k, v)`` and returns
-  ``layer_cache.keys_values()`` (sinks + dequantized blocks + residual, new tokens included);
-* the flush deferred by ``append`` runs when kvbench's attention function finishes the step
-  (``attn_implementation="kvbench"``, :mod:`kvbench.hf.attention`), or at the next ``append``.
+* the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)``.  With the
+  method's ``prefill_attention="full"`` (default) the *original* full-precision ``k, v`` are
+  returned (the prompt attends in full precision, as KIVI-style methods deploy); with
+  ``"stored"`` the prompt's queries attend causally to what the cache stores after the prefill
+  and its flush (``keys_values()``, or ``layer_cache.attend`` on the attend path), as llama.cpp
+  does;
+* every later ``update`` (a decode call of ``n >= 1`` tokens) appends:
+  ``layer_cache.append(k, v)``.  Under ``protocol="write-then-attend"`` (default,
+  :data:`PROTOCOLS`) the flush that ``append`` defers runs at once (``end_step()``), so the
+  call's queries attend causally to what the cache then stores, their own tokens included in
+  their stored form; under ``"in-chunk-full"`` it runs when kvbench's attention function
+  finishes the step (``attn_implementation="kvbench"``, :mod:`kvbench.hf.attention`), or at
+  the next ``append``, so a call's tokens attend to each other in full precision.  The call
+  returns ``layer_cache.keys_values()`` (sinks + dequantized blocks + residual, new tokens
+  included), or on the attend path the inputs (the attention function reads the layer cache).
 
 Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
 :func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
 ``needs_queries`` get their post-RoPE prefill queries and how padded batches are detected.
-Without it the cache still works for methods that need no queries and for one row at a time,
-with the flush at the next step (a warning says so once); a decode step of several rows is
+Without it the cache still works for methods that need no queries and for one row at a time
+(under ``in-chunk-full`` with the flush at the next step; a warning says so once), and a method
+with ``prefill_attention="stored"`` on the sdpa route still reads its stored prompt (``update``
+returns it) unless it waits for queries; a decode step of several rows is
 refused with :class:`~kvbench.hf.padding.PaddedBatchError`, since the cache cannot see whether
 they are left-padded (stored pads would share KIVI's key groups with real tokens).
 """
@@ -44,12 +55,31 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.cache.method import Method, require_padding
+from kvbench.fields import Field
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: the decode protocols (docs/design.md#protocols): a decode call's K/V are stored through the
+#: method's update (residual, sinks, flushes, budgets) *before* its queries attend causally to
+#: what the cache holds, as deployed engines do
+WRITE_THEN_ATTEND = "write-then-attend"
+#: the call's tokens attend to the quantized past plus each other in full precision; the flush
+#: waits until after the call's attention (KIVI's reference code at one token per call)
+IN_CHUNK_FULL = "in-chunk-full"
+PROTOCOLS = (WRITE_THEN_ATTEND, IN_CHUNK_FULL)
+#: the rule of a ``protocol`` argument or parameter (:mod:`kvbench.fields`)
+PROTOCOL_FIELD = Field(str, choices=PROTOCOLS)
+#: every kvbench cache's default, and so every workload's that decodes through the model
+DEFAULT_PROTOCOL = WRITE_THEN_ATTEND
+#: what records name for a transformers peer's cache, which runs its own ``update``: quanto and
+#: HQQ return a call's tokens in full precision and quantize afterwards (as ``in-chunk-full``
+#: on a call that flushes, as ``write-then-attend`` otherwise), fp8 stores then returns the
+#: stored form (``write-then-attend``), ``DynamicCache`` stores exactly
+PEER_PROTOCOL = "transformers-update"
 
 
 def cache_kwarg(cache: Cache | None, model: Any = None) -> dict[str, Any]:
@@ -146,8 +176,10 @@ class KVBenchLayer(CacheLayerMixin):
         lc = self.layer_cache
         if self._unconsumed:
             self.owner._attention_not_bound(self.layer_idx, key_states.shape[0])
+        owner = self.owner
         prefill = lc.seq_length == 0
-        attend = self.owner.attend and not prefill
+        stored = prefill and owner.prefill_stored  # the prompt attends to the stored cache
+        attend = owner.attend and (stored or not prefill)
         b, _, n, _ = key_states.shape
         mask = padding.current(b, lc.seq_length + n)
         if prefill:
@@ -162,6 +194,10 @@ class KVBenchLayer(CacheLayerMixin):
                 lengths = torch.full((b,), n)
             lc.prefill(key_states, value_states, lengths=lengths)
             keys, values = key_states, value_states
+            if stored and not attend and not lc.awaiting_queries:
+                # prefill_attention="stored" on the reference path: sdpa over what is stored
+                keys, values = lc.keys_values()
+                stored = False  # read here; the attention function needs not read it again
         else:
             held = lc.seq_length
             rows = getattr(lc, "row_lengths", None)
@@ -175,11 +211,20 @@ class KVBenchLayer(CacheLayerMixin):
                     f"(kvbench.hf.attention.use_kvbench_attention(model))"
                 )
             lc.append(key_states, value_states)
+            if owner.protocol == WRITE_THEN_ATTEND:
+                lc.end_step()  # stored (flushes included) before the call's queries attend
             keys, values = (key_states, value_states) if attend else lc.keys_values()
         self._unconsumed = True
         bind_step(
             StepBinding(
-                lc, self.layer_idx, keys, prefill, attend, self._consumed, self.owner._attended
+                lc,
+                self.layer_idx,
+                keys,
+                prefill,
+                attend,
+                self._consumed,
+                owner._attended,
+                read_stored=stored,
             )
         )
         return keys, values
@@ -195,7 +240,15 @@ class KVBenchLayer(CacheLayerMixin):
         what the model's own prefill through this cache stores (its prefill attention is full
         precision, so the prompt's K/V do not depend on the method).
 
-        Raises ``ValueError`` when the layer already holds tokens."""
+        Raises ``ValueError`` when the layer already holds tokens, or when the method's
+        ``prefill_attention`` is ``stored`` (the prompt's K/V of layers after the first then
+        depend on the method: run the prompt through the model)."""
+        if self.owner.prefill_stored:
+            raise ValueError(
+                f"method {self.owner.method_name!r} has prefill_attention='stored': its prompt "
+                "attends to its own stored K/V, so a full-precision prompt capture is not its "
+                "prefill; run the prompt through the model with this cache"
+            )
         if not self.is_initialized or self.layer_cache is None:
             self.lazy_initialization(keys, values)
         lc = self.layer_cache
@@ -289,12 +342,20 @@ class QuantizedKVCache(Cache):
         methods with cross-row statistics (per-tensor scales) give each row the results of the
         row run alone, as a padded batch does (docs/design.md#padding).  Batched workloads set
         it; default False (an unpadded batch shares such statistics).
+    protocol : :data:`PROTOCOLS`: ``"write-then-attend"`` (default: each decode call's K/V are
+        stored, the deferred flush included, before its queries attend causally to the cache)
+        or ``"in-chunk-full"`` (the flush waits until after the call's attention, so a call's
+        tokens attend to each other in full precision).  See the module docstring.
+
+    The method's ``prefill_attention`` (``full`` | ``stored``, its config) decides what the
+    prompt attends to (module docstring); :attr:`prefill_stored` says which.
 
     Raises
     ------
     ValueError
         Unknown method name or config field; unsupported layer types (linear attention, ...);
-        the attend path on a model with sliding-window layers.
+        the attend path on a model with sliding-window layers; a ``protocol`` not in
+        :data:`PROTOCOLS`.
     """
 
     def __init__(
@@ -304,7 +365,9 @@ class QuantizedKVCache(Cache):
         method_config: Mapping[str, Any] | None = None,
         attend: bool = False,
         rows_apart: bool = False,
+        protocol: str = DEFAULT_PROTOCOL,
     ) -> None:
+        PROTOCOL_FIELD.check(protocol, "protocol", "QuantizedKVCache")
         if isinstance(method, str):
             from kvbench.cache.registry import get_method
 
@@ -331,6 +394,10 @@ class QuantizedKVCache(Cache):
             )
         self.num_layers = config.num_hidden_layers
         self.rows_apart = bool(rows_apart)
+        #: the decode protocol (:data:`PROTOCOLS`)
+        self.protocol = protocol
+        #: the method's ``prefill_attention`` is ``stored``: the prompt attends to the cache
+        self.prefill_stored = prefill_attention(method) == "stored"
         self._warned = False
         #: decode steps (layer calls) per attention path that ran, and the reasons recorded
         self.decode_paths: dict[str, int] = {}
@@ -362,9 +429,10 @@ class QuantizedKVCache(Cache):
             )
         if not self._warned:
             self._warned = True
+            late = "flushes run at the next step and " if self.protocol == IN_CHUNK_FULL else ""
             warnings.warn(
                 f"QuantizedKVCache is used without attn_implementation={ATTN_IMPLEMENTATION!r}: "
-                "flushes run at the next step and padded batches are not detected",
+                f"{late}padded batches are not detected",
                 stacklevel=3,
             )
 
@@ -410,24 +478,52 @@ class QuantizedKVCache(Cache):
 
 __all__ = [
     "DECODE_PATHS",
+    "DEFAULT_PROTOCOL",
+    "IN_CHUNK_FULL",
     "KVBenchLayer",
+    "PEER_PROTOCOL",
+    "PROTOCOLS",
+    "PROTOCOL_FIELD",
     "QuantizedKVCache",
+    "WRITE_THEN_ATTEND",
     "cache_kwarg",
+    "cache_protocol",
     "decode_info",
     "decode_route",
     "make_hf_cache",
+    "prefill_attention",
 ]
 
 
-def make_hf_cache(method: Method, model: Any, attend: bool = False) -> Cache:
+def prefill_attention(method: Method) -> str:
+    """The method's ``prefill_attention`` (``full`` | ``stored``; ``full`` for a config class
+    that does not derive from :class:`~kvbench.cache.method.MethodConfig`)."""
+    return getattr(method.config, "prefill_attention", "full")
+
+
+def make_hf_cache(
+    method: Method, model: Any, attend: bool = False, protocol: str = DEFAULT_PROTOCOL
+) -> Cache:
     """The transformers ``Cache`` that holds ``method``'s K/V for ``model`` (a model or its config).
 
     The method's own cache when it brings one (:meth:`Method.transformers_cache`: the transformers
-    peers), else kvbench's :class:`QuantizedKVCache` (``attend``: decode attention runs through
-    ``LayerCache.attend``).
+    peers, which run their own ``update`` whatever ``protocol`` says: :data:`PEER_PROTOCOL`),
+    else kvbench's :class:`QuantizedKVCache` (``attend``: decode attention runs through
+    ``LayerCache.attend``; ``protocol``: :data:`PROTOCOLS`).  Raises ``ValueError`` for a
+    ``protocol`` not in :data:`PROTOCOLS`.
     """
+    PROTOCOL_FIELD.check(protocol, "protocol", "make_hf_cache")
     own = method.transformers_cache(model, attend=attend)
-    return own if own is not None else QuantizedKVCache(method, model, attend=attend)
+    if own is not None:
+        return own
+    return QuantizedKVCache(method, model, attend=attend, protocol=protocol)
+
+
+def cache_protocol(cache: Any) -> str:
+    """The decode protocol ``cache`` runs: a :class:`QuantizedKVCache`'s ``protocol``, else
+    :data:`PEER_PROTOCOL` (a transformers cache's own ``update``)."""
+    protocol = getattr(cache, "protocol", None)
+    return protocol if protocol in PROTOCOLS else PEER_PROTOCOL
 
 
 #: ``path`` values of the workloads that decode through a model (perplexity, generation,
@@ -463,19 +559,25 @@ def decode_route(method: Method, model: Any, path: str = "attend") -> tuple[bool
 
 def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
     """What a workload records about its decode attention (manifest ``decode_attention``):
-    ``route`` (``attend`` or ``reference``), ``route_reason``, and summed over ``caches``
-    ``paths`` (layer decode calls per path that ran: ``cpu-native``, ``cpu-eager``,
-    ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the reference
-    route) and ``path_reasons`` (why faster backends declined)."""
+    ``route`` (``attend`` or ``reference``), ``route_reason``, ``protocol`` (of the first cache,
+    :func:`cache_protocol`: the workloads use one protocol per run), ``prefill_attention``
+    (``full`` | ``stored``, of the first cache's method; ``full`` for a peer), and summed over
+    ``caches`` ``paths`` (layer decode calls per path that ran: ``cpu-native``,
+    ``cpu-eager``, ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the
+    reference route) and ``path_reasons`` (why faster backends declined)."""
     paths: dict[str, int] = {}
     reasons: set[str] = set()
     for c in caches:
         for k, n in getattr(c, "decode_paths", {}).items():
             paths[k] = paths.get(k, 0) + n
         reasons |= set(getattr(c, "decode_path_reasons", ()))
+    first = caches[0] if caches else None
+    config = getattr(getattr(first, "method", None), "config", None)
     return {
         "route": "attend" if attend else "reference",
         "route_reason": why,
+        "protocol": cache_protocol(first),
+        "prefill_attention": getattr(config, "prefill_attention", "full"),
         "paths": dict(sorted(paths.items())),
         "path_reasons": sorted(reasons),
     }

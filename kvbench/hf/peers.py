@@ -162,6 +162,18 @@ class HFPeer(Method, abc.ABC):
     #: the pip requirement that provides the backend (``None``: transformers alone)
     requirement: ClassVar[str | None] = None
 
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        """As :class:`~kvbench.cache.method.Method`; ``ValueError`` for ``prefill_attention``
+        other than ``full``: a peer's prompt attends to what its transformers cache's
+        ``update`` returns (the prompt's own K/V), which kvbench does not change."""
+        super().__init__(config, **overrides)
+        if self.config.prefill_attention != "full":
+            self.config.reject(
+                "prefill_attention",
+                "'full' (a transformers peer's prompt attends to the K/V its own cache's update "
+                "returns; kvbench cannot make it read the stored cache)",
+            )
+
     def new_layer(self, layer_idx: int, num_kv_heads: int, head_dim: int, *args, **kwargs):
         raise ValueError(
             f"method {self.name or type(self).__name__!r} wraps a transformers cache "

@@ -69,6 +69,8 @@ def test_chunk_logprobs_attend_equal_reference(model, ids, name, cfg) -> None:
     assert info_r == {
         "route": "reference",
         "route_reason": "path=reference (sdpa over keys_values())",
+        "protocol": "write-then-attend",
+        "prefill_attention": "full",
         "paths": {"sdpa-keys-values": steps},
         "path_reasons": [],
     }

@@ -34,7 +34,7 @@ from kvbench.bench.workloads import perplexity as ppl_mod
 from kvbench.bench.workloads.fidelity import Fidelity, layer_fidelity
 from kvbench.bench.workloads.generation import Generation, run_batched
 from kvbench.bench.workloads.passkey import Passkey
-from kvbench.bench.workloads.perplexity import Perplexity, chunked_logits
+from kvbench.bench.workloads.perplexity import Perplexity, ScoredState, chunked_logits
 from kvbench.cache.registry import get_method
 from kvbench.hf.attention import use_kvbench_attention
 
@@ -68,7 +68,9 @@ def _agree_loop(ref: torch.Tensor, lp: torch.Tensor) -> list[int]:
 # ------------------------------------------------------------------------------ perplexity
 def _perplexity_run(monkeypatch, windows, refs, method_lps, prefill):
     calls = iter(method_lps)
-    monkeypatch.setattr(ppl_mod, "chunked_logits", lambda *a, **k: (next(calls), {"total": 1234}))
+    # one cache state: 600 + 634 bytes for 100 K (= V) elements
+    state = [ScoredState(9, {"key_total": 600, "value_total": 634, "total": 1234}, 100)]
+    monkeypatch.setattr(ppl_mod, "chunked_logits", lambda *a, **k: (next(calls), state))
     wl = Perplexity(
         Perplexity.validate(
             {"type": "perplexity", "tokens": windows[0].numel(), "prefill": prefill, "chunk": 2}
@@ -110,7 +112,9 @@ def test_perplexity_metrics_match_float64_loop(monkeypatch, n_windows: int) -> N
     # the reversed direction KL(P_method || P_full) is a clearly different number here
     rev = sum(sum(_kl_loop(lp, ref)) / len(ref) for ref, lp in zip(refs, lps)) / n_windows
     assert abs(rev - m["next_token_kl"]) > 0.05 * m["next_token_kl"]
-    assert m["bytes_total"] == 1234
+    assert m["bytes_total"] == 1234 and m["bytes_key_total"] == 600
+    assert m["effective_key_bits"] == 48 and m["effective_value_bits"] == pytest.approx(50.72)
+    assert m["effective_bits"] == pytest.approx(8 * 1234 / 200)
     assert res.per_layer["window_kl"] == pytest.approx(kls, rel=1e-5)
     cis = {k for k in m if k.endswith(("_ci_low", "_ci_high"))}
     if n_windows == 1:
@@ -173,7 +177,7 @@ def test_chunked_quantized_method_reads_its_cache() -> None:
         4,
     )
     assert (full - q).abs().max() > 1e-3
-    assert nb["total"] > 0
+    assert nb[-1].nbytes["total"] > 0
 
 
 # ------------------------------------------------------------------------------ generation
@@ -506,10 +510,15 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
     method = get_method("per-head", bits=2, residual_length=4)
     model, prompts, calls = object(), [object() for _ in range(n)], []
 
-    def fake(*args, info=None):
+    def fake(*args, info=None, protocol=None):
         calls.append(args)
         info["paths"] = {"code-domain": len(calls)}
-        return lps[len(calls) - 1], {"total": 100 * len(calls)}
+        k = len(calls)  # window k's states: after the prefill (1 position), after 2 chunks
+        states = [
+            ScoredState(n, {"key_total": 10 * k * i, "value_total": 5 * k, "total": 0}, 10 + 10 * i)
+            for i, n in ((1, 1), (2, 3), (3, 4))
+        ]
+        return lps[k - 1], states
 
     monkeypatch.setattr(ppl_mod, "chunked_logits", fake)
     spec = {"type": "perplexity", "tokens": t, "prefill": prefill, "chunk": 3, "windows": n,
@@ -524,7 +533,17 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
         assert ids.tolist() == [w.tolist()] and (p, c, path) == (prefill, 3, "reference")
     assert len(calls) == n
     m = res.metrics
-    assert m["bytes_total"] == 600  # the last window's cache
+    # the last state of window k holds 30 k + 5 k bytes for 40 elements; mean over windows
+    ks = range(1, n + 1)
+    assert m["bytes_total"] == pytest.approx(sum(35 * k for k in ks) / n)
+    assert m["bytes_key_total"] == pytest.approx(sum(30 * k for k in ks) / n)
+    assert m["effective_key_bits"] == pytest.approx(sum(8 * 30 * k / 40 for k in ks) / n)
+    # per window, states weighted by the positions they scored (1, 3, 4 of 8)
+    want = [(1 * 15 * k + 3 * 25 * k + 4 * 35 * k) / 8 for k in ks]
+    assert m["bytes_total_mean_scored"] == pytest.approx(sum(want) / n)
+    assert res.per_layer["window_bytes_total_mean_scored"] == pytest.approx(want)
+    bits = [(8 * 10 * k / 20 + 3 * 8 * 20 * k / 30 + 4 * 8 * 30 * k / 40) / 8 for k in ks]
+    assert m["effective_key_bits_mean_scored"] == pytest.approx(sum(bits) / n)
     # nominal bits by hand: 2 bits + an fp16 (scale, zero) per flush of R = 4 tokens x
     # head_dim channels (128 when the model does not say)
     d = head_dim or 128
@@ -561,11 +580,9 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
         assert m[f"{name}_ci_high"] == pytest.approx(hi, rel=1e-5, abs=1e-7), name
         if name != "top1_agreement":  # continuous values: another seed, another interval
             assert block_bootstrap_ref(toks, 32, seed=0, stat=stat) != pytest.approx((lo, hi))
-    assert res.info == {
-        "dataset": "d",
-        "decode_attention": {"paths": {"code-domain": 6}},
-        "intervals": ppl_mod.interval_rule(n)[1],
-    }
+    assert res.info["decode_attention"] == {"paths": {"code-domain": 6}}
+    assert res.info["dataset"] == "d" and res.info["storage"]["dtype"] == "unknown"
+    assert res.info["intervals"] == ppl_mod.interval_rule(n)[1]
     assert "blocks of 32 consecutive scored tokens" in res.info["intervals"]
     assert wl.info == {"dataset": "d"}  # the workload's shared info is not changed
 
@@ -589,16 +606,16 @@ def test_perplexity_one_window_has_block_intervals(monkeypatch, block_bootstrap_
 def test_perplexity_run_without_prompts_prefills_through_the_model(monkeypatch) -> None:
     seen = []
 
-    def fake(*args, info=None):
+    def fake(*args, info=None, protocol=None):
         seen.append(args[6])  # the prompt state handed to chunked_logits
-        return _logprobs(6, 1), {}
+        return _logprobs(6, 1), [ScoredState(6, {"key_total": 1, "value_total": 1}, 1)]
 
     monkeypatch.setattr(ppl_mod, "chunked_logits", fake)
     wl = Perplexity(Perplexity.validate({"type": "perplexity", "tokens": 10, "prefill": 4}))
     wl.windows, wl.ref, wl.info = [torch.arange(10) % V] * 2, [_logprobs(6, 2)] * 2, {}
     res = wl.run(_ctx(), get_method("full"))
     assert seen == [None, None]  # no captured prompt: each window's prefill runs the model
-    assert "bytes_total" not in res.metrics and "decode_attention" not in res.info
+    assert "decode_attention" not in res.info
 
 
 def test_generation_run_teacher_forces_the_reference_and_reports_per_prompt(monkeypatch) -> None:

@@ -7,7 +7,10 @@ generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, p
   generated before the first token that differs from the reference; ``new_tokens`` if none)
   and ``gen_match_rate`` (share of positions equal to the reference);
 * drift: the reference continuation is fed one token at a time (C = 1, exact decode) through
-  the method's cache and its next-token distributions are compared with the reference run's:
+  the method's cache (``write-then-attend``: each token stored, a flush included, before it
+  attends; docs/design.md#decode-protocols; recorded in the manifest's ``decode_attention``
+  with the method's ``prefill_attention``) and its next-token distributions are compared with
+  the reference run's:
   next-token KL and top-1 agreement per bucket of ``bucket`` decode steps
   (``drift_kl_b<i>``, ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
 

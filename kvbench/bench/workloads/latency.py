@@ -38,6 +38,10 @@ force (recorded with the load average).  CUDA: synchronized CUDA events, eager m
 numbers are dominated by framework overhead and dequantization (Python, small kernels,
 unpacking), not by memory bandwidth; the manifest and the report say so.
 
+Protocol (recorded as ``protocol``): kvbench caches run ``write-then-attend`` (each step's
+token is stored, a flush it makes due included, before the step attends; docs/design.md#protocols),
+the work of ``in-chunk-full`` in another order; peers run their own ``update``.
+
 Attention path (recorded): kvbench methods run through the ``"kvbench"`` attention function,
 which reads the dequantized K/V of ``keys_values()`` with sdpa (the reference path), or
 ``LayerCache.attend`` (``path: attend``, and ``auto`` for methods with a fused kernel or without
@@ -73,7 +77,7 @@ from kvbench.bench.workloads.batching import stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
-from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.cache import cache_protocol, make_hf_cache
 from kvbench.hf.peers import cache_nbytes
 from kvbench.measure.timer import (
     PERCENTILE_RULE,
@@ -364,6 +368,10 @@ class Latency(Workload):
             "timing": timer.how,
             "percentiles": PERCENTILE_RULE,
             "attention_path": attention_path(method, attend["method"]),
+            # the decode protocol (docs/design.md#protocols): the same work either way, a flush
+            # before or after the step's attention; a peer runs its own update
+            "protocol": cache_protocol(caches["method"]),
+            "baseline_protocol": cache_protocol(caches["baseline"]),
             "attend_path_ran": ran if attend["method"] else None,
             "baseline": s["baseline"],
             "baseline_attention_path": attention_path(base, attend["baseline"]),

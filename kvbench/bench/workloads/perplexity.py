@@ -2,33 +2,71 @@
 *quantized* past (docs/design.md#protocols).
 
 Protocol per window of ``tokens`` (T) tokens: prefill ``prefill`` (P) tokens into the method's
-cache, then feed the rest in chunks of ``chunk`` (C) tokens; each chunk attends to the cache's
-quantized past plus full precision within the chunk (C = 1 is exact decode).  Predictions of
-tokens P..T-1 are scored.  The ``full`` cache under the identical schedule is the reference
-(computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
-``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref.
-Bootstrap 95% intervals (``*_ci_low``/``*_ci_high``) resample blocks of scored tokens
+cache, then feed the rest in chunks of ``chunk`` (C) tokens (C = 1 is exact decode).
+Predictions of tokens P..T-1 are scored.  ``protocol`` says what a chunk attends to:
+
+* ``write-then-attend`` (default): each chunk's K/V go through the method's cache first (the
+  residual, sinks, flushes and budgets of a decode step: ``append`` then the deferred
+  ``end_step``), then the chunk's queries attend causally (aligned to the end) to what the cache
+  stores, their own chunk included in its stored form.  No scored token reads a full-precision
+  copy the deployed method would not hold; for a method whose stored form of a token does not
+  depend on later tokens (llama.cpp q4_0/q8_0, fp8, per-token without a residual) every C gives
+  exact decode's numbers.  With a residual window or token-axis groups a chunk's tokens see the
+  cache after the whole chunk's flush, where exact decode flushes between them
+  (docs/design.md#protocols measures the C = 64 vs C = 1 difference).
+* ``in-chunk-full``: the chunk attends to the cache's stored past plus its own tokens in full
+  precision; the flush runs after the chunk's attention.  Kept as a named option: it flatters
+  every method without a residual window (a q4_0 cache's chunk reads up to C - 1 free
+  full-precision tokens).
+
+The method's ``prefill_attention`` (a field of every method config) says what the prompt
+attends to: ``full`` (its full-precision K/V, then stored: KIVI-style deployment) or ``stored``
+(the stored cache after the prefill and its flush: llama.cpp).  The ``full`` cache under the
+identical schedule is the reference (computed once per model in ``prepare``): ``next_token_kl``
+= mean KL(P_full || P_method), ``top1_agreement`` = share of positions whose argmax matches,
+``ppl_delta`` = ppl - ppl_ref.  Bootstrap 95% intervals
+(``*_ci_low``/``*_ci_high``) resample blocks of scored tokens
 (:func:`kvbench.bench.workloads.metrics.interval_rule`, recorded in ``info.intervals``).
+
+Storage of the cache the scored tokens attended to (one cache state per row; mean over
+windows): ``bytes_total``, ``bytes_key_total``, ``bytes_value_total`` (all layers, measured by
+``nbytes``: :func:`kvbench.hf.peers.cache_nbytes`) and ``effective_bits``,
+``effective_key_bits``, ``effective_value_bits`` (8 x bytes / K or V elements held:
+layers x B x H_kv x tokens x D), each of the cache after the last chunk's write (what the last
+scored token attended to), and ``*_mean_scored``: the mean over scored positions of the cache
+each one attended to (measured after each call's write; the prefill's prediction counts the
+cache after the prefill).  The full-precision parts (residual, sinks, ``full``) count in the
+model's dtype (4 bytes on the default float32 CPU model; manifest ``storage.dtype``).  Under
+``in-chunk-full`` a chunk attended to its own tokens in full precision before its flush, which
+these bytes (after the flush) do not count.
 
 Decode attention (``path``, docs/design.md#two-attention-paths): ``attend`` (default) runs each
 chunk's attention of a kvbench cache through ``LayerCache.attend`` (the attention-backend
 registry: code-domain kernels on the CPU, never dequantizing the whole cache per step);
 ``reference`` through sdpa over the dequantized ``keys_values()``.  The two agree within the
-registry's tolerance; the path that ran is recorded (manifest ``decode_attention``).  Peers
-(their own transformers caches) and sliding-window models take the reference path (recorded).
+registry's tolerance; the path that ran is recorded (manifest ``decode_attention``, with the
+``protocol`` and ``prefill_attention`` that ran).  Peers (their own transformers caches) and
+sliding-window models take the reference path (recorded); a peer runs its cache's own
+``update`` (``protocol`` recorded as ``transformers-update``: quanto and HQQ return a chunk in
+full precision on the call that flushes, fp8 stores first) and refuses ``prefill_attention:
+stored``.
 
-Shared prefill: the prefill attention of a kvbench cache is full precision, so the prompt's K/V
-and its last logits are the same for every method; they are computed once per window in
-``prepare`` (:func:`kvbench.hf.capture.capture_prompt`) and each method's cache is prefilled from
-them (``QuantizedKVCache.prefill_from``); only the chunks run through the model per method.
+Shared prefill: with ``prefill_attention: full`` the prompt's K/V and its last logits are the
+same for every method; they are computed once per window in ``prepare``
+(:func:`kvbench.hf.capture.capture_prompt`) and each method's cache is prefilled from them
+(``QuantizedKVCache.prefill_from``); only the chunks run through the model per method.  A
+method with ``prefill_attention: stored`` runs its prompt through the model (its K/V of every
+layer after the first depend on the method).
 
 Parameters: ``text`` (default ``wikitext2``), ``tokens`` (2048), ``prefill`` (1024), ``chunk``
-(64), ``windows`` (2), ``path`` (``attend`` | ``reference``).
+(64), ``windows`` (2), ``path`` (``attend`` | ``reference``), ``protocol``
+(``write-then-attend`` | ``in-chunk-full``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,14 +85,75 @@ from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
     DECODE_PATHS,
+    DEFAULT_PROTOCOL,
+    PROTOCOL_FIELD,
     QuantizedKVCache,
     decode_info,
     decode_route,
     make_hf_cache,
+    prefill_attention,
 )
 from kvbench.hf.capture import PromptState
 
 from . import Result, Workload, reject
+
+#: the storage metrics of one cache state (module docstring), each also as ``<name>_mean_scored``
+STATE_METRICS = (
+    "bytes_total",
+    "bytes_key_total",
+    "bytes_value_total",
+    "effective_bits",
+    "effective_key_bits",
+    "effective_value_bits",
+)
+
+
+@dataclass(frozen=True)
+class ScoredState:
+    """The cache that the predictions of one model call attended to.
+
+    Attributes
+    ----------
+    positions : scored positions the call predicted (1 for the prefill: its last logit).
+    nbytes : bytes the cache held after the call's write
+        (:func:`kvbench.hf.peers.cache_nbytes`: ``key_total``, ``value_total``, ``total``, ...).
+    elements : K (= V) elements held then: layers x B x H_kv x tokens x D.
+    """
+
+    positions: int
+    nbytes: dict[str, int]
+    elements: int
+
+    def metrics(self) -> dict[str, float]:
+        """:data:`STATE_METRICS` of this state (bytes; bits = 8 x bytes / elements)."""
+        k, v = self.nbytes["key_total"], self.nbytes["value_total"]
+        return {
+            "bytes_total": k + v,
+            "bytes_key_total": k,
+            "bytes_value_total": v,
+            "effective_bits": 8 * (k + v) / (2 * self.elements),
+            "effective_key_bits": 8 * k / self.elements,
+            "effective_value_bits": 8 * v / self.elements,
+        }
+
+
+def storage_metrics(states: list[ScoredState]) -> dict[str, float]:
+    """:data:`STATE_METRICS` of the last state (what the last scored token attended to) and
+    ``<name>_mean_scored``: their mean over scored positions (each call's state weighted by
+    the positions it predicted)."""
+    last = states[-1].metrics()
+    n = sum(s.positions for s in states)
+    each = [(s.positions, s.metrics()) for s in states]
+    mean = {f"{k}_mean_scored": sum(w * m[k] for w, m in each) / n for k in STATE_METRICS}
+    return {**last, **mean}
+
+
+def _elements(model: Any, cache: Any, batch: int) -> int:
+    from kvbench.hf.info import model_info
+
+    info = model_info(model)
+    per_token = info["num_hidden_layers"] * info["num_key_value_heads"] * info["head_dim"]
+    return per_token * batch * cache.get_seq_length()
 
 
 @torch.no_grad()
@@ -67,40 +166,55 @@ def chunked_logits(
     path: str = "attend",
     prompt: Any = None,
     info: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, int]]:
+    protocol: str = DEFAULT_PROTOCOL,
+) -> tuple[torch.Tensor, list[ScoredState]]:
     """Log-probabilities ``[T - P, V]`` (float32) predicting tokens ``P..T-1`` of ``ids [1, T]``
-    under the schedule above, and the cache's bytes at the end.
+    under the schedule above, and the cache each call's predictions attended to
+    (:class:`ScoredState` per call: the prefill, then each chunk; :func:`storage_metrics`).
 
     ``path``: the decode attention route (see the module docstring; :data:`DECODE_PATHS`).
+    ``protocol``: :data:`kvbench.hf.cache.PROTOCOLS` (module docstring).
     ``prompt``: the window's :class:`kvbench.hf.capture.PromptState` of ``ids[:, :P]``; a
-    kvbench cache is then prefilled from it instead of running the prompt through the model
-    (same state, same logits).  ``info``: when given, filled with the decode attention record
-    (:func:`kvbench.hf.cache.decode_info`)."""
+    kvbench cache of a method with ``prefill_attention: full`` is then prefilled from it instead
+    of running the prompt through the model (same state, same logits); one with ``stored`` runs
+    the prompt.  ``info``: when given, filled with the decode attention record
+    (:func:`kvbench.hf.cache.decode_info`).
+
+    Raises ``ValueError`` for a ``path`` or ``protocol`` not allowed."""
     from kvbench.hf.cache import cache_kwarg
+    from kvbench.hf.peers import cache_nbytes
 
     attend, why = decode_route(method, model, path)
-    cache = make_hf_cache(method, model, attend=attend)
+    cache = make_hf_cache(method, model, attend=attend, protocol=protocol)
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     t = ids.shape[1]
+    states: list[ScoredState] = []
+
+    def stored(positions: int) -> None:
+        states.append(
+            ScoredState(positions, cache_nbytes(cache), _elements(model, cache, ids.shape[0]))
+        )
+
+    shared = prompt is not None and isinstance(cache, QuantizedKVCache)
     with kvbench_attention(model):
-        if prompt is not None and isinstance(cache, QuantizedKVCache):
+        if shared and prefill_attention(method) == "full":
             cache.prefill_from(prompt.captured)
             logits = [prompt.last_logits[:, None].to(dev)]
         else:
             out = model(input_ids=ids[:, :prefill], use_cache=True, **kw)
             logits = [out.logits[:, -1:].float()]
+        stored(1)
         for s in range(prefill, t - 1, chunk):
             e = min(s + chunk, t - 1)
             out = model(input_ids=ids[:, s:e], use_cache=True, **kw)
             logits.append(out.logits.float())
+            stored(e - s)
     lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
-    from kvbench.hf.peers import cache_nbytes
-
     if info is not None:
         info.update(decode_info([cache], cache.attend if hasattr(cache, "attend") else attend, why))
-    return lp, cache_nbytes(cache)
+    return lp, states
 
 
 class Perplexity(Workload):
@@ -112,6 +226,8 @@ class Perplexity(Workload):
         "next_token_kl": LOWER,
         "top1_agreement": HIGHER,
         **STORAGE_METRICS,
+        # the mean over scored positions of the cache each attended to (module docstring)
+        "effective_*bits_mean_scored": LOWER,
     }
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
     #: per window, the prompt's K/V and last logits (``prepare``); ``None``: each run prefills
@@ -123,6 +239,7 @@ class Perplexity(Workload):
         "chunk": 64,
         "windows": 2,
         "path": "attend",
+        "protocol": DEFAULT_PROTOCOL,
     }
     FIELDS = {
         "tokens": Field(int, low=2),
@@ -130,6 +247,7 @@ class Perplexity(Workload):
         "chunk": Field(int, low=1),
         "windows": Field(int, low=1),
         "path": Field(str, choices=DECODE_PATHS),
+        "protocol": PROTOCOL_FIELD,
     }
 
     @classmethod
@@ -141,10 +259,8 @@ class Perplexity(Workload):
         from kvbench.cache.registry import get_method
         from kvbench.data.loaders import load_text, token_windows
 
-        key = (
-            "perplexity",
-            *(self.spec[k] for k in ("text", "tokens", "prefill", "chunk", "windows", "path")),
-        )
+        names = ("text", "tokens", "prefill", "chunk", "windows", "path", "protocol")
+        key = ("perplexity", *(self.spec[k] for k in names))
         if key in ctx.shared.references:
             got = ctx.shared.references[key]
             self.windows, self.prompts, self.ref, self.info = (
@@ -169,8 +285,9 @@ class Perplexity(Workload):
         # the prompt's K/V and last logits, shared by every method's prefill (module docstring)
         self.prompts = [capture_prompt(ctx.model, w[None, :p]) for w in self.windows]
         # float32 reference log-probs (T-P x vocab per window): `full` must score exactly 0 KL
+        proto = self.spec["protocol"]
         self.ref = [
-            chunked_logits(ctx.model, w[None], full, p, c, route, prompt)[0]
+            chunked_logits(ctx.model, w[None], full, p, c, route, prompt, protocol=proto)[0]
             for w, prompt in zip(self.windows, self.prompts)
         ]
         self.info = {"dataset": tinfo, "windows": winfo}
@@ -179,14 +296,15 @@ class Perplexity(Workload):
     def run(self, ctx: RunContext, method: Method) -> Result:
         p = self.spec["prefill"]
         nll, nll_ref, kls, agree, tokens = [], [], [], [], []
-        nbytes: dict[str, int] = {}
+        storage: list[dict[str, float]] = []
         decode: dict[str, Any] = {}
         prompts = self.prompts or [None] * len(self.windows)
         for w, ref, prompt in zip(self.windows, self.ref, prompts):
-            lp, nbytes = chunked_logits(
+            lp, states = chunked_logits(
                 ctx.model, w[None], method, p, self.spec["chunk"], self.spec["path"], prompt,
-                info=decode,
+                info=decode, protocol=self.spec["protocol"],
             )  # fmt: skip
+            storage.append(storage_metrics(states))
             ref = ref.float()
             target = w[p:].to(lp.device)
             nll.append(-lp.gather(1, target[:, None]).mean().item())
@@ -212,13 +330,26 @@ class Perplexity(Workload):
             ("top1_agreement", lambda m: m[:, 1]),
         ):
             add_block_ci(metrics, name, tokens, block, seed=ctx.seed, stat=stat)
-        if nbytes:
-            metrics["bytes_total"] = nbytes["total"]
+        for k in storage[0]:  # the mean over windows (equal lengths: usually equal values)
+            metrics[k] = sum(m[k] for m in storage) / len(storage)
         bits = method.average_bits(head_dim=ctx.model_info.get("head_dim", 128))
         metrics["nominal_key_bits"] = bits["key_bits"]
         metrics["nominal_value_bits"] = bits["value_bits"]
-        per = {"window_nll": nll, "window_nll_ref": nll_ref, "window_kl": kls, "window_top1": agree}
+        per = {
+            "window_nll": nll,
+            "window_nll_ref": nll_ref,
+            "window_kl": kls,
+            "window_top1": agree,
+            "window_bytes_total": [m["bytes_total"] for m in storage],
+            "window_bytes_total_mean_scored": [m["bytes_total_mean_scored"] for m in storage],
+        }
         info = {**self.info, "intervals": rule}
+        info["storage"] = {
+            "dtype": str(getattr(ctx.model, "dtype", "unknown")).removeprefix("torch."),
+            "measured": "bytes_* / effective_*: the cache after the last chunk's write (what the "
+            "last scored token attended to), all layers; *_mean_scored: mean over scored "
+            "positions of the cache each attended to; mean over windows",
+        }
         if decode:
             info["decode_attention"] = decode
         return Result(metrics, per, info)

@@ -5,16 +5,21 @@ does that).  Tokenization, chat templates, stop sequences, request ordering and 
 are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
 
 * ``generate_until`` -> :meth:`KVBenchLM._model_generate`: ``model.generate`` with a fresh
-  cache of the method per call.  The prompt is prefilled (full-precision attention,
-  ``docs/docs/design.md`` "When quantization happens"); every generated token decodes through the
-  method's cache.
+  cache of the method per call.  The prompt is prefilled (its attention as the method's
+  ``prefill_attention`` says: full precision by default, or the stored cache; docs/design.md
+  "When quantization happens"); every generated token decodes through the method's cache
+  under ``protocol`` (default ``write-then-attend``: the token is stored, a flush included,
+  before it attends).
 * ``loglikelihood`` and ``loglikelihood_rolling`` -> :meth:`KVBenchLM._loglikelihood_tokens`:
   one forward pass over context + continuation reads no cache, so quantization would change
   nothing.  Instead, per request, the context *without its last token* is prefilled into a fresh
   cache, then the last context token and the continuation tokens but the last are fed ``chunk``
   tokens at a time (default 1: exact decode), each step attending to the cache's quantized past
-  (as the ``perplexity`` workload does).  Every scored position therefore reads the quantized
-  context once the context is longer than the method's full-precision residual.
+  under ``protocol`` (as the ``perplexity`` workload does: with ``write-then-attend`` a chunk
+  reads its own tokens as stored, so every ``chunk`` gives exact decode's numbers for a method
+  whose stored form of a token does not depend on later tokens).  Every scored position
+  therefore reads the quantized context once the context is longer than the method's
+  full-precision residual.
 * batches: one request at a time (``batch_size=1``); larger batches are refused with what to
   use instead (:data:`BATCH_REFUSAL`).
 
@@ -23,7 +28,8 @@ folder, ``default`` = HuggingFaceTB/SmolLM2-135M-Instruct, or a loaded model wit
 ``tokenizer=``), ``method`` (a registered kvbench method name or a ``Method`` instance),
 ``method_config`` (a YAML file: a mapping of config fields, optionally ``method:`` and
 ``calibration: {text, tokens}``), any config field of the method (``bits=2,value_bits=2``),
-``chunk``, ``dtype`` (float32), ``device`` (cuda if available, else cpu),
+``chunk``, ``protocol`` (``write-then-attend`` | ``in-chunk-full``), ``dtype`` (float32),
+``device`` (cuda if available, else cpu),
 ``min_quantized_fraction`` (warn below it), and ``HFLM``'s own arguments (``max_length``,
 ``add_bos_token``, ...).  An unknown name is a ``ValueError`` naming
 it, the method's config fields and the backend's arguments.
@@ -52,7 +58,13 @@ from tqdm import tqdm
 from kvbench.cache.method import Method
 from kvbench.cache.registry import get_method, get_method_class
 from kvbench.hf.attention import register, use_kvbench_attention
-from kvbench.hf.cache import cache_kwarg, make_hf_cache
+from kvbench.hf.cache import (
+    DEFAULT_PROTOCOL,
+    PEER_PROTOCOL,
+    PROTOCOL_FIELD,
+    cache_kwarg,
+    make_hf_cache,
+)
 from kvbench.hf.info import model_info
 from kvbench.hf.models import DEFAULT_MODEL, load_model
 from kvbench.integrations.lm_eval.coverage import (
@@ -71,6 +83,7 @@ OWN_ARGS = (
     "method",
     "method_config",
     "chunk",
+    "protocol",
     "dtype",
     "device",
     "tokenizer",
@@ -200,6 +213,8 @@ class KVBenchLM(HFLM):
     method_config : YAML file (or mapping) of config fields, plus optional ``method`` and
         ``calibration: {text, tokens}``; keyword fields override it.
     chunk : tokens fed per step while scoring log-likelihoods (1 = exact decode).
+    protocol : decode protocol of the method's cache (:data:`kvbench.hf.cache.PROTOCOLS`;
+        default ``write-then-attend``); a peer runs its own cache's ``update``.
     dtype, device : model dtype (default float32) and device (default cuda when available).
     min_quantized_fraction : warn (:class:`LowQuantizedFractionWarning`, once) when a task's
         ``kv_quantized_fraction`` ends below it (default 0.5; 0 = never).  Not for methods that
@@ -211,7 +226,8 @@ class KVBenchLM(HFLM):
     ------
     ValueError
         Unknown method, config field or argument (each named with the allowed values);
-        ``batch_size`` other than 1; ``chunk`` < 1; ``min_quantized_fraction`` outside [0, 1].
+        ``batch_size`` other than 1; ``chunk`` < 1; ``min_quantized_fraction`` outside [0, 1];
+        ``protocol`` not in :data:`kvbench.hf.cache.PROTOCOLS`.
     """
 
     def __init__(
@@ -220,6 +236,7 @@ class KVBenchLM(HFLM):
         method: str | Method = "full",
         method_config: str | dict[str, Any] | None = None,
         chunk: int = 1,
+        protocol: str = DEFAULT_PROTOCOL,
         dtype: str = "float32",
         device: str | None = None,
         batch_size: int | str = 1,
@@ -231,6 +248,8 @@ class KVBenchLM(HFLM):
             raise ValueError(BATCH_REFUSAL.format(batch_size))
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
+        PROTOCOL_FIELD.check(protocol, "protocol", "kvbench backend")
+        self.protocol = protocol
         mqf = min_quantized_fraction
         if isinstance(mqf, bool) or not isinstance(mqf, (int, float)) or not 0 <= mqf <= 1:
             raise ValueError(f"min_quantized_fraction={mqf!r} must be a number in [0, 1]")
@@ -341,9 +360,18 @@ class KVBenchLM(HFLM):
             self._current["reads"].append((quantized, past))
 
     # ------------------------------------------------------------------ the cache protocol
+    @property
+    def cache_protocol(self) -> str:
+        """The decode protocol the method's caches run: :attr:`protocol`, or
+        :data:`kvbench.hf.cache.PEER_PROTOCOL` for a peer (its transformers cache's own
+        ``update``)."""
+        if self.method.transformers_cache(self.model) is None:
+            return self.protocol
+        return PEER_PROTOCOL
+
     def new_cache(self) -> Any:
         """A fresh transformers cache of the method for this model (one per request)."""
-        return make_hf_cache(self.method, self.model)
+        return make_hf_cache(self.method, self.model, protocol=self.protocol)
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **kw: Any):
         """``HFLM._model_generate`` with a fresh method cache passed to ``generate``."""
@@ -453,6 +481,7 @@ class KVBenchLM(HFLM):
             "kvbench_method": self.method.name,
             "kvbench_config": self.method.config.to_dict(),
             "kvbench_chunk": self.chunk,
+            "kvbench_protocol": self.cache_protocol,
             **self.coverage(),
         }
 

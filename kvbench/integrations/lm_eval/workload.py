@@ -20,7 +20,10 @@ entries) goes to ``<run_id>.samples.jsonl`` beside the record.
 
 Parameters: ``tasks`` (list of lm-eval task or group names; required), ``num_fewshot`` (null =
 the task's), ``limit`` (examples per task; ``--limit`` caps it), ``chunk`` (tokens per step
-when scoring log-likelihoods; 1 = exact decode), ``include_path`` (extra task folders),
+when scoring log-likelihoods; 1 = exact decode), ``protocol`` (``write-then-attend``, default,
+or ``in-chunk-full``: docs/design.md#protocols; recorded, with the method's
+``prefill_attention``, in the manifest's ``protocol`` text), ``include_path`` (extra task
+folders),
 ``gen_kwargs`` (mapping that overrides the tasks' generation settings, e.g. ``{max_gen_toks:
 64}``), ``apply_chat_template``, ``fewshot_as_multiturn``, ``system_instruction``,
 ``bootstrap_iters`` (lm-eval's, for stderr of non-mean aggregations).
@@ -35,6 +38,7 @@ from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
 from kvbench.cache.method import Method
 from kvbench.fields import Field
+from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD
 
 
 def _number(v: Any) -> float | None:
@@ -63,6 +67,7 @@ class LMEval(Workload):
         "num_fewshot": None,
         "limit": None,
         "chunk": 1,
+        "protocol": DEFAULT_PROTOCOL,
         "include_path": None,
         "gen_kwargs": None,
         "apply_chat_template": False,
@@ -76,6 +81,7 @@ class LMEval(Workload):
         "num_fewshot": Field(int, low=0, optional=True),
         "limit": Field(int, low=0, optional=True),
         "chunk": Field(int, low=1),
+        "protocol": PROTOCOL_FIELD,
         "include_path": Field(
             str, shape="one-or-list", min_items=0, optional=True, text="a folder or a list"
         ),
@@ -131,7 +137,11 @@ class LMEval(Workload):
         from kvbench.integrations.lm_eval.tasks import LOADED, hub_guard
 
         lm = KVBenchLM(
-            pretrained=ctx.model, tokenizer=ctx.tokenizer, method=method, chunk=self.spec["chunk"]
+            pretrained=ctx.model,
+            tokenizer=ctx.tokenizer,
+            method=method,
+            chunk=self.spec["chunk"],
+            protocol=self.spec["protocol"],
         )
         s = self.spec
         with hub_guard():
@@ -205,7 +215,8 @@ class LMEval(Workload):
                 "kvbench lm-eval backend: batch 1, fresh cache per request; generate_until "
                 "prefills the prompt and decodes every token through the cache; loglikelihood "
                 f"prefills the context but its last token, then feeds {s['chunk']} token(s) per "
-                "step through the cache"
+                f"step through the cache; decode protocol {lm.cache_protocol}"
+                f", prefill_attention {getattr(method.config, 'prefill_attention', 'full')}"
             ),
             "samples_file": "samples.jsonl",
         }
