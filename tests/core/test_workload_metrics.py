@@ -592,7 +592,8 @@ def test_perplexity_one_window_has_block_intervals(monkeypatch, block_bootstrap_
     bootstrap over windows had none, equal to the numpy reference over those blocks."""
     t, prefill = 70, 4
     ref, lp = _logprobs(t - prefill, 7), _logprobs(t - prefill, 8)
-    monkeypatch.setattr(ppl_mod, "chunked_logits", lambda *a, info=None: (lp, {}))
+    state = [ScoredState(t - prefill, {"key_total": 1, "value_total": 1}, 1)]
+    monkeypatch.setattr(ppl_mod, "chunked_logits", lambda *a, info=None, protocol=None: (lp, state))
     wl = Perplexity(Perplexity.validate({"type": "perplexity", "tokens": t, "prefill": prefill,
                                          "windows": 1}))  # fmt: skip
     wl.windows, wl.ref, wl.info = [torch.arange(t) % V], [ref], {}
