@@ -87,7 +87,7 @@ def gate_failures(base: dict[str, dict], new: dict[str, dict], tol: dict) -> lis
     passes)."""
     bad = []
     for run_id, rec in sorted(base.items(), key=lambda kv: kv[1]["method"]):
-        name = rec["method"]
+        name = run_name(rec)
         if run_id not in new:
             bad.append(f"{name}: no fresh record for run {run_id}")
             continue
@@ -100,6 +100,13 @@ def gate_failures(base: dict[str, dict], new: dict[str, dict], tol: dict) -> lis
             if not abs(v - b) <= t:
                 bad.append(f"{name}: {metric} {v:.6g} vs baseline {b:.6g} (|diff| > {t:.3g})")
     return bad
+
+
+def run_name(rec: dict) -> str:
+    """``kivi`` or ``kivi (write-then-attend)``: the method and, where the record has one, its
+    workload's protocol (the gate runs each method under two)."""
+    protocol = rec.get("workload", {}).get("protocol")
+    return f"{rec['method']} ({protocol})" if protocol else rec["method"]
 
 
 def environment(threads: int, capability: str | None, attention: str | None) -> dict[str, str]:
@@ -126,7 +133,7 @@ def summarize(runs: dict[str, dict[str, dict]], ref: str) -> dict:
     out["load_average"] = list(os.getloadavg())
     out["runs"] = {}
     for run_id, rec in sorted(runs[ref].items(), key=lambda kv: kv[1]["method"]):
-        entry: dict = {"method": rec["method"]}
+        entry: dict = {"method": rec["method"], "protocol": rec["workload"]["protocol"]}
         for metric, (fr, fa) in GATED.items():
             vals = {lab: runs[lab][run_id]["metrics"][metric] for lab in runs}
             base = rec["metrics"][metric]
@@ -144,15 +151,17 @@ def summarize(runs: dict[str, dict[str, dict]], ref: str) -> dict:
 def table(summary: dict) -> str:
     """Markdown: each method's next-token KL per configuration, its spread and tolerance."""
     labs = summary["configs"]
-    lines = ["| method | " + " | ".join(labs) + " | relative spread | tolerance |"]
-    lines.append("|---" * (len(labs) + 3) + "|")
-    for e in sorted(summary["runs"].values(), key=lambda e: e["method"]):
+    lines = ["| method | protocol | " + " | ".join(labs) + " | relative spread | tolerance |"]
+    lines.append("|---" * (len(labs) + 4) + "|")
+    for e in sorted(summary["runs"].values(), key=lambda e: (e["protocol"], e["method"])):
         kl = e["next_token_kl"]
         rs = kl["relative_spread"]
         cells = [f"{kl['values'][lab]:.6g}" for lab in labs]
         rs_txt = f"{rs:.3%}" if rs is not None else "-"
         lines.append(
-            f"| `{e['method']}` | " + " | ".join(cells) + f" | {rs_txt} | {kl['tolerance']:.3g} |"
+            f"| `{e['method']}` | {e['protocol']} | "
+            + " | ".join(cells)
+            + f" | {rs_txt} | {kl['tolerance']:.3g} |"
         )
     return "\n".join(lines)
 

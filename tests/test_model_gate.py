@@ -1,9 +1,11 @@
 """Model-quality regression gate: ``suites/ci_gate_model.yaml`` (every built-in method of
 ``suites/ci_gate.yaml`` at the same operating point, on the real default model, one 320-token
-WikiText-2 window) against the committed ``tests/baseline_model/``.
+WikiText-2 window, under the in-chunk-full and the write-then-attend protocols) against the
+committed ``tests/baseline_model/``.
 
-Gated per method: ``next_token_kl`` and ``bytes_total`` within the tolerance derived from the
-spread measured across 1/2 threads and ``ATEN_CPU_CAPABILITY=default``/native
+Gated per method and protocol: ``next_token_kl`` and ``bytes_total`` within the tolerance
+derived from the spread measured across 1/2 threads, ``ATEN_CPU_CAPABILITY=default``/avx2/native
+and the eager/native C attention kernels
 (``tests/baseline_model_tolerance.json``; the rule is in ``tests/model_gate_baseline.py`` and
 docs/mutation.md#model-quality-gate).  ``make baseline-model`` regenerates both files; the
 non-slow tests here fail while they are stale relative to the suite.
@@ -28,6 +30,7 @@ from model_gate_baseline import (
     gate_failures,
     label,
     records,
+    run_name,
     tolerance,
 )
 
@@ -75,6 +78,7 @@ def test_model_baseline_is_not_stale() -> None:
     for run_id, rec in have.items():
         entry = tol["runs"][run_id]
         assert entry["method"] == rec["method"] == want[run_id]
+        assert entry["protocol"] == rec["workload"]["protocol"]
         for metric in GATED:
             # the baseline is the suite's own configuration among the measured ones
             assert entry[metric]["values"][tol["baseline_config"]] == rec["metrics"][metric]
@@ -87,10 +91,17 @@ def test_model_baseline_is_not_stale() -> None:
     assert tol["baseline_config"] == label(*CONFIGS[-1]) in tol["configs"]
 
 
+#: the KL regression each protocol's band must see: under in-chunk-full the band stays under a
+#: fifth of the KL (a 20% growth is seen); under write-then-attend, where round-off that flips
+#: one quantization level changes what every later layer stores, under the KL itself (a doubling
+#: is seen, such as a chunk that attends before it is stored: 10-100x for q4_0, issue #39)
+DETECTED = {"in-chunk-full": 0.2, "write-then-attend": 1.0}
+
+
 def test_tolerances_follow_the_rule() -> None:
     """Every committed tolerance equals max(SAFETY * spread, floors) of its own measured values
-    (nobody widened one by hand), and for every quantizing method the band stays under a fifth
-    of its KL: the gate still sees a method whose KL grows by 20%."""
+    (nobody widened one by hand), and for every quantizing method the band stays under the
+    fraction of its KL that its protocol's gate must see (:data:`DETECTED`)."""
     tol = json.loads(TOLERANCE.read_text())
     assert tol["safety"] == SAFETY
     for entry in tol["runs"].values():
@@ -103,7 +114,9 @@ def test_tolerances_follow_the_rule() -> None:
             assert e["tolerance"] == max(SAFETY * e["spread"], fr * abs(base), fa)
         if entry["method"] not in ("full", "hf-dynamic"):
             kl = entry["next_token_kl"]
-            assert kl["values"][tol["baseline_config"]] > 5 * kl["tolerance"] > 0, entry
+            seen = DETECTED[entry["protocol"]]
+            assert seen * kl["values"][tol["baseline_config"]] > kl["tolerance"] > 0, entry
+    assert {e["protocol"] for e in tol["runs"].values()} == set(DETECTED)
 
 
 def _rec(run_id: str, method: str, kl: float, nbytes: int) -> dict:
@@ -138,6 +151,12 @@ def test_gate_failures_by_hand() -> None:
     assert gate_failures(base, nan, tol)[0].startswith("kivi: next_token_kl nan")
     del tol["runs"]["b"]
     assert "no tolerance" in gate_failures(base, ok, tol)[0]
+    wta = dict(base["a"], workload={"protocol": "write-then-attend"})
+    assert run_name(wta) == "kivi (write-then-attend)" and run_name(base["a"]) == "kivi"
+    late = dict(bad["a"], workload=wta["workload"])
+    assert gate_failures({"a": wta}, {"a": late}, tol)[0].startswith(
+        "kivi (write-then-attend): next_token_kl"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +189,14 @@ def test_model_gate_passes_on_rerun(fresh: dict[str, dict]) -> None:
 @pytest.mark.data
 def test_model_gate_fails_on_injected_regression(fresh: dict[str, dict]) -> None:
     """KIVI's KL raised by twice its tolerance, in a copy of the fresh records, fails the gate
-    naming kivi; the same change by half its tolerance passes."""
+    naming kivi and the protocol; the same change by half its tolerance passes."""
     tol = json.loads(TOLERANCE.read_text())
     base = records(BASELINE)
-    run_id = next(r for r, rec in base.items() if rec["method"] == "kivi")
+    run_id = next(
+        r
+        for r, rec in base.items()
+        if rec["method"] == "kivi" and rec["workload"]["protocol"] == "write-then-attend"
+    )
     t = tol["runs"][run_id]["next_token_kl"]["tolerance"]
     for factor, fails in ((2.0, True), (0.5, False)):
         new = json.loads(json.dumps(fresh))
@@ -183,4 +206,5 @@ def test_model_gate_fails_on_injected_regression(fresh: dict[str, dict]) -> None
         out = gate_failures(base, new, tol)
         assert bool(out) == fails, out
         if fails:
-            assert out == [out[0]] and out[0].startswith("kivi: next_token_kl")
+            assert out == [out[0]]
+            assert out[0].startswith("kivi (write-then-attend): next_token_kl"), out
