@@ -29,20 +29,91 @@ Configurable choices the paper leaves open (all [RECON]):
 Nominal key bits (docs/methods.md#average-bits): ``(radius_bits + angle_bits) / 2 + 32 / G`` with fp16 scales, as
 each pair's 2G elements per group carry two fp16 (scale, zero) pairs: 2 + 0.25 = 2.25 at the
 defaults.
+
+The stored key block, :class:`PolarBlock` (each RoPE pair as a quantized radius and angle), is
+defined here; ``kvbench.kernels.cpu.polar`` reads it in the code domain.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvbench import fields as kf
-from kvbench.cache.blocks import Codec, PerChannelCodec
+from kvbench.cache.blocks import AffineBlock, Codec, PerChannelCodec
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Projection, dtype_name
 from kvbench.cache.method import CacheConfig, Capabilities, Method
-from kvbench.cache.polar import PAIRINGS, PolarBlock, check_pairing, split_pairs
+
+PAIRINGS = ("rotate_half", "interleaved")
+
+
+def check_pairing(head_dim: int, pairing: str) -> None:
+    """Raise ``ValueError`` unless ``head_dim`` is even and ``pairing`` is in :data:`PAIRINGS`."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing={pairing!r} is not supported; allowed: {list(PAIRINGS)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even to form RoPE pairs")
+
+
+def split_pairs(x: torch.Tensor, pairing: str = "rotate_half") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., D]`` -> the two members of every RoPE pair, each ``[..., D/2]``.
+
+    ``rotate_half``: ``(x[..., :D/2], x[..., D/2:])``; ``interleaved``: ``(x[..., 0::2],
+    x[..., 1::2])``.  Raises ``ValueError`` for odd D or an unknown pairing.
+    """
+    d = x.shape[-1]
+    check_pairing(d, pairing)
+    if pairing == "rotate_half":
+        return x[..., : d // 2], x[..., d // 2 :]
+    return x[..., 0::2], x[..., 1::2]
+
+
+def merge_pairs(a: torch.Tensor, b: torch.Tensor, pairing: str = "rotate_half") -> torch.Tensor:
+    """Inverse of :func:`split_pairs`: two ``[..., D/2]`` tensors -> ``[..., D]``."""
+    if pairing == "rotate_half":
+        return torch.cat([a, b], dim=-1)
+    return torch.stack([a, b], dim=-1).flatten(-2)
+
+
+@dataclass
+class PolarBlock:
+    """Quantized (r, θ) of a run of tokens: two per-channel :class:`AffineBlock`\\ s over the
+    ``D/2`` RoPE pairs.
+
+    ``radius`` / ``angle``: codes uint8 ``[B, H_kv, n, ceil(D/2 * bits / 8)]``, scale and zero
+    ``[B, H_kv, n / G, D/2]`` in the scale dtype.  Nothing else is stored.
+    """
+
+    radius: AffineBlock
+    angle: AffineBlock
+    pairing: str = "rotate_half"
+
+    @property
+    def ntokens(self) -> int:
+        return self.radius.ntokens
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Keys ``[B, H_kv, n, D]`` in ``dtype``: ``x = r cos θ``, ``y = r sin θ`` (float32 math)."""
+        r = self.radius.dequantize(torch.float32)
+        t = self.angle.dequantize(torch.float32)
+        return merge_pairs(r * torch.cos(t), r * torch.sin(t), self.pairing).to(dtype)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.radius.tensors() + self.angle.tensors()
+
+    def cat(self, other: PolarBlock) -> PolarBlock:
+        return replace(
+            self, radius=self.radius.cat(other.radius), angle=self.angle.cat(other.angle)
+        )
+
+    def crop(self, n: int) -> PolarBlock:
+        return replace(self, radius=self.radius.crop(n), angle=self.angle.crop(n))
+
+    def index_batch(self, idx: torch.Tensor) -> PolarBlock:
+        return replace(self, radius=self.radius.index_batch(idx), angle=self.angle.index_batch(idx))
+
 
 ANGLE_WRAPS = ("minmax", "circular")
 CODE_BITS = tuple(range(1, 9))

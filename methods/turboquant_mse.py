@@ -21,12 +21,15 @@ and counted as metadata.  The rotation of layer ``l`` is seeded with ``seed + 2 
 finite norm that overflows ``norm_dtype`` raises ``ValueError``.  ``apply_to`` chooses the
 quantized sides; the other stays full precision.  Windows: ``residual_length`` R newest tokens
 in full precision (default 0, quantize on write) and ``num_sink_tokens``.
+
+The stored block, :class:`TurboBlock`, is defined here; ``kvbench.kernels.cpu.turbo`` reads it
+in the code domain.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -34,13 +37,69 @@ import torch
 from scipy import special
 
 from kvbench import fields as kf
+from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
 from kvbench.cache.layout import BlockLayout, Codebook, Codes, GroupTerms, Projection, dtype_name
 from kvbench.cache.method import Capabilities, Method, MethodConfig
-from kvbench.cache.quant import bucket_index, pack_bits, packed_size
+from kvbench.cache.quant import bucket_index, pack_bits, packed_size, unpack_bits
 from kvbench.cache.schedule import NeverSchedule, SlidingSchedule
-from kvbench.cache.turbo import TurboBlock
+
+
+@dataclass
+class TurboBlock:
+    """TurboQuant-MSE codes of a run of tokens.
+
+    Attributes
+    ----------
+    codes : uint8 ``[B, H_kv, n, ceil(D*bits/8)]``, packed codebook indices.
+    norms : ``[B, H_kv, n, 1]`` in ``norm_dtype``, the tokens' L2 norms.
+    rotation : ``[D, D]`` float32 ``Pi``; counted as metadata only if ``rotation_stored``.
+    centroids : ``[2^bits]`` float32 codebook (a constant of (bits, D); never counted).
+    """
+
+    codes: torch.Tensor
+    norms: torch.Tensor
+    rotation: torch.Tensor
+    centroids: torch.Tensor
+    bits: int
+    rotation_stored: bool = False
+
+    @property
+    def ntokens(self) -> int:
+        return self.codes.shape[2]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        d = self.rotation.shape[0]
+        idx = unpack_bits(self.codes, self.bits, d).long()
+        y = self.centroids.to(self.codes.device)[idx]  # [B, H, n, D]
+        return (y @ self.rotation.to(y.device) * self.norms.float()).to(dtype)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("codes", self.codes), ("scales", self.norms)]
+        return [*out, ("metadata", self.rotation)] if self.rotation_stored else out
+
+    def cat(self, other: TurboBlock) -> TurboBlock:
+        if other.bits != self.bits or not torch.equal(other.rotation, self.rotation):
+            raise ValueError("cannot concatenate TurboQuant blocks of different bits/rotation")
+        return replace(
+            self,
+            codes=torch.cat([self.codes, other.codes], dim=2),
+            norms=torch.cat([self.norms, other.norms], dim=2),
+        )
+
+    def crop(self, n: int) -> TurboBlock:
+        return replace(
+            self, codes=own_storage(self.codes[:, :, :n]), norms=own_storage(self.norms[:, :, :n])
+        )
+
+    def index_batch(self, idx: torch.Tensor) -> TurboBlock:
+        return replace(
+            self,
+            codes=self.codes.index_select(0, idx.to(self.codes.device)),
+            norms=self.norms.index_select(0, idx.to(self.norms.device)),
+        )
+
 
 APPLY_TO = ("keys", "values", "both")
 CODEBOOKS = ("exact", "gaussian")

@@ -316,10 +316,10 @@ def test_attend_needs_only_the_layer_module():
 
 
 def test_methods_import_no_attention_backend():
-    """A method declares its layout by building blocks of a core type; the code-domain kernels
-    of those blocks live in ``kvbench.kernels.cpu``.  A method may use the public reference
-    math (``kvbench.attention.reference``), nothing else of ``kvbench.attention`` and nothing
-    of ``kvbench.kernels``."""
+    """A method declares its layout by building blocks of a core type or of a type defined in
+    its own module; the code-domain kernels of those blocks live in ``kvbench.kernels.cpu``.
+    A method may use the public reference math (``kvbench.attention.reference``), nothing else
+    of ``kvbench.attention`` and nothing of ``kvbench.kernels``."""
     g = graph()
     bad = sorted(
         (n, i.target)

@@ -6,9 +6,10 @@ dequantizing the cache (registered as ``code-domain`` in the entry-point group
 Sinks and the full-precision residual are plain matmuls (cast to float32 chunk by chunk along
 T: :func:`dense_logits`, :func:`dense_output`); each quantized block goes through the
 :class:`BlockKernel` registered for its type and device (:func:`register_block_kernel`; the
-built-in kernels, one module each in this package, are the table :data:`_KERNELS` below); one
-float32 softmax over sinks + block + residual of the keys, split along the values' own
-partition (keys and values flush on different schedules).  Paths recorded:
+built-in kernels, one module each in this package, are the table :data:`_KERNELS` below and,
+for the block types defined in a method's module, :data:`_METHOD_KERNELS`, by name, loaded on
+first use); one float32 softmax over sinks + block + residual of the keys, split along the
+values' own partition (keys and values flush on different schedules).  Paths recorded:
 :data:`NATIVE_PATH`, :data:`EAGER_PATH`, ``cpu-native+eager`` when the blocks differed (the
 kinds: :mod:`kvbench.kernels.cpu.affine`).
 
@@ -19,6 +20,7 @@ and ``native``: native where a block supports it, else eager; ``eager``; ``refer
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 from collections.abc import Iterator
@@ -30,24 +32,8 @@ from kvbench.attention.backend import AttentionCache, common_reason
 from kvbench.attention.reference import length_mask
 from kvbench.cache.blocks import AffineBlock
 from kvbench.cache.chunks import token_chunks
-from kvbench.cache.fp8 import FP8Block
-from kvbench.cache.lut import LUTBlock
 from kvbench.cache.mixed_channel import MixedChannelBlock
-from kvbench.cache.mixed_tokens import MixedTokenBlock
-from kvbench.cache.polar import PolarBlock
-from kvbench.cache.qjl import QJLBlock
-from kvbench.cache.turbo import TurboBlock
-from kvbench.kernels.cpu import (
-    affine,
-    fp8,
-    lut,
-    mixed_channel,
-    mixed_tokens,
-    native,
-    polar,
-    qjl,
-    turbo,
-)
+from kvbench.kernels.cpu import affine, mixed_channel, native
 from kvbench.kernels.cpu.affine import _state
 
 ENV_MODE = "KVBENCH_CPU_ATTENTION"
@@ -121,19 +107,40 @@ class BlockKernel(Protocol):
     def value_output(self, block: object, p: torch.Tensor) -> torch.Tensor: ...
 
 
-#: (block type, device type) -> its kernel: the built-in block types here, one layout each; a
-#: plugin adds its own block type with :func:`register_block_kernel`
+#: (block type, device type) -> its kernel: the core's block types, one layout each, and the
+#: entries of :data:`_METHOD_KERNELS` resolved so far; a plugin adds its own block type with
+#: :func:`register_block_kernel`
 _KERNELS: dict[tuple[type, str], BlockKernel] = {
     (AffineBlock, "cpu"): affine.AffineBlockAttention(),
     (MixedChannelBlock, "cpu"): mixed_channel.MixedChannelAttention(),
-    (FP8Block, "cpu"): fp8.FP8Attention(),
-    (LUTBlock, "cpu"): lut.LUTAttention(),
-    (PolarBlock, "cpu"): polar.PolarAttention(),
-    (QJLBlock, "cpu"): qjl.QJLAttention(),
-    (QJLBlock, "cuda"): qjl.QJLAttention(),
-    (MixedTokenBlock, "cpu"): mixed_tokens.MixedTokenAttention(),
-    (TurboBlock, "cpu"): turbo.TurboAttention(),
 }
+
+#: (dotted name of a block type, device type) -> its kernel class, named relative to this
+#: package: the block types that each belong to one built-in method (defined in the method's
+#: module; their kernel modules import it).  Names, not imports, so that loading the backend
+#: loads no method: :func:`block_kernel` resolves an entry (imports the kernel, keeps it in
+#: :data:`_KERNELS`) when it first meets a block of that type, which exists only once its
+#: method is loaded
+_METHOD_KERNELS: dict[tuple[str, str], str] = {
+    ("kvbench.methods.fp8.FP8Block", "cpu"): ".fp8.FP8Attention",
+    ("kvbench.methods.kvquant.LUTBlock", "cpu"): ".lut.LUTAttention",
+    ("kvbench.methods.polarquant.PolarBlock", "cpu"): ".polar.PolarAttention",
+    ("kvbench.methods.qjl.QJLBlock", "cpu"): ".qjl.QJLAttention",
+    ("kvbench.methods.qjl.QJLBlock", "cuda"): ".qjl.QJLAttention",
+    ("kvbench.methods.semkv.MixedTokenBlock", "cpu"): ".mixed_tokens.MixedTokenAttention",
+    ("kvbench.methods.turboquant_mse.TurboBlock", "cpu"): ".turbo.TurboAttention",
+}
+
+
+def _dotted(block_type: type) -> str:
+    """``module.QualifiedName`` of ``block_type`` (the key of :data:`_METHOD_KERNELS`)."""
+    return f"{block_type.__module__}.{block_type.__qualname__}"
+
+
+def _load(dotted: str) -> Any:
+    """The object named ``package.module.Name`` (``.module.Name``: a module of this package)."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module, __package__), name)
 
 
 def register_block_kernel(
@@ -151,13 +158,23 @@ def register_block_kernel(
 
 
 def block_kernel(block: object, device: str = "cpu") -> BlockKernel | None:
-    """The kernel registered for ``type(block)`` on ``device``, or ``None``."""
-    return _KERNELS.get((type(block), device))
+    """The kernel registered for ``type(block)`` on ``device``, or ``None``.
+
+    A type of :data:`_METHOD_KERNELS` not registered on ``device`` gets its built-in kernel,
+    imported and kept in :data:`_KERNELS` on first use."""
+    block_type = type(block)
+    kernel = _KERNELS.get((block_type, device))
+    if kernel is None and (name := _METHOD_KERNELS.get((_dotted(block_type), device))):
+        if _load(_dotted(block_type)) is block_type:  # the method's own type, not a namesake
+            kernel = _KERNELS.setdefault((block_type, device), _load(name)())
+    return kernel
 
 
 def kernel_devices(block_type: type) -> list[str]:
-    """The device types with a kernel registered for ``block_type``, sorted."""
-    return sorted(dev for (t, dev) in _KERNELS if t is block_type)
+    """The device types with a kernel registered for ``block_type`` (or a built-in one in
+    :data:`_METHOD_KERNELS`), sorted."""
+    devs = {dev for (t, dev) in _KERNELS if t is block_type}
+    return sorted(devs | {dev for (n, dev) in _METHOD_KERNELS if n == _dotted(block_type)})
 
 
 def code_domain_reason(

@@ -1,4 +1,4 @@
-"""Code-domain attention of :class:`kvbench.cache.fp8.FP8Block` (the ``fp8`` method's blocks):
+"""Code-domain attention of :class:`kvbench.methods.fp8.FP8Block` (the ``fp8`` method's blocks):
 a 256-entry table of the format's values read by the native or eager kernels.
 Registered in :mod:`kvbench.kernels.cpu.codedomain`.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.cache.fp8 import FORMATS, FP8Block, expand_groups
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
+from kvbench.methods.fp8 import FORMATS, FP8Block, expand_groups
 
 _LUTS: dict[tuple[str, str], torch.Tensor] = {}
 

@@ -1,4 +1,4 @@
-"""Code-domain keys of :class:`kvbench.cache.lut.LUTBlock` (``kvquant``'s blocks): dense
+"""Code-domain keys of :class:`kvbench.methods.kvquant.LUTBlock` (``kvquant``'s blocks): dense
 table lookups plus sparse outlier corrections, with the query turned instead of the keys for
 pre-RoPE codes.  Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.cache.lut import LUTBlock
 from kvbench.cache.quant import unpack_bits
 from kvbench.cache.rope import rope_angles, rope_pairs
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
+from kvbench.methods.kvquant import LUTBlock
 
 
 def _dense_eager(block: LUTBlock, qk: torch.Tensor, lut: torch.Tensor, rot) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Code-domain keys and values of :class:`kvbench.cache.mixed_tokens.MixedTokenBlock` (``semkv``'s
+"""Code-domain keys and values of :class:`kvbench.methods.semkv.MixedTokenBlock` (``semkv``'s
 two-width per-token codes): both planes through the core's per-token affine kernel, or one
 native call.  Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.blocks import AffineBlock
-from kvbench.cache.mixed_tokens import MixedTokenBlock
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import AffineBlockAttention, affine_terms, native_allowed, note_impl
 from kvbench.kernels.cpu.native import code_layout
+from kvbench.methods.semkv import MixedTokenBlock
 
 _AFFINE = AffineBlockAttention()
 

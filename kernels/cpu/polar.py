@@ -1,4 +1,4 @@
-"""Code-domain keys of :class:`kvbench.cache.polar.PolarBlock` (``polarquant``'s blocks): a
+"""Code-domain keys of :class:`kvbench.methods.polarquant.PolarBlock` (``polarquant``'s blocks): a
 per-page table of the query's projections on the angle levels, read at the angle codes.
 Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.cache.polar import PolarBlock, split_pairs
 from kvbench.cache.quant import unpack_bits
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import (
@@ -15,6 +14,7 @@ from kvbench.kernels.cpu.affine import (
     native_allowed,
     note_impl,
 )
+from kvbench.methods.polarquant import PolarBlock, split_pairs
 
 
 class PolarAttention:

@@ -1,4 +1,4 @@
-"""Code-domain keys of :class:`kvbench.cache.qjl.QJLBlock` (``qjl``'s sketched keys): the QJL
+"""Code-domain keys of :class:`kvbench.methods.qjl.QJLBlock` (``qjl``'s sketched keys): the QJL
 estimator on the native per-token kernel, else in torch.  Registered (CPU and CUDA) in
 :mod:`kvbench.kernels.cpu.codedomain`."""
 
@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from kvbench.cache.qjl import QJLBlock
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import native_allowed, note_impl
+from kvbench.methods.qjl import QJLBlock
 
 
 def native_scores(block: QJLBlock, q: torch.Tensor) -> torch.Tensor | None:

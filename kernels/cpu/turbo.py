@@ -1,4 +1,4 @@
-"""Code-domain attention of :class:`kvbench.cache.turbo.TurboBlock` (``turboquant-mse``'s
+"""Code-domain attention of :class:`kvbench.methods.turboquant_mse.TurboBlock` (``turboquant-mse``'s
 blocks): the query rotated once, a codebook lookup per code, one rotation of the output.
 Registered in :mod:`kvbench.kernels.cpu.codedomain`."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.quant import unpack_bits
-from kvbench.cache.turbo import TurboBlock
 from kvbench.kernels.cpu import native
 from kvbench.kernels.cpu.affine import EAGER_CHUNK_TOKENS, native_allowed, note_impl
 from kvbench.kernels.cpu.native import code_layout
+from kvbench.methods.turboquant_mse import TurboBlock
 
 
 class TurboAttention:

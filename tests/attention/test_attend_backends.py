@@ -20,11 +20,11 @@ from kvbench.attention import dispatch as registry
 from kvbench.cache.blocks import AffineBlock, PerChannelCodec
 from kvbench.cache.layer import LayerCache, Side
 from kvbench.cache.mixed_channel import MixedChannelBlock
-from kvbench.cache.qjl import QJLBlock
 from kvbench.cache.schedule import BlockSchedule
 from kvbench.kernels.cpu import codedomain as cpu
 from kvbench.kernels.cpu import native
 from kvbench.kernels.triton_backend import WholeCacheBackend
+from kvbench.methods.qjl import QJLBlock
 from kvbench.registry import Registry
 
 HQ, HKV, B = 4, 2, 2
@@ -218,8 +218,8 @@ def test_per_row_lengths(name, cfg):
 
 
 def test_fp8_table_equals_the_cast():
-    from kvbench.cache.fp8 import FORMATS
     from kvbench.kernels.cpu.fp8 import fp8_table
+    from kvbench.methods.fp8 import FORMATS
 
     for fmt, dt in FORMATS.items():
         bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -266,6 +266,19 @@ def test_a_layout_without_backend_takes_the_reference_path_and_says_why():
     close_rows(lc.attend(q), ref64(lc, q))
     assert lc.attend_path == registry.REFERENCE_PATH
     assert lc.attend_path_reason == "key block Opaque has no code-domain kernel"
+
+
+def test_each_method_block_type_resolves_to_its_named_kernel(monkeypatch):
+    """The kernels of the block types defined in a method's module are named, not imported
+    (loading the backend loads no method): every name resolves, to the block type and kernel
+    class it names (a misspelt one would send that method to the reference path)."""
+    monkeypatch.setattr(cpu, "_KERNELS", dict(cpu._KERNELS))
+    for (block_name, dev), kernel_name in cpu._METHOD_KERNELS.items():
+        block_type = cpu._load(block_name)
+        assert dev in cpu.kernel_devices(block_type)
+        kernel = cpu.block_kernel(object.__new__(block_type), dev)
+        assert type(kernel) is cpu._load(kernel_name), (block_name, dev)
+        assert cpu.block_kernel(object.__new__(block_type), dev) is kernel  # kept
 
 
 def test_a_plugin_block_type_with_its_registered_kernel(monkeypatch):
@@ -504,7 +517,7 @@ def test_semkv_scores_from_every_backend_and_records_the_path(monkeypatch):
     """SemKV's attention score reads each step's softmax through ``observe_attention``: the
     code-domain and the reference path give it the same statistics, both record their path,
     and a whole-cache backend (which cannot hand out probabilities) declines with the reason."""
-    from kvbench.cache.mixed_tokens import MixedTokenBlock
+    from kvbench.methods.semkv import MixedTokenBlock
 
     cfg = dict(SMALL, num_sink_tokens=2)
     fake = WholeCacheBackend("fake", "cpu", (MixedTokenBlock,), lambda lc, q, ln: None, None)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.cache.fp8 import FP8Block, fp8_decode
-from kvbench.methods.fp8 import FP8, FP8Codec, FP8Config, fp8_encode
+from kvbench.methods.fp8 import FP8, FP8Block, FP8Codec, FP8Config, fp8_decode, fp8_encode
 
 
 def _layer(**cfg):
