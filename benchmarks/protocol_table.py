@@ -36,7 +36,8 @@ def table(folder: Path) -> str:
         label = r.manifest.get("label") or r.method
         key = (r.workload["protocol"], r.workload["chunk"])
         rows.setdefault(label, {})[key] = r
-    cols = [(p, c) for p in protos for c in chunks]
+    # a (protocol, C) column only where some record has it
+    cols = [(p, c) for p in protos for c in chunks if any((p, c) in by for by in rows.values())]
     head = ["method"] + [f"KL {SHORT[p]} C={c}" for p, c in cols]
     head += [f"wta C={c} vs C=1" for c in chunks if c != 1]
     head += ["key bits", "value bits"]
