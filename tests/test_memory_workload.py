@@ -389,7 +389,7 @@ out = [faults_of_alloc()]
 with heap_reuse() as applied:
     for _ in range(3):  # the heap grows to hold the block (once or twice: see the test)
         faults_of_alloc()
-    out.append(max(faults_of_alloc() for _ in range(3)))
+    out.append(sorted(faults_of_alloc() for _ in range(5))[2])  # median of five
 print(applied, *out)
 """
 
@@ -400,9 +400,10 @@ def test_heap_reuse_serves_a_freed_large_block_without_new_page_faults() -> None
     first touch); inside, once the heap has grown to hold it, every later one reuses the freed
     heap pages (almost no faults).  The growth takes one allocation, in about a third of fresh
     processes two (a small allocation between free and malloc takes the freed block's start, so
-    the next block extends the heap once more); so the three allocations measured follow three
-    warm-up ones.  In a fresh process: a long-lived one's heap may hold trimmed (unbacked) free
-    chunks."""
+    the next block extends the heap once more); so the allocations measured follow three warm-up
+    ones, and the median of five is asserted (a full make test once saw one of them grow the heap
+    again, 16384 faults, which a single outlier may do; without reuse every one faults).  In a
+    fresh process: a long-lived one's heap may hold trimmed (unbacked) free chunks."""
     import subprocess
 
     got = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
