@@ -63,3 +63,19 @@ def test_model_free_workload_without_synthetic_kv_refuses_calibration(tmp_path) 
         wl.spec["source"] = "model"
         run = type("R", (), {"method": type("M", (), {"name": "kvquant"})()})()
         calibrate_model_free(RunContext(model_spec=None, seed=0), wl, None, {"tokens": 8}, run)
+
+
+def test_fidelity_layers_outside_the_model_are_refused_naming_the_field() -> None:
+    """``layers`` beyond the captured model's layers fails in ``prepare`` (before any method
+    runs) naming the field and the allowed indices; an empty list or a negative index is refused
+    when the spec is validated."""
+    from kvbench.bench.context import RunContext
+
+    wl = _wl("fidelity", num_layers=2, layers=[0, 5, 9])
+    with pytest.raises(ValueError, match=r"field 'layers': \[5, 9\] outside .* 0\.\.1 or 'all'"):
+        wl.prepare(RunContext(seed=0))
+    wl = _wl("fidelity", num_layers=2, layers=[1])
+    wl.prepare(RunContext(seed=0))  # the last layer is inside
+    for bad in ([], [-1]):
+        with pytest.raises(ValueError, match="layers"):
+            _wl("fidelity", num_layers=2, layers=bad)

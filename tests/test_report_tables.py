@@ -132,6 +132,30 @@ def test_report_text_on_stdout_plot_paths_on_stderr(tmp_path, capsys) -> None:
     assert [t["workload"].split()[0] for t in data["tables"]] == ["fidelity", "generation"]
 
 
+def test_report_reads_an_export_and_names_the_figures_it_cannot_draw(tmp_path, capsys) -> None:
+    """``kvbench report docs/results/default.json`` (the committed export, as a reader first
+    tries it) prints the headline of its records, and every figure :func:`figures` cannot draw
+    is named on stderr, as ``kvbench plot`` names it."""
+    from pathlib import Path
+
+    from kvbench.report.export import load_export
+    from kvbench.report.plots import figures, load
+
+    export = Path(__file__).resolve().parents[1] / "docs" / "results" / "default.json"
+    args = Namespace(results=[str(export)], plots=str(tmp_path), no_plots=False, json=False)
+    assert report_main(args) == 0
+    out, err = capsys.readouterr()
+    n = len(load_export(export)["records"])
+    assert n > 0 and len(load([str(export)])) == n
+    assert "## Headline" in out and "| kivi K2V2 |" in out
+    want = [
+        f"not drawn: {name}: {why}"
+        for name, why in figures(load([str(export)]))
+        if isinstance(why, str)
+    ]
+    assert want and [ln for ln in err.splitlines() if ln.startswith("not drawn")] == want
+
+
 def test_compare_lists_only_moved_metrics_by_label(tmp_path, capsys) -> None:
     new = copy.deepcopy(RECORDS)
     new[0].metrics["attn_kl"] = 0.01 * (1 + 1e-7)  # float noise: not listed

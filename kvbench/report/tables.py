@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbench.bench.records import Record, canonical, load_records
+from kvbench.bench.records import Record, canonical
 from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
-from kvbench.report.plots import write_plots
+from kvbench.report.plots import load, write_plots
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ def summary_table(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="result folder(s) or record files")
+    p.add_argument("results", nargs="+", help="result folder(s), record files or export files")
     p.add_argument("--plots", default=None, help="folder for PNGs (default: the first folder)")
     p.add_argument(
         "--no-plots", action="store_true", help="print the tables only; write no PNG files"
@@ -256,7 +256,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    records = load_records(args.results)
+    records = load(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
     paths = []
@@ -265,9 +265,12 @@ def main(args: argparse.Namespace) -> int:
             args.plots
             or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
         )
-        paths = write_plots(records, folder)
+        skipped: list[str] = []
+        paths = write_plots(records, folder, skipped)
         for path in paths:
             print(f"wrote {path}", file=sys.stderr)
+        for line in skipped:
+            print(f"not drawn: {line}", file=sys.stderr)
     block = provenance_block(records, run_logs(args.results))
     if args.json:
         print(

@@ -227,7 +227,7 @@ def param_fields(cls: type[Workload]) -> dict[str, Field]:
 
 
 #: ``layers:`` of the workloads that capture K/V per layer
-LAYERS = Field(int, shape="list", min_items=0, extra=("all",))
+LAYERS = Field(int, shape="list", low=0, extra=("all",))
 #: ``source:`` of the workloads with :data:`KV_SOURCE_PARAMS`
 SOURCES = Field(str, choices=tuple(sorted(KV_SOURCE_PARAMS)))
 

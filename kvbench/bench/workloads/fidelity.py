@@ -162,6 +162,7 @@ class Fidelity(Workload):
 
         if self.spec["source"] == "synthetic":
             self.captured, self.info = self._synthetic(ctx.seed)
+            self._check_layers()
             return
         if ctx.model is None:
             raise ValueError("fidelity with source 'model' needs a model (the suite has none)")
@@ -170,6 +171,7 @@ class Fidelity(Workload):
         if key in ctx.shared.captures:
             got = ctx.shared.captures[key]
             self.captured, self.info = got.qkv, got.info
+            self._check_layers()
             return
         text, tinfo = load_text(self.spec["text"])
         w = self.spec["window"]
@@ -184,6 +186,24 @@ class Fidelity(Workload):
         self.captured = captured
         self.info = {"dataset": tinfo, "windows": winfo}
         ctx.shared.captures[key] = Capture(captured, self.info)
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """``layers`` names only layers the captured model has (before any method runs).
+
+        Raises
+        ------
+        ValueError
+            naming the field, the layers outside and the allowed range.
+        """
+        n = len(self.captured.keys)
+        layers = self.spec["layers"]
+        if layers != "all" and any(i >= n for i in layers):
+            outside = sorted({i for i in layers if i >= n})
+            raise ValueError(
+                f"fidelity: field 'layers': {outside} outside the model's layers; allowed: "
+                f"indices 0..{n - 1} or 'all'"
+            )
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         n = len(self.captured.keys)
