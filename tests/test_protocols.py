@@ -200,6 +200,18 @@ def test_storage_is_that_of_the_last_scored_state(monkeypatch, model, ids) -> No
     assert states[0][1] - states[-1][1] > 4 and abs(mean - states[-1][1]) > 1
 
 
+def test_quantized_key_fraction_is_that_of_the_last_scored_state(monkeypatch, model, ids) -> None:
+    """KIVI keys flush whole blocks of R: with R = G = 32 the 32-token prefill is quantized and
+    the residual flushes again at 64 tokens, so 64 of the 71 tokens held after the last chunk
+    are quantized in every layer; with KIVI's default R = G = 128 none is (the runner flags such
+    a run); a transformers peer's cache reports no fraction."""
+    wl, ctx = _perplexity(monkeypatch, model, ids)
+    kivi = get_method("kivi", bits=2, group_size=32, residual_length=32)
+    assert wl.run(ctx, kivi).metrics["quantized_key_fraction"] == pytest.approx(64 / 71, abs=0)
+    assert wl.run(ctx, get_method("kivi", bits=2)).metrics["quantized_key_fraction"] == 0.0
+    assert "quantized_key_fraction" not in wl.run(ctx, get_method("hf-dynamic")).metrics
+
+
 # ------------------------------------------------------------------ prefill attention
 def _hand_logits(model, ids: torch.Tensor, method) -> torch.Tensor:
     """Logits ``[P, V]`` of a float64 Llama forward over ``ids [1, P]`` written out here: each

@@ -118,11 +118,14 @@ class ScoredState:
     nbytes : bytes the cache held after the call's write
         (:func:`kvbench.hf.peers.cache_nbytes`: ``key_total``, ``value_total``, ``total``, ...).
     elements : K (= V) elements held then: layers x B x H_kv x tokens x D.
+    quantized_keys : key tokens held in quantized form over key tokens held, all layers
+        (``LayerCache.quantized_tokens``); ``None`` for a transformers cache (peers).
     """
 
     positions: int
     nbytes: dict[str, int]
     elements: int
+    quantized_keys: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """:data:`STATE_METRICS` of this state (bytes; bits = 8 x bytes / elements)."""
@@ -140,12 +143,24 @@ class ScoredState:
 def storage_metrics(states: list[ScoredState]) -> dict[str, float]:
     """:data:`STATE_METRICS` of the last state (what the last scored token attended to) and
     ``<name>_mean_scored``: their mean over scored positions (each call's state weighted by
-    the positions it predicted)."""
+    the positions it predicted); ``quantized_key_fraction`` of the last state where known
+    (the runner flags a run whose method quantized almost nothing: ``quantized_flag``)."""
     last = states[-1].metrics()
     n = sum(s.positions for s in states)
     each = [(s.positions, s.metrics()) for s in states]
     mean = {f"{k}_mean_scored": sum(w * m[k] for w, m in each) / n for k in STATE_METRICS}
-    return {**last, **mean}
+    frac = states[-1].quantized_keys
+    return {**last, **mean, **({} if frac is None else {"quantized_key_fraction": frac})}
+
+
+def quantized_key_fraction(cache: Any) -> float | None:
+    """Key tokens held quantized over key tokens held, summed over the layers of a kvbench
+    :class:`~kvbench.hf.cache.QuantizedKVCache`; ``None`` for any other cache."""
+    if not isinstance(cache, QuantizedKVCache):
+        return None
+    layers = [lc for lc in cache.layer_caches() if lc is not None]
+    held = sum(lc.seq_length for lc in layers)
+    return sum(lc.quantized_tokens()[0] for lc in layers) / held if held else 0.0
 
 
 def _elements(model: Any, cache: Any, batch: int) -> int:
@@ -193,9 +208,9 @@ def chunked_logits(
     states: list[ScoredState] = []
 
     def stored(positions: int) -> None:
-        states.append(
-            ScoredState(positions, cache_nbytes(cache), _elements(model, cache, ids.shape[0]))
-        )
+        elements = _elements(model, cache, ids.shape[0])
+        frac = quantized_key_fraction(cache)
+        states.append(ScoredState(positions, cache_nbytes(cache), elements, frac))
 
     shared = prompt is not None and isinstance(cache, QuantizedKVCache)
     with kvbench_attention(model):
@@ -228,6 +243,7 @@ class Perplexity(Workload):
         **STORAGE_METRICS,
         # the mean over scored positions of the cache each attended to (module docstring)
         "effective_*bits_mean_scored": LOWER,
+        "quantized_key_fraction": NONE,  # what the run covered, not a quality
     }
     layer_cache = False  # any transformers cache: peers run through their transformers_cache
     #: per window, the prompt's K/V and last logits (``prepare``); ``None``: each run prefills
