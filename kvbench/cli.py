@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 from pathlib import Path
 
@@ -103,7 +105,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="override a suite field by dotted path (seed=1, model.dtype=bfloat16)",
     )
     p.add_argument("--out", default=None, help="result folder (default results/<suite name>)")
-    p.add_argument("--limit", type=int, default=None, help="examples/windows per task subset")
+    p.add_argument(
+        "--limit", type=_positive(1), default=None, help="examples/windows per task subset (>= 1)"
+    )
     p.add_argument("--force", action="store_true", help="rerun runs whose record exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
@@ -380,20 +384,31 @@ def _interrupted(args: argparse.Namespace) -> str:
 USER_ERRORS = (ValueError, RuntimeError, OSError, LookupError)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a batch scheduler), handled as Ctrl-C is: the run log
+    says ``interrupted``, finished records stay, the exit status is 143 (128 + 15)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvbench.bench.manifest import cli_argv
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         with cli_argv(argv):  # records and run logs name this command line
             return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if args.debug:
             traceback.print_exc()
         print(f"\n{_interrupted(args)}", file=sys.stderr)
-        return 130
+        return 143 if isinstance(exc, Terminated) else 130
     except USER_ERRORS as exc:
         if args.debug:
             traceback.print_exc()
@@ -408,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 3
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

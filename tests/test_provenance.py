@@ -336,3 +336,26 @@ def test_report_and_export_start_with_the_provenance(
     assert cli_main(argv) == 0
     data = ex.load_export(export)
     assert data["runs"] == runs and data["records"][0]["created"] == T0
+
+
+def test_sigterm_closes_the_run_log_as_an_interrupt(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``kill`` / ``timeout`` send SIGTERM: the command stops as on Ctrl-C (the run log says
+    ``interrupted``, not ``running`` forever), exits 128 + 15, and the previous handler is back."""
+    import os
+    import signal
+
+    import kvbench.cli as cli
+
+    def killed(args) -> int:
+        with mf.run_log(tmp_path, "s.yaml"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**6):  # the handler runs at the next bytecode boundary
+                pass
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_list", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["list"]) == 143
+    assert "interrupted" in capsys.readouterr().err
+    assert [e["status"] for e in mf.read_run_log(tmp_path)] == ["interrupted"]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -177,8 +177,11 @@ def test_gate_directions_and_thresholds() -> None:
     assert g.regressed(1.0, 1.1) and not g.regressed(1.0, 1.04) and not g.regressed(1.0, 0.5)
     h = Gate.parse("top1_agreement:0.01")  # higher is better: a drop is a regression
     assert h.regressed(0.9, 0.88) and not h.regressed(0.9, 0.895) and not h.regressed(0.9, 1.0)
-    with pytest.raises(ValueError, match="no declared direction"):
+    with pytest.raises(ValueError, match="unknown metric 'made_up': no workload declares it"):
         Gate.parse("made_up:1")
+    # a typo names the metric it is close to (the workloads' own declarations)
+    with pytest.raises(ValueError, match="did you mean 'next_token_kl'"):
+        Gate.parse("next_token_k:5%")
     with pytest.raises(ValueError, match="METRIC:THRESHOLD"):
         Gate.parse("attn_kl")
 

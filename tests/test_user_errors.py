@@ -237,6 +237,25 @@ def test_bits_argument_ranges(capsys, args, words) -> None:
     assert rc == 2 and words in err, err
 
 
+@pytest.mark.parametrize("limit", ["0", "-3", "two"])
+def test_run_limit_is_refused_before_any_work(tmp_path, capsys, limit) -> None:
+    """``--limit`` below 1 (or not an integer) is an argparse error naming the option, before
+    the suite is read (no run log is written)."""
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "run",
+                str(_suite(tmp_path, MODEL_FREE)),
+                "--out",
+                str(tmp_path / "o"),
+                "--limit",
+                limit,
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--limit" in err and not (tmp_path / "o").exists(), err
+
+
 def test_version_and_clean_help(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--version"])

@@ -18,6 +18,7 @@ stderr (and ``provenance_differs`` into ``--json``); it never changes the exit s
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import sys
@@ -28,6 +29,16 @@ from kvbench.bench.records import Record, RecordError, load_records
 from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
 from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label
+
+
+def declared_names() -> list[str]:
+    """Every metric name the registered workloads declare literally (no ``*`` patterns)."""
+    from kvbench.bench.workloads import WORKLOADS, declared_metrics
+
+    for kind in WORKLOADS.names():
+        WORKLOADS.get(kind)
+    names = {m for c in WORKLOADS.loaded().values() for m in declared_metrics(c)}
+    return sorted(m for m in names if "*" not in m)
 
 
 @dataclass(frozen=True)
@@ -44,9 +55,11 @@ class Gate:
             raise ValueError(f"--fail-on expects METRIC:THRESHOLD (e.g. attn_kl:5%), got {text!r}")
         metric, thr = text.rsplit(":", 1)
         if direction(metric) is None:
+            close = difflib.get_close_matches(metric, declared_names(), n=3)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             raise ValueError(
-                f"--fail-on: metric {metric!r} has no declared direction; "
-                "each workload declares its metrics in its METRICS class attribute"
+                f"--fail-on: unknown metric {metric!r}: no workload declares it{hint} (each "
+                "workload declares its metrics in its METRICS class attribute)"
             )
         relative = thr.endswith("%")
         try:
