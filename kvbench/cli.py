@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import signal
 import sys
 import textwrap
@@ -91,7 +92,7 @@ def cmd_bits(args: argparse.Namespace) -> int:
             f"{args.method}: {report['key_bits']:.4f} bits/key element, "
             f"{report['value_bits']:.4f} bits/value element "
             f"(head_dim {args.head_dim}, {args.tokens} quantized tokens + "
-            f"{report['num_sink_tokens']} sinks; residual excluded; docs/methods.md)"
+            f"{report['num_sink_tokens']} sinks; residual excluded; docs/methods.md#average-bits)"
         )
     return 0
 
@@ -409,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"\n{_interrupted(args)}", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
+    except BrokenPipeError:  # `kvbench list | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except USER_ERRORS as exc:
         if args.debug:
             traceback.print_exc()

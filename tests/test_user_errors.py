@@ -297,3 +297,15 @@ def test_model_free_config_error_names_entry_and_workload(tmp_path, capsys) -> N
     }
     err = _error(capsys, "run", str(_suite(tmp_path, d)), "--out", str(tmp_path / "o"), "--quiet")
     assert "s.yaml: methods[0] (kivi) in workloads[0] (memory): value_group_size=48" in err
+
+
+def test_a_closed_pipe_is_not_an_error() -> None:
+    """``kvbench list | head -1``: the reader leaves early; kvbench prints no error."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvbench.cli", "list"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    proc.stdout.close()  # the reader is gone before kvbench writes its first line
+    err = proc.stderr.read().decode()
+    assert proc.wait() in (0, 141) and "Broken pipe" not in err and "error" not in err, err
