@@ -240,3 +240,15 @@ def test_bytes_vs_16bit_column_is_the_headlines_definition():
     got = {row["label"]: row["values"]["bytes_vs_16bit"] for row in t["rows"]}
     assert got == {"full": 2.0, "kivi": 0.25}
     assert {r["label"]: r["bytes_ratio"] for r in rows(recs)} == got
+
+
+def test_kl_cell_marks_a_missing_interval() -> None:
+    """A record without an interval (one bootstrap block) shows ``[–]`` under the column that
+    promises one, not a bare value that reads as if it had none to give."""
+    from kvbench.report.headline import kl_cell
+
+    row = {"next_token_kl": 0.107, "kl_low": None, "kl_high": None, "section": "a"}
+    assert kl_cell(row, 1e-6) == "0.107 [–]"
+    row.update(kl_low=0.09, kl_high=0.12)
+    assert kl_cell(row, 1e-6) == "0.107 [0.090, 0.120]"
+    assert kl_cell({**row, "kl_low": 0.0}, 1e-6).endswith(" †")

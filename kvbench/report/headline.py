@@ -225,10 +225,11 @@ def _kl(v: float | None) -> str:
 
 
 def kl_cell(r: dict[str, Any], floor: float) -> str:
-    """``KL [low, high]``, ``†`` when the lower bound is at or below ``floor``."""
+    """``KL [low, high]``, ``†`` when the lower bound is at or below ``floor``; ``KL [–]`` when
+    the record has no interval (one bootstrap block: too few scored tokens for one)."""
     cell = _kl(r["next_token_kl"])
     if r["kl_low"] is None or r["kl_high"] is None:
-        return cell
+        return f"{cell} [–]"
     dagger = " †" if r["kl_low"] <= floor and r["section"] != "base" else ""
     return f"{cell} [{_kl(r['kl_low'])}, {_kl(r['kl_high'])}]{dagger}"
 
