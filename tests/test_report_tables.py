@@ -141,12 +141,19 @@ def test_report_reads_an_export_and_names_the_figures_it_cannot_draw(tmp_path, c
     from kvbench.report.export import load_export
     from kvbench.report.plots import figures, load
 
-    export = Path(__file__).resolve().parents[1] / "docs" / "results" / "default.json"
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "default.json"
+    data = json.loads(committed.read_text())  # three methods of it keep the plotting quick
+    keep = {"full", "kivi K2V2", "int4-block q4_0 K+V"}
+    data["records"] = [
+        r for r in data["records"] if r["manifest"].get("label", r["method"]) in keep
+    ]
+    export = tmp_path / "export.json"
+    export.write_text(json.dumps(data))
     args = Namespace(results=[str(export)], plots=str(tmp_path), no_plots=False, json=False)
     assert report_main(args) == 0
     out, err = capsys.readouterr()
     n = len(load_export(export)["records"])
-    assert n > 0 and len(load([str(export)])) == n
+    assert n >= 9 and len(load([str(export)])) == n
     assert "## Headline" in out and "| kivi K2V2 |" in out
     want = [
         f"not drawn: {name}: {why}"
