@@ -575,3 +575,31 @@ def test_missing_lm_eval_hint_installs_from_the_clone(monkeypatch):
     msg = str(err.value)
     assert "pip install -e '.[lm-eval]'" in msg and "kvbench[lm-eval]" not in msg
     assert "lm-eval>=0.4.13,<0.5" in msg
+
+
+def test_bootstrap_stderr_forks_no_pool_under_kvbench(monkeypatch):
+    """lm-eval's bootstrap standard error forks a ``multiprocessing.Pool`` unless
+    ``DISABLE_MULTIPROC`` is set; a fork of this threaded process once left a pool worker in a
+    futex wait for good.  Inside ``serial_bootstrap`` (around every kvbench lm-eval call) it
+    runs in-process; the variable is restored after, and a user's own value is kept."""
+    import multiprocessing
+    import statistics
+
+    from lm_eval.api.metrics import bootstrap_stderr
+
+    from kvbench.integrations.lm_eval.tasks import serial_bootstrap
+
+    def no_pool(*a, **k):
+        raise AssertionError("multiprocessing.Pool used")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_pool)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    with pytest.raises(AssertionError, match="Pool used"):
+        bootstrap_stderr(statistics.mean, [0.0, 1.0] * 8, iters=100)
+    with serial_bootstrap():
+        assert bootstrap_stderr(statistics.mean, [0.0, 1.0] * 8, iters=100) > 0
+    assert "DISABLE_MULTIPROC" not in os.environ
+    monkeypatch.setenv("DISABLE_MULTIPROC", "yes")
+    with serial_bootstrap():
+        assert os.environ["DISABLE_MULTIPROC"] == "yes"
+    assert os.environ["DISABLE_MULTIPROC"] == "yes"

@@ -134,14 +134,14 @@ def run_cli(argv: Sequence[str]) -> int:
 
     require_lm_eval()
     import kvbench.integrations.lm_eval.backend  # noqa: F401  (registers --model kvbench)
-    from kvbench.integrations.lm_eval.tasks import TaskDataUnavailable, hub_guard
+    from kvbench.integrations.lm_eval.tasks import TaskDataUnavailable, hub_guard, serial_bootstrap
 
     argv = list(argv)
     if wants_help(argv):
         print_help()
         return 0
     try:
-        with hub_guard(), cli_patches():
+        with hub_guard(), cli_patches(), serial_bootstrap():
             return _lm_eval_cli(argv)
     except TaskDataUnavailable as exc:
         raise RuntimeError(str(exc)) from None

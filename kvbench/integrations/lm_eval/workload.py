@@ -134,7 +134,7 @@ class LMEval(Workload):
 
         from kvbench.integrations.lm_eval.backend import KVBenchLM
         from kvbench.integrations.lm_eval.coverage import per_task, quantized_fraction
-        from kvbench.integrations.lm_eval.tasks import LOADED, hub_guard
+        from kvbench.integrations.lm_eval.tasks import LOADED, hub_guard, serial_bootstrap
 
         lm = KVBenchLM(
             pretrained=ctx.model,
@@ -144,7 +144,7 @@ class LMEval(Workload):
             protocol=self.spec["protocol"],
         )
         s = self.spec
-        with hub_guard():
+        with hub_guard(), serial_bootstrap():
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=list(s["tasks"]),

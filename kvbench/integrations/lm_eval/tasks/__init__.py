@@ -18,6 +18,7 @@ task names (``gsm8k``, ``hellaswag``, ...) work unchanged.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,23 @@ def _hub_error_message(task: str, dataset: Any, exc: BaseException) -> str:
         "`custom_dataset` function) and pass its folder with --include_path (workload: "
         "include_path)."
     )
+
+
+@contextlib.contextmanager
+def serial_bootstrap() -> Iterator[None]:
+    """While active: lm-eval computes its bootstrap standard errors in this process
+    (``DISABLE_MULTIPROC=1``, lm-eval's own switch in ``lm_eval.api.metrics.bootstrap_stderr``)
+    instead of in a ``multiprocessing.Pool`` forked from it.  A fork of a process whose torch
+    thread pools have run can deadlock in the child (seen in kvbench's tests: a pool worker
+    waiting on a futex forever, the run stalled); a value the user set is kept."""
+    had = "DISABLE_MULTIPROC" in os.environ
+    if not had:
+        os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if not had:
+            os.environ.pop("DISABLE_MULTIPROC", None)
 
 
 @contextlib.contextmanager
