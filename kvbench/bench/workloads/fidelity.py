@@ -157,12 +157,17 @@ class Fidelity(Workload):
         return keys, values, {"dataset": {**info, "seed": seed}, "tokens": tokens}
 
     def prepare(self, ctx: RunContext) -> None:
+        self._capture(ctx)
+        self._check_layers()
+
+    def _capture(self, ctx: RunContext) -> None:
+        """``self.captured`` / ``self.info``: the synthetic Q/K/V, or the model's on the text
+        (shared across methods through ``ctx.shared.captures``)."""
         from kvbench.data.loaders import load_text, token_windows
         from kvbench.hf.capture import capture_qkv
 
         if self.spec["source"] == "synthetic":
             self.captured, self.info = self._synthetic(ctx.seed)
-            self._check_layers()
             return
         if ctx.model is None:
             raise ValueError("fidelity with source 'model' needs a model (the suite has none)")
@@ -171,7 +176,6 @@ class Fidelity(Workload):
         if key in ctx.shared.captures:
             got = ctx.shared.captures[key]
             self.captured, self.info = got.qkv, got.info
-            self._check_layers()
             return
         text, tinfo = load_text(self.spec["text"])
         w = self.spec["window"]
@@ -186,7 +190,6 @@ class Fidelity(Workload):
         self.captured = captured
         self.info = {"dataset": tinfo, "windows": winfo}
         ctx.shared.captures[key] = Capture(captured, self.info)
-        self._check_layers()
 
     def _check_layers(self) -> None:
         """``layers`` names only layers the captured model has (before any method runs).
