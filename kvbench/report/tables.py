@@ -20,13 +20,12 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbench.bench.records import Record, canonical
 from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
-from kvbench.report.plots import load, write_plots
+from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
@@ -259,18 +258,7 @@ def main(args: argparse.Namespace) -> int:
     records = load(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
-    paths = []
-    if not args.no_plots:
-        folder = Path(
-            args.plots
-            or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
-        )
-        skipped: list[str] = []
-        paths = write_plots(records, folder, skipped)
-        for path in paths:
-            print(f"wrote {path}", file=sys.stderr)
-        for line in skipped:
-            print(f"not drawn: {line}", file=sys.stderr)
+    paths = [] if args.no_plots else write_listed(records, args.results, args.plots, sys.stderr)
     block = provenance_block(records, run_logs(args.results))
     if args.json:
         print(
