@@ -11,12 +11,10 @@ provide instead:
 * ``new_hf_layer()``: one transformers cache layer, fed by ``layer.update(k, v)`` (memory
   workload: captured K/V replayed layer by layer, the same protocol as ``LayerCache``).
 
-Memory honesty (docs/design.md#measuring).  quanto's quantized tensors are tensor subclasses whose
-``numel() * element_size()`` is the *logical* size (the full-precision size); HQQ keeps its codes
-as a plain uint8 tensor plus a ``meta`` dict holding scale and zero tensors.  The byte count here
-walks every tensor a layer holds, unwraps subclasses through ``__tensor_flatten__`` down to the
-plain tensors that own storage, and sums the storage of each distinct allocation once
-(``untyped_storage().nbytes()``, so a view into a larger allocation counts the allocation).
+Memory honesty (docs/design.md#memory): quanto's tensor subclasses report the full-precision
+size as ``numel() * element_size()`` and HQQ keeps scales and zeros in a ``meta`` dict, so the
+byte count walks every tensor a layer holds down to the plain tensors that own storage
+(:func:`plain_tensors`) and counts each allocation once (``untyped_storage().nbytes()``).
 """
 
 from __future__ import annotations
