@@ -273,9 +273,7 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
     }
     for m in (x, y):
         if not recs[m]:
-            what = {"bytes_ratio": "perplexity", "next_token_kl": "perplexity", DECODE: "latency"}[
-                m
-            ]
+            what = "latency" if m == DECODE else "perplexity"
             return f"no {what} records with {'bytes_total' if m == 'bytes_ratio' else m}"
     try:
         table = rows(recs["next_token_kl"])

@@ -153,14 +153,6 @@ def workload_label(w: dict[str, Any]) -> str:
     )
 
 
-def _derived(r: Record) -> dict[str, float]:
-    """Columns computed from one record: ``bytes_vs_16bit``, its ``bytes_total`` over a 16-bit
-    cache of its K/V elements (:func:`kvbench.report.headline.bytes_vs_16bit`, the headline's
-    definition), where the record says how many elements it holds."""
-    ratio = bytes_vs_16bit(r)
-    return {} if ratio is None else {"bytes_vs_16bit": ratio}
-
-
 def tables(records: list[Record], columns: list[str] | None = None) -> list[dict[str, Any]]:
     """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
     "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
@@ -176,7 +168,9 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
         groups.setdefault(key, []).append(r)
         order[key] = (*workload_order(w), m)
     bits = borrowed_bits(records)
-    derived = {r.run_id: _derived(r) for r in records}
+    # columns computed from one record: the headline's bytes_vs_16bit, where it is known
+    ratios = {r.run_id: bytes_vs_16bit(r) for r in records}
+    derived = {k: {} if v is None else {"bytes_vs_16bit": v} for k, v in ratios.items()}
     out = []
     for wl in sorted(groups, key=lambda k: order[k]):
         recs = sorted(groups[wl], key=row_order)
