@@ -40,7 +40,7 @@ from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
-from kvbench.hf.peers import text_config
+from kvbench.hf.peers import sum_counts, text_config
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -443,12 +443,7 @@ class QuantizedKVCache(Cache):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, summed over layers, by the categories of ``LayerCache.nbytes()``."""
-        out: dict[str, int] = {}
-        for lc in self.layer_caches():
-            if lc is not None:
-                for k, v in lc.nbytes().items():
-                    out[k] = out.get(k, 0) + v
-        return out
+        return sum_counts(lc.nbytes() for lc in self.layer_caches() if lc is not None)
 
     def quantized_tokens(self, layer_idx: int = 0) -> tuple[int, int]:
         """(keys, values) tokens held in quantized form by layer ``layer_idx``."""
@@ -545,12 +540,8 @@ def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
     ``caches`` ``paths`` (layer decode calls per path that ran: ``cpu-native``,
     ``cpu-eager``, ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the
     reference route) and ``path_reasons`` (why faster backends declined)."""
-    paths: dict[str, int] = {}
-    reasons: set[str] = set()
-    for c in caches:
-        for k, n in getattr(c, "decode_paths", {}).items():
-            paths[k] = paths.get(k, 0) + n
-        reasons |= set(getattr(c, "decode_path_reasons", ()))
+    paths = sum_counts(getattr(c, "decode_paths", {}) for c in caches)
+    reasons = set().union(*(getattr(c, "decode_path_reasons", ()) for c in caches))
     first = caches[0] if caches else None
     config = getattr(getattr(first, "method", None), "config", None)
     return {

@@ -20,6 +20,7 @@ byte count walks every tensor a layer holds down to the plain tensors that own s
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -140,9 +141,14 @@ def cache_nbytes(cache: Any) -> dict[str, int]:
     :func:`hf_layer_nbytes` over a transformers cache's layers."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return cache.nbytes()
+    return sum_counts(hf_layer_nbytes(layer) for layer in cache.layers)
+
+
+def sum_counts(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per key, the sum of its values over ``parts`` (keys in first-seen order)."""
     out: dict[str, int] = {}
-    for layer in cache.layers:
-        for k, v in hf_layer_nbytes(layer).items():
+    for part in parts:
+        for k, v in part.items():
             out[k] = out.get(k, 0) + v
     return out
 
@@ -208,5 +214,6 @@ __all__ = [
     "hf_layer_tensors",
     "plain_tensors",
     "storage_nbytes",
+    "sum_counts",
     "text_config",
 ]
