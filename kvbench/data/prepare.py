@@ -14,13 +14,12 @@ of :mod:`kvbench.data.catalog`; it is then written atomically to ``<folder>/<spe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from kvbench.data.catalog import TEXTS, DatasetSpec
-from kvbench.data.loaders import DATA_DIR_ENV, hub_rows
+from kvbench.data.loaders import DATA_DIR_ENV, hub_rows, sha256_text
 from kvbench.paths import atomic_file
 
 #: the text column of a hub text's rows
@@ -99,7 +98,7 @@ def prepare_text(
         where = str(source)
         rows = read_rows(Path(source))
     text = joined_text(rows, where)
-    got = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    got = sha256_text(text)
     if got != spec.sha256:
         raise PrepareError(
             f"{where}: the joined text of {len(rows)} rows has sha256 {got}, but {name!r} is "

@@ -1,40 +1,19 @@
 """kvbench's attention function for Hugging Face transformers (``attn_implementation="kvbench"``).
 
-transformers calls ``Cache.update(k, v, layer_idx)`` *before* the layer's attention function and
-never passes the cache to it (docs/design.md#queries-for-methods-that-need-them).  kvbench
-therefore registers its own attention function with ``transformers.AttentionInterface`` under
-the name :data:`ATTN_IMPLEMENTATION` and links the two calls through a context variable:
+transformers calls ``Cache.update`` *before* the layer's attention function and never passes
+the cache to it, so ``QuantizedKVCache.update`` stores a :class:`StepBinding` (:func:`bind_step`)
+and :func:`kvbench_attention_forward`, registered under :data:`ATTN_IMPLEMENTATION`, uses it when
+it matches (same ``module.layer_idx`` and the very key tensor ``update`` returned): it checks a
+padded batch, hands prefill queries to ``provide_queries``, attends (transformers' sdpa over the
+returned K/V, or ``layer_cache.attend``; a ``prefill_attention="stored"`` prefill that waited for
+its queries reads ``keys_values()`` here) and finishes the step with ``end_step()``.  Without a
+matching binding it is plain sdpa.  Steps and reasons:
+docs/design.md#queries-for-methods-that-need-them.
 
-1. :class:`kvbench.hf.cache.QuantizedKVCache` ``update`` stores a :class:`StepBinding` (the layer
-   cache, the layer index, the exact key tensor it returned, prefill or decode) with
-   :func:`bind_step`;
-2. :func:`kvbench_attention_forward` runs next for the same layer.  When the binding matches
-   (same ``module.layer_idx`` *and* the very key tensor ``update`` returned) it
-
-   * refuses a padded batch that reached a cache not prefilled with its per-row lengths
-     (docs/design.md#padding: each left-padded row is cached alone, never mixed);
-   * at prefill hands the post-RoPE queries ``[B, H_q, P, D]`` to the layer cache
-     (``provide_queries``; a no-op for methods without ``needs_queries``);
-   * computes attention by delegating to transformers' own
-     ``sdpa_attention_forward`` over the K/V that ``update`` returned, so the numerics equal
-     the stock ``"sdpa"`` path; or, when the binding says so (the kernel path, or methods
-     without ``keys_values``), through ``layer_cache.attend(query, scaling)`` (causal, aligned
-     to the end); a prefill of a method with ``prefill_attention="stored"`` whose stored K/V
-     ``update`` could not return yet (the layer waited for these queries) reads
-     ``keys_values()`` here, after ``provide_queries``;
-   * finishes the step with ``layer_cache.end_step()`` (the flush deferred by ``append``; a
-     no-op under the ``write-then-attend`` protocol, where ``update`` ran it before attention).
-
-   Without a matching binding (another cache class, no cache) it is plain sdpa.
-
-A *capture* hook (:func:`capturing`, used by :mod:`kvbench.hf.capture`) sees every call's post-RoPE
-Q, K, V.  No model forward is copied or patched: the model selects this function by name.
-
-The mask function registered under the same name is transformers' ``sdpa_mask`` (so masks are
-those of the ``"sdpa"`` path); it also records the forward's 2-D mask
-(:mod:`kvbench.hf.padding`), from which ``QuantizedKVCache.update`` derives per-row lengths of a
-left-padded batch, and tags masks that contain padding.  A custom 4D mask passed by the caller is
-not inspected.
+A *capture* hook (:func:`capturing`, used by :mod:`kvbench.hf.capture`) sees every call's
+post-RoPE Q, K, V.  The mask function registered under the same name is transformers'
+``sdpa_mask``; it also records the forward's 2-D mask (:mod:`kvbench.hf.padding`) and tags
+masks that contain padding.  A custom 4D mask passed by the caller is not inspected.
 """
 
 from __future__ import annotations
@@ -73,7 +52,9 @@ class StepBinding:
     attend : route this step through ``layer_cache.attend`` instead of sdpa (a decode step, or
         a prefill with ``prefill_attention="stored"``).
     on_consumed : called when the attention function has used the binding.
-    on_attended : called after a decode step's attention with ``(path, reason)``.
+    on_attended : called after a decode step's attention with ``(path, reason)``: the path that
+        ran (the registry's ``attend_path`` on the attend route, :data:`SDPA_PATH` on the
+        reference route) and why.
     read_stored : a prefill with ``prefill_attention="stored"`` on the sdpa route: attend to the
         layer cache's ``keys_values()`` after ``provide_queries`` instead of ``keys``.
     """
@@ -84,8 +65,6 @@ class StepBinding:
     prefill: bool
     attend: bool = False
     on_consumed: Callable[[], None] | None = None
-    #: called after a decode step's attention with the path that ran (the registry's
-    #: ``attend_path`` on the attend route, :data:`SDPA_PATH` on the reference route) and why
     on_attended: Callable[[str, str], None] | None = None
     read_stored: bool = False
 

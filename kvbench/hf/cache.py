@@ -1,46 +1,28 @@
-"""``QuantizedKVCache``: a kvbench method as a Hugging Face transformers ``Cache``.
+"""``QuantizedKVCache``: a kvbench method as a Hugging Face transformers ``Cache``
+(docs/design.md#quantized-kv-cache-for-transformers).
 
-Layer-based like transformers' own ``QuantizedCache``: a :class:`QuantizedKVCache` holds one
-:class:`KVBenchLayer` (a ``CacheLayerMixin``) per decoder layer, and each wraps a kvbench
-:class:`~kvbench.cache.layer.LayerCache` made by ``method.new_layer(layer_idx, num_kv_heads, head_dim,
-dtype, device)`` on its first ``update``.  Usable as ``model(..., **cache_kwarg(cache))`` and
-``model.generate(..., **cache_kwarg(cache))`` with transformers 5.17 (``past_key_values=``)
-and 5.24 (``cache=``).
+One :class:`KVBenchLayer` (a ``CacheLayerMixin``) per decoder layer wraps a kvbench
+:class:`~kvbench.cache.layer.LayerCache` made by ``method.new_layer(layer_idx, num_kv_heads,
+head_dim, dtype, device)`` on its first ``update``.  Pass the cache as ``**cache_kwarg(cache)``
+(``past_key_values=`` with transformers 5.17, ``cache=`` with 5.24).
 
-Padded batches (docs/design.md#padding): with ``attn_implementation="kvbench"`` the first
-``update`` reads the forward's 2-D ``attention_mask`` (:mod:`kvbench.hf.padding`); a left-padded
-batch is prefilled with per-row lengths, so each row is cached as if alone.  Every decode step's
-mask is checked against it; masks that are not left padding, rows without real tokens, and
-methods without ``capabilities.padding`` raise :class:`~kvbench.hf.padding.PaddedBatchError`
-naming the row or the method.
+Update protocol (docs/design.md#protocols): the first ``update`` of a layer prefills
+(``layer_cache.prefill(k, v)``) and returns the original K/V (``prefill_attention="full"``) or,
+with ``"stored"``, what the cache stores after the prefill and its flush (``keys_values()``, or
+``layer_cache.attend`` on the attend path).  Every later ``update`` appends
+(``layer_cache.append(k, v)``); the deferred flush runs at once under ``write-then-attend``
+(``end_step()``, :data:`PROTOCOLS`), under ``in-chunk-full`` when kvbench's attention function
+(:mod:`kvbench.hf.attention`) finishes the step, or at the next ``append``.  It returns
+``keys_values()`` (new tokens included), or on the attend path the inputs (the attention
+function reads the layer cache).
 
-Update protocol (docs/design.md#protocols):
-
-* the first ``update`` of a layer is the prefill: ``layer_cache.prefill(k, v)``.  With the
-  method's ``prefill_attention="full"`` (default) the *original* full-precision ``k, v`` are
-  returned (the prompt attends in full precision, as KIVI-style methods deploy); with
-  ``"stored"`` the prompt's queries attend causally to what the cache stores after the prefill
-  and its flush (``keys_values()``, or ``layer_cache.attend`` on the attend path), as llama.cpp
-  does;
-* every later ``update`` (a decode call of ``n >= 1`` tokens) appends:
-  ``layer_cache.append(k, v)``.  Under ``protocol="write-then-attend"`` (default,
-  :data:`PROTOCOLS`) the flush that ``append`` defers runs at once (``end_step()``), so the
-  call's queries attend causally to what the cache then stores, their own tokens included in
-  their stored form; under ``"in-chunk-full"`` it runs when kvbench's attention function
-  finishes the step (``attn_implementation="kvbench"``, :mod:`kvbench.hf.attention`), or at
-  the next ``append``, so a call's tokens attend to each other in full precision.  The call
-  returns ``layer_cache.keys_values()`` (sinks + dequantized blocks + residual, new tokens
-  included), or on the attend path the inputs (the attention function reads the layer cache).
-
-Load or switch the model with ``attn_implementation="kvbench"`` (e.g.
-:func:`kvbench.hf.attention.use_kvbench_attention`): that is how methods with
-``needs_queries`` get their post-RoPE prefill queries and how padded batches are detected.
-Without it the cache still works for methods that need no queries and for one row at a time
-(under ``in-chunk-full`` with the flush at the next step; a warning says so once), and a method
-with ``prefill_attention="stored"`` on the sdpa route still reads its stored prompt (``update``
-returns it) unless it waits for queries; a decode step of several rows is
-refused with :class:`~kvbench.hf.padding.PaddedBatchError`, since the cache cannot see whether
-they are left-padded (stored pads would share KIVI's key groups with real tokens).
+``attn_implementation="kvbench"`` (:func:`kvbench.hf.attention.use_kvbench_attention`) gives
+methods with ``needs_queries`` their post-RoPE prefill queries and shows the cache the 2-D
+``attention_mask``: a left-padded batch is prefilled with per-row lengths and every decode
+step's mask is checked (docs/design.md#padding); refusals raise
+:class:`~kvbench.hf.padding.PaddedBatchError` naming the row or the method.  Without it the
+cache works for methods that need no queries, one row at a time (a warning says so once); a
+decode step of several rows raises ``PaddedBatchError``.
 """
 
 from __future__ import annotations
@@ -58,6 +40,7 @@ from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
+from kvbench.hf.peers import sum_counts, text_config
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -96,9 +79,7 @@ def cache_kwarg(cache: Cache | None, model: Any = None) -> dict[str, Any]:
 
 
 def _text_config(config_or_model: Any) -> Any:
-    config = getattr(config_or_model, "config", config_or_model)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    config = text_config(config_or_model)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise ValueError(
             f"config_or_model must be a transformers model or config with num_hidden_layers; "
@@ -131,9 +112,8 @@ class KVBenchLayer(CacheLayerMixin):
 
     def __init__(self, owner: QuantizedKVCache, layer_idx: int) -> None:
         super().__init__()
-        # a weak reference: owner.layers holds this layer, and a strong back-reference made
-        # every cache a reference cycle, freed only when Python's cyclic collector happened to
-        # run (a latency sweep's discarded caches, each up to the whole K/V, piled up for GBs)
+        # weak: a strong back-reference would make every cache a cycle, freed only by the
+        # cyclic collector
         self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.layer_cache = None
@@ -463,12 +443,7 @@ class QuantizedKVCache(Cache):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, summed over layers, by the categories of ``LayerCache.nbytes()``."""
-        out: dict[str, int] = {}
-        for lc in self.layer_caches():
-            if lc is not None:
-                for k, v in lc.nbytes().items():
-                    out[k] = out.get(k, 0) + v
-        return out
+        return sum_counts(lc.nbytes() for lc in self.layer_caches() if lc is not None)
 
     def quantized_tokens(self, layer_idx: int = 0) -> tuple[int, int]:
         """(keys, values) tokens held in quantized form by layer ``layer_idx``."""
@@ -565,12 +540,8 @@ def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
     ``caches`` ``paths`` (layer decode calls per path that ran: ``cpu-native``,
     ``cpu-eager``, ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the
     reference route) and ``path_reasons`` (why faster backends declined)."""
-    paths: dict[str, int] = {}
-    reasons: set[str] = set()
-    for c in caches:
-        for k, n in getattr(c, "decode_paths", {}).items():
-            paths[k] = paths.get(k, 0) + n
-        reasons |= set(getattr(c, "decode_path_reasons", ()))
+    paths = sum_counts(getattr(c, "decode_paths", {}) for c in caches)
+    reasons = set().union(*(getattr(c, "decode_path_reasons", ()) for c in caches))
     first = caches[0] if caches else None
     config = getattr(getattr(first, "method", None), "config", None)
     return {

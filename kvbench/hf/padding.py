@@ -1,20 +1,12 @@
 """Left padding in the transformers bridge: per-row lengths from the 2-D attention mask.
 
-transformers builds one mask per forward, before the layers run, from the 2-D
-``attention_mask`` ``[B, kv_len]`` (True/1 = real token).  kvbench's mask function
-(:func:`kvbench.hf.attention.kvbench_mask`) records that 2-D mask with :func:`record`;
-``QuantizedKVCache.update`` reads it with :func:`current` and
-
-* at the prefill derives per-row lengths (:func:`prefill_lengths`): left padding only, every
-  row with at least one real token, else :class:`PaddedBatchError` naming the row;
-* at every decode step checks (:func:`check_decode`) that the mask still says what the cache
-  holds: each row's pads where they were, every other position real (a new pad, i.e. right
-  padding followed by decode or a hole, is refused naming the row).
-
-The recorded mask carries its shape, so a mask left from another forward (another length) is
-never taken for this one.  Right padding is refused also in a prefill-only (scoring) batch: the
-pads would be stored and enter the statistics; score such batches left-padded.
-See docs/design.md#padding.
+transformers builds one mask per forward from the 2-D ``attention_mask`` ``[B, kv_len]``
+(True/1 = real token).  kvbench's mask function (:func:`kvbench.hf.attention.kvbench_mask`)
+records it with :func:`record`; ``QuantizedKVCache.update`` reads it with :func:`current`, derives
+per-row lengths at the prefill (:func:`prefill_lengths`) and checks every decode step's mask
+against what the cache holds (:func:`check_decode`).  The recorded mask carries its shape, so a
+mask left from another forward (another length) is never taken for this one.  What is refused,
+and why right padding is refused also in a prefill-only batch: docs/design.md#padding.
 """
 
 from __future__ import annotations

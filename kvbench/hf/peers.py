@@ -11,17 +11,16 @@ provide instead:
 * ``new_hf_layer()``: one transformers cache layer, fed by ``layer.update(k, v)`` (memory
   workload: captured K/V replayed layer by layer, the same protocol as ``LayerCache``).
 
-Memory honesty (docs/design.md#measuring).  quanto's quantized tensors are tensor subclasses whose
-``numel() * element_size()`` is the *logical* size (the full-precision size); HQQ keeps its codes
-as a plain uint8 tensor plus a ``meta`` dict holding scale and zero tensors.  The byte count here
-walks every tensor a layer holds, unwraps subclasses through ``__tensor_flatten__`` down to the
-plain tensors that own storage, and sums the storage of each distinct allocation once
-(``untyped_storage().nbytes()``, so a view into a larger allocation counts the allocation).
+Memory honesty (docs/design.md#memory): quanto's tensor subclasses report the full-precision
+size as ``numel() * element_size()`` and HQQ keeps scales and zeros in a ``meta`` dict, so the
+byte count walks every tensor a layer holds down to the plain tensors that own storage
+(:func:`plain_tensors`) and counts each allocation once (``untyped_storage().nbytes()``).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -142,9 +141,14 @@ def cache_nbytes(cache: Any) -> dict[str, int]:
     :func:`hf_layer_nbytes` over a transformers cache's layers."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return cache.nbytes()
+    return sum_counts(hf_layer_nbytes(layer) for layer in cache.layers)
+
+
+def sum_counts(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per key, the sum of its values over ``parts`` (keys in first-seen order)."""
     out: dict[str, int] = {}
-    for layer in cache.layers:
-        for k, v in hf_layer_nbytes(layer).items():
+    for part in parts:
+        for k, v in part.items():
             out[k] = out.get(k, 0) + v
     return out
 
@@ -210,5 +214,6 @@ __all__ = [
     "hf_layer_tensors",
     "plain_tensors",
     "storage_nbytes",
+    "sum_counts",
     "text_config",
 ]

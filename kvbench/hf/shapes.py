@@ -17,21 +17,8 @@ names) or, with the hub reachable, any hub id's config (``AutoConfig.from_pretra
 ``layers: N`` builds a slice: the first N decoder layers (all layers have one shape), recorded
 as ``shape_layers`` with the full count in ``shape_num_hidden_layers``.  Records carry
 ``random_weights: True``; workloads whose results depend on the weights
-(``Workload.accepts_random_weights = False``) refuse such a model before it loads.
-
-Presets (from each model's published config.json):
-
-==========================  ======  ======  =====  =====  ====  =======  ======  =============
-preset                      layers  hidden  q      KV     D     interm.  vocab   RoPE theta
-==========================  ======  ======  =====  =====  ====  =======  ======  =============
-llama-3.1-8b (= deepseek-   32      4096    32     8      128   14336    128256  5e5, llama3
-r1-distill-llama-8b)                                                             scaling x8
-llama-3.1-70b               80      8192    64     8      128   28672    128256  same as 8B
-qwen3-8b                    36      4096    32     8      128   12288    151936  1e6, q/k norm
-qwen2.5-7b                  28      3584    28     4      128   18944    152064  1e6, qkv bias
-mistral-7b-v0.3             32      4096    32     8      128   14336    32768   1e6
-smollm2-135m                30      576     9      3      64    1536     49152   1e5
-==========================  ======  ======  =====  =====  ====  =======  ======  =============
+(``Workload.accepts_random_weights = False``) refuse such a model before it loads.  Each preset's
+geometry is in its JSON file (names: :func:`preset_names`; docs/design.md#model-shapes).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Eager CPU tensor code allocates and frees large temporaries; glibc serves every block above its
 mmap threshold (at most 32 MiB) with a fresh ``mmap``, so each temporary's pages are faulted in
-and zeroed by the kernel again.  At one 32K-token layer of an 8B model's shape that system time
-exceeds the arithmetic (measured on 2 cores: a memory-workload run's CPU time about halves with
-the heap reused).  Nothing a workload measures from tensors or allocator events changes.
+and zeroed by the kernel again (docs/design.md#model-shapes, docs/results/memory-shapes.md).
+Nothing a workload measures from tensors or allocator events changes.
 """
 
 from __future__ import annotations

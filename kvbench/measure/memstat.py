@@ -79,8 +79,8 @@ def release() -> None:
 
     The objects that survive the collection are then frozen (``gc.freeze()``), so the next
     call scans only what was allocated since: without it every call walks the whole heap of
-    imported modules (torch, transformers), about a second each.  :func:`unfreeze` (the end of
-    a sweep) hands them back to the collector."""
+    imported modules (torch, transformers).  :func:`unfreeze` (the end of a sweep) hands them
+    back to the collector."""
     gc.collect()
     gc.freeze()
     try:

@@ -1,18 +1,15 @@
-"""``kvbench compare BASE NEW [--fail-on METRIC:THRESHOLD ...]``: regression gate.
+"""``kvbench compare BASE NEW [--fail-on METRIC:THRESHOLD ...]``: the regression gate of
+docs/design.md#regression-gate (result folders or record files, runs matched by ``run_id``,
+``5%`` relative to BASE or ``0.01`` absolute; exit 1 on a regression or a BASE run missing from
+NEW), warning on stderr where the sets differ in provenance (docs/design.md#provenance).
 
-BASE and NEW are result folders or record files.  Runs are matched by ``run_id`` and named by
-their label and workload (``kivi[bits=2] / fidelity (prefill=1152, tokens=1280)``).  Only
-metrics that moved are listed: a relative change of at least ``--min-change`` (default 0.01%),
-or any change from an exact 0.  ``--json`` prints one object (changes, failures, counts).  For each
-``--fail-on METRIC:THRESHOLD`` (``5%`` relative to BASE, ``0.01`` absolute) the command fails
-(exit 1) when METRIC moves in its bad direction (declared in each workload's ``METRICS``;
-a ``none`` metric fails when it moves either way) by more than
-THRESHOLD in any matched run, or when a BASE run is missing from NEW.  Two single records of
-different runs are an error that names the differing keys; two sets with no run in common are an
-error (exit 2) that says how many records each side has.  When the two sets differ in provenance
-(commit, model checksum, dtype, library versions, CPU, threads, command:
-:func:`kvbench.report.provenance.differences`) a warning naming each differing field goes to
-stderr (and ``provenance_differs`` into ``--json``); it never changes the exit status.
+Runs are named by their label and workload (``kivi[bits=2] / fidelity (prefill=1152,
+tokens=1280)``).  Only metrics that moved are listed: a relative change of at least
+``--min-change`` (default 0.01%), or any change from an exact 0.  ``--json`` prints one object
+(changes, failures, counts, ``provenance_differs``).  A metric whose direction is ``none`` fails
+when it moves either way.  Two single records of different runs are an error that names the
+differing keys; two sets with no run in common are an error (exit 2) that says how many records
+each side has.  The provenance warning never changes the exit status.
 """
 
 from __future__ import annotations

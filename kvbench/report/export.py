@@ -113,12 +113,8 @@ def readme_block(export_path: str | Path, rel: str) -> str:
 
 def readme_blocks(text: str) -> dict[str, str]:
     """Every headline block in a README text: export path -> the block, markers included."""
-    out = {}
-    for m in re.finditer(
-        r"<!-- kvbench-headline:begin (\S+) -->.*?<!-- kvbench-headline:end -->", text, flags=re.S
-    ):
-        out[m.group(1)] = m.group(0)
-    return out
+    block = r"<!-- kvbench-headline:begin (\S+) -->.*?<!-- kvbench-headline:end -->"
+    return {m.group(1): m.group(0) for m in re.finditer(block, text, flags=re.S)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -162,10 +162,8 @@ def rows(records: list[Record]) -> list[dict[str, Any]]:
         if q is None:
             continue
         m = q.metrics
-        lat, mem = (
-            _at_context(e.get("latency", []), context),
-            _at_context(e.get("memory", []), context),
-        )
+        lat = _at_context(e.get("latency", []), context)
+        mem = _at_context(e.get("memory", []), context)
         peak = base = None
         if mem is not None and base_mem is not None:
             mm, bm = mem.metrics, base_mem.metrics

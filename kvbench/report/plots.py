@@ -1,36 +1,9 @@
 """Matplotlib figures of result records (PNG, Agg backend): ``kvbench plot`` and ``kvbench report``.
 
-Figures (:func:`figures`; file name = key + ``.png``):
-
-* ``headline_{a,b}_{kl_vs_bytes,kl_vs_decode,bytes_vs_decode}``: one Pareto figure per section
-  of the headline table (:func:`kvbench.report.headline.rows`: (a) deployed, (b) keys only) and
-  pair of its axes: ``bytes_ratio`` (the perplexity record's ``bytes_total``, the cache its
-  scored tokens attended to, over a 16-bit cache of the same tokens), ``next_token_kl`` (the same
-  record) and :data:`DECODE` (latency record: the
-  median decode step over that of ``full`` interleaved in the same run), joined by label.
-* ``pareto_<y>_vs_nominal_key_bits``: every quality metric of :data:`QUALITY` and every lm-eval
-  task metric with a direction, against nominal key bits, all configurations.
-* ``<y>_vs_context``: the latency and memory metrics of :data:`SWEEPS` over a context sweep, one
-  line per label.
-
-A figure that cannot be drawn is given as the reason instead (no records of a workload, one
-context only, fewer than two points).  Rules every figure follows:
-
-* **Style**: one colour and marker per method family (registered name), from its position in
-  the registry: built-in names sorted, then plugins sorted, then unregistered names sorted;
-  ``full`` is a black star.  Marker size encodes nothing.
-* **One point per label**: each metric is read from one workload (type, model and parameters):
-  the one most labels have (the larger context on a tie), named in the axis label.
-* **Frontier**: filled markers on the Pareto frontier (:func:`kvbench.report.pareto.pareto_mask`,
-  a staircase line), hollow ones dominated; ``full`` is the reference, not ranked (as in the
-  headline table).
-* **Noise floor** (metrics of :data:`NONNEG`, which cannot be negative): a figure's measured
-  noise is the largest of ``|full's own value|`` and ``|v|`` of its negative values ``v``
-  (rounding: KL of ``full`` against itself is 0 or ~1e-9, ``hf-dynamic``'s -8e-10).  Values at
-  or below it cannot be told from ``full``: they are drawn at the floor, max(noise, a tenth of
-  the smallest value above the noise), with a down arrow and "(<= noise)" in their label.
-* **Log axes** when the values above the noise span more than :data:`LOG_SPAN`; else linear.
-  Labels: adjustText, then any label still overlapping one placed before it is left out.
+:func:`figures` yields every figure (file name = key + ``.png``) or the reason it is not drawn;
+which figures exist and the rules each follows (style per method family, one point per label,
+frontier, noise floor of :data:`NONNEG`, log axes past :data:`LOG_SPAN`, label placement):
+docs/design.md#plots.
 """
 
 from __future__ import annotations
@@ -147,8 +120,8 @@ def describe(rec: Record, drop=()) -> str:
 
 
 def noise_floor(values: list[float], base: list[float]) -> tuple[float, float]:
-    """``(noise, floor)`` of a metric that cannot be negative (module docstring): ``noise`` the
-    largest of ``|base|`` (``full``'s own values) and ``|v|`` of negative ``values``; ``floor``
+    """``(noise, floor)`` of a metric that cannot be negative (docs/design.md#plots): ``noise``
+    the largest of ``|base|`` (``full``'s own values) and ``|v|`` of negative ``values``; ``floor``
     max(noise, a tenth of the smallest value above the noise), ``noise`` when none is above."""
     noise = max([abs(v) for v in base] + [-v for v in values if v < 0] + [0.0])
     above = [v for v in values if v > noise]
@@ -187,8 +160,9 @@ def scatter_figure(
     styles: dict[str, dict[str, str]],
 ) -> Any:
     """A Pareto figure of ``points`` = ``[(label, family, x value, y value)]`` (one per label)
-    by the module's rules; ``x``/``y`` name the metrics (direction, noise floor), ``text`` is
-    (x label, y label, title).  Each point is a ``Line2D`` whose gid is its label."""
+    by the rules of docs/design.md#plots; ``x``/``y`` name the metrics (direction, noise
+    floor), ``text`` is (x label, y label, title).  Each point is a ``Line2D`` whose gid is its
+    label."""
     from matplotlib.lines import Line2D
 
     fig, ax = _plt().subplots(figsize=(10, 6.5))
@@ -299,9 +273,7 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
     }
     for m in (x, y):
         if not recs[m]:
-            what = {"bytes_ratio": "perplexity", "next_token_kl": "perplexity", DECODE: "latency"}[
-                m
-            ]
+            what = "latency" if m == DECODE else "perplexity"
             return f"no {what} records with {'bytes_total' if m == 'bytes_ratio' else m}"
     try:
         table = rows(recs["next_token_kl"])
@@ -383,8 +355,8 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Any:
 
 
 def figures(records: list[Record]) -> Iterator[tuple[str, Any]]:
-    """``(name, figure or the reason it is not drawn)`` for every figure of the module
-    docstring, one at a time (a caller closes each figure)."""
+    """``(name, figure or the reason it is not drawn)`` for every figure of
+    docs/design.md#plots, one at a time (a caller closes each figure)."""
     pairs = {
         "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
         "kl_vs_decode": (DECODE, "next_token_kl"),
@@ -432,6 +404,19 @@ def write_plots(
     return out
 
 
+def write_listed(
+    records: list[Record], results: list[str], out: str | None, file: Any = None
+) -> list[Path]:
+    """:func:`write_plots` into ``out`` (default: the first of ``results``, or the folder of that
+    file), printing ``wrote <path>`` and ``not drawn: <name>: <reason>`` lines to ``file``
+    (default stdout); returns the paths."""
+    first, skipped = Path(results[0]), []
+    paths = write_plots(records, out or (first if first.is_dir() else first.parent), skipped)
+    for line in [f"wrote {p}" for p in paths] + [f"not drawn: {s}" for s in skipped]:
+        print(line, file=file)
+    return paths
+
+
 def pareto_plot(records: list[Record], x: str, y: str, path: Path, title: str = "") -> Path | None:
     """Write :func:`pareto_figure` to ``path`` (PNG); ``None`` when it is not drawn."""
     fig = pareto_figure(records, x, y, title)
@@ -462,12 +447,5 @@ def main(args: argparse.Namespace) -> int:
     records = load(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
-    first = Path(args.results[0])
-    skipped: list[str] = []
-    for path in write_plots(
-        records, args.out or (first if first.is_dir() else first.parent), skipped
-    ):
-        print(f"wrote {path}")
-    for line in skipped:
-        print(f"not drawn: {line}")
+    write_listed(records, args.results, args.out)
     return 0

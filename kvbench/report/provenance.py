@@ -1,15 +1,11 @@
 """Provenance of a result set: what produced its records, rendered at the top of every report.
 
-:func:`provenance_block` renders a Markdown list from the records (their ``manifest``, gathered
-by :mod:`kvbench.bench.manifest`) and the run log of their folder
-(:func:`kvbench.bench.manifest.read_run_log`): the command, date (UTC), wall time and load
-average of the sweep, then one line per record field of :data:`FIELDS` (kvbench version and
-commit, model id, weights checksum and dtype, library versions, CPU model, cores, GPU, threads,
-command).  A field every record agrees on is given once; one the records disagree on reads
-``differs between records: A (n records), B (m records)``.  :func:`differences` lists the
-fields in which two result sets differ (``kvbench compare`` warns with
-:func:`differences_text`): numbers from another machine, commit or library version are not
-comparable without saying so.
+:func:`provenance_block` renders a Markdown list from the records' ``manifest`` and the run log
+of their folder (:func:`kvbench.bench.manifest.read_run_log`): the sweep's command, date, wall
+time and load average, then one line per field of :data:`FIELDS`.  :func:`differences` lists the
+fields in which two result sets differ (``kvbench compare`` warns with :func:`differences_text`):
+numbers from another machine, commit or library version are not comparable without saying so.
+What each line says and how disagreeing records read: docs/design.md#provenance.
 """
 
 from __future__ import annotations
@@ -105,9 +101,7 @@ def _field_line(name: str, counts: Counter[str]) -> str | None:
 
 
 def _load(avg: Any) -> str | None:
-    if not avg:
-        return None
-    return "/".join(f"{x:.2f}" for x in avg)
+    return "/".join(f"{x:.2f}" for x in avg) if avg else None
 
 
 def _sweep_lines(

@@ -20,13 +20,12 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbench.bench.records import Record, canonical
 from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
-from kvbench.report.plots import load, write_plots
+from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
@@ -154,14 +153,6 @@ def workload_label(w: dict[str, Any]) -> str:
     )
 
 
-def _derived(r: Record) -> dict[str, float]:
-    """Columns computed from one record: ``bytes_vs_16bit``, its ``bytes_total`` over a 16-bit
-    cache of its K/V elements (:func:`kvbench.report.headline.bytes_vs_16bit`, the headline's
-    definition), where the record says how many elements it holds."""
-    ratio = bytes_vs_16bit(r)
-    return {} if ratio is None else {"bytes_vs_16bit": ratio}
-
-
 def tables(records: list[Record], columns: list[str] | None = None) -> list[dict[str, Any]]:
     """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
     "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
@@ -177,7 +168,9 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
         groups.setdefault(key, []).append(r)
         order[key] = (*workload_order(w), m)
     bits = borrowed_bits(records)
-    derived = {r.run_id: _derived(r) for r in records}
+    # columns computed from one record: the headline's bytes_vs_16bit, where it is known
+    ratios = {r.run_id: bytes_vs_16bit(r) for r in records}
+    derived = {k: {} if v is None else {"bytes_vs_16bit": v} for k, v in ratios.items()}
     out = []
     for wl in sorted(groups, key=lambda k: order[k]):
         recs = sorted(groups[wl], key=row_order)
@@ -259,18 +252,7 @@ def main(args: argparse.Namespace) -> int:
     records = load(args.results)
     if not records:
         raise ValueError(f"no records in {args.results}")
-    paths = []
-    if not args.no_plots:
-        folder = Path(
-            args.plots
-            or (args.results[0] if Path(args.results[0]).is_dir() else Path(args.results[0]).parent)
-        )
-        skipped: list[str] = []
-        paths = write_plots(records, folder, skipped)
-        for path in paths:
-            print(f"wrote {path}", file=sys.stderr)
-        for line in skipped:
-            print(f"not drawn: {line}", file=sys.stderr)
+    paths = [] if args.no_plots else write_listed(records, args.results, args.plots, sys.stderr)
     block = provenance_block(records, run_logs(args.results))
     if args.json:
         print(
