@@ -42,15 +42,14 @@ def last_boxed(text: str) -> str | None:
     rest = text[idx + len(cmd) :].lstrip(" ")
     if not rest.startswith("{"):
         return rest.split("$")[0].strip() or None
-    start = 0
     depth = 0
-    for i in range(start, len(rest)):
-        if rest[i] == "{":
+    for i, ch in enumerate(rest):
+        if ch == "{":
             depth += 1
-        elif rest[i] == "}":
+        elif ch == "}":
             depth -= 1
             if depth == 0:
-                return rest[start + 1 : i]
+                return rest[1:i]
     return None
 
 
