@@ -22,7 +22,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from kvbench.bench.manifest import cli_argv, dist_version
+from kvbench.bench.manifest import cli_argv, dist_version, run_log
 from kvbench.bench.records import Record, record_path
 from kvbench.bench.suite import parse_set
 from kvbench.cache.registry import get_method, list_methods
@@ -241,8 +241,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--address and --max-parallel need --executor ray")
     check_output(out)
     args._out = out  # for the Ctrl-C message
-    from kvbench.bench.manifest import run_log
-
     try:
         with output_lock(out), run_log(out, suite.path) as logged:  # one --out, one run at once
             records = runner(

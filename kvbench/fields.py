@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,19 +54,11 @@ def describe_choices(choices: tuple[object, ...]) -> str:
     ints = [c for c in choices if type(c) is int]
     if not choices or len(ints) != len(choices):
         return repr(list(choices))
-    ints = sorted(set(ints))
-    runs: list[list[int]] = []
-    for v in ints:
-        if runs and v == runs[-1][-1] + 1:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
     parts: list[str] = []
-    for run in runs:
-        if len(run) >= 3:
-            parts.append(f"{run[0]}..{run[-1]}")
-        else:
-            parts += [str(v) for v in run]
+    # consecutive values share ``value - position``: one group per run of consecutive ints
+    for _, group in itertools.groupby(enumerate(sorted(set(ints))), lambda p: p[1] - p[0]):
+        run = [v for _, v in group]
+        parts += [f"{run[0]}..{run[-1]}"] if len(run) >= 3 else [str(v) for v in run]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 

@@ -63,11 +63,6 @@ def did_you_mean(name: object, names: Iterable[str], n: int = 3, cutoff: float =
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _dist_name(ep: EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    return dist.metadata["Name"] if dist is not None else "<unknown>"
-
-
 class Registry(Generic[T]):
     """Names -> objects of one type.
 
@@ -143,7 +138,9 @@ class Registry(Generic[T]):
         found: dict[str, Entry[T]] = {}
         seen: set[tuple[str, str, str]] = set()
         for ep in entry_points(group=self.group) if self.group else ():
-            dist = _dist_name(ep)
+            dist = (
+                ep.dist.metadata["Name"] if getattr(ep, "dist", None) is not None else "<unknown>"
+            )
             key = (ep.name, ep.value, dist)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue

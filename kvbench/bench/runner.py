@@ -146,14 +146,12 @@ def calibrated(
 
 
 def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
-    if not base:
-        return {}
-    out = {}
-    for k, v in metrics.items():
-        b = base.get(k)
-        if b not in (None, 0) and not k.endswith("_ratio") and "_ci_" not in k:
-            out[f"{k}_ratio"] = v / b
-    return out
+    base = base or {}
+    return {
+        f"{k}_ratio": v / base[k]
+        for k, v in metrics.items()
+        if base.get(k) not in (None, 0) and not k.endswith("_ratio") and "_ci_" not in k
+    }
 
 
 def skip_reason(method: Method, workload: Workload) -> str | None:
