@@ -162,10 +162,6 @@ def to_fraction(answer: str) -> Fraction | None:
     ----------
     answer : str
         Raw or normalized answer.
-
-    Returns
-    -------
-    fractions.Fraction or None
     """
     s = strip_math(answer)
     sign = 1
@@ -194,10 +190,6 @@ def is_equiv(pred: str | None, gold: str | None) -> bool:
         Extracted prediction (e.g. from :func:`extract_math_answer`); ``None`` is never equal.
     gold : str or None
         Reference answer.
-
-    Returns
-    -------
-    bool
     """
     if pred is None or gold is None:
         return False
@@ -221,10 +213,6 @@ def extract_math_answer(completion: str) -> str | None:
     ----------
     completion : str
         Model output.
-
-    Returns
-    -------
-    str or None
     """
     boxed = last_boxed(completion)
     if boxed is not None:

@@ -76,8 +76,6 @@ def token_spans(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
-    text : str
     char_spans : sequence of (int, int)
         Character ranges ``[a, b)`` of ``text``.
 

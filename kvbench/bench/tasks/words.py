@@ -55,12 +55,8 @@ def common_words(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
     length : int
         Maximum prompt length in tokens.
-    seed : int
-    num_common : int
-    freq_common, freq_uncommon : int, optional
     wrap : (str, str)
         Text around the prompt (e.g. a chat template), counted in ``length``.
 
@@ -116,15 +112,10 @@ def frequent_words(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
     length : int
         Maximum prompt length in tokens.
-    seed : int
-    num_answers : int
     alpha : float
         Zipf exponent (RULER: 2.0; lower is harder).
-    vocab_size : int
-    wrap : (str, str)
 
     Returns
     -------
