@@ -81,11 +81,10 @@ def _fix_a_slash_b(s: str) -> str:
 def _unwrap_text(s: str) -> str:
     """``\\text{abc}`` -> ``abc`` (also ``\\textbf``, ``\\mbox``, ``\\mathrm``), innermost first."""
     pattern = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf)\{([^{}]*)\}")
-    while True:
-        new = pattern.sub(r"\1", s)
-        if new == s:
-            return s
-        s = new
+    changed = 1
+    while changed:
+        s, changed = pattern.subn(r"\1", s)
+    return s
 
 
 def strip_math(answer: str) -> str:
