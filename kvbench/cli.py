@@ -22,15 +22,19 @@ import threading
 import traceback
 from pathlib import Path
 
-from kvbench.bench.records import Record
+from kvbench.bench.manifest import cli_argv, dist_version, run_log
+from kvbench.bench.records import Record, record_path
 from kvbench.bench.suite import parse_set
 from kvbench.cache.registry import get_method, list_methods
 
 
 def _caps(caps: dict[str, bool]) -> str:
-    return ",".join(
-        k for k, v in caps.items() if v and k not in ("keys_values", "layer_cache", "padding")
-    )
+    shown = [k for k, v in caps.items() if v and k not in ("keys_values", "layer_cache", "padding")]
+    if caps and not caps.get("layer_cache", True):
+        shown.append("transformers-cache")
+    if caps and not caps.get("padding", True):
+        shown.append("no-padding")
+    return ",".join(shown)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -43,10 +47,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         desc = r["description"] if r["error"] is None else f"[failed to load] {r['error']}"
         caps = _caps(r["capabilities"])
-        if r["capabilities"] and not r["capabilities"].get("layer_cache", True):
-            caps = ",".join(filter(None, [caps, "transformers-cache"]))
-        if r["capabilities"] and not r["capabilities"].get("padding", True):
-            caps = ",".join(filter(None, [caps, "no-padding"]))
         caps = f"  [{caps}]" if caps else ""
         print(f"{r['name']:<{width}}  {r['distribution']:<{dwidth}}  {desc}{caps}")
     return 0
@@ -196,7 +196,7 @@ def run_summary(records: list[Record], out: str, suite_path: str) -> dict:
                 "workload": r.workload,
                 "metrics": r.metrics,
                 "flags": r.flags,
-                "path": str(Path(out) / f"{r.run_id}.json"),
+                "path": str(record_path(out, r.run_id)),
             }
             for r in records
         ],
@@ -241,8 +241,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError("--address and --max-parallel need --executor ray")
     check_output(out)
     args._out = out  # for the Ctrl-C message
-    from kvbench.bench.manifest import run_log
-
     try:
         with output_lock(out), run_log(out, suite.path) as logged:  # one --out, one run at once
             records = runner(
@@ -292,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    version = dist_version("kvbench") or "unknown (not installed)"
+    p.add_argument("--version", action="version", version=f"%(prog)s {version}")
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pl = sub.add_parser("list", help="registered methods")
@@ -360,15 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvbench")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def _interrupted(args: argparse.Namespace) -> str:
     out = getattr(args, "_out", None)
     if args.command != "run" or out is None:
@@ -395,8 +385,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvbench.bench.manifest import cli_argv
-
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
@@ -52,19 +54,11 @@ def describe_choices(choices: tuple[object, ...]) -> str:
     ints = [c for c in choices if type(c) is int]
     if not choices or len(ints) != len(choices):
         return repr(list(choices))
-    ints = sorted(set(ints))
-    runs: list[list[int]] = []
-    for v in ints:
-        if runs and v == runs[-1][-1] + 1:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
     parts: list[str] = []
-    for run in runs:
-        if len(run) >= 3:
-            parts.append(f"{run[0]}..{run[-1]}")
-        else:
-            parts += [str(v) for v in run]
+    # consecutive values share ``value - position``: one group per run of consecutive ints
+    for _, group in itertools.groupby(enumerate(sorted(set(ints))), lambda p: p[1] - p[0]):
+        run = [v for _, v in group]
+        parts += [f"{run[0]}..{run[-1]}"] if len(run) >= 3 else [str(v) for v in run]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
@@ -130,31 +124,23 @@ class Field:
     # ------------------------------------------------------------------ checking
     def _one(self, value: object) -> bool:
         k = self.kind
-        if k is int and (isinstance(value, bool) or not isinstance(value, int)):
+        if k is not None and not isinstance(value, int | float if k is float else k):
             return False
-        if k is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-            return False
-        if k is bool and not isinstance(value, bool):
-            return False
-        if k is str and not isinstance(value, str):
+        if k in (int, float) and isinstance(value, bool):
             return False
         if self.nonempty and isinstance(value, str) and not value:
             return False
         if self.choices is not None and not any(_same(value, c) for c in self.choices):
             return False
-        if self.low is not None or self.high is not None:
-            try:
-                if self.low is not None and not (
-                    value > self.low if self.low_open else value >= self.low  # type: ignore[operator]
-                ):
-                    return False
-                if self.high is not None and not (
-                    value < self.high if self.high_open else value <= self.high  # type: ignore[operator]
-                ):
-                    return False
-            except (TypeError, ValueError):  # not comparable, or an array's ambiguous truth
-                return False
-        return True
+        above = operator.gt if self.low_open else operator.ge
+        below = operator.lt if self.high_open else operator.le
+        try:
+            return bool(
+                (self.low is None or above(value, self.low))
+                and (self.high is None or below(value, self.high))
+            )
+        except (TypeError, ValueError):  # not comparable, or an array's ambiguous truth
+            return False
 
     def accepts(self, value: object) -> bool:
         """Whether ``value`` satisfies this rule."""
@@ -181,10 +167,8 @@ class Field:
             if self.nonempty:
                 noun = "non-empty " + noun
             rng = _bound(self.low, self.high, self.low_open, self.high_open)
-            if self.kind is int and rng.startswith("in ["):
-                lo, hi = self.low, self.high
-                if not (self.low_open or self.high_open):
-                    rng = f"{lo}..{hi}"
+            if self.kind is int and rng.startswith("in [") and not self.high_open:
+                rng = f"{self.low}..{self.high}"
             one = f"{noun} {rng}".strip()
         some = "a non-empty list" if self.min_items == 1 else "a list"
         if self.min_items > 1:

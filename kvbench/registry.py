@@ -1,22 +1,9 @@
 """The one registry type of kvbench: :class:`Registry` maps names to objects of one type ``T``.
 
-Every name-to-thing table in kvbench is a ``Registry``: methods (entry-point group
-``kvbench.methods``, :data:`kvbench.cache.registry.METHODS`), workload types (group
-``kvbench.workloads``, :data:`kvbench.bench.workloads.WORKLOADS`), attention backends
-(:data:`kvbench.attention.dispatch.BACKENDS`), texts and task sets
-(:data:`kvbench.data.catalog.TEXTS`, :data:`kvbench.data.catalog.ROWS`).
-
-Rules (docs/design.md#registries):
-
-* entry points are read when a name is first asked for, and loaded only when that name is used;
-* an object registered in code (``@registry.register("name")``) is known at once;
-* an unknown name raises :class:`UnknownName` (a ``ValueError``) with a "did you mean" and the
-  registered names (a registry of an entry-point group without kvbench's own entry points also
-  says that the install is broken);
-* a plugin that reuses a built-in's name is ignored with a warning naming both distributions;
-* two plugins with one name: using that name raises :class:`RegistryError` naming both;
-* a plugin that fails to import raises :class:`RegistryError` naming its distribution, and does
-  not break the other names.
+Every name-to-thing table of kvbench is a ``Registry``; the tables and the rules they follow
+(lazy entry points, "did you mean", built-in names winning over plugins, clashing or broken
+plugins) are in docs/design.md#registries.  An unknown name in the registry of an entry-point
+group without kvbench's own entry points also says that the install is broken.
 
 This module imports nothing else of kvbench, so every layer may use it.
 """
@@ -69,16 +56,11 @@ class Entry(Generic[T]):
         return self.dist in (BUILTIN_DIST, CODE_DIST)
 
 
-def did_you_mean(name: object, names: Iterable[str]) -> str:
-    """``"; did you mean 'a' or 'b'?"`` naming up to three close matches of ``name`` among
-    ``names``, or ``""`` when none is close."""
-    close = difflib.get_close_matches(str(name), list(names), n=3, cutoff=0.5)
+def did_you_mean(name: object, names: Iterable[str], n: int = 3, cutoff: float = 0.5) -> str:
+    """``"; did you mean 'a' or 'b'?"`` naming up to ``n`` close matches of ``name`` among
+    ``names`` (:func:`difflib.get_close_matches`), or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(name), list(names), n=n, cutoff=cutoff)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
-def _dist_name(ep: EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    return dist.metadata["Name"] if dist is not None else "<unknown>"
 
 
 class Registry(Generic[T]):
@@ -156,7 +138,9 @@ class Registry(Generic[T]):
         found: dict[str, Entry[T]] = {}
         seen: set[tuple[str, str, str]] = set()
         for ep in entry_points(group=self.group) if self.group else ():
-            dist = _dist_name(ep)
+            dist = (
+                ep.dist.metadata["Name"] if getattr(ep, "dist", None) is not None else "<unknown>"
+            )
             key = (ep.name, ep.value, dist)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue

@@ -16,14 +16,13 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvbench.bench.records import RecordError, write_jsonl_atomic
+from kvbench.bench.records import RecordError, utc_now, write_jsonl_atomic
 
 #: environment variable a wrapper sets to the command its user typed (the Makefile: ``make bench``)
 COMMAND_ENV = "KVBENCH_COMMAND"
@@ -35,23 +34,20 @@ RUN_LOG = "kvbench-run.jsonl"
 def git_sha() -> str:
     """The kvbench source tree's git commit (with ``+dirty`` if modified), or ``'unknown'``."""
     root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        return run.stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        sha, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
-def _version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or ``None`` when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -95,11 +91,6 @@ def loadavg() -> list[float] | None:
         return None
 
 
-def utc_now() -> str:
-    """The current time, UTC, ISO 8601 to the second (the form of a record's ``created``)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 _argv: list[str] | None = None
 
 
@@ -130,13 +121,13 @@ def invocation() -> dict[str, str]:
 def base_manifest(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """Everything a reader needs to reproduce a record, except model and data (added later)."""
     return {
-        "kvbench_version": _version("kvbench"),
+        "kvbench_version": dist_version("kvbench"),
         "git_sha": git_sha(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "triton": _version("triton"),
-        "datasets": _version("datasets"),
+        "transformers": dist_version("transformers"),
+        "triton": dist_version("triton"),
+        "datasets": dist_version("datasets"),
         "platform": platform.platform(),
         "device": str(device),
         "device_name": device_name(device),
@@ -171,19 +162,17 @@ def read_run_log(folder: str | Path) -> list[dict[str, Any]]:
 @contextmanager
 def run_log(out: str | Path, suite: str) -> Iterator[dict[str, Any]]:
     """Log one ``kvbench run`` of suite file ``suite`` into result folder ``out``: an entry of
-    ``<out>/kvbench-run.jsonl`` with ``suite``, ``command``, ``argv`` (:func:`invocation`),
-    ``kvbench_version``, ``git_sha``, ``cpu_model``, ``cpu_count``, ``started`` (UTC) and
-    ``loadavg_start``, written when the block starts (``status: "running"``) and rewritten when
-    it ends with ``ended``, ``wall_s``, ``loadavg_end`` and ``status`` (``finished``,
-    ``interrupted`` on Ctrl-C, ``failed`` on an exception).  The caller may add keys to the
-    yielded entry (``records``).  Earlier entries (a resumed sweep) are kept; the file is
-    rewritten atomically, under the caller's output lock."""
+    ``<out>/kvbench-run.jsonl`` (its fields: docs/design.md#run-log) written when the block
+    starts (``status: "running"``) and rewritten when it ends (``finished``, ``interrupted`` on
+    Ctrl-C, ``failed`` on an exception).  The caller may add keys to the yielded entry
+    (``records``).  Earlier entries (a resumed sweep) are kept; the file is rewritten
+    atomically, under the caller's output lock."""
     path = Path(out) / RUN_LOG
     earlier = read_run_log(out)
     entry: dict[str, Any] = {
         "suite": suite,
         **invocation(),
-        "kvbench_version": _version("kvbench"),
+        "kvbench_version": dist_version("kvbench"),
         "git_sha": git_sha(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),

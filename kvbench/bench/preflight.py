@@ -180,13 +180,9 @@ def _check_packages(suite: Any) -> list[MissingAsset]:
     for i, w in enumerate(suite.workloads):
         for module, pip in WORKLOAD_PACKAGES.get(w["type"], ()):
             if importlib.util.find_spec(module) is None:
-                item = out.setdefault(
-                    pip,
-                    MissingAsset(
-                        "package", pip, f"{module} is not installed", f"pip install --no-deps {pip}"
-                    ),
-                )
-                item.needed_by.append(f"workloads[{i}] ({w['type']})")
+                how = f"pip install --no-deps {pip}"
+                item = MissingAsset("package", pip, f"{module} is not installed", how)
+                out.setdefault(pip, item).needed_by.append(f"workloads[{i}] ({w['type']})")
     return list(out.values())
 
 

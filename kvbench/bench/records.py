@@ -1,15 +1,7 @@
-"""Result records: one JSON object per run, versioned, written atomically (docs/design.md#records).
+"""Result records: one JSON object per run, versioned, written atomically.
 
-Layout::
-
-    {"schema_version": 1, "run_id": "<16 hex>", "method": "kivi", "config": {...},
-     "model": {...}, "workload": {...}, "metrics": {"key_mse": ..., ...},
-     "per_layer": {...} | null, "manifest": {...}, "created": "ISO-8601"}
-
-``run_id`` hashes the model, method, config and workload, so a rerun of the same suite finds
-its record and skips the run (resume), and ``kvbench compare`` matches runs across result sets.
-:class:`Record` reads and writes that object: a record without ``schema_version`` is version 1,
-one newer than :data:`SCHEMA_VERSION` is refused.
+The fields, the run id (a hash of what defines the run: resume and ``kvbench compare`` match
+on it) and the schema versions read are in docs/design.md#records.
 """
 
 from __future__ import annotations
@@ -37,6 +29,11 @@ def canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def utc_now() -> str:
+    """The current time, UTC, ISO 8601 to the second (the form of a record's ``created``)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def make_run_id(model: dict, method: str, config: dict, workload: dict) -> str:
     """16-hex-digit hash of what defines a run (not of its results or its machine)."""
     text = canonical({"model": model, "method": method, "config": config, "workload": workload})
@@ -45,7 +42,8 @@ def make_run_id(model: dict, method: str, config: dict, workload: dict) -> str:
 
 @dataclass
 class Record:
-    """One run's result as read from and written to ``<run_id>.json`` (layout above).
+    """One run's result as read from and written to ``<run_id>.json``
+    (docs/design.md#record-fields).
 
     ``files`` are per-sample logs the runner writes beside the record (``<run_id>.<name>``,
     JSON Lines); they are not part of the record's JSON.
@@ -150,7 +148,7 @@ def new_record(
         metrics=metrics,
         per_layer=per_layer,
         manifest=manifest,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=utc_now(),
     )
 
 

@@ -146,14 +146,12 @@ def calibrated(
 
 
 def _ratios(metrics: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
-    if not base:
-        return {}
-    out = {}
-    for k, v in metrics.items():
-        b = base.get(k)
-        if b not in (None, 0) and not k.endswith("_ratio") and "_ci_" not in k:
-            out[f"{k}_ratio"] = v / b
-    return out
+    base = base or {}
+    return {
+        f"{k}_ratio": v / base[k]
+        for k, v in metrics.items()
+        if base.get(k) not in (None, 0) and not k.endswith("_ratio") and "_ci_" not in k
+    }
 
 
 def skip_reason(method: Method, workload: Workload) -> str | None:
@@ -165,10 +163,6 @@ def skip_reason(method: Method, workload: Workload) -> str | None:
             "transformers cache (capabilities.layer_cache=False)"
         )
     return method.unavailable_reason()
-
-
-def _ordered(methods: list[MethodSpec]) -> list[MethodSpec]:
-    return sorted(methods, key=lambda m: m.name != BASELINE)
 
 
 @dataclass(frozen=True)
@@ -207,7 +201,7 @@ def plan_runs(suite: Suite, out_dir: str | Path, limit: int | None = None) -> li
     for mi, model_spec in enumerate(suite.models):
         for wi, wspec in enumerate(suite.workloads):
             wl_key = dict(wspec, limit=limit) if limit else wspec
-            for mspec in _ordered(suite.methods):
+            for mspec in sorted(suite.methods, key=lambda m: m.name != BASELINE):
                 config = get_method(mspec.name, **mspec.config).config.to_dict()
                 rid = make_run_id(model_spec or {}, mspec.name, config, wl_key)
                 path = record_path(out_dir, rid)
@@ -272,31 +266,6 @@ def execute_run(
     return metrics, extras, result, method
 
 
-def make_record(
-    suite: Suite,
-    ctx: RunContext,
-    run: PlannedRun,
-    method: Method,
-    metrics: dict[str, float],
-    extras: dict[str, Any],
-    result: Result,
-) -> Record:
-    """The JSON record of one finished run (config, metrics, manifest, per-layer data)."""
-    manifest = base_manifest(run.model_spec["device"] if run.model_spec else "cpu", suite.seed)
-    manifest.update({"model": ctx.model_info, "suite": suite.path, **extras})
-    rec = new_record(
-        method=run.method.name,
-        config=method.config.to_dict(),
-        model=run.model_spec or {},
-        workload=run.workload_key,
-        metrics=metrics,
-        manifest=manifest,
-        per_layer=result.per_layer,
-    )
-    rec.run_id = run.run_id
-    return rec
-
-
 def group_by_model(runs: list[PlannedRun]) -> list[list[PlannedRun]]:
     """``runs`` (in :func:`plan_runs` order) split into one list per model: the unit that shares
     a loaded model (one :class:`RunContext` locally, one worker per device on a cluster)."""
@@ -319,12 +288,13 @@ def compute_record(
     threads: int | None = None,
 ) -> Record:
     """One run in a prepared workload, from a fresh ``torch.manual_seed(suite.seed)``:
-    :func:`execute_run` then :func:`make_record`.  The record depends on the run alone, not on
-    its position in the sweep, so a resumed or distributed sweep gives the same records.
-    A ``ValueError`` of the run is re-raised naming the suite entry and workload; a run whose
-    method quantized (almost) nothing carries a flag (:func:`quantized_flag`).  The manifest
-    gets the load average just before and after the run (``loadavg_start``, ``loadavg_end``:
-    1, 5 and 15 minutes), so a reader sees what else the machine was doing."""
+    :func:`execute_run`, then its JSON record (config, metrics, manifest, per-layer data).  The
+    record depends on the run alone, not on its position in the sweep, so a resumed or
+    distributed sweep gives the same records.  A ``ValueError`` of the run is re-raised naming
+    the suite entry and workload; a run whose method quantized (almost) nothing carries a flag
+    (:func:`quantized_flag`).  The manifest gets the load average just before and after the run
+    (``loadavg_start``, ``loadavg_end``: 1, 5 and 15 minutes), so a reader sees what else the
+    machine was doing."""
     torch.manual_seed(suite.seed)
     load_start = loadavg()
     try:
@@ -342,7 +312,18 @@ def compute_record(
     flag = quantized_flag(run, metrics)
     if flag:
         extras["flags"] = [flag]
-    rec = make_record(suite, ctx, run, method, metrics, extras, result)
+    manifest = base_manifest(run.model_spec["device"] if run.model_spec else "cpu", suite.seed)
+    manifest.update({"model": ctx.model_info, "suite": suite.path, **extras})
+    rec = new_record(
+        method=run.method.name,
+        config=method.config.to_dict(),
+        model=run.model_spec or {},
+        workload=run.workload_key,
+        metrics=metrics,
+        manifest=manifest,
+        per_layer=result.per_layer,
+    )
+    rec.run_id = run.run_id
     rec.files = dict(result.files)  # per-sample logs, written beside the record by write_run
     return rec
 
@@ -440,7 +421,7 @@ def run_suite(
 
     The steps: :func:`plan_runs` (ids and paths, no model), then per model and workload:
     :func:`finished_record` (resume), :func:`ensure_model`, ``workload.prepare`` once,
-    :func:`execute_run`, :func:`make_record`, and an atomic write.
+    :func:`compute_record` and :func:`write_run`.
 
     ``skip_unavailable``: a workload whose data cannot be loaded here (``FileNotFoundError``
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr

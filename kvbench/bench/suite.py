@@ -14,10 +14,8 @@ Example::
       - {type: fidelity, text: essays, tokens: 1024, prefill: 512}
     resources: {num_cpus: 1, num_gpus: 1}   # per worker under --executor ray (docs/cluster.md)
 
-``models:`` (a list) may replace ``model:``; ``model: none`` runs model-free workloads.
-``calibration: {text, tokens}`` is the text methods with ``needs_calibration`` are fitted on.
-Errors name the file, the entry (``methods[2] (kivi[bits=9])``, ``workloads[1] (fidelity)``),
-the field and the allowed values (:mod:`kvbench.bench.validate`).
+The keys (``models:``, ``model: none``, ``calibration:``), the sweep expansion and the errors
+(checks in :mod:`kvbench.bench.validate`) are in docs/design.md#suites-and-workloads.
 """
 
 from __future__ import annotations
@@ -96,28 +94,25 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
     for depth, k in enumerate(keys):
         here = ".".join(keys[: depth + 1])
         last = depth == len(keys) - 1
+        key: Any = k
         if isinstance(cur, list):
             if not k.lstrip("-").isdigit() or not -len(cur) <= int(k) < len(cur):
                 raise ValueError(
                     f"--set {dotted}: {'.'.join(keys[:depth]) or 'the suite'} has "
                     f"{len(cur)} entries (indices 0..{len(cur) - 1}); {here!r} does not exist"
                 )
-            if last:
-                cur[int(k)] = value
-            else:
-                cur = cur[int(k)]
-        elif isinstance(cur, dict):
-            if last:
-                cur[k] = value
-            else:
-                if cur.get(k) is None:
-                    cur[k] = {}
-                cur = cur[k]
-        else:
+            key = int(k)
+        elif not isinstance(cur, dict):
             raise ValueError(
                 f"--set {dotted}: {'.'.join(keys[:depth])!r} is {cur!r}, not a mapping or a "
                 f"list, so {here!r} does not exist"
             )
+        elif not last and cur.get(k) is None:
+            cur[k] = {}
+        if last:
+            cur[key] = value
+        else:
+            cur = cur[key]
 
 
 def _expand(config: dict[str, Any], keep: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -226,7 +221,6 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
             "{name, config, label} mappings (`kvbench list` shows the names)"
         )
     methods: list[MethodSpec] = []
-    labels: list[tuple[str, str]] = []
     for i, entry in enumerate(methods_raw):
         where = f"{path}: methods[{i}]"
         if isinstance(entry, str):
@@ -251,9 +245,8 @@ def parse_suite(data: dict[str, Any], path: str = "<suite>") -> Suite:
                 cls(cls.Config.from_dict(cfg))
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{where} ({label}): {exc}") from None
-            labels.append((f"methods[{i}]", label))
             methods.append(MethodSpec(entry["name"], cfg, label, f"methods[{i}]"))
-    validate.check_labels(labels, path)
+    validate.check_labels([(m.where, m.label) for m in methods], path)
     workloads_raw = data.get("workloads")
     if not isinstance(workloads_raw, list) or not workloads_raw:
         raise ValueError(f"{path}: 'workloads' must be a non-empty list of {{type: ...}} mappings")

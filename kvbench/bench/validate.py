@@ -9,7 +9,6 @@ by the pre-flight of assets, not here.
 
 from __future__ import annotations
 
-import difflib
 import os
 import tempfile
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from typing import Any
 
 from kvbench import fields as kf
 from kvbench.fields import Field
+from kvbench.registry import did_you_mean
 
 #: model dtypes the loaders accept
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -29,12 +29,6 @@ MODEL_FIELDS = {
 }
 
 
-def close_matches(word: Any, allowed: list[str]) -> str:
-    """``"; did you mean 'x'?"`` for a near miss of ``word`` among ``allowed``, else ``""``."""
-    near = difflib.get_close_matches(str(word), allowed, n=2, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
-
-
 def check_keys(entry: dict[str, Any], allowed: Iterable[str], where: str, kind: str = "") -> None:
     """``ValueError`` ``"<where>: unknown <kind> key(s) [...]; allowed: [...]"`` (with "did you
     mean") when ``entry`` has a key outside ``allowed``."""
@@ -43,7 +37,7 @@ def check_keys(entry: dict[str, Any], allowed: Iterable[str], where: str, kind: 
     if unknown:
         raise ValueError(
             f"{where}: unknown {kind + ' ' if kind else ''}key(s) {unknown}; allowed: {names}"
-            + close_matches(unknown[0], names)
+            + did_you_mean(unknown[0], names, n=2, cutoff=0.6)
         )
 
 
@@ -135,7 +129,7 @@ def check_model(model: dict[str, Any], where: str) -> None:
     dtype = MODEL_FIELDS["dtype"]
     if not dtype.accepts(model["dtype"]):
         msg = kf.message(where, "dtype", model["dtype"], dtype.allowed())
-        raise ValueError(msg + close_matches(model["dtype"], list(MODEL_DTYPES)))
+        raise ValueError(msg + did_you_mean(model["dtype"], MODEL_DTYPES, n=2, cutoff=0.6))
     MODEL_FIELDS["device"].check(model["device"], "device", where)
 
 

@@ -189,18 +189,14 @@ def ascii_digits(text: str) -> str:
     )
 
 
-def _check_lang(lang: str) -> None:
-    if lang not in MGSM_ANSWER_REGEX:
-        raise ValueError(f"lang must be one of {list(MGSM_LANGUAGES)}, got {lang!r}")
-
-
 def mgsm_strict(completion: str, lang: str) -> str:
     """MGSM native-CoT ``strict-match`` for ``lang`` (first match), else ``"[invalid]"``.
 
     Non-ASCII decimal digits are mapped to ASCII first (the harness regexes only see
     ``[0-9]``; this is kvbench's only deviation).
     """
-    _check_lang(lang)
+    if lang not in MGSM_ANSWER_REGEX:
+        raise ValueError(f"lang must be one of {list(MGSM_LANGUAGES)}, got {lang!r}")
     return regex_filter(ascii_digits(completion), MGSM_ANSWER_REGEX[lang])
 
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvbench.data.catalog import CALIBRATION_ESSAYS
 
@@ -109,6 +110,22 @@ class Placement:
     prompt: str
     spans: list[tuple[int, int]]
     n_tokens: int
+
+    def example(
+        self, task: str, seed: int, depth: float | None, answers: list[str], needles: list[str]
+    ) -> dict[str, Any]:
+        """The task example of this prompt (its keys: :mod:`kvbench.bench.tasks.synthetic`)."""
+        return {
+            "task": task,
+            "prompt": self.prompt,
+            "answers": answers,
+            "needle_token_positions": [s for s, _ in self.spans],
+            "needle_token_spans": [list(s) for s in self.spans],
+            "needles": needles,
+            "context_tokens": self.n_tokens,
+            "depth": depth,
+            "seed": seed,
+        }
 
 
 def _fill(tok: TokenizerLike, sents: Sequence[str], budget: int) -> tuple[list[str], list[int]]:

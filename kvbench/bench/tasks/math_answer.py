@@ -42,15 +42,14 @@ def last_boxed(text: str) -> str | None:
     rest = text[idx + len(cmd) :].lstrip(" ")
     if not rest.startswith("{"):
         return rest.split("$")[0].strip() or None
-    start = 0
     depth = 0
-    for i in range(start, len(rest)):
-        if rest[i] == "{":
+    for i, ch in enumerate(rest):
+        if ch == "{":
             depth += 1
-        elif rest[i] == "}":
+        elif ch == "}":
             depth -= 1
             if depth == 0:
-                return rest[start + 1 : i]
+                return rest[1:i]
     return None
 
 
@@ -82,11 +81,10 @@ def _fix_a_slash_b(s: str) -> str:
 def _unwrap_text(s: str) -> str:
     """``\\text{abc}`` -> ``abc`` (also ``\\textbf``, ``\\mbox``, ``\\mathrm``), innermost first."""
     pattern = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf)\{([^{}]*)\}")
-    while True:
-        new = pattern.sub(r"\1", s)
-        if new == s:
-            return s
-        s = new
+    changed = 1
+    while changed:
+        s, changed = pattern.subn(r"\1", s)
+    return s
 
 
 def strip_math(answer: str) -> str:
@@ -163,10 +161,6 @@ def to_fraction(answer: str) -> Fraction | None:
     ----------
     answer : str
         Raw or normalized answer.
-
-    Returns
-    -------
-    fractions.Fraction or None
     """
     s = strip_math(answer)
     sign = 1
@@ -195,10 +189,6 @@ def is_equiv(pred: str | None, gold: str | None) -> bool:
         Extracted prediction (e.g. from :func:`extract_math_answer`); ``None`` is never equal.
     gold : str or None
         Reference answer.
-
-    Returns
-    -------
-    bool
     """
     if pred is None or gold is None:
         return False
@@ -222,10 +212,6 @@ def extract_math_answer(completion: str) -> str | None:
     ----------
     completion : str
         Model output.
-
-    Returns
-    -------
-    str or None
     """
     boxed = last_boxed(completion)
     if boxed is not None:

@@ -30,14 +30,13 @@ from typing import Any
 
 from kvbench.registry import Registry
 
-from .haystack import Placement, build_haystack_prompt, word_list
+from .haystack import build_haystack_prompt, word_list
 from .tokens import TokenizerLike
 from .words import common_words, frequent_words
 
 __all__ = [
     "TASKS",
     "generate",
-    "generate_examples",
     "niah_single",
     "niah_multikey",
     "niah_multivalue",
@@ -71,22 +70,6 @@ def _numbers(rng: random.Random, n: int, low: int = 1_000_000, high: int = 9_999
 def _depths(rng: random.Random, depth: float | None, n: int) -> tuple[float, list[float]]:
     first = rng.random() if depth is None else float(depth)
     return first, [first] + [rng.random() for _ in range(n - 1)]
-
-
-def _example(
-    task: str, seed: int, depth: float, answers: list[str], needles: list[str], p: Placement
-) -> dict[str, Any]:
-    return {
-        "task": task,
-        "prompt": p.prompt,
-        "answers": answers,
-        "needle_token_positions": [s for s, _ in p.spans],
-        "needle_token_spans": [list(s) for s in p.spans],
-        "needles": needles,
-        "context_tokens": p.n_tokens,
-        "depth": depth,
-        "seed": seed,
-    }
 
 
 def niah_single(
@@ -143,7 +126,7 @@ def niah_single(
         haystack=haystack,
         wrap=wrap,
     )
-    return _example("niah_single", seed, d, [key], needles, p)
+    return p.example("niah_single", seed, d, [key], needles)
 
 
 def _niah(
@@ -165,14 +148,8 @@ def _niah(
     answers = [v for k, v in pairs if k in asked]
     d, depths = _depths(rng, depth, len(pairs))
     needles = [_MAGIC.format(key=k, value=v) for k, v in pairs]
-    if n_values > 1:
-        tail = (
-            f"\nWhat are all the special magic numbers for {asked[0]} mentioned in the "
-            f"provided text? The special magic numbers for {asked[0]} mentioned in the "
-            "provided text are"
-        )
-    elif n_queries > 1:
-        query = ", ".join(asked[:-1]) + ", and " + asked[-1]
+    if n_values > 1 or n_queries > 1:
+        query = asked[0] if n_values > 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
         tail = (
             f"\nWhat are all the special magic numbers for {query} mentioned in the "
             f"provided text? The special magic numbers for {query} mentioned in the "
@@ -184,7 +161,7 @@ def _niah(
             f"text? The special magic number for {asked[0]} mentioned in the provided text is"
         )
     p = build_haystack_prompt(tokenizer, length, _NIAH_HEAD, tail, needles, depths, **kw)
-    return _example(task, seed, d, answers, needles, p)
+    return p.example(task, seed, d, answers, needles)
 
 
 def niah_multikey(
@@ -276,7 +253,7 @@ def variable_tracking(
         f"{num_hops + 1} variables are assigned the value {values[0]}, they are:"
     )
     p = build_haystack_prompt(tokenizer, length, head, tail, needles, depths, **kw)
-    return _example("vt", seed, d, answers, needles, p)
+    return p.example("vt", seed, d, answers, needles)
 
 
 #: task name -> its generator ``(tokenizer, length, seed=..., **kwargs) -> example``
@@ -300,18 +277,6 @@ def generate(
 
     Raises :class:`kvbench.registry.UnknownName` (a ``ValueError``) for an unknown task."""
     return TASKS.get(task)(tokenizer, length, seed=seed, **kwargs)
-
-
-def generate_examples(
-    task: str,
-    tokenizer: TokenizerLike,
-    length: int,
-    num_examples: int,
-    seed: int = 0,
-    **kwargs: Any,
-) -> list[dict[str, Any]]:
-    """``num_examples`` examples with seeds ``seed, seed + 1, ...``."""
-    return [generate(task, tokenizer, length, seed + i, **kwargs) for i in range(num_examples)]
 
 
 def score(prediction: str, answers: Sequence[str]) -> float:

@@ -63,12 +63,7 @@ def count_many(tokenizer: TokenizerLike, texts: Sequence[str]) -> list[int]:
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def token_spans(
@@ -81,8 +76,6 @@ def token_spans(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
-    text : str
     char_spans : sequence of (int, int)
         Character ranges ``[a, b)`` of ``text``.
 

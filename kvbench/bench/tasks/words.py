@@ -10,7 +10,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from .haystack import word_list
+from .haystack import Placement, word_list
 from .tokens import TokenizerLike, count_tokens
 
 __all__ = ["common_words", "frequent_words"]
@@ -18,36 +18,21 @@ __all__ = ["common_words", "frequent_words"]
 _NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 10: "ten"}
 
 
-def _example(
-    task: str, tokenizer: TokenizerLike, prompt: str, answers: list[str], seed: int
-) -> dict[str, Any]:
-    return {
-        "task": task,
-        "prompt": prompt,
-        "answers": answers,
-        "needle_token_positions": [],
-        "needle_token_spans": [],
-        "needles": [],
-        "context_tokens": count_tokens(tokenizer, prompt),
-        "depth": None,
-        "seed": seed,
-    }
-
-
 def _fit(
     build: Callable[[int], str], tokenizer: TokenizerLike, length: int, hi: int
-) -> tuple[int, str]:
+) -> tuple[int, Placement]:
     """The largest ``n`` in [0, hi] whose prompt fits ``length`` tokens, and that prompt."""
-    lo = 0
     if count_tokens(tokenizer, build(0)) > length:
         raise ValueError(f"length={length} is too small for this task's fixed part")
+    lo = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if count_tokens(tokenizer, build(mid)) <= length:
             lo = mid
         else:
             hi = mid - 1
-    return lo, build(lo)
+    prompt = build(lo)
+    return lo, Placement(prompt, [], count_tokens(tokenizer, prompt))
 
 
 def common_words(
@@ -70,12 +55,8 @@ def common_words(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
     length : int
         Maximum prompt length in tokens.
-    seed : int
-    num_common : int
-    freq_common, freq_uncommon : int, optional
     wrap : (str, str)
         Text around the prompt (e.g. a chat template), counted in ``length``.
 
@@ -108,8 +89,8 @@ def common_words(
         listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
         return wrap[0] + head + listing + tail + wrap[1]
 
-    _, prompt = _fit(build, tokenizer, length, len(rare))
-    return _example("cwe", tokenizer, prompt, common, seed)
+    _, p = _fit(build, tokenizer, length, len(rare))
+    return p.example("cwe", seed, None, common, [])
 
 
 def frequent_words(
@@ -131,15 +112,10 @@ def frequent_words(
 
     Parameters
     ----------
-    tokenizer : TokenizerLike
     length : int
         Maximum prompt length in tokens.
-    seed : int
-    num_answers : int
     alpha : float
         Zipf exponent (RULER: 2.0; lower is harder).
-    vocab_size : int
-    wrap : (str, str)
 
     Returns
     -------
@@ -169,8 +145,8 @@ def frequent_words(
         random.Random(seed + 1).shuffle(words)
         return wrap[0] + head + " ".join(words) + tail + wrap[1]
 
-    scale, prompt = _fit(build, tokenizer, length, 4 * length)
+    scale, p = _fit(build, tokenizer, length, 4 * length)
     cnt = counts(scale)
     if len(cnt) <= num_answers or not all(cnt[i] > cnt[i + 1] for i in range(num_answers)):
         raise ValueError(f"length={length} is too small for {num_answers} distinct top counts")
-    return _example("fwe", tokenizer, prompt, vocab[:num_answers], seed)
+    return p.example("fwe", seed, None, vocab[:num_answers], [])
