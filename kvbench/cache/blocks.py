@@ -53,6 +53,27 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def expand_groups(t: torch.Tensor, group_len: list[int]) -> torch.Tensor:
+    """Per-group metadata ``[B, H, NG, X]`` -> per token ``[B, H, sum(group_len), X]``."""
+    if all(g == 1 for g in group_len):
+        return t
+    if all(g == group_len[0] for g in group_len):
+        return t.repeat_interleave(group_len[0], dim=2)
+    return t.repeat_interleave(torch.tensor(group_len, device=t.device), dim=2)
+
+
+def crop_groups(group_len: list[int], n: int) -> list[int]:
+    """The token groups left of ``group_len`` when only the first ``n`` tokens are kept (a
+    group cut in two keeps its start)."""
+    lens, total = [], 0
+    for g in group_len:
+        if total >= n:
+            break
+        lens.append(min(g, n - total))
+        total += lens[-1]
+    return lens
+
+
 @runtime_checkable
 class Block(Protocol):
     """What a cache side stores for its quantized tokens.
@@ -123,22 +144,12 @@ class AffineBlock:
         """Codes ``[B, H_kv, n, D]`` (uint8 or int32)."""
         return unpack_bits(self.codes, self.bits, self.head_dim)
 
-    def expanded(self, t: torch.Tensor) -> torch.Tensor:
-        """Expand per-group metadata ``[., ., NG, Dg]`` to per token ``[., ., n, Dg]``."""
-        if len(self.group_len) == self.ntokens:
-            return t
-        lens = self.group_len
-        if all(g == lens[0] for g in lens):
-            return t.repeat_interleave(lens[0], dim=2)
-        idx = torch.tensor(lens, device=t.device)
-        return t.repeat_interleave(idx, dim=2)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         c = self.unpacked_codes()
         b, h, n, d = c.shape
         dg = self.scale.shape[-1]
-        s = self.expanded(self.scale).unsqueeze(-1)
-        z = None if self.zero is None else self.expanded(self.zero).unsqueeze(-1)
+        s = expand_groups(self.scale, self.group_len).unsqueeze(-1)
+        z = None if self.zero is None else expand_groups(self.zero, self.group_len).unsqueeze(-1)
         c = c.reshape(b, h, n, dg, d // dg)
         x = dequantize_groups(
             c, s, z, self.bits, symmetric=self.symmetric, midpoint=self.midpoint, dtype=dtype
@@ -150,26 +161,14 @@ class AffineBlock:
         return out if self.zero is None else [*out, ("scales", self.zero)]
 
     def cat(self, other: AffineBlock) -> AffineBlock:
-        if (other.bits, other.symmetric, other.midpoint, other.scale.shape[-1]) != (
-            self.bits,
-            self.symmetric,
-            self.midpoint,
-            self.scale.shape[-1],
-        ):
-            raise ValueError("cannot concatenate blocks of different quantizer settings")
-        return replace(
-            self,
-            codes=torch.cat([self.codes, other.codes], dim=2),
-            scale=torch.cat([self.scale, other.scale], dim=2),
-            zero=None if self.zero is None else torch.cat([self.zero, other.zero], dim=2),
-            group_len=self.group_len + other.group_len,
-        )
+        return AffineBlock.join([self, other])
 
     @staticmethod
     def join(parts: list[AffineBlock]) -> AffineBlock:
         """One block of ``parts`` (consecutive runs of tokens with one quantizer setting, e.g.
         the chunks of one encode) in one concatenation per tensor (:meth:`cat` pairwise would
-        copy the first parts again for every later one)."""
+        copy the first parts again for every later one).  Raises ``ValueError`` when the
+        quantizer settings differ."""
         if len(parts) == 1:
             return parts[0]
         p0 = parts[0]
@@ -192,14 +191,8 @@ class AffineBlock:
 
     def crop(self, n: int) -> AffineBlock:
         """Keep the first ``n`` tokens; a group cut in two keeps its (scale, zero)."""
-        lens, kept, total = [], 0, 0
-        for g in self.group_len:
-            if total >= n:
-                break
-            take = min(g, n - total)
-            lens.append(take)
-            total += take
-            kept += 1
+        lens = crop_groups(self.group_len, n)
+        kept = len(lens)
         return replace(
             self,
             codes=own_storage(self.codes[:, :, :n]),
