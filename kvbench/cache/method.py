@@ -117,6 +117,13 @@ class MethodConfig:
     def from_dict(cls, values: dict[str, Any], where: str = "") -> MethodConfig:
         """Build from a mapping; unknown keys raise ``ValueError`` naming them and the allowed
         fields (``where`` is prefixed, e.g. a suite file name)."""
+        cls.check_names(values, where)
+        return cls(**values)
+
+    @classmethod
+    def check_names(cls, values: Mapping[str, Any], where: str = "") -> None:
+        """Raise the ``ValueError`` of :meth:`from_dict` for keys of ``values`` that are not
+        fields."""
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
@@ -124,7 +131,6 @@ class MethodConfig:
             raise ValueError(
                 f"{pre}unknown config field(s) {unknown} for {cls.__name__}; allowed: {allowed}"
             )
-        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict, without those of :attr:`omitted_defaults` at their default."""
@@ -266,13 +272,7 @@ class Method:
         if config is None:
             config = self.Config.from_dict(overrides)
         elif overrides:
-            allowed = [f.name for f in fields(config)]
-            unknown = sorted(set(overrides) - set(allowed))
-            if unknown:  # dataclasses.replace would raise a bare TypeError
-                raise ValueError(
-                    f"unknown config field(s) {unknown} for {type(config).__name__}; "
-                    f"allowed: {allowed}"
-                )
+            type(config).check_names(overrides)  # replace() would raise a bare TypeError
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.Config):
             raise ValueError(
@@ -460,10 +460,8 @@ class Method:
         ns = getattr(self.config, "num_sink_tokens", 0)
         kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
         return {
-            "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
-            "value_bits": average_bits(
-                vt["b_eff"], vt["m_q"], vt["group"], ns, tokens, vt["m_sal"]
-            ),
+            "key_bits": average_bits(**kt, n_sink=ns, tokens=tokens),
+            "value_bits": average_bits(**vt, n_sink=ns, tokens=tokens),
             "key_terms": kt,
             "value_terms": vt,
             "num_sink_tokens": ns,
