@@ -1,22 +1,10 @@
-"""Stored quantized token blocks and the codecs that make them.
+"""Stored quantized token blocks and the codecs that make them (docs/design.md#codec-and-block).
 
-A *codec* turns a run of full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes
-plus the metadata needed to dequantize them.  Blocks of one cache side (keys or values) are
-concatenated along the token axis as the cache flushes.  A block holds only what a real cache
-stores (packed codes, scales/zeros, saliency metadata), never a full-precision copy, and
-``nbytes()`` sums those tensors.
-
-Geometry of an :class:`AffineBlock`: every (scale, zero) covers a rectangle of
-``group_len[g]`` consecutive tokens x ``D // Dg`` consecutive channels:
-
-==============================  ======================  =================
-codec                            tokens per group        channel groups Dg
-==============================  ======================  =================
-:class:`PerChannelCodec` (KIVI)  ``group_size`` (G)      D (one per channel)
-:class:`PerTokenCodec`           1                       D / value_group_size
-:class:`PerHeadCodec`            the whole flush         1
-:class:`PerTensorCodec`          the whole flush         1, shared by B and H
-==============================  ======================  =================
+A *codec* turns full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes plus the
+metadata needed to dequantize them, never a full-precision copy (``nbytes()`` sums what blocks
+hold); blocks of one side are concatenated along the token axis as the cache flushes.  In an
+:class:`AffineBlock` every (scale, zero) covers ``group_len[g]`` consecutive tokens x
+``D // Dg`` consecutive channels; each codec's rectangle is in that section's table.
 """
 
 from __future__ import annotations
@@ -378,13 +366,18 @@ class PerTokenCodec(AffineCodec):
 
     channel_group: int = 128
 
+    def _group(self, head_dim: int) -> int:
+        """``channel_group``; raises ``ValueError`` unless it divides ``head_dim``."""
+        if head_dim % self.channel_group:
+            raise ValueError(
+                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
+                f"choose a divisor of {head_dim}"
+            )
+        return self.channel_group
+
     def encode(self, x: torch.Tensor) -> AffineBlock:
         b, h, n, d = x.shape
-        cg = self.channel_group
-        if d % cg:
-            raise ValueError(
-                f"value_group_size={cg} does not divide head_dim={d}; choose a divisor of {d}"
-            )
+        cg = self._group(d)
         fast = self._native(x, 1, cg, [1] * n)
         if fast is not None:
             return fast
@@ -396,12 +389,7 @@ class PerTokenCodec(AffineCodec):
     def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
         """One (scale, zero) per token per ``channel_group`` channels.  Raises ``ValueError`` if
         ``channel_group`` does not divide ``head_dim``."""
-        if head_dim % self.channel_group:
-            raise ValueError(
-                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
-                f"choose a divisor of {head_dim}"
-            )
-        return self._layout(head_dim, 1, self.channel_group)
+        return self._layout(head_dim, 1, self._group(head_dim))
 
 
 @dataclass

@@ -12,27 +12,18 @@ whoever finishes the step).
 
 Attention (:meth:`LayerCache.attend`) is computed by :func:`kvbench.attention.dispatch.attend`,
 called directly; the dispatch reads the cache through its public attributes and never imports
-this module, so there is no import cycle.  A subclass whose reads differ from its stored parts
-(sinks, blocks, residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
-the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
-reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores tokens by the
-attention they receive (SemKV) sets ``observes_attention`` and implements
-:meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
-(code-domain, reference) calls it; whole-cache fused backends decline.
+this module, so there is no import cycle.  ``reads_transformed`` (on the cache or a
+:class:`Side`) and ``observes_attention`` are the flags of docs/design.md#layer-cache.
 
-Rotation (docs/design.md#rotation, :mod:`kvbench.cache.rotation`): a layer whose ``rotation``
-is set (``Method.new_layer`` sets it from the config) rotates keys and values before anything is
-stored (prefill, append, each row of a padded batch) and the prefill queries it hands to the
-codecs; :meth:`LayerCache.attend` rotates the query and rotates the output back, and
-:meth:`LayerCache.keys_values` returns keys and values rotated back.  While :meth:`attend` runs,
-``keys_values`` returns the stored (rotated) space, so the backends, the reference path
-included, pair the rotated query with the stored keys.  Nothing of the rotation is stored.
+Rotation (docs/design.md#rotation, :mod:`kvbench.cache.rotation`): a layer whose ``rotation`` is
+set rotates what it stores and the prefill queries; :meth:`LayerCache.attend` rotates the query
+and the output back, and :meth:`LayerCache.keys_values` returns the stored (rotated) space while
+:meth:`LayerCache.attend` runs, else keys and values rotated back.
 
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
-one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so that a
-row's codes never depend on its padding.  Every public operation then dispatches to those rows,
-also the overrides of a subclass (:data:`ROW_DISPATCH`, wrapped in the base class and by
-``__init_subclass__``).
+one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
+public operation then dispatches to those rows, also the overrides of a subclass
+(:data:`ROW_DISPATCH`, wrapped in the base class and by ``__init_subclass__``).
 """
 
 from __future__ import annotations
@@ -486,8 +477,7 @@ class LayerCache:
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat each batch row ``repeats`` times (``batch_repeat_interleave``)."""
-        b = self.batch_size
-        self.index_batch(torch.arange(b).repeat_interleave(repeats))
+        self.index_batch(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     @property
     def batch_size(self) -> int:

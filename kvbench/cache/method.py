@@ -71,17 +71,10 @@ class MethodConfig:
     subclass adds its cross-field rules after ``super().__post_init__()`` and raises them through
     :meth:`reject`.
 
-    Every method has the rotation fields (keyword-only; docs/design.md#rotation, applied by
-    the layer cache, :mod:`kvbench.cache.rotation`): ``rotation`` ``none`` | ``hadamard``,
-    ``rotation_block`` (64, llama.cpp's; a power of two dividing head_dim, checked by
-    ``new_layer``), ``rotation_seed`` (``None``: plain Walsh-Hadamard; an int: seeded random
-    signs, QuaRot arXiv:2404.00456).  The two others are refused unless ``rotation`` is
-    ``hadamard``.
-
-    ``prefill_attention`` (keyword-only): how the method is deployed at prefill
-    (:data:`PREFILL_ATTENTION`), honoured by kvbench's transformers attention function
-    (:mod:`kvbench.hf.attention`): ``full`` (default: the prompt attends in full precision, then
-    is stored) or ``stored`` (the prompt attends to the stored cache: llama.cpp).
+    Every method has the keyword-only rotation fields ``rotation``, ``rotation_block`` and
+    ``rotation_seed`` (docs/methods.md#rotation; QuaRot arXiv:2404.00456), applied by the layer
+    cache (:mod:`kvbench.cache.rotation`), and ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
+    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`).
     """
 
     _: KW_ONLY
@@ -414,10 +407,6 @@ class Method:
         return None
 
     # ----------------------------------------------------------- bit budget
-    def _flush_tokens(self) -> int:
-        """Tokens per flush for codecs whose group is a whole flush (R, at least 1)."""
-        return max(getattr(self.config, "residual_length", 1), 1)
-
     def _codec_layout(self, codec: Any, side: str, head_dim: int) -> BlockLayout:
         if codec is None:
             return BlockLayout.full_precision(head_dim)
@@ -427,7 +416,8 @@ class Method:
                 f"layout(head_dim, flush_tokens) to derive the nominal bits from; implement it "
                 f"(kvbench.cache.layout, docs/design.md#stored-layouts) or override {side}_layout()"
             )
-        return codec.layout(head_dim, self._flush_tokens())
+        # tokens per flush, for codecs whose group is a whole flush: R, at least 1
+        return codec.layout(head_dim, max(getattr(self.config, "residual_length", 1), 1))
 
     def key_layout(self, head_dim: int) -> BlockLayout:
         """What a key block stores for ``head_dim`` channels (:class:`~kvbench.cache.layout.BlockLayout`).
