@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -97,11 +97,10 @@ def named_layers(new_layer: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         layer = new_layer(self, *args, **kwargs)
         idx = args[0] if args else kwargs.get("layer_idx")
-        try:
+        # a cache with __slots__ has no layer_idx: messages then say "a layer cache"
+        with suppress(AttributeError):
             if getattr(layer, "layer_idx", None) is None:
                 layer.layer_idx = idx
-        except AttributeError:  # a cache with __slots__: messages then say "a layer cache"
-            pass
         return layer
 
     wrapper._names_layers = True  # type: ignore[attr-defined]

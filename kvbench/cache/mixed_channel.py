@@ -7,9 +7,8 @@ is the first entry of ``class_bits`` (the methods list their classes best-first)
 
 Storage of a :class:`MixedChannelBlock` (nothing else is held; ``tensors()`` lists all of it):
 
-* ``codes``: one LSB-first bit stream per token: the codes of class 0 (its channels in ascending
-  channel order, ``class_bits[0]`` bits each), then class 1, ... packed into
-  ``ceil(sum_c n_c * b_c / 8)`` bytes (:func:`pack_mixed`);
+* ``codes``: one LSB-first bit stream per token, class 0 first (:func:`pack_mixed`,
+  docs/methods.md#bit-packing);
 * ``scale`` / ``zero``: one per channel per page, in the class-sorted channel order, in the
   codec's scale dtype (float16 by default; float8 e4m3 for ChanMix: 1 byte each);
 * ``perm``: the channel permutation that sorts channels by class, one uint8 channel index per
