@@ -12,17 +12,14 @@ are declared in ``pyproject.toml`` exactly as a plugin declares its own), and
 3. the *reference* path, always last: :meth:`~kvbench.cache.layer.LayerCache.keys_values`
    (dequantize) and :func:`kvbench.attention.reference.reference_attention`.
 
-The first backend whose ``reason`` is ``None`` runs.  The path taken is recorded on the cache as
-``attend_path`` (``"triton"``, ``"cpu-native"``, ``"cpu-eager"``, ``"cpu-native+eager"``,
-``"<device>-eager"``, or ``"reference"``) and why the faster ones declined
-as ``attend_path_reason`` (``""`` when the first choice ran).  Nothing here reads a type name or
-a private field: a cache (or side) whose reads are not its stored parts says so with
-``reads_transformed`` (a reason string), and a block type says what it stores by its kernel.
-
-Bad input never crashes a step and never gives a silent wrong result: a layout without a backend
-for the device takes the reference path with the reason recorded; a backend that raises at run
-time is reported (one ``RuntimeWarning`` naming the layout and the device, then the reference
-path runs; the reason is recorded).
+The first backend whose ``reason`` is ``None`` runs; one that raises is reported (a
+``RuntimeWarning`` naming the layout and the device) and the reference path runs, so bad input
+never crashes a step.  The path taken is recorded on the cache as ``attend_path``
+(``"triton"``, ``"cpu-native"``, ``"cpu-eager"``, ``"cpu-native+eager"``, ``"<device>-eager"``,
+or ``"reference"``) and why the faster ones declined or failed as ``attend_path_reason`` (``""``
+when the first choice ran).  Nothing here reads a type name or a private field: a cache (or
+side) whose reads are not its stored parts says so with ``reads_transformed`` (a reason string),
+and a block type says what it stores by its kernel.
 
 This module reads the cache through :class:`kvbench.attention.backend.AttentionCache` and never
 imports :mod:`kvbench.cache.layer` (which imports it) nor a backend (``kvbench.kernels``).
@@ -30,6 +27,7 @@ imports :mod:`kvbench.cache.layer` (which imports it) nor a backend (``kvbench.k
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -107,11 +105,9 @@ def resolve(
 
 def record(cache: AttentionCache, path: str, reason: str) -> None:
     """Set ``attend_path`` / ``attend_path_reason`` (a cache with ``__slots__``: nothing)."""
-    try:
+    with contextlib.suppress(AttributeError):
         cache.attend_path = path
         cache.attend_path_reason = reason
-    except AttributeError:
-        pass
 
 
 def reference_attend(

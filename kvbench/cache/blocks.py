@@ -1,22 +1,10 @@
-"""Stored quantized token blocks and the codecs that make them.
+"""Stored quantized token blocks and the codecs that make them (docs/design.md#codec-and-block).
 
-A *codec* turns a run of full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes
-plus the metadata needed to dequantize them.  Blocks of one cache side (keys or values) are
-concatenated along the token axis as the cache flushes.  A block holds only what a real cache
-stores (packed codes, scales/zeros, saliency metadata), never a full-precision copy, and
-``nbytes()`` sums those tensors.
-
-Geometry of an :class:`AffineBlock`: every (scale, zero) covers a rectangle of
-``group_len[g]`` consecutive tokens x ``D // Dg`` consecutive channels:
-
-==============================  ======================  =================
-codec                            tokens per group        channel groups Dg
-==============================  ======================  =================
-:class:`PerChannelCodec` (KIVI)  ``group_size`` (G)      D (one per channel)
-:class:`PerTokenCodec`           1                       D / value_group_size
-:class:`PerHeadCodec`            the whole flush         1
-:class:`PerTensorCodec`          the whole flush         1, shared by B and H
-==============================  ======================  =================
+A *codec* turns full-precision tokens ``[B, H_kv, n, D]`` into a *block*: packed codes plus the
+metadata needed to dequantize them, never a full-precision copy (``nbytes()`` sums what blocks
+hold); blocks of one side are concatenated along the token axis as the cache flushes.  In an
+:class:`AffineBlock` every (scale, zero) covers ``group_len[g]`` consecutive tokens x
+``D // Dg`` consecutive channels; each codec's rectangle is in that section's table.
 """
 
 from __future__ import annotations
@@ -51,6 +39,27 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by the given tensors (``numel * element_size``; ``None`` counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def expand_groups(t: torch.Tensor, group_len: list[int]) -> torch.Tensor:
+    """Per-group metadata ``[B, H, NG, X]`` -> per token ``[B, H, sum(group_len), X]``."""
+    if all(g == 1 for g in group_len):
+        return t
+    if all(g == group_len[0] for g in group_len):
+        return t.repeat_interleave(group_len[0], dim=2)
+    return t.repeat_interleave(torch.tensor(group_len, device=t.device), dim=2)
+
+
+def crop_groups(group_len: list[int], n: int) -> list[int]:
+    """The token groups left of ``group_len`` when only the first ``n`` tokens are kept (a
+    group cut in two keeps its start)."""
+    lens, total = [], 0
+    for g in group_len:
+        if total >= n:
+            break
+        lens.append(min(g, n - total))
+        total += lens[-1]
+    return lens
 
 
 @runtime_checkable
@@ -123,22 +132,12 @@ class AffineBlock:
         """Codes ``[B, H_kv, n, D]`` (uint8 or int32)."""
         return unpack_bits(self.codes, self.bits, self.head_dim)
 
-    def expanded(self, t: torch.Tensor) -> torch.Tensor:
-        """Expand per-group metadata ``[., ., NG, Dg]`` to per token ``[., ., n, Dg]``."""
-        if len(self.group_len) == self.ntokens:
-            return t
-        lens = self.group_len
-        if all(g == lens[0] for g in lens):
-            return t.repeat_interleave(lens[0], dim=2)
-        idx = torch.tensor(lens, device=t.device)
-        return t.repeat_interleave(idx, dim=2)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         c = self.unpacked_codes()
         b, h, n, d = c.shape
         dg = self.scale.shape[-1]
-        s = self.expanded(self.scale).unsqueeze(-1)
-        z = None if self.zero is None else self.expanded(self.zero).unsqueeze(-1)
+        s = expand_groups(self.scale, self.group_len).unsqueeze(-1)
+        z = None if self.zero is None else expand_groups(self.zero, self.group_len).unsqueeze(-1)
         c = c.reshape(b, h, n, dg, d // dg)
         x = dequantize_groups(
             c, s, z, self.bits, symmetric=self.symmetric, midpoint=self.midpoint, dtype=dtype
@@ -150,26 +149,14 @@ class AffineBlock:
         return out if self.zero is None else [*out, ("scales", self.zero)]
 
     def cat(self, other: AffineBlock) -> AffineBlock:
-        if (other.bits, other.symmetric, other.midpoint, other.scale.shape[-1]) != (
-            self.bits,
-            self.symmetric,
-            self.midpoint,
-            self.scale.shape[-1],
-        ):
-            raise ValueError("cannot concatenate blocks of different quantizer settings")
-        return replace(
-            self,
-            codes=torch.cat([self.codes, other.codes], dim=2),
-            scale=torch.cat([self.scale, other.scale], dim=2),
-            zero=None if self.zero is None else torch.cat([self.zero, other.zero], dim=2),
-            group_len=self.group_len + other.group_len,
-        )
+        return AffineBlock.join([self, other])
 
     @staticmethod
     def join(parts: list[AffineBlock]) -> AffineBlock:
         """One block of ``parts`` (consecutive runs of tokens with one quantizer setting, e.g.
         the chunks of one encode) in one concatenation per tensor (:meth:`cat` pairwise would
-        copy the first parts again for every later one)."""
+        copy the first parts again for every later one).  Raises ``ValueError`` when the
+        quantizer settings differ."""
         if len(parts) == 1:
             return parts[0]
         p0 = parts[0]
@@ -192,14 +179,8 @@ class AffineBlock:
 
     def crop(self, n: int) -> AffineBlock:
         """Keep the first ``n`` tokens; a group cut in two keeps its (scale, zero)."""
-        lens, kept, total = [], 0, 0
-        for g in self.group_len:
-            if total >= n:
-                break
-            take = min(g, n - total)
-            lens.append(take)
-            total += take
-            kept += 1
+        lens = crop_groups(self.group_len, n)
+        kept = len(lens)
         return replace(
             self,
             codes=own_storage(self.codes[:, :, :n]),
@@ -385,13 +366,18 @@ class PerTokenCodec(AffineCodec):
 
     channel_group: int = 128
 
+    def _group(self, head_dim: int) -> int:
+        """``channel_group``; raises ``ValueError`` unless it divides ``head_dim``."""
+        if head_dim % self.channel_group:
+            raise ValueError(
+                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
+                f"choose a divisor of {head_dim}"
+            )
+        return self.channel_group
+
     def encode(self, x: torch.Tensor) -> AffineBlock:
         b, h, n, d = x.shape
-        cg = self.channel_group
-        if d % cg:
-            raise ValueError(
-                f"value_group_size={cg} does not divide head_dim={d}; choose a divisor of {d}"
-            )
+        cg = self._group(d)
         fast = self._native(x, 1, cg, [1] * n)
         if fast is not None:
             return fast
@@ -403,12 +389,7 @@ class PerTokenCodec(AffineCodec):
     def layout(self, head_dim: int, flush_tokens: int = 1) -> BlockLayout:
         """One (scale, zero) per token per ``channel_group`` channels.  Raises ``ValueError`` if
         ``channel_group`` does not divide ``head_dim``."""
-        if head_dim % self.channel_group:
-            raise ValueError(
-                f"value_group_size={self.channel_group} does not divide head_dim={head_dim}; "
-                f"choose a divisor of {head_dim}"
-            )
-        return self._layout(head_dim, 1, self.channel_group)
+        return self._layout(head_dim, 1, self._group(head_dim))
 
 
 @dataclass

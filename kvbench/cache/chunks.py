@@ -1,11 +1,9 @@
 """Token-axis chunking for eager encoders whose codes depend on each token group alone.
 
-An eager torch encoder over one 32K-token layer of an 8B model's shape at batch 8 (268M
-elements per side) makes float32 and int32 temporaries of 1 GiB each, one per operation;
-run chunk by chunk along T, the same operations touch a few tens of MiB at a time (pages
-reused from the heap, no GiB-sized transients in the resident set).  Only for codecs where
-every output position along T depends on the input tokens of its own group (per-token groups,
-or token groups of ``group`` tokens): the codes are then equal bit for bit to one pass.
+Run chunk by chunk along T, an eager torch encoder's float32 and int32 temporaries stay a few
+tens of MiB instead of the size of a whole long-prompt layer.  Only for codecs where every output
+position along T depends on the input tokens of its own group (per-token groups, or token groups
+of ``group`` tokens): the codes are then equal bit for bit to one pass.
 """
 
 from __future__ import annotations

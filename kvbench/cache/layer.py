@@ -12,27 +12,18 @@ whoever finishes the step).
 
 Attention (:meth:`LayerCache.attend`) is computed by :func:`kvbench.attention.dispatch.attend`,
 called directly; the dispatch reads the cache through its public attributes and never imports
-this module, so there is no import cycle.  A subclass whose reads differ from its stored parts
-(sinks, blocks, residual, e.g. pre-RoPE keys re-rotated on read) sets ``reads_transformed`` on the cache or on
-the :class:`Side` to a reason string: the code-domain and fused backends then decline and the
-reference path (:meth:`LayerCache.keys_values`) runs.  A cache that scores tokens by the
-attention they receive (SemKV) sets ``observes_attention`` and implements
-:meth:`LayerCache.observe_attention`: every backend that can hand it the step's probabilities
-(code-domain, reference) calls it; whole-cache fused backends decline.
+this module, so there is no import cycle.  ``reads_transformed`` (on the cache or a
+:class:`Side`) and ``observes_attention`` are the flags of docs/design.md#layer-cache.
 
-Rotation (docs/design.md#rotation, :mod:`kvbench.cache.rotation`): a layer whose ``rotation``
-is set (``Method.new_layer`` sets it from the config) rotates keys and values before anything is
-stored (prefill, append, each row of a padded batch) and the prefill queries it hands to the
-codecs; :meth:`LayerCache.attend` rotates the query and rotates the output back, and
-:meth:`LayerCache.keys_values` returns keys and values rotated back.  While :meth:`attend` runs,
-``keys_values`` returns the stored (rotated) space, so the backends, the reference path
-included, pair the rotated query with the stored keys.  Nothing of the rotation is stored.
+Rotation (docs/design.md#rotation, :mod:`kvbench.cache.rotation`): a layer whose ``rotation`` is
+set rotates what it stores and the prefill queries; :meth:`LayerCache.attend` rotates the query
+and the output back, and :meth:`LayerCache.keys_values` returns the stored (rotated) space while
+:meth:`LayerCache.attend` runs, else keys and values rotated back.
 
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
-one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding), so that a
-row's codes never depend on its padding.  Every public operation then dispatches to those rows,
-also the overrides of a subclass (``__init_subclass__`` wraps them; the base class's own
-operations check for rows explicitly).
+one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
+public operation then dispatches to those rows, also the overrides of a subclass
+(:data:`ROW_DISPATCH`, wrapped in the base class and by ``__init_subclass__``).
 """
 
 from __future__ import annotations
@@ -107,6 +98,15 @@ def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
 
     wrapper._row_dispatch = True
     return wrapper
+
+
+def _dispatch_rows(cls: type) -> None:
+    """Wrap the operations of :data:`ROW_DISPATCH` that ``cls`` defines itself, so that a
+    padded layer dispatches them to its rows."""
+    for name in ROW_DISPATCH:
+        fn = cls.__dict__.get(name)
+        if callable(fn) and not getattr(fn, "_row_dispatch", False):
+            setattr(cls, name, _row_dispatch(fn))
 
 
 def _prefill_rows(
@@ -199,10 +199,7 @@ class LayerCache:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ROW_DISPATCH:  # a subclass's overrides dispatch to the rows too
-            fn = cls.__dict__.get(name)
-            if callable(fn) and not getattr(fn, "_row_dispatch", False):
-                setattr(cls, name, _row_dispatch(fn))
+        _dispatch_rows(cls)  # a subclass's overrides dispatch to the rows too
         fn = cls.__dict__.get("prefill")
         if callable(fn) and not getattr(fn, "_row_dispatch", False):
             cls.prefill = _padded_prefill(fn)
@@ -320,8 +317,6 @@ class LayerCache:
 
     def provide_queries(self, queries: torch.Tensor) -> None:
         """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
-        if self._rows is not None:
-            return ragged.provide_queries(self, queries)
         if not self._awaiting_queries:
             return
         keys = self.k.read(self.dtype)  # the stored (rotated) space
@@ -341,8 +336,6 @@ class LayerCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
         :meth:`end_step`."""
-        if self._rows is not None:
-            return ragged.append(self, keys, values)
         if self._awaiting_queries:
             raise ValueError(
                 "this method needs queries at prefill (capability needs_queries); call "
@@ -365,8 +358,6 @@ class LayerCache:
 
     def end_step(self) -> None:
         """Run the flush deferred by the last :meth:`append` (idempotent)."""
-        if self._rows is not None:
-            return ragged.end_step(self)
         if not self._pending:
             return
         self._pending = False
@@ -376,8 +367,6 @@ class LayerCache:
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated
         back when the layer rotates (inside :meth:`attend`: the stored space)."""
-        if self._rows is not None:
-            return ragged.keys_values(self, dtype)
         if not self.seq_length:
             raise ValueError("the cache is empty")
         dt = dtype or self.dtype
@@ -404,8 +393,6 @@ class LayerCache:
         ``rotation`` the backends get the rotated query and the output is rotated back.
 
         Raises ``ValueError`` for ``lengths`` outside ``[n_q, T]``."""
-        if self._rows is not None:
-            return ragged.attend(self, query, scaling, lengths)
         if self.rotation is None:
             return dispatch.attend(self, query, scaling, lengths)
         self._attending = True
@@ -457,14 +444,10 @@ class LayerCache:
 
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) tokens currently held in quantized form."""
-        if self._rows is not None:
-            return ragged.quantized_tokens(self)
         return _len(self.k.block), _len(self.v.block)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
-        if self._rows is not None:
-            return ragged.crop(self, max_length)
         n = self.seq_length + max_length if max_length < 0 else max_length
         for side in (self.k, self.v):
             ns, nb = _len(side.sinks), _len(side.block)
@@ -479,8 +462,6 @@ class LayerCache:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
-        if self._rows is not None:
-            return ragged.index_batch(self, idx)
         idx = torch.as_tensor(idx, dtype=torch.long)
         for side in (self.k, self.v):
             if side.sinks is not None:
@@ -496,8 +477,7 @@ class LayerCache:
 
     def repeat_batch(self, repeats: int) -> None:
         """Repeat each batch row ``repeats`` times (``batch_repeat_interleave``)."""
-        b = self.batch_size
-        self.index_batch(torch.arange(b).repeat_interleave(repeats))
+        self.index_batch(torch.arange(self.batch_size).repeat_interleave(repeats))
 
     @property
     def batch_size(self) -> int:
@@ -514,8 +494,6 @@ class LayerCache:
     # ---------------------------------------------------------------- accounting
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
-        if self._rows is not None:
-            return ragged.tensors(self)
         return [
             (name, cat, t)
             for name, side in (("key", self.k), ("value", self.v))
@@ -533,3 +511,6 @@ class LayerCache:
             out[f"{side}_total"] += n
         out["total"] = out["key_total"] + out["value_total"]
         return out
+
+
+_dispatch_rows(LayerCache)

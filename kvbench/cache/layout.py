@@ -3,26 +3,10 @@ them (docs/methods.md#average-bits, docs/design.md#stored-layouts).
 
 Every codec returns a :class:`BlockLayout` from ``layout(head_dim)`` and every block reports its
 own from its ``layout`` property; a method's nominal bits (``kvbench bits``, PN-Mix Table 10) are
-:func:`bit_terms` of its key and value layouts, computed here and nowhere else.
-
-A layout names, per token of one (batch row, KV head):
-
-* :class:`Codes`: the code slots and their widths (:class:`CodeClass`: ``bits`` x ``slots``, for a
-  share of the tokens), over ``head_dim`` channels, and how they are packed;
-* :class:`GroupTerms`: the quantizer's per-group terms (scale and zero, or a norm): their dtype
-  and the rectangle of ``tokens`` x ``channels`` each covers (per-token vs per-channel in KIVI's
-  sense follows from it);
-* ``metadata``: further :class:`GroupTerms` (token masks, outlier-channel indices);
-* :class:`Permutation`: a channel permutation by class (per page, or fixed per head);
-* :class:`SparseOutliers`: a share of elements kept apart as (value, index) pairs;
-* :class:`Projection`: a rotation or sketch applied before quantizing (shared, not per token);
-* :class:`Codebook`: the reconstruction levels of non-uniform codes (shared, not per token).
-
-The nominal formula (PN-Mix Table 10 [RECON]) reads ``b_eff + m_q / G + m_sal`` bits per
-element: ``b_eff`` are the code bits, ``m_q`` the bits of one group's terms, ``G`` the elements
-of that group, ``m_sal`` every other per-element metadata.  Terms held once per head or layer
-(a fixed permutation, a codebook, a projection matrix) vanish as the quantized token count
-grows and count 0, as in the paper.
+:func:`bit_terms` of its key and value layouts, computed here and nowhere else.  What each part
+of a layout describes, and how it counts in the formula ``b_eff + m_q / G + m_sal`` (PN-Mix
+Table 10 [RECON]; terms held once per head or layer count 0), is the table of
+docs/design.md#stored-layouts.
 """
 
 from __future__ import annotations

@@ -71,17 +71,10 @@ class MethodConfig:
     subclass adds its cross-field rules after ``super().__post_init__()`` and raises them through
     :meth:`reject`.
 
-    Every method has the rotation fields (keyword-only; docs/design.md#rotation, applied by
-    the layer cache, :mod:`kvbench.cache.rotation`): ``rotation`` ``none`` | ``hadamard``,
-    ``rotation_block`` (64, llama.cpp's; a power of two dividing head_dim, checked by
-    ``new_layer``), ``rotation_seed`` (``None``: plain Walsh-Hadamard; an int: seeded random
-    signs, QuaRot arXiv:2404.00456).  The two others are refused unless ``rotation`` is
-    ``hadamard``.
-
-    ``prefill_attention`` (keyword-only): how the method is deployed at prefill
-    (:data:`PREFILL_ATTENTION`), honoured by kvbench's transformers attention function
-    (:mod:`kvbench.hf.attention`): ``full`` (default: the prompt attends in full precision, then
-    is stored) or ``stored`` (the prompt attends to the stored cache: llama.cpp).
+    Every method has the keyword-only rotation fields ``rotation``, ``rotation_block`` and
+    ``rotation_seed`` (docs/methods.md#rotation; QuaRot arXiv:2404.00456), applied by the layer
+    cache (:mod:`kvbench.cache.rotation`), and ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
+    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`).
     """
 
     _: KW_ONLY
@@ -117,6 +110,13 @@ class MethodConfig:
     def from_dict(cls, values: dict[str, Any], where: str = "") -> MethodConfig:
         """Build from a mapping; unknown keys raise ``ValueError`` naming them and the allowed
         fields (``where`` is prefixed, e.g. a suite file name)."""
+        cls.check_names(values, where)
+        return cls(**values)
+
+    @classmethod
+    def check_names(cls, values: Mapping[str, Any], where: str = "") -> None:
+        """Raise the ``ValueError`` of :meth:`from_dict` for keys of ``values`` that are not
+        fields."""
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
@@ -124,7 +124,6 @@ class MethodConfig:
             raise ValueError(
                 f"{pre}unknown config field(s) {unknown} for {cls.__name__}; allowed: {allowed}"
             )
-        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict, without those of :attr:`omitted_defaults` at their default."""
@@ -266,13 +265,7 @@ class Method:
         if config is None:
             config = self.Config.from_dict(overrides)
         elif overrides:
-            allowed = [f.name for f in fields(config)]
-            unknown = sorted(set(overrides) - set(allowed))
-            if unknown:  # dataclasses.replace would raise a bare TypeError
-                raise ValueError(
-                    f"unknown config field(s) {unknown} for {type(config).__name__}; "
-                    f"allowed: {allowed}"
-                )
+            type(config).check_names(overrides)  # replace() would raise a bare TypeError
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.Config):
             raise ValueError(
@@ -414,10 +407,6 @@ class Method:
         return None
 
     # ----------------------------------------------------------- bit budget
-    def _flush_tokens(self) -> int:
-        """Tokens per flush for codecs whose group is a whole flush (R, at least 1)."""
-        return max(getattr(self.config, "residual_length", 1), 1)
-
     def _codec_layout(self, codec: Any, side: str, head_dim: int) -> BlockLayout:
         if codec is None:
             return BlockLayout.full_precision(head_dim)
@@ -427,7 +416,8 @@ class Method:
                 f"layout(head_dim, flush_tokens) to derive the nominal bits from; implement it "
                 f"(kvbench.cache.layout, docs/design.md#stored-layouts) or override {side}_layout()"
             )
-        return codec.layout(head_dim, self._flush_tokens())
+        # tokens per flush, for codecs whose group is a whole flush: R, at least 1
+        return codec.layout(head_dim, max(getattr(self.config, "residual_length", 1), 1))
 
     def key_layout(self, head_dim: int) -> BlockLayout:
         """What a key block stores for ``head_dim`` channels (:class:`~kvbench.cache.layout.BlockLayout`).
@@ -460,10 +450,8 @@ class Method:
         ns = getattr(self.config, "num_sink_tokens", 0)
         kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
         return {
-            "key_bits": average_bits(kt["b_eff"], kt["m_q"], kt["group"], ns, tokens, kt["m_sal"]),
-            "value_bits": average_bits(
-                vt["b_eff"], vt["m_q"], vt["group"], ns, tokens, vt["m_sal"]
-            ),
+            "key_bits": average_bits(**kt, n_sink=ns, tokens=tokens),
+            "value_bits": average_bits(**vt, n_sink=ns, tokens=tokens),
             "key_terms": kt,
             "value_terms": vt,
             "num_sink_tokens": ns,

@@ -7,9 +7,8 @@ is the first entry of ``class_bits`` (the methods list their classes best-first)
 
 Storage of a :class:`MixedChannelBlock` (nothing else is held; ``tensors()`` lists all of it):
 
-* ``codes``: one LSB-first bit stream per token: the codes of class 0 (its channels in ascending
-  channel order, ``class_bits[0]`` bits each), then class 1, ... packed into
-  ``ceil(sum_c n_c * b_c / 8)`` bytes (:func:`pack_mixed`);
+* ``codes``: one LSB-first bit stream per token, class 0 first (:func:`pack_mixed`,
+  docs/methods.md#bit-packing);
 * ``scale`` / ``zero``: one per channel per page, in the class-sorted channel order, in the
   codec's scale dtype (float16 by default; float8 e4m3 for ChanMix: 1 byte each);
 * ``perm``: the channel permutation that sorts channels by class, one uint8 channel index per
@@ -30,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.cache.blocks import own_storage
+from kvbench.cache.blocks import crop_groups, expand_groups, own_storage
 from kvbench.cache.layout import BlockLayout, CodeClass, Codes, GroupTerms, Permutation, dtype_name
 from kvbench.cache.native_quant import quantize_pack
 from kvbench.cache.quant import (
@@ -111,29 +110,27 @@ def unpack_mixed(
     """Inverse of :func:`pack_mixed`: uint8 ``[..., bytes]`` -> ``[codes [..., n_c] per class]``
     (uint8; an empty class gives a ``[..., 0]`` tensor)."""
     lead = packed.shape[:-1]
-    out: list[torch.Tensor] = []
     live = [(b, n) for b, n in zip(bits, counts) if n]
-    if all(n * b % 8 == 0 for b, n in live[:-1]):
-        off = 0
-        for b, n in zip(bits, counts):
+    aligned = all(n * b % 8 == 0 for b, n in live[:-1])
+    stream = None if aligned else unpack_bits(packed, 1, sum(b * n for b, n in live))
+    empty = torch.zeros(*lead, 0, dtype=torch.uint8, device=packed.device)
+    out: list[torch.Tensor] = []
+    off = 0
+    for b, n in zip(bits, counts):
+        if not n:
+            out.append(empty)
+        elif aligned:
             nbytes = (n * b + 7) // 8
-            out.append(unpack_bits(packed[..., off : off + nbytes], b, n) if n else None)
+            out.append(unpack_bits(packed[..., off : off + nbytes], b, n))
             off += nbytes
-    else:
-        stream = unpack_bits(packed, 1, sum(b * n for b, n in live))
-        off = 0
-        for b, n in zip(bits, counts):
-            if not n:
-                out.append(None)
-                continue
+        else:
             seg = stream[..., off : off + n * b].reshape(*lead, n, b)
             code = seg[..., 0].clone()  # bit planes LSB first, assembled by shift-or in uint8
             for i in range(1, b):
                 code |= seg[..., i] << i
             out.append(code)
             off += n * b
-    empty = torch.zeros(*lead, 0, dtype=torch.uint8, device=packed.device)
-    return [empty if o is None else o for o in out]
+    return out
 
 
 #: RoPE channel pairings: ``rotate-half`` pairs channel ``i`` with ``i + D/2`` (Llama's
@@ -179,13 +176,6 @@ def channel_scores(x: torch.Tensor, stat: str) -> torch.Tensor:
     if stat == "absmax":
         return xf.abs().amax(dim=-2)
     raise ValueError(f"channel statistic {stat!r} is not supported; allowed: {list(CHANNEL_STATS)}")
-
-
-def _expand(t: torch.Tensor, group_len: list[int]) -> torch.Tensor:
-    """Per-group ``[B, H, NG, X]`` -> per-token ``[B, H, sum(group_len), X]``."""
-    if all(g == group_len[0] for g in group_len):
-        return t.repeat_interleave(group_len[0], dim=2)
-    return t.repeat_interleave(torch.tensor(group_len, device=t.device), dim=2)
 
 
 def _perm_dtype(d: int) -> torch.dtype:
@@ -266,7 +256,7 @@ class MixedChannelBlock:
     def _token_perm(self) -> torch.Tensor:
         """``perm`` per token: LongTensor ``[B, H, n, D]``."""
         b, h, n, _ = self.codes.shape
-        p = _expand(self.perm, self.group_len) if self.per_page else self.perm
+        p = expand_groups(self.perm, self.group_len) if self.per_page else self.perm
         return p.long().expand(b, h, n, self.head_dim)
 
     def unpacked_codes(self) -> torch.Tensor:
@@ -290,8 +280,8 @@ class MixedChannelBlock:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """Keys ``[B, H_kv, n, D]`` in ``dtype``, original channel order (math in float32)."""
         parts = unpack_mixed(self.codes, self.class_bits, self.class_counts)
-        s = _expand(self.scale.float(), self.group_len)
-        z = _expand(self.zero.float(), self.group_len)
+        s = expand_groups(self.scale.float(), self.group_len)
+        z = expand_groups(self.zero.float(), self.group_len)
         out, off = [], 0
         for c, bits, cnt in zip(parts, self.class_bits, self.class_counts):
             if cnt:
@@ -334,12 +324,7 @@ class MixedChannelBlock:
 
     def crop(self, n: int) -> MixedChannelBlock:
         """Keep the first ``n`` tokens; a page cut in two keeps its scale, zero and perm."""
-        lens, total = [], 0
-        for g in self.group_len:
-            if total >= n:
-                break
-            lens.append(min(g, n - total))
-            total += lens[-1]
+        lens = crop_groups(self.group_len, n)
         k = len(lens)
         perm = self.perm
         if self.per_page and perm is not None:

@@ -1,17 +1,15 @@
 """Native (C) one-pass min-max quantizer for large CPU inputs: codes packed straight from the
 input dtype, the same bytes, scales and zeros as the torch reference.
 
-The torch path of an affine codec (:func:`kvbench.cache.quant.quantize_groups`, then
-:func:`~kvbench.cache.quant.pack_bits`) makes about six eager passes over float32 and int32 copies
-of its input (the float32 working copy, through a transposed gather for KIVI's per-channel
-groups, subtract, divide, round, clamp, the int32 codes, their transpose and the packing); at a
-32K-token prefill of 8 rows these dominate a memory run.  ``kvbench/cache/csrc/affine.c`` reads
-the float16/bfloat16/float32 input twice instead, once for every group's min and max and once
-for the codes, written packed.  The stored terms in between come from the reference's own
-helpers (:func:`~kvbench.cache.quant.affine_terms`, :func:`~kvbench.cache.quant.symmetric_terms`),
-so scales, zeros and their overflow errors are the reference's; the codes use its float32
-formulas, IEEE division and round-half-to-even (tested equal, bit for bit, on random and
-adversarial inputs: ties at .5, constant groups, float16 extremes and subnormals).
+The torch path (:func:`kvbench.cache.quant.quantize_groups`, then
+:func:`~kvbench.cache.quant.pack_bits`) makes several eager passes over float32 and int32 copies
+of its input, which dominate a long prefill; ``kvbench/cache/csrc/affine.c`` reads the
+float16/bfloat16/float32 input twice instead, once for every group's min and max and once for
+the codes, written packed.  The stored terms in between come from the reference's own helpers
+(:func:`~kvbench.cache.quant.affine_terms`, :func:`~kvbench.cache.quant.symmetric_terms`), so
+scales, zeros and their overflow errors are the reference's; the codes use its float32 formulas,
+IEEE division and round-half-to-even (tested equal, bit for bit, on random and adversarial
+inputs: ties at .5, constant groups, float16 extremes and subnormals).
 
 Groups are rectangles of ``token_group`` consecutive tokens x ``channel_group`` consecutive
 channels of one (batch row, KV head): KIVI's per-channel groups (G x 1), per-token groups
@@ -23,12 +21,10 @@ element anywhere in the input (the reference's NaN/Inf policy, :mod:`kvbench.cac
 applies), 16-bit codes, non-CPU tensors,
 float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, the library not built.
 
-Build: ``setup.py`` compiles :data:`SOURCE` with :data:`FLAGS` (``-O3 -march=native
--ffp-contract=off``, IEEE semantics kept; plus ``$KVBENCH_NATIVE_CFLAGS``) into :data:`LIBRARY`,
-next to this module, at ``pip install .`` / ``pip install -e .``; :mod:`kvbench.clib` (shared
-with ``kvbench.kernels.cpu.native``) loads it and checks its ABI and source digest.  Rows
-(batch row, KV head) are split across ``torch.get_num_threads()`` Python threads (ctypes
-releases the GIL during the call).
+Build and loading (docs/design.md#two-attention-paths): ``setup.py`` compiles :data:`SOURCE`
+with :data:`FLAGS` into :data:`LIBRARY`; :mod:`kvbench.clib` loads it and checks its ABI and
+source digest.  Rows (batch row, KV head) are split across ``torch.get_num_threads()`` Python
+threads (ctypes releases the GIL during the call).
 """
 
 from __future__ import annotations

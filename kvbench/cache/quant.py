@@ -1,35 +1,12 @@
 """Quantizer primitives: min-max affine quantization of groups, and real bit-packing.
 
-Every method composes these; none re-implements them (docs/design.md#concepts).
-
-Conventions
------------
-* A *group* is the last dimension of the tensor handed to :func:`quantize_groups`; callers
-  reshape/transpose so that the elements sharing one (scale, zero) are contiguous in the last
-  dimension (per-channel keys: tokens; per-token values: channels).
-* Asymmetric (default, the textbook / KIVI quantizer, docs/methods.md#common-conventions)::
-
-      mn = min(x), mx = max(x), qmax = 2^b - 1, s = (mx - mn) / qmax
-      q  = clamp(round((x - mn) / s), 0, qmax)          # round-half-to-even
-      x^ = q * s + mn
-
-  Symmetric (absmax): ``s = max|x| / (2^(b-1) - 1)``, ``q = clamp(round(x / s))`` stored with an
-  offset of ``2^(b-1)`` so codes are unsigned; ``x^ = (code - 2^(b-1)) * s``.
-* Statistics are computed in float32 whatever the input dtype.  Scale and min are then
-  stored as ``scale_dtype`` (float16 by default, the paper's bit accounting) and the codes are
-  computed *from the stored values*, so dequantization is exactly ``code * scale + min`` with the
-  stored tensors.  The stored scale is rounded *up* to the next representable value so the range
-  stays covered: ``|x - x^| <= s/2`` plus the storage rounding of ``mn``.
-* Zero-range groups (or a scale that underflows ``scale_dtype``) get a zero scale and
-  dequantize exactly to the stored min.
-* A group holding NaN or +-Inf gets NaN scale and min, so its whole output is NaN: a non-finite
-  input never becomes a silent finite code (docs/methods.md#non-finite-input).
-* 1-bit midpoint reconstruction (PN-Mix Eq. 7 [RECON], docs/methods.md#one-bit-midpoint-reconstruction): threshold at the
-  midpoint and reconstruct at bin centres ``mn + (q + 1/2) * s / 2``.
-
-Codes are packed LSB-first as a bit stream along the last dimension (:func:`pack_bits`):
-``ceil(n * b / 8)`` bytes for ``n`` codes of ``b`` bits, for every b in 1..8.  16-bit codes
-(PM-KVQ's progressive start) are stored two bytes each as int16 with an offset of 32768.
+Every method composes these; none re-implements them (docs/design.md#quantizer-primitives).
+Their conventions are docs/methods.md#common-conventions: the asymmetric min-max (KIVI) and
+symmetric absmax formulas, round-half-to-even, float32 statistics with scale and min stored in
+``scale_dtype`` (the scale rounded up, the codes computed from the stored values), zero-range
+and non-finite groups (docs/methods.md#zero-range-groups), the 1-bit midpoint reconstruction
+(PN-Mix Eq. 7 [RECON], docs/methods.md#one-bit-midpoint-reconstruction) and LSB-first packing
+(docs/methods.md#bit-packing; 16-bit codes: int16 with an offset of 32768).
 """
 
 from __future__ import annotations
@@ -178,10 +155,9 @@ BUCKET_PASSES = 15
 def bucket_index(x: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     """``torch.bucketize(x, boundaries)`` (``right=False``: the number of ``boundaries``
     strictly below each element) for a codebook's sorted 1-D ``boundaries``, as uint8 codes
-    ``x.shape`` from one comparison pass per boundary: for the 1..15 midpoints of a 1..4-bit
-    codebook this is 2-7x faster on CPU than bucketize's binary search and skips its int64
-    output (8 bytes per element).  Falls back to ``torch.bucketize`` (int64) for more than
-    :data:`BUCKET_PASSES` boundaries (wider codebooks: the binary search wins) or a
+    ``x.shape`` from one comparison pass per boundary (for the 1..15 midpoints of a 1..4-bit
+    codebook, faster than bucketize's binary search and without its int64 output).  Falls back
+    to ``torch.bucketize`` (int64) for more than :data:`BUCKET_PASSES` boundaries or a
     non-finite ``x``."""
     from kvbench.cache.finite import all_finite
 

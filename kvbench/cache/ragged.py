@@ -1,24 +1,9 @@
 """Left-padded batches in a :class:`~kvbench.cache.layer.LayerCache`: one row cache per sequence.
 
-The rule (docs/design.md#padding): a prefill with per-row ``lengths`` (left padding: row ``b``'s
-real tokens are the last ``lengths[b]`` positions of the prompt) is stored as ``B`` independent
-single-row caches, each a deep copy of the still-empty layer cache (same codecs, schedules and
-calibration), each prefilled with that row's real tokens only.  Pads are dropped before any code
-runs, so no statistic can see them: min/max, amax, saliency and pair selection, outlier picks,
-sinks (a row's sinks are its first real tokens), flush schedules and budgets are those of the row
-run alone, and its stored codes are bit-identical to that run.  Storage stays packed: each row
-holds only its own blocks, residual and sinks, and ``nbytes()`` sums what the rows store.
-
-The price: a decode step runs the attention backend once per row (``B`` calls per layer instead
-of one batched call).  Ragged pages inside one batched block would avoid that, but every codec
-and kernel would then need per-row group boundaries; per-row caches need none and hold for every
-method, including methods whose ``LayerCache`` subclass keeps its own state (SemKV's scores,
-PM-KVQ's budget).
-
-Positions: the padded layer keeps the batch's coordinates.  Its ``seq_length`` is the padded
-length (the prompt's ``P`` plus decoded tokens), as a transformers cache reports it, and
-:meth:`keys_values` returns ``[B, H_kv, T, D]`` with each row's pads as zeros at the left (the
-caller's attention mask hides them).  Decode tokens are real for every row.
+The rule, its price and the padded layer's coordinates are docs/design.md#padding: a prefill with
+per-row ``lengths`` (row ``b``'s real tokens are the last ``lengths[b]`` positions) is stored as
+``B`` deep copies of the still-empty layer cache, each prefilled with its row's real tokens only,
+so a row's codes are bit-identical to the row run alone and no pad is stored.
 
 This module holds the functions that :class:`~kvbench.cache.layer.LayerCache` dispatches to once a
 padded prefill made it a row container; it never imports :mod:`kvbench.cache.layer`.
