@@ -23,7 +23,7 @@ and the output back, and :meth:`LayerCache.keys_values` returns the stored (rota
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
 public operation then dispatches to those rows, also the overrides of a subclass
-(:data:`ROW_DISPATCH`, wrapped in the base class and by ``__init_subclass__``).
+(``__init_subclass__`` wraps them; the base class's own operations check for rows explicitly).
 """
 
 from __future__ import annotations
@@ -98,15 +98,6 @@ def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
 
     wrapper._row_dispatch = True
     return wrapper
-
-
-def _dispatch_rows(cls: type) -> None:
-    """Wrap the operations of :data:`ROW_DISPATCH` that ``cls`` defines itself, so that a
-    padded layer dispatches them to its rows."""
-    for name in ROW_DISPATCH:
-        fn = cls.__dict__.get(name)
-        if callable(fn) and not getattr(fn, "_row_dispatch", False):
-            setattr(cls, name, _row_dispatch(fn))
 
 
 def _prefill_rows(
@@ -199,7 +190,10 @@ class LayerCache:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        _dispatch_rows(cls)  # a subclass's overrides dispatch to the rows too
+        for name in ROW_DISPATCH:  # a subclass's overrides dispatch to the rows too
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not getattr(fn, "_row_dispatch", False):
+                setattr(cls, name, _row_dispatch(fn))
         fn = cls.__dict__.get("prefill")
         if callable(fn) and not getattr(fn, "_row_dispatch", False):
             cls.prefill = _padded_prefill(fn)
@@ -317,6 +311,8 @@ class LayerCache:
 
     def provide_queries(self, queries: torch.Tensor) -> None:
         """Finish a prefill that was waiting for its post-RoPE queries ``[B, H_q, P, D]``."""
+        if self._rows is not None:
+            return ragged.provide_queries(self, queries)
         if not self._awaiting_queries:
             return
         keys = self.k.read(self.dtype)  # the stored (rotated) space
@@ -336,6 +332,8 @@ class LayerCache:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
         :meth:`end_step`."""
+        if self._rows is not None:
+            return ragged.append(self, keys, values)
         if self._awaiting_queries:
             raise ValueError(
                 "this method needs queries at prefill (capability needs_queries); call "
@@ -358,6 +356,8 @@ class LayerCache:
 
     def end_step(self) -> None:
         """Run the flush deferred by the last :meth:`append` (idempotent)."""
+        if self._rows is not None:
+            return ragged.end_step(self)
         if not self._pending:
             return
         self._pending = False
@@ -367,6 +367,8 @@ class LayerCache:
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated
         back when the layer rotates (inside :meth:`attend`: the stored space)."""
+        if self._rows is not None:
+            return ragged.keys_values(self, dtype)
         if not self.seq_length:
             raise ValueError("the cache is empty")
         dt = dtype or self.dtype
@@ -393,6 +395,8 @@ class LayerCache:
         ``rotation`` the backends get the rotated query and the output is rotated back.
 
         Raises ``ValueError`` for ``lengths`` outside ``[n_q, T]``."""
+        if self._rows is not None:
+            return ragged.attend(self, query, scaling, lengths)
         if self.rotation is None:
             return dispatch.attend(self, query, scaling, lengths)
         self._attending = True
@@ -444,10 +448,14 @@ class LayerCache:
 
     def quantized_tokens(self) -> tuple[int, int]:
         """(keys, values) tokens currently held in quantized form."""
+        if self._rows is not None:
+            return ragged.quantized_tokens(self)
         return _len(self.k.block), _len(self.v.block)
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
+        if self._rows is not None:
+            return ragged.crop(self, max_length)
         n = self.seq_length + max_length if max_length < 0 else max_length
         for side in (self.k, self.v):
             ns, nb = _len(side.sinks), _len(side.block)
@@ -462,6 +470,8 @@ class LayerCache:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         """Keep/reorder batch rows ``idx`` (beam search ``reorder_cache``, batch select)."""
+        if self._rows is not None:
+            return ragged.index_batch(self, idx)
         idx = torch.as_tensor(idx, dtype=torch.long)
         for side in (self.k, self.v):
             if side.sinks is not None:
@@ -494,6 +504,8 @@ class LayerCache:
     # ---------------------------------------------------------------- accounting
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         """Every tensor the cache holds, as ``(side, category, tensor)``."""
+        if self._rows is not None:
+            return ragged.tensors(self)
         return [
             (name, cat, t)
             for name, side in (("key", self.k), ("value", self.v))
@@ -511,6 +523,3 @@ class LayerCache:
             out[f"{side}_total"] += n
         out["total"] = out["key_total"] + out["value_total"]
         return out
-
-
-_dispatch_rows(LayerCache)
