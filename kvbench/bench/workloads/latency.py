@@ -73,7 +73,7 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import stored_pad_tokens
+from kvbench.bench.workloads.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
@@ -273,13 +273,8 @@ class Latency(Workload):
         if padding == "left":
             for m in (method, base):
                 require_padding(m)
-            from kvbench.bench.workloads.batching import pad_id
-
-            mask = torch.ones(bs, d, dtype=torch.long, device=dev)
-            for b, k in enumerate(lens):
-                mask[b, : p - k] = 0
-            ids = ids.masked_fill(mask == 0, pad_id(model, ctx.tokenizer))
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            rows = [row[p - k :] for row, k in zip(ids, lens)]  # row 0 keeps all d tokens
+            ids, mask, pos = left_pad(rows, pad_id(model, ctx.tokenizer), dev)
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)
