@@ -40,6 +40,7 @@ from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER
 from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.workloads.metrics import add_ci
+from kvbench.bench.workloads.taskbase import merge_decode_info
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
@@ -67,14 +68,9 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
 
 def _note(info: dict[str, Any] | None, cache: Any, attend: bool, why: str) -> None:
     """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
-    if info is None:
-        return
-    new = decode_info([cache], getattr(cache, "attend", attend), why)
-    paths = dict(info.get("paths", {}))
-    for k, n in new["paths"].items():
-        paths[k] = paths.get(k, 0) + n
-    reasons = sorted(set(info.get("path_reasons", [])) | set(new["path_reasons"]))
-    info.update(new, paths=dict(sorted(paths.items())), path_reasons=reasons)
+    if info is not None:
+        new = decode_info([cache], getattr(cache, "attend", attend), why)
+        info.update(merge_decode_info([new, info]))
 
 
 @torch.no_grad()
