@@ -324,6 +324,16 @@ class Workload(abc.ABC):
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
 
+    def check_context(self, ctx: RunContext, name: str) -> None:
+        """``ValueError`` naming the model when parameter ``name`` (tokens) exceeds its longest
+        context (:attr:`~kvbench.bench.context.RunContext.max_positions`)."""
+        if self.spec[name] > ctx.max_positions:
+            raise ValueError(
+                f"{name}={self.spec[name]} exceeds the model's maximum context "
+                f"{ctx.max_positions} (max_position_embeddings of "
+                f"{ctx.model_info.get('model_id', 'the model')})"
+            )
+
     def prepare(self, ctx: RunContext) -> None:
         """Work shared by every method on one model (called once before the runs); what other
         workloads on the model may reuse goes to ``ctx.shared``.  Default: nothing shared."""

@@ -181,11 +181,7 @@ class Fidelity(Workload):
         w = self.spec["window"]
         ids, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], w + 1)
         ids = ids[w : w + 1]
-        max_pos = ctx.max_positions
-        if self.spec["tokens"] > max_pos:
-            raise ValueError(
-                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
-            )
+        self.check_context(ctx, "tokens")
         captured = capture_qkv(ctx.model, ids)
         self.captured = captured
         self.info = {"dataset": tinfo, "windows": winfo}

@@ -257,9 +257,7 @@ class InfiniteBench(TaskWorkload):
                 answers = list(r["answer"]) if isinstance(r["answer"], list) else [r["answer"]]
                 if task == "longbook_choice_eng":
                     label: Any = [chr(65 + opts.index(a)) for a in answers if a in opts]
-                elif task == "kv_retrieval":
-                    label = answers[0]
-                elif task == "longbook_sum_eng":
+                elif task in ("kv_retrieval", "longbook_sum_eng"):
                     label = answers[0]
                 else:
                     label = answers

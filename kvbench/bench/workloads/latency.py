@@ -226,12 +226,7 @@ class Latency(Workload):
         from kvbench.data.loaders import load_text, token_windows
 
         s = self.spec
-        max_pos = ctx.max_positions
-        if s["context"] > max_pos:
-            raise ValueError(
-                f"context={s['context']} exceeds the model's maximum context {max_pos} "
-                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
-            )
+        self.check_context(ctx, "context")
         bs = s["batch_size"]
         key = ("latency-ids", s["text"], s["window"], s["context"], bs)
         if key not in ctx.shared.token_ids:

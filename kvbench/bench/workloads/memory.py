@@ -443,12 +443,7 @@ class Memory(Workload):
                 "memory workload with source: model needs a model; use source: synthetic for "
                 "model-free runs"
             )
-        max_pos = ctx.max_positions
-        if d > max_pos:
-            raise ValueError(
-                f"context={d} exceeds the model's maximum context {max_pos} "
-                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
-            )
+        self.check_context(ctx, "context")
         from kvbench.data.loaders import load_text, token_windows
         from kvbench.hf.capture import capture_qkv
 

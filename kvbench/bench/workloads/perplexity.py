@@ -286,11 +286,7 @@ class Perplexity(Workload):
                 got.info,
             )
             return
-        max_pos = ctx.max_positions
-        if self.spec["tokens"] > max_pos:
-            raise ValueError(
-                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
-            )
+        self.check_context(ctx, "tokens")
         text, tinfo = load_text(self.spec["text"])
         n = self.spec["windows"] if ctx.limit is None else min(ctx.limit, self.spec["windows"])
         self.windows, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], n)
