@@ -179,27 +179,14 @@ class Latency(Workload):
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, n, w = spec["context"], spec["steps"], spec["warmup"]
         if d <= n + w:
-            reject(
-                pre,
-                "context",
-                d,
-                f"integers > warmup + steps = {w + n} (a prefill of at least one token)",
-            )
+            why = "a prefill of at least one token"
+            reject(pre, "context", d, f"integers > warmup + steps = {w + n} ({why})")
         if spec["padding"] == "left" and spec["batch_size"] < 2:
-            reject(
-                pre,
-                "padding",
-                "left",
-                f"'none' with batch_size={spec['batch_size']}; 'left' needs batch_size >= 2 "
-                "(rows of different lengths)",
-            )
+            why = "'left' needs batch_size >= 2 (rows of different lengths)"
+            reject(pre, "padding", "left", f"'none' with batch_size={spec['batch_size']}; {why}")
         if spec["padding"] == "left" and (d - n - w) // 2 < 1:
-            reject(
-                pre,
-                "context",
-                d,
-                f"integers >= {w + n + 2} with padding='left' (a prefill of at least 2 tokens)",
-            )
+            why = "a prefill of at least 2 tokens"
+            reject(pre, "context", d, f"integers >= {w + n + 2} with padding='left' ({why})")
         from kvbench.cache.registry import get_method_class
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
