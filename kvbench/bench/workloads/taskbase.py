@@ -3,9 +3,8 @@
 method's cache, per-example records.
 
 Protocol (docs/design.md#accuracy): fixed prompts, greedy decoding (``do_sample=False``), one
-sample per example, the quantized cache built fresh for every example.  The prompt is prefilled
-(prefill attention is full precision, docs/design.md#protocols) and every new token is decoded one at a time
-through :class:`kvbench.hf.cache.QuantizedKVCache`, so generation reads the quantized past.
+sample per example, the quantized cache built fresh for every example, the prompt prefilled and
+every new token decoded one at a time through :class:`kvbench.hf.cache.QuantizedKVCache`.
 Generation stops at an end-of-sequence token of the tokenizer or the model's generation config,
 at ``new_tokens`` tokens, or at the first stop string (the completion is cut before it, as
 lm-evaluation-harness's ``until``).
@@ -25,10 +24,9 @@ with ``random.Random(seed)`` (``sample: random``; the suite's seed), recorded ei
 Common parameters: ``max_examples`` (null = all; per language/task group), ``sample``
 (``first`` | ``random``), ``new_tokens`` (generation budget), ``chat_template`` (apply the
 tokenizer's chat template when it has one; few-shot exemplars become turns), ``stop`` (stop
-strings; null = the task's defaults), ``batch_size`` (examples decoded together, default 1:
-prompts of different lengths are left-padded and each row is cached alone, docs/design.md#padding,
-so per-example results equal ``batch_size: 1`` up to float32 noise of the batched matmuls; a
-method without ``capabilities.padding`` is refused, naming it).
+strings; null = the task's defaults), ``batch_size`` (examples decoded together, default 1;
+left-padded, each row cached alone, a finished row leaving the batch: docs/design.md#padding;
+a method without ``capabilities.padding`` is refused, naming it), ``path`` (decode attention).
 
 Tests replace :meth:`TaskWorkload.generate` with a stub to score hand-made completions without
 a model.
