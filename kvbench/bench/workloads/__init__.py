@@ -7,17 +7,12 @@ reference logits), then runs once per method configuration and returns flat metr
 Registry
 --------
 :data:`WORKLOADS` (a :class:`kvbench.registry.Registry`) maps each workload type to its class,
-from the entry-point group ``kvbench.workloads`` (name = the suite's ``type``, value =
-``"module:Class"``); kvbench's own are declared in its ``pyproject.toml`` exactly like a
-third-party plugin's (README, "Adding a workload"); ``@WORKLOADS.register("name")`` registers
-one in code (tests, notebooks).  Each class declares the direction of every metric it reports in
-``METRICS`` (``"lower"``, ``"higher"`` or ``"none"`` for counts, spreads and informational
-figures; keys may be ``fnmatch`` patterns such as ``"drift_kl_b*"``).  A class without
-declarations, with an unknown direction, or whose declaration contradicts another loaded
-workload's for the same metric is an error when it is loaded or registered
-(:class:`WorkloadRegistrationError`, wrapped in a :class:`kvbench.registry.RegistryError` naming
-the distribution for an entry point); a metric returned by ``run`` that matches no declaration
-is an error at run time.
+from the entry-point group ``kvbench.workloads`` or ``@WORKLOADS.register("name")`` (README,
+"Adding a workload": ``METRICS`` directions, ``fnmatch`` keys).  A class without declarations,
+with an unknown direction, or whose declaration contradicts another loaded workload's for the
+same metric is an error when it is loaded or registered (:class:`WorkloadRegistrationError`,
+wrapped in a :class:`kvbench.registry.RegistryError` naming the distribution for an entry
+point); a metric returned by ``run`` that matches no declaration is an error at run time.
 """
 
 from __future__ import annotations
@@ -323,6 +318,16 @@ class Workload(abc.ABC):
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
+
+    def check_context(self, ctx: RunContext, name: str) -> None:
+        """``ValueError`` naming the model when parameter ``name`` (tokens) exceeds its longest
+        context (:attr:`~kvbench.bench.context.RunContext.max_positions`)."""
+        if self.spec[name] > ctx.max_positions:
+            raise ValueError(
+                f"{name}={self.spec[name]} exceeds the model's maximum context "
+                f"{ctx.max_positions} (max_position_embeddings of "
+                f"{ctx.model_info.get('model_id', 'the model')})"
+            )
 
     def prepare(self, ctx: RunContext) -> None:
         """Work shared by every method on one model (called once before the runs); what other

@@ -5,10 +5,8 @@ positions, and what the padding cost (docs/design.md#padding).
 A batch of prompts ``[1, P_i]`` becomes ``ids`` ``[B, P]`` (``P = max P_i``; row ``b``'s real
 tokens are its last ``P_b`` positions, the rest the pad id), ``mask`` ``[B, P]`` (int64, 1 =
 real) and ``positions`` ``[B, P]`` (int64, the real tokens at 0..P_b-1, as the row alone).  A
-kvbench cache fed that mask caches each row alone (``kvbench.cache.ragged``), so nothing is stored
-for pads; the cost of padding is compute: the prefill runs ``B * P`` positions instead of
-``sum P_i``, and a decode step attends once per row.  :class:`PadLedger` records both, with
-the pad tokens the caches hold measured from them (0 by construction).
+kvbench cache fed that mask caches each row alone, so padding costs compute, not storage;
+:class:`PadLedger` records that cost and the pad tokens the caches hold (0 by construction).
 """
 
 from __future__ import annotations

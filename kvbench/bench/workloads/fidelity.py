@@ -1,24 +1,16 @@
 """``fidelity``: key/value MSE, attention KL and attention-output error on real captured
-post-RoPE Q/K/V (docs/design.md#fidelity-metrics).
-
-Protocol: the full-precision model runs once over ``tokens`` (T) tokens of ``text``; for each
-layer the cache is prefilled with the first ``prefill`` (P) tokens (with their queries), the
-remaining T - P tokens are appended one at a time (cache operations only, no model), then the
-cache's final ``keys_values()`` are compared with the originals, and attention KL is computed for
-the queries of positions P..T-1 over keys 0..t (causal, reference first, float64).  Per-layer
-values are in ``per_layer``; the metrics average over layers.  ``quantized_key_fraction`` is
-the share of the T key tokens the cache holds quantized at the end (0 when the context never
-filled a group beyond the residual window: the runner flags such runs).  Methods without ``keys_values()``
-(capability) report ``attn_out_rel_err`` only, from ``attend`` over the same queries.
+post-RoPE Q/K/V; protocol (prefill P of T tokens, append the rest one at a time, compare) and
+metrics as docs/design.md#fidelity-metrics.  ``quantized_key_fraction`` is the share of the T
+key tokens the cache holds quantized at the end (0 when the context never filled a group beyond
+the residual window: the runner flags such runs).
 
 Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
 (P, 1024), ``layers`` (``all`` or a list of layer indices), ``window`` (which non-overlapping
 T-token window of the text, default 0), ``source`` (``model``, or ``synthetic``: seeded Gaussian
 Q/K/V of ``num_layers`` x ``[1, num_heads | num_kv_heads, T, head_dim]`` with per-channel key
 scales spread over two orders of magnitude (the outlier channels of real keys, KIVI §3), for
-model-free regression gates).  Each source keeps only its own parameters in the record
-(``Workload.SOURCE_PARAMS``): the geometry with ``synthetic``, ``text`` and ``window`` with
-``model``; the other source's given explicitly is a ``ValueError``.
+model-free regression gates); each source keeps only its own parameters
+(``Workload.SOURCE_PARAMS``, docs/design.md#suites-and-workloads).
 """
 
 from __future__ import annotations
@@ -181,11 +173,7 @@ class Fidelity(Workload):
         w = self.spec["window"]
         ids, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], w + 1)
         ids = ids[w : w + 1]
-        max_pos = ctx.max_positions
-        if self.spec["tokens"] > max_pos:
-            raise ValueError(
-                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
-            )
+        self.check_context(ctx, "tokens")
         captured = capture_qkv(ctx.model, ids)
         self.captured = captured
         self.info = {"dataset": tinfo, "windows": winfo}

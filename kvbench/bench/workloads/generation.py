@@ -1,33 +1,31 @@
-"""``generation``: greedy long-generation agreement and drift against the full-precision cache.
+"""``generation``: greedy long-generation agreement and drift against the full-precision cache
+(docs/design.md#generation-agreement).
 
 For each fixed prompt (chat template applied when the tokenizer has one), the ``full`` cache
 generates ``new_tokens`` greedy tokens (the reference, once per model).  Then, per method:
 
 * free-running greedy generation with the method's cache: ``gen_first_divergence`` (tokens
   generated before the first token that differs from the reference; ``new_tokens`` if none)
-  and ``gen_match_rate`` (share of positions equal to the reference);
-* drift: the reference continuation is fed one token at a time (C = 1, exact decode) through
-  the method's cache (``write-then-attend``: each token stored, a flush included, before it
-  attends; docs/design.md#decode-protocols; recorded in the manifest's ``decode_attention``
-  with the method's ``prefill_attention``) and its next-token distributions are compared with
-  the reference run's:
-  next-token KL and top-1 agreement per bucket of ``bucket`` decode steps
-  (``drift_kl_b<i>``, ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
+  and ``gen_match_rate`` (share of positions equal to the reference), each with bootstrap
+  intervals over prompts (none with one prompt);
+* drift: the reference continuation is fed one token at a time (C = 1, exact decode,
+  ``write-then-attend``: docs/design.md#when-quantization-happens) through the method's cache
+  and its next-token distributions are compared with the reference run's: next-token KL and
+  top-1 agreement, overall and per bucket of ``bucket`` decode steps (``drift_kl_b<i>``,
+  ``drift_top1_b<i>``; PN-Mix's claim is about long outputs).
 
-Bootstrap intervals over prompts for the first divergence and match rate (none with one prompt).
-Decode attention (``path``): ``attend`` (default) runs a kvbench cache's decode steps through
-``LayerCache.attend`` (the attention-backend registry's code-domain kernels on the CPU, instead of
-dequantizing the whole cache at every step); ``reference`` through sdpa over ``keys_values()``.
-They agree within the registry's tolerance; the path that ran is recorded (manifest
-``decode_attention``; peers and sliding-window models take the reference path).
+Decode attention (``path``, docs/design.md#two-attention-paths): ``attend`` (default) through
+``LayerCache.attend``, ``reference`` through sdpa over ``keys_values()``; the path that ran and
+the method's ``prefill_attention`` are recorded (manifest ``decode_attention``; peers and
+sliding-window models take the reference path).
+
 Parameters: ``prompts`` (list of strings; default: three fixed prompts), ``new_tokens`` (128),
 ``bucket`` (32), ``context_tokens`` (0: with n > 0, each prompt is preceded by a different
 n-token window of ``context_text`` (default ``essays``), so that a method with a residual window
 of R tokens has quantized pages to read while generating; recorded with the workload), ``path``
-(``attend`` | ``reference``), ``batch_size`` (1: prompts decoded together, left-padded, each
-row cached alone, docs/design.md#padding; the reference is batched alike; per-prompt results equal
-``batch_size: 1`` up to float32 noise of the batched matmuls; a method without
-``capabilities.padding`` is refused, naming it; ``info["padding"]`` says what padding cost).
+(``attend`` | ``reference``), ``batch_size`` (1: prompts decoded together, the reference batched
+alike, as docs/design.md#padding says; a method without ``capabilities.padding`` is refused,
+naming it; ``info["padding"]`` says what padding cost).
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER
 from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.workloads.metrics import add_ci
+from kvbench.bench.workloads.taskbase import merge_decode_info
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
@@ -67,14 +66,9 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
 
 def _note(info: dict[str, Any] | None, cache: Any, attend: bool, why: str) -> None:
     """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
-    if info is None:
-        return
-    new = decode_info([cache], getattr(cache, "attend", attend), why)
-    paths = dict(info.get("paths", {}))
-    for k, n in new["paths"].items():
-        paths[k] = paths.get(k, 0) + n
-    reasons = sorted(set(info.get("path_reasons", [])) | set(new["path_reasons"]))
-    info.update(new, paths=dict(sorted(paths.items())), path_reasons=reasons)
+    if info is not None:
+        new = decode_info([cache], getattr(cache, "attend", attend), why)
+        info.update(merge_decode_info([new, info]))
 
 
 @torch.no_grad()

@@ -38,8 +38,11 @@ from kvbench.fields import Field
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 
-def hub_rows(hub_id: str, config: str | None, split: str, what: str) -> tuple[list, dict]:
-    """Rows of a hub-only dataset; ``FileNotFoundError`` with the hub id when unavailable."""
+def hub_rows(
+    hub_id: str, config: str | None, split: str, what: str, hint: str = ""
+) -> tuple[list, dict]:
+    """Rows of a hub-only dataset; ``FileNotFoundError`` with the hub id (and ``hint``, what to
+    do instead) when unavailable."""
     from kvbench.data.hub import offline_requested
     from kvbench.data.loaders import hub_rows, sha256_text
 
@@ -51,7 +54,7 @@ def hub_rows(hub_id: str, config: str | None, split: str, what: str) -> tuple[li
         raise FileNotFoundError(
             f"{what} is not available here: it is loaded from the Hugging Face hub "
             f"({hub_id}, config {config}, split {split}), which failed with "
-            f"{type(exc).__name__}: {str(exc)[:200]}"
+            f"{type(exc).__name__}: {str(exc)[:200]}{hint}"
         ) from None
     digest = sha256_text("\n".join(json.dumps(r, sort_keys=True, default=str) for r in rows))
     return rows, {
@@ -257,9 +260,7 @@ class InfiniteBench(TaskWorkload):
                 answers = list(r["answer"]) if isinstance(r["answer"], list) else [r["answer"]]
                 if task == "longbook_choice_eng":
                     label: Any = [chr(65 + opts.index(a)) for a in answers if a in opts]
-                elif task == "kv_retrieval":
-                    label = answers[0]
-                elif task == "longbook_sum_eng":
+                elif task in ("kv_retrieval", "longbook_sum_eng"):
                     label = answers[0]
                 else:
                     label = answers

@@ -54,11 +54,8 @@ class HumanEval(TaskWorkload):
     }
 
     @property
-    def stop(self) -> list[str]:
-        s = self.spec.get("stop")
-        if s is not None:
-            return list(s)
-        return list(CODEX_STOP) if self.spec["mode"] == "completion" else ["<|im_end|>", "</s>"]
+    def DEFAULT_STOP(self) -> tuple[str, ...]:  # noqa: N802 - the base's class attribute name
+        return CODEX_STOP if self.spec["mode"] == "completion" else ("<|im_end|>", "</s>")
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.bench.tasks.humaneval import humaneval_path, load_problems

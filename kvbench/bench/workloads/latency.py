@@ -1,5 +1,6 @@
 """``latency``: prefill time and per-step decode latency at context depth d, interleaved with a
-baseline in the same call (docs/design.md#measuring), timed by :mod:`kvbench.measure.timer`.
+baseline in the same call, timed by :mod:`kvbench.measure.timer`; protocol, clocks and the CPU
+caveat: docs/design.md#latency.
 
 Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
 method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
@@ -16,10 +17,7 @@ transformers cache) and the ``baseline``'s (default ``full``).
    identical for both caches, so the two runs do the same work.
 3. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
-   steps).  Steady-state and flush steps are reported separately rather than lengthening the
-   window to whole flush periods (R = 128 would need 128+ steps per configuration and depth):
-   where a short window starts decides whether it holds a flush, so mixing them made p99,
-   mean and tokens/s depend on the window's position.
+   steps); steady-state and flush steps are reported separately.
 
 Metrics: ``prefill_ms``; ``decode_ms_p50``/``_p90``/``_p99``/``_mean`` over the steady-state
 steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_steps`` (count in
@@ -32,32 +30,16 @@ baseline ms / method ms; the runner keeps these).  ``bytes_total`` of the method
 the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
 ``prefill_ms``, ``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
 
-Timing.  CPU: ``time.perf_counter_ns`` around each ``model(...)`` call at the thread count in
-force (recorded with the load average).  CUDA: synchronized CUDA events, eager mode;
-``cuda_graphs`` is recorded as false (a growing cache changes shapes every step).  On CPU the
-numbers are dominated by framework overhead and dequantization (Python, small kernels,
-unpacking), not by memory bandwidth; the manifest and the report say so.
+Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
+docs/design.md#protocols; peers: their own ``update``) and the attention path (kvbench methods:
+the ``"kvbench"`` attention function over ``keys_values()`` with sdpa, or ``LayerCache.attend``
+for ``path: attend``, and ``auto`` for methods with a fused kernel or without ``keys_values``;
+peers: transformers' cache ``update`` then sdpa).
 
-Protocol (recorded as ``protocol``): kvbench caches run ``write-then-attend`` (each step's
-token is stored, a flush it makes due included, before the step attends; docs/design.md#protocols),
-the work of ``in-chunk-full`` in another order; peers run their own ``update``.
-
-Attention path (recorded): kvbench methods run through the ``"kvbench"`` attention function,
-which reads the dequantized K/V of ``keys_values()`` with sdpa (the reference path), or
-``LayerCache.attend`` (``path: attend``, and ``auto`` for methods with a fused kernel or without
-``keys_values``); peers run transformers' cache ``update`` then sdpa over the K/V it returns.
-
-Batches (``batch_size`` B, default 1; ``padding``).  Row b reads text window ``window + b``, so
-the rows hold different tokens; every step feeds one token per row and is timed for the whole
-batch (``decode_ms_*`` are per batch step, ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized``,
-generated tokens over all rows).  ``padding: none``: every row has the prompt's P tokens (one
-batched cache, no mask).  ``padding: left`` (B >= 2, a method and baseline with
-``capabilities.padding``): row b's prompt is the last ``P - (b * (P // 2)) // (B - 1)`` of its P
-tokens (row 0 all, the last row about half), left-padded to P, fed with its attention mask and
-per-row positions at every call, so kvbench caches hold each row alone (docs/design.md#padding);
-row b's last timed step attends to d minus its pads.  ``info.batch`` records B, the padding
-mode, each row's prompt tokens, the pad tokens and the pad tokens the cache stored (measured).
-The same code runs on CPU and CUDA (inputs, mask and positions on the model's device).
+Batches (``batch_size`` B, ``padding``: ``none`` or ``left``): row b reads text window
+``window + b``; rows, masks and positions as docs/design.md#padding (its latency paragraph);
+``decode_ms_*`` are per batch step; ``info.batch`` records B, the padding, each row's prompt
+tokens, the pad tokens and the pad tokens the cache stored (measured).
 
 Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_repeats`` (3),
 ``baseline`` (a method name, ``full``), ``path`` (``auto`` | ``reference`` | ``attend``),
@@ -73,7 +55,7 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import stored_pad_tokens
+from kvbench.bench.workloads.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
@@ -197,27 +179,14 @@ class Latency(Workload):
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, n, w = spec["context"], spec["steps"], spec["warmup"]
         if d <= n + w:
-            reject(
-                pre,
-                "context",
-                d,
-                f"integers > warmup + steps = {w + n} (a prefill of at least one token)",
-            )
+            why = "a prefill of at least one token"
+            reject(pre, "context", d, f"integers > warmup + steps = {w + n} ({why})")
         if spec["padding"] == "left" and spec["batch_size"] < 2:
-            reject(
-                pre,
-                "padding",
-                "left",
-                f"'none' with batch_size={spec['batch_size']}; 'left' needs batch_size >= 2 "
-                "(rows of different lengths)",
-            )
+            why = "'left' needs batch_size >= 2 (rows of different lengths)"
+            reject(pre, "padding", "left", f"'none' with batch_size={spec['batch_size']}; {why}")
         if spec["padding"] == "left" and (d - n - w) // 2 < 1:
-            reject(
-                pre,
-                "context",
-                d,
-                f"integers >= {w + n + 2} with padding='left' (a prefill of at least 2 tokens)",
-            )
+            why = "a prefill of at least 2 tokens"
+            reject(pre, "context", d, f"integers >= {w + n + 2} with padding='left' ({why})")
         from kvbench.cache.registry import get_method_class
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
@@ -226,12 +195,7 @@ class Latency(Workload):
         from kvbench.data.loaders import load_text, token_windows
 
         s = self.spec
-        max_pos = ctx.max_positions
-        if s["context"] > max_pos:
-            raise ValueError(
-                f"context={s['context']} exceeds the model's maximum context {max_pos} "
-                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
-            )
+        self.check_context(ctx, "context")
         bs = s["batch_size"]
         key = ("latency-ids", s["text"], s["window"], s["context"], bs)
         if key not in ctx.shared.token_ids:
@@ -273,13 +237,8 @@ class Latency(Workload):
         if padding == "left":
             for m in (method, base):
                 require_padding(m)
-            from kvbench.bench.workloads.batching import pad_id
-
-            mask = torch.ones(bs, d, dtype=torch.long, device=dev)
-            for b, k in enumerate(lens):
-                mask[b, : p - k] = 0
-            ids = ids.masked_fill(mask == 0, pad_id(model, ctx.tokenizer))
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            rows = [row[p - k :] for row, k in zip(ids, lens)]  # row 0 keeps all d tokens
+            ids, mask, pos = left_pad(rows, pad_id(model, ctx.tokenizer), dev)
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)

@@ -1,4 +1,5 @@
-"""``memory``: measured bytes at rest and the transient peak of a decode step (docs/design.md#measuring).
+"""``memory``: measured bytes at rest and the transient peak of a decode step; what each metric
+measures and how: docs/design.md#memory, shape models: docs/design.md#model-shapes.
 
 Protocol per layer: K/V of ``context`` (d) tokens, either captured once from the model
 (:func:`kvbench.hf.capture.capture_qkv`, post-RoPE, ``source: model``) or drawn from a seeded
@@ -10,69 +11,42 @@ deferred flush; only the last two also read the cache by ``path`` (the last is t
 step; the one before it warms the kernels it runs, so first-call allocations stay out of the
 measured peak, and feeds a method that observes attention, e.g. SemKV, as a real step would:
 without it such records change).  Otherwise a read changes nothing the cache holds.  kvbench
-methods replay into their :class:`~kvbench.cache.layer.LayerCache` (``append``, read K/V, ``end_step``); peers
-(``capabilities.layer_cache=False``) into the transformers cache layer they wrap
-(``new_hf_layer().update``).
+methods replay into their :class:`~kvbench.cache.layer.LayerCache` (``append``, read K/V,
+``end_step``); peers (``capabilities.layer_cache=False``) into the transformers cache layer they
+wrap (``new_hf_layer().update``; bytes from :func:`kvbench.hf.peers.hf_layer_nbytes`).
 
-Metrics (summed over layers: the whole cache, every layer):
+Metrics, summed over layers (the whole cache: :func:`whole_cache` scales a subset of layers,
+e.g. a shape model's layer 0, to all of them; the manifest's ``bytes_total_is`` says so):
 
-* ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``, ``bytes_metadata``,
-  ``bytes_residual``, ``bytes_sinks`` (+ ``bytes_key_total``, ``bytes_value_total``): the bytes
-  of the tensors the cache holds, from ``LayerCache.nbytes()`` or, for peers, the storage of
-  every tensor inside the transformers layer (:func:`kvbench.hf.peers.hf_layer_nbytes`);
-* ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
-  ``effective_value_bits`` per side), residual and sinks included in their stored dtype;
-* ``nominal_key_bits``/``nominal_value_bits``: docs/methods.md#average-bits (``Method.average_bits`` with
-  T_q = d; residual excluded);
-* ``analytic_bits`` (``analytic_key_bits``, ``analytic_value_bits``): the same formula applied to
-  the cache's actual split, quantized tokens at the nominal per-element cost and full-precision
-  tokens (residual, sinks) at the stored dtype's width.  ``effective_*`` equals it where storage
-  and formula agree; the rest of the gap is alignment (byte padding of packed rows), metadata the
-  formula does not model, or shared scales;
-* ``bytes_per_layer``: ``bytes_total`` / layers (the mean over the measured layers);
-* ``peak_step_bytes``: the transient memory of one decode step of the cache, i.e. the peak of
-  the bytes allocated during the last step above what was allocated before it, maximum over
-  layers (a model runs its layers one after another).  The step is the path that runs
-  (``path``, recorded as ``peak_step_path``): by default ``attend``, the new token's store,
-  ``LayerCache.attend(query)`` (the decode attention the latency workload and the model run:
-  whatever it materializes, e.g. unpacked codes, dequantized blocks, logits) and the deferred
-  flush; ``reference``: the store, ``keys_values()`` (the dequantized K/V the fidelity path
-  hands to sdpa, whose own working memory is then not included) and the flush; peers: their
-  layer's ``update``.  Measured with the CPU allocator's events under ``torch.profiler``
-  (``profile_memory=True``) on CPU, and as ``torch.cuda.max_memory_allocated()`` after
-  ``reset_peak_memory_stats()`` minus the allocation before the step on CUDA;
-* ``key_mse``/``value_mse``: error of the dequantized K/V held at the end vs the replayed ones
-  (float64; kvbench methods with ``keys_values`` and peers).  A shape model at ``batch`` > 1
-  reads back batch row 0 only (all KV heads and tokens; its rows are i.i.d. draws, and the
-  whole read-back cost about as much as the rest of the run), after the bytes and the peak
-  were taken from all rows; the record's ``errors_cover`` says which rows;
-* CUDA only: ``cuda_bytes_total`` = ``torch.cuda.memory_allocated()`` with every layer's cache
-  alive minus the allocation before the first cache was built (weights and inputs already on
-  the device): the allocator's view of bytes at rest, block rounding included;
-  ``cuda_peak_bytes`` = the highest ``torch.cuda.max_memory_allocated()`` over the whole replay
-  (after ``reset_peak_memory_stats()``) minus that same baseline: caches at rest plus the
-  largest transient, prefill included.  All configurations share one
-  process (a fresh process per configuration would isolate allocator state further).
+* bytes: ``bytes_total`` and its breakdown ``bytes_codes``, ``bytes_scales``,
+  ``bytes_metadata``, ``bytes_residual``, ``bytes_sinks``, ``bytes_key_total``,
+  ``bytes_value_total``; ``bytes_per_layer`` (the mean over the measured layers);
+* bits: ``effective_bits`` = 8 x bytes / stored K and V elements (``effective_key_bits``,
+  ``effective_value_bits``), ``nominal_key_bits``/``nominal_value_bits``
+  (docs/methods.md#average-bits, T_q = d) and ``analytic_bits`` (``analytic_key_bits``,
+  ``analytic_value_bits``): that formula on the cache's actual split of quantized and
+  full-precision tokens;
+* ``peak_step_bytes``: peak bytes allocated by the last step above those before it, max over
+  layers; the step by ``path`` (recorded as ``peak_step_path``): ``attend`` = store +
+  ``LayerCache.attend(query)`` + flush, ``reference`` = store + ``keys_values()`` + flush, peers
+  their layer's ``update``;
+* ``key_mse``/``value_mse``: float64 error of the dequantized K/V held at the end (a shape model
+  at ``batch`` > 1: row 0 only, after bytes and peak were taken from all rows; ``errors_cover``);
+* CUDA only, in bytes above the allocation before the first cache: ``cuda_bytes_total`` (every
+  layer's cache alive) and ``cuda_peak_bytes`` (highest over the replay, prefill included).
+
+A shape model's K/V are drawn by :mod:`~kvbench.bench.workloads.synthetic_kv` whatever
+``source`` says.  All configurations share one process.  A run whose tensors would not fit the
+device's available memory is refused before allocating.
 
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
 ``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
 list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_step_bytes``
 measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
-``synthetic`` the geometry ``num_layers``, ``num_heads``,
-``num_kv_heads``, ``head_dim`` (default 4 x 9/3 x 64, the default model's heads).  Each
-source keeps only its own parameters in the record (``Workload.SOURCE_PARAMS``): the geometry
-with ``synthetic``, ``text`` and ``window`` with ``model``; the other source's given explicitly
-is a ``ValueError``.
-
-Shape models (``model: {shape: ...}``, :mod:`kvbench.hf.shapes`): K/V of the model's shape at
-``batch`` x ``context`` are drawn by :mod:`kvbench.bench.workloads.synthetic_kv` (outlier key channels,
-the shape's RoPE) whatever ``source`` says; queries are drawn for the decode steps only, and
-for the prefill only when the method needs them there (``Method.needs_queries``); ``layers:
-all`` measures layer 0 only.  Whenever fewer layers are measured than the model has (a shape
-model, or a ``layers`` list), ``bytes_total`` and its breakdown are still the whole cache:
-layers x ``bytes_per_layer`` (:func:`whole_cache`; the manifest's ``bytes_total_is`` says so).
-A run whose tensors would not fit the device's available memory is refused before allocating.
+``synthetic`` the geometry ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``
+(default 4 x 9/3 x 64, the default model's heads); each source keeps only its own parameters
+(``Workload.SOURCE_PARAMS``, docs/design.md#suites-and-workloads).
 """
 
 from __future__ import annotations
@@ -146,14 +120,10 @@ def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
     CUDA: ``max_memory_allocated()`` after ``reset_peak_memory_stats()`` minus
     ``memory_allocated()`` before.  CPU: the running sum of the CPU allocator's allocation and
     free events recorded by ``torch.profiler`` (``profile_memory=True``), a free counted only
-    when it releases a block allocated inside the call (paired by address): frees of blocks
-    allocated before the call are left out, so the figure is the peak of the call's own live
-    allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
-
-    Pairing by address, not by size: the profiler reports a free of an older block whose size
-    it learnt in an earlier profiling session (and, for a block freed while no session ran, the
-    stale size of whatever block last lived at that address); matched by size against a block
-    of the call, such a free would lower the running sum below the call's own live bytes.
+    when it releases a block allocated inside the call (paired by address, not by the size the
+    profiler reports, which for an older block may be stale: docs/design.md#memory): frees of
+    blocks allocated before the call are left out, so the figure is the peak of the call's own
+    live allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -443,12 +413,7 @@ class Memory(Workload):
                 "memory workload with source: model needs a model; use source: synthetic for "
                 "model-free runs"
             )
-        max_pos = ctx.max_positions
-        if d > max_pos:
-            raise ValueError(
-                f"context={d} exceeds the model's maximum context {max_pos} "
-                f"(max_position_embeddings of {ctx.model_info.get('model_id', 'the model')})"
-            )
+        self.check_context(ctx, "context")
         from kvbench.data.loaders import load_text, token_windows
         from kvbench.hf.capture import capture_qkv
 

@@ -152,13 +152,9 @@ BLOCK_RESAMPLES = 2000
 
 def interval_rule(windows: int) -> tuple[int | None, str]:
     """The block length :func:`block_bootstrap_ci` uses for ``windows`` scored windows
-    (``None``: one block per window) and the rule in words, for the record's ``info``.
-
-    One rule: below :data:`WINDOW_BLOCKS_FROM` windows, blocks of :data:`BLOCK_TOKENS`
-    consecutive scored tokens (a handful of windows gives a percentile bootstrap over windows
-    too few units to resample: one window, none at all); from it on, whole windows, the
-    independent units of the sample, which also carry the dependence between tokens of one text
-    that blocks of 32 tokens cut."""
+    (``None``: one block per window) and the rule in words, for the record's ``info``: below
+    :data:`WINDOW_BLOCKS_FROM` windows, blocks of :data:`BLOCK_TOKENS` consecutive scored
+    tokens; from it on, whole windows (why: docs/design.md#perplexity-and-next-token-agreement)."""
     if windows >= WINDOW_BLOCKS_FROM:
         block, unit = None, "whole windows (one block each)"
     else:
@@ -214,10 +210,9 @@ def block_bootstrap_ci(
     series); the interval is their ``alpha/2`` and ``1 - alpha/2`` quantiles
     (``torch.quantile``, linear interpolation).
 
-    Blocks keep the dependence of neighbouring tokens (one text, one cached past) inside a
-    resampled unit, which a per-token bootstrap would break and so understate the spread.
-    Returns ``None`` with fewer than two blocks (no spread to resample).  ValueError for a
-    series count that differs between windows or a ``stat`` of the wrong shape."""
+    Why blocks: docs/design.md#perplexity-and-next-token-agreement.  Returns ``None`` with fewer
+    than two blocks (no spread to resample).  ValueError for a series count that differs between
+    windows or a ``stat`` of the wrong shape."""
     xs = [torch.as_tensor(w, dtype=torch.float64) for w in windows]
     xs = [x[:, None] if x.dim() == 1 else x for x in xs]
     if len({x.shape[1] for x in xs}) > 1:

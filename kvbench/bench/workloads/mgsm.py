@@ -83,20 +83,11 @@ def load_exemplars(lang: str, k: int) -> list[tuple[str, str]]:
 
     Raises ``FileNotFoundError`` with an actionable message when the hub is unreachable.
     """
-    from kvbench.data.hub import offline_requested
-    from kvbench.data.loaders import hub_rows  # the train split exists only on the hub
+    from .hub_tasks import hub_rows  # the train split exists only on the hub
 
+    what = f"MGSM {k}-shot native CoT (its exemplars: the train split)"
+    rows, _ = hub_rows("juletxara/mgsm", lang, "train", what, "; run with num_fewshot: 0 offline")
     _, a = PREFIXES[lang]
-    try:
-        if offline_requested():
-            raise OSError("KVBENCH_OFFLINE=1")
-        rows = hub_rows("juletxara/mgsm", lang, "train")
-    except Exception as exc:  # offline, missing...
-        raise FileNotFoundError(
-            f"MGSM {k}-shot native CoT needs the exemplars of the train split of "
-            f"juletxara/mgsm (config {lang!r}) from the Hugging Face hub, which is not reachable "
-            f"({type(exc).__name__}: {str(exc)[:120]}); run with num_fewshot: 0 offline"
-        ) from None
     out = []
     for r in rows[:k]:
         target = str(r["answer"])[len(a) + 1 :] if r.get("answer") else str(r["answer_number"])

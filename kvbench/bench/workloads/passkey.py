@@ -45,6 +45,15 @@ def chat_wrap(tokenizer: Any) -> tuple[str, str]:
     return head, tail
 
 
+def check_protected(spec: dict[str, Any], pre: str, length: int, of: str) -> None:
+    """:func:`reject` ``protect_suffix`` unless ``protect_prefix + protect_suffix`` leave at
+    least half of ``length`` tokens (described by ``of``) for the needles."""
+    pp, ps = spec["protect_prefix"], spec["protect_suffix"]
+    if pp + ps >= length // 2:
+        why = f"protect_prefix + protect_suffix must leave at least half of {of}"
+        reject(pre, "protect_suffix", ps, f"integers < {length // 2 - pp} ({why})")
+
+
 class Passkey(Workload):
     type = "passkey"
     METRICS = {"passkey_acc": HIGHER}
@@ -69,24 +78,12 @@ class Passkey(Workload):
         from kvbench.hf.cache import DECODE_PATHS  # not at import: it loads transformers
 
         Field(str, choices=DECODE_PATHS).check(spec["path"], "path", pre.removesuffix(": "))
-        if spec["protect_prefix"] + spec["protect_suffix"] >= spec["length"] // 2:
-            reject(
-                pre,
-                "protect_suffix",
-                spec["protect_suffix"],
-                f"integers < {spec['length'] // 2 - spec['protect_prefix']} (protect_prefix + "
-                f"protect_suffix must leave at least half of length={spec['length']} for the "
-                "needle)",
-            )
+        check_protected(spec, pre, spec["length"], f"length={spec['length']} for the needle")
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.bench.tasks.synthetic import niah_single
 
-        max_pos = ctx.max_positions
-        if self.spec["length"] > max_pos:
-            raise ValueError(
-                f"length={self.spec['length']} exceeds the model's maximum context {max_pos}"
-            )
+        self.check_context(ctx, "length")
         wrap = chat_wrap(ctx.tokenizer)
         seeds = range(
             self.spec["seeds"] if ctx.limit is None else min(ctx.limit, self.spec["seeds"])

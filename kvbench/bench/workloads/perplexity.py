@@ -1,32 +1,15 @@
 """``perplexity``: perplexity, next-token KL and top-1 agreement while attending to the
-*quantized* past (docs/design.md#protocols).
-
-Protocol per window of ``tokens`` (T) tokens: prefill ``prefill`` (P) tokens into the method's
-cache, then feed the rest in chunks of ``chunk`` (C) tokens (C = 1 is exact decode).
-Predictions of tokens P..T-1 are scored.  ``protocol`` says what a chunk attends to:
-
-* ``write-then-attend`` (default): each chunk's K/V go through the method's cache first (the
-  residual, sinks, flushes and budgets of a decode step: ``append`` then the deferred
-  ``end_step``), then the chunk's queries attend causally (aligned to the end) to what the cache
-  stores, their own chunk included in its stored form.  No scored token reads a full-precision
-  copy the deployed method would not hold; for a method whose stored form of a token does not
-  depend on later tokens (llama.cpp q4_0/q8_0, fp8, per-token without a residual) every C gives
-  exact decode's numbers.  With a residual window or token-axis groups a chunk's tokens see the
-  cache after the whole chunk's flush, where exact decode flushes between them
-  (docs/design.md#protocols measures the C = 64 vs C = 1 difference).
-* ``in-chunk-full``: the chunk attends to the cache's stored past plus its own tokens in full
-  precision; the flush runs after the chunk's attention.  Kept as a named option: it flatters
-  every method without a residual window (a q4_0 cache's chunk reads up to C - 1 free
-  full-precision tokens).
-
-The method's ``prefill_attention`` (a field of every method config) says what the prompt
-attends to: ``full`` (its full-precision K/V, then stored: KIVI-style deployment) or ``stored``
-(the stored cache after the prefill and its flush: llama.cpp).  The ``full`` cache under the
-identical schedule is the reference (computed once per model in ``prepare``): ``next_token_kl``
-= mean KL(P_full || P_method), ``top1_agreement`` = share of positions whose argmax matches,
-``ppl_delta`` = ppl - ppl_ref.  Bootstrap 95% intervals
-(``*_ci_low``/``*_ci_high``) resample blocks of scored tokens
+*quantized* past.  Per window of ``tokens`` (T) tokens: prefill ``prefill`` (P) tokens into the
+method's cache, feed the rest in chunks of ``chunk`` (C) tokens (C = 1 is exact decode), and
+score the predictions of tokens P..T-1 against the ``full`` cache under the identical schedule
+(computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
+``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref,
+with bootstrap 95% intervals (``*_ci_low``/``*_ci_high``) over blocks of scored tokens
 (:func:`kvbench.bench.workloads.metrics.interval_rule`, recorded in ``info.intervals``).
+Protocol and intervals: docs/design.md#perplexity-and-next-token-agreement; what a chunk
+attends to under ``protocol`` (``write-then-attend``, default, or ``in-chunk-full``) and the
+prompt under the method's ``prefill_attention`` (``full`` | ``stored``):
+docs/design.md#when-quantization-happens.
 
 Storage of the cache the scored tokens attended to (one cache state per row; mean over
 windows): ``bytes_total``, ``bytes_key_total``, ``bytes_value_total`` (all layers, measured by
@@ -51,12 +34,10 @@ sliding-window models take the reference path (recorded); a peer runs its cache'
 full precision on the call that flushes, fp8 stores first) and refuses ``prefill_attention:
 stored``.
 
-Shared prefill: with ``prefill_attention: full`` the prompt's K/V and its last logits are the
-same for every method; they are computed once per window in ``prepare``
-(:func:`kvbench.hf.capture.capture_prompt`) and each method's cache is prefilled from them
-(``QuantizedKVCache.prefill_from``); only the chunks run through the model per method.  A
-method with ``prefill_attention: stored`` runs its prompt through the model (its K/V of every
-layer after the first depend on the method).
+Shared prefill: with ``prefill_attention: full`` the prompt's K/V and last logits are computed
+once per window in ``prepare`` (:func:`kvbench.hf.capture.capture_prompt`) and prefill each
+method's cache (``QuantizedKVCache.prefill_from``); a method with ``stored`` runs its prompt
+through the model.
 
 Parameters: ``text`` (default ``wikitext2``), ``tokens`` (2048), ``prefill`` (1024), ``chunk``
 (64), ``windows`` (2), ``path`` (``attend`` | ``reference``), ``protocol``
@@ -279,18 +260,10 @@ class Perplexity(Workload):
         key = ("perplexity", *(self.spec[k] for k in names))
         if key in ctx.shared.references:
             got = ctx.shared.references[key]
-            self.windows, self.prompts, self.ref, self.info = (
-                got.windows,
-                got.prompts,
-                got.logprobs,
-                got.info,
-            )
+            self.windows, self.prompts, self.ref = got.windows, got.prompts, got.logprobs
+            self.info = got.info
             return
-        max_pos = ctx.max_positions
-        if self.spec["tokens"] > max_pos:
-            raise ValueError(
-                f"tokens={self.spec['tokens']} exceeds the model's maximum context {max_pos}"
-            )
+        self.check_context(ctx, "tokens")
         text, tinfo = load_text(self.spec["text"])
         n = self.spec["windows"] if ctx.limit is None else min(ctx.limit, self.spec["windows"])
         self.windows, winfo = token_windows(ctx.tokenizer, text, self.spec["tokens"], n)

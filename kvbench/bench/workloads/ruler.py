@@ -37,8 +37,7 @@ from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 
-from . import reject
-from .passkey import chat_wrap
+from .passkey import chat_wrap, check_protected
 from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
@@ -82,15 +81,8 @@ class Ruler(TaskWorkload):
         for name in ("tasks", "lengths"):
             if isinstance(spec[name], (str, int)):
                 spec[name] = [spec[name]]
-        pp, ps, shortest = spec["protect_prefix"], spec["protect_suffix"], min(spec["lengths"])
-        if pp + ps >= shortest // 2:
-            reject(
-                pre,
-                "protect_suffix",
-                ps,
-                f"integers < {shortest // 2 - pp} (protect_prefix + protect_suffix must leave at "
-                f"least half of the shortest length ({shortest}) for the needles)",
-            )
+        shortest = min(spec["lengths"])
+        check_protected(spec, pre, shortest, f"the shortest length ({shortest}) for the needles")
 
     def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         from kvbench.bench.tasks.synthetic import generate

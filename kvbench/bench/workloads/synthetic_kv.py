@@ -12,9 +12,8 @@ Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype`
 * outlier channels: ``outlier_pairs`` RoPE pairs per KV head (default 2, i.e. 4 of
   ``head_dim`` channels), fixed over tokens and drawn among the lowest-frequency half of the
   pairs (where real outliers sit: a slowly rotating pair keeps its magnitude in place), have
-  scale ``outlier_scale`` (default 4.5) times the median.  On SmolLM2-135M's captured keys the
-  ratio max/median over channels of mean |K| is about 4-5; :func:`channel_outlier_ratio`
-  measures it on these draws;
+  scale ``outlier_scale`` (default 4.5, the ratio seen on SmolLM2-135M's captured keys:
+  docs/design.md#model-shapes) times the median (:func:`channel_outlier_ratio` measures it);
 * RoPE is then applied with the shape's own inverse frequencies (``rope_theta`` and any
   scaling, e.g. Llama-3.1's ``llama3`` factor 8, through transformers'
   ``ROPE_INIT_FUNCTIONS``), rotate-half layout (channel ``i`` pairs with ``i + D/2``), at
@@ -131,8 +130,7 @@ def _row_draws(seed: int, batch: int, heads: int, d: int) -> Any:
     of row ``b`` of ``torch.randn(batch, heads, CHUNK, D)`` from a generator seeded ``seed``
     (torch's CPU normal fills a contiguous tensor from the generator's stream in order, and a
     row holds a multiple of 16 values, so row by row draws the same stream; a test checks the
-    values against the whole draw).  One reused buffer: each row's RoPE and cast then run on
-    8-16 MiB that stay in cache, not on the whole chunk (134 MiB at batch 8 x 32 heads)."""
+    values against the whole draw).  One reused buffer, so a row's RoPE and cast stay in cache."""
     g = torch.Generator().manual_seed(seed)
     z = torch.empty(heads, CHUNK, d)
     for b in range(batch):

@@ -3,9 +3,8 @@
 method's cache, per-example records.
 
 Protocol (docs/design.md#accuracy): fixed prompts, greedy decoding (``do_sample=False``), one
-sample per example, the quantized cache built fresh for every example.  The prompt is prefilled
-(prefill attention is full precision, docs/design.md#protocols) and every new token is decoded one at a time
-through :class:`kvbench.hf.cache.QuantizedKVCache`, so generation reads the quantized past.
+sample per example, the quantized cache built fresh for every example, the prompt prefilled and
+every new token decoded one at a time through :class:`kvbench.hf.cache.QuantizedKVCache`.
 Generation stops at an end-of-sequence token of the tokenizer or the model's generation config,
 at ``new_tokens`` tokens, or at the first stop string (the completion is cut before it, as
 lm-evaluation-harness's ``until``).
@@ -25,10 +24,9 @@ with ``random.Random(seed)`` (``sample: random``; the suite's seed), recorded ei
 Common parameters: ``max_examples`` (null = all; per language/task group), ``sample``
 (``first`` | ``random``), ``new_tokens`` (generation budget), ``chat_template`` (apply the
 tokenizer's chat template when it has one; few-shot exemplars become turns), ``stop`` (stop
-strings; null = the task's defaults), ``batch_size`` (examples decoded together, default 1:
-prompts of different lengths are left-padded and each row is cached alone, docs/design.md#padding,
-so per-example results equal ``batch_size: 1`` up to float32 noise of the batched matmuls; a
-method without ``capabilities.padding`` is refused, naming it).
+strings; null = the task's defaults), ``batch_size`` (examples decoded together, default 1;
+left-padded, each row cached alone, a finished row leaving the batch: docs/design.md#padding;
+a method without ``capabilities.padding`` is refused, naming it), ``path`` (decode attention).
 
 Tests replace :meth:`TaskWorkload.generate` with a stub to score hand-made completions without
 a model.
@@ -45,7 +43,7 @@ import torch
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, NONE
-from kvbench.bench.workloads.batching import PadLedger, stored_pad_tokens
+from kvbench.bench.workloads.batching import PadLedger, left_pad, pad_id, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 
@@ -152,41 +150,33 @@ def greedy_generate(
     (:func:`kvbench.hf.cache.decode_info`: the route and the paths that ran).
     """
     from kvbench.hf.attention import kvbench_attention
-    from kvbench.hf.cache import QuantizedKVCache, decode_info, decode_route
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
 
     attend, why = decode_route(method, model, path)
     cache = QuantizedKVCache(method, model, attend=attend)
-    with kvbench_attention(model):
-        return _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) | {
-            "decode_attention": decode_info([cache], cache.attend, why)
-        }
-
-
-def _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) -> dict[str, Any]:
-    from kvbench.hf.cache import cache_kwarg
-
     kw = cache_kwarg(cache, model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
-    out = model(input_ids=ids, use_cache=True, **kw)
-    kq, vq = cache.quantized_tokens(0)
     ends = eos_ids(model, tokenizer)
     new: list[int] = []
     reason = "length"
-    for step in range(max_new_tokens):
-        tok = int(out.logits[0, -1].argmax())
-        if tok in ends:
-            reason = "eos"
-            break
-        new.append(tok)
-        if stop:
-            raw = tokenizer.decode(new, skip_special_tokens=False)
-            _, hit = cut_at_stop(raw, stop)
-            if hit is not None:
-                reason = f"stop:{hit}"
+    with kvbench_attention(model):
+        out = model(input_ids=ids, use_cache=True, **kw)
+        kq, vq = cache.quantized_tokens(0)
+        for step in range(max_new_tokens):
+            tok = int(out.logits[0, -1].argmax())
+            if tok in ends:
+                reason = "eos"
                 break
-        if step + 1 < max_new_tokens:
-            out = model(input_ids=torch.tensor([[tok]], device=dev), use_cache=True, **kw)
+            new.append(tok)
+            if stop:
+                raw = tokenizer.decode(new, skip_special_tokens=False)
+                _, hit = cut_at_stop(raw, stop)
+                if hit is not None:
+                    reason = f"stop:{hit}"
+                    break
+            if step + 1 < max_new_tokens:
+                out = model(input_ids=torch.tensor([[tok]], device=dev), use_cache=True, **kw)
     text = tokenizer.decode(new, skip_special_tokens=True)
     text, _ = cut_at_stop(text, stop)
     return {
@@ -196,14 +186,8 @@ def _greedy_loop(model, tokenizer, ids, cache, max_new_tokens, stop) -> dict[str
         "prompt_tokens": int(ids.shape[1]),
         "key_quantized_after_prefill": kq,
         "value_quantized_after_prefill": vq,
+        "decode_attention": decode_info([cache], cache.attend, why),
     }
-
-
-def _pad_id(model: Any, tokenizer: Any) -> int:
-    for v in (getattr(tokenizer, "pad_token_id", None), *sorted(eos_ids(model, tokenizer)), 0):
-        if isinstance(v, int):
-            return v
-    return 0
 
 
 @torch.no_grad()
@@ -228,33 +212,15 @@ def greedy_generate_batch(
     Raises ``kvbench.hf.padding.PaddedBatchError`` (a ``ValueError``) naming the method when it
     lacks ``capabilities.padding`` and the prompts differ in length."""
     from kvbench.hf.attention import kvbench_attention
-    from kvbench.hf.cache import decode_route
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
 
     attend, why = decode_route(method, model, path)
-    with kvbench_attention(model):
-        return _greedy_batch_loop(
-            model, tokenizer, prompts, method, max_new_tokens, stop, attend, why
-        )
-
-
-def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, attend, why):
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info
-
     dev = next(model.parameters()).device
     lens = [int(p.shape[-1]) for p in prompts]
     b, width = len(prompts), max(lens)
-    ids = torch.full((b, width), _pad_id(model, tokenizer), dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - lens[i] :], mask[i, width - lens[i] :] = p.reshape(-1), 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = left_pad(prompts, pad_id(model, tokenizer), dev)
     cache = QuantizedKVCache(method, model, rows_apart=True, attend=attend)
     kw = cache_kwarg(cache, model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
-    lc = cache.layer_caches()[0]
-    rows = lc.rows if lc is not None and lc.rows is not None else None
-    quant = [r.quantized_tokens() for r in rows] if rows else [cache.quantized_tokens(0)] * b
     ends = eos_ids(model, tokenizer)
     new: list[list[int]] = [[] for _ in range(b)]
     reason = ["length"] * b
@@ -262,41 +228,51 @@ def _greedy_batch_loop(model, tokenizer, prompts, method, max_new_tokens, stop, 
     nxt = torch.tensor(lens, device=dev).view(-1, 1)
     active = list(range(b))  # original index of each row still in the batch
     stored = None
-    while not all(done):
-        toks = out.logits[:, -1].argmax(-1)
-        for j, i in enumerate(active):
-            if done[i]:
-                continue
-            tok = int(toks[j])
-            if tok in ends:
-                reason[i], done[i] = "eos", True
-                continue
-            new[i].append(tok)
-            if stop:
-                _, hit = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=False), stop)
-                if hit is not None:
-                    reason[i], done[i] = f"stop:{hit}", True
+    with kvbench_attention(model):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        lc = cache.layer_caches()[0]
+        rows = lc.rows if lc is not None and lc.rows is not None else None
+        quant = [r.quantized_tokens() for r in rows] if rows else [cache.quantized_tokens(0)] * b
+        while not all(done):
+            toks = out.logits[:, -1].argmax(-1)
+            for j, i in enumerate(active):
+                if done[i]:
                     continue
-            if len(new[i]) >= max_new_tokens[i]:
-                done[i] = True
-        if all(done):
-            break
-        keep = [j for j, i in enumerate(active) if not done[i]]
-        if len(keep) < len(active):  # retire finished rows: later steps decode only the rest
-            if stored is None:  # measured while every row is still held
-                stored = stored_pad_tokens(cache, lens, width)
-            sel = torch.tensor(keep, device=dev)
-            cache.batch_select_indices(sel)
-            toks, mask, nxt = toks[sel], mask[sel], nxt[sel]
-            active = [active[j] for j in keep]
-        mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=dev)], dim=1)
-        out = model(
-            input_ids=toks.view(-1, 1), attention_mask=mask, position_ids=nxt, use_cache=True, **kw
-        )
-        nxt = nxt + 1
-    results = []
+                tok = int(toks[j])
+                if tok in ends:
+                    reason[i], done[i] = "eos", True
+                    continue
+                new[i].append(tok)
+                if stop:
+                    _, hit = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=False), stop)
+                    if hit is not None:
+                        reason[i], done[i] = f"stop:{hit}", True
+                        continue
+                if len(new[i]) >= max_new_tokens[i]:
+                    done[i] = True
+            if all(done):
+                break
+            keep = [j for j, i in enumerate(active) if not done[i]]
+            if len(keep) < len(active):  # retire finished rows: later steps decode only the rest
+                if stored is None:  # measured while every row is still held
+                    stored = stored_pad_tokens(cache, lens, width)
+                sel = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(sel)
+                toks, mask, nxt = toks[sel], mask[sel], nxt[sel]
+                active = [active[j] for j in keep]
+            one = torch.ones(len(active), 1, dtype=mask.dtype, device=dev)
+            mask = torch.cat([mask, one], dim=1)
+            out = model(
+                input_ids=toks.view(-1, 1),
+                attention_mask=mask,
+                position_ids=nxt,
+                use_cache=True,
+                **kw,
+            )
+            nxt = nxt + 1
     if stored is None:
         stored = stored_pad_tokens(cache, lens, width)
+    results = []
     for i in range(b):
         text, _ = cut_at_stop(tokenizer.decode(new[i], skip_special_tokens=True), stop)
         results.append(
