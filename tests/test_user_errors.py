@@ -87,6 +87,15 @@ BAD_SUITES = [
         ["model", "field 'dtype': 'float23'", "float32", "did you mean"],
     ),
     (lambda d: d.update(modle={}), ["unknown key(s) ['modle']", "did you mean 'model'"]),
+    # a passkey run of no examples divided by zero in the middle of the suite
+    (
+        lambda d: d["workloads"].append({"type": "passkey", "seeds": 0}),
+        ["workloads[2] (passkey)", "field 'seeds': 0", "integers >= 1"],
+    ),
+    (
+        lambda d: d["workloads"].append({"type": "passkey", "depths": []}),
+        ["workloads[2] (passkey)", "field 'depths': []", "non-empty list"],
+    ),
 ]
 
 

@@ -69,7 +69,8 @@ class Passkey(Workload):
         "batch_size": 1,
     }
     FIELDS = {
-        "depths": Field(float, low=0, high=1, shape="list", min_items=0),
+        "depths": Field(float, low=0, high=1, shape="list", min_items=1),
+        "seeds": Field(int, low=1),
         "batch_size": Field(int, low=1),
     }
 
