@@ -15,7 +15,6 @@ each side has.  The provenance warning never changes the exit status.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import math
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 from kvbench.bench.records import Record, RecordError, load_records
 from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
+from kvbench.registry import did_you_mean
 from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label
 
@@ -52,8 +52,7 @@ class Gate:
             raise ValueError(f"--fail-on expects METRIC:THRESHOLD (e.g. attn_kl:5%), got {text!r}")
         metric, thr = text.rsplit(":", 1)
         if direction(metric) is None:
-            close = difflib.get_close_matches(metric, declared_names(), n=3)
-            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            hint = did_you_mean(metric, declared_names(), cutoff=0.6)
             raise ValueError(
                 f"--fail-on: unknown metric {metric!r}: no workload declares it{hint} (each "
                 "workload declares its metrics in its METRICS class attribute)"
