@@ -234,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(f"--run-timeout must be > 0 seconds, got {timeout:g}")
     runner = run_suite
     if args.executor == "ray":  # same records and resume; docs/cluster.md
-        from kvbench.integrations.ray_executor import runner_from_args
+        from kvbench.integrations.ray import runner_from_args
 
         runner = runner_from_args(args)  # checks ray and the address before anything is written
     elif args.address or args.max_parallel:
