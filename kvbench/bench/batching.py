@@ -39,8 +39,7 @@ def pad_id(
     cands: list[int | list[int] | None] = []
     if tokenizer is not None:
         cands += [tokenizer.pad_token_id, tokenizer.eos_token_id]
-    # a model that cannot generate has generation_config None; a test stand-in may have none
-    gen = getattr(model, "generation_config", None)
+    gen = model.generation_config  # None for a model that cannot generate
     if gen is not None:
         cands += [gen.pad_token_id, gen.eos_token_id]
     for c in cands:

@@ -12,7 +12,7 @@ Importing this module loads no transformers; the functions that build caches imp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 import torch
 
@@ -24,6 +24,16 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from kvbench.hf.shapes import ByteTokenizer
+
+
+@runtime_checkable
+class CountsDecodePaths(Protocol):
+    """A cache that counts the decode paths its layers ran (kvbench's
+    :class:`~kvbench.hf.cache.QuantizedKVCache`; a peer's transformers cache does not)."""
+
+    method: Method
+    decode_paths: dict[str, int]
+    decode_path_reasons: set[str]
 
 
 class DecodeInfo(TypedDict, total=False):
@@ -91,20 +101,20 @@ def decode_info(caches: Sequence[Cache], attend: bool, why: str) -> DecodeInfo:
     ``caches`` ``paths`` (layer decode calls per path that ran: ``cpu-native``,
     ``cpu-eager``, ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the
     reference route) and ``path_reasons`` (why faster backends declined)."""
-    from kvbench.hf.cache import cache_protocol
+    from kvbench.hf.cache import cache_protocol, prefill_attention
     from kvbench.hf.peers import sum_counts
 
-    # kvbench's caches count their decode paths and know their method; a peer's transformers
-    # cache has neither
-    paths = sum_counts(getattr(c, "decode_paths", {}) for c in caches)
-    reasons = set().union(*(getattr(c, "decode_path_reasons", ()) for c in caches))
+    ours = [c for c in caches if isinstance(c, CountsDecodePaths)]  # a peer's cache counts none
+    paths = sum_counts(c.decode_paths for c in ours)
+    reasons = set().union(*(c.decode_path_reasons for c in ours))
     first = caches[0] if caches else None
-    config = getattr(getattr(first, "method", None), "config", None)
     return {
         "route": "attend" if attend else "reference",
         "route_reason": why,
         "protocol": cache_protocol(first),
-        "prefill_attention": getattr(config, "prefill_attention", "full"),
+        "prefill_attention": (
+            prefill_attention(first.method) if isinstance(first, CountsDecodePaths) else "full"
+        ),
         "paths": dict(sorted(paths.items())),
         "path_reasons": sorted(reasons),
     }
@@ -115,8 +125,7 @@ def eos_ids(
 ) -> set[int]:
     """End-of-sequence ids from the tokenizer and the model's generation config."""
     out: set[int] = set()
-    # a model that cannot generate has generation_config None; a test stand-in may have none
-    gen = getattr(model, "generation_config", None)
+    gen = model.generation_config  # None for a model that cannot generate
     for src in (
         None if tokenizer is None else tokenizer.eos_token_id,
         None if gen is None else gen.eos_token_id,

@@ -231,6 +231,8 @@ def test_passkey_accuracy_counts_answers_in_the_completion(monkeypatch) -> None:
     completions = iter(["the key is 12345.", "no idea", "1234 5", "x 99999 y"])
 
     class Model:
+        generation_config = None
+
         def generate(self, ids, **kw):
             return torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], dim=1)
 
