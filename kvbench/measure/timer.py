@@ -1,5 +1,6 @@
-"""The one timing protocol of kvbench: the latency workload, ``benchmarks/`` and
-``kernels/bench_decode.py`` all time through this module, so their numbers compare.
+"""The one timing protocol of kvbench: the latency workload and ``benchmarks/`` (the Triton
+device check ``benchmarks/triton_decode.py`` included) all time through this module, so their
+numbers compare.
 
 Protocol
 --------

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvbench.bench.metrics import HIGHER, NONE, direction
 from kvbench.bench.records import Record, RecordError, load_records
-from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
 from kvbench.registry import did_you_mean
 from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.metrics import HIGHER, direction
 from kvbench.bench.records import Record, canonical, load_records
-from kvbench.bench.workloads.metrics import HIGHER, direction
 from kvbench.cache.registry import BASELINE, METHODS
 from kvbench.report.headline import SECTIONS, rows
 from kvbench.report.pareto import pareto_mask

@@ -22,7 +22,7 @@ import torch
 
 from kvbench.attention.reference import reference_attention
 from kvbench.bench.context import Capture, RunContext
-from kvbench.bench.workloads.metrics import (
+from kvbench.bench.metrics import (
     LOWER,
     NONE,
     STORAGE_METRICS,

@@ -34,15 +34,15 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.context import RunContext
+from kvbench.bench.decoding import DECODE_PATHS, decode_info, decode_route, merge_decode_info
+from kvbench.bench.metrics import add_ci
 from kvbench.bench.workloads import HIGHER, LOWER
-from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
-from kvbench.bench.workloads.metrics import add_ci
-from kvbench.bench.workloads.taskbase import merge_decode_info
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
+from kvbench.hf.cache import make_hf_cache
 
 from . import Result, Workload
 

@@ -32,10 +32,9 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
-
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 
 def hub_rows(
@@ -292,7 +291,7 @@ class InfiniteBench(TaskWorkload):
         }
 
     def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        from .taskbase import encode_text
+        from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]

@@ -23,10 +23,9 @@ import re
 from typing import Any
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
-
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 MODES = ("completion", "chat")
 CODEX_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")

@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
+from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.bench.context import RunContext
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field

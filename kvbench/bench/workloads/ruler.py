@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 
 from .passkey import chat_wrap, check_protected
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
 RULER_TASKS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
@@ -170,7 +170,7 @@ class Ruler(TaskWorkload):
         }
 
     def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        from .taskbase import encode_text
+        from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]
