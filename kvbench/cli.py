@@ -155,7 +155,7 @@ def workload_types_help() -> str:
             params = WORKLOADS.get(name).PARAMS
         # anything a plugin's entry point raises on import (ImportError, a bad PARAMS...): a
         # broken plugin still lists the others; reported in its help line as [failed to load]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - plugin errors -> its "[failed to load]" line
             text = f"[failed to load] {type(exc).__name__}: {exc}"
         else:
             text = (
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # any other exception of a command (a bug, not the user's to fix): reported as one line on
     # stderr naming it (the traceback with --debug), exit status 3
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - bugs -> one stderr line, exit 3
         if args.debug:
             traceback.print_exc()
         print(

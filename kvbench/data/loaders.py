@@ -145,7 +145,7 @@ def _load(
             # whatever the hub attempt raises (datasets/huggingface_hub errors: offline, missing,
             # gated; ChecksumMismatch: differs from the pin): the next source is tried, and the
             # failure is kept in ``attempts`` (DatasetUnavailable's message, or info["attempts"])
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - hub errors -> attempts
                 attempts.append(f"hub {ds.hub_id}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
             info: dict[str, JSONValue] = {

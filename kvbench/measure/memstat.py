@@ -57,7 +57,7 @@ def reset_peak() -> bool:
             torch.cuda.reset_peak_memory_stats()
     # any failure of the CUDA call (a RuntimeError of the driver or allocator, most likely):
     # accounting must never stop a run; kept for peak()'s cuda_peak_error (the run's manifest)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - CUDA errors -> cuda_peak_error
         _reset_error = f"reset_peak_memory_stats: {_describe(exc)}"
     try:
         _CLEAR.write_text("5")
@@ -87,7 +87,7 @@ def peak(per_run: bool) -> dict[str, int | str]:
             out["cuda_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     # any failure of the CUDA call (a RuntimeError of the driver or allocator, most likely):
     # accounting must never stop a run; recorded as cuda_peak_error (the run's manifest.memory)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - CUDA errors -> cuda_peak_error
         errors.append(f"max_memory_allocated: {_describe(exc)}")
     if errors:
         out["cuda_peak_error"] = "; ".join(errors)
@@ -111,7 +111,7 @@ def release() -> None:
             torch.cuda.empty_cache()
     # any failure of the CUDA call (a RuntimeError of the driver or allocator, most likely):
     # freeing between runs must never stop a sweep; reported as a RuntimeWarning on stderr
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - CUDA errors -> RuntimeWarning
         warnings.warn(
             f"kvbench: could not empty the CUDA cache between runs ({_describe(exc)}); the "
             "next run's CUDA peak may include memory freed before it",

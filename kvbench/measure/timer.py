@@ -182,7 +182,7 @@ class Timer:
         # anything ``fn`` or the capture raises (a RuntimeError for an operation CUDA graphs
         # cannot capture, most likely): not capturable, so it is timed eagerly; kept in
         # graph_errors and reported in ``how`` (the timing method of the result)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - capture errors -> graph_errors, how
             torch.cuda.synchronize(self.device)
             self.graph_failures += 1
             self.graph_errors.append(f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
