@@ -12,14 +12,14 @@ import ctypes
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 # glibc ``mallopt`` parameters (malloc.h) and the defaults :func:`heap_reuse` restores
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 DEFAULTS = ((M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024), (M_MMAP_THRESHOLD, 32 << 20))
 
 
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL | None:
+    """glibc, with ``mallopt`` and ``malloc_trim``; ``None`` elsewhere (not Linux, musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
