@@ -34,19 +34,19 @@ MODEL_FIELDS = {
 class SuiteErrors(ValueError):
     """Every error found in one suite, refused at once.
 
-    ``errors`` holds the messages in the order they were found, each ``"<file>: <entry>: ..."``.
-    The text is the message itself when there is one error, else a header and one line per
-    error, the file name said once::
+    ``errors`` holds the messages in the order they were found (a repeated one once), each
+    ``"<file>: <entry>: ..."``.  The text is the message itself when there is one error, else a
+    header and one line per error, the file name said once::
 
         suite.yaml: 3 errors:
-          methods[0] (kivi): field 'bits': 9 is not allowed; allowed: 1..8
-          methods[1]: unknown method 'kivy' ...
-          workloads[0] (fidelity): field 'tokens': ...
+          methods[1]: unknown method 'kivii'; did you mean 'kivi'? (registered: [...])
+          methods[5] (kivi): KIVIConfig: field 'bits': 9 is not allowed; allowed: 1..8 or 16
+          workloads[0] (fidelity): tokens=9000 exceeds the maximum context of ..., 8192 tokens ...
     """
 
     def __init__(self, path: str, errors: Sequence[str]) -> None:
         self.path = path
-        self.errors = list(dict.fromkeys(errors))  # a repeated message once
+        self.errors = list(dict.fromkeys(errors))
         super().__init__(format_errors(path, self.errors))
 
 
