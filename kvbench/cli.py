@@ -206,24 +206,24 @@ def run_summary(records: list[Record], out: str, suite_path: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from kvbench.bench.preflight import check_contexts, format_missing, preflight
     from kvbench.bench.runner import run_suite
     from kvbench.bench.suite import load_suite
     from kvbench.bench.validate import check_devices, check_output
 
-    suite = load_suite(args.suite, parse_set(args.set))
-    check_devices(suite)  # before the asset pre-flight: nothing else matters without a device
+    # every error of the suite in one refusal, before the asset pre-flight: the fields, then
+    # devices (nothing else matters without one) and contexts beyond a model's maximum
+    suite = load_suite(args.suite, parse_set(args.set), checks=(check_devices, check_contexts))
     paper_block = suite.raw.get("paper")
     if paper_block is not None:
         from kvbench.integrations.paper import validate
 
         validate(paper_block, suite.path)
     from kvbench.bench.outlock import output_lock
-    from kvbench.bench.preflight import check_contexts, format_missing, preflight
 
     if missing := preflight(suite):  # every asset resolved before the first run
         print(format_missing(missing, suite.path), file=sys.stderr)
         return 2
-    check_contexts(suite)  # a context beyond a model's maximum: refused before --out is made
     out = args.out or f"results/{suite.name}"
     timeout = args.run_timeout
     if timeout is not None and args.executor != "ray":

@@ -1,7 +1,8 @@
-"""The README's "Adding a method" works from the README alone: its code blocks are extracted,
-written as a package to a temporary folder, registered through a dist-info (the entry point
-comes from the README's own pyproject.toml), and `kvbench bits` and a tiny suite run on it.
-The examples/ folder must hold exactly the README's files."""
+"""The plugin guide's "A complete plugin" (docs/plugins.md; the README links to it) works from
+the page alone: its code blocks are extracted, written as a package to a temporary folder,
+registered through a dist-info (the entry point comes from the page's own pyproject.toml), and
+`kvbench bits` and a tiny suite run on it.  The examples/ folder must hold exactly the page's
+files."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ except ImportError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_files() -> dict[str, str]:
-    """``{relative path: text}`` of the code blocks of the README's "Adding a method" section
-    whose first line is a comment naming the file."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Adding a method", 1)[1].split("\n## ", 1)[0]
+GUIDE = ROOT / "docs" / "plugins.md"
+
+
+def guide_files() -> dict[str, str]:
+    """``{relative path: text}`` of the code blocks of the "A complete plugin" section of
+    docs/plugins.md whose first line is a comment naming the file."""
+    text = GUIDE.read_text()
+    section = text.split("## A complete plugin\n", 1)[1].split("\n## ", 1)[0]
     files = {}
     for body in re.findall(r"```(?:python|toml)\n(.*?)```", section, flags=re.S):
         first, rest = body.split("\n", 1)
@@ -37,19 +41,19 @@ def readme_files() -> dict[str, str]:
     return files
 
 
-def test_readme_has_the_whole_plugin_and_examples_match() -> None:
-    files = readme_files()
+def test_guide_has_the_whole_plugin_and_examples_match() -> None:
+    files = guide_files()
     assert set(files) == {"kvbench_example_plugin/__init__.py", "pyproject.toml"}
     example = ROOT / "examples" / "kvbench-example-plugin"
     for rel, text in files.items():
-        assert (example / rel).read_text() == text, f"examples/ differs from the README: {rel}"
+        assert (example / rel).read_text() == text, f"examples/ differs from docs/plugins.md: {rel}"
 
 
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory) -> Path:
-    """The README's plugin on a fresh path, registered by a dist-info built from its toml."""
+    """The guide's plugin on a fresh path, registered by a dist-info built from its toml."""
     root = tmp_path_factory.mktemp("plugin")
-    files = readme_files()
+    files = guide_files()
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -80,7 +84,7 @@ def kvbench(plugin_path: Path, *args: str, warnings: str = "") -> subprocess.Com
     )
 
 
-def test_the_plugin_is_the_readmes(plugin_path: Path) -> None:
+def test_the_plugin_is_the_guides(plugin_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{plugin_path}{os.pathsep}{ROOT}"}
     code = (
         "import kvbench, kvbench_example_plugin as p; "
@@ -104,7 +108,7 @@ def test_the_plugin_is_the_readmes(plugin_path: Path) -> None:
         (["bits=2", "group_size=32"], 2 + 16 / 32),
     ],
 )
-def test_bits_on_the_readme_plugin(plugin_path: Path, sets: list[str], key_bits: float) -> None:
+def test_bits_on_the_guide_plugin(plugin_path: Path, sets: list[str], key_bits: float) -> None:
     args = [a for s in sets for a in ("--set", s)]
     out = kvbench(plugin_path, "bits", "example-sign", *args, "--json", warnings="always")
     assert out.returncode == 0, out.stderr
@@ -121,7 +125,7 @@ def test_the_core_checks_reject_bad_bits(plugin_path: Path, bits: str) -> None:
     assert "1..8 or 16" not in out.stderr and "Traceback" not in out.stderr
 
 
-def test_a_tiny_suite_on_the_readme_plugin(plugin_path: Path) -> None:
+def test_a_tiny_suite_on_the_guide_plugin(plugin_path: Path) -> None:
     suite = {
         "name": "plugin",
         "model": "none",

@@ -3,7 +3,8 @@ committed baseline ``tests/baseline/`` through ``kvbench compare`` (docs/design.
 
 The suite holds every built-in method (transformers peers other than hf-dynamic, and plugins,
 excluded) at one operating point; :func:`test_every_builtin_method_is_gated` fails when a
-built-in method is missing from it.  Deterministic metrics are gated: bytes and bits exactly,
+built-in method is missing from it, naming the entry to add, the files and the make targets
+(``gate_suites.how_to_gate``).  Deterministic metrics are gated: bytes and bits exactly,
 key/value MSE, attention KL and attention-output error within 1% (the float64 reference is
 exact on one machine; 1% absorbs another CPU's kernels).  Timing is not part of this suite.
 After an intended change, regenerate the baseline with ``make baseline``;
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gate_suites import GATE, gated_builtins, how_to_gate, missing_from
 
 from kvbench.bench.records import load_record, load_records, write_record
 from kvbench.bench.runner import run_suite
@@ -58,7 +60,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
     before = torch.get_num_threads()
     out = tmp_path_factory.mktemp("ci_gate")
     try:
-        run_suite(load_suite(ROOT / "suites" / "ci_gate.yaml"), out, quiet=True)
+        run_suite(load_suite(ROOT / GATE), out, quiet=True)
     finally:
         torch.set_num_threads(before)
     return out
@@ -71,26 +73,29 @@ def test_baseline_is_committed() -> None:
     assert {"full", "kivi", "hf-dynamic", "per-channel", "kvquant"} <= methods
 
 
-def _gated_builtins() -> set[str]:
-    """Built-in methods the gate must hold: every method of kvbench's own distribution with
-    kvbench layer caches (transformers peers wrap another library's cache and are excluded)."""
-    from kvbench.cache.registry import METHODS, get_method_class
-
-    return {
-        name
-        for name, entry in METHODS.entries().items()
-        if entry.builtin and get_method_class(name).capabilities.layer_cache
-    }
-
-
 def test_every_builtin_method_is_gated() -> None:
-    suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
-    gated = {m.name for m in suite.methods}
-    want = _gated_builtins()
-    assert len(want) >= 18, sorted(want)  # the registry really was enumerated
-    assert want <= gated, (
-        f"built-in methods missing from suites/ci_gate.yaml: {sorted(want - gated)}"
-    )
+    assert len(gated_builtins()) >= 18, sorted(gated_builtins())  # the registry was enumerated
+    missing = missing_from(GATE)
+    assert not missing, how_to_gate(missing)
+
+
+def test_missing_method_message_says_what_to_do() -> None:
+    """The message of a built-in method missing from the gates names both suites, the entry
+    to add (the gates' group_size and residual_length where the config has them) and both make
+    targets with what the model one needs."""
+    text = how_to_gate({"kivi", "full"})
+    for words in (
+        "['full', 'kivi'] missing",
+        "suites/ci_gate.yaml",
+        "suites/ci_gate_model.yaml",
+        "\n  - full\n",
+        "\n  - {name: kivi, config: {group_size: 32, residual_length: 32}}\n",
+        "`make baseline`",
+        "`make baseline-model`",
+        "KVBENCH_DATA_DIR",
+    ):
+        assert words in text, (words, text)
+    assert "  - {name: fp8, config: {residual_length: 32}}" in how_to_gate({"fp8"})
 
 
 def test_gate_records_cover_quantization() -> None:
@@ -99,7 +104,12 @@ def test_gate_records_cover_quantization() -> None:
     by = {}
     for rec in load_records(BASELINE):
         by[(rec.method, rec.workload_type)] = rec.metrics
-    for name in _gated_builtins():
+    assert not missing_from(GATE), how_to_gate(missing_from(GATE))
+    unrun = sorted(
+        m for m in gated_builtins() if (m, "memory") not in by or (m, "fidelity") not in by
+    )
+    assert not unrun, f"tests/baseline has no records of {unrun} (in {GATE}): run `make baseline`"
+    for name in gated_builtins():
         fid, mem = by[(name, "fidelity")], by[(name, "memory")]
         assert mem["bytes_total"] == sum(
             mem[f"bytes_{c}"] for c in ("codes", "scales", "metadata", "residual", "sinks")
@@ -111,7 +121,8 @@ def test_gate_records_cover_quantization() -> None:
 
 
 def test_gate_passes_on_rerun(fresh: Path, capsys: pytest.CaptureFixture) -> None:
-    assert len(list(fresh.glob("*.json"))) == len(list(BASELINE.glob("*.json")))
+    n, base = len(list(fresh.glob("*.json"))), len(list(BASELINE.glob("*.json")))
+    assert n == base, f"{GATE} runs {n} runs, tests/baseline holds {base}: run `make baseline`"
     assert _compare(BASELINE, fresh) == 0, capsys.readouterr().err
 
 
@@ -154,7 +165,7 @@ def test_baseline_is_not_stale() -> None:
     from kvbench.bench.workloads import WORKLOADS
     from kvbench.cache.registry import get_method
 
-    suite = load_suite(ROOT / "suites" / "ci_gate.yaml")
+    suite = load_suite(ROOT / GATE)
     want = set()
     for model in suite.models:
         for w in suite.workloads:

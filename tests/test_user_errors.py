@@ -109,6 +109,85 @@ def test_bad_suite_is_one_line_naming_file_entry_field(tmp_path, capsys, edit, w
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.json"))
 
 
+def test_every_bad_field_of_a_suite_in_one_refusal(tmp_path, capsys) -> None:
+    """Three independent errors (a config field, a method name, a context past the model's
+    maximum) are refused at once, each on its line, instead of one per run."""
+    data = _smoke()
+    data["methods"][5] = {"name": "kivi", "config": {"bits": 9}}
+    data["methods"][1] = "kivii"
+    data["workloads"][0].update(tokens=9000)  # SmolLM2-135M: 8192 positions
+    rc = main(["run", str(_suite(tmp_path, data)), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    header, *lines = err.strip().splitlines()
+    assert header.endswith("s.yaml: 3 errors:"), err
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "methods[1]",
+        "methods[5] (kivi)",
+        "workloads[0] (fidelity)",
+    ], err
+    assert "unknown method 'kivii'" in lines[0] and "did you mean 'kivi'" in lines[0], err
+    assert "field 'bits': 9 is not allowed; allowed: 1..8 or 16" in lines[1], err
+    assert "tokens=9000 exceeds the maximum context" in lines[2] and "8192" in lines[2], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_parse_suite_collects_every_error() -> None:
+    """:func:`parse_suite` alone: one ``ValueError`` listing every refused configuration of a
+    sweep, a method name and a workload field, each message as a single error reads."""
+    data = _smoke()
+    data["methods"][5] = {"name": "kivi", "config": {"bits": [9, 2, 10]}}
+    data["methods"].append("kivy")
+    data["workloads"][1].update(windows="two")
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml")
+    bits = "s.yaml: methods[5] (kivi[bits={0}]): KIVIConfig: field 'bits': {0} is not allowed; "
+    assert info.value.errors == [
+        bits.format(9) + "allowed: 1..8 or 16",
+        bits.format(10) + "allowed: 1..8 or 16",
+        info.value.errors[2],
+        "s.yaml: workloads[1] (perplexity): field 'windows': 'two' is not allowed; allowed: "
+        "integers >= 1",
+    ]
+    assert info.value.errors[2].startswith("s.yaml: methods[18]: unknown method 'kivy'")
+    text = str(info.value)
+    assert text.splitlines()[0] == "s.yaml: 4 errors:"
+    assert text.splitlines()[1:] == ["  " + e.removeprefix("s.yaml: ") for e in info.value.errors]
+    # one error alone reads as before: its message, on one line
+    data["methods"][5]["config"]["bits"] = [2, 9]
+    data["methods"].pop()
+    data["workloads"][1].update(windows=1)
+    with pytest.raises(ValueError) as one:
+        parse_suite(data, "s.yaml")
+    assert str(one.value) == bits.format(9) + "allowed: 1..8 or 16"
+
+
+def test_checks_of_devices_and_contexts_report_every_entry(monkeypatch) -> None:
+    """The checks ``kvbench run`` adds (a device this torch lacks, contexts past the model's
+    maximum) name every bad entry in the same refusal as the fields."""
+    import torch
+
+    from kvbench.bench.preflight import check_contexts
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = _smoke()
+    data["model"]["device"] = "cuda"
+    data["seed"] = -1
+    data["workloads"][0].update(tokens=9000)
+    data["workloads"][1].update(tokens=8200)
+    checks = (validate.check_devices, check_contexts)
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml", checks)
+    assert [e.split(":")[1].strip() for e in info.value.errors] == [
+        "field 'seed'",
+        "model",
+        "workloads[0] (fidelity)",
+        "workloads[1] (perplexity)",
+    ], info.value.errors
+    assert "no CUDA device is available" in info.value.errors[1]
+    assert "tokens=8200 exceeds" in info.value.errors[3]
+
+
 def test_calibration_block_reaches_the_suite() -> None:
     s = load_suite(SMOKE)
     assert s.calibration == _smoke()["calibration"] and s.calibration["tokens"] == 1024

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbench.bench.validate import Problems
 from kvbench.data import catalog
 from kvbench.registry import did_you_mean
 
@@ -277,8 +278,10 @@ def check_contexts(suite: Any) -> None:
     Raises
     ------
     ValueError
-        Names the suite entry, the parameter, its value, the model and its maximum.
+        :class:`kvbench.bench.validate.SuiteErrors`, naming for every such workload the suite
+        entry, the parameter, its value, the model and its maximum.
     """
+    problems = Problems(suite.path)
     for mi, spec in enumerate(suite.models):
         if spec is None:
             continue
@@ -294,8 +297,9 @@ def check_contexts(suite: Any) -> None:
             longest = max(value, default=0) if isinstance(value, list) else value
             if isinstance(longest, int) and longest > max_pos:
                 where = "" if len(suite.models) == 1 else f" on models[{mi}]"
-                raise ValueError(
+                problems.errors.append(
                     f"{suite.path}: workloads[{wi}] ({w['type']}){where}: {param}={value} exceeds "
                     f"the maximum context of {model}, {max_pos} tokens "
                     "(max_position_embeddings); nothing was run or created"
                 )
+    problems.raise_if_any()

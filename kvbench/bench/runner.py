@@ -426,8 +426,11 @@ def run_suite(
     ``skip_unavailable``: a workload whose data cannot be loaded here (``FileNotFoundError``
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
     instead of stopping the suite."""
-    validate.check_devices(suite)
-    check_contexts(suite)  # before check_output makes the folder
+    problems = validate.Problems(suite.path)  # both checks' errors in one refusal
+    for check in (validate.check_devices, check_contexts):  # before check_output makes the folder
+        with problems.catch():
+            check(suite)
+    problems.raise_if_any()
     validate.check_output(out_dir)
     torch.manual_seed(suite.seed)
     threads = set_threads(suite.threads)

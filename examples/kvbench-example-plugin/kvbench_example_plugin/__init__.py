@@ -27,7 +27,7 @@ class SignMagnitude(Method):
 
     Config = SignMagnitudeConfig
     description = "example plugin: symmetric absmax per-token keys"
-    source = "kvbench README, Adding a method"
+    source = "kvbench docs/plugins.md, A complete plugin"
     capabilities = Capabilities()
 
     def key_codec(self, layer_idx: int, head_dim: int) -> PerTokenCodec:
