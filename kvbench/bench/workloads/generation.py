@@ -30,11 +30,11 @@ naming it; ``info["padding"]`` says what padding cost).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Info, RunContext
 from kvbench.bench.workloads import HIGHER, LOWER
 from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.workloads.metrics import add_ci
@@ -46,6 +46,13 @@ from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_ca
 
 from . import Result, Workload
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+    from kvbench.bench.context import Tokenizer
+    from kvbench.hf.cache import QuantizedKVCache
+
 DEFAULT_PROMPTS = [
     "Explain step by step how a refrigerator keeps food cold, and why it needs electricity.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -54,9 +61,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> torch.Tensor:
     """``[1, n]`` ids of ``prompt`` with the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
         )
@@ -64,21 +71,21 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def _note(info: dict[str, Any] | None, cache: Any, attend: bool, why: str) -> None:
+def _note(info: Info | None, cache: Cache, attend: bool, why: str) -> None:
     """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
-    if info is not None:
+    if info is not None:  # a peer's transformers cache has no ``attend``: its route stands
         new = decode_info([cache], getattr(cache, "attend", attend), why)
         info.update(merge_decode_info([new, info]))
 
 
 @torch.no_grad()
 def greedy(
-    model: Any,
+    model: PreTrainedModel,
     ids: torch.Tensor,
     method: Method,
     new_tokens: int,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> torch.Tensor:
     """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache; decode
     attention by ``path`` (module docstring); ``info``: filled with the paths that ran."""
@@ -100,12 +107,12 @@ def greedy(
 
 @torch.no_grad()
 def forced_logprobs(
-    model: Any,
+    model: PreTrainedModel,
     ids: torch.Tensor,
     cont: torch.Tensor,
     method: Method,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> torch.Tensor:
     """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
     token at a time through the method's cache after prefilling ``ids``; decode attention by
@@ -125,7 +132,9 @@ def forced_logprobs(
     return torch.log_softmax(torch.stack(rows), dim=-1)
 
 
-def _batch_cache(method: Method, model: Any, path: str) -> tuple[Any, bool, str]:
+def _batch_cache(
+    method: Method, model: PreTrainedModel, path: str
+) -> tuple[QuantizedKVCache, bool, str]:
     from kvbench.hf.cache import QuantizedKVCache
 
     attend, why = decode_route(method, model, path)
@@ -134,12 +143,12 @@ def _batch_cache(method: Method, model: Any, path: str) -> tuple[Any, bool, str]
 
 @torch.no_grad()
 def greedy_batch(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     method: Method,
     new_tokens: int,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
     ledger: PadLedger | None = None,
 ) -> list[torch.Tensor]:
     """:func:`greedy` of several prompts ``[1, P_i]`` at once (left-padded, each row cached
@@ -169,12 +178,12 @@ def greedy_batch(
 
 @torch.no_grad()
 def forced_logprobs_batch(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     conts: list[torch.Tensor],
     method: Method,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> list[torch.Tensor]:
     """:func:`forced_logprobs` of several prompts at once: prompts left-padded with their
     positions, then every row's continuation (all of one length) fed one token per step; one
@@ -207,14 +216,14 @@ def forced_logprobs_batch(
 
 
 def run_batched(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     method: Method,
     new_tokens: int,
     path: str,
     batch_size: int,
     refs: list[torch.Tensor] | None = None,
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
     ledger: PadLedger | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Greedy continuations of ``prompts`` and the log-probs of teacher-forcing ``refs`` (their
@@ -330,7 +339,7 @@ class Generation(Workload):
             "match_rate": match,
             "next_token_kl": [float(x.mean()) for x in kl_steps],
         }
-        info: dict[str, Any] = {
+        info: Info = {
             "prompts": len(self.items),
             "bucket": bucket,
             "padding": ledger.info(),
