@@ -42,7 +42,13 @@ from kvbench.bench.workloads.taskbase import merge_decode_info
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import DECODE_PATHS, decode_info, decode_route, make_hf_cache
+from kvbench.hf.cache import (
+    DECODE_PATHS,
+    QuantizedKVCache,
+    decode_info,
+    decode_route,
+    make_hf_cache,
+)
 
 from . import Result, Workload
 
@@ -51,7 +57,6 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from kvbench.bench.context import Tokenizer
-    from kvbench.hf.cache import QuantizedKVCache
 
 DEFAULT_PROMPTS = [
     "Explain step by step how a refrigerator keeps food cold, and why it needs electricity.",
@@ -73,8 +78,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> torch.Tensor:
 
 def _note(info: Info | None, cache: Cache, attend: bool, why: str) -> None:
     """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
-    if info is not None:  # a peer's transformers cache has no ``attend``: its route stands
-        new = decode_info([cache], getattr(cache, "attend", attend), why)
+    if info is not None:  # a peer's transformers cache keeps the route asked for
+        ran = cache.attend if isinstance(cache, QuantizedKVCache) else attend
+        new = decode_info([cache], ran, why)
         info.update(merge_decode_info([new, info]))
 
 
@@ -135,7 +141,6 @@ def forced_logprobs(
 def _batch_cache(
     method: Method, model: PreTrainedModel, path: str
 ) -> tuple[QuantizedKVCache, bool, str]:
-    from kvbench.hf.cache import QuantizedKVCache
 
     attend, why = decode_route(method, model, path)
     return QuantizedKVCache(method, model, rows_apart=True, attend=attend), attend, why
