@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvbench.bench.runner import run_suite
-    from kvbench.integrations.ray_executor import RayExecutor, import_ray
+    from kvbench.integrations.ray.connect import import_ray
+    from kvbench.integrations.ray.scheduler import RayExecutor
 
     suite = sweep_suite(args.context)
     out = Path(tempfile.mkdtemp(prefix="kvbench-ray-sweep-"))

@@ -5,7 +5,7 @@ spends its decode step in the output projection over a 128K-token vocabulary, wh
 method changes.  This benchmark times what a cache method does change: per layer, storing the
 new token, reading or dequantizing the cache, and the attention of the step's 32 query heads
 over it, with no weights at all (:mod:`kvbench.hf.shapes` supplies the geometry, RoPE included;
-:mod:`kvbench.bench.workloads.synthetic_kv` the post-RoPE Q/K/V, with outlier key channels).
+:mod:`kvbench.bench.synthetic_kv`, ``rope-outliers``: the post-RoPE Q/K/V, with outlier key channels).
 
 Protocol, for each context ``d`` (default 4096 and 16384) and each method:
 
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.bench.workloads.synthetic_kv import synthetic_calibration, synthetic_qkv
+from kvbench.bench.synthetic_kv import rope_outlier_qkv, synthetic_calibration
 from kvbench.cache.registry import get_method, list_methods
 from kvbench.hf.info import parse_dtype
 from kvbench.hf.shapes import build_shape_model
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for d in args.contexts:
         inputs = [
-            synthetic_qkv(cfg, d, args.batch, args.seed, i, dtype, device)
+            rope_outlier_qkv(cfg, d, args.batch, args.seed, i, dtype, device)
             for i in range(args.layers)
         ]
         print(f"\n{args.shape} x {args.layers} layers, context {d}, batch {args.batch}, "

@@ -12,12 +12,11 @@ wrappers):
   full-precision residual, and the same kernel over fp16 K/V (the control);
 * :mod:`.dispatch`: ``unsupported`` / ``fused_attend`` over a layer cache's blocks through
   converters the caller passes, and the stand-alone ``try_fused_attend(layer_cache, query,
-  scaling, layouts=...)`` (``None``: reference path);
-* ``bench_decode.py`` + ``device_check.sh``: the one-call GPU check (correctness, timings).
+  scaling, layouts=...)`` (``None``: reference path).
 
 These import only torch and (optionally) triton: never transformers, datasets or the kvbench
-core, so ``PYTHONPATH=. python kernels/bench_decode.py`` runs from a bare source tree (the
-script reaches the core lazily, for the methods and the reference it checks against).
+core.  Their one-call GPU check (timings, each timed kernel guarded by the reference) is a
+benchmark: ``benchmarks/triton_decode.py``, run by ``bash benchmarks/device_check.sh``.
 Importing this package does not import Triton (``HAS_TRITON`` only looks for it); the kernel
 modules import it and still load without it (the references work, launches raise
 :class:`TritonUnavailable`).

@@ -126,7 +126,7 @@ def affine_values(block: AffineBlock):
 
 
 #: how the kernel reads each block type: ``key(block, head_dim) -> QuantKeys | reason``,
-#: ``value(block) -> QuantValues | reason`` (also what ``kernels/bench_decode.py`` hands the
+#: ``value(block) -> QuantValues | reason`` (also what ``benchmarks/triton_decode.py`` hands the
 #: kernels' dispatch)
 KEY_LAYOUTS = {AffineBlock: affine_keys, MixedChannelBlock: mixed_keys}
 VALUE_LAYOUTS = {AffineBlock: affine_values}

@@ -153,7 +153,9 @@ def workload_types_help() -> str:
     for name in WORKLOADS.names():
         try:
             params = WORKLOADS.get(name).PARAMS
-        except Exception as exc:  # noqa: BLE001 - a broken plugin still lists the others
+        # anything a plugin's entry point raises on import (ImportError, a bad PARAMS...): a
+        # broken plugin still lists the others; reported in its help line as [failed to load]
+        except Exception as exc:  # noqa: BLE001 - plugin errors -> its "[failed to load]" line
             text = f"[failed to load] {type(exc).__name__}: {exc}"
         else:
             text = (
@@ -233,10 +235,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--run-timeout must be > 0 seconds, got {timeout:g}")
     runner = run_suite
+    ray_runner = None  # the Ray runner lists failed runs in .failed; run_suite raises
     if args.executor == "ray":  # same records and resume; docs/cluster.md
-        from kvbench.integrations.ray_executor import runner_from_args
+        from kvbench.integrations.ray import runner_from_args
 
-        runner = runner_from_args(args)  # checks ray and the address before anything is written
+        # checks ray and the address before anything is written
+        runner = ray_runner = runner_from_args(args)
     elif args.address or args.max_parallel:
         raise ValueError("--address and --max-parallel need --executor ray")
     check_output(out)
@@ -262,7 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     print(summary_table(records, suite=suite))
     print(f"\n{len(records)} record(s) in {out}")
-    failed = getattr(runner, "failed", [])
+    failed = [] if ray_runner is None else ray_runner.failed
     if failed:
         print(f"{len(failed)} run(s) failed: records in {out}/failed/ (a rerun retries them)")
     if paper_block is not None:  # a paper reproduction: the paper's numbers beside kvbench's
@@ -293,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     version = dist_version("kvbench") or "unknown (not installed)"
     p.add_argument("--version", action="version", version=f"%(prog)s {version}")
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    p.set_defaults(_out=None)  # `kvbench run` sets it: the folder its Ctrl-C message names
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pl = sub.add_parser("list", help="registered methods")
     pl.add_argument(
@@ -360,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted(args: argparse.Namespace) -> str:
-    out = getattr(args, "_out", None)
+    out = args._out
     if args.command != "run" or out is None:
         return f"kvbench {args.command}: interrupted"
     kept = len(list(Path(out).glob("*.json"))) if Path(out).is_dir() else 0
@@ -406,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"kvbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - one line, not a traceback, unless --debug
+    # any other exception of a command (a bug, not the user's to fix): reported as one line on
+    # stderr naming it (the traceback with --debug), exit status 3
+    except Exception as exc:  # noqa: BLE001 - bugs -> one stderr line, exit 3
         if args.debug:
             traceback.print_exc()
         print(

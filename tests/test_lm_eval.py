@@ -50,7 +50,7 @@ def test_directions_agree_with_lm_eval_registry():
     import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's metrics)
     from lm_eval.api.registry import HIGHER_IS_BETTER_REGISTRY
 
-    from kvbench.bench.workloads.metrics import HIGHER, LM_EVAL_DIRECTIONS, LOWER, direction
+    from kvbench.bench.metrics import HIGHER, LM_EVAL_DIRECTIONS, LOWER, direction
 
     checked = 0
     for name, higher in HIGHER_IS_BETTER_REGISTRY.items():

@@ -138,3 +138,21 @@ def test_split_steady_flush_and_amortized_by_hand() -> None:
         split_steps([1.0], [0])
     with pytest.raises(ValueError, match="out of range"):
         split_steps(ms, [5])
+
+
+def test_a_failed_graph_capture_is_timed_eagerly_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call CUDA graphs cannot capture falls back to eager timing; ``how`` names the failure."""
+
+    def no_stream(*_args: object) -> None:
+        raise RuntimeError("operation not permitted\nwhen stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_args: None)
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    t = Timer("cuda", cuda_graphs=True)
+    fn = t.graph(len)
+    assert fn is len and t.graph_failures == 1
+    assert t.graph_errors == ["RuntimeError: operation not permitted when stream is capturing"]
+    assert t.how == (
+        "cuda events (synchronized), cuda graph replay (1 capture(s) failed: eager; first: "
+        "RuntimeError: operation not permitted when stream is capturing)"
+    )

@@ -19,9 +19,11 @@ import torch
 
 import kvbench
 from kvbench.bench.context import RunContext
+from kvbench.bench.synthetic_kv import channel_gaussian_qkv
 from kvbench.bench.workloads.fidelity import Fidelity
-from kvbench.bench.workloads.memory import Memory, Replay, synthetic_qkv, transient_peak
+from kvbench.bench.workloads.memory import Memory, Replay
 from kvbench.cli import main as cli_main
+from kvbench.measure.peak import transient_peak
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -284,7 +286,7 @@ def test_no_full_precision_copy(name: str) -> None:
     """After a replay of d = 300 tokens: every stored tensor owns its allocation (no view that
     keeps the prompt alive), full-precision tokens held (residual + sinks) plus quantized
     tokens equal d on each side, and no code tensor is a floating-point copy."""
-    (q, k, v) = (x.to(torch.float16) for x in synthetic_qkv(1, 6, 2, 300, 64, seed=3)[0])
+    (q, k, v) = (x.to(torch.float16) for x in channel_gaussian_qkv(1, 6, 2, 300, 64, seed=3)[0])
     method = kvbench.get_method(name)
     r = Replay(method, 0, 2, 64, torch.float16, torch.device("cpu"))
     r.prefill(k[:, :, :296], v[:, :, :296], q[:, :, :296])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.bench.synthetic_kv import channel_gaussian_qkv
 from kvbench.bench.workloads import WORKLOADS
-from kvbench.bench.workloads.memory import synthetic_qkv
 
 
 def _wl(kind: str, **spec):
@@ -18,7 +18,7 @@ def _wl(kind: str, **spec):
 def test_memory_calibration_is_the_positions_after_context() -> None:
     wl = _wl("memory", context=40, appends=2, num_layers=2, num_heads=4, num_kv_heads=2)
     keys, values, info = wl.calibration_kv(0, 24)
-    full = synthetic_qkv(2, 4, 2, 64, 64, 0)
+    full = channel_gaussian_qkv(2, 4, 2, 64, 64, 0)
     for i in range(2):
         assert keys[i].shape == (1, 2, 24, 64)
         assert torch.equal(keys[i], full[i][1][:, :, 40:])

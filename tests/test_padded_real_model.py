@@ -90,7 +90,7 @@ def noise_bound(model, logits: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_padded_greedy_batch_equals_each_prompt_alone(model_tok, name):
-    from kvbench.bench.workloads.batching import left_pad
+    from kvbench.bench.batching import left_pad
 
     model, tok = model_tok
     rows = [tok(p, return_tensors="pt")["input_ids"] for p in PROMPTS]

@@ -29,11 +29,12 @@ from test_padded_batch import LENS, generate, left_pad, prompts, toy
 
 import kvbench.data.loaders as loaders
 from kvbench.bench.context import RunContext
+from kvbench.bench.decoding import decode_info
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.perplexity import chunked_logits
 from kvbench.cache.registry import get_method, get_method_class
 from kvbench.hf.attention import use_kvbench_attention
-from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, make_hf_cache
+from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, make_hf_cache
 from kvbench.hf.capture import capture_prompt
 
 # tiny models gain nothing from intra-op threads (tests/conftest.py: one_thread)

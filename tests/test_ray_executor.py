@@ -20,17 +20,17 @@ import torch
 from kvbench.bench.records import Record, load_record
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
-from kvbench.integrations.ray_executor import (
+from kvbench.integrations.ray import run_suite_ray
+from kvbench.integrations.ray.connect import (
     ClusterAuthError,
     ClusterConnectError,
-    ModelWorker,
-    RayExecutor,
     RayUnavailableError,
-    failed_path,
     import_ray,
-    run_suite_ray,
     slots,
 )
+from kvbench.integrations.ray.failed import failed_path
+from kvbench.integrations.ray.scheduler import RayExecutor
+from kvbench.integrations.ray.worker import ModelWorker
 
 #: metrics that measure time (differ between any two runs); every other metric must be equal
 TIMED = ("_ms", "_s", "tokens_per_s", "latency", "speedup")

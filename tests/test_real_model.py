@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvbench
-from kvbench.bench.workloads.metrics import attention_fidelity, key_mse
+from kvbench.bench.metrics import attention_fidelity, key_mse
 
 pytestmark = [pytest.mark.slow, pytest.mark.data]  # wikitext2: hub or KVBENCH_DATA_DIR
 

@@ -111,10 +111,15 @@ def test_every_table_has_nominal_and_effective_bits() -> None:
     # borrowed from kivi[bits=2]'s fidelity record, marked
     assert gen["kivi[bits=2]"]["values"]["effective_key_bits"] == 32.0
     assert "effective_key_bits" in gen["kivi[bits=2]"]["borrowed"]
-    # per-token has no fidelity record: nominal bits from its formula (2 + 32/64), no effective
-    assert gen["per-token[bits=2]"]["values"]["nominal_key_bits"] == 2.5
-    assert "effective_key_bits" not in gen["per-token[bits=2]"]["values"]
+    # per-token has no record with bits: its cells stay empty (never recomputed from the
+    # method's formula) and a note says why
+    assert not {"nominal_key_bits", "effective_key_bits"} & set(gen["per-token[bits=2]"]["values"])
+    assert gen["kivi[bits=2]"]["values"]["nominal_key_bits"] == 2.25
+    (why,) = [n for n in t[1]["notes"] if n.startswith("nominal bits empty")]
+    assert why.startswith("nominal bits empty for per-token[bits=2]: no record")
+    assert not any(n.startswith("nominal bits empty") for n in t[0]["notes"])
     md = summary_table(RECORDS)
+    assert "| per-token[bits=2] |  |  |  |  |" in md
     assert "| kivi[bits=2] ! |" in md and "> ! kivi[bits=2]: nothing quantized" in md
     assert "| 32.0000* |" in md.split("### generation")[1]
 

@@ -106,7 +106,7 @@ def test_local_executor_refuses_run_timeout(tmp_path: Path, capsys) -> None:
 
 def test_executor_refuses_a_limit_that_is_not_positive(tmp_path: Path) -> None:
     pytest.importorskip("ray")
-    from kvbench.integrations.ray_executor import RayExecutor
+    from kvbench.integrations.ray.scheduler import RayExecutor
 
     suite = parse_suite(_suite_data(tmp_path / "flag"), "t.yaml")
     for bad in (0, -1.0):
@@ -115,7 +115,8 @@ def test_executor_refuses_a_limit_that_is_not_positive(tmp_path: Path) -> None:
 
 
 def test_hung_run_times_out_is_recorded_and_resume_retries_it(cluster, tmp_path: Path) -> None:
-    from kvbench.integrations.ray_executor import failed_path, run_suite_ray
+    from kvbench.integrations.ray import run_suite_ray
+    from kvbench.integrations.ray.failed import failed_path
 
     flag = tmp_path / "flag"
     flag.touch()  # per-token hangs while it exists

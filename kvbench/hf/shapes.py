@@ -8,7 +8,7 @@ names) or, with the hub reachable, any hub id's config (``AutoConfig.from_pretra
 
 * ``materialize=False``: the model is built on the ``meta`` device (no memory; only shapes and
   the config are used, e.g. by the memory workload, which draws K/V of the shape from
-  :mod:`kvbench.bench.workloads.synthetic_kv`);
+  :mod:`kvbench.bench.synthetic_kv`, ``rope-outliers``);
 * ``materialize=True``: built on the target device with transformers' own initialization
   (``_init_weights``: normal with ``initializer_range``) under ``torch.manual_seed(seed)``
   inside a forked RNG, so the same seed gives the same weights and the caller's RNG is left

@@ -12,14 +12,14 @@ import ctypes
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 # glibc ``mallopt`` parameters (malloc.h) and the defaults :func:`heap_reuse` restores
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 DEFAULTS = ((M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024), (M_MMAP_THRESHOLD, 32 << 20))
 
 
-def _libc() -> Any:
+def _libc() -> ctypes.CDLL | None:
+    """glibc, with ``mallopt`` and ``malloc_trim``; ``None`` elsewhere (not Linux, musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -36,9 +36,9 @@ def heap_reuse(trim_bytes: int = 1 << 30) -> Iterator[bool]:
     (``M_TRIM_THRESHOLD``), so large temporaries reuse pages already faulted in.
 
     Changes no tensor and no allocation size (the CPU transient peaks of
-    :mod:`kvbench.bench.workloads.memory` come from the profiler's allocator events); the resident
-    set can stay higher within the block (freed heap pages stay resident until reused).  On
-    exit: glibc's defaults ``M_MMAP_MAX`` 65536, ``M_TRIM_THRESHOLD`` 128 KiB,
+    :func:`kvbench.measure.peak.transient_peak` come from the profiler's allocator events);
+    the resident set can stay higher within the block (freed heap pages stay resident until
+    reused).  On exit: glibc's defaults ``M_MMAP_MAX`` 65536, ``M_TRIM_THRESHOLD`` 128 KiB,
     ``M_MMAP_THRESHOLD`` 32 MiB (the cap of its dynamic threshold, which an explicit ``mallopt``
     fixes from then on), then ``malloc_trim(0)`` hands the free heap back to the OS.  Yields
     whether it applied (``False`` without glibc: a no-op)."""

@@ -3,7 +3,7 @@
 torch's CPU allocator logs (``LOG(WARNING)``, straight to file descriptor 2) ``Memory block of
 unknown size was allocated before the profiling started, ...`` the first time a memory-profiling
 session sees the free of a block allocated while no session ran, which every CPU memory run of
-:func:`kvbench.bench.workloads.memory.transient_peak` does (a decode step replaces cache tensors
+:func:`kvbench.measure.peak.transient_peak` does (a decode step replaces cache tensors
 built before it).  kvbench already leaves such frees out of the peak, so the line says nothing
 to its user.  torch has no runtime switch for its C++ log level, and ``TORCH_CPP_LOG_LEVEL``
 would hide every C++ warning of the whole process; :func:`drop_stderr_lines` instead sends

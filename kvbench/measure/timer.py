@@ -1,5 +1,6 @@
-"""The one timing protocol of kvbench: the latency workload, ``benchmarks/`` and
-``kernels/bench_decode.py`` all time through this module, so their numbers compare.
+"""The one timing protocol of kvbench: the latency workload and ``benchmarks/`` (the Triton
+device check ``benchmarks/triton_decode.py`` included) all time through this module, so their
+numbers compare.
 
 Protocol
 --------
@@ -17,7 +18,8 @@ Protocol
    CUDA: ``torch.cuda.synchronize()``, then CUDA events recorded around the call, then a
    synchronize; the sample is ``start.elapsed_time(end)``.  Optionally (``cuda_graphs=True``,
    :meth:`Timer.graph`) the call is captured once in a CUDA graph and the replay is timed (no
-   host launch overhead; falls back to eager if capture fails, recorded in ``Timer.how``).
+   host launch overhead; falls back to eager if capture fails, recorded in ``Timer.how`` with
+   the first failure's exception).
 5. **Statistics.**  Median, p90, p99, mean, min, max of the samples in milliseconds
    (:func:`summarize`), percentiles by :data:`PERCENTILE_RULE`.
 6. **Bandwidth reference.**  :func:`contiguous_read` times a read of one contiguous buffer of
@@ -35,7 +37,6 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -98,10 +99,13 @@ def summarize(ms: Sequence[float]) -> Stats:
 def ratios(a: Stats, b: Stats) -> dict[str, float]:
     """``a / b`` for median, p90, p99 and mean (NaN where ``b`` is 0); ``a`` and ``b`` must
     come from the same interleaved run."""
-    return {
-        k: (getattr(a, k) / getattr(b, k) if getattr(b, k) else float("nan"))
-        for k in ("median", "p90", "p99", "mean")
+    pairs = {
+        "median": (a.median, b.median),
+        "p90": (a.p90, b.p90),
+        "p99": (a.p99, b.p99),
+        "mean": (a.mean, b.mean),
     }
+    return {k: (x / y if y else float("nan")) for k, (x, y) in pairs.items()}
 
 
 def rotation(names: Sequence[str], i: int) -> list[str]:
@@ -126,6 +130,9 @@ class Timer:
         self.cuda = self.device.type == "cuda"
         self.cuda_graphs = bool(cuda_graphs and self.cuda)
         self.graph_failures = 0
+        #: ``"<exception type>: <message>"`` (one line, at most 200 characters of the message)
+        #: of each failed capture, in order
+        self.graph_errors: list[str] = []
 
     @property
     def how(self) -> str:
@@ -136,10 +143,11 @@ class Timer:
         if self.cuda_graphs:
             how += ", cuda graph replay"
             if self.graph_failures:
-                how += f" ({self.graph_failures} capture(s) failed: eager)"
+                first = self.graph_errors[0] if self.graph_errors else "?"
+                how += f" ({self.graph_failures} capture(s) failed: eager; first: {first})"
         return how
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
+    def __call__(self, fn: Callable[[], object]) -> float:
         """Run ``fn()`` once and return its time in ms."""
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
@@ -154,9 +162,10 @@ class Timer:
         fn()
         return (time.perf_counter_ns() - t0) / 1e6
 
-    def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def graph(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` captured in a CUDA graph (its replay), or ``fn`` itself when graphs are off,
-        on CPU, or when capture fails (counted in ``graph_failures``).  Capture runs ``fn``
+        on CPU, or when capture fails (counted in ``graph_failures``, the exception kept in
+        ``graph_errors`` and named by :attr:`how`).  Capture runs ``fn``
         twice on a side stream first, as CUDA graph capture requires."""
         if not self.cuda_graphs:
             return fn
@@ -171,14 +180,18 @@ class Timer:
             with torch.cuda.graph(g):
                 fn()
             return g.replay
-        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
+        # anything ``fn`` or the capture raises (a RuntimeError for an operation CUDA graphs
+        # cannot capture, most likely): not capturable, so it is timed eagerly; kept in
+        # graph_errors and reported in ``how`` (the timing method of the result)
+        except Exception as exc:  # noqa: BLE001 - capture errors -> graph_errors, how
             torch.cuda.synchronize(self.device)
             self.graph_failures += 1
+            self.graph_errors.append(f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
             return fn
 
 
 def interleave(
-    fns: dict[str, Callable[[], Any]],
+    fns: dict[str, Callable[[], object]],
     rounds: int,
     warmup: int = 0,
     timer: Timer | None = None,
@@ -225,9 +238,9 @@ def pin_threads(n: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-def system_state() -> dict[str, Any]:
-    """What a timing depends on: load average (1, 5, 15 min), intra-op threads, CPU count,
-    ``OMP_WAIT_POLICY``, torch version."""
+def system_state() -> dict[str, list[float] | int | str | None]:
+    """What a timing depends on: load average (1, 5, 15 min; ``None`` where the platform has
+    none), intra-op threads, CPU count, ``OMP_WAIT_POLICY``, torch version."""
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:  # not available on this platform

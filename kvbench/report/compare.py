@@ -19,13 +19,16 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
+from kvbench.bench.metrics import HIGHER, NONE, direction
 from kvbench.bench.records import Record, RecordError, load_records
-from kvbench.bench.workloads.metrics import HIGHER, NONE, direction
 from kvbench.registry import did_you_mean
 from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label
+
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
 
 
 def declared_names() -> list[str]:
@@ -78,11 +81,24 @@ class Gate:
         return worse > limit + 1e-12 * max(abs(base), 1.0)
 
 
-#: what defines a run (hashed into its ``run_id``)
-RUN_KEYS = ("model", "method", "config", "workload")
+class Change(TypedDict):
+    """One metric that moved between a BASE and a NEW run (:func:`changes`): ``relative`` is
+    (new - base) / |base|, ``None`` from a base of 0 or with a NaN."""
+
+    run: str
+    run_id: str
+    metric: str
+    base: float
+    new: float
+    relative: float | None
 
 
-def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+def run_keys(r: Record) -> dict[str, JSONValue]:
+    """What defines a run (hashed into its ``run_id``): model, method, config, workload."""
+    return {"model": r.model, "method": r.method, "config": r.config, "workload": r.workload}
+
+
+def _diff_keys(a: JSONValue, b: JSONValue, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
@@ -110,16 +126,15 @@ def moved(b: float, n: float, min_change: float) -> bool:
 
 def changes(
     base: list[Record], new: list[Record], gates: list[Gate], min_change: float = 1e-4
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[Change], list[str]]:
     """Return (changes, failure lines); a change is ``{"run", "run_id", "metric", "base",
     "new", "relative"}``."""
     if len(base) == 1 and len(new) == 1 and base[0].run_id != new[0].run_id:
-        keys = _diff_keys(
-            {k: getattr(base[0], k) for k in RUN_KEYS}, {k: getattr(new[0], k) for k in RUN_KEYS}
-        )
+        keys = _diff_keys(run_keys(base[0]), run_keys(new[0]))
         raise ValueError(f"the two records are different runs; differing keys: {keys}")
     by_id = {r.run_id: r for r in new}
-    out, failures = [], []
+    out: list[Change] = []
+    failures: list[str] = []
     for rb in base:
         rid, name = rb.run_id, run_name(rb)
         rn = by_id.get(rid)

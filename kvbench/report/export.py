@@ -18,12 +18,15 @@ import os
 import platform
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from kvbench.bench.manifest import cpu_model
 from kvbench.bench.records import Record, load_records, write_atomic
 from kvbench.report.headline import headline_table
 from kvbench.report.provenance import provenance_block, run_logs
+
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"
@@ -31,9 +34,27 @@ END = "<!-- kvbench-headline:end -->"
 _ABS = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
 KEEP = ("run_id", "method", "config", "model", "workload", "metrics", "created")
 
+#: a JSON value :func:`strip_paths` returns in the same shape
+J = TypeVar("J", bound="JSONValue")
 
-def strip_paths(obj: Any) -> Any:
-    """``obj`` with every absolute path string replaced by ``<local>/<name>`` (recursively)."""
+
+class Export(TypedDict):
+    """An export file's object (module docstring): ``records`` are record JSON objects of the
+    fields :data:`KEEP` plus the stripped ``manifest``; ``runs`` the run-log entries; ``wall_s``
+    seconds; ``suite`` one path, or the sorted paths when the records name several."""
+
+    export_version: int
+    suite: str | list[str]
+    command: str
+    machine: str
+    wall_s: float | None
+    runs: list[dict[str, JSONValue]]
+    records: list[dict[str, JSONValue]]
+
+
+def strip_paths(obj: J) -> J:
+    """``obj`` with every absolute path string replaced by ``<local>/<name>`` (recursively);
+    dicts, lists and strings keep their shape."""
     if isinstance(obj, dict):
         return {k: strip_paths(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -53,8 +74,8 @@ def make_export(
     command: str,
     machine_desc: str,
     wall_s: float | None,
-    runs: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    runs: list[dict[str, JSONValue]] | None = None,
+) -> Export:
     """The export dict of ``records`` (sorted by run id, so a rerun gives the same file);
     ``runs``: the run-log entries of their folders (:func:`kvbench.report.provenance.run_logs`),
     paths stripped like the manifests'."""
@@ -76,7 +97,7 @@ def make_export(
     }
 
 
-def load_export(path: str | Path) -> dict[str, Any]:
+def load_export(path: str | Path) -> Export:
     """Read an export file; ValueError for another format or version."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("export_version") != EXPORT_VERSION:

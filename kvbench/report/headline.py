@@ -44,11 +44,14 @@ it, so the run cannot tell the row from ``full``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from kvbench.bench.records import Record
 from kvbench.cache.registry import BASELINE
 from kvbench.report.pareto import pareto_mask
+
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
 
 #: the quality workload whose record gives a row's quality, bits and bytes
 QUALITY = "perplexity"
@@ -58,7 +61,30 @@ KL_FLOOR = 1e-6
 BASE_BITS = 16
 
 
-def _model(rec: Record) -> dict[str, Any]:
+class HeadlineRow(TypedDict):
+    """One row of the headline (:func:`rows`): a label's quality, bits and bytes from its
+    ``perplexity`` record, its step and peak ratios from its ``latency`` and ``memory`` records
+    (``None``: not measured).  Ratios are unitless, ``bytes`` in bytes, bits per element, KL in
+    nats; ``sources`` maps a workload type to the record its columns came from."""
+
+    label: str
+    section: Literal["a", "b", "base"]
+    bytes: float | None
+    bytes_ratio: float | None
+    key_bits: float | None
+    value_bits: float | None
+    next_token_kl: float | None
+    kl_low: float | None
+    kl_high: float | None
+    top1: float | None
+    ppl: float | None
+    ppl_ratio: float | None
+    step_ratio: float | None
+    peak_ratio: float | None
+    sources: dict[str, Record]
+
+
+def _model(rec: Record) -> dict[str, JSONValue]:
     return rec.manifest.get("model") or {}
 
 
@@ -133,11 +159,11 @@ def _at_context(recs: list[Record], context: int | None) -> Record | None:
     return min(recs, key=lambda r: (abs(_context(r) - context), -_context(r)))
 
 
-def _ratio(a: Any, b: Any) -> float | None:
+def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
 
-def rows(records: list[Record]) -> list[dict[str, Any]]:
+def rows(records: list[Record]) -> list[HeadlineRow]:
     """One dict per label that has a ``perplexity`` record: ``label``, ``section``
     (``a``/``b``/``base``), ``bytes``, ``bytes_ratio`` (vs 16-bit), ``key_bits``,
     ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
@@ -156,7 +182,7 @@ def rows(records: list[Record]) -> list[dict[str, Any]]:
         )
     context = cache_tokens(full[QUALITY][0])
     base_mem = _at_context(full.get("memory", []), context)
-    out = []
+    out: list[HeadlineRow] = []
     for label, e in by.items():
         q = _at_context(e.get(QUALITY, []), context)
         if q is None:
@@ -194,7 +220,7 @@ def rows(records: list[Record]) -> list[dict[str, Any]]:
     return out
 
 
-def noise_floor(rs: list[dict[str, Any]]) -> float:
+def noise_floor(rs: list[HeadlineRow]) -> float:
     """The KL below which a row is not told from ``full`` (whose KL is exactly 0): the largest
     ``|KL|`` or interval bound of the rows that quantize nothing (measured key and value bits
     >= 16, ``full`` aside: their KL is the run's float noise), and at least :data:`KL_FLOOR`."""
@@ -205,7 +231,7 @@ def noise_floor(rs: list[dict[str, Any]]) -> float:
     return max(noise)
 
 
-def _f(v: Any, digits: int = 3) -> str:
+def _f(v: float | None, digits: int = 3) -> str:
     if v is None:
         return "–"
     if abs(v) >= 100:
@@ -222,7 +248,7 @@ def _kl(v: float | None) -> str:
     return _f(v)
 
 
-def kl_cell(r: dict[str, Any], floor: float) -> str:
+def kl_cell(r: HeadlineRow, floor: float) -> str:
     """``KL [low, high]``, ``†`` when the lower bound is at or below ``floor``; ``KL [–]`` when
     the record has no interval (one bootstrap block: too few scored tokens for one)."""
     cell = _kl(r["next_token_kl"])
@@ -248,7 +274,7 @@ def _spec(rec: Record) -> str:
     return f"`{rec.workload_type}` (" + ", ".join(f"{k}={w[k]}" for k in sorted(w)) + ")"
 
 
-def _used(allrows: list[dict[str, Any]], kind: str) -> list[Record]:
+def _used(allrows: list[HeadlineRow], kind: str) -> list[Record]:
     """One record per distinct workload spec of ``kind`` the rows took a column from."""
     seen: dict[str, Record] = {}
     for r in allrows:
@@ -258,7 +284,7 @@ def _used(allrows: list[dict[str, Any]], kind: str) -> list[Record]:
     return list(seen.values())
 
 
-def note(allrows: list[dict[str, Any]], floor: float) -> str:
+def note(allrows: list[HeadlineRow], floor: float) -> str:
     """The note under the tables: each column's workload, context, protocol and dtype."""
     parts = []
     for rec in _used(allrows, QUALITY):

@@ -12,13 +12,21 @@ import argparse
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TextIO
 
+from kvbench.bench.metrics import HIGHER, direction
 from kvbench.bench.records import Record, canonical, load_records
-from kvbench.bench.workloads.metrics import HIGHER, direction
 from kvbench.cache.registry import BASELINE, METHODS
 from kvbench.report.headline import SECTIONS, rows
 from kvbench.report.pareto import pareto_mask
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+    from kvbench.bench.records import JSONValue
 
 #: the decode-step cost of the headline figures: median steady step / interleaved ``full``
 DECODE = "decode_ms_p50_ratio"
@@ -94,23 +102,26 @@ def family_styles(names: Iterable[str] = ()) -> dict[str, dict[str, str]]:
     return out
 
 
-def _group(records: list[Record], metric: str, wtype: str | None = None, drop=()) -> list[Record]:
+def _group(
+    records: list[Record], metric: str, wtype: str | None = None, drop: tuple[str, ...] = ()
+) -> list[Record]:
     """The records with ``metric`` (of type ``wtype``) from the one (type, model, workload
     parameters but ``drop``) that most labels have; the larger context on a tie."""
-    groups: dict[str, dict[Any, Record]] = {}
+    groups: dict[str, dict[tuple[JSONValue, ...], Record]] = {}
     for r in records:
         if metric in r.metrics and wtype in (None, r.workload_type):
             w = {k: v for k, v in r.workload.items() if k not in drop}
             g = groups.setdefault(canonical({"model": r.model, "workload": w}), {})
             g[(r.label, *(r.workload.get(k) for k in drop))] = r  # one record per label (and x)
 
-    def cover(g: dict[Any, Record]) -> tuple[int, int]:  # labels, then the largest context
+    # labels, then the largest context
+    def cover(g: dict[tuple[JSONValue, ...], Record]) -> tuple[int, int]:
         return len({k[0] for k in g}), max(r.workload.get("context") or 0 for r in g.values())
 
     return list(max(groups.values(), key=cover).values()) if groups else []
 
 
-def describe(rec: Record, drop=()) -> str:
+def describe(rec: Record, drop: tuple[str, ...] = ()) -> str:
     """``"(memory workload: essays, 2048 tokens, float16 K/V, layers all)"`` from a record."""
     w = rec.workload
     parts = [fmt.format(w[k]) for k, fmt in PARAMS.items() if k in w and k not in drop]
@@ -128,7 +139,7 @@ def noise_floor(values: list[float], base: list[float]) -> tuple[float, float]:
     return noise, max(noise, min(above) / 10) if above else noise
 
 
-def _log_axis(ax: Any, axis: str, values: list[float]) -> None:
+def _log_axis(ax: Axes, axis: str, values: list[float]) -> None:
     """Logarithmic ``axis`` (with 1-2-5 ticks written plainly) when ``values`` (all > 0) span
     more than :data:`LOG_SPAN`."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -142,7 +153,14 @@ def _log_axis(ax: Any, axis: str, values: list[float]) -> None:
     a.set_minor_formatter(NullFormatter())
 
 
-def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, handles=None) -> None:
+def _finish(
+    fig: Figure,
+    ax: Axes,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    handles: list[Artist] | None = None,
+) -> None:
     """Axis labels, title, grid, the legend right of the axes, tight layout."""
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
@@ -158,7 +176,7 @@ def scatter_figure(
     y: str,
     text: tuple[str, str, str],
     styles: dict[str, dict[str, str]],
-) -> Any:
+) -> Figure:
     """A Pareto figure of ``points`` = ``[(label, family, x value, y value)]`` (one per label)
     by the rules of docs/design.md#plots; ``x``/``y`` name the metrics (direction, noise
     floor), ``text`` is (x label, y label, title).  Each point is a ``Line2D`` whose gid is its
@@ -236,7 +254,7 @@ def scatter_figure(
     return fig
 
 
-def _place(fig: Any, ax: Any, texts: list[Any], xs: list[float], ys: list[float]) -> int:
+def _place(fig: Figure, ax: Axes, texts: list[Text], xs: list[float], ys: list[float]) -> int:
     """Move labels off each other and off the points ``xs, ys`` (adjustText, a fixed number
     of steps), leader lines to their points; then hide each label that still overlaps one
     before it in ``texts``.  Returns how many were hidden."""
@@ -255,6 +273,8 @@ def _place(fig: Any, ax: Any, texts: list[Any], xs: list[float], ys: list[float]
         box = t.get_window_extent(renderer)
         if any(box.overlaps(k) for k in kept):
             hidden += 1
+            # adjustText's arrows: FancyArrowPatch (patchA: its text) or, for transforms that
+            # cannot take one, an Annotation, which has no patchA
             for a in [t] + [a for a in arrows if getattr(a, "patchA", None) is t]:
                 a.set_visible(False)
         else:
@@ -262,7 +282,7 @@ def _place(fig: Any, ax: Any, texts: list[Any], xs: list[float], ys: list[float]
     return hidden
 
 
-def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
+def section_figure(records: list[Record], section: str, x: str, y: str) -> Figure | str:
     """The Pareto figure of headline section ``section`` (``"a"``/``"b"``) with ``x``/``y`` in
     ``bytes_ratio``, ``next_token_kl``, :data:`DECODE`, or the reason it is not drawn (str)."""
     recs = {
@@ -298,7 +318,7 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Any:
     return scatter_figure(points, x, y, (label[x], label[y], title), styles)
 
 
-def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Any:
+def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Figure | str:
     """The Pareto figure of metric ``y`` (from the one workload most labels have) against
     metric ``x`` (from the same record, else from another record of the label), one point per
     label, or the reason it is not drawn (str)."""
@@ -314,7 +334,7 @@ def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Any
     return scatter_figure(points, x, y, (NAMES.get(x, x), ylabel, title), styles)
 
 
-def sweep_figure(records: list[Record], wtype: str, y: str) -> Any:
+def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
     """``y`` against context depth, one line per label (style by family, line style by label
     within it), from the ``wtype`` records of one workload but its context; a label measured
     at one context only is a marker without a line.  The reason (str) when the records hold
@@ -354,7 +374,7 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Any:
     return fig
 
 
-def figures(records: list[Record]) -> Iterator[tuple[str, Any]]:
+def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
     """``(name, figure or the reason it is not drawn)`` for every figure of
     docs/design.md#plots, one at a time (a caller closes each figure)."""
     pairs = {
@@ -381,7 +401,7 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Any]]:
             yield f"{y}_vs_context", sweep_figure(records, wtype, y)
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=130)
     _plt().close(fig)
     return path
@@ -405,7 +425,7 @@ def write_plots(
 
 
 def write_listed(
-    records: list[Record], results: list[str], out: str | None, file: Any = None
+    records: list[Record], results: list[str], out: str | None, file: TextIO | None = None
 ) -> list[Path]:
     """:func:`write_plots` into ``out`` (default: the first of ``results``, or the folder of that
     file), printing ``wrote <path>`` and ``not drawn: <name>: <reason>`` lines to ``file``

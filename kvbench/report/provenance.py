@@ -13,17 +13,20 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvbench.bench.manifest import read_run_log
 from kvbench.bench.records import Record
+
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
 
 NOT_RECORDED = "not recorded"
 MODEL_FREE = "none (model-free)"
 RANDOM_WEIGHTS = "none (random weights)"
 
 
-def _text(d: Any, key: str) -> str | None:
+def _text(d: JSONValue, key: str) -> str | None:
     """``d[key]`` as text; ``"none"`` when present but null; ``None`` when absent."""
     if not isinstance(d, dict) or key not in d:
         return None
@@ -100,12 +103,13 @@ def _field_line(name: str, counts: Counter[str]) -> str | None:
     return f"- {name}: differs between records: {parts}"
 
 
-def _load(avg: Any) -> str | None:
+def _load(avg: list[float] | None) -> str | None:
+    """Load averages (1, 5, 15 min) as ``"0.50/0.40/0.30"``; ``None`` when not recorded."""
     return "/".join(f"{x:.2f}" for x in avg) if avg else None
 
 
 def _sweep_lines(
-    records: list[Record], runs: list[dict[str, Any]], wall_s: float | None
+    records: list[Record], runs: list[dict[str, JSONValue]], wall_s: float | None
 ) -> list[str]:
     """Date (UTC), wall time and load average of the sweep: from the run log when there is
     one (first start to last end; wall times summed), else from the records (``created`` of
@@ -140,7 +144,7 @@ def _sweep_lines(
 
 def provenance_block(
     records: list[Record],
-    runs: list[dict[str, Any]] | None = None,
+    runs: list[dict[str, JSONValue]] | None = None,
     *,
     command: str | None = None,
     wall_s: float | None = None,
@@ -163,7 +167,7 @@ def provenance_block(
     return "\n".join(line for line in lines if line is not None)
 
 
-def run_logs(paths: list[str | Path]) -> list[dict[str, Any]]:
+def run_logs(paths: list[str | Path]) -> list[dict[str, JSONValue]]:
     """The run-log entries of every result folder among ``paths`` (record files have none),
     ordered by start time."""
     out = [e for p in map(Path, paths) if p.is_dir() for e in read_run_log(p)]

@@ -8,7 +8,9 @@ model, the model in the title, when the records cover several models), rows sort
 family (``full`` first, then the method name), nominal key bits, then label.  Every
 table has the nominal and the measured (effective) key and value bits; a workload that does not
 measure them borrows them from a record of the same model, method and config that does
-(fidelity, memory), marked ``*``.  Runs the runner flagged (nothing quantized) are marked ``!``
+(fidelity, memory), marked ``*``; where no record of the configuration carries nominal bits (the
+``nominal_key_bits`` / ``nominal_value_bits`` metrics its workloads record), the cells stay empty
+and a note under the table says so.  Runs the runner flagged (nothing quantized) are marked ``!``
 and the flag is printed under the table.  ``bytes_vs_16bit`` is computed from each record as in
 the headline (:func:`kvbench.report.headline.bytes_vs_16bit`: ``bytes_total`` over 2 bytes per
 K/V element the record holds), so the two never disagree.
@@ -20,7 +22,7 @@ import argparse
 import json
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from kvbench.bench.records import Record, canonical
 from kvbench.cache.registry import BASELINE
@@ -29,6 +31,7 @@ from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
     from kvbench.bench.suite import Suite
 
 #: preferred column order; other metrics follow alphabetically when asked for
@@ -70,6 +73,8 @@ FAMILY_PREFIXES = ("lm_eval.", "kv_quantized_fraction")
 
 #: columns every table carries (borrowed from the same configuration's records when absent)
 BITS = ("nominal_key_bits", "nominal_value_bits", "effective_key_bits", "effective_value_bits")
+#: the columns of :data:`BITS` shown in every table, empty (with a note) where no record has them
+NOMINAL = ("nominal_key_bits", "nominal_value_bits")
 #: table order of workload types; others follow alphabetically
 WORKLOAD_ORDER = ["bits", "fidelity", "perplexity", "generation", "passkey", "memory", "latency"]
 
@@ -81,7 +86,28 @@ def row_order(r: Record) -> tuple:
     return (r.method != BASELINE, r.method, bits, r.label)
 
 
-def workload_order(w: dict[str, Any]) -> tuple:
+class TableRow(TypedDict):
+    """One row of a report table: a record, its values per column (``borrowed``: the columns
+    taken from another record of its configuration) and the runner's flags."""
+
+    label: str
+    run_id: str
+    method: str
+    values: dict[str, float]
+    borrowed: list[str]
+    flags: list[str]
+
+
+class Table(TypedDict):
+    """One report table: a workload (and model) title, its columns, rows and notes."""
+
+    workload: str
+    columns: list[str]
+    rows: list[TableRow]
+    notes: list[str]
+
+
+def workload_order(w: dict[str, JSONValue]) -> tuple:
     t = w.get("type", "?")
     rank = WORKLOAD_ORDER.index(t) if t in WORKLOAD_ORDER else len(WORKLOAD_ORDER)
     return (rank, t, w.get("context", 0) or 0, workload_label(w))
@@ -89,35 +115,19 @@ def workload_order(w: dict[str, Any]) -> tuple:
 
 def borrowed_bits(records: list[Record]) -> dict[str, dict[str, float]]:
     """Per configuration (:attr:`Record.config_key`), the :data:`BITS` metrics any of its records has
-    (fidelity's over memory's over others': the first found in workload order)."""
+    (fidelity's over memory's over others': the first found in workload order).  Nominal bits
+    come only from what the records carry, never from the method's formula (a report shows
+    what its records say, also for methods gone since)."""
     out: dict[str, dict[str, float]] = {}
     for r in sorted(records, key=lambda r: workload_order(r.workload)):
         e = out.setdefault(r.config_key, {})
         for k in BITS:
             if k in r.metrics and k not in e:
                 e[k] = r.metrics[k]
-    for r in records:  # no record of the configuration has nominal bits: the formula's
-        e = out[r.config_key]
-        d = (r.manifest.get("model") or {}).get("head_dim")
-        if "nominal_key_bits" not in e and d:
-            e.update(_nominal(r, int(d)))
     return out
 
 
-def _nominal(r: Record, head_dim: int) -> dict[str, float]:
-    """Nominal bits of a record's configuration from its method's formula (``{}`` when the
-    method is not installed here or its config no longer loads)."""
-    from kvbench.cache.registry import get_method
-
-    try:
-        m = get_method(r.method, **r.config)
-        b = m.average_bits(head_dim=head_dim)
-    except Exception:  # noqa: BLE001 - a report must render records of methods gone since
-        return {}
-    return {"nominal_key_bits": b["key_bits"], "nominal_value_bits": b["value_bits"]}
-
-
-def _fmt(v: Any) -> str:
+def _fmt(v: float | None) -> str:
     if v is None:
         return ""
     if isinstance(v, float):
@@ -135,7 +145,7 @@ def model_labels(records: list[Record]) -> dict[str, str]:
     where two specs of the records would otherwise share a name."""
     specs = {canonical(r.model): r.model for r in records}
 
-    def short(m: dict[str, Any]) -> str:
+    def short(m: dict[str, JSONValue]) -> str:
         return (m.get("id") or "none") + (f" [layers {m['layers']}]" if m.get("layers") else "")
 
     shorts = [short(m) for m in specs.values()]
@@ -146,14 +156,14 @@ def model_labels(records: list[Record]) -> dict[str, str]:
     }
 
 
-def workload_label(w: dict[str, Any]) -> str:
+def workload_label(w: dict[str, JSONValue]) -> str:
     keys = sorted(k for k in w if k != "type")
     return w.get("type", "?") + (
         " (" + ", ".join(f"{k}={w[k]}" for k in keys) + ")" if keys else ""
     )
 
 
-def tables(records: list[Record], columns: list[str] | None = None) -> list[dict[str, Any]]:
+def tables(records: list[Record], columns: list[str] | None = None) -> list[Table]:
     """The report's tables as data: ``[{"workload", "columns", "rows": [{"label", "run_id",
     "method", "values": {column: value}, "borrowed": [columns], "flags": [...]}], "notes"}]``
     in report order (see the module docstring)."""
@@ -171,7 +181,7 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
     # columns computed from one record: the headline's bytes_vs_16bit, where it is known
     ratios = {r.run_id: bytes_vs_16bit(r) for r in records}
     derived = {k: {} if v is None else {"bytes_vs_16bit": v} for k, v in ratios.items()}
-    out = []
+    out: list[Table] = []
     for wl in sorted(groups, key=lambda k: order[k]):
         recs = sorted(groups[wl], key=row_order)
         present = {k for r in recs for k in (*r.metrics, *derived[r.run_id])}
@@ -184,11 +194,16 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
             )
         if not cols:  # a workload with none of the preferred metrics: show its own
             cols = sorted(c for c in present if not c.endswith("_ratio") and c not in BITS)[:8]
-        have_bits = [c for c in BITS if c in present or any(c in bits[r.config_key] for r in recs)]
+        have_bits = [
+            c
+            for c in BITS
+            if c in NOMINAL or c in present or any(c in bits[r.config_key] for r in recs)
+        ]
         cols = have_bits + cols
-        rows = []
+        rows: list[TableRow] = []
         for r in recs:
-            values, borrowed = {}, []
+            values: dict[str, float] = {}
+            borrowed: list[str] = []
             for c in cols:
                 if c in r.metrics or c in derived[r.run_id]:
                     values[c] = r.metrics.get(c, derived[r.run_id].get(c))
@@ -212,6 +227,13 @@ def tables(records: list[Record], columns: list[str] | None = None) -> list[dict
                 notes.append(f"timing ratios: against {', '.join(base)} interleaved in each run")
         if any(row["borrowed"] for row in rows):
             notes.append("*: bits measured by another workload's run of the same configuration")
+        unknown = [row["label"] for row in rows if any(c not in row["values"] for c in NOMINAL)]
+        if unknown:
+            notes.append(
+                f"nominal bits empty for {', '.join(unknown)}: no record of the configuration "
+                "carries nominal_key_bits / nominal_value_bits (a bits, fidelity, perplexity, "
+                "memory or lm_eval run records them); the report does not recompute them"
+            )
         for row in rows:
             notes += [f"! {row['label']}: {f}" for f in row["flags"]]
         out.append({"workload": wl, "columns": cols, "rows": rows, "notes": notes})

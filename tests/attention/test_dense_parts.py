@@ -54,7 +54,7 @@ def test_the_pieces_fit_the_scratch(monkeypatch):
 def test_a_long_part_allocates_one_chunk_not_a_float32_copy(monkeypatch):
     """The transient of the chunked logits: the output and one scratch chunk, far below the
     float32 copy of the part the one-matmul form makes (profiler allocator events)."""
-    from kvbench.bench.workloads.memory import transient_peak
+    from kvbench.measure.peak import transient_peak
 
     chunk = 64 * 384  # bytes of one float32 chunk of 64 tokens
     monkeypatch.setattr(cpu, "DENSE_CHUNK_BYTES", chunk)

@@ -96,7 +96,7 @@ def ref():
 def np_block_bootstrap(windows, block, seed, n_boot=2000, stat=None, alpha=0.05):
     """Percentile block bootstrap of a token-level mean, float64 numpy with Python loops
     (Carlstein 1986; Efron & Tibshirani 1993, ch. 13), the seeding documented by
-    ``kvbench.bench.workloads.metrics.block_bootstrap_ci``: a torch generator seeded ``seed``
+    ``kvbench.bench.metrics.block_bootstrap_ci``: a torch generator seeded ``seed``
     draws ``torch.randint(0, n_blocks, (n_boot, n_blocks))``; that draw is all it shares.
 
     ``windows``: per window, ``[N_w]`` or ``[N_w, K]`` values; blocks of ``block`` consecutive

@@ -1,5 +1,5 @@
 """The block bootstrap of the perplexity workload's intervals
-(``kvbench.bench.workloads.metrics.block_bootstrap_ci``) against an independent float64 numpy
+(``kvbench.bench.metrics.block_bootstrap_ci``) against an independent float64 numpy
 implementation with Python loops (``tests/core/conftest.py: np_block_bootstrap``, sharing only
 the documented torch draw of block indices), blocks counted by hand, and its statistical
 properties: the interval holds the mean, narrows as 1/sqrt(tokens), and, on dependent tokens
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.bench.workloads.metrics import (
+from kvbench.bench.metrics import (
     BLOCK_TOKENS,
     WINDOW_BLOCKS_FROM,
     add_block_ci,

@@ -19,12 +19,12 @@ from test_workload_metrics import _toy_llama
 
 import kvbench.data.loaders as loaders
 from kvbench.bench.context import RunContext
+from kvbench.bench.decoding import decode_route
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.generation import forced_logprobs
 from kvbench.bench.workloads.perplexity import chunked_logits
 from kvbench.cache.registry import get_method
 from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import decode_route
 from kvbench.hf.capture import capture_prompt
 from kvbench.kernels.cpu import codedomain as cpu
 

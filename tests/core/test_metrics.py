@@ -1,4 +1,4 @@
-"""kvbench.bench.workloads.metrics against separate straightforward implementations.
+"""kvbench.bench.metrics against separate straightforward implementations.
 
 * ``attention_fidelity``: a float64 loop over (batch, query head, position) with an explicit
   causal softmax over keys ``0..t`` and ``scipy.special.rel_entr`` for KL(A || A'), the
@@ -18,7 +18,7 @@ import pytest
 import torch
 from scipy import special, stats
 
-from kvbench.bench.workloads.metrics import (
+from kvbench.bench.metrics import (
     add_ci,
     attention_fidelity,
     bootstrap_ci,

@@ -423,7 +423,7 @@ def test_unknown_text_and_task_set_names_did_you_mean() -> None:
 def test_a_workload_without_its_hooks_cannot_be_built() -> None:
     """``run`` (every workload) and ``load`` / ``score`` (task workloads) are abstract: a class
     that lacks one fails when it is instantiated, naming the missing hook."""
-    from kvbench.bench.workloads.taskbase import TaskWorkload
+    from kvbench.bench.tasks.workload import TaskWorkload
 
     class NoRun(Workload):
         METRICS = {"x": HIGHER}

@@ -231,10 +231,16 @@ def test_passkey_accuracy_counts_answers_in_the_completion(monkeypatch) -> None:
     completions = iter(["the key is 12345.", "no idea", "1234 5", "x 99999 y"])
 
     class Model:
+        generation_config = None
+
         def generate(self, ids, **kw):
             return torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], dim=1)
 
-    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: next(completions))
+    tok = SimpleNamespace(
+        decode=lambda ids, skip_special_tokens=True: next(completions),
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     cache = SimpleNamespace(attend=False)  # what passkey reads of a QuantizedKVCache
     monkeypatch.setattr(hf_cache, "QuantizedKVCache", lambda method, model, **kw: cache)
     monkeypatch.setattr(hf_cache, "cache_kwarg", lambda cache, model: {})

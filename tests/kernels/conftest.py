@@ -19,7 +19,7 @@ import pytest
 import torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-KERNEL_MODULES = ("_triton", "pack", "quantize", "decode_attention", "dispatch", "bench_decode")
+KERNEL_MODULES = ("_triton", "pack", "quantize", "decode_attention", "dispatch")
 
 
 def _load_interpreted() -> None:

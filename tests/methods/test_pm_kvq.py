@@ -16,13 +16,11 @@ from kvbench.methods.pm_kvq import (
     PMKVQ,
     BudgetTooShort,
     PMKVQConfig,
-    shrink_block,
-    shrink_codes,
-)
-from kvbench.methods.pm_kvq_calibration import (
     allocate_bits,
     layer_sensitivity,
     pi_calibration_scales,
+    shrink_block,
+    shrink_codes,
 )
 
 # ---------------------------------------------------------------- equivalent right shift

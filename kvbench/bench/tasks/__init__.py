@@ -1,5 +1,8 @@
-"""Model-free parts of the task suites.
+"""The task workloads' base class and their model-free parts.
 
+- :mod:`kvbench.bench.tasks.workload`: :class:`~kvbench.bench.tasks.workload.TaskWorkload`,
+  the base of the task workloads (``gsm8k``, ``math``, ``ruler``, ...): example selection,
+  prompts, per-example records.
 - :mod:`kvbench.bench.tasks.extract`: GSM8K (lm-evaluation-harness filters) and MGSM answers.
 - :mod:`kvbench.bench.tasks.math_answer`: MATH/AIME/AMC boxed-answer extraction and equivalence.
 - :mod:`kvbench.bench.tasks.humaneval`: HumanEval problems, a subprocess test harness, pass@k.

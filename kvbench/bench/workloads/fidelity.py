@@ -22,14 +22,14 @@ import torch
 
 from kvbench.attention.reference import reference_attention
 from kvbench.bench.context import Capture, Info, LayerKV, RunContext
-from kvbench.bench.records import JSONValue
-from kvbench.bench.workloads.metrics import (
+from kvbench.bench.metrics import (
     LOWER,
     NONE,
     STORAGE_METRICS,
     attention_fidelity,
     key_mse,
 )
+from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 

@@ -34,21 +34,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.bench.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.context import Info, RunContext
+from kvbench.bench.decoding import DECODE_PATHS, decode_info, decode_route, merge_decode_info
+from kvbench.bench.metrics import add_ci
 from kvbench.bench.workloads import HIGHER, LOWER
-from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
-from kvbench.bench.workloads.metrics import add_ci
-from kvbench.bench.workloads.taskbase import merge_decode_info
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import (
-    DECODE_PATHS,
-    QuantizedKVCache,
-    decode_info,
-    decode_route,
-    make_hf_cache,
-)
+from kvbench.hf.cache import QuantizedKVCache, make_hf_cache
 
 from . import Result, Workload
 
@@ -141,7 +135,6 @@ def forced_logprobs(
 def _batch_cache(
     method: Method, model: PreTrainedModel, path: str
 ) -> tuple[QuantizedKVCache, bool, str]:
-
     attend, why = decode_route(method, model, path)
     return QuantizedKVCache(method, model, rows_apart=True, attend=attend), attend, why
 

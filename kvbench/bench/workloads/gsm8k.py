@@ -16,7 +16,7 @@ compares the same strings as exact numbers instead):
 * ``gsm8k_flexible``: ``flexible-extract``, the last number-like span.
 
 ``task_score`` = ``gsm8k_flexible``.  Data: ``kvbench.data.loaders.load_rows("gsm8k")`` (hub
-``openai/gsm8k`` / local copy).  Other parameters: see :mod:`kvbench.bench.workloads.taskbase`.
+``openai/gsm8k`` / local copy).  Other parameters: see :mod:`kvbench.bench.tasks.workload`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from kvbench.bench.tasks.extract import (
     harness_exact_match,
     numbers_equal,
 )
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
-
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: lm-evaluation-harness gsm8k-cot.yaml ``fewshot_config.samples`` (first_n sampler)
 EXEMPLARS: list[tuple[str, str]] = [

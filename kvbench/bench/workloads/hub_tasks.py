@@ -32,10 +32,9 @@ import torch
 
 from kvbench.bench.context import Example, Info, RunContext
 from kvbench.bench.records import JSONValue
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
-
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 
 def hub_rows(
@@ -293,7 +292,7 @@ class InfiniteBench(TaskWorkload):
         }
 
     def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
-        from .taskbase import encode_text
+        from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]

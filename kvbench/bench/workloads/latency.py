@@ -54,10 +54,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.bench.context import RunContext
 from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
-from kvbench.bench.workloads.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field

@@ -23,11 +23,11 @@ from __future__ import annotations
 from kvbench.bench.context import Example, Info, RunContext
 from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
 
 from . import reject
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 DATASETS = ("math500", "aime24", "aime25", "amc23")
 DEFAULT_TEMPLATE = (

@@ -35,9 +35,11 @@ e.g. a shape model's layer 0, to all of them; the manifest's ``bytes_total_is`` 
 * CUDA only, in bytes above the allocation before the first cache: ``cuda_bytes_total`` (every
   layer's cache alive) and ``cuda_peak_bytes`` (highest over the replay, prefill included).
 
-A shape model's K/V are drawn by :mod:`~kvbench.bench.workloads.synthetic_kv` whatever
-``source`` says.  All configurations share one process.  A run whose tensors would not fit the
-device's available memory is refused before allocating.
+K/V: ``source: synthetic`` draws the ``channel-gaussian`` distribution, a shape model's K/V the
+``rope-outliers`` one whatever ``source`` says (:mod:`kvbench.bench.synthetic_kv`).  The
+transient peak is :func:`kvbench.measure.peak.transient_peak`.  All configurations share one
+process.  A run whose tensors would not fit the device's available memory is refused before
+allocating.
 
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
@@ -57,10 +59,12 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import Capture, RunContext
-from kvbench.bench.workloads.metrics import LOWER, STORAGE_METRICS
+from kvbench.bench.metrics import LOWER, STORAGE_METRICS
+from kvbench.bench.synthetic_kv import QKV, channel_gaussian_qkv
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
+from kvbench.measure.peak import transient_peak
 
 from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
 
@@ -70,41 +74,9 @@ ERROR_ROWS = 1
 BYTE_CATEGORIES = ("codes", "scales", "metadata", "residual", "sinks")
 
 
-def synthetic_qkv(
-    num_layers: int, hq: int, hkv: int, t: int, d: int, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Seeded stand-ins for captured tensors: per layer ``(q [1, hq, t, d], k [1, hkv, t, d],
-    v [1, hkv, t, d])`` float32.  Keys have per-channel scales ``exp(0.75 z)`` and offsets (outlier
-    channels, like real post-RoPE keys); values are N(0, 0.5^2); queries N(0, 1).  A given
-    (seed, layer) gives the same tensors for every ``t`` prefix length."""
-    out = []
-    heads, chunk = 2 * hkv + hq, 256
-    for i in range(num_layers):
-        g = torch.Generator().manual_seed(seed * 1000 + i)
-        scale = torch.exp(0.75 * torch.randn(1, hkv, 1, d, generator=g))
-        offset = torch.randn(1, hkv, 1, d, generator=g)
-        # chunks of 256 tokens, each from its own seed: a shorter t is a prefix of a longer one
-        parts = [
-            torch.randn(
-                1,
-                heads,
-                chunk,
-                d,
-                generator=torch.Generator().manual_seed((seed * 1000 + i) * 100003 + c),
-            )
-            for c in range(-(-t // chunk))
-        ]
-        x = torch.cat(parts, dim=2)[:, :, :t] if parts else torch.zeros(1, heads, 0, d)
-        k = x[:, :hkv] * scale + offset
-        v = 0.5 * x[:, hkv : 2 * hkv]
-        q = x[:, 2 * hkv :]
-        out.append((q.contiguous(), k.contiguous(), v.contiguous()))
-    return out
-
-
 def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
     """Mean squared error of ``got`` vs ``ref`` (both ``[B, H, T, D]``) in float64, as
-    :func:`kvbench.bench.workloads.metrics.key_mse`, one (row, head) at a time so the float64
+    :func:`kvbench.bench.metrics.key_mse`, one (row, head) at a time so the float64
     working memory stays one head's (32 MiB at 32K x 128) rather than the whole tensor's."""
     total = 0.0
     for b in range(ref.shape[0]):
@@ -112,72 +84,6 @@ def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
             diff = ref[b, h].double().sub_(got[b, h]).flatten()  # one float64 buffer
             total += float(torch.dot(diff, diff))
     return total / max(ref.numel(), 1)
-
-
-def transient_peak(fn: Any, device: torch.device) -> tuple[float, str]:
-    """Run ``fn()`` and return (peak bytes allocated during it above the level before it, how).
-
-    CUDA: ``max_memory_allocated()`` after ``reset_peak_memory_stats()`` minus
-    ``memory_allocated()`` before.  CPU: the running sum of the CPU allocator's allocation and
-    free events recorded by ``torch.profiler`` (``profile_memory=True``), a free counted only
-    when it releases a block allocated inside the call (paired by address, not by the size the
-    profiler reports, which for an older block may be stale: docs/design.md#memory): frees of
-    blocks allocated before the call are left out, so the figure is the peak of the call's own
-    live allocations.  Without the profiler's memory events the peak is NaN and ``how`` says why.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        m0 = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - m0, "torch.cuda.max_memory_allocated"
-    from torch.profiler import ProfilerActivity, profile
-
-    from kvbench.measure.stderr_filter import drop_stderr_lines
-
-    # the allocator logs the (uncounted) free of a block from before the profile: dropped
-    with drop_stderr_lines():
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
-    try:
-        events = cpu_allocator_events(prof)
-    except (AttributeError, RuntimeError) as exc:  # a torch without allocation events
-        return float("nan"), f"unavailable ({type(exc).__name__}: {exc})"
-    return live_peak(events), (
-        "torch.profiler CPU allocator events (profile_memory=True), frees paired by address"
-    )
-
-
-def cpu_allocator_events(prof: Any) -> list[tuple[int, int, int]]:
-    """``(time ns, address, signed bytes)`` of every CPU allocation (+) and free (-) a finished
-    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order.  Raises
-    ``AttributeError``/``RuntimeError`` where the torch build has no allocation events."""
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        f = e.extra_fields
-        if hasattr(f, "alloc_size") and str(f.device).startswith("cpu"):
-            out.append((e.start_time_ns, f.ptr, f.alloc_size))
-    out.sort()
-    return out
-
-
-def live_peak(events: list[tuple[int, int, int]]) -> int:
-    """Peak of the running sum of ``(time, address, signed bytes)`` allocator events, counting
-    a free only against the live block allocated at its address within the events (its own
-    size): frees of blocks from before the events are not the call's."""
-    cur = peak = 0
-    live: dict[int, int] = {}
-    for _, ptr, n in events:
-        if n >= 0:
-            live[ptr] = n
-            cur += n
-            peak = max(peak, cur)
-        elif ptr in live:
-            cur -= live.pop(ptr)
-    return peak
 
 
 #: what ``Replay.step`` runs for each ``path`` (recorded as ``peak_step_path``)
@@ -202,8 +108,8 @@ class Replay:
         layer_idx: int,
         hkv: int,
         d: int,
-        dtype,
-        device,
+        dtype: torch.dtype,
+        device: torch.device,
         path: str = "attend",
     ) -> None:
         if path not in STEP_PATHS:
@@ -310,9 +216,9 @@ class Memory(Workload):
     type = "memory"
     METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
     needs_model = False  # ``source: synthetic`` runs without one
-    accepts_random_weights = True  # a shape model: K/V of its shape from synthetic_kv
+    accepts_random_weights = True  # a shape model: K/V of its shape (rope-outliers)
     shape_forward = False  # only the config is read (meta device)
-    shape_reads_data = False  # a shape model's K/V come from synthetic_kv, not a text
+    shape_reads_data = False  # a shape model's K/V are drawn (rope-outliers), not a text
     layer_cache = False  # peers run through their transformers layers
     LIST_PARAMS = frozenset({"layers"})
     SOURCE_PARAMS = KV_SOURCE_PARAMS
@@ -354,15 +260,18 @@ class Memory(Workload):
         check_kv_heads(spec, pre)
 
     # ------------------------------------------------------------------ inputs
-    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+    def calibration_kv(
+        self, seed: int, tokens: int
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, object]] | None:
         """``source: synthetic``: the ``tokens`` positions after the measured ``context`` of
-        the same seeded generator (:func:`synthetic_qkv` is prefix-stable), so calibration sees
+        the same seeded generator (:func:`~kvbench.bench.synthetic_kv.channel_gaussian_qkv`
+        is prefix-stable), so calibration sees
         the measured channels' distribution but none of the measured tokens."""
         s = self.spec
         if s["source"] != "synthetic":
             return None
         d = s["context"]
-        qkv = synthetic_qkv(
+        qkv = channel_gaussian_qkv(
             s["num_layers"], s["num_heads"], s["num_kv_heads"], d + tokens, s["head_dim"], seed
         )
         keys = {i: k[:, :, d:].contiguous() for i, (_, k, _) in enumerate(qkv)}
@@ -375,7 +284,7 @@ class Memory(Workload):
         d = s["context"]
         self.shape = bool(ctx.model_info.get("random_weights"))
         if self.shape:  # shape model: K/V of its shape, one layer unless `layers` says more
-            from kvbench.bench.workloads.synthetic_kv import shape_inputs
+            from kvbench.bench.synthetic_kv import shape_inputs
 
             self.device = ctx.device
             self.qkv, self.layer_ids, self.info = shape_inputs(
@@ -389,7 +298,7 @@ class Memory(Workload):
         if s.get("batch", 1) != 1:
             raise ValueError("memory: batch > 1 needs a shape model (model: {shape: ...})")
         if s["source"] == "synthetic":
-            self.qkv = synthetic_qkv(
+            self.qkv = channel_gaussian_qkv(
                 s["num_layers"], s["num_heads"], s["num_kv_heads"], d, s["head_dim"], ctx.seed
             )
             self.layer_ids = list(range(s["num_layers"]))
@@ -526,16 +435,18 @@ class Memory(Workload):
         )
         return Result(metrics, per_layer, info)
 
-    def _prefill_queries(self, method: Method, idx: int, q, p: int, r: Replay):
+    def _prefill_queries(
+        self, method: Method, idx: int, q: torch.Tensor, p: int, r: Replay
+    ) -> torch.Tensor | None:
         """The prefill's post-RoPE queries ``[B, H_q, p, D]``: captured/synthetic ones as held;
         for a shape model (queries held for the decode steps only) drawn by
-        :func:`~kvbench.bench.workloads.synthetic_kv.synthetic_queries` for a method that needs
+        :func:`~kvbench.bench.synthetic_kv.rope_outlier_queries` for a method that needs
         them at prefill (once per workload, then shared), else ``None``."""
         if q.shape[2] >= self.spec["context"]:
             return q[:, :, :p]
         if r.peer or not method.needs_queries:
             return None
-        from kvbench.bench.workloads.synthetic_kv import synthetic_queries
+        from kvbench.bench.synthetic_kv import rope_outlier_queries
 
         # drawn once per workload and layer, shared by the methods that ask (the draw is
         # seeded, so every method sees the same queries either way; methods only read them)
@@ -543,12 +454,14 @@ class Memory(Workload):
         cache = self.__dict__.setdefault("_prefill_q", {})
         if key not in cache:
             cache.clear()
-            cache[key] = synthetic_queries(
+            cache[key] = rope_outlier_queries(
                 self.config, 0, p, q.shape[0], self.seed, idx, q.dtype, q.device
             )
         return cache[key]
 
-    def _bytes(self, method: Method, caches: list[Replay], inputs, peaks) -> dict[str, float]:
+    def _bytes(
+        self, method: Method, caches: list[Replay], inputs: list[QKV], peaks: list[float]
+    ) -> dict[str, float]:
         by: dict[tuple[str, str], int] = {}
         for c in caches:
             for side, cat, n in c.nbytes():
@@ -585,7 +498,7 @@ class Memory(Workload):
         back all of them cost as much as the rest of the run); else every row (``None``)."""
         return ERROR_ROWS if self.shape and batch > ERROR_ROWS else None
 
-    def _errors(self, caches: list[Replay], inputs) -> dict[str, float]:
+    def _errors(self, caches: list[Replay], inputs: list[QKV]) -> dict[str, float]:
         ks, vs = [], []
         rows = self.error_rows(inputs[0][1].shape[0])
         for c, (_, k, v) in zip(caches, inputs):

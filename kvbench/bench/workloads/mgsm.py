@@ -34,10 +34,9 @@ from kvbench.bench.tasks.extract import (
     numbers_equal,
     regex_filter,
 )
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
-
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: lm-evaluation-harness mgsm/utils.py LANGUAGES: (QUESTION, ANSWER) prefixes
 PREFIXES: dict[str, tuple[str, str]] = {

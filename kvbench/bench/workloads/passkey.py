@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.bench.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.bench.context import Info, RunContext
 from kvbench.bench.workloads import HIGHER
-from kvbench.bench.workloads.batching import PadLedger, chunks, left_pad, pad_id
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 
@@ -80,7 +80,7 @@ class Passkey(Workload):
 
     @classmethod
     def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
-        from kvbench.hf.cache import DECODE_PATHS  # not at import: it loads transformers
+        from kvbench.bench.decoding import DECODE_PATHS
 
         Field(str, choices=DECODE_PATHS).check(spec["path"], "path", pre.removesuffix(": "))
         check_protected(spec, pre, spec["length"], f"length={spec['length']} for the needle")
@@ -112,10 +112,9 @@ class Passkey(Workload):
 
     @torch.no_grad()
     def run(self, ctx: RunContext, method: Method) -> Result:
+        from kvbench.bench.decoding import decode_info, decode_route, eos_ids, merge_decode_info
         from kvbench.hf.attention import kvbench_attention
-        from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, decode_info, decode_route
-
-        from .taskbase import eos_ids, merge_decode_info
+        from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
         rows, correct, decode = [], 0, []
         bs = self.spec.get("batch_size", 1)

@@ -5,7 +5,7 @@ score the predictions of tokens P..T-1 against the ``full`` cache under the iden
 (computed once per model in ``prepare``): ``next_token_kl`` = mean KL(P_full || P_method),
 ``top1_agreement`` = share of positions whose argmax matches, ``ppl_delta`` = ppl - ppl_ref,
 with bootstrap 95% intervals (``*_ci_low``/``*_ci_high``) over blocks of scored tokens
-(:func:`kvbench.bench.workloads.metrics.interval_rule`, recorded in ``info.intervals``).
+(:func:`kvbench.bench.metrics.interval_rule`, recorded in ``info.intervals``).
 Protocol and intervals: docs/design.md#perplexity-and-next-token-agreement; what a chunk
 attends to under ``protocol`` (``write-then-attend``, default, or ``in-chunk-full``) and the
 prompt under the method's ``prefill_attention`` (``full`` | ``stored``):
@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvbench.bench.context import Info, Reference, RunContext
-from kvbench.bench.records import JSONValue
-from kvbench.bench.workloads.metrics import (
+from kvbench.bench.decoding import DECODE_PATHS, decode_info, decode_route
+from kvbench.bench.metrics import (
     HIGHER,
     LOWER,
     NONE,
@@ -62,16 +62,14 @@ from kvbench.bench.workloads.metrics import (
     add_block_ci,
     interval_rule,
 )
+from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
-    DECODE_PATHS,
     DEFAULT_PROTOCOL,
     PROTOCOL_FIELD,
     QuantizedKVCache,
-    decode_info,
-    decode_route,
     make_hf_cache,
     prefill_attention,
 )
@@ -179,7 +177,7 @@ def chunked_logits(
     kvbench cache of a method with ``prefill_attention: full`` is then prefilled from it instead
     of running the prompt through the model (same state, same logits); one with ``stored`` runs
     the prompt.  ``info``: when given, filled with the decode attention record
-    (:func:`kvbench.hf.cache.decode_info`).
+    (:func:`kvbench.bench.decoding.decode_info`).
 
     Raises ``ValueError`` for a ``path`` or ``protocol`` not allowed."""
     from kvbench.hf.cache import cache_kwarg

@@ -32,12 +32,12 @@ import torch
 
 from kvbench.bench.context import Example, Info, RunContext
 from kvbench.bench.records import JSONValue
+from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 
 from .passkey import chat_wrap, check_protected
-from .taskbase import COMMON_PARAMS, TaskWorkload
 
 #: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
 RULER_TASKS: dict[str, tuple[str, dict[str, JSONValue], int, bool]] = {
@@ -169,7 +169,7 @@ class Ruler(TaskWorkload):
         }
 
     def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
-        from .taskbase import encode_text
+        from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]
@@ -185,7 +185,7 @@ class Ruler(TaskWorkload):
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
-        ns = getattr(method.config, "num_sink_tokens", 0)
+        ns = getattr(method.config, "num_sink_tokens", 0)  # a field of some configs only
         rows = result.per_layer["examples"]
         by_id = {ex["id"]: ex for ex in self.examples}
         inside = []

@@ -542,7 +542,7 @@ class KVBenchLM(HFLM):
                 self.request_log,
                 self.min_quantized_fraction,
                 self.method.name,
-                getattr(self.method.config, "residual_length", None),
+                getattr(self.method.config, "residual_length", None),  # some configs only
             )
             if msg is not None:
                 self._coverage_warned = True

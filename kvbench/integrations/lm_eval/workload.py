@@ -34,9 +34,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbench.bench.context import RunContext
+from kvbench.bench.metrics import LM_EVAL_DIRECTIONS
 from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
-from kvbench.bench.workloads.metrics import LM_EVAL_DIRECTIONS
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD

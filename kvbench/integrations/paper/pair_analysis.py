@@ -72,8 +72,8 @@ def sample_prompts(
     Text sources give windows of ``tokens + extra`` tokens; row sources give each problem with
     the chat template (``extra`` ignored).  Returns the ids and a manifest dict.
     """
+    from kvbench.bench.tasks.workload import encode_text, render_prompt
     from kvbench.bench.workloads.math_task import DEFAULT_TEMPLATE
-    from kvbench.bench.workloads.taskbase import encode_text, render_prompt
     from kvbench.data.loaders import load_rows, load_text, token_windows
 
     n = samples if ctx.limit is None else min(samples, ctx.limit)

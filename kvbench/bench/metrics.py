@@ -8,7 +8,7 @@ divided by the ``full`` baseline's in the same run) inherit the direction of the
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -194,7 +194,7 @@ def block_bootstrap_ci(
     n_boot: int = BLOCK_RESAMPLES,
     alpha: float = 0.05,
     seed: int = 0,
-    stat: Any = None,
+    stat: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[float, float] | None:
     """Percentile block bootstrap ``1 - alpha`` interval of a token-level mean, float64: the
     non-overlapping block bootstrap (Carlstein 1986, Ann. Statist. 14(3); the moving-block
@@ -244,7 +244,7 @@ def add_block_ci(
     windows: list[torch.Tensor],
     block: int | None,
     seed: int = 0,
-    stat: Any = None,
+    stat: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Set ``metrics[name + '_ci_low' / '_ci_high']`` from :func:`block_bootstrap_ci` when
     there is an interval (two or more blocks); otherwise leave them out."""

@@ -12,24 +12,36 @@ kvbench cache fed that mask caches each row alone, so padding costs compute, not
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
 
-def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
+    from kvbench.hf.shapes import ByteTokenizer
+
+T = TypeVar("T")
+
+
+def chunks(items: Sequence[T], size: int) -> list[list[T]]:
     """``items`` cut into consecutive batches of ``size`` (the last may be shorter)."""
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
-def pad_id(model: Any, tokenizer: Any = None) -> int:
+def pad_id(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | ByteTokenizer | None = None
+) -> int:
     """The id written at pad positions: the tokenizer's pad token, else an end-of-sequence id
     of the tokenizer or the model's generation config, else 0.  Pads are masked and never
     cached, so the value does not change any result."""
-    cands: list[Any] = [getattr(tokenizer, "pad_token_id", None)]
-    cands.append(getattr(tokenizer, "eos_token_id", None))
-    gen = getattr(model, "generation_config", None)
-    cands += [getattr(gen, "pad_token_id", None), getattr(gen, "eos_token_id", None)]
+    cands: list[int | list[int] | None] = []
+    if tokenizer is not None:
+        cands += [tokenizer.pad_token_id, tokenizer.eos_token_id]
+    gen = model.generation_config  # None for a model that cannot generate
+    if gen is not None:
+        cands += [gen.pad_token_id, gen.eos_token_id]
     for c in cands:
         if isinstance(c, (list, tuple)) and c:
             c = c[0]
@@ -39,7 +51,7 @@ def pad_id(model: Any, tokenizer: Any = None) -> int:
 
 
 def left_pad(
-    prompts: Sequence[torch.Tensor], pad: int, device: Any = None
+    prompts: Sequence[torch.Tensor], pad: int, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, mask, positions)``, each ``[B, P]`` int64, of prompts ``[1, P_i]`` or ``[P_i]``
     left-padded to the longest (module docstring).  Raises ``ValueError`` for an empty prompt
@@ -57,11 +69,12 @@ def left_pad(
     return ids.to(device), mask.to(device), pos.to(device)
 
 
-def stored_pad_tokens(cache: Any, lens: Sequence[int], width: int) -> int | None:
+def stored_pad_tokens(cache: Cache, lens: Sequence[int], width: int) -> int | None:
     """Pad tokens the layers of a kvbench ``cache`` hold, measured: over layers, the tokens the
     rows hold minus the real ones (``lens[b]`` prompt tokens plus the decode tokens fed since,
-    the padded length minus ``width``).  ``None`` for a cache that is not kvbench's."""
-    layers = getattr(cache, "layer_caches", None)
+    the padded length minus ``width``).  ``None`` for a cache that is not kvbench's
+    (:class:`~kvbench.hf.cache.QuantizedKVCache`)."""
+    layers = getattr(cache, "layer_caches", None)  # only kvbench's cache has them
     if not callable(layers):
         return None
     total = 0
@@ -88,7 +101,7 @@ class PadLedger:
         self.stored: int | None = 0
         self.padded_batches = 0
 
-    def add(self, lens: Sequence[int], cache: Any = None, stored: int | None = 0) -> None:
+    def add(self, lens: Sequence[int], cache: Cache | None = None, stored: int | None = 0) -> None:
         """One batch of prompts with ``lens`` real tokens, and the cache that held it (its
         stored pad tokens are measured), or ``stored``: pad tokens measured by the caller
         (``None``: unknown).  A batch of one prompt has no pads."""
@@ -101,7 +114,7 @@ class PadLedger:
             stored = stored_pad_tokens(cache, lens, width)
         self.stored = None if stored is None or self.stored is None else self.stored + stored
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         total = self.real + self.pads
         return {
             "batch_size": self.batch_size,

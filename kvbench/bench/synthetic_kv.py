@@ -1,10 +1,26 @@
-"""Synthetic post-RoPE Q/K/V of a model's shape, with the outlier channels real keys have.
+"""Synthetic Q/K/V: the seeded stand-ins for captured tensors, one function per named
+distribution.
 
-Used where only the shape matters (bytes at rest, transient peaks, decode-step time): a shape
-model (:mod:`kvbench.hf.shapes`) has random weights, so capturing its K/V would give neither
-real statistics nor anything cheaper than drawing them.
+* ``channel-gaussian`` (:func:`channel_gaussian_qkv`): the memory workload's ``source:
+  synthetic`` (a geometry, no model).  Per layer ``i`` a generator seeded ``seed * 1000 + i``
+  draws the key scales ``s = exp(0.75 z)`` then offsets ``mu = z`` (``z ~ N(0, 1)``, one per
+  (KV head, channel), ``[1, H_kv, 1, D]``); tokens come in chunks of 256, chunk ``c`` one
+  draw ``x ~ N(0, 1)`` of ``[1, 2 H_kv + H_q, 256, D]`` from its own generator seeded
+  ``(seed * 1000 + i) * 100003 + c``, cut to ``T`` tokens: keys ``x[:, :H_kv] * s + mu``
+  (per-channel offsets and scales: the outlier channels of real keys), values ``0.5 *
+  x[:, H_kv:2 H_kv]`` (N(0, 0.5^2)), queries ``x[:, 2 H_kv:]`` (N(0, 1)); no RoPE; float32,
+  batch 1.
+* ``rope-outliers`` (:func:`rope_outlier_qkv`, :func:`rope_outlier_queries`): post-RoPE Q/K/V
+  of a model's shape, with the outlier channels real keys have, where only the shape matters
+  (bytes at rest, transient peaks, decode-step time): a shape model (:mod:`kvbench.hf.shapes`)
+  has random weights, so capturing its K/V would give neither real statistics nor anything
+  cheaper than drawing them.  Defined below.
 
-Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype``):
+Both are prefix-stable: a shorter ``T`` is a prefix of a longer one for the same seed and layer.
+(The fidelity workload's ``source: synthetic`` draws its own, a third distribution:
+:meth:`kvbench.bench.workloads.fidelity.Fidelity._synthetic`.)
+
+``rope-outliers`` (per layer, seeded; float32 draws cast chunk by chunk into ``dtype``):
 
 * pre-RoPE keys ``k[b, h, t, c] = mu[h, c] + s[h, c] * z``, ``z ~ N(0, 1)``, with a per-channel
   offset ``mu ~ N(0, 0.5^2)`` (real keys have per-channel means, which is why KIVI quantizes
@@ -13,7 +29,8 @@ Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype`
   ``head_dim`` channels), fixed over tokens and drawn among the lowest-frequency half of the
   pairs (where real outliers sit: a slowly rotating pair keeps its magnitude in place), have
   scale ``outlier_scale`` (default 4.5, the ratio seen on SmolLM2-135M's captured keys:
-  docs/design.md#model-shapes) times the median (:func:`channel_outlier_ratio` measures it);
+  docs/design.md#model-shapes) times the median (:func:`channel_outlier_ratio` measures it)
+  and offset ``0.5 * outlier_scale * N(0, 1)`` on both channels of the pair;
 * RoPE is then applied with the shape's own inverse frequencies (``rope_theta`` and any
   scaling, e.g. Llama-3.1's ``llama3`` factor 8, through transformers'
   ``ROPE_INIT_FUNCTIONS``), rotate-half layout (channel ``i`` pairs with ``i + D/2``), at
@@ -21,7 +38,9 @@ Distribution (per layer, seeded; float32 draws cast chunk by chunk into ``dtype`
 * values ``v = s_v[h, c] * z`` with ``s_v = exp(0.25 * N(0, 1))`` (no fixed outlier channels:
   KIVI's observation that values have none); queries ``N(0, 1)`` with the same RoPE.
 
-Tokens are drawn in chunks of 1024, each from its own generator seed, so a shorter ``T`` is a
+One generator seeded ``(seed * 1000003 + layer) * 1009 + batch`` draws ``mu``, ``s``, ``s_v``
+and the outlier pairs, in that order.  Tokens are drawn in chunks of 1024, each from its own
+generator seed (K/V and queries apart), so a shorter ``T`` is a
 prefix of a longer one for the same (seed, layer, batch), and the chunks are drawn on
 ``torch.get_num_threads()`` threads with the same values as one thread's.
 """
@@ -29,20 +48,69 @@ prefix of a longer one for the same (seed, layer, batch), and the chunks are dra
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+#: per-layer ``(q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D])``
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+#: tokens per generator of ``channel-gaussian``
+GAUSSIAN_CHUNK = 256
+
+
+def channel_gaussian_qkv(
+    num_layers: int, hq: int, hkv: int, t: int, d: int, seed: int
+) -> list[QKV]:
+    """The ``channel-gaussian`` distribution (module docstring): per layer ``(q [1, hq, t, d],
+    k [1, hkv, t, d], v [1, hkv, t, d])`` float32.  A given (seed, layer) gives the same
+    tensors for every ``t`` prefix length."""
+    out = []
+    heads, chunk = 2 * hkv + hq, GAUSSIAN_CHUNK
+    for i in range(num_layers):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        scale = torch.exp(0.75 * torch.randn(1, hkv, 1, d, generator=g))
+        offset = torch.randn(1, hkv, 1, d, generator=g)
+        # chunks of 256 tokens, each from its own seed: a shorter t is a prefix of a longer one
+        parts = [
+            torch.randn(
+                1,
+                heads,
+                chunk,
+                d,
+                generator=torch.Generator().manual_seed((seed * 1000 + i) * 100003 + c),
+            )
+            for c in range(-(-t // chunk))
+        ]
+        x = torch.cat(parts, dim=2)[:, :, :t] if parts else torch.zeros(1, heads, 0, d)
+        k = x[:, :hkv] * scale + offset
+        v = 0.5 * x[:, hkv : 2 * hkv]
+        q = x[:, 2 * hkv :]
+        out.append((q.contiguous(), k.contiguous(), v.contiguous()))
+    return out
+
+
+# ------------------------------------------------------------------ rope-outliers
+#: tokens per generator of ``rope-outliers``
 CHUNK = 1024
 OUTLIER_PAIRS = 2
 OUTLIER_SCALE = 4.5
 
 
-def inv_freq(config: Any) -> torch.Tensor:
+def _text(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config: ``text_config`` of a multimodal config, else ``config``."""
+    return getattr(config, "text_config", None) or config  # only multimodal configs have it
+
+
+def inv_freq(config: PretrainedConfig) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim / 2]`` float32 of a transformers ``config``
     (default RoPE or the scaled variants of ``transformers.modeling_rope_utils``)."""
-    cfg = getattr(config, "text_config", None) or config
+    cfg = _text(config)
     rope = getattr(cfg, "rope_parameters", None) or {}
     kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if kind != "default":
@@ -51,7 +119,7 @@ def inv_freq(config: Any) -> torch.Tensor:
         return ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")[0].float()
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0))
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d = _geometry(cfg)[3]
     return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d).float()
 
 
@@ -70,8 +138,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return out
 
 
-def qkv_nbytes(batch: int, hq: int, hkv: int, tokens: int, head_dim: int, dtype) -> int:
-    """Bytes of one layer's ``(q, k, v)`` from :func:`synthetic_qkv` in ``dtype``."""
+def qkv_nbytes(
+    batch: int, hq: int, hkv: int, tokens: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one layer's ``(q, k, v)`` from :func:`rope_outlier_qkv` in ``dtype``."""
     el = torch.empty((), dtype=dtype).element_size()
     return batch * (hq + 2 * hkv) * tokens * head_dim * el
 
@@ -117,15 +187,17 @@ def _chunk_seed(base: int, c0: int) -> int:
     return (base * 7919 + c0 // CHUNK) * 2  # K/V: this seed; queries: this seed + 1
 
 
-def _geometry(config: Any) -> tuple[Any, int, int, int]:
-    cfg = getattr(config, "text_config", None) or config
+def _geometry(config: PretrainedConfig) -> tuple[PretrainedConfig, int, int, int]:
+    """``(decoder config, H_q, H_kv, D)``; ``num_key_value_heads`` and ``head_dim`` are
+    optional in transformers configs (default ``H_q`` and ``hidden_size / H_q``)."""
+    cfg = _text(config)
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     return cfg, hq, hkv, d
 
 
-def _row_draws(seed: int, batch: int, heads: int, d: int) -> Any:
+def _row_draws(seed: int, batch: int, heads: int, d: int) -> Iterator[tuple[int, torch.Tensor]]:
     """``(b, z)`` for each batch row ``b``: ``z [heads, CHUNK, D]`` float32 N(0, 1), the values
     of row ``b`` of ``torch.randn(batch, heads, CHUNK, D)`` from a generator seeded ``seed``
     (torch's CPU normal fills a contiguous tensor from the generator's stream in order, and a
@@ -137,8 +209,8 @@ def _row_draws(seed: int, batch: int, heads: int, d: int) -> Any:
         yield b, z.normal_(generator=g)
 
 
-def synthetic_queries(
-    config: Any,
+def rope_outlier_queries(
+    config: PretrainedConfig,
     start: int,
     stop: int,
     batch: int = 1,
@@ -148,7 +220,7 @@ def synthetic_queries(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Post-RoPE queries ``[B, H_q, stop - start, D]`` of positions ``start..stop-1``: the same
-    values as ``synthetic_qkv(...)[0][:, :, start:stop]`` (one generator per chunk of
+    values as ``rope_outlier_qkv(...)[0][:, :, start:stop]`` (one generator per chunk of
     :data:`CHUNK` tokens), drawn without the K/V or the earlier chunks.  Raises
     ``ValueError`` unless ``0 <= start < stop``."""
     cfg, hq, _, d = _geometry(config)
@@ -169,7 +241,7 @@ def synthetic_queries(
     return out
 
 
-def _each_chunk(fn: Any, starts: Any) -> None:
+def _each_chunk(fn: Callable[[int], None], starts: Iterable[int]) -> None:
     """``fn(c0)`` for every chunk start, on up to ``torch.get_num_threads()`` Python threads
     (torch releases the GIL inside its operations; each chunk has its own generator and writes
     its own slice, so the values are those of one thread, bit for bit, and only the wall time
@@ -184,8 +256,8 @@ def _each_chunk(fn: Any, starts: Any) -> None:
         list(pool.map(fn, starts))
 
 
-def synthetic_qkv(
-    config: Any,
+def rope_outlier_qkv(
+    config: PretrainedConfig,
     tokens: int,
     batch: int = 1,
     seed: int = 0,
@@ -198,9 +270,9 @@ def synthetic_qkv(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """One layer's post-RoPE ``(q [B, H_q, T, D], k [B, H_kv, T, D], v [B, H_kv, T, D])`` in
     ``dtype`` on ``device`` for the attention geometry of ``config`` (see the module docstring
-    for the distribution).  Raises ``ValueError`` for ``outlier_pairs`` outside
+    for the ``rope-outliers`` distribution).  Raises ``ValueError`` for ``outlier_pairs`` outside
     ``[0, D/4]`` or non-positive sizes.  ``queries=False`` returns ``None`` for q (K/V are
-    the same either way: queries come from their own generator; :func:`synthetic_queries`
+    the same either way: queries come from their own generator; :func:`rope_outlier_queries`
     draws a range of them alone)."""
     cfg, hq, hkv, d = _geometry(config)
     if tokens < 1 or batch < 1:
@@ -249,36 +321,37 @@ def channel_outlier_ratio(k: torch.Tensor) -> float:
 
 
 def synthetic_calibration(
-    config: Any, tokens: int, seed: int = 0, layers: Any = None
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, Any]]:
+    config: PretrainedConfig, tokens: int, seed: int = 0, layers: Iterable[int] | None = None
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[str, object]]:
     """Calibration K/V for a shape model (random weights: a capture would mean nothing):
     ``({layer: k [1, H_kv, tokens, D]}, {layer: v}, info)`` float32 for ``layers`` (default:
-    every layer of ``config``), drawn with ``seed + 1`` so they differ from the K/V a workload
-    then measures."""
-    cfg = getattr(config, "text_config", None) or config
+    every layer of ``config``; ``rope-outliers``), drawn with ``seed + 1`` so they differ from
+    the K/V a workload then measures."""
+    cfg = _text(config)
     keys, values = {}, {}
     for layer in range(cfg.num_hidden_layers) if layers is None else layers:
-        _, k, v = synthetic_qkv(cfg, tokens, 1, seed + 1, layer, torch.float32, queries=False)
+        _, k, v = rope_outlier_qkv(cfg, tokens, 1, seed + 1, layer, torch.float32, queries=False)
         keys[layer], values[layer] = k, v
+    # the recorded text names the module where this generator lived: records stay unchanged
     info = {"source": "kvbench.bench.workloads.synthetic_kv (shape model)", "tokens": tokens}
     return keys, values, {"dataset": info}
 
 
 def shape_inputs(
-    config: Any,
+    config: PretrainedConfig,
     model_info: dict[str, Any],
     context: int,
     batch: int,
-    layers: Any,
+    layers: str | Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int,
     query_tokens: int | None = None,
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int], dict[str, Any]]:
+) -> tuple[list[QKV], list[int], dict[str, Any]]:
     """The memory workload's inputs for a shape model: per measured layer ``(q, k, v)`` of
-    :func:`synthetic_qkv` at ``batch`` x ``context``, the layer ids, and the manifest info.
+    :func:`rope_outlier_qkv` at ``batch`` x ``context``, the layer ids, and the manifest info.
     ``query_tokens``: draw queries only for the last that many positions (``q`` is then
-    ``[B, H_q, query_tokens, D]``; :func:`synthetic_queries` draws the earlier ones when a
+    ``[B, H_q, query_tokens, D]``; :func:`rope_outlier_queries` draws the earlier ones when a
     method needs them at prefill); default all ``context``.
 
     ``layers``: ``"all"`` measures layer 0 only (every layer of these models has one shape, so
@@ -294,7 +367,7 @@ def shape_inputs(
     MemoryError
         The estimate exceeds the available memory (nothing has been allocated).
     """
-    cfg = getattr(config, "text_config", None) or config
+    cfg = _text(config)
     query_tokens = context if query_tokens is None else query_tokens
     full = model_info.get("shape_num_hidden_layers") or cfg.num_hidden_layers
     name = model_info.get("model_id", "the shape")
@@ -316,9 +389,10 @@ def shape_inputs(
     start = max(context - query_tokens, 0)
     qkv = []
     for i in ids:
-        _, k, v = synthetic_qkv(cfg, context, batch, seed, i, dtype, device, queries=False)
-        qkv.append((synthetic_queries(cfg, start, context, batch, seed, i, dtype, device), k, v))
-    info = {
+        _, k, v = rope_outlier_qkv(cfg, context, batch, seed, i, dtype, device, queries=False)
+        q = rope_outlier_queries(cfg, start, context, batch, seed, i, dtype, device)
+        qkv.append((q, k, v))
+    info = {  # kv_source names the module where the generator lived: records stay unchanged
         "kv_source": "synthetic K/V of the model shape (kvbench.bench.workloads.synthetic_kv)",
         "kv_distribution": f"keys: per-channel offset and lognormal scale, {OUTLIER_PAIRS} "
         f"fixed outlier RoPE pairs per KV head at {OUTLIER_SCALE}x the median scale, RoPE of "

@@ -1,18 +1,38 @@
-"""The device check's script logic, on CPU (interpreter, tiny sizes): timing rows with their
-guard, the Markdown table, and the shell wrapper."""
+"""benchmarks/triton_decode.py (the device check's benchmark) on CPU, in the Triton interpreter
+at tiny sizes: timing rows with their guard, the Markdown table, and the shell wrapper
+benchmarks/device_check.sh."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
-from kvbench.kernels import bench_decode as B
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "triton_decode.py"
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="Triton is not installed (pip install triton)",
+)
 
 
-def test_interpret_dry_run(tmp_path):
+@pytest.fixture
+def B(monkeypatch):
+    """The script as a module (it imports the kernel modules only when ``main`` runs);
+    ``TRITON_INTERPRET=1`` for the test, as ``--interpret`` sets it, put back afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("triton_decode", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_triton
+def test_interpret_dry_run(B, tmp_path):
     assert B.main(["--interpret", "--out", str(tmp_path)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in rows]
@@ -29,7 +49,7 @@ def test_interpret_dry_run(tmp_path):
     assert json.loads((tmp_path / "env.json").read_text())["mode"].startswith("interpret")
 
 
-def test_guard_marks_a_wrong_kernel(tmp_path):
+def test_guard_marks_a_wrong_kernel(B, tmp_path):
     """A timed kernel whose output is off is recorded as failing and its time not returned."""
     rec = B.Recorder(tmp_path, {})
     timer = B.Timer(B.torch.device("cpu"), reps=1, warmup=0)
@@ -38,13 +58,13 @@ def test_guard_marks_a_wrong_kernel(tmp_path):
     assert "0.5" not in B._err(1e-4) and "FAIL" in B._err(0.5)
 
 
-def test_shapes_put_the_targets_first():
+def test_shapes_put_the_targets_first(B):
     shapes = B.parse_shapes("4096,16384,32768,65536", "1,8")
     assert shapes[:2] == [(32768, 8), (32768, 1)]
     assert shapes[2:] == [(4096, 8), (4096, 1), (16384, 8), (16384, 1), (65536, 8), (65536, 1)]
 
 
-def test_markdown_targets_and_ratios():
+def test_markdown_targets_and_ratios(B):
     env = {"device": "X"}
     rows = [
         {
@@ -81,8 +101,10 @@ def test_markdown_targets_and_ratios():
 
 
 def test_device_check_script_is_valid_bash():
-    script = ROOT / "kernels" / "device_check.sh"
+    script = ROOT / "benchmarks" / "device_check.sh"
     assert script.stat().st_mode & 0o111, "device_check.sh must be executable"
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "bench_decode.py" in script.read_text() and "PYTHONPATH" in script.read_text()
+    assert (
+        "benchmarks/triton_decode.py" in script.read_text() and "PYTHONPATH" in script.read_text()
+    )

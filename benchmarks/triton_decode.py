@@ -1,10 +1,11 @@
 """Device check: decode-attention timings of the Triton kernels (one GPU call).
 
 Run from the source tree (kvbench installed editable, ``pip install --no-deps -e .``, so the
-method registry's entry points resolve; no ``datasets`` or network needed)::
+method registry's entry points and ``kvbench.kernels`` resolve; no ``datasets`` or network
+needed; ``benchmarks/device_check.sh`` wraps it, installing kvbench first when needed)::
 
-    PYTHONPATH=. python kernels/bench_decode.py --out "$OUT"       # on a CUDA GPU
-    PYTHONPATH=. python kernels/bench_decode.py --out DIR --interpret  # CPU, TRITON_INTERPRET=1
+    PYTHONPATH=. python benchmarks/triton_decode.py --out "$OUT"       # on a CUDA GPU
+    PYTHONPATH=. python benchmarks/triton_decode.py --out DIR --interpret  # CPU, TRITON_INTERPRET=1
 
 Correctness is the test suite's job (``tests/kernels``: pack/unpack and quantize-and-pack
 bit-exact against the core codecs, round-half-to-even ties, fused attention against a float64
@@ -68,15 +69,12 @@ TARGETS = [  # (context, batch, method label, value bits, against, minimum speed
 
 
 def _kernels():
-    """The kernel modules, as ``kvbench.kernels.*`` (installed) or ``kernels.*`` (source tree)."""
-    pkg = __package__ or "kernels"
-    if pkg == "kernels" and str(Path(__file__).resolve().parents[1]) not in sys.path:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    mods = {
-        m: importlib.import_module(f"{pkg}.{m}")
+    """The kernel modules ``kvbench.kernels.*`` by name, imported on first use (after
+    ``--interpret`` has set ``TRITON_INTERPRET``: Triton reads it when a kernel is decorated)."""
+    return {
+        m: importlib.import_module(f"kvbench.kernels.{m}")
         for m in ("pack", "quantize", "decode_attention", "dispatch")
     }
-    return mods
 
 
 def load_method(name: str, **config):
