@@ -101,8 +101,8 @@ def _datasets(suite: Suite) -> dict[str, list[str]]:
         try:
             if get_method(m.name, **m.config).needs_calibration:
                 calibrated.append(m.label)
-        except Exception as exc:  # unknown method, bad config, broken plugin: any error of
-            # get_method; plan_runs (kvbench.bench.runner) raises it before any run: logged here
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            # (unknown method, bad config, broken plugin: the runner's plan raises it first)
             _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
             continue
     # model-free and shape models calibrate on synthetic K/V; a real model on the text
@@ -167,8 +167,8 @@ def _check_model(spec: dict[str, JSONValue]) -> tuple[str, str] | None:
 
         if isinstance(try_to_load_from_cache(mid, "config.json"), str):
             return None  # in the Hugging Face cache
-    except Exception as exc:  # a malformed id (HFValidationError) or any other error of the
-        # cache lookup: the model load (from_pretrained) reports it; logged here, then the hub
+    except Exception as exc:  # any HF cache lookup error: the model load reports it; logged
+        # (a malformed id: HFValidationError); the hub is tried next
         _log.debug("preflight: HF cache lookup of %r: %s: %s", mid, type(exc).__name__, exc)
     if hub.offline_requested():
         return "not in the Hugging Face cache and KVBENCH_OFFLINE=1 skips the hub", how
@@ -184,8 +184,8 @@ def _check_packages(suite: Suite) -> list[MissingAsset]:
     for m in suite.methods:
         try:
             why = get_method(m.name, **m.config).unavailable_reason()
-        except Exception as exc:  # unknown method, bad config, broken plugin: any error of
-            # get_method; plan_runs (kvbench.bench.runner) raises it before any run: logged here
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            # (unknown method, bad config, broken plugin: the runner's plan raises it first)
             _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
             continue
         if why:
@@ -278,9 +278,8 @@ def model_max_positions(spec: dict[str, JSONValue]) -> int | None:
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(mid, "config.json")
-    except Exception as exc:  # a malformed id (HFValidationError) or any other error of the
-        # cache lookup: the model load reports it; logged here, and the workload checks the
-        # context after the load
+    except Exception as exc:  # any HF cache lookup error: the model load reports it; logged
+        # (a malformed id: HFValidationError); the workload checks the context after the load
         _log.debug("preflight: HF cache lookup of %r: %s: %s", mid, type(exc).__name__, exc)
         return None
     return _read_max_positions(cached) if isinstance(cached, str) else None

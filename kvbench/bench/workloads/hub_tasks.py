@@ -49,8 +49,8 @@ def hub_rows(
         if offline_requested():
             raise OSError("KVBENCH_OFFLINE=1")
         rows = hub_rows(hub_id, config, split)
-    except Exception as exc:  # offline, missing, gated, any hub error: raised again below as
-        # FileNotFoundError naming the dataset and the error (run_suite's skip_unavailable)
+    except Exception as exc:  # any hub error: re-raised as FileNotFoundError naming it
+        # (offline, missing, gated; run_suite's skip_unavailable skips such a workload)
         raise FileNotFoundError(
             f"{what} is not available here: it is loaded from the Hugging Face hub "
             f"({hub_id}, config {config}, split {split}), which failed with "

@@ -161,8 +161,8 @@ def hub_guard() -> Iterator[None]:
             return original(self, *args, **kwargs)
         except TaskDataUnavailable:
             raise
-        except Exception as exc:  # hub, network, missing files, any error of lm-eval's download:
-            # raised again as TaskDataUnavailable naming the task, its dataset and the local route
+        except Exception as exc:  # any download error: re-raised as TaskDataUnavailable
+            # naming the task, its dataset, the error and the local-YAML route
             raise TaskDataUnavailable(
                 _hub_error_message(self.config.task, self.config.dataset_path, exc)
             ) from exc
