@@ -55,7 +55,7 @@ class Recorder:
 
     def __init__(self, model) -> None:
         self.model, self.calls = model, []
-        self.config = model.config
+        self.config, self.generation_config = model.config, model.generation_config
 
     def parameters(self):
         return self.model.parameters()

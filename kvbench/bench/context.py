@@ -13,23 +13,33 @@ calibration fitted for one workload serves the next.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvbench.bench.records import JSONValue
+
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kvbench.cache.method import Method
     from kvbench.hf.capture import CapturedQKV, PromptState
     from kvbench.hf.shapes import ByteTokenizer
 
+    #: a suite model's tokenizer: a transformers tokenizer, or a shape model's byte stand-in
+    Tokenizer: TypeAlias = PreTrainedTokenizerBase | ByteTokenizer
+
 #: what determines a shared entry (workload name first, then the parameters it depends on)
 Key = tuple[Hashable, ...]
 #: provenance recorded in the manifest (dataset, windows, ...)
-Info = dict[str, Any]
+Info = dict[str, JSONValue]
+#: one example of a task workload: its prompt fields, gold answer, and what its record row
+#: carries (values of any type: a group key may be a tuple)
+Example = dict[str, object]
 #: per-layer tensors ``{layer: [1, H_kv, T, D]}``
 LayerKV = dict[int, torch.Tensor]
 
@@ -75,10 +85,10 @@ class Shared:
     #: reference log-probs of token windows (``perplexity``)
     references: dict[Key, Reference] = field(default_factory=dict)
     #: selected examples with rendered prompts, and their provenance (task workloads)
-    examples: dict[Key, tuple[list[dict[str, Any]], Info]] = field(default_factory=dict)
+    examples: dict[Key, tuple[list[Example], Info]] = field(default_factory=dict)
     #: what workloads outside the core (``kvbench.integrations``, plugins) share, keyed by a
     #: tuple that starts with the workload's type (the core never reads these values)
-    extra: dict[Key, Any] = field(default_factory=dict)
+    extra: dict[Key, object] = field(default_factory=dict)
     #: the layers a shape model's ``memory`` workload measures (what calibration captures)
     shape_layers_measured: tuple[int, ...] | None = None
 
@@ -89,10 +99,10 @@ class Shared:
             for f in fields(self)
         }
 
-    def added_since(self, before: dict[str, set[Key] | bool]) -> dict[str, Any]:
+    def added_since(self, before: dict[str, set[Key] | bool]) -> dict[str, object]:
         """The entries added after :meth:`snapshot` returned ``before`` (field -> new entries,
         or the new value), for :meth:`merge` on another context of the same model."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for f in fields(self):
             value, had = getattr(self, f.name), before[f.name]
             if isinstance(value, dict):
@@ -104,7 +114,7 @@ class Shared:
                 out[f.name] = value
         return out
 
-    def merge(self, added: dict[str, Any]) -> None:
+    def merge(self, added: Mapping[str, object]) -> None:
         """Take entries another context computed (:meth:`added_since`)."""
         for name, value in added.items():
             mine = getattr(self, name)
@@ -126,9 +136,9 @@ class RunContext:
     """
 
     model: PreTrainedModel | None = None
-    tokenizer: PreTrainedTokenizerBase | ByteTokenizer | None = None
-    model_spec: dict[str, Any] | None = None
-    model_info: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Tokenizer | None = None
+    model_spec: dict[str, JSONValue] | None = None
+    model_info: dict[str, JSONValue] = field(default_factory=dict)
     seed: int = 0
     limit: int | None = None
     shared: Shared = field(default_factory=Shared)

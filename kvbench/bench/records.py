@@ -12,20 +12,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 from kvbench.paths import atomic_file
 
 #: the record layout this code writes and the newest it reads
 SCHEMA_VERSION = 1
 
+#: a value of a JSON document (a record, its manifest, a per-sample row, a loaded suite entry)
+JSONValue: TypeAlias = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+
 
 class RecordError(ValueError):
     """A record that is missing, unreadable, malformed or of a newer schema version."""
 
 
-def canonical(obj: Any) -> str:
-    """Deterministic JSON text (sorted keys, no spaces) used for hashing."""
+def canonical(obj: object) -> str:
+    """Deterministic JSON text (sorted keys, no spaces) used for hashing; a value JSON cannot
+    hold is written as its ``str``."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
@@ -34,7 +38,12 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def make_run_id(model: dict, method: str, config: dict, workload: dict) -> str:
+def make_run_id(
+    model: dict[str, JSONValue],
+    method: str,
+    config: dict[str, JSONValue],
+    workload: dict[str, JSONValue],
+) -> str:
     """16-hex-digit hash of what defines a run (not of its results or its machine)."""
     text = canonical({"model": model, "method": method, "config": config, "workload": workload})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -51,15 +60,15 @@ class Record:
 
     run_id: str
     method: str
-    config: dict[str, Any]
+    config: dict[str, JSONValue]
     metrics: dict[str, float]
-    model: dict[str, Any] = field(default_factory=dict)
-    workload: dict[str, Any] = field(default_factory=dict)
-    per_layer: dict[str, Any] | None = None
-    manifest: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, JSONValue] = field(default_factory=dict)
+    workload: dict[str, JSONValue] = field(default_factory=dict)
+    per_layer: dict[str, JSONValue] | None = None
+    manifest: dict[str, JSONValue] = field(default_factory=dict)
     created: str = ""
     schema_version: int = SCHEMA_VERSION
-    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict, compare=False)
+    files: dict[str, list[dict[str, JSONValue]]] = field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:
@@ -81,7 +90,7 @@ class Record:
         return list(self.manifest.get("flags") or [])
 
     @classmethod
-    def from_json(cls, data: dict[str, Any] | str | Path) -> Record:
+    def from_json(cls, data: dict[str, JSONValue] | str | Path) -> Record:
         """A record from its JSON object, or from the file at a path.
 
         A record without ``schema_version`` is read as version 1.
@@ -116,7 +125,7 @@ class Record:
             raise RecordError(f"{where}unknown record field(s) {unknown}")
         return cls(**{**data, "schema_version": version})
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JSONValue]:
         """The record's JSON object (every field but ``files``)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
 
@@ -128,12 +137,12 @@ _FIELDS = {f.name for f in fields(Record)} - {"files"}
 def new_record(
     *,
     method: str,
-    config: dict,
-    model: dict,
-    workload: dict,
+    config: dict[str, JSONValue],
+    model: dict[str, JSONValue],
+    workload: dict[str, JSONValue],
     metrics: dict[str, float],
-    manifest: dict,
-    per_layer: dict | None = None,
+    manifest: dict[str, JSONValue],
+    per_layer: dict[str, JSONValue] | None = None,
 ) -> Record:
     """Assemble a record; ``metrics`` must be a flat name -> number mapping (``ValueError``)."""
     for k, v in metrics.items():
@@ -156,10 +165,11 @@ def record_path(out_dir: str | Path, run_id: str) -> Path:
     return Path(out_dir) / f"{run_id}.json"
 
 
-def write_atomic(path: str | Path, data: Any) -> None:
+def write_atomic(path: str | Path, data: object) -> None:
     """Write JSON to ``path`` via a temporary file in the same folder and ``os.replace``, so a
     crash never leaves a partial file behind.  The file gets the mode a plain ``open`` would
-    give (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``."""
+    give (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``.  A value JSON cannot
+    hold is written as its ``str``."""
     with atomic_file(path, plain=True) as f:
         json.dump(data, f, indent=1, sort_keys=True, default=str)
         f.write("\n")
@@ -170,7 +180,7 @@ def write_record(path: str | Path, rec: Record) -> None:
     write_atomic(path, rec.to_json())
 
 
-def write_jsonl_atomic(path: str | Path, rows: Iterable[Any]) -> None:
+def write_jsonl_atomic(path: str | Path, rows: Iterable[object]) -> None:
     """Write one JSON object per line to ``path`` atomically (as :func:`write_atomic`)."""
     with atomic_file(path) as f:
         for row in rows:

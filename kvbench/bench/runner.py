@@ -13,16 +13,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from kvbench.bench import validate
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Info, RunContext
 from kvbench.bench.manifest import base_manifest, loadavg
 from kvbench.bench.preflight import check_contexts
 from kvbench.bench.records import (
+    JSONValue,
     Record,
     load_record,
     make_run_id,
@@ -44,10 +45,15 @@ from kvbench.cache.method import Method
 from kvbench.cache.registry import BASELINE, get_method
 from kvbench.measure import memstat
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kvbench.bench.context import Tokenizer
+
 
 def _load_model(
-    spec: dict[str, Any], seed: int = 0, materialize: bool = True
-) -> tuple[Any, Any, dict[str, Any]]:
+    spec: dict[str, JSONValue], seed: int = 0, materialize: bool = True
+) -> tuple[PreTrainedModel, Tokenizer, dict[str, JSONValue]]:
     """Load with kvbench's registered attention function (sdpa numerics; it hands post-RoPE
     queries to methods that need them and gives left-padded batches per-row lengths).  A shape model
     (``spec['shape']``) is built by :func:`kvbench.hf.shapes.build_shape_model` with weight seed
@@ -70,7 +76,7 @@ def _load_model(
     return model, tokenizer, {**info, **model_info(model)}
 
 
-def calibrate(ctx: RunContext, method: Method, spec: dict[str, Any]) -> dict[str, Any]:
+def calibrate(ctx: RunContext, method: Method, spec: dict[str, JSONValue]) -> Info:
     """Calibrate ``method`` on captured full-precision K/V of the calibration text (one window
     of ``spec['tokens']`` tokens of ``spec['text']``, captured once per model) and return the
     provenance recorded in the manifest."""
@@ -102,8 +108,12 @@ def calibrate(ctx: RunContext, method: Method, spec: dict[str, Any]) -> dict[str
 
 
 def calibrate_model_free(
-    ctx: RunContext, workload: Workload, method: Method, spec: dict[str, Any], run: PlannedRun
-) -> dict[str, Any]:
+    ctx: RunContext,
+    workload: Workload,
+    method: Method,
+    spec: dict[str, JSONValue],
+    run: PlannedRun,
+) -> Info:
     """Calibrate ``method`` in a model-free suite on the workload's own synthetic K/V
     (:meth:`Workload.calibration_kv`: ``spec['tokens']`` tokens disjoint from the measured
     ones); ``ValueError`` when the workload has none (it needs a model to calibrate on)."""
@@ -123,8 +133,8 @@ def calibrate_model_free(
 
 
 def calibrated(
-    ctx: RunContext, method: Method, run: PlannedRun, spec: dict[str, Any]
-) -> tuple[Method, dict[str, Any]]:
+    ctx: RunContext, method: Method, run: PlannedRun, spec: dict[str, JSONValue]
+) -> tuple[Method, Info]:
     """``method`` calibrated on the suite's calibration text (:func:`calibrate`) and the
     manifest provenance.  Calibration depends only on the configuration and the text, so a
     configuration calibrated for an earlier workload on this model is reused (a deep copy of
@@ -176,9 +186,9 @@ class PlannedRun:
 
     model_index: int
     workload_index: int
-    model_spec: dict[str, Any] | None
-    workload_spec: dict[str, Any]
-    workload_key: dict[str, Any]
+    model_spec: dict[str, JSONValue] | None
+    workload_spec: dict[str, JSONValue]
+    workload_key: dict[str, JSONValue]
     method: MethodSpec
     run_id: str
     path: Path
@@ -229,16 +239,16 @@ def execute_run(
     ctx: RunContext,
     workload: Workload,
     run: PlannedRun,
-    calibration: dict[str, Any],
+    calibration: dict[str, JSONValue],
     baseline: dict[str, float] | None,
-) -> tuple[dict[str, float], dict[str, Any], Result, Method]:
+) -> tuple[dict[str, float], Info, Result, Method]:
     """Run one method configuration in a prepared workload: build the method, fill its model-
     dependent fields, calibrate it if it needs it, run the workload, check that it declares
     every metric it reported (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``)
     and add ``*_ratio`` metrics against ``baseline``.  Returns (metrics, manifest extras,
     result, method)."""
     method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
-    calib_info: dict[str, Any] = {}
+    calib_info: Info = {}
     if method.needs_calibration and workload.builds_caches:
         if ctx.model is None:
             calib_info = calibrate_model_free(ctx, workload, method, calibration, run)
@@ -379,10 +389,12 @@ class Eta:
 
     def __init__(self, runs: list[PlannedRun]) -> None:
         self.left = list(runs)
-        self.times: dict[Any, list[float]] = {}
+        #: wall times by workload entry ``(model_index, workload_index)``, by workload type,
+        #: and of every run (key ``None``)
+        self.times: dict[tuple[int, int] | str | None, list[float]] = {}
 
     @staticmethod
-    def _keys(run: PlannedRun) -> tuple[Any, Any]:
+    def _keys(run: PlannedRun) -> tuple[tuple[int, int], str]:
         return (run.model_index, run.workload_index), run.workload_spec["type"]
 
     def done(self, run: PlannedRun, seconds: float | None) -> None:

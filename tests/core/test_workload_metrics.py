@@ -241,7 +241,8 @@ def test_passkey_accuracy_counts_answers_in_the_completion(monkeypatch) -> None:
         eos_token_id=None,
         pad_token_id=None,
     )
-    monkeypatch.setattr(hf_cache, "QuantizedKVCache", lambda method, model, **kw: None)
+    cache = SimpleNamespace(attend=False)  # what passkey reads of a QuantizedKVCache
+    monkeypatch.setattr(hf_cache, "QuantizedKVCache", lambda method, model, **kw: cache)
     monkeypatch.setattr(hf_cache, "cache_kwarg", lambda cache, model: {})
     wl = Passkey(Passkey.validate({"type": "passkey", "depths": [0.5]}))
     answers = ["12345", "54321", "12345", "99999"]
@@ -514,7 +515,8 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
     refs = [_logprobs(t - prefill, 50 + w) for w in range(n)]
     lps = [torch.log_softmax(r + _logprobs(t - prefill, 60 + w), -1) for w, r in enumerate(refs)]
     method = get_method("per-head", bits=2, residual_length=4)
-    model, prompts, calls = object(), [object() for _ in range(n)], []
+    model = SimpleNamespace(dtype=torch.bfloat16)  # what run reads of the model itself
+    prompts, calls = [object() for _ in range(n)], []
 
     def fake(*args, info=None, protocol=None):
         calls.append(args)
@@ -587,7 +589,7 @@ def test_perplexity_run_passes_each_window_its_prompt_and_reports_what_it_measur
         if name != "top1_agreement":  # continuous values: another seed, another interval
             assert block_bootstrap_ref(toks, 32, seed=0, stat=stat) != pytest.approx((lo, hi))
     assert res.info["decode_attention"] == {"paths": {"code-domain": 6}}
-    assert res.info["dataset"] == "d" and res.info["storage"]["dtype"] == "unknown"
+    assert res.info["dataset"] == "d" and res.info["storage"]["dtype"] == "bfloat16"
     assert res.info["intervals"] == ppl_mod.interval_rule(n)[1]
     assert "blocks of 32 consecutive scored tokens" in res.info["intervals"]
     assert wl.info == {"dataset": "d"}  # the workload's shared info is not changed

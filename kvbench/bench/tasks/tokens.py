@@ -11,18 +11,31 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = ["TokenizerLike", "encode", "count_tokens", "count_many", "token_spans"]
+
+
+@runtime_checkable
+class Encoding(Protocol):
+    """What a ``tokenizers.Tokenizer.encode`` returns: the token ``ids`` (and more)."""
+
+    @property
+    def ids(self) -> list[int]: ...
 
 
 class TokenizerLike(Protocol):
     """Anything with ``encode(text)`` returning token ids (or an object with ``.ids``)."""
 
-    def encode(self, text: str) -> Any: ...
+    def encode(self, text: str) -> Sequence[int] | Encoding: ...
 
 
-def _backend(tokenizer: Any) -> Any | None:
+def _backend(tokenizer: TokenizerLike) -> Tokenizer | None:
+    """The Rust ``tokenizers.Tokenizer`` of ``tokenizer`` (itself, or a Hugging Face fast
+    tokenizer's ``backend_tokenizer``: slow ones and other objects have none), else ``None``."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - tokenizers ships with transformers
@@ -46,7 +59,7 @@ def encode(tokenizer: TokenizerLike, text: str) -> list[int]:
         out = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[call-arg]
     except TypeError:
         out = tokenizer.encode(text)
-    return list(getattr(out, "ids", out))
+    return list(out.ids if isinstance(out, Encoding) else out)
 
 
 def count_tokens(tokenizer: TokenizerLike, text: str) -> int:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 
-from .haystack import Placement, word_list
+from .haystack import Placement, SyntheticExample, word_list
 from .tokens import TokenizerLike, count_tokens
 
 __all__ = ["common_words", "frequent_words"]
@@ -44,7 +43,7 @@ def common_words(
     freq_common: int | None = None,
     freq_uncommon: int | None = None,
     wrap: tuple[str, str] = ("", ""),
-) -> dict[str, Any]:
+) -> SyntheticExample:
     """RULER common words extraction (``cwe``).
 
     A numbered list ("1. word 2. word ...") of ``num_common`` words repeated ``freq_common``
@@ -102,7 +101,7 @@ def frequent_words(
     alpha: float = 2.0,
     vocab_size: int = 2000,
     wrap: tuple[str, str] = ("", ""),
-) -> dict[str, Any]:
+) -> SyntheticExample:
     """RULER frequent words extraction (``fwe``).
 
     ``vocab_size`` seeded nouns get Zipf counts ``floor(C / rank**alpha)``, shuffled into a

@@ -20,15 +20,18 @@ from __future__ import annotations
 import abc
 import fnmatch
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from types import EllipsisType
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 from kvbench import fields as kf
+from kvbench.bench.records import JSONValue
 from kvbench.fields import Field
 from kvbench.registry import Registry, RegistryError
 
 if TYPE_CHECKING:
-    from kvbench.bench.context import RunContext
+    from kvbench.bench.context import Info, LayerKV, RunContext
     from kvbench.cache.method import Method
 
 GROUP = "kvbench.workloads"
@@ -93,7 +96,9 @@ def _checked_workload(kind: str, cls: object) -> type[Workload]:
 WORKLOADS: Registry[type[Workload]] = Registry("workload type", GROUP, _checked_workload)
 
 
-def check_random_weights(types: list[str], model: dict[str, Any] | None, where: str = "") -> None:
+def check_random_weights(
+    types: list[str], model: dict[str, JSONValue] | None, where: str = ""
+) -> None:
     """Refuse a shape-only model (``model['shape']``) for workload types whose class has
     ``accepts_random_weights = False``: ``ValueError`` naming them and the ones that accept it.
     Called when a suite is parsed and again before a model loads."""
@@ -144,7 +149,7 @@ def metric_direction(metric: str, cls: type[Workload] | None = None) -> str | No
     return None
 
 
-def check_metrics(cls: type[Workload], metrics: dict[str, Any]) -> None:
+def check_metrics(cls: type[Workload], metrics: Mapping[str, float]) -> None:
     """``ValueError`` naming every metric in ``metrics`` that ``cls`` does not declare."""
     missing = sorted(m for m in metrics if metric_direction(m, cls) is None)
     if missing:
@@ -165,10 +170,10 @@ class Result:
     """What one run of a workload returns."""
 
     metrics: dict[str, float]
-    per_layer: dict[str, Any] | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # goes to the manifest
+    per_layer: dict[str, JSONValue] | None = None
+    info: dict[str, JSONValue] = field(default_factory=dict)  # goes to the manifest
     #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
-    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    files: dict[str, list[dict[str, JSONValue]]] = field(default_factory=dict)
 
 
 #: :attr:`Workload.SOURCE_PARAMS` of the workloads that capture K/V from a model's forward over
@@ -179,7 +184,7 @@ KV_SOURCE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
-def check_kv_heads(spec: dict[str, Any], pre: str) -> None:
+def check_kv_heads(spec: dict[str, JSONValue], pre: str) -> None:
     """The drawn geometry of a K/V-source workload: ``num_heads`` a multiple of
     ``num_kv_heads`` (GQA); else :func:`reject` naming both."""
     if spec["num_heads"] % spec["num_kv_heads"]:
@@ -254,7 +259,7 @@ class Workload(abc.ABC):
     #: builds the method's caches; False (a formula of the config alone, e.g. ``bits``): the
     #: runner does not calibrate methods with ``needs_calibration`` for it
     builds_caches: ClassVar[bool] = True
-    PARAMS: ClassVar[dict[str, Any]] = {}
+    PARAMS: ClassVar[dict[str, JSONValue | EllipsisType]] = {}
     #: parameter -> what it allows, checked by :meth:`validate` before :meth:`check`
     FIELDS: ClassVar[dict[str, Field]] = {}
     #: metric (or fnmatch pattern) -> ``'lower' | 'higher' | 'none'``; merged over the bases
@@ -268,7 +273,7 @@ class Workload(abc.ABC):
     SOURCE_PARAMS: ClassVar[dict[str, frozenset[str]]] = {}
 
     @classmethod
-    def validate(cls, spec: dict[str, Any], where: str = "") -> dict[str, Any]:
+    def validate(cls, spec: dict[str, JSONValue], where: str = "") -> dict[str, JSONValue]:
         """Fill defaults; reject unknown or missing parameters and values their
         :func:`param_fields` rule refuses, then run :meth:`check` (``ValueError``)."""
         pre = f"{where}: " if where else ""
@@ -292,7 +297,9 @@ class Workload(abc.ABC):
         return out
 
     @classmethod
-    def _unused_by_source(cls, spec: dict[str, Any], given: dict[str, Any], pre: str) -> list[str]:
+    def _unused_by_source(
+        cls, spec: dict[str, JSONValue], given: dict[str, JSONValue], pre: str
+    ) -> list[str]:
         """Parameters of :data:`SOURCE_PARAMS` that ``spec['source']`` does not read;
         ``ValueError`` naming them when ``given`` sets any explicitly."""
         src = spec.get("source")
@@ -311,12 +318,12 @@ class Workload(abc.ABC):
         return unused
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         """Rules relating several parameters of a filled spec whose fields passed
         :func:`param_fields`; raise through :func:`reject`.  Default: no such rules."""
         return None
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, JSONValue]) -> None:
         self.spec = spec
 
     def check_context(self, ctx: RunContext, name: str) -> None:
@@ -334,7 +341,7 @@ class Workload(abc.ABC):
         workloads on the model may reuse goes to ``ctx.shared``.  Default: nothing shared."""
         return None
 
-    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[LayerKV, LayerKV, Info] | None:
         """Calibration K/V for a model-free run (``model: none``): ``({layer: k [1, H_kv,
         tokens, D]}, {layer: v}, info)`` float32 from the workload's own synthetic generator,
         disjoint from the tokens it measures, or ``None`` (the default: such a workload needs a

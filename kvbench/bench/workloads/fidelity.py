@@ -16,12 +16,12 @@ model-free regression gates); each source keeps only its own parameters
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.attention.reference import reference_attention
-from kvbench.bench.context import Capture, RunContext
+from kvbench.bench.context import Capture, Info, LayerKV, RunContext
 from kvbench.bench.metrics import (
     LOWER,
     NONE,
@@ -29,15 +29,19 @@ from kvbench.bench.metrics import (
     attention_fidelity,
     key_mse,
 )
+from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 
 from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
 
+if TYPE_CHECKING:
+    from kvbench.cache.layer import LayerCache
+
 
 def replay(
     method: Method, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: int
-) -> Any:
+) -> LayerCache:
     """Prefill a fresh layer cache with P tokens (and their queries), append the rest one at a
     time, settle the last flush; returns the layer cache.  Shapes ``[B, H, T, D]``."""
     layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
@@ -109,13 +113,15 @@ class Fidelity(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         if spec["prefill"] >= spec["tokens"]:
             reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
         check_kv_heads(spec, pre)
 
-    def _synthetic(self, seed: int, calibration: int = 0) -> tuple[Any, dict[str, Any]]:
-        """Seeded Q/K/V (module docstring); ``calibration`` > 0 also draws that many further
+    def _synthetic(self, seed: int, calibration: int = 0) -> tuple[SimpleNamespace, Info]:
+        """Seeded Q/K/V (module docstring), as a stand-in of a
+        :class:`~kvbench.hf.capture.CapturedQKV` (``layer_ids``, ``queries``, ``keys``,
+        ``values``, ``scaling``); ``calibration`` > 0 also draws that many further
         K/V tokens per layer with the same key channel scales, after the measured ones (the
         measured tensors do not depend on it), in ``cap.calib_keys`` / ``cap.calib_values``."""
         s = self.spec
@@ -137,7 +143,7 @@ class Fidelity(Workload):
             cap.calib_values = [torch.randn(1, hkv, calibration, d, generator=g) for _ in chans]
         return cap, {"kv_source": "synthetic", "seed": seed}
 
-    def calibration_kv(self, seed: int, tokens: int) -> tuple[dict, dict, dict] | None:
+    def calibration_kv(self, seed: int, tokens: int) -> tuple[LayerKV, LayerKV, Info] | None:
         """``source: synthetic``: ``tokens`` further K/V per layer from the same generator and
         key channel scales as the measured ones (none of the measured tokens)."""
         if self.spec["source"] != "synthetic":

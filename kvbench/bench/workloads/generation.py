@@ -30,21 +30,27 @@ naming it; ``info["padding"]`` says what padding cost).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.bench.batching import PadLedger, chunks, left_pad, pad_id
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Info, RunContext
 from kvbench.bench.decoding import DECODE_PATHS, decode_info, decode_route, merge_decode_info
 from kvbench.bench.metrics import add_ci
 from kvbench.bench.workloads import HIGHER, LOWER
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
-from kvbench.hf.cache import make_hf_cache
+from kvbench.hf.cache import QuantizedKVCache, make_hf_cache
 
 from . import Result, Workload
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
+    from kvbench.bench.context import Tokenizer
 
 DEFAULT_PROMPTS = [
     "Explain step by step how a refrigerator keeps food cold, and why it needs electricity.",
@@ -54,9 +60,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> torch.Tensor:
     """``[1, n]`` ids of ``prompt`` with the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
         )
@@ -64,21 +70,22 @@ def encode_prompt(tokenizer: Any, prompt: str) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
-def _note(info: dict[str, Any] | None, cache: Any, attend: bool, why: str) -> None:
+def _note(info: Info | None, cache: Cache, attend: bool, why: str) -> None:
     """Add ``cache``'s decode paths to ``info`` (a running ``decode_info`` record)."""
-    if info is not None:
-        new = decode_info([cache], getattr(cache, "attend", attend), why)
+    if info is not None:  # a peer's transformers cache keeps the route asked for
+        ran = cache.attend if isinstance(cache, QuantizedKVCache) else attend
+        new = decode_info([cache], ran, why)
         info.update(merge_decode_info([new, info]))
 
 
 @torch.no_grad()
 def greedy(
-    model: Any,
+    model: PreTrainedModel,
     ids: torch.Tensor,
     method: Method,
     new_tokens: int,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> torch.Tensor:
     """Greedy continuation ``[new_tokens]`` (no early stop) with the method's cache; decode
     attention by ``path`` (module docstring); ``info``: filled with the paths that ran."""
@@ -100,12 +107,12 @@ def greedy(
 
 @torch.no_grad()
 def forced_logprobs(
-    model: Any,
+    model: PreTrainedModel,
     ids: torch.Tensor,
     cont: torch.Tensor,
     method: Method,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> torch.Tensor:
     """Log-probs ``[len(cont), V]`` predicting each continuation token, feeding ``cont`` one
     token at a time through the method's cache after prefilling ``ids``; decode attention by
@@ -125,21 +132,21 @@ def forced_logprobs(
     return torch.log_softmax(torch.stack(rows), dim=-1)
 
 
-def _batch_cache(method: Method, model: Any, path: str) -> tuple[Any, bool, str]:
-    from kvbench.hf.cache import QuantizedKVCache
-
+def _batch_cache(
+    method: Method, model: PreTrainedModel, path: str
+) -> tuple[QuantizedKVCache, bool, str]:
     attend, why = decode_route(method, model, path)
     return QuantizedKVCache(method, model, rows_apart=True, attend=attend), attend, why
 
 
 @torch.no_grad()
 def greedy_batch(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     method: Method,
     new_tokens: int,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
     ledger: PadLedger | None = None,
 ) -> list[torch.Tensor]:
     """:func:`greedy` of several prompts ``[1, P_i]`` at once (left-padded, each row cached
@@ -169,12 +176,12 @@ def greedy_batch(
 
 @torch.no_grad()
 def forced_logprobs_batch(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     conts: list[torch.Tensor],
     method: Method,
     path: str = "attend",
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
 ) -> list[torch.Tensor]:
     """:func:`forced_logprobs` of several prompts at once: prompts left-padded with their
     positions, then every row's continuation (all of one length) fed one token per step; one
@@ -207,14 +214,14 @@ def forced_logprobs_batch(
 
 
 def run_batched(
-    model: Any,
+    model: PreTrainedModel,
     prompts: list[torch.Tensor],
     method: Method,
     new_tokens: int,
     path: str,
     batch_size: int,
     refs: list[torch.Tensor] | None = None,
-    info: dict[str, Any] | None = None,
+    info: Info | None = None,
     ledger: PadLedger | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Greedy continuations of ``prompts`` and the log-probs of teacher-forcing ``refs`` (their
@@ -330,7 +337,7 @@ class Generation(Workload):
             "match_rate": match,
             "next_token_kl": [float(x.mean()) for x in kl_steps],
         }
-        info: dict[str, Any] = {
+        info: Info = {
             "prompts": len(self.items),
             "bucket": bucket,
             "padding": ledger.info(),

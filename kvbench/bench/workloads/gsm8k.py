@@ -21,9 +21,8 @@ compares the same strings as exact numbers instead):
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.extract import (
     gsm8k_cot_strict,
     gsm8k_flexible,
@@ -121,7 +120,7 @@ class GSM8K(TaskWorkload):
         "compare": Field(str, choices=COMPARES),
     }
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.data.loaders import load_rows
 
         rows, info = load_rows("gsm8k")
@@ -151,7 +150,7 @@ class GSM8K(TaskWorkload):
             },
         }
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         eq = harness_exact_match if self.spec["compare"] == "harness" else numbers_equal
         strict, flexible = gsm8k_cot_strict(completion), gsm8k_flexible(completion)
         gold = example["gold"]

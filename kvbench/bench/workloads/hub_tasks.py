@@ -27,11 +27,11 @@ import random
 import re
 import string
 from collections import Counter
-from typing import Any
 
 import torch
 
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
@@ -39,7 +39,7 @@ from kvbench.fields import Field
 
 def hub_rows(
     hub_id: str, config: str | None, split: str, what: str, hint: str = ""
-) -> tuple[list, dict]:
+) -> tuple[list[dict[str, object]], Info]:
     """Rows of a hub-only dataset; ``FileNotFoundError`` with the hub id (and ``hint``, what to
     do instead) when unavailable."""
     from kvbench.data.hub import offline_requested
@@ -49,7 +49,8 @@ def hub_rows(
         if offline_requested():
             raise OSError("KVBENCH_OFFLINE=1")
         rows = hub_rows(hub_id, config, split)
-    except Exception as exc:
+    except Exception as exc:  # any hub error: re-raised as FileNotFoundError naming it
+        # (offline, missing, gated; run_suite's skip_unavailable skips such a workload)
         raise FileNotFoundError(
             f"{what} is not available here: it is loaded from the Hugging Face hub "
             f"({hub_id}, config {config}, split {split}), which failed with "
@@ -89,7 +90,7 @@ class GPQA(TaskWorkload):
     PARAMS = {**COMMON_PARAMS, "new_tokens": 1024, "subset": "gpqa_diamond"}
     PRIMARY = "gpqa_acc"
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         rows, info = hub_rows(
             "Idavidrein/gpqa",
             self.spec["subset"],
@@ -122,7 +123,7 @@ class GPQA(TaskWorkload):
             "choice_shuffle": "random.Random(seed * 100003 + index)",
         }
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         letter = gpqa_letter(completion)
         return {
             "scores": {"gpqa_acc": float(letter == example["gold"])},
@@ -201,7 +202,7 @@ def choice_correct(pred: str, letters: list[str]) -> bool:
     return False
 
 
-def ib_score(task: str, pred: str, label: Any) -> float:
+def ib_score(task: str, pred: str, label: str | list[str]) -> float:
     """Score of one InfiniteBench prediction (official ``compute_scores.py``)."""
     if task == "kv_retrieval":
         return float(label in _words(pred))
@@ -235,7 +236,7 @@ class InfiniteBench(TaskWorkload):
         "max_context": Field(int, low=16),
     }
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         examples, infos = [], {}
         half = self.spec["max_context"] // 2
         for task in self.spec["tasks"]:
@@ -258,7 +259,7 @@ class InfiniteBench(TaskWorkload):
                     text = ctx.tokenizer.decode(ids[:half] + ids[-half:])
                 answers = list(r["answer"]) if isinstance(r["answer"], list) else [r["answer"]]
                 if task == "longbook_choice_eng":
-                    label: Any = [chr(65 + opts.index(a)) for a in answers if a in opts]
+                    label: str | list[str] = [chr(65 + opts.index(a)) for a in answers if a in opts]
                 elif task in ("kv_retrieval", "longbook_sum_eng"):
                     label = answers[0]
                 else:
@@ -290,17 +291,17 @@ class InfiniteBench(TaskWorkload):
             "budgets": IB_BUDGETS,
         }
 
-    def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
         from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         s = ib_score(example["task"], completion, example["gold"])
         return {"scores": {"ib_score": s}, "extracted": None, "gold": example["gold"]}
 
-    def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+    def extra_metrics(self, rows: list[dict[str, JSONValue]]) -> dict[str, float]:
         out = {}
         for t in self.spec["tasks"]:
             mine = [r["ib_score"] for r in rows if r.get("task") == t]

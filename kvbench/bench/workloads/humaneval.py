@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
 
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
@@ -56,7 +56,7 @@ class HumanEval(TaskWorkload):
     def DEFAULT_STOP(self) -> tuple[str, ...]:  # noqa: N802 - the base's class attribute name
         return CODEX_STOP if self.spec["mode"] == "completion" else ("<|im_end|>", "</s>")
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.bench.tasks.humaneval import humaneval_path, load_problems
 
         path = humaneval_path()
@@ -91,7 +91,7 @@ class HumanEval(TaskWorkload):
             "pass_at_k": "pass@1 = passed / problems (greedy, n = 1)",
         }
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         from kvbench.bench.tasks.humaneval import check_completion
 
         code = extract_code(completion) if self.spec["mode"] == "chat" else completion

@@ -49,17 +49,19 @@ Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_rep
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.bench.context import RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
-from kvbench.hf.cache import cache_protocol, make_hf_cache
+from kvbench.hf.cache import QuantizedKVCache, cache_protocol, make_hf_cache
 from kvbench.hf.peers import cache_nbytes
 from kvbench.measure.timer import (
     PERCENTILE_RULE,
@@ -72,6 +74,9 @@ from kvbench.measure.timer import (
 from kvbench.measure.window import flush_steps, split_steps
 
 from . import Result, Workload, reject
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 CPU_NOTE = (
     "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
@@ -96,7 +101,7 @@ STEADY_NOTE = (
 )
 
 
-def held_bytes(cache: Any) -> int | None:
+def held_bytes(cache: Cache) -> int | None:
     """Bytes the cache holds now (``None`` when it cannot say)."""
     try:
         nb = cache_nbytes(cache)
@@ -105,13 +110,14 @@ def held_bytes(cache: Any) -> int | None:
     return nb.get("total") if nb else None
 
 
-def quantized_tokens_of(cache: Any) -> tuple[int, int] | None:
+def quantized_tokens_of(cache: Cache) -> tuple[int, int] | None:
     """(keys, values) tokens held quantized by layer 0 of a kvbench cache, else ``None``."""
-    q = getattr(cache, "quantized_tokens", None)
-    return q() if callable(q) else None
+    return cache.quantized_tokens() if isinstance(cache, QuantizedKVCache) else None
 
 
-def flush_period(cache: Any, quantized: list, flushes: list[int]) -> tuple[float | None, str]:
+def flush_period(
+    cache: Cache, quantized: list[tuple[int, int] | None], flushes: list[int]
+) -> tuple[float | None, str]:
     """Steps between flushes in steady state, and where the figure comes from: the tokens one
     flush quantized (kvbench caches: the jump of ``quantized_tokens()``, one token per step);
     else the transformers layers' ``residual_length``; else the spacing of the flushes seen."""
@@ -122,7 +128,7 @@ def flush_period(cache: Any, quantized: list, flushes: list[int]) -> tuple[float
     ]
     if jumps and max(jumps) > 0:
         return float(max(jumps)), "tokens quantized by one flush (quantized_tokens)"
-    for layer in getattr(cache, "layers", []) or []:
+    for layer in cache.layers:  # only some transformers layer types have a residual window
         r = getattr(layer, "residual_length", None)
         if isinstance(r, int) and r > 0:
             return float(r), "transformers cache layer residual_length"
@@ -176,7 +182,7 @@ class Latency(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         d, n, w = spec["context"], spec["steps"], spec["warmup"]
         if d <= n + w:
             why = "a prefill of at least one token"
@@ -242,8 +248,8 @@ class Latency(Workload):
         methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)
-        caches: dict[str, Any] = {}
-        kw: dict[str, dict] = {}
+        caches: dict[str, Cache] = {}
+        kw: dict[str, dict[str, object]] = {}
 
         def fresh(name: str) -> None:
             caches[name] = make_hf_cache(methods[name], model, attend=attend[name])
@@ -251,7 +257,7 @@ class Latency(Workload):
             if "logits_to_keep" in inspect.signature(model.forward).parameters:
                 kw[name]["logits_to_keep"] = 1  # logits of the last position only, as generate()
 
-        def call(name: str, sl: slice) -> Any:
+        def call(name: str, sl: slice) -> object:  # the model's output (timed, not read)
             if mask is None:
                 return model(input_ids=ids[:, sl], use_cache=True, **kw[name])
             return model(
@@ -270,8 +276,8 @@ class Latency(Workload):
                 fresh(name)
                 prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
 
-        held: dict[str, list] = {k: [] for k in names}
-        quant: dict[str, list] = {k: [] for k in names}
+        held: dict[str, list[int | None]] = {k: [] for k in names}
+        quant: dict[str, list[tuple[int, int] | None]] = {k: [] for k in names}
 
         def observe(name: str, i: int, ms: float | None) -> None:
             if i >= w - 1:  # the state before the first timed step, then after each one
@@ -280,7 +286,7 @@ class Latency(Workload):
 
         done = dict.fromkeys(names, 0)  # decode steps each cache has run
 
-        def stepper(k: str):
+        def stepper(k: str) -> Callable[[], None]:
             def fn() -> None:
                 call(k, slice(p + done[k], p + done[k] + 1))
                 done[k] += 1
@@ -307,7 +313,9 @@ class Latency(Workload):
         am, ab = mine["decode_ms_amortized"], ref["decode_ms_amortized"]
         metrics["decode_ms_amortized_ratio"] = am / ab if ab else float("nan")
         metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
-        lcs = getattr(caches["method"], "layer_caches", lambda: [])()
+        mc = caches["method"]
+        lcs = mc.layer_caches() if isinstance(mc, QuantizedKVCache) else []
+        # a LayerCache gets ``attend_path`` from its first decode attention (none before)
         ran = sorted({str(getattr(lc, "attend_path", None)) for lc in lcs if lc is not None})
         nb = cache_nbytes(caches["method"])
         if nb:

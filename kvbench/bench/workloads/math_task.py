@@ -20,9 +20,8 @@ are integers 0..999 (:func:`kvbench.bench.tasks.math_answer.aime_answer`).  Metr
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
@@ -59,7 +58,7 @@ class MathTask(TaskWorkload):
         return f"{self.spec['dataset']}_acc"
 
     @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
+    def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
         for name in ("subjects", "levels"):
             if spec[name] and spec["dataset"] != "math500":
                 allowed = f"None with dataset={spec['dataset']!r} (they filter only 'math500')"
@@ -69,7 +68,7 @@ class MathTask(TaskWorkload):
                 pre, "prompt_template", spec["prompt_template"], "strings containing '{problem}'"
             )
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.data.loaders import load_rows
 
         rows, info = load_rows(self.spec["dataset"])
@@ -104,10 +103,10 @@ class MathTask(TaskWorkload):
             else "is_equiv(extract_math_answer(completion), answer)",
         }
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         gold = example["gold"]
         if self.spec["dataset"].startswith("aime"):
-            pred: Any = aime_answer(completion)
+            pred: int | str | None = aime_answer(completion)
             ok = pred is not None and str(pred) == str(int(float(gold)))
         else:
             pred = extract_math_answer(completion)

@@ -24,9 +24,8 @@ answers so that chat models are not cut after their first line).
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.extract import (
     FLEXIBLE_REGEX,
     INVALID,
@@ -107,11 +106,11 @@ class MGSM(TaskWorkload):
     }
 
     @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
+    def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
         if isinstance(spec["languages"], str):
             spec["languages"] = [spec["languages"]]
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.data.loaders import load_rows
 
         k = self.spec["num_fewshot"]
@@ -151,7 +150,7 @@ class MGSM(TaskWorkload):
             },
         }
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         lang, gold = example["lang"], example["gold"]
         flexible = regex_filter(ascii_digits(completion), FLEXIBLE_REGEX, group_select=-1)
         strict = mgsm_strict(completion, lang)
@@ -165,7 +164,7 @@ class MGSM(TaskWorkload):
             "gold": gold,
         }
 
-    def extra_metrics(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+    def extra_metrics(self, rows: list[dict[str, JSONValue]]) -> dict[str, float]:
         out: dict[str, float] = {}
         for lang in self.spec["languages"]:
             mine = [r for r in rows if r.get("lang") == lang]

@@ -20,22 +20,26 @@ end-of-sequence token (a finished row of a batch keeps stepping; its tokens are 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.bench.batching import PadLedger, chunks, left_pad, pad_id
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Info, RunContext
 from kvbench.bench.workloads import HIGHER
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 
 from . import Result, Workload, reject
 
+if TYPE_CHECKING:
+    from kvbench.bench.context import Tokenizer
+    from kvbench.bench.records import JSONValue
 
-def chat_wrap(tokenizer: Any) -> tuple[str, str]:
+
+def chat_wrap(tokenizer: Tokenizer) -> tuple[str, str]:
     """Text before and after the user message in the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         return "", ""
     mark = "@@KVBENCH@@"
     text = tokenizer.apply_chat_template(
@@ -45,7 +49,7 @@ def chat_wrap(tokenizer: Any) -> tuple[str, str]:
     return head, tail
 
 
-def check_protected(spec: dict[str, Any], pre: str, length: int, of: str) -> None:
+def check_protected(spec: dict[str, JSONValue], pre: str, length: int, of: str) -> None:
     """:func:`reject` ``protect_suffix`` unless ``protect_prefix + protect_suffix`` leave at
     least half of ``length`` tokens (described by ``of``) for the needles."""
     pp, ps = spec["protect_prefix"], spec["protect_suffix"]
@@ -75,7 +79,7 @@ class Passkey(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         from kvbench.bench.decoding import DECODE_PATHS
 
         Field(str, choices=DECODE_PATHS).check(spec["path"], "path", pre.removesuffix(": "))
@@ -136,7 +140,7 @@ class Passkey(Workload):
                     pad_token_id=pad,
                     **cache_kwarg(cache, ctx.model),
                 )
-            decode.append(decode_info([cache], getattr(cache, "attend", attend), why))
+            decode.append(decode_info([cache], cache.attend, why))
             ledger.add([p.shape[-1] for p in prompts], cache)
             for (ex, p), new in zip(batch, out[:, ids.shape[1] :].tolist()):
                 cut = next((i for i, t in enumerate(new) if t in ends), len(new))
@@ -155,7 +159,7 @@ class Passkey(Workload):
                         "prompt_tokens": int(p.shape[-1]),
                     }
                 )
-        info: dict[str, Any] = {"examples": len(rows), "padding": ledger.info()}
+        info: Info = {"examples": len(rows), "padding": ledger.info()}
         if decode:
             info["decode_attention"] = merge_decode_info(decode)
         return Result({"passkey_acc": correct / len(rows)}, {"examples": rows}, info)

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.bench.context import Reference, RunContext
+from kvbench.bench.context import Info, Reference, RunContext
 from kvbench.bench.decoding import DECODE_PATHS, decode_info, decode_route
 from kvbench.bench.metrics import (
     HIGHER,
@@ -62,6 +62,7 @@ from kvbench.bench.metrics import (
     add_block_ci,
     interval_rule,
 )
+from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
@@ -75,6 +76,10 @@ from kvbench.hf.cache import (
 from kvbench.hf.capture import PromptState
 
 from . import Result, Workload, reject
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
 
 #: the storage metrics of one cache state (module docstring), each also as ``<name>_mean_scored``
 STATE_METRICS = (
@@ -132,7 +137,7 @@ def storage_metrics(states: list[ScoredState]) -> dict[str, float]:
     return {**last, **mean, **({} if frac is None else {"quantized_key_fraction": frac})}
 
 
-def quantized_key_fraction(cache: Any) -> float | None:
+def quantized_key_fraction(cache: Cache) -> float | None:
     """Key tokens held quantized over key tokens held, summed over the layers of a kvbench
     :class:`~kvbench.hf.cache.QuantizedKVCache`; ``None`` for any other cache."""
     if not isinstance(cache, QuantizedKVCache):
@@ -142,7 +147,7 @@ def quantized_key_fraction(cache: Any) -> float | None:
     return sum(lc.quantized_tokens()[0] for lc in layers) / held if held else 0.0
 
 
-def _elements(model: Any, cache: Any, batch: int) -> int:
+def _elements(model: PreTrainedModel, cache: Cache, batch: int) -> int:
     from kvbench.hf.info import model_info
 
     info = model_info(model)
@@ -152,14 +157,14 @@ def _elements(model: Any, cache: Any, batch: int) -> int:
 
 @torch.no_grad()
 def chunked_logits(
-    model: Any,
+    model: PreTrainedModel,
     ids: torch.Tensor,
     method: Method,
     prefill: int,
     chunk: int,
     path: str = "attend",
-    prompt: Any = None,
-    info: dict[str, Any] | None = None,
+    prompt: PromptState | None = None,
+    info: Info | None = None,
     protocol: str = DEFAULT_PROTOCOL,
 ) -> tuple[torch.Tensor, list[ScoredState]]:
     """Log-probabilities ``[T - P, V]`` (float32) predicting tokens ``P..T-1`` of ``ids [1, T]``
@@ -246,7 +251,7 @@ class Perplexity(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         if spec["prefill"] >= spec["tokens"]:
             reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
 
@@ -284,7 +289,7 @@ class Perplexity(Workload):
         p = self.spec["prefill"]
         nll, nll_ref, kls, agree, tokens = [], [], [], [], []
         storage: list[dict[str, float]] = []
-        decode: dict[str, Any] = {}
+        decode: Info = {}
         prompts = self.prompts or [None] * len(self.windows)
         for w, ref, prompt in zip(self.windows, self.ref, prompts):
             lp, states = chunked_logits(
@@ -331,8 +336,9 @@ class Perplexity(Workload):
             "window_bytes_total_mean_scored": [m["bytes_total_mean_scored"] for m in storage],
         }
         info = {**self.info, "intervals": rule}
+        dtype = "unknown" if ctx.model is None else str(ctx.model.dtype).removeprefix("torch.")
         info["storage"] = {
-            "dtype": str(getattr(ctx.model, "dtype", "unknown")).removeprefix("torch."),
+            "dtype": dtype,
             "measured": "bytes_* / effective_*: the cache after the last chunk's write (what the "
             "last scored token attended to), all layers; *_mean_scored: mean over scored "
             "positions of the cache each attended to; mean over windows",

@@ -28,11 +28,10 @@ of needle examples whose needles all lie in quantized keys), ``task_score`` (mea
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Example, Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
@@ -41,7 +40,7 @@ from kvbench.fields import Field
 from .passkey import chat_wrap, check_protected
 
 #: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
-RULER_TASKS: dict[str, tuple[str, dict[str, Any], int, bool]] = {
+RULER_TASKS: dict[str, tuple[str, dict[str, JSONValue], int, bool]] = {
     "niah_single_1": ("niah_single", {"haystack": "noise"}, 128, True),
     "niah_single_2": ("niah_single", {"haystack": "essay"}, 128, True),
     "niah_multikey_1": ("niah_multikey", {"num_needles": 4}, 128, True),
@@ -77,14 +76,14 @@ class Ruler(TaskWorkload):
     }
 
     @classmethod
-    def check_task(cls, spec: dict[str, Any], pre: str) -> None:
+    def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
         for name in ("tasks", "lengths"):
             if isinstance(spec[name], (str, int)):
                 spec[name] = [spec[name]]
         shortest = min(spec["lengths"])
         check_protected(spec, pre, shortest, f"the shortest length ({shortest}) for the needles")
 
-    def load(self, ctx: RunContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.bench.tasks.synthetic import generate
         from kvbench.bench.tasks.tokens import encode
 
@@ -96,7 +95,7 @@ class Ruler(TaskWorkload):
             raise ValueError(
                 f"ruler: length {max(self.spec['lengths'])} exceeds the model's context {max_pos}"
             )
-        use_chat = self.spec["chat_template"] and bool(getattr(tok, "chat_template", None))
+        use_chat = self.spec["chat_template"] and bool(tok.chat_template)
         wrap = chat_wrap(tok) if use_chat else ("", "")
         examples = []
         for length in self.spec["lengths"]:
@@ -169,13 +168,13 @@ class Ruler(TaskWorkload):
             "truncation": "none: prompts are generated to fit each length",
         }
 
-    def prompt_ids(self, ctx: RunContext, example: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
         from kvbench.bench.tasks.workload import encode_text
 
         ids = encode_text(ctx.tokenizer, example["prompt"], example["templated"])
         return ids, self.spec["new_tokens"] or example["budget"]
 
-    def score(self, example: dict[str, Any], completion: str) -> dict[str, Any]:
+    def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         from kvbench.bench.tasks.synthetic import score
 
         return {
@@ -186,7 +185,7 @@ class Ruler(TaskWorkload):
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
-        ns = getattr(method.config, "num_sink_tokens", 0)
+        ns = getattr(method.config, "num_sink_tokens", 0)  # a field of some configs only
         rows = result.per_layer["examples"]
         by_id = {ex["id"]: ex for ex in self.examples}
         inside = []

@@ -19,13 +19,13 @@ the backend overrides private ``HFLM`` methods, so the range is pinned and teste
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
 
 #: the optional dependency, as pip spells it
 REQUIREMENT = "lm-eval>=0.4.13,<0.5"
 
 
-def require_lm_eval() -> Any:
+def require_lm_eval() -> ModuleType:
     """Import and return ``lm_eval``; ``RuntimeError`` with the install line when absent or of
     an unsupported version."""
     try:

@@ -46,8 +46,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.cache.registry import get_method, get_method_class
 from kvbench.hf.attention import register, use_kvbench_attention
@@ -62,6 +64,7 @@ from kvbench.hf.cache import (
     DEFAULT_PROTOCOL,
     PEER_PROTOCOL,
     PROTOCOL_FIELD,
+    QuantizedKVCache,
     cache_kwarg,
     make_hf_cache,
 )
@@ -70,10 +73,19 @@ from kvbench.hf.models import DEFAULT_MODEL, load_model
 from kvbench.integrations.lm_eval.coverage import (
     DEFAULT_MIN_QUANTIZED_FRACTION,
     LowQuantizedFractionWarning,
+    RequestEntry,
     low_coverage_message,
     per_task,
     quantized_fraction,
 )
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
+
+#: what one of lm-eval's request kinds answers per request
+_Answer = TypeVar("_Answer")
 
 #: calibration text for methods that need it when none is configured (disjoint from the tasks)
 DEFAULT_CALIBRATION = {"text": "essays-calib", "tokens": 2048}
@@ -130,7 +142,7 @@ HFLM_ARGS = tuple(
 )
 
 
-def read_method_config(path: str | Path) -> dict[str, Any]:
+def read_method_config(path: str | Path) -> dict[str, object]:
     """The mapping of a ``method_config`` YAML file; ``ValueError`` when it is missing or not a
     mapping."""
     import yaml
@@ -145,15 +157,17 @@ def read_method_config(path: str | Path) -> dict[str, Any]:
 
 
 def build_method(
-    method: str | Method, fields: dict[str, Any], method_config: Any = None
-) -> tuple[Method, dict[str, Any] | None]:
+    method: str | Method,
+    fields: dict[str, object],
+    method_config: str | Path | Mapping[str, object] | None = None,
+) -> tuple[Method, dict[str, object] | None]:
     """The method from a name plus config fields (``method_config``: a YAML file or mapping,
     overridden by ``fields``), or a given instance (then no fields).  Returns (method,
     calibration settings or ``None``).
 
     Raises ``ValueError`` for an unknown method (with the registered names), unknown fields
     (with the allowed ones), or fields given with an instance."""
-    cfg = dict(method_config) if isinstance(method_config, dict) else {}
+    cfg: dict[str, object] = dict(method_config) if isinstance(method_config, dict) else {}
     if isinstance(method_config, (str, Path)):
         cfg = read_method_config(method_config)
     calibration = cfg.pop("calibration", None)
@@ -172,8 +186,11 @@ def build_method(
 
 
 def calibrate_method(
-    method: Method, model: Any, tokenizer: Any, spec: dict[str, Any] | None
-) -> dict[str, Any]:
+    method: Method,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: Mapping[str, object] | None,
+) -> dict[str, JSONValue]:
     """Calibrate ``method`` on captured full-precision K/V of one window of ``spec['tokens']``
     tokens of ``spec['text']`` (default :data:`DEFAULT_CALIBRATION`); returns the provenance."""
     from kvbench.data.loaders import load_text, token_windows
@@ -189,13 +206,13 @@ def calibrate_method(
     return {"dataset": tinfo, "windows": winfo}
 
 
-def quantized_read(cache: Any) -> float | None:
+def quantized_read(cache: Cache) -> float | None:
     """Tokens the next step reads from quantized storage, averaged over layers (a token counts
     when its key or its value is quantized); ``None`` for caches that are not kvbench's."""
-    layers = getattr(cache, "layer_caches", None)
-    if layers is None:
+    if not isinstance(cache, QuantizedKVCache):
         return None
-    counts = [max(lc.quantized_tokens()) if lc is not None else 0 for lc in layers()]
+    layers = cache.layer_caches()
+    counts = [max(lc.quantized_tokens()) if lc is not None else 0 for lc in layers]
     return sum(counts) / max(len(counts), 1)
 
 
@@ -232,17 +249,17 @@ class KVBenchLM(HFLM):
 
     def __init__(
         self,
-        pretrained: Any = "default",
+        pretrained: str | PreTrainedModel = "default",
         method: str | Method = "full",
-        method_config: str | dict[str, Any] | None = None,
+        method_config: str | dict[str, object] | None = None,
         chunk: int = 1,
         protocol: str = DEFAULT_PROTOCOL,
         dtype: str = "float32",
         device: str | None = None,
         batch_size: int | str = 1,
-        tokenizer: Any = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         min_quantized_fraction: float = DEFAULT_MIN_QUANTIZED_FRACTION,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if str(batch_size) != "1":
             raise ValueError(BATCH_REFUSAL.format(batch_size))
@@ -291,12 +308,14 @@ class KVBenchLM(HFLM):
             # a method built here is calibrated here; a given instance is the caller's
             self.calibration_info = calibrate_method(self.method, model, tokenizer, calibration)
         self.chunk = chunk
-        self.request_log: list[dict[str, Any]] = []
-        self._current: dict[str, Any] = {}
+        self.request_log: list[RequestEntry] = []
+        self._current: RequestEntry = {}
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **hflm)
 
     @staticmethod
-    def _method_class(method: Any, method_config: Any) -> type[Method]:
+    def _method_class(
+        method: object, method_config: str | Path | Mapping[str, object] | None
+    ) -> type[Method]:
         if method is None or method == "":
             cfg = (
                 read_method_config(method_config)
@@ -309,7 +328,13 @@ class KVBenchLM(HFLM):
         return get_method_class(method)
 
     # ------------------------------------------------------------------ request bookkeeping
-    def _per_request(self, requests: list[Any], kind: str, fn: Any, disable_tqdm: bool) -> list:
+    def _per_request(
+        self,
+        requests: list[Instance],
+        kind: str,
+        fn: Callable[[list[Instance]], list[_Answer]],
+        disable_tqdm: bool,
+    ) -> list[_Answer]:
         """Run ``fn([request])`` for each request in order, recording which one is current."""
         out = []
         for i, req in enumerate(
@@ -337,19 +362,23 @@ class KVBenchLM(HFLM):
         self._current = {}
         return out
 
-    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+    def loglikelihood(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
         sup = super().loglikelihood
         return self._per_request(
             requests, "loglikelihood", lambda r: sup(r, disable_tqdm=True), disable_tqdm
         )
 
-    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
         sup = super().loglikelihood_rolling
         return self._per_request(
             requests, "loglikelihood_rolling", lambda r: sup(r, disable_tqdm=True), disable_tqdm
         )
 
-    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list:
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         sup = super().generate_until
         return self._per_request(
             requests, "generate_until", lambda r: sup(r, disable_tqdm=True), disable_tqdm
@@ -369,11 +398,17 @@ class KVBenchLM(HFLM):
             return self.protocol
         return PEER_PROTOCOL
 
-    def new_cache(self) -> Any:
+    def new_cache(self) -> Cache:
         """A fresh transformers cache of the method for this model (one per request)."""
         return make_hf_cache(self.method, self.model, protocol=self.protocol)
 
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **kw: Any):
+    def _model_generate(
+        self,
+        context: torch.Tensor,
+        max_length: int,
+        stop: list[str],
+        **kw: Any,  # lm-eval's generation kwargs, handed on to transformers' generate
+    ) -> torch.Tensor:
         """``HFLM._model_generate`` with a fresh method cache passed to ``generate``."""
         if context.shape[0] != 1:
             raise ValueError(
@@ -445,7 +480,7 @@ class KVBenchLM(HFLM):
 
     def _loglikelihood_tokens(
         self,
-        requests: list[tuple[Any, list[int], list[int]]],
+        requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
         disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
@@ -485,7 +520,7 @@ class KVBenchLM(HFLM):
             **self.coverage(),
         }
 
-    def coverage(self) -> dict[str, Any]:
+    def coverage(self) -> dict[str, JSONValue]:
         """``kvbench_kv_quantized_fraction`` (task -> share of the past read quantized, over
         :attr:`request_log`; ``None`` for a cache that is not kvbench's), its overall value and
         ``kvbench_min_quantized_fraction``; warns once per backend when a task is below the
@@ -507,7 +542,7 @@ class KVBenchLM(HFLM):
                 self.request_log,
                 self.min_quantized_fraction,
                 self.method.name,
-                getattr(self.method.config, "residual_length", None),
+                getattr(self.method.config, "residual_length", None),  # some configs only
             )
             if msg is not None:
                 self._coverage_warned = True

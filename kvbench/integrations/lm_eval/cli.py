@@ -23,7 +23,11 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+    from lm_eval.tasks import TaskManager
 
 #: printed before lm-eval's own ``run`` help by ``kvbench lm-eval --help``
 USAGE = """\
@@ -49,7 +53,9 @@ lm-eval's options (`lm-eval run --help`):
 _HELP = ("-h", "--help")
 
 
-def include_paths(include_path: Any, task_dir: str | Path) -> list[str]:
+def include_paths(
+    include_path: str | Path | Sequence[str | Path] | None, task_dir: str | Path
+) -> list[str]:
     """lm-eval's ``include_path`` (``None``, a folder, folders joined by ``os.pathsep``, or a
     list of those) as a list of folders, empty parts dropped, with ``task_dir`` last unless it
     is already there."""
@@ -76,10 +82,21 @@ def cli_patches() -> Iterator[None]:
     tm_init = TaskManager.__init__
     log_args = GeneralConfigTracker.log_experiment_args
 
-    def init(self: Any, verbosity: Any = None, include_path: Any = None, **kwargs: Any) -> None:
+    def init(
+        self: TaskManager,
+        verbosity: str | None = None,
+        include_path: str | Path | Sequence[str | Path] | None = None,
+        **kwargs: object,
+    ) -> None:
         tm_init(self, verbosity, include_paths(include_path, TASK_DIR), **kwargs)
 
-    def log_experiment_args(self: Any, model_source: str, model_args: Any, *a: Any, **k: Any):
+    def log_experiment_args(
+        self: GeneralConfigTracker,
+        model_source: str,
+        model_args: str | dict[str, object],
+        *a: object,
+        **k: object,
+    ) -> None:
         log_args(self, model_source, model_args, *a, **k)
         if model_source == "kvbench":
             self.model_name_sanitized = output_folder_name(model_args)

@@ -10,7 +10,7 @@ tokens they read (``past_tokens_read``); :func:`per_task` weighs those by the to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 #: default ``min_quantized_fraction`` of the backend: warn below it
 DEFAULT_MIN_QUANTIZED_FRACTION = 0.5
@@ -20,7 +20,27 @@ class LowQuantizedFractionWarning(UserWarning):
     """A task's scored positions read less of their past quantized than the set threshold."""
 
 
-def quantized_fraction(entries: Sequence[dict[str, Any]]) -> float | None:
+class RequestEntry(TypedDict, total=False):
+    """One lm-eval request as the backend logs it (``KVBenchLM.request_log``): lm-eval's
+    ``task``, ``doc_id`` and ``idx``, its ``request_type``, its ``index`` in the batch, the
+    ``context_tokens`` and ``scored_tokens`` it fed, and of the past its scored positions read:
+    ``past_tokens_read`` tokens, ``quantized_fraction`` of them quantized (``None``: a cache
+    that is not kvbench's).  ``reads`` (per scored position: quantized tokens read, past
+    tokens) is there only while the request runs."""
+
+    task: str | None
+    doc_id: int | None
+    idx: int
+    request_type: str
+    index: int
+    reads: list[tuple[float | None, int]]
+    context_tokens: int
+    scored_tokens: int
+    quantized_fraction: float | None
+    past_tokens_read: int
+
+
+def quantized_fraction(entries: Sequence[RequestEntry]) -> float | None:
     """Quantized tokens read / past tokens read over ``entries`` (request-log entries);
     ``None`` when some entry was not measured (a cache that is not kvbench's: a peer), 0 when
     no past token was read."""
@@ -31,23 +51,23 @@ def quantized_fraction(entries: Sequence[dict[str, Any]]) -> float | None:
     return q / past if past else 0.0
 
 
-def per_task(log: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def per_task(log: Sequence[RequestEntry]) -> dict[str | None, float | None]:
     """Task name -> :func:`quantized_fraction` of its requests, tasks in first-seen order."""
-    by_task: dict[str, list[dict[str, Any]]] = {}
+    by_task: dict[str | None, list[RequestEntry]] = {}
     for e in log:
         by_task.setdefault(e["task"], []).append(e)
     return {task: quantized_fraction(entries) for task, entries in by_task.items()}
 
 
-def mean_context(log: Sequence[dict[str, Any]], task: str) -> float:
+def mean_context(log: Sequence[RequestEntry], task: str | None) -> float:
     """Mean context tokens of ``task``'s requests (0 when none)."""
     ctx = [e["context_tokens"] for e in log if e["task"] == task]
     return sum(ctx) / len(ctx) if ctx else 0.0
 
 
 def low_coverage_message(
-    fractions: dict[str, float | None],
-    log: Sequence[dict[str, Any]],
+    fractions: dict[str | None, float | None],
+    log: Sequence[RequestEntry],
     threshold: float,
     method: str,
     residual: int | None,

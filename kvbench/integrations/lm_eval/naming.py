@@ -11,7 +11,6 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 #: model arguments that do not change the scores (left out of the name)
 NOT_IN_NAME = frozenset(
@@ -21,13 +20,13 @@ NOT_IN_NAME = frozenset(
 MAX_NAME = 160
 
 
-def _piece(value: Any) -> str:
+def _piece(value: object) -> str:
     if isinstance(value, (dict, list, tuple)):
         value = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(value)).strip("_") or "_"
 
 
-def _parse(model_args: str | dict[str, Any] | None) -> dict[str, Any]:
+def _parse(model_args: str | dict[str, object] | None) -> dict[str, object]:
     if isinstance(model_args, dict):
         return dict(model_args)
     from lm_eval.utils import simple_parse_args_string
@@ -35,7 +34,7 @@ def _parse(model_args: str | dict[str, Any] | None) -> dict[str, Any]:
     return simple_parse_args_string(model_args or "")
 
 
-def output_folder_name(model_args: str | dict[str, Any] | None) -> str:
+def output_folder_name(model_args: str | dict[str, object] | None) -> str:
     """``<model>__<method>[-<field><value>...]`` for lm-eval's ``model_args`` (a
     ``k=v,...`` string or a mapping).
 
@@ -51,7 +50,7 @@ def output_folder_name(model_args: str | dict[str, Any] | None) -> str:
     from kvbench.integrations.lm_eval.backend import read_method_config
 
     args = _parse(model_args)
-    fields: dict[str, Any] = {}
+    fields: dict[str, object] = {}
     if args.get("method_config"):
         fields = read_method_config(Path(str(args["method_config"])))
     method = args.get("method") or fields.pop("method", None) or "full"

@@ -31,17 +31,21 @@ folders),
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.metrics import LM_EVAL_DIRECTIONS
+from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD
 
+if TYPE_CHECKING:
+    from kvbench.integrations.lm_eval.coverage import RequestEntry
 
-def _number(v: Any) -> float | None:
+
+def _number(v: object) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v)
@@ -91,7 +95,7 @@ class LMEval(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         for k in ("tasks", "include_path"):
             if isinstance(spec[k], str):
                 spec[k] = [spec[k]]
@@ -181,7 +185,7 @@ class LMEval(Workload):
         metrics["nominal_key_bits"] = bits["key_bits"]
         metrics["nominal_value_bits"] = bits["value_bits"]
         samples = []
-        entries_by_doc: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+        entries_by_doc: dict[tuple[str | None, int | None], list[RequestEntry]] = {}
         for e in log:
             entries_by_doc.setdefault((e["task"], e["doc_id"]), []).append(e)
         for task, rows in (out.get("samples") or {}).items():
@@ -216,7 +220,7 @@ class LMEval(Workload):
                 "prefills the prompt and decodes every token through the cache; loglikelihood "
                 f"prefills the context but its last token, then feeds {s['chunk']} token(s) per "
                 f"step through the cache; decode protocol {lm.cache_protocol}"
-                f", prefill_attention {getattr(method.config, 'prefill_attention', 'full')}"
+                f", prefill_attention {method.config.prefill_attention}"
             ),
             "samples_file": "samples.jsonl",
         }

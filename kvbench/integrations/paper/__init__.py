@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
-from kvbench.bench.records import Record
+from kvbench.bench.records import JSONValue, Record
 from kvbench.bench.validate import check_entry
 
 PAPER_KEYS = {
@@ -60,8 +59,8 @@ CLAIM_KEYS = {"text", "column", "order"}
 STATUSES = ("run", "unrun")
 
 
-def validate(paper: Any, where: str = "paper") -> dict[str, Any]:
-    """Check a ``paper:`` block; returns it.  ``ValueError`` names the bad key and what is
+def validate(paper: object, where: str = "paper") -> dict[str, JSONValue]:
+    """Check a ``paper:`` block (as loaded from the suite's YAML); returns it.  ``ValueError`` names the bad key and what is
     allowed."""
     check_entry(paper, where, PAPER_KEYS, shape="'paper' must be a mapping")
     if paper.get("status", "run") not in STATUSES:
@@ -111,7 +110,7 @@ def _model_id(rec: Record) -> str | None:
     return rec.model.get("id")
 
 
-def _matches(rec: Record, col: dict[str, Any]) -> bool:
+def _matches(rec: Record, col: dict[str, JSONValue]) -> bool:
     wl = rec.workload
     if col.get("workload") and wl.get("type") != col["workload"]:
         return False
@@ -119,7 +118,7 @@ def _matches(rec: Record, col: dict[str, Any]) -> bool:
 
 
 def kvbench_value(
-    records: list[Record], label: str, col: dict[str, Any], model: str | None = None
+    records: list[Record], label: str, col: dict[str, JSONValue], model: str | None = None
 ) -> float | None:
     """The column's metric from the first record of ``label`` (and ``model``) that matches the
     column's workload filter, scaled; ``None`` when there is none."""
@@ -136,7 +135,7 @@ def kvbench_value(
     return None
 
 
-def _fmt(v: Any, digits: int) -> str:
+def _fmt(v: float | str | None, digits: int) -> str:
     if v is None:
         return ""
     if isinstance(v, str):
@@ -148,7 +147,7 @@ def _fmt(v: Any, digits: int) -> str:
     return f"{v:.{digits}f}"
 
 
-def _rows(paper: dict[str, Any], records: list[Record]) -> list[dict[str, Any]]:
+def _rows(paper: dict[str, JSONValue], records: list[Record]) -> list[dict[str, JSONValue]]:
     rows = [dict(r) for r in paper.get("rows") or []]
     named = {r["label"] for r in rows}
     models = {_model_id(r) for r in records}
@@ -172,7 +171,7 @@ def _rows(paper: dict[str, Any], records: list[Record]) -> list[dict[str, Any]]:
     return rows
 
 
-def comparison_table(paper: dict[str, Any], records: list[Record]) -> str:
+def comparison_table(paper: dict[str, JSONValue], records: list[Record]) -> str:
     """Markdown: the paper's values and kvbench's side by side (see the module docstring),
     then the claims checked on kvbench's values."""
     validate(paper)
@@ -222,7 +221,7 @@ def comparison_table(paper: dict[str, Any], records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-def check_claims(paper: dict[str, Any], records: list[Record]) -> list[dict[str, Any]]:
+def check_claims(paper: dict[str, JSONValue], records: list[Record]) -> list[dict[str, JSONValue]]:
     """Each claim with kvbench's values in its order and a verdict: ``holds``,
     ``does not hold`` or ``not measured``."""
     cols = {c["name"]: c for c in paper.get("columns") or []}
@@ -248,7 +247,9 @@ def check_claims(paper: dict[str, Any], records: list[Record]) -> list[dict[str,
     return out
 
 
-def write_figures(paper: dict[str, Any], records: list[Record], folder: str | Path) -> list[Path]:
+def write_figures(
+    paper: dict[str, JSONValue], records: list[Record], folder: str | Path
+) -> list[Path]:
     """PNG Pareto plots of ``figure: {x, y}`` (``y`` one metric or a list) with
     :func:`kvbench.report.plots.pareto_plot`; returns the written paths."""
     fig = paper.get("figure")

@@ -37,11 +37,13 @@ problem as a chat prompt with the math workload's instruction, as the paper's AI
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import Info, RunContext
+from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import HIGHER, LAYERS, LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.cache.mixed_channel import high_pairs, pair_channels
@@ -64,7 +66,7 @@ SHARED_FIELDS = {
 
 def sample_prompts(
     ctx: RunContext, source: str, samples: int, tokens: int, extra: int = 0
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
+) -> tuple[list[torch.Tensor], Info]:
     """Token ids ``[1, n]`` of up to ``samples`` prompts (``ctx.limit`` caps the count).
 
     Text sources give windows of ``tokens + extra`` tokens; row sources give each problem with
@@ -100,21 +102,36 @@ def top_mask(scores: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
 
 
-def _pair_scores(method: Method):
+@runtime_checkable
+class PairScorer(Protocol):
+    """A method that scores RoPE channel pairs (PN-Mix): the pair studies' hook."""
+
+    def pair_scores(
+        self, keys: torch.Tensor, queries: torch.Tensor | None, score: str, pairing: str
+    ) -> torch.Tensor:
+        """Scores ``[B, H_kv, D/2]`` of the pairs of ``keys [B, H_kv, T, D]`` by criterion
+        ``score`` (``queries [B, H_q, T, D]`` for the query-aware ones) under ``pairing``."""
+        ...
+
+
+def _pair_scores(
+    method: Method,
+) -> Callable[[torch.Tensor, torch.Tensor | None, str, str], torch.Tensor]:
     """The method's RoPE-pair scoring hook ``method.pair_scores(keys, queries, score, pairing)
-    -> [B, H_kv, D/2]`` (PN-Mix provides it).  Raises ``ValueError`` for a method without one."""
-    fn = getattr(method, "pair_scores", None)
-    if not callable(fn):
+    -> [B, H_kv, D/2]`` (:class:`PairScorer`; PN-Mix provides it).  Raises ``ValueError`` for a
+    method without one."""
+    if not isinstance(method, PairScorer) or not callable(method.pair_scores):
         name = method.name or type(method).__name__
         raise ValueError(
             f"method {name!r} has no pair_scores(keys, queries, score, pairing) hook; the "
             "pair studies (score_agreement, selection_stability) need a method that selects "
             "RoPE pairs, e.g. pn-mix"
         )
-    return fn
+    return method.pair_scores
 
 
 def _criterion(method: Method, default: str) -> str:
+    # ``score`` and ``pairing`` are fields of some method configs only (PN-Mix's among them)
     score = getattr(method.config, "score", None)
     return score if score in QK_SCORES else default
 
@@ -245,7 +262,7 @@ class SelectionStability(Workload):
     }
 
     @classmethod
-    def check(cls, spec: dict[str, Any], pre: str) -> None:
+    def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         if spec["continuation"] == "text" and spec["source"] not in TEXT_SOURCES:
             reject(
                 pre,

@@ -21,21 +21,28 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
+
+from kvbench.bench.records import JSONValue
+
+if TYPE_CHECKING:
+    import datasets
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks import TaskManager
 
 #: the folder of kvbench's local task YAMLs (pass it to lm-eval as ``--include_path``)
 TASK_DIR = Path(__file__).resolve().parent
 #: provenance of the rows the local tasks loaded in this process: dataset name -> load info
-LOADED: dict[str, dict[str, Any]] = {}
+LOADED: dict[str, dict[str, JSONValue]] = {}
 
 
 class TaskDataUnavailable(FileNotFoundError):
     """A task's dataset cannot be loaded here (hub unreachable, no local copy)."""
 
 
-def gsm8k_local(**_: Any) -> Any:
+def gsm8k_local(**_: object) -> datasets.DatasetDict:
     """``custom_dataset`` of the local GSM8K tasks: a ``datasets.DatasetDict`` with the
     ``test`` split (``question``, ``answer``) from :func:`kvbench.data.loaders.load_rows`.
 
@@ -84,7 +91,7 @@ def local_task_names(dirs: Sequence[str | Path] = (TASK_DIR,)) -> dict[str, Path
     return out
 
 
-def task_manager(tasks: Sequence[str], include_path: Sequence[str | Path] = ()) -> Any:
+def task_manager(tasks: Sequence[str], include_path: Sequence[str | Path] = ()) -> TaskManager:
     """An lm-eval ``TaskManager`` that knows kvbench's local tasks and ``include_path``.
 
     lm-eval's own task index (~15k YAMLs; a minute to build on a small machine) is included only
@@ -97,7 +104,7 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str | Path] = ()) 
     return TaskManager(include_path=[str(d) for d in dirs], include_defaults=defaults)
 
 
-def _hub_error_message(task: str, dataset: Any, exc: BaseException) -> str:
+def _hub_error_message(task: str | None, dataset: str | None, exc: BaseException) -> str:
     local = ", ".join(sorted(local_task_names())) or "none"
     return (
         f"lm-eval task {task!r} could not load its dataset {dataset!r}, which comes from the "
@@ -139,9 +146,9 @@ def hub_guard() -> Iterator[None]:
     original = ConfigurableTask.download
     offline = offline_requested() or (not hf_offline_env() and not hub_reachable())
 
-    def download(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def download(self: ConfigurableTask, *args: object, **kwargs: object) -> None:
         try:
-            if offline and not callable(getattr(self.config, "custom_dataset", None)):
+            if offline and not callable(self.config.custom_dataset):
                 import datasets
                 import huggingface_hub.constants as hub_constants
 
@@ -154,10 +161,10 @@ def hub_guard() -> Iterator[None]:
             return original(self, *args, **kwargs)
         except TaskDataUnavailable:
             raise
-        except Exception as exc:  # hub, network, missing files: name the task and the route
-            task = getattr(self.config, "task", "?")
+        except Exception as exc:  # any download error: re-raised as TaskDataUnavailable
+            # naming the task, its dataset, the error and the local-YAML route
             raise TaskDataUnavailable(
-                _hub_error_message(task, getattr(self.config, "dataset_path", None), exc)
+                _hub_error_message(self.config.task, self.config.dataset_path, exc)
             ) from exc
 
     ConfigurableTask.download = download
