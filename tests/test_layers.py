@@ -53,6 +53,7 @@ CORE = (
     "kvbench.registry",
     "kvbench.clib",
     "kvbench.paths",
+    "kvbench.jsontypes",
 )
 EDGE = ("kvbench.integrations", "kvbench.methods", "kvbench.kernels", "benchmarks", "kvbench.cli")
 HEAP, HEAP_USER = "kvbench.measure.heap", "kvbench.bench.workloads.memory"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.bench.records import JSONValue
+from kvbench.jsontypes import JSONValue
 
 if TYPE_CHECKING:
     from typing import TypeAlias

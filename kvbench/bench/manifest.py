@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvbench.bench.records import JSONValue, RecordError, utc_now, write_jsonl_atomic
+from kvbench.bench.records import RecordError, utc_now, write_jsonl_atomic
+from kvbench.jsontypes import JSONValue
 
 #: environment variable a wrapper sets to the command its user typed (the Makefile: ``make bench``)
 COMMAND_ENV = "KVBENCH_COMMAND"

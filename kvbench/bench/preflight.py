@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbench.bench.records import JSONValue
 from kvbench.bench.validate import Problems
 from kvbench.data import catalog
+from kvbench.jsontypes import JSONValue
 from kvbench.registry import did_you_mean
 
 if TYPE_CHECKING:

@@ -12,15 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TypeAlias
 
+from kvbench.jsontypes import JSONValue
 from kvbench.paths import atomic_file
 
 #: the record layout this code writes and the newest it reads
 SCHEMA_VERSION = 1
-
-#: a value of a JSON document (a record, its manifest, a per-sample row, a loaded suite entry)
-JSONValue: TypeAlias = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
 
 
 class RecordError(ValueError):

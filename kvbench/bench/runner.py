@@ -23,7 +23,6 @@ from kvbench.bench.context import Info, RunContext
 from kvbench.bench.manifest import base_manifest, loadavg
 from kvbench.bench.preflight import check_contexts
 from kvbench.bench.records import (
-    JSONValue,
     Record,
     load_record,
     make_run_id,
@@ -43,6 +42,7 @@ from kvbench.bench.workloads import (
 )
 from kvbench.cache.method import Method
 from kvbench.cache.registry import BASELINE, get_method
+from kvbench.jsontypes import JSONValue
 from kvbench.measure import memstat
 
 if TYPE_CHECKING:

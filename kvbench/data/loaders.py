@@ -43,7 +43,7 @@ from kvbench.data.catalog import (
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 DATA_DIR_ENV = "KVBENCH_DATA_DIR"
 #: what a source's reader returns: the text (``str``) or the task rows

@@ -28,7 +28,7 @@ from kvbench.report.provenance import differences, differences_text
 from kvbench.report.tables import workload_label
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 
 def declared_names() -> list[str]:

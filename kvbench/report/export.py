@@ -26,7 +26,7 @@ from kvbench.report.headline import headline_table
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 EXPORT_VERSION = 1
 BEGIN = "<!-- kvbench-headline:begin {path} -->"

@@ -51,7 +51,7 @@ from kvbench.cache.registry import BASELINE
 from kvbench.report.pareto import pareto_mask
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 #: the quality workload whose record gives a row's quality, bits and bytes
 QUALITY = "perplexity"

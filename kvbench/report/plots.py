@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from matplotlib.text import Text
 
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 #: the decode-step cost of the headline figures: median steady step / interleaved ``full``
 DECODE = "decode_ms_p50_ratio"

@@ -19,7 +19,7 @@ from kvbench.bench.manifest import read_run_log
 from kvbench.bench.records import Record
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 NOT_RECORDED = "not recorded"
 MODEL_FREE = "none (model-free)"

@@ -31,8 +31,8 @@ from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
     from kvbench.bench.suite import Suite
+    from kvbench.jsontypes import JSONValue
 
 #: preferred column order; other metrics follow alphabetically when asked for
 COLUMNS = [

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 __all__ = ["humaneval_path", "load_problems", "build_program", "check_completion", "pass_at_k"]
 

@@ -26,8 +26,8 @@ from types import EllipsisType
 from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 from kvbench import fields as kf
-from kvbench.bench.records import JSONValue
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 from kvbench.registry import Registry, RegistryError
 
 if TYPE_CHECKING:

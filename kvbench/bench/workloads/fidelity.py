@@ -29,9 +29,9 @@ from kvbench.bench.metrics import (
     attention_fidelity,
     key_mse,
 )
-from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
 

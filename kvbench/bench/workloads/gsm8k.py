@@ -22,7 +22,6 @@ compares the same strings as exact numbers instead):
 from __future__ import annotations
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.extract import (
     gsm8k_cot_strict,
     gsm8k_flexible,
@@ -33,6 +32,7 @@ from kvbench.bench.tasks.extract import (
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 #: lm-evaluation-harness gsm8k-cot.yaml ``fewshot_config.samples`` (first_n sampler)
 EXEMPLARS: list[tuple[str, str]] = [

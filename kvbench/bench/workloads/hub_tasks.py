@@ -31,10 +31,10 @@ from collections import Counter
 import torch
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 
 def hub_rows(

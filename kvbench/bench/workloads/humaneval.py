@@ -22,10 +22,10 @@ import hashlib
 import re
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 MODES = ("completion", "chat")
 CODEX_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")

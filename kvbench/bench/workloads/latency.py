@@ -56,13 +56,13 @@ import torch
 
 from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.bench.context import RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
 from kvbench.hf.cache import QuantizedKVCache, cache_protocol, make_hf_cache
 from kvbench.hf.peers import cache_nbytes
+from kvbench.jsontypes import JSONValue
 from kvbench.measure.timer import (
     PERCENTILE_RULE,
     Timer,

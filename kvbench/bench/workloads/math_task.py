@@ -21,11 +21,11 @@ are integers 0..999 (:func:`kvbench.bench.tasks.math_answer.aime_answer`).  Metr
 from __future__ import annotations
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.math_answer import aime_answer, extract_math_answer, is_equiv
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 from . import reject
 

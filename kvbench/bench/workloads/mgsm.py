@@ -25,7 +25,6 @@ answers so that chat models are not cut after their first line).
 from __future__ import annotations
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.extract import (
     FLEXIBLE_REGEX,
     INVALID,
@@ -37,6 +36,7 @@ from kvbench.bench.tasks.extract import (
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 #: lm-evaluation-harness mgsm/utils.py LANGUAGES: (QUESTION, ANSWER) prefixes
 PREFIXES: dict[str, tuple[str, str]] = {

@@ -34,7 +34,7 @@ from . import Result, Workload, reject
 
 if TYPE_CHECKING:
     from kvbench.bench.context import Tokenizer
-    from kvbench.bench.records import JSONValue
+    from kvbench.jsontypes import JSONValue
 
 
 def chat_wrap(tokenizer: Tokenizer) -> tuple[str, str]:

@@ -62,7 +62,6 @@ from kvbench.bench.metrics import (
     add_block_ci,
     interval_rule,
 )
-from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
@@ -74,6 +73,7 @@ from kvbench.hf.cache import (
     prefill_attention,
 )
 from kvbench.hf.capture import PromptState
+from kvbench.jsontypes import JSONValue
 
 from . import Result, Workload, reject
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 import torch
 
 from kvbench.bench.context import Example, Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.tasks.workload import COMMON_PARAMS, TaskWorkload
 from kvbench.bench.workloads import HIGHER, Result
 from kvbench.cache.method import Method
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 from .passkey import chat_wrap, check_protected
 

@@ -56,7 +56,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
-from kvbench.bench.records import JSONValue
 from kvbench.cache.method import Method
 from kvbench.cache.registry import get_method, get_method_class
 from kvbench.hf.attention import register, use_kvbench_attention
@@ -78,6 +77,7 @@ from kvbench.integrations.lm_eval.coverage import (
     per_task,
     quantized_fraction,
 )
+from kvbench.jsontypes import JSONValue
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance

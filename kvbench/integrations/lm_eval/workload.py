@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 from kvbench.bench.context import RunContext
 from kvbench.bench.metrics import LM_EVAL_DIRECTIONS
-from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD
+from kvbench.jsontypes import JSONValue
 
 if TYPE_CHECKING:
     from kvbench.integrations.lm_eval.coverage import RequestEntry

@@ -39,8 +39,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kvbench.bench.records import JSONValue, Record
+from kvbench.bench.records import Record
 from kvbench.bench.validate import check_entry
+from kvbench.jsontypes import JSONValue
 
 PAPER_KEYS = {
     "title",

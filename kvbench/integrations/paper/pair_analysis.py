@@ -43,11 +43,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvbench.bench.context import Info, RunContext
-from kvbench.bench.records import JSONValue
 from kvbench.bench.workloads import HIGHER, LAYERS, LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.cache.mixed_channel import high_pairs, pair_channels
 from kvbench.fields import Field
+from kvbench.jsontypes import JSONValue
 
 ROW_SOURCES = ("aime25", "aime24", "math500", "amc23", "gsm8k")
 TEXT_SOURCES = ("wikitext2", "essays")

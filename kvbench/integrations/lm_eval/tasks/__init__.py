@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from kvbench.bench.records import JSONValue
+from kvbench.jsontypes import JSONValue
 
 if TYPE_CHECKING:
     import datasets
