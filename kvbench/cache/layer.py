@@ -187,6 +187,14 @@ class LayerCache:
     reads_transformed: ClassVar[str | None] = None
     #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
     observes_attention: ClassVar[bool] = False
+    #: the model layer this cache serves (set by ``Method.new_layer``, for messages); ``None``
+    #: for a cache built directly
+    layer_idx: int | None = None
+    #: the backend path of the last :meth:`attend` (``"triton"``, ``"cpu-native"``,
+    #: ``"reference"``, ...; :mod:`kvbench.attention.dispatch`); ``None`` before any
+    attend_path: str | None = None
+    #: why the faster backends declined or failed at the last :meth:`attend` (``""``: none did)
+    attend_path_reason: str = ""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
