@@ -17,7 +17,9 @@ with no tensor-sized temporary.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -39,6 +41,9 @@ class NamedCache(Protocol):
 P = ParamSpec("P")
 M = TypeVar("M")
 L = TypeVar("L", bound=NamedCache)
+
+#: the wrappers made by :func:`named_layers`
+_NAMING: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 
 def policy() -> str:
@@ -102,7 +107,7 @@ def check(keys: torch.Tensor, values: torch.Tensor, cache: NamedCache, op: str) 
 def named_layers(new_layer: Callable[Concatenate[M, P], L]) -> Callable[Concatenate[M, P], L]:
     """Decorate a ``Method.new_layer`` so the cache it returns knows its ``layer_idx`` (used
     in the messages above); :class:`~kvbench.cache.method.Method` applies it to every subclass."""
-    if getattr(new_layer, "_names_layers", False):
+    if inspect.unwrap(new_layer, stop=_NAMING.__contains__) in _NAMING:  # wrapped already
         return new_layer
 
     @functools.wraps(new_layer)
@@ -116,5 +121,5 @@ def named_layers(new_layer: Callable[Concatenate[M, P], L]) -> Callable[Concaten
                 layer.layer_idx = idx
         return layer
 
-    wrapper._names_layers = True  # type: ignore[attr-defined]
+    _NAMING.add(wrapper)
     return wrapper

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, Concatenate, NoReturn, ParamSpec
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # annotations only: the core imports transformers where it us
     from transformers.cache_utils import Cache
 
 P = ParamSpec("P")
+
+#: the wrappers made by :func:`_rotating`
+_ROTATING: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 #: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
 PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
@@ -217,7 +222,7 @@ def _rotating(
 ) -> Callable[Concatenate[Method, P], LayerCache]:
     """Wrap a ``Method.new_layer``: check :meth:`Method.rotation` for the head_dim first, then
     hand it to the layer cache it returns (``layer.rotation``)."""
-    if getattr(new_layer, "_rotates", False):
+    if inspect.unwrap(new_layer, stop=_ROTATING.__contains__) in _ROTATING:  # wrapped already
         return new_layer
 
     @functools.wraps(new_layer)
@@ -228,7 +233,7 @@ def _rotating(
             layer.rotation = rot
         return layer
 
-    wrapper._rotates = True  # type: ignore[attr-defined]
+    _ROTATING.add(wrapper)
     return wrapper
 
 
