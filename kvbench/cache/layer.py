@@ -29,6 +29,8 @@ public operation then dispatches to those rows, also the overrides of a subclass
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -59,23 +61,32 @@ def _len(t: torch.Tensor | Block | None) -> int:
     return t.ntokens if not isinstance(t, torch.Tensor) else t.shape[2]
 
 
-#: public operations that a padded layer (one cache per row) dispatches to :mod:`kvbench.cache.ragged`
-ROW_DISPATCH = (
-    "provide_queries",
-    "append",
-    "end_step",
-    "keys_values",
-    "attend",
-    "crop",
-    "index_batch",
-    "quantized_tokens",
-    "tensors",
-)
+#: public operations that a padded layer (one cache per row) dispatches to
+#: :mod:`kvbench.cache.ragged`: name -> the ragged function that runs them on the rows
+ROW_DISPATCH: dict[str, Callable[..., object]] = {
+    "provide_queries": ragged.provide_queries,
+    "append": ragged.append,
+    "end_step": ragged.end_step,
+    "keys_values": ragged.keys_values,
+    "attend": ragged.attend,
+    "crop": ragged.crop,
+    "index_batch": ragged.index_batch,
+    "quantized_tokens": ragged.quantized_tokens,
+    "tensors": ragged.tensors,
+}
+
+#: the wrappers made by :func:`_row_dispatch` and :func:`_padded_prefill`
+_ROW_WRAPPERS: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 
-def _row_dispatch(fn: Callable[..., object]) -> Callable[..., object]:
-    """Run ``fn``, or its :mod:`kvbench.cache.ragged` counterpart once the layer holds rows."""
-    alt = getattr(ragged, fn.__name__)
+def _dispatches(fn: Callable[..., object]) -> bool:
+    """Whether ``fn`` is such a wrapper, or wraps one (``functools.wraps``'s ``__wrapped__``)."""
+    return inspect.unwrap(fn, stop=_ROW_WRAPPERS.__contains__) in _ROW_WRAPPERS
+
+
+def _row_dispatch(fn: Callable[..., object], alt: Callable[..., object]) -> Callable[..., object]:
+    """Run ``fn``, or its :mod:`kvbench.cache.ragged` counterpart ``alt`` once the layer holds
+    rows."""
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
@@ -83,7 +94,7 @@ def _row_dispatch(fn: Callable[..., object]) -> Callable[..., object]:
             return alt(self, *args, **kwargs)
         return fn(self, *args, **kwargs)
 
-    wrapper._row_dispatch = True
+    _ROW_WRAPPERS.add(wrapper)
     return wrapper
 
 
@@ -96,7 +107,7 @@ def _padded_prefill(fn: Callable[..., None]) -> Callable[..., None]:
             return fn(self, keys, values, queries)
         return _prefill_rows(self, keys, values, queries, lengths)
 
-    wrapper._row_dispatch = True
+    _ROW_WRAPPERS.add(wrapper)
     return wrapper
 
 
@@ -187,15 +198,23 @@ class LayerCache:
     reads_transformed: ClassVar[str | None] = None
     #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
     observes_attention: ClassVar[bool] = False
+    #: the model layer this cache serves (set by ``Method.new_layer``, for messages); ``None``
+    #: for a cache built directly
+    layer_idx: int | None = None
+    #: the backend path of the last :meth:`attend` (``"triton"``, ``"cpu-native"``,
+    #: ``"reference"``, ...; :mod:`kvbench.attention.dispatch`); ``None`` before any
+    attend_path: str | None = None
+    #: why the faster backends declined or failed at the last :meth:`attend` (``""``: none did)
+    attend_path_reason: str = ""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ROW_DISPATCH:  # a subclass's overrides dispatch to the rows too
+        for name, alt in ROW_DISPATCH.items():  # a subclass's overrides dispatch to the rows too
             fn = cls.__dict__.get(name)
-            if callable(fn) and not getattr(fn, "_row_dispatch", False):
-                setattr(cls, name, _row_dispatch(fn))
+            if callable(fn) and not _dispatches(fn):
+                setattr(cls, name, _row_dispatch(fn, alt))
         fn = cls.__dict__.get("prefill")
-        if callable(fn) and not getattr(fn, "_row_dispatch", False):
+        if callable(fn) and not _dispatches(fn):
             cls.prefill = _padded_prefill(fn)
 
     def __init__(
