@@ -221,8 +221,22 @@ def test_rows_apart_keeps_per_tensor_statistics_per_row(rows_apart):
         src = lc.rows[b] if rows_apart else lc  # shared: the batch's one scale per flush
         got = [t for _, c, t in src.tensors() if c == "scales"]
         assert got and len(got) == len(want)
-        same.append(all(torch.equal(x, y) for x, y in zip(got, want)))
+        same.append(same_fp16_scales(got, want))
     assert all(same) if rows_apart else not all(same)
+
+
+def same_fp16_scales(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    """Float16 scales equal up to one float16 ulp each.  A row cached apart gets its K/V from
+    the batched forward, whose linear layers have another shape than the row alone's and may
+    round differently in float32 (~1e-7 relative, far below half a float16 ulp, 2^-11): a scale
+    then lands at most on the neighbouring float16 value.  A scale shared by the batch's rows
+    differs by far more."""
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype == torch.float16 and x.shape == y.shape
+        ulp = torch.nextafter(y.abs(), torch.tensor(torch.inf, dtype=y.dtype)) - y.abs()
+        if not bool(((x.float() - y.float()).abs() <= ulp.float()).all()):
+            return False
+    return True
 
 
 @functools.cache
