@@ -244,7 +244,7 @@ def _rotating(
         layer = new_layer(self, *args, **kwargs)
         if rot is not None:
             layer.rotation = rot
-        storage = getattr(self.config, "storage_dtype", None)  # a plugin config may lack it
+        storage = self.config.storage_dtype
         if storage is not None:
             layer.storage_dtype = STORAGE_DTYPES[storage]
         return layer
@@ -335,7 +335,7 @@ class Method:
                 f"'none' ({type(self).__name__} wraps a transformers cache, capabilities."
                 "layer_cache=False, and rotations are applied by kvbench's LayerCache)",
             )
-        storage = getattr(config, "storage_dtype", None)
+        storage = config.storage_dtype
         if storage is not None:
             why = self.storage_dtype_refusal
             if not self.capabilities.layer_cache:

@@ -475,7 +475,7 @@ class Memory(Workload):
         m["bytes_total"] = side_total["key"] + side_total["value"]
         elems = sum(k.numel() for _, k, _ in inputs)  # per side; K and V have one shape
         # bits of a full-precision element as stored: the config's storage_dtype, else as computed
-        storage = getattr(method.config, "storage_dtype", None)
+        storage = method.config.storage_dtype
         el_bits = 8 * (STORAGE_DTYPES[storage].itemsize if storage else inputs[0][1].element_size())
         m["effective_key_bits"] = 8 * side_total["key"] / elems
         m["effective_value_bits"] = 8 * side_total["value"] / elems
