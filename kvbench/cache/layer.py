@@ -4,11 +4,15 @@ Layout ``[B, H_kv, T, D]`` (KV heads, never repeated).  Each side (keys, values)
 token order: ``num_sink_tokens`` full-precision sinks, quantized blocks made by the side's
 codec, and a full-precision residual whose size the side's flush schedule controls.
 
-Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the caller has it);
-at a decode step the new tokens join the residual, the step attends to sinks + quantized +
-residual, and the flush happens *after* that attention: :meth:`LayerCache.append` only stores,
-and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by
-whoever finishes the step).
+Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the
+caller has it).  At a decode step :meth:`LayerCache.append` only stores (the new tokens join
+the residual) and the flush it makes due waits for :meth:`LayerCache.end_step` (idempotent;
+the next ``append`` runs it too); the caller orders the two with the step's attention over
+sinks + quantized + residual.  Under ``write-then-attend``, the default of every workload that
+decodes through the model (:data:`kvbench.hf.cache.WRITE_THEN_ATTEND`), ``end_step`` runs
+right after ``append``, so the step's queries read their own tokens as stored; under
+``in-chunk-full`` (:data:`kvbench.hf.cache.IN_CHUNK_FULL`) it runs after the attention, so the
+step reads its new tokens in full precision.
 
 Attention (:meth:`LayerCache.attend`) is computed by :func:`kvbench.attention.dispatch.attend`,
 called directly; the dispatch reads the cache through its public attributes and never imports
@@ -371,7 +375,8 @@ class LayerCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
-        :meth:`end_step`."""
+        :meth:`end_step` (before the step's attention under ``write-then-attend``, after it
+        under ``in-chunk-full``: the module docstring)."""
         if self._rows is not None:
             return ragged.append(self, keys, values)
         if self._awaiting_queries:
