@@ -74,7 +74,9 @@ def storage_sentence(allrows: list[HeadlineRow]) -> str:
     if len(dtypes) == 1:
         where = next(iter(dtypes))
     else:
-        where = ", ".join(f"{d} ({n} rows)" for d, n in sorted(dtypes.items(), key=_by_count))
+        where = ", ".join(
+            f"{d} ({n} row{'s' if n > 1 else ''})" for d, n in sorted(dtypes.items(), key=_by_count)
+        )
     base = next((r["bytes_ratio"] for r in allrows if r["section"] == "base"), None)
     text = (
         "Bytes vs 16-bit is the measured bytes of the stored cache over 2 bytes per K/V "
