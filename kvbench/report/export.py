@@ -24,6 +24,7 @@ from kvbench.bench.manifest import cpu_model
 from kvbench.bench.records import Record, load_records, write_atomic
 from kvbench.report.headline import headline_table
 from kvbench.report.provenance import provenance_block, run_logs
+from kvbench.report.reading import reading
 
 if TYPE_CHECKING:
     from kvbench.jsontypes import JSONValue
@@ -109,7 +110,8 @@ def readme_block(export_path: str | Path, rel: str) -> str:
     """The README block for the export at ``export_path`` (``rel``: its path in the repository):
     begin marker, the provenance (:func:`~kvbench.report.provenance.provenance_block` of the
     records and run log, with the export's command, wall time and machine) and the records' path,
-    the headline table, end marker."""
+    the headline table, its reading (:func:`~kvbench.report.reading.reading`, links from the
+    repository's root, where the README is), end marker."""
     data = load_export(export_path)
     records = [Record.from_json(r) for r in data["records"]]
     head = provenance_block(
@@ -127,6 +129,8 @@ def readme_block(export_path: str | Path, rel: str) -> str:
             f"{head}\n- records: `{rel}`",
             "",
             headline_table(records),
+            "",
+            reading(records, root=""),
             END,
         ]
     )

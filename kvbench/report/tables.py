@@ -29,6 +29,7 @@ from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
 from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
+from kvbench.report.reading import reading
 
 if TYPE_CHECKING:
     from kvbench.bench.suite import Suite
@@ -289,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print("## Provenance\n\n" + block + "\n")
     if any(r.workload_type == QUALITY and r.method == BASELINE for r in records):
-        print("## Headline\n\n" + headline_table(records) + "\n\n## Every workload\n")
+        headline = headline_table(records) + "\n\n" + reading(records)
+        print("## Headline\n\n" + headline + "\n\n## Every workload\n")
     print(summary_table(records))
     return 0
