@@ -53,7 +53,7 @@ def load_checked(path: Path, source: Path, abi_symbol: str, abi_version: int) ->
             f"kvbench) with a C compiler (cc) on PATH"
         )
     lib = ctypes.CDLL(str(path))
-    got = getattr(lib, abi_symbol)()
+    got = getattr(lib, abi_symbol)()  # a C function named at run time
     if got != abi_version:
         raise RuntimeError(f"{path} has ABI {got}, expected {abi_version}: run `{BUILD_COMMAND}`")
     built = (ctypes.c_char * 65).in_dll(lib, SOURCE_SYMBOL).value.decode()
@@ -89,7 +89,10 @@ class NativeLibrary:
                 else:
                     try:
                         self.lib = self._load()
-                    except Exception as e:  # noqa: BLE001 - not built, stale, odd platform
+                    except Exception as e:  # noqa: BLE001 - any load failure: self.reason
+                        # what it catches: any failure to load (not built, stale, odd platform);
+                        # kept as self.reason: available() is then False and
+                        # unavailable_reason() returns it to the callers, which report it
                         self.reason = f"{self.what} unavailable: {type(e).__name__}: {e}"
         return self.lib
 

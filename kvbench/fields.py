@@ -26,13 +26,14 @@ import itertools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 #: the metadata key under which :func:`spec` stores a field's :class:`Field`
 METADATA_KEY = "kvbench.field"
 
 Kind = type[int] | type[float] | type[str] | type[bool] | None
 Shape = Literal["one", "list", "one-or-list"]
+T = TypeVar("T")
 
 
 def message(where: str, name: str, value: object, allowed: str) -> str:
@@ -186,11 +187,12 @@ class Field:
             reject(where, name, value, self.allowed())
 
 
-def spec(default: Any, kind: Kind = None, **rule: Any) -> Any:
+def spec(default: T, kind: Kind = None, **rule: Any) -> T:
     """A dataclass field with ``default`` whose :class:`Field` (``kind`` and ``rule``: the
     keyword arguments of :class:`Field`) :func:`validate` checks.
 
-    Typed as ``Any`` like ``dataclasses.field``, so ``bits: int = spec(2, int, ...)`` type-checks."""
+    Typed as its default like ``dataclasses.field``, so ``bits: int = spec(2, int, ...)``
+    type-checks."""
     return dataclasses.field(default=default, metadata={METADATA_KEY: Field(kind, **rule)})
 
 
@@ -201,7 +203,7 @@ def declared(cls: type) -> dict[str, Field]:
     out: dict[str, Field] = {}
     for f in dataclasses.fields(cls):
         for klass in cls.__mro__:
-            own = getattr(klass, "__dataclass_fields__", {}).get(f.name)
+            own = getattr(klass, "__dataclass_fields__", {}).get(f.name)  # a base may be none
             if own is not None and METADATA_KEY in own.metadata:
                 out[f.name] = own.metadata[METADATA_KEY]
                 break

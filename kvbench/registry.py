@@ -117,6 +117,7 @@ class Registry(Generic[T]):
 
     def _add(self, name: str, obj: T) -> T:
         checked = self._check(name, obj) if self._check is not None else obj
+        # any object may be registered: a class or function has these names, an instance not
         value = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
         entry: Entry[T] = Entry(name, value, CODE_DIST, obj=checked)
         self._code[name] = entry
@@ -138,9 +139,7 @@ class Registry(Generic[T]):
         found: dict[str, Entry[T]] = {}
         seen: set[tuple[str, str, str]] = set()
         for ep in entry_points(group=self.group) if self.group else ():
-            dist = (
-                ep.dist.metadata["Name"] if getattr(ep, "dist", None) is not None else "<unknown>"
-            )
+            dist = ep.dist.metadata["Name"] if ep.dist is not None else "<unknown>"
             key = (ep.name, ep.value, dist)
             if key in seen:  # the same distribution visible twice on sys.path
                 continue
@@ -210,7 +209,10 @@ class Registry(Generic[T]):
             assert entry.entry_point is not None
             try:
                 obj = entry.entry_point.load()
-            except Exception as exc:  # noqa: BLE001 - any plugin failure is reported, not raised
+            except Exception as exc:  # noqa: BLE001 - any import failure: RegistryError
+                # what it catches: any error importing the plugin's module or object (a missing
+                # dependency, a bug at import); kept in entry.error (list views show it) and
+                # re-raised as RegistryError naming the plugin and its distribution
                 entry.error = f"{type(exc).__name__}: {exc}"
                 raise RegistryError(
                     f"{self.kind} {entry.name!r} from distribution {entry.dist!r} failed to "

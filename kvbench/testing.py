@@ -16,9 +16,8 @@ must be calibrated before the call.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -104,9 +103,9 @@ def reference_attention64(
 def _default_lengths(method: Method) -> tuple[int, int]:
     """Prompt and decode lengths that reach quantized tokens and a decode-time flush."""
     c = method.config
-    r = int(getattr(c, "residual_length", 0) or 0)
-    g = int(getattr(c, "group_size", 1) or 1)
-    ns = int(getattr(c, "num_sink_tokens", 0) or 0)
+    r = int(c.residual_length or 0)
+    g = int(c.group_size or 1)
+    ns = int(c.num_sink_tokens or 0)
     span = max(r, g, 1)
     return ns + 2 * span + 1, span + 1
 
@@ -131,7 +130,7 @@ def _run(
     q: torch.Tensor,
     prompt: int,
     lengths: list[int] | None = None,
-    on_step: Any = None,
+    on_step: Callable[[LayerCache, int, torch.Tensor], None] | None = None,
 ) -> tuple[LayerCache, list[torch.Tensor]]:
     """Prefill ``prompt`` tokens (left-padded to ``lengths`` if given), then append the rest one
     token at a time; ``on_step(layer, t, out)`` sees each decode step's attention output."""
@@ -149,7 +148,9 @@ def _run(
     return lc, outs
 
 
-def _check_config(chk: _Checker, method: Method, bad_configs: Sequence[Mapping[str, Any]]) -> None:
+def _check_config(
+    chk: _Checker, method: Method, bad_configs: Sequence[Mapping[str, object]]
+) -> None:
     cls = type(method).Config
     cases = [({UNKNOWN_FIELD: 1}, "an unknown field")]
     cases += [(dict(bad), f"the bad config {dict(bad)}") for bad in bad_configs]
@@ -181,7 +182,7 @@ def _check_round_trip(
 ) -> tuple[list[float], list[float]]:
     kv = lc.keys_values()
     held = inputs[0].shape[2]
-    ns = min(int(getattr(method.config, "num_sink_tokens", 0) or 0), held)
+    ns = min(int(method.config.num_sink_tokens or 0), held)
     errors, bounds = [], []
     for i, side in enumerate(("key", "value")):
         got, x = kv[i], inputs[i]
@@ -367,7 +368,7 @@ def check_method(
     seed: int = 0,
     round_trip_atol: Mapping[str, float] | None = None,
     attend_atol: float | None = None,
-    bad_configs: Sequence[Mapping[str, Any]] = (),
+    bad_configs: Sequence[Mapping[str, object]] = (),
 ) -> MethodCheck:
     """Check ``method``'s contract (docs/plugins.md#testing-a-plugin); returns what was measured.
 
@@ -429,7 +430,7 @@ def check_method(
             out.shape == want.shape and err <= attend_atol,
             "attend",
             f"attend() at decode position {t} differs from attention over keys_values() by "
-            f"{err:.3g} x max|v| (allowed {attend_atol:g}; path {getattr(lc, 'attend_path', '?')})",
+            f"{err:.3g} x max|v| (allowed {attend_atol:g}; path {lc.attend_path or '?'})",
         )
 
     lc, _ = _run(method, k, v, q, prompt, on_step=compare)

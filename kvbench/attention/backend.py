@@ -18,11 +18,15 @@ import torch
 class AttentionSide(Protocol):
     """One side (keys or values) of a cache, in token order: ``sinks`` ``[B, H_kv, S, D]``
     (full precision or ``None``), ``block`` (the quantized tokens, a block object or
-    ``None``), ``residual`` ``[B, H_kv, R, D]`` (full precision or ``None``)."""
+    ``None``), ``residual`` ``[B, H_kv, R, D]`` (full precision or ``None``);
+    ``reads_transformed``: ``None`` when attention may read the stored parts, else why not."""
 
     sinks: torch.Tensor | None
     block: object | None
     residual: torch.Tensor | None
+
+    @property
+    def reads_transformed(self) -> str | None: ...
 
     def __len__(self) -> int: ...
 
@@ -30,12 +34,22 @@ class AttentionSide(Protocol):
 class AttentionCache(Protocol):
     """The public attributes of :class:`kvbench.cache.layer.LayerCache` that the backends read.
 
-    Optional flags, read with ``getattr``: ``reads_transformed`` (on the cache or a side: why
-    attention may not read the stored parts), ``observes_attention`` (the cache wants each
-    step's probabilities through ``observe_attention(probs, lengths)``)."""
+    Flags: ``reads_transformed`` (on the cache or a side: why attention may not read the stored
+    parts; ``None``: it may), ``observes_attention`` (the cache wants each step's
+    probabilities through ``observe_attention(probs, lengths)``).  The dispatch records the
+    path that ran in ``attend_path`` and why the faster ones declined in
+    ``attend_path_reason``."""
 
     k: AttentionSide
     v: AttentionSide
+    attend_path: str | None
+    attend_path_reason: str
+
+    @property
+    def reads_transformed(self) -> str | None: ...
+
+    @property
+    def observes_attention(self) -> bool: ...
 
     @property
     def kv_shape(self) -> tuple[int, int, int] | None: ...
@@ -95,11 +109,11 @@ def common_reason(
 ) -> str | None:
     """Why no backend but the reference may read ``cache`` for ``query`` (``None``: the stored
     parts are what attention reads and the shapes fit)."""
-    why = getattr(cache, "reads_transformed", None)
+    why = cache.reads_transformed
     if why:
         return why
     for name, side in (("key", cache.k), ("value", cache.v)):
-        why = getattr(side, "reads_transformed", None)
+        why = side.reads_transformed
         if why:
             return f"{name} side: {why}"
     if cache.awaiting_queries or not cache.seq_length:

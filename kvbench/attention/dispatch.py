@@ -77,10 +77,8 @@ def backends_for(block_type: type) -> dict[str, list[str]]:
 
 
 def device_type(query: torch.Tensor) -> str:
-    """``"cpu"``, ``"cuda"``, ... of ``query`` (an object without a device: ``"cuda"`` if it
-    says ``is_cuda``, else ``"cpu"``)."""
-    dev = getattr(getattr(query, "device", None), "type", None)
-    return dev or ("cuda" if getattr(query, "is_cuda", False) else "cpu")
+    """``"cpu"``, ``"cuda"``, ... of ``query``."""
+    return query.device.type
 
 
 def resolve(
@@ -127,7 +125,7 @@ def reference_attend(
         if out is None:
             raise
         return out
-    if not getattr(cache, "observes_attention", False):
+    if not cache.observes_attention:
         return reference_attention(query, keys, values, scaling, lengths=lengths)
     probs = reference_probabilities(query, keys, scaling, lengths)
     cache.observe_attention(probs, lengths)
@@ -157,9 +155,12 @@ def attend(
         return reference_attend(cache, query, scaling, lengths)
     try:
         out, path = backend.run(cache, query, scaling, lengths)
-    except Exception as e:  # noqa: BLE001 - a backend bug must not end a run: report it
+    except Exception as e:  # noqa: BLE001 - any backend error: warned, recorded, reference runs
+        # what it catches: any error of a backend (a kernel bug, an input it did not expect),
+        # which must not end a run; reported as a RuntimeWarning and in the cache's
+        # attend_path_reason ("backend failed: ..."), then the reference path computes the step
         msg = f"{type(e).__name__}: {e}"[:300]
-        dev = getattr(query, "device", "?")
+        dev = query.device
         warnings.warn(
             f"kvbench attention backend failed on {layer_name(cache)} ({dev}): {msg}; "
             "using the reference path",

@@ -166,14 +166,11 @@ class AffineBlock:
             ):  # fmt: skip
                 raise ValueError("cannot concatenate blocks of different quantizer settings")
 
-        def cat(name: str) -> torch.Tensor:
-            return torch.cat([getattr(p, name) for p in parts], dim=2)
-
         return replace(
             p0,
-            codes=cat("codes"),
-            scale=cat("scale"),
-            zero=None if p0.zero is None else cat("zero"),
+            codes=torch.cat([p.codes for p in parts], dim=2),
+            scale=torch.cat([p.scale for p in parts], dim=2),
+            zero=None if p0.zero is None else torch.cat([p.zero for p in parts], dim=2),
             group_len=[g for p in parts for g in p.group_len],
         )
 

@@ -17,16 +17,33 @@ with no tensor-sized temporary.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
 POLICIES = ("raise", "propagate")
 ENV = "KVBENCH_NONFINITE"
 _override: list[str] = []
+
+
+class NamedCache(Protocol):
+    """What this module reads of a layer cache (:class:`~kvbench.cache.layer.LayerCache`,
+    which imports this module): the model layer it serves, ``None`` when unknown."""
+
+    layer_idx: int | None
+
+
+P = ParamSpec("P")
+M = TypeVar("M")
+L = TypeVar("L", bound=NamedCache)
+
+#: the wrappers made by :func:`named_layers`
+_NAMING: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 
 def policy() -> str:
@@ -66,14 +83,14 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(mn) & torch.isfinite(mx))
 
 
-def check(keys: torch.Tensor, values: torch.Tensor, cache: Any, op: str) -> None:
+def check(keys: torch.Tensor, values: torch.Tensor, cache: NamedCache, op: str) -> None:
     """Apply the policy to ``keys``/``values`` ``[B, H_kv, n, D]`` entering ``cache`` by ``op``
     (``"prefill"`` or ``"append"``).  Raises ``ValueError`` (policy ``raise``)."""
     if all_finite(keys) and all_finite(values):
         return
     if policy() == "propagate":
         return
-    layer = getattr(cache, "layer_idx", None)
+    layer = cache.layer_idx
     where = f"layer {layer}" if layer is not None else "a layer cache"
     parts = []
     for side, x in (("keys", keys), ("values", values)):
@@ -87,21 +104,22 @@ def check(keys: torch.Tensor, values: torch.Tensor, cache: Any, op: str) -> None
     )
 
 
-def named_layers(new_layer: Callable[..., Any]) -> Callable[..., Any]:
+def named_layers(new_layer: Callable[Concatenate[M, P], L]) -> Callable[Concatenate[M, P], L]:
     """Decorate a ``Method.new_layer`` so the cache it returns knows its ``layer_idx`` (used
     in the messages above); :class:`~kvbench.cache.method.Method` applies it to every subclass."""
-    if getattr(new_layer, "_names_layers", False):
+    if inspect.unwrap(new_layer, stop=_NAMING.__contains__) in _NAMING:  # wrapped already
         return new_layer
 
     @functools.wraps(new_layer)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: M, *args: P.args, **kwargs: P.kwargs) -> L:
         layer = new_layer(self, *args, **kwargs)
         idx = args[0] if args else kwargs.get("layer_idx")
-        # a cache with __slots__ has no layer_idx: messages then say "a layer cache"
+        # a plugin's cache with __slots__ (not a LayerCache) may have no layer_idx, or refuse
+        # it: messages then say "a layer cache"
         with suppress(AttributeError):
-            if getattr(layer, "layer_idx", None) is None:
+            if layer.layer_idx is None:
                 layer.layer_idx = idx
         return layer
 
-    wrapper._names_layers = True  # type: ignore[attr-defined]
+    _NAMING.add(wrapper)
     return wrapper

@@ -12,7 +12,6 @@ docs/design.md#stored-layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,7 +49,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
-def _positive(value: Any, name: str, low: int = 1) -> None:
+def _positive(value: object, name: str, low: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
-from typing import Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar, Concatenate, NoReturn, ParamSpec
 
 import torch
 
@@ -26,6 +28,15 @@ from kvbench.cache.layout import BlockLayout, average_bits, bit_terms
 from kvbench.cache.quant import SUPPORTED_BITS, resolve_scale_dtype
 from kvbench.cache.rotation import BLOCKS, ROTATIONS, ChannelRotation
 from kvbench.cache.schedule import BlockSchedule, NeverSchedule, SlidingSchedule
+
+if TYPE_CHECKING:  # annotations only: the core imports transformers where it uses it
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.cache_utils import Cache
+
+P = ParamSpec("P")
+
+#: the wrappers made by :func:`_rotating`
+_ROTATING: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 
 #: bits of one (scale, zero) pair by scale dtype, the ``m_q`` of docs/methods.md#average-bits
 PAIR_BITS = {"float16": 32, "bfloat16": 32, "float32": 64}
@@ -61,6 +72,10 @@ class Capabilities:
 #: what the cache holds (llama.cpp)
 PREFILL_ATTENTION = ("full", "stored")
 
+#: ``storage_dtype`` values (docs/design.md#storage-dtype): the dtype the full-precision parts
+#: (sinks, residual, ``full``'s K/V) are stored in; ``None`` (the default) is the compute dtype
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class MethodConfig:
@@ -73,8 +88,11 @@ class MethodConfig:
 
     Every method has the keyword-only rotation fields ``rotation``, ``rotation_block`` and
     ``rotation_seed`` (docs/methods.md#rotation; QuaRot arXiv:2404.00456), applied by the layer
-    cache (:mod:`kvbench.cache.rotation`), and ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
-    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`).
+    cache (:mod:`kvbench.cache.rotation`), ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
+    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`), and
+    ``storage_dtype`` (:data:`STORAGE_DTYPES` or ``None``: the compute dtype), the dtype the
+    layer cache stores its full-precision parts in (docs/design.md#storage-dtype); a method
+    that cannot honour it names why in :attr:`Method.storage_dtype_refusal`.
     """
 
     _: KW_ONLY
@@ -82,6 +100,19 @@ class MethodConfig:
     rotation_block: int = kf.spec(64, int, choices=BLOCKS, text="powers of two 2..4096")
     rotation_seed: int | None = kf.spec(None, int, low=0, optional=True)
     prefill_attention: str = kf.spec("full", str, choices=PREFILL_ATTENTION)
+    storage_dtype: str | None = kf.spec(
+        None, str, choices=tuple(STORAGE_DTYPES), optional=True,
+        text="None (the compute dtype), float16 or bfloat16",
+    )  # fmt: skip
+
+    # The windows of a config that declares no such field: plain class attributes, not
+    # dataclass fields (a subclass declares the field with its own default: CacheConfig).
+    #: N_s, first tokens kept in full precision (0: no sinks)
+    num_sink_tokens = 0
+    #: R, newest tokens kept in full precision (``None``: the config has no residual window)
+    residual_length = None
+    #: G, tokens per key group (``None``: the config has no token groups)
+    group_size = None
 
     #: fields left out of :meth:`to_dict` while they hold their default: fields added after
     #: records existed, so the config (and the ``run_id`` hashed from it) of a run that does not
@@ -91,6 +122,7 @@ class MethodConfig:
         "rotation_block",
         "rotation_seed",
         "prefill_attention",
+        "storage_dtype",
     )
 
     def __post_init__(self) -> None:
@@ -107,14 +139,14 @@ class MethodConfig:
         kf.reject(type(self).__name__, name, getattr(self, name), allowed)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], where: str = "") -> MethodConfig:
+    def from_dict(cls, values: Mapping[str, object], where: str = "") -> MethodConfig:
         """Build from a mapping; unknown keys raise ``ValueError`` naming them and the allowed
         fields (``where`` is prefixed, e.g. a suite file name)."""
         cls.check_names(values, where)
         return cls(**values)
 
     @classmethod
-    def check_names(cls, values: Mapping[str, Any], where: str = "") -> None:
+    def check_names(cls, values: Mapping[str, object], where: str = "") -> None:
         """Raise the ``ValueError`` of :meth:`from_dict` for keys of ``values`` that are not
         fields."""
         allowed = [f.name for f in fields(cls)]
@@ -125,7 +157,7 @@ class MethodConfig:
                 f"{pre}unknown config field(s) {unknown} for {cls.__name__}; allowed: {allowed}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields as a dict, without those of :attr:`omitted_defaults` at their default."""
         out = dataclasses.asdict(self)
         for f in fields(self):
@@ -134,11 +166,11 @@ class MethodConfig:
         return out
 
 
-def require_padding(method: Any) -> None:
+def require_padding(method: Method) -> None:
     """Raise ``ValueError`` naming ``method`` unless its ``capabilities.padding`` is True (a
     padded batch would give its rows results that depend on their padding)."""
     if not method.capabilities.padding:
-        name = getattr(method, "name", "") or type(method).__name__
+        name = method.name or type(method).__name__
         raise ValueError(
             f"method {name!r} does not support padded batches (capabilities.padding=False): "
             "run prompts of different lengths one at a time (batch_size: 1), or batch only "
@@ -197,29 +229,44 @@ class CacheConfig(MethodConfig):
         return cg
 
 
-def _rotating(new_layer: Callable[..., Any]) -> Callable[..., Any]:
+def _rotating(
+    new_layer: Callable[Concatenate[Method, P], LayerCache],
+) -> Callable[Concatenate[Method, P], LayerCache]:
     """Wrap a ``Method.new_layer``: check :meth:`Method.rotation` for the head_dim first, then
-    hand it to the layer cache it returns (``layer.rotation``)."""
-    if getattr(new_layer, "_rotates", False):
+    hand it to the layer cache it returns (``layer.rotation``), with the config's
+    ``storage_dtype`` (``layer.storage_dtype``)."""
+    if inspect.unwrap(new_layer, stop=_ROTATING.__contains__) in _ROTATING:  # wrapped already
         return new_layer
 
     @functools.wraps(new_layer)
-    def wrapper(self: Method, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Method, *args: P.args, **kwargs: P.kwargs) -> LayerCache:
         rot = self.rotation(args[2] if len(args) > 2 else kwargs["head_dim"])
         layer = new_layer(self, *args, **kwargs)
         if rot is not None:
             layer.rotation = rot
+        storage = self.config.storage_dtype
+        if storage is not None:
+            layer.storage_dtype = STORAGE_DTYPES[storage]
         return layer
 
-    wrapper._rotates = True  # type: ignore[attr-defined]
+    _ROTATING.add(wrapper)
     return wrapper
 
 
-def _rotated_calibration(calibrate: Callable[..., Any]) -> Callable[..., Any]:
+#: what ``Method.calibrate`` takes per side: ``[..., D]`` tensors by layer index, or in layer
+#: order
+CalibrationData = Mapping[int, torch.Tensor] | Sequence[torch.Tensor]
+#: a ``Method.calibrate``: ``(method, keys, values, source=...)`` -> the calibrated method
+Calibrate = Callable[..., "Method"]
+
+
+def _rotated_calibration(calibrate: Calibrate) -> Calibrate:
     """Wrap a ``Method.calibrate``: its keys and values (a mapping or a sequence of ``[...,
     D]`` tensors) are rotated as the layer caches will store them."""
 
-    def rotate(method: Method, data: Any, side: str) -> Any:
+    def rotate(
+        method: Method, data: CalibrationData | None, side: str
+    ) -> dict[int, torch.Tensor] | list[torch.Tensor] | None:
         if data is None:
             return None
 
@@ -232,7 +279,13 @@ def _rotated_calibration(calibrate: Callable[..., Any]) -> Callable[..., Any]:
         return [one(x) for x in data]
 
     @functools.wraps(calibrate)
-    def wrapper(self: Method, keys_by_layer: Any, values_by_layer: Any = None, *a, **kw) -> Any:
+    def wrapper(
+        self: Method,
+        keys_by_layer: CalibrationData,
+        values_by_layer: CalibrationData | None = None,
+        *a: object,
+        **kw: object,
+    ) -> Method:
         keys, values = rotate(self, keys_by_layer, "keys"), rotate(self, values_by_layer, "values")
         return calibrate(self, keys, values, *a, **kw)
 
@@ -252,16 +305,21 @@ class Method:
     description: ClassVar[str] = ""
     source: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: why this method cannot store its full-precision parts in ``storage_dtype`` (its layer
+    #: cache keeps them outside the common sinks/residual path), or ``None``: it can.  A config
+    #: that sets ``storage_dtype`` is refused with this reason (so is any for a method without
+    #: a layer cache, ``capabilities.layer_cache=False``)
+    storage_dtype_refusal: ClassVar[str | None] = None
     name: str = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "new_layer" in cls.__dict__:  # caches know their layer (NaN/Inf messages), rotation
             cls.new_layer = _rotating(finite.named_layers(cls.__dict__["new_layer"]))
         if "calibrate" in cls.__dict__:  # calibration sees the space the cache stores
             cls.calibrate = _rotated_calibration(cls.__dict__["calibrate"])
 
-    def __init__(self, config: MethodConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: MethodConfig | None = None, **overrides: object) -> None:
         if config is None:
             config = self.Config.from_dict(overrides)
         elif overrides:
@@ -277,6 +335,16 @@ class Method:
                 f"'none' ({type(self).__name__} wraps a transformers cache, capabilities."
                 "layer_cache=False, and rotations are applied by kvbench's LayerCache)",
             )
+        storage = config.storage_dtype
+        if storage is not None:
+            why = self.storage_dtype_refusal
+            if not self.capabilities.layer_cache:
+                why = (
+                    f"{type(self).__name__} wraps a transformers cache (capabilities."
+                    "layer_cache=False) and stores K/V in its own dtypes"
+                )
+            if why is not None:
+                config.reject("storage_dtype", f"None (the compute dtype) for this method: {why}")
         self.config = config
 
     def __repr__(self) -> str:
@@ -291,7 +359,7 @@ class Method:
         read this property, not the class capability."""
         return self.capabilities.needs_queries
 
-    def for_model(self, info: dict[str, Any]) -> Method:
+    def for_model(self, info: Mapping[str, object]) -> Method:
         """Fill config fields that depend on the model (``kvbench.hf.info.model_info``: head_dim,
         rope_theta, ...) and that the user left unset; returns the method (default: as is)."""
         return self
@@ -307,10 +375,10 @@ class Method:
         keys_by_layer: dict[int, torch.Tensor],
         values_by_layer: dict[int, torch.Tensor] | None = None,
         source: str = "",
-    ) -> Any:
+    ) -> Method:
         """Fit static parameters from full-precision post-RoPE keys (and values)
         ``[N, H_kv, T, D]`` per layer index, captured on a calibration text disjoint from the
-        evaluation text (named in ``source`` and recorded by the runner).
+        evaluation text (named in ``source`` and recorded by the runner).  Returns the method.
 
         Raises ``ValueError`` for methods that take no calibration."""
         raise ValueError(f"method {self.name or type(self).__name__!r} takes no calibration")
@@ -375,7 +443,7 @@ class Method:
         num_kv_heads: int,
         head_dim: int,
         cls: type[LayerCache] = LayerCache,
-        **extra: Any,
+        **extra: object,
     ) -> LayerCache:
         """``cls`` (a :class:`LayerCache` subclass taking LayerCache's arguments, then
         ``extra``) built from this method's parts: :meth:`key_codec`, :meth:`value_codec`,
@@ -387,14 +455,16 @@ class Method:
             self.value_codec(layer_idx, head_dim),
             self.key_schedule(),
             self.value_schedule(),
-            num_sink_tokens=getattr(self.config, "num_sink_tokens", 0),
+            num_sink_tokens=self.config.num_sink_tokens,
             needs_queries=self.needs_queries,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             **extra,
         )
 
-    def transformers_cache(self, model: Any, attend: bool = False) -> Any | None:
+    def transformers_cache(
+        self, model: PreTrainedModel | PretrainedConfig, attend: bool = False
+    ) -> Cache | None:
         """A transformers ``Cache`` of the method's own for ``model`` (a model or its config), or
         ``None`` (the default): then :func:`kvbench.hf.cache.make_hf_cache` builds kvbench's
         ``QuantizedKVCache`` over :meth:`new_layer`.  The transformers peers return their cache
@@ -407,17 +477,17 @@ class Method:
         return None
 
     # ----------------------------------------------------------- bit budget
-    def _codec_layout(self, codec: Any, side: str, head_dim: int) -> BlockLayout:
+    def _codec_layout(self, codec: Codec | None, side: str, head_dim: int) -> BlockLayout:
         if codec is None:
             return BlockLayout.full_precision(head_dim)
-        if not callable(getattr(codec, "layout", None)):
+        if not callable(getattr(codec, "layout", None)):  # a plugin codec without it
             raise TypeError(
                 f"{type(self).__name__}: {side} codec {type(codec).__name__} has no "
                 f"layout(head_dim, flush_tokens) to derive the nominal bits from; implement it "
                 f"(kvbench.cache.layout, docs/design.md#stored-layouts) or override {side}_layout()"
             )
         # tokens per flush, for codecs whose group is a whole flush: R, at least 1
-        return codec.layout(head_dim, max(getattr(self.config, "residual_length", 1), 1))
+        return codec.layout(head_dim, max(self.config.residual_length or 1, 1))
 
     def key_layout(self, head_dim: int) -> BlockLayout:
         """What a key block stores for ``head_dim`` channels (:class:`~kvbench.cache.layout.BlockLayout`).
@@ -440,14 +510,16 @@ class Method:
         """As :meth:`key_bit_terms` for values (:meth:`value_layout`)."""
         return bit_terms(self.value_layout(head_dim)).to_dict()
 
-    def average_bits(self, head_dim: int = 128, tokens: int = 32768) -> dict[str, Any]:
+    def average_bits(
+        self, head_dim: int = 128, tokens: int = 32768
+    ) -> dict[str, float | dict[str, float]]:
         """Nominal bits per key and value element (docs/methods.md#average-bits) for ``tokens`` quantized tokens.
 
         Returns ``{"key_bits", "value_bits", "key_terms", "value_terms", "num_sink_tokens",
         "tokens", "head_dim"}``; the terms are :func:`kvbench.cache.layout.bit_terms` of
         :meth:`key_layout` / :meth:`value_layout`.
         """
-        ns = getattr(self.config, "num_sink_tokens", 0)
+        ns = self.config.num_sink_tokens
         kt, vt = self.key_bit_terms(head_dim), self.value_bit_terms(head_dim)
         return {
             "key_bits": average_bits(**kt, n_sink=ns, tokens=tokens),

@@ -30,6 +30,7 @@ threads (ctypes releases the GIL during the call).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,11 +109,14 @@ def _split(rows: int, per_row: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-def _run(lib: ctypes.CDLL, fn: str, base: _In, parts, *args) -> list[int]:
+def _run(fn: Callable[..., int], base: _In, parts: list[tuple[int, int]], *args: int) -> list[int]:
+    """``fn(&rows, *args)`` (a C function of the library) over each row range of ``parts``,
+    one thread per range; their return codes."""
+
     def one(part: tuple[int, int]) -> int:
         a = _In.from_buffer_copy(base)
         a.r0, a.r1 = part
-        return getattr(lib, fn)(ctypes.byref(a), *args)
+        return fn(ctypes.byref(a), *args)
 
     if len(parts) == 1:
         return [one(parts[0])]
@@ -194,7 +198,7 @@ def quantize_pack(
     parts = _split(b * h, t * d)
     mn = torch.empty(b, h, nt, nc, dtype=torch.float32)
     mx = torch.empty(b, h, nt, nc, dtype=torch.float32)
-    rc = _run(lib, "kq_minmax", base, parts, mn.data_ptr(), mx.data_ptr())
+    rc = _run(lib.kq_minmax, base, parts, mn.data_ptr(), mx.data_ptr())
     if any(r < 0 for r in rc):
         raise MemoryError("native quantizer: out of memory for a row buffer")
     if any(rc):  # a non-finite element: the reference's policy applies
@@ -211,7 +215,7 @@ def quantize_pack(
     nbytes = packed_size(d, bits) if packed else d
     codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8)
     ssb, ssh = (0, 0) if shared else (h * nt * nc, nt * nc)
-    rc = _run(lib, "kq_codes", base, parts, s.data_ptr(), z.data_ptr(), ssb, ssh, bits,
+    rc = _run(lib.kq_codes, base, parts, s.data_ptr(), z.data_ptr(), ssb, ssh, bits,
               int(symmetric), int(midpoint), int(packed), codes.data_ptr(), nbytes)  # fmt: skip
     if any(rc):
         raise MemoryError("native quantizer: out of memory for a row buffer")

@@ -12,12 +12,61 @@ padded prefill made it a row container; it never imports :mod:`kvbench.cache.lay
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 
-def check_lengths(lengths: Any, batch: int, prompt: int) -> list[int]:
+class Padded(Protocol):
+    """A :class:`~kvbench.cache.layer.LayerCache` as this module reads it (it cannot import that
+    module): the padded layer and each of its single-row caches."""
+
+    dtype: torch.dtype | None
+    attend_path: str | None
+    attend_path_reason: str
+    _rows: list[Padded] | None
+    _pads: list[int]
+    _bhd: tuple[int, int, int] | None
+
+    @property
+    def seq_length(self) -> int: ...
+
+    def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def prefill(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> None: ...
+
+    def provide_queries(self, queries: torch.Tensor) -> None: ...
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def keys_values(
+        self, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        scaling: float | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def quantized_tokens(self) -> tuple[int, int]: ...
+
+    def crop(self, max_length: int) -> None: ...
+
+    def tensors(self) -> list[tuple[str, str, torch.Tensor]]: ...
+
+
+def check_lengths(lengths: torch.Tensor | Sequence[int], batch: int, prompt: int) -> list[int]:
     """Per-row real-token counts as a list of ints.
 
     Raises ``ValueError`` unless ``lengths`` is ``[B]`` integers in ``[1, P]`` (a row with no
@@ -40,7 +89,7 @@ def check_lengths(lengths: Any, batch: int, prompt: int) -> list[int]:
 
 
 def prefill(
-    layer: Any,
+    layer: Padded,
     keys: torch.Tensor,
     values: torch.Tensor,
     queries: torch.Tensor | None,
@@ -62,28 +111,30 @@ def prefill(
     layer.dtype = keys.dtype
 
 
-def provide_queries(layer: Any, queries: torch.Tensor) -> None:
+def provide_queries(layer: Padded, queries: torch.Tensor) -> None:
     for b, (row, pad) in enumerate(zip(layer._rows, layer._pads)):
         row.provide_queries(queries[b : b + 1, :, pad:])
 
 
-def append(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+def append(layer: Padded, keys: torch.Tensor, values: torch.Tensor) -> None:
     layer._check(keys, values)
     for b, row in enumerate(layer._rows):
         row.append(keys[b : b + 1], values[b : b + 1])
 
 
-def end_step(layer: Any) -> None:
+def end_step(layer: Padded) -> None:
     for row in layer._rows:
         row.end_step()
 
 
-def seq_length(layer: Any) -> int:
+def seq_length(layer: Padded) -> int:
     """The padded length: pads + the row's tokens (equal for every row)."""
     return layer._pads[0] + layer._rows[0].seq_length
 
 
-def keys_values(layer: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_values(
+    layer: Padded, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, H_kv, T, D]`` in the batch's coordinates; each row's pads are zeros at the left."""
     t = seq_length(layer)
     ks, vs = [], []
@@ -96,7 +147,10 @@ def keys_values(layer: Any, dtype: torch.dtype | None = None) -> tuple[torch.Ten
 
 
 def attend(
-    layer: Any, query: torch.Tensor, scaling: float | None = None, lengths: Any = None
+    layer: Padded,
+    query: torch.Tensor,
+    scaling: float | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row attends to its own cache (its real tokens only); ``[B, H_q, n_q, D]``."""
     if lengths is not None:
@@ -105,20 +159,20 @@ def attend(
             "with lengths=None"
         )
     outs = [row.attend(query[b : b + 1], scaling) for b, row in enumerate(layer._rows)]
-    paths = sorted({str(getattr(r, "attend_path", None)) for r in layer._rows})
-    reasons = sorted({getattr(r, "attend_path_reason", "") for r in layer._rows} - {""})
+    paths = sorted({str(r.attend_path) for r in layer._rows})
+    reasons = sorted({r.attend_path_reason for r in layer._rows} - {""})
     layer.attend_path = "+".join(paths)
     layer.attend_path_reason = "; ".join(["per-row caches (padded batch)", *reasons])
     return torch.cat(outs)
 
 
-def quantized_tokens(layer: Any) -> tuple[int, int]:
+def quantized_tokens(layer: Padded) -> tuple[int, int]:
     """(keys, values) quantized tokens of the row that holds the most."""
     per = [row.quantized_tokens() for row in layer._rows]
     return max(k for k, _ in per), max(v for _, v in per)
 
 
-def crop(layer: Any, max_length: int) -> None:
+def crop(layer: Padded, max_length: int) -> None:
     """Keep the first ``max_length`` positions of the batch's coordinates (negative: drop that
     many from the end).  Raises ``ValueError`` if a row would lose all its real tokens."""
     n = seq_length(layer) + max_length if max_length < 0 else max_length
@@ -131,7 +185,7 @@ def crop(layer: Any, max_length: int) -> None:
         row.crop(n - pad)
 
 
-def index_batch(layer: Any, idx: torch.Tensor) -> None:
+def index_batch(layer: Padded, idx: torch.Tensor) -> None:
     """Keep/reorder rows ``idx`` (a row taken twice, as in beam search, is copied)."""
     seen: set[int] = set()
     rows, pads = [], []
@@ -144,11 +198,11 @@ def index_batch(layer: Any, idx: torch.Tensor) -> None:
     layer._bhd = (len(rows), *layer._bhd[1:])
 
 
-def tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
+def tensors(layer: Padded) -> list[tuple[str, str, torch.Tensor]]:
     """Every tensor the rows hold (nothing is stored for pads)."""
     return [x for row in layer._rows for x in row.tensors()]
 
 
-def lengths(layer: Any) -> list[int]:
+def lengths(layer: Padded) -> list[int]:
     """Tokens each row holds (its real tokens)."""
     return [row.seq_length for row in layer._rows]

@@ -8,8 +8,6 @@ load failures named by distribution) are :mod:`kvbench.registry`'s.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvbench.cache.method import Method
 from kvbench.registry import Registry, RegistryError
 
@@ -42,7 +40,7 @@ def get_method_class(name: str) -> type[Method]:
     return METHODS.get(name)
 
 
-def get_method(name: str, **config: Any) -> Method:
+def get_method(name: str, **config: object) -> Method:
     """Build the method registered as ``name`` with config fields ``config``.
 
     Unknown config fields raise ``ValueError`` naming them and the allowed fields.
@@ -53,13 +51,13 @@ def get_method(name: str, **config: Any) -> Method:
     return method
 
 
-def list_methods() -> list[dict[str, Any]]:
+def list_methods() -> list[dict[str, str | dict[str, bool] | None]]:
     """One dict per registered name: ``name, distribution, entry_point, description,
     capabilities, error``.  Loads every entry point; failures are reported in ``error``
     instead of raised."""
     out = []
     for name, entry in sorted(METHODS.entries().items()):
-        row: dict[str, Any] = {
+        row: dict[str, str | dict[str, bool] | None] = {
             "name": name,
             "distribution": entry.dist,
             "entry_point": entry.value,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -104,11 +105,27 @@ class ChannelRotation:
         return y.to(x.dtype)
 
 
-def for_config(config: object, head_dim: int, key_order: torch.Tensor | None = None):
+class RotationConfig(Protocol):
+    """The rotation fields of a method config (:class:`~kvbench.cache.method.MethodConfig`,
+    whose module imports this one)."""
+
+    @property
+    def rotation(self) -> str: ...
+
+    @property
+    def rotation_block(self) -> int: ...
+
+    @property
+    def rotation_seed(self) -> int | None: ...
+
+
+def for_config(
+    config: RotationConfig, head_dim: int, key_order: torch.Tensor | None = None
+) -> ChannelRotation | None:
     """The :class:`ChannelRotation` of a method config (``rotation``, ``rotation_block``,
     ``rotation_seed``) for ``head_dim`` channels, or ``None`` when it is the identity.  Raises
     ``ValueError`` naming ``rotation_block`` when it does not divide ``head_dim``."""
-    if getattr(config, "rotation", "none") == "none":
+    if config.rotation == "none":
         return None if key_order is None else ChannelRotation(head_dim, key_order=key_order)
     block = config.rotation_block
     if head_dim % block:

@@ -22,21 +22,30 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvbench.cache.layer import LayerCache
 from kvbench.hf import padding
 from kvbench.hf.padding import PaddedBatchError
+
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedModel
 
 #: the name to pass as ``attn_implementation``
 ATTN_IMPLEMENTATION = "kvbench"
 #: the recorded path of a decode step on the reference route (sdpa over ``keys_values()``)
 SDPA_PATH = "sdpa-keys-values"
 _PADDED_ATTR = "_kvbench_padded"
+
+#: a model, or any object standing in for one
+ModelT = TypeVar("ModelT")
+#: a transformers model
+PreTrainedT = TypeVar("PreTrainedT", bound="PreTrainedModel")
 
 
 @dataclass
@@ -59,7 +68,7 @@ class StepBinding:
         layer cache's ``keys_values()`` after ``provide_queries`` instead of ``keys``.
     """
 
-    layer_cache: Any
+    layer_cache: LayerCache
     layer_idx: int
     keys: torch.Tensor
     prefill: bool
@@ -96,7 +105,7 @@ def has_padding(attention_mask: torch.Tensor | None) -> bool:
     return bool(getattr(attention_mask, _PADDED_ATTR, False))
 
 
-def kvbench_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+def kvbench_mask(*args: object, **kwargs: object) -> torch.Tensor | None:
     """transformers' ``sdpa_mask`` (same arguments, same result), tagging padded masks.
 
     The 2D ``attention_mask`` argument (``[B, kv_len]``, True = real token) is recorded for
@@ -124,7 +133,7 @@ def kvbench_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as ``"kvbench"`` (see the module docstring).
 
@@ -161,23 +170,21 @@ def kvbench_attention_forward(
     if step.on_consumed is not None:
         step.on_consumed()
     lc = step.layer_cache
-    if has_padding(attention_mask) and getattr(lc, "row_lengths", None) is None:
+    if has_padding(attention_mask) and lc.row_lengths is None:
         raise PaddedBatchError(
             f"layer {layer_idx}: the attention_mask has padding but the kvbench cache was not "
             "prefilled with per-row lengths (statistics, sinks and selections would mix pads "
             "with real tokens; docs/design.md#padding). Pass the 2-D attention_mask with left "
             "padding from the first forward on."
         )
-    if getattr(lc, "padding_tokens", 0) and not has_padding(attention_mask):
+    if lc.padding_tokens and not has_padding(attention_mask):
         raise PaddedBatchError(
             f"layer {layer_idx}: the kvbench cache holds a left-padded batch but this step's "
             "mask has no padding (a mask recorded by another forward?); pass the batch's 2-D "
             "attention_mask at every step"
         )
     if step.prefill:
-        provide = getattr(lc, "provide_queries", None)
-        if provide is not None:
-            provide(query)
+        lc.provide_queries(query)
     if step.attend:
         if dropout:
             raise ValueError(
@@ -185,8 +192,8 @@ def kvbench_attention_forward(
             )
         out = _attend_prompt(lc, query, scaling) if step.prefill else lc.attend(query, scaling)
         result = (out.transpose(1, 2).contiguous(), None)
-        path = getattr(lc, "attend_path", None) or "unknown"
-        reason = getattr(lc, "attend_path_reason", "") or ""
+        path = lc.attend_path or "unknown"
+        reason = lc.attend_path_reason or ""
     else:
         if step.read_stored:  # prefill_attention="stored", after the prefill waited for queries
             key, value = lc.keys_values()
@@ -200,19 +207,19 @@ def kvbench_attention_forward(
     return result
 
 
-def _attend_prompt(lc: Any, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _attend_prompt(lc: LayerCache, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """A prompt's attention ``[B, H_q, P, D]`` over what ``lc`` stores (``prefill_attention=
     "stored"``), causal aligned to the end.  A layer that caches rows apart (a padded batch)
     is read row by row: row ``b`` holds its ``n_b`` real tokens, its last ``n_b`` queries attend
     to them, and its pad positions (never stored, never read by a real token) get zeros."""
-    rows = getattr(lc, "rows", None)
+    rows = lc.rows
     if rows is None:
         return lc.attend(query, scaling)
     out = torch.zeros_like(query)
     for b, row in enumerate(rows):
         n = row.seq_length
         out[b : b + 1, :, -n:] = row.attend(query[b : b + 1, :, -n:], scaling)
-    lc.attend_path = "+".join(sorted({str(getattr(r, "attend_path", None)) for r in rows}))
+    lc.attend_path = "+".join(sorted({str(r.attend_path) for r in rows}))
     lc.attend_path_reason = "per-row caches (padded batch)"
     return out
 
@@ -226,7 +233,7 @@ def register() -> str:
 
 
 @contextlib.contextmanager
-def kvbench_attention(model: Any) -> Iterator[Any]:
+def kvbench_attention(model: ModelT) -> Iterator[ModelT]:
     """Inside the ``with`` block ``model`` runs ``attn_implementation="kvbench"`` (switched with
     ``set_attn_implementation`` when it runs another one, and switched back afterwards, also on
     an error); yields the model.  Workloads wrap their runs in it, so that a model loaded with
@@ -244,7 +251,7 @@ def kvbench_attention(model: Any) -> Iterator[Any]:
             model.set_attn_implementation(prev)
 
 
-def use_kvbench_attention(model: Any) -> Any:
+def use_kvbench_attention(model: PreTrainedT) -> PreTrainedT:
     """Switch ``model`` to ``attn_implementation="kvbench"`` (``set_attn_implementation``) and
     return it.  Loading with ``from_pretrained(..., attn_implementation="kvbench")`` after
     importing this module does the same."""

@@ -31,16 +31,21 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.cache.layer import LayerCache
 from kvbench.cache.method import Method, require_padding
 from kvbench.fields import Field
 from kvbench.hf import padding
 from kvbench.hf.attention import ATTN_IMPLEMENTATION, StepBinding, bind_step
+from kvbench.hf.capture import CapturedQKV
 from kvbench.hf.peers import sum_counts, text_config
+
+if TYPE_CHECKING:  # annotations only
+    from transformers import PretrainedConfig, PreTrainedModel
 
 #: decoder layer types whose K/V this cache can hold (sliding windows are enforced by the
 #: attention mask; all tokens are stored)
@@ -65,7 +70,9 @@ DEFAULT_PROTOCOL = WRITE_THEN_ATTEND
 PEER_PROTOCOL = "transformers-update"
 
 
-def cache_kwarg(cache: Cache | None, model: Any = None) -> dict[str, Any]:
+def cache_kwarg(
+    cache: Cache | None, model: PreTrainedModel | type[PreTrainedModel] | None = None
+) -> dict[str, Cache | None]:
     """``{name: cache}`` with the keyword the installed transformers expects for a cache in
     ``model(...)`` and ``model.generate(...)``: ``"cache"`` (5.24, where ``past_key_values`` is
     deprecated) or ``"past_key_values"`` (5.17).  Decided from ``model.forward``'s signature
@@ -78,8 +85,9 @@ def cache_kwarg(cache: Cache | None, model: Any = None) -> dict[str, Any]:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
-def _text_config(config_or_model: Any) -> Any:
+def _text_config(config_or_model: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
     config = text_config(config_or_model)
+    # an object that is no transformers config (or a config without decoder layers)
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise ValueError(
             f"config_or_model must be a transformers model or config with num_hidden_layers; "
@@ -88,7 +96,8 @@ def _text_config(config_or_model: Any) -> Any:
     return config
 
 
-def _layer_types(config: Any) -> list[str]:
+def _layer_types(config: PretrainedConfig) -> list[str]:
+    # both are model-specific config attributes: absent from most model types
     types = getattr(config, "layer_types", None)
     if types is not None:
         return list(types)
@@ -116,7 +125,7 @@ class KVBenchLayer(CacheLayerMixin):
         # cyclic collector
         self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
-        self.layer_cache = None
+        self.layer_cache: LayerCache | None = None
         self._unconsumed = False
 
     @property
@@ -143,7 +152,11 @@ class KVBenchLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new tokens ``[B, H_kv, n, D]`` and return the K/V this step attends to.
 
@@ -180,10 +193,10 @@ class KVBenchLayer(CacheLayerMixin):
                 stored = False  # read here; the attention function needs not read it again
         else:
             held = lc.seq_length
-            rows = getattr(lc, "row_lengths", None)
+            rows = lc.row_lengths
             pads = [0] * b if rows is None else [held - r for r in rows]
             padding.check_decode(mask, pads, held, n)
-            if getattr(lc, "awaiting_queries", False):
+            if lc.awaiting_queries:
                 raise ValueError(
                     f"method {self.owner.method_name!r} needs post-RoPE queries at prefill "
                     f"(capabilities.needs_queries) but none arrived: load or switch the model "
@@ -236,9 +249,8 @@ class KVBenchLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: prefill_from needs an empty layer")
         # exactly the model's prefill: update() stores, the attention function hands queries
         lc.prefill(keys, values)
-        provide = getattr(lc, "provide_queries", None)
-        if provide is not None and queries is not None:
-            provide(queries)
+        if queries is not None:
+            lc.provide_queries(queries)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones.
@@ -282,7 +294,7 @@ class KVBenchLayer(CacheLayerMixin):
             keep = max(n + tokens_to_remove, 0)
         self.layer_cache.crop(keep)
 
-    def _index(self, idx: Any) -> None:
+    def _index(self, idx: torch.Tensor | list[int]) -> None:
         if self.layer_cache is None or self.get_seq_length() == 0:
             return
         idx = torch.as_tensor(idx)
@@ -341,8 +353,8 @@ class QuantizedKVCache(Cache):
     def __init__(
         self,
         method: Method | str,
-        config_or_model: Any,
-        method_config: Mapping[str, Any] | None = None,
+        config_or_model: PreTrainedModel | PretrainedConfig,
+        method_config: Mapping[str, object] | None = None,
         attend: bool = False,
         rows_apart: bool = False,
         protocol: str = DEFAULT_PROTOCOL,
@@ -421,7 +433,7 @@ class QuantizedKVCache(Cache):
         if reason:
             self.decode_path_reasons.add(reason)
 
-    def prefill_from(self, captured: Any) -> None:
+    def prefill_from(self, captured: CapturedQKV) -> None:
         """Prefill every (empty) layer from a prompt's captured post-RoPE Q/K/V
         (:class:`kvbench.hf.capture.CapturedQKV`, e.g. of :func:`kvbench.hf.capture.capture_prompt`,
         in the model's dtype and device): the state the model's own prefill through this cache
@@ -437,7 +449,7 @@ class QuantizedKVCache(Cache):
             self.layers[i].prefill_from(k, v, q)
 
     # ------------------------------------------------------------------ kvbench views
-    def layer_caches(self) -> list[Any]:
+    def layer_caches(self) -> list[LayerCache | None]:
         """The kvbench ``LayerCache`` of each layer (``None`` before its first update)."""
         return [layer.layer_cache for layer in self.layers]
 
@@ -469,13 +481,16 @@ __all__ = [
 
 
 def prefill_attention(method: Method) -> str:
-    """The method's ``prefill_attention`` (``full`` | ``stored``; ``full`` for a config class
-    that does not derive from :class:`~kvbench.cache.method.MethodConfig`)."""
-    return getattr(method.config, "prefill_attention", "full")
+    """The method's ``prefill_attention`` (``full`` | ``stored``, a
+    :class:`~kvbench.cache.method.MethodConfig` field)."""
+    return method.config.prefill_attention
 
 
 def make_hf_cache(
-    method: Method, model: Any, attend: bool = False, protocol: str = DEFAULT_PROTOCOL
+    method: Method,
+    model: PreTrainedModel | PretrainedConfig,
+    attend: bool = False,
+    protocol: str = DEFAULT_PROTOCOL,
 ) -> Cache:
     """The transformers ``Cache`` that holds ``method``'s K/V for ``model`` (a model or its config).
 
@@ -492,10 +507,11 @@ def make_hf_cache(
     return QuantizedKVCache(method, model, attend=attend, protocol=protocol)
 
 
-def cache_protocol(cache: Any) -> str:
+def cache_protocol(cache: Cache | None) -> str:
     """The decode protocol ``cache`` runs: a :class:`QuantizedKVCache`'s ``protocol``, else
-    :data:`PEER_PROTOCOL` (a transformers cache's own ``update``)."""
-    protocol = getattr(cache, "protocol", None)
+    :data:`PEER_PROTOCOL` (a transformers cache's own ``update``; ``None``: no cache).  A
+    method's own cache class that declares a ``protocol`` of :data:`PROTOCOLS` runs that one."""
+    protocol = getattr(cache, "protocol", None)  # transformers' caches have none
     return protocol if protocol in PROTOCOLS else PEER_PROTOCOL
 
 

@@ -11,11 +11,14 @@ Nothing in the model is copied or patched; only its ``attn_implementation`` is s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.hf.attention import capturing, kvbench_attention
+
+if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -42,7 +45,7 @@ class CapturedQKV:
 
 
 def capture_qkv(
-    model: Any, input_ids: torch.Tensor, layers: list[int] | None = None
+    model: PreTrainedModel, input_ids: torch.Tensor, layers: list[int] | None = None
 ) -> CapturedQKV:
     """Run ``model`` once over ``input_ids`` ``[B, T]`` (no cache, no padding) and return every
     layer's post-RoPE Q, K, V as CPU float32 (:class:`CapturedQKV`).
@@ -106,7 +109,7 @@ class PromptState:
     last_logits: torch.Tensor
 
 
-def capture_prompt(model: Any, input_ids: torch.Tensor) -> PromptState:
+def capture_prompt(model: PreTrainedModel, input_ids: torch.Tensor) -> PromptState:
     """Run the full-precision prefill of ``input_ids`` ``[B, P]`` once (no cache) and keep every
     layer's post-RoPE Q, K, V as they are (model dtype and device) with the last position's
     logits.  A kvbench cache's prefill attention is full precision (docs/design.md#protocols),

@@ -6,9 +6,15 @@ models with random weights), so neither imports the other for it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: importing this module does not load transformers
+    from transformers import PretrainedConfig, PreTrainedModel
+
+#: what :func:`model_info` returns (names, counts, ``rope_theta``)
+ModelInfo = dict[str, str | int | float | None]
 
 ROTATE_HALF_TYPES = frozenset(
     "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 "
@@ -31,13 +37,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ``dtype`` names no torch dtype.
     """
     name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(str(dtype), str(dtype))
+    # a dtype named by a string: torch's attribute of that name, if it has one
     out = dtype if isinstance(dtype, torch.dtype) else getattr(torch, name.split(".")[-1], None)
     if not isinstance(out, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16")
     return out
 
 
-def model_info(model: Any) -> dict[str, Any]:
+def model_info(model: PreTrainedModel | PretrainedConfig) -> ModelInfo:
     """Attention geometry of a model (or its config) for KV-cache accounting.
 
     Returns
@@ -47,13 +54,14 @@ def model_info(model: Any) -> dict[str, Any]:
     ``rope_theta`` (float or None) and ``rope_layout``: ``"rotate_half"`` (llama/qwen/mistral
     style: dims i and i + head_dim/2 pair up), ``"interleaved"`` (GPT-J style) or ``"unknown"``.
     """
-    cfg = getattr(model, "config", model)
+    # the remaining getattr read attributes that only some transformers configs have
+    cfg = getattr(model, "config", model)  # a model's, or the config itself
     cfg = getattr(cfg, "text_config", None) or cfg  # multimodal wrappers
     heads = cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
-    mtype = getattr(cfg, "model_type", "")
+    mtype = cfg.model_type
     layout = (
         "rotate_half"
         if mtype in ROTATE_HALF_TYPES

