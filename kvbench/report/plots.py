@@ -29,7 +29,7 @@ import argparse
 import json
 import textwrap
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO, TypedDict
@@ -378,57 +378,54 @@ def _key(
     return out + extra
 
 
-def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str]]) -> int:
-    """Write ``text`` beside each ``(point, drawn y, text)`` on ``ax`` at the first of
-    increasingly far offsets (8 directions) where its box overlaps no label placed before and no
-    marker and stays inside the axes, a leader line to far ones; a label with no such place is
-    not written.  Call after the layout is final.  Returns how many were not written."""
+#: a label further than this many placement steps from its marker gets a leader line
+LEADER_STEP = 2
+
+
+def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str]]) -> int:
+    """Write ``text`` beside each ``(point, drawn y, text, short)`` on ``ax`` at the first of
+    increasingly far offsets (8 directions) where its text overlaps no marker, it stays inside
+    the axes, and its extent (text, with the leader line drawn to a far one: the box from the
+    marker to the text) overlaps the extent of no label placed before; ``short`` (its number in
+    the key) where ``text`` has no such place, and nothing where neither has.  Call after the layout is final.  Returns how many were not
+    written."""
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
-    px = [ax.transData.transform((p.x, y)) for p, y, _ in items]
-    marks = [(x, y, p.size * fig.dpi / 72 * 0.6 + 1) for (p, _, _), (x, y) in zip(items, px)]
+    px = [ax.transData.transform((p.x, y)) for p, y, _, _ in items]
+    marks = [(x, y, p.size * fig.dpi / 72 * 0.6 + 1) for (p, _, _, _), (x, y) in zip(items, px)]
     boxes: list[tuple[float, float, float, float]] = []
     missed = 0
 
-    def free(b: tuple[float, float, float, float]) -> bool:
+    def apart(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+        return a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+
+    def free(b: tuple[float, float, float, float], extent: tuple[float, ...]) -> bool:
         x0, y0, x1, y1 = b
         if x0 < frame.x0 + 2 or y0 < frame.y0 + 2 or x1 > frame.x1 - 2 or y1 > frame.y1 - 2:
             return False
-        if any(x0 < c[2] and c[0] < x1 and y0 < c[3] and c[1] < y1 for c in boxes):
+        if not all(apart(extent, c) for c in boxes):  # type: ignore[arg-type]
             return False
         return not any(
             x0 < mx + r and mx - r < x1 and y0 < my + r and my - r < y1 for mx, my, r in marks
         )
 
-    dirs = [(1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, 1), (1, -1), (-1, -1)]
-    for (p, y, text), (cx, cy), (_, _, r) in zip(items, px, marks):
-        probe = ax.text(0, 0, text, fontsize=7)
-        ext = probe.get_window_extent(renderer)
-        probe.remove()
-        w, h = ext.width + 2, ext.height + 2
-        for step in range(12):
-            gap = 1 + 5 * step
-            spots = [(cx + ux * (r + gap + w / 2), cy + uy * (r + gap + h / 2)) for ux, uy in dirs]
-            spot = next(
-                (
-                    s
-                    for s in spots
-                    if free((s[0] - w / 2, s[1] - h / 2, s[0] + w / 2, s[1] + h / 2))
-                ),
-                None,
-            )
-            if spot is not None:
+    for (p, y, *texts), (cx, cy), (_, _, r) in zip(items, px, marks):
+        found = None
+        for text in dict.fromkeys(texts):
+            found = _spot(ax, renderer, text, (cx, cy, r), free)
+            if found is not None:
                 break
-        if spot is None:
+        if found is None:
             missed += 1
             continue
-        boxes.append((spot[0] - w / 2, spot[1] - h / 2, spot[0] + w / 2, spot[1] + h / 2))
+        sx, sy, extent, step = found
+        boxes.append(extent)
         k = 72 / fig.dpi  # pixels to points: the same place at any saved dpi
-        line = {"arrowstyle": "-", "color": "0.55", "lw": 0.5} if step > 2 else None
+        line = {"arrowstyle": "-", "color": "0.55", "lw": 0.5} if step > LEADER_STEP else None
         ax.annotate(
             text,
             (p.x, y),
-            xytext=((spot[0] - cx) * k, (spot[1] - cy) * k),
+            xytext=((sx - cx) * k, (sy - cy) * k),
             textcoords="offset points",
             ha="center",
             va="center",
@@ -438,6 +435,34 @@ def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str]]) -
             annotation_clip=False,
         )
     return missed
+
+
+def _spot(
+    ax: Axes,
+    renderer: object,
+    text: str,
+    mark: tuple[float, float, float],
+    free: Callable[[tuple[float, float, float, float], tuple[float, ...]], bool],
+) -> tuple[float, float, tuple[float, float, float, float], int] | None:
+    """The first place (pixels) for ``text`` beside the marker ``mark`` = (x, y, radius) that
+    ``free(text box, extent)`` accepts: ``(x, y, extent, step)``, or None."""
+    cx, cy, r = mark
+    probe = ax.text(0, 0, text, fontsize=7)
+    ext = probe.get_window_extent(renderer)
+    probe.remove()
+    w, h = ext.width + 2, ext.height + 2
+    dirs = [(1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, 1), (1, -1), (-1, -1)]
+    for step in range(12):
+        gap = 1 + 5 * step
+        for ux, uy in dirs:
+            sx, sy = cx + ux * (r + gap + w / 2), cy + uy * (r + gap + h / 2)
+            box = (sx - w / 2, sy - h / 2, sx + w / 2, sy + h / 2)
+            extent = box
+            if step > LEADER_STEP:  # the leader runs from the marker to the text
+                extent = (min(box[0], cx), min(box[1], cy), max(box[2], cx), max(box[3], cy))
+            if free(box, extent):
+                return sx, sy, extent, step
+    return None
 
 
 def _figure(
@@ -491,7 +516,15 @@ def _figure(
     fig.set_layout_engine("none")
     for ax, d in drawn:
         named = len(d) <= MAX_NAMED
-        items = [(p, y, p.label if named else str(styles[p.label]["number"])) for p, y in d]
+        items = [
+            (
+                p,
+                y,
+                p.label if named else str(styles[p.label]["number"]),
+                str(styles[p.label]["number"]),
+            )
+            for p, y in d
+        ]
         order = sorted(range(len(items)), key=lambda i: (items[i][0].label != d[0][0].label, i))
         missed = place_labels(fig, ax, [items[i] for i in order])
         if missed:
