@@ -20,7 +20,8 @@ The rules every figure follows:
   values stay at 16 bits (headline section (b)) on their own axes, never beside those whose
   values are quantized; ``full`` is the reference in both.
 - **Labels**: each point's name (at most :data:`MAX_NAMED` points per axes) or number, placed
-  by :func:`place_labels` where it overlaps no other label or marker and stays inside the axes.
+  by :func:`place_labels` where it overlaps no marker and no other label (a leader line counted
+  as part of its label) and stays inside the axes; its number where its name finds no room.
 """
 
 from __future__ import annotations
