@@ -1,8 +1,10 @@
 """The report's figures, read back from the matplotlib objects (not pixels).
 
 Right values: a small record set written here, every expected point worked by hand (bytes over
-``full``'s 16-bit bytes, the Pareto frontier by inspection, the noise floor from its rule); each
-family's style from the registry's sorted built-in names, computed here on its own.
+``full``'s 16-bit bytes, the Pareto frontier by inspection, the noise floor from the headline
+table's rule); each family's colour and each configuration's marker from the sorted labels,
+computed here on their own.  tests/test_plots_figures.py checks every figure of the committed
+default export against the same rules.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from kvbench.bench.records import Record, write_record  # noqa: E402
-from kvbench.cache.registry import METHODS  # noqa: E402
 from kvbench.cli import main  # noqa: E402
-from kvbench.report import plots  # noqa: E402
+from kvbench.report import headline, plots  # noqa: E402
 from kvbench.report.export import make_export  # noqa: E402
 
 MEMORY = {"type": "memory", "text": "essays", "context": 2048, "dtype": "float16", "layers": "all"}
@@ -70,12 +71,12 @@ def _records(latency: bool = True) -> list[Record]:
 
 
 RECORDS = _records()
-#: section (a) on next-token KL vs bytes: noise = max(|0.0|, |-8.8e-10|) = 8.8e-10, the smallest
-#: KL above it 0.03, so the floor is 0.003; full and hf-dynamic are drawn there
-FLOOR_A = 0.003
+#: the headline table's noise floor: the largest |KL| of unquantized rows (hf-dynamic's
+#: |-8.8e-10|), at least KL_FLOOR = 1e-6; full and hf-dynamic are drawn on it
+FLOOR = 1e-6
 SECTION_A = {
-    "full": (1.0, FLOOR_A),
-    "hf-dynamic": (1.0, FLOOR_A),
+    "full": (1.0, FLOOR),
+    "hf-dynamic": (1.0, FLOOR),
     "kivi K2V2": (0.2, 0.3),
     "pn-mix V2": (0.21, 0.03),
     "kitty V2": (0.22, 0.1),
@@ -111,34 +112,34 @@ def _check_labels_apart(fig) -> None:
             assert not a.overlaps(b), (a, b)
 
 
-def test_noise_floor_rule() -> None:
-    # noise: |full| and |negative values|; floor: a tenth of the smallest value above the noise
-    assert plots.noise_floor([0.3, 0.03, -8.8e-10, 0.0], [0.0]) == (8.8e-10, pytest.approx(0.003))
-    assert plots.noise_floor([0.3, 2e-9, 1e-9], [2e-9]) == (2e-9, pytest.approx(0.03))
-    assert plots.noise_floor([0.5, 0.4], [0.45]) == (0.45, 0.45)  # the noise above a tenth
-    assert plots.noise_floor([0.0, 0.0], [0.0]) == (0.0, 0.0)
+def test_noise_floor_is_the_headline_tables() -> None:
+    ppl = [r for r in RECORDS if r.workload_type == "perplexity"]
+    assert plots.noise_floor("next_token_kl", ppl) == FLOOR
+    assert headline.noise_floor(headline.rows(RECORDS)) == FLOOR
+    loud = [*ppl, _rec("noisy", "hf-dynamic", PPL, {**ppl[1].metrics, "next_token_kl": -3e-4})]
+    assert plots.noise_floor("next_token_kl", loud) == 3e-4
+    assert headline.noise_floor(headline.rows(loud)) == 3e-4
+    assert "full's noise floor (3e-04: the largest |KL| of unquantized rows, at least 1e-06)" in (
+        plots.floor_text("next_token_kl", 3e-4)
+    )
 
 
 def test_section_a_quality_vs_bytes() -> None:
     fig = plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl")
     ax = fig.axes[0]
     _same(_points(fig), SECTION_A)
-    # frontier among the section's rows (full is the reference, not ranked): kivi, pn-mix,
-    # hf-dynamic filled; kitty hollow (pn-mix has fewer bytes and a lower KL)
+    # frontier over every drawn point: kitty is hollow (pn-mix has fewer bytes and a lower
+    # KL); full and hf-dynamic share a place on the floor and dominate neither each other
     filled = {g for g in SECTION_A if _line(fig, g).get_markerfacecolor() != "none"}
     assert filled == {"full", "hf-dynamic", "kivi K2V2", "pn-mix V2"}
     front = _line(fig, "frontier")
     assert list(front.get_xdata()) == pytest.approx([0.2, 0.21, 1.0])
-    assert list(front.get_ydata()) == pytest.approx([0.3, 0.03, FLOOR_A])
-    assert front.get_drawstyle() == "steps-post"
-    # below the noise: drawn at the floor, marked, and the floor drawn on the log axis
-    noise = _line(fig, "noise")
-    assert list(noise.get_xdata()) == [1.0, 1.0] and list(noise.get_ydata()) == [FLOOR_A] * 2
-    assert (
-        "<= noise" in noise.get_label() and list(_line(fig, "floor").get_ydata()) == [FLOOR_A] * 2
-    )
-    labels = {t.get_text() for t in ax.texts if t.get_text()}
-    assert "full (<= noise) = hf-dynamic (<= noise)" in labels and "kitty V2" in labels
+    assert list(front.get_ydata()) == pytest.approx([0.3, 0.03, FLOOR])
+    assert list(_line(fig, "floor").get_ydata()) == [FLOOR] * 2
+    key = " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    assert "noise floor (1e-06" in key and " 3 kitty V2" in key
+    # five points: named beside their markers
+    assert {t.get_text() for t in ax.texts} == set(SECTION_A)
     assert ax.get_yscale() == "log" and ax.get_xscale() == "linear"  # 0.2..1: 5x, linear
     assert ax.get_xlabel() == (
         "bytes at rest / those of a 16-bit cache of the same tokens\n"
@@ -148,66 +149,86 @@ def test_section_a_quality_vs_bytes() -> None:
         "next-token KL vs full (nats)\n"
         "(perplexity workload: essays, 1536 tokens, prefill 1024, chunks of 256)"
     )
-    assert ax.get_title().startswith("(a) Deployed")
+    assert fig.get_suptitle().startswith("(a) Deployed")
+    assert "model m (?, ?); text essays; context 1536 tokens" in fig.get_suptitle()
     _check_labels_apart(fig)
 
 
 def test_section_b_and_decode_axes() -> None:
     fig = plots.section_figure(RECORDS, "b", "bytes_ratio", "next_token_kl")
-    # full alone sets the noise (0.0): floor a tenth of 0.02
     _same(
-        _points(fig), {"full": (1.0, 0.002), "kivi K2 V16": (0.58, 0.28), "pn-mix V16": (0.6, 0.02)}
+        _points(fig), {"full": (1.0, FLOOR), "kivi K2 V16": (0.58, 0.28), "pn-mix V16": (0.6, 0.02)}
     )
     fig = plots.section_figure(RECORDS, "a", plots.DECODE, "next_token_kl")
-    # the decode ratio of the context most labels have: 2048 (kitty has
-    # no 1024 record); hf-dynamic (1.6, ~0) dominates pn-mix (1.8) and kitty (2.0)
+    # the decode ratio of the context most labels have: 2048 (kitty has no 1024 record);
+    # full (1.0, on the floor) dominates every other point: the frontier is one point
     pts = _points(fig)
     assert {g: x for g, (x, _) in pts.items()} == pytest.approx(
         {"full": 1.0, "hf-dynamic": 1.6, "kivi K2V2": 1.5, "pn-mix V2": 1.8, "kitty V2": 2.0}
     )
     filled = {g for g in pts if _line(fig, g).get_markerfacecolor() != "none"}
-    assert filled == {"full", "hf-dynamic", "kivi K2V2"}
+    assert filled == {"full"}
     assert fig.axes[0].get_xlabel() == (
         "decode step, median / that of full interleaved in the same run\n"
         "(latency workload: 2048 tokens, batch 1)"
     )
     fig = plots.section_figure(RECORDS, "a", plots.DECODE, "bytes_ratio")
     assert _points(fig)["kitty V2"] == pytest.approx((2.0, 0.22))  # bytes: no noise floor
-    assert not any(ln.get_gid() == "noise" for ln in fig.axes[0].lines)
+    assert not any(ln.get_gid() == "floor" for ln in fig.axes[0].lines)
 
 
-def test_one_style_per_family_from_the_registry() -> None:
-    builtin = sorted(n for n, e in METHODS.entries().items() if e.builtin and n != "full")
-    styles = plots.family_styles(["not-registered"])
-    for fam in ("kivi", "pn-mix", "kitty", "hf-dynamic"):
-        i = builtin.index(fam)
-        assert styles[fam] == {"color": plots.COLORS[i % 10], "marker": plots.MARKERS[i % 9]}
-        assert plots.family_styles()[fam] == styles[fam]  # whatever else the records hold
-    assert styles["full"] == {"color": "#000000", "marker": "*"}
+def test_one_colour_per_family_one_marker_per_configuration() -> None:
+    styles = plots.style_table(RECORDS)
+    # families sorted, full first in black; the labels of a family sorted, markers in order
+    assert styles["full"] == {"color": "#000000", "marker": "*", "number": 1}
+    fams = ["hf-dynamic", "kitty", "kivi", "pn-mix"]
+    for label, fam, marker in (
+        ("hf-dynamic", "hf-dynamic", "o"),
+        ("kitty V2", "kitty", "o"),
+        ("kivi K2 V16", "kivi", "o"),
+        ("kivi K2V2", "kivi", "s"),
+        ("pn-mix V16", "pn-mix", "o"),
+        ("pn-mix V2", "pn-mix", "s"),
+    ):
+        assert styles[label]["color"] == plots.COLORS[fams.index(fam)]
+        assert styles[label]["marker"] == marker
     pairs = [(s["color"], s["marker"]) for s in styles.values()]
     assert len(set(pairs)) == len(pairs)
-    # the same family in two figures: the same colour and marker, those of family_styles
+    # the same configuration in every figure: its style of the table
     figs = [
         plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl"),
         plots.section_figure(RECORDS, "b", "bytes_ratio", "next_token_kl"),
         plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl"),
         plots.sweep_figure(RECORDS, "latency", plots.DECODE),
     ]
-    for label, fam in (("kivi K2V2", "kivi"), ("kivi K2 V16", "kivi"), ("pn-mix V16", "pn-mix")):
+    for label in ("kivi K2V2", "kivi K2 V16", "pn-mix V16"):
         for fig in figs:
-            if any(ln.get_gid() == label for ln in fig.axes[0].lines):
-                ln = _line(fig, label)
-                assert (ln.get_markeredgecolor(), ln.get_marker()) == tuple(styles[fam].values())
+            for ax in fig.axes:
+                for ln in (ln for ln in ax.lines if ln.get_gid() == label):
+                    st = styles[label]
+                    assert (ln.get_markeredgecolor(), ln.get_marker()) == (
+                        st["color"],
+                        st["marker"],
+                    )
     legend = {t.get_text() for t in figs[0].axes[0].get_legend().get_texts()}
-    assert {"full", "hf-dynamic", "kivi", "kitty", "pn-mix"} <= legend
+    assert {" 1 full", " 2 hf-dynamic", " 3 kitty V2", " 5 kivi K2V2", " 7 pn-mix V2"} <= legend
 
 
 def test_pareto_against_nominal_bits_one_point_per_label() -> None:
     fig = plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl")
-    pts = _points(fig)
-    assert sorted(pts) == sorted(c[0] for c in CONFIGS)  # once each, though 4 records per label
-    assert pts["kivi K2 V16"] == pytest.approx((2.5, 0.28))
-    assert pts["hf-dynamic"] == pytest.approx((16, 0.002))  # floor: a tenth of 0.02
+    # values kept at 16 bits (section b) on their own axes, full the reference in both
+    a, b = (
+        {
+            ln.get_gid(): ln
+            for ln in ax.lines
+            if ln.get_gid() in dict(SECTION_A) or ln.get_gid() in ("kivi K2 V16", "pn-mix V16")
+        }
+        for ax in fig.axes
+    )
+    assert sorted(a) == sorted(SECTION_A)
+    assert sorted(b) == ["full", "kivi K2 V16", "pn-mix V16"]
+    assert (b["kivi K2 V16"].get_xdata()[0], b["kivi K2 V16"].get_ydata()[0]) == (2.5, 0.28)
+    assert (a["hf-dynamic"].get_xdata()[0], a["hf-dynamic"].get_ydata()[0]) == (16, FLOOR)
     _check_labels_apart(fig)
 
 
@@ -215,7 +236,7 @@ def test_context_sweep_lines_and_single_context() -> None:
     fig = plots.sweep_figure(RECORDS, "latency", plots.DECODE)
     kivi, kivi16, kitty = (_line(fig, g) for g in ("kivi K2V2", "kivi K2 V16", "kitty V2"))
     assert list(kivi.get_xdata()) == [1024, 2048] and list(kivi.get_ydata()) == [1.4, 1.5]
-    assert {kivi.get_linestyle(), kivi16.get_linestyle()} == {"-", "--"}  # one family, two lines
+    assert (kivi.get_marker(), kivi16.get_marker()) == ("s", "o")  # one family, two markers
     assert kivi.get_color() == kivi16.get_color()
     assert kitty.get_linestyle() == "None" and list(kitty.get_xdata()) == [2048]  # a marker only
     assert fig.axes[0].get_xlabel() == "context depth (tokens)"
@@ -240,6 +261,8 @@ def test_write_plots_and_reasons(tmp_path: Path) -> None:
     assert names == {
         "headline_a_kl_vs_bytes.png",
         "headline_b_kl_vs_bytes.png",
+        "headline_a_kl_vs_bytes_by_step.png",
+        "headline_b_kl_vs_bytes_by_step.png",
         "pareto_next_token_kl_vs_nominal_key_bits.png",
         "pareto_lm_eval.t.acc_none_vs_nominal_key_bits.png",
     }

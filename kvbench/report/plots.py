@@ -1,30 +1,50 @@
 """Matplotlib figures of result records (PNG, Agg backend): ``kvbench plot`` and ``kvbench report``.
 
-:func:`figures` yields every figure (file name = key + ``.png``) or the reason it is not drawn;
-which figures exist and the rules each follows (style per method family, one point per label,
-frontier, noise floor of :data:`NONNEG`, log axes past :data:`LOG_SPAN`, label placement):
-docs/design.md#plots.
+:func:`figures` yields every figure (file name = key + ``.png``) or the reason it is not drawn.
+The rules every figure follows:
+
+- **Style per configuration** (:func:`style_table`, built once from all the records, so a label
+  looks the same in every figure): a colour per method family (tab20, darker half first; ``full``
+  black), a marker per configuration within its family, and a number (the key beside the axes
+  reads ``<number> <label>``); no two labels share (colour, marker) up to 20 x 12 labels.
+- **Frontier**: :func:`kvbench.report.pareto.pareto_mask` over every drawn point (``full``
+  included) at its drawn position; filled markers on the frontier, hollow ones dominated, a line
+  (gid ``frontier``) through exactly the frontier's points sorted by x.
+- **Noise floor** (metrics that cannot be negative, :data:`NONNEG`): one per figure,
+  :func:`noise_floor`, the headline table's rule and wording; values at or below it are drawn on
+  it (a dotted line, gid ``floor``).
+- **95% intervals**: an error bar (gid ``ci-y:<label>`` / ``ci-x:<label>``) wherever the record
+  carries ``<metric>_ci_low`` / ``_ci_high``.
+- **Titles** name the model, text, context and decode protocol of the records drawn.
+- **Facets**: quality against nominal bits (:func:`pareto_figure`) draws configurations whose
+  values stay at 16 bits (headline section (b)) on their own axes, never beside those whose
+  values are quantized; ``full`` is the reference in both.
+- **Labels**: each point's name (at most :data:`MAX_NAMED` points per axes) or number, placed
+  by :func:`place_labels` where it overlaps no marker and no other label (a leader line counted
+  as part of its label) and stays inside the axes; its number where its name finds no room.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Iterator
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, TextIO, TypedDict
 
 from kvbench.bench.metrics import HIGHER, direction
 from kvbench.bench.records import Record, canonical, load_records
-from kvbench.cache.registry import BASELINE, METHODS
-from kvbench.report.headline import SECTIONS, rows
+from kvbench.cache.registry import BASELINE
+from kvbench.report.headline import BASE_BITS, KL_FLOOR, SECTIONS, rows
 from kvbench.report.pareto import pareto_mask
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    from matplotlib.text import Text
 
     from kvbench.jsontypes import JSONValue
 
@@ -38,10 +58,10 @@ NONNEG = ("next_token_kl", "attn_kl", "key_mse", "key_rel_mse", "attn_out_rel_er
 SWEEPS = [("latency", m) for m in ("decode_ms_p50", DECODE, "tokens_per_s")] + [
     ("memory", m) for m in ("bytes_total", "effective_bits", "peak_step_bytes")
 ]
-#: an axis is logarithmic when its values above the noise span more than this factor
+#: an axis is logarithmic when its drawn values span more than this factor
 LOG_SPAN = 20.0
-#: a figure with more points labels only the frontier and ``full``
-MAX_LABELS = 30
+#: axes with more points carry numbers, not names, beside their markers
+MAX_NAMED = 10
 #: axis text (with units) of each metric
 NAMES = {
     "bytes_ratio": "bytes at rest / those of a 16-bit cache of the same tokens",
@@ -71,13 +91,25 @@ PARAMS = {
     "batch": "batch {}",
     "layers": "layers {}",
 }
-COLORS = "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf".split()
-MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">")  # 9 and 10 coprime: 90 distinct pairs
+#: family colours: tab20, its ten darker shades first
+COLORS = (
+    "#1f77b4 #ff7f0e #2ca02c #d62728 #9467bd #8c564b #e377c2 #7f7f7f #bcbd22 #17becf "
+    "#aec7e8 #ffbb78 #98df8a #ff9896 #c5b0d5 #c49c94 #f7b6d2 #c7c7c7 #dbdb8d #9edae5"
+).split()
+#: configuration markers within a family
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "p", "h", "8")
+#: marker size (points) of every point but the combined figure's
+SIZE = 7.0
+#: section (b) in the facet of :func:`pareto_figure`, (a) and unsectioned rows in the other
+FACETS = {"a": "values quantized", "b": "values kept at 16 bits (keys only)"}
 
 
-def _short(metric: str) -> str:
-    short = {"bytes_ratio": "bytes", DECODE: "decode step"}
-    return short.get(metric) or NAMES.get(metric, metric).split(" (")[0].split(" vs ")[0]
+class Style(TypedDict):
+    """How one configuration (label) is drawn: matplotlib colour and marker, and its number."""
+
+    color: str
+    marker: str
+    number: int
 
 
 def _plt():
@@ -89,17 +121,31 @@ def _plt():
     return plt
 
 
-def family_styles(names: Iterable[str] = ()) -> dict[str, dict[str, str]]:
-    """``{family: {"color", "marker"}}`` for every registered method name and ``names``: the
-    i-th of (built-ins sorted, plugins sorted, other ``names`` sorted; ``full`` left out) gets
-    ``COLORS[i % 10]`` and ``MARKERS[i % 9]``; ``full`` black ``*``."""
-    entries = METHODS.entries()
-    order = sorted(entries, key=lambda n: (not entries[n].builtin, n))
-    order += sorted(set(names) - set(order))
-    order = [n for n in order if n != BASELINE]
-    out = {n: {"color": COLORS[i % 10], "marker": MARKERS[i % 9]} for i, n in enumerate(order)}
-    out[BASELINE] = {"color": "#000000", "marker": "*"}
+def style_table(records: list[Record]) -> dict[str, Style]:
+    """``{label: Style}`` for every label of ``records``: families sorted (``full`` first, black
+    ``*``), the i-th other family coloured ``COLORS[(i - 1) % 20]``; the labels of a family sorted,
+    the j-th marked by the first of ``MARKERS`` from ``j`` on that no earlier label of the same
+    colour has; numbered 1, 2, ... in that order.  Deterministic in the records' (family, label)
+    pairs; (colour, marker) pairs repeat only past 20 x 12 labels."""
+    family = {r.label: r.method for r in records}
+    fams = sorted(set(family.values()), key=lambda f: (f != BASELINE, f))
+    used: dict[str, set[str]] = {}
+    out: dict[str, Style] = {}
+    for i, fam in enumerate(fams):
+        color = "#000000" if fam == BASELINE else COLORS[(i - (BASELINE in fams)) % len(COLORS)]
+        for j, label in enumerate(sorted(lb for lb, f in family.items() if f == fam)):
+            taken = used.setdefault(color, set())
+            ring = [MARKERS[(j + k) % len(MARKERS)] for k in range(len(MARKERS))]
+            free = [m for m in ring if m not in taken] or ring
+            marker = "*" if fam == BASELINE and j == 0 else free[0]
+            taken.add(marker)
+            out[label] = {"color": color, "marker": marker, "number": len(out) + 1}
     return out
+
+
+def _short(metric: str) -> str:
+    short = {"bytes_ratio": "bytes", DECODE: "decode step"}
+    return short.get(metric) or NAMES.get(metric, metric).split(" (")[0].split(" vs ")[0]
 
 
 def _group(
@@ -130,13 +176,115 @@ def describe(rec: Record, drop: tuple[str, ...] = ()) -> str:
     return f"({rec.workload_type} workload: {', '.join(parts)})" if parts else ""
 
 
-def noise_floor(values: list[float], base: list[float]) -> tuple[float, float]:
-    """``(noise, floor)`` of a metric that cannot be negative (docs/design.md#plots): ``noise``
-    the largest of ``|base|`` (``full``'s own values) and ``|v|`` of negative ``values``; ``floor``
-    max(noise, a tenth of the smallest value above the noise), ``noise`` when none is above."""
-    noise = max([abs(v) for v in base] + [-v for v in values if v < 0] + [0.0])
-    above = [v for v in values if v > noise]
-    return noise, max(noise, min(above) / 10) if above else noise
+def protocol(rec: Record) -> str:
+    """The decode protocol the record ran: the one the run recorded (``manifest.protocol``,
+    ``manifest.decode_attention.protocol``), else the workload's ``protocol`` parameter, else
+    the fidelity workload's own (prefill, then one token at a time), else ``"not recorded"``."""
+    dec = rec.manifest.get("decode_attention")
+    for p in (rec.manifest.get("protocol"), isinstance(dec, dict) and dec.get("protocol")):
+        if p:
+            return str(p)
+    w = rec.workload
+    if w.get("protocol"):
+        return str(w["protocol"])
+    if rec.workload_type == "fidelity" and "prefill" in w:
+        return f"prefill {w['prefill']}, then one token at a time"
+    return "not recorded"
+
+
+def context(rec: Record) -> int | None:
+    """Tokens of context of the record's workload: ``context``, else ``tokens``."""
+    c = rec.workload.get("context", rec.workload.get("tokens"))
+    return None if c is None else int(c)
+
+
+def setting(groups: dict[str, list[Record]], contexts: str = "") -> str:
+    """The title line naming what ``groups`` (``{what: records}``, e.g. ``{"KL": [...]}``) were
+    measured on: ``"model M (float32, cpu); text essays; context 1024 tokens; protocol P"``; a
+    part that differs between groups names each group, a protocol that differs between
+    families names the others; ``contexts`` replaces the context part."""
+    recs = [r for rs in groups.values() for r in rs]
+
+    def one(name: str, per: dict[str, set[str]]) -> str:
+        vals = {v for vs in per.values() for v in vs}
+        if len(vals) <= 1:
+            return f"{name} {next(iter(vals), 'not recorded')}"
+        return f"{name} " + ", ".join(f"{', '.join(sorted(v))} ({k})" for k, v in per.items())
+
+    models = {
+        f"{r.model.get('id') or r.model.get('shape') or 'none'} "
+        f"({r.model.get('dtype', '?')}, {r.model.get('device', '?')})"
+        for r in recs
+    }
+    texts = {
+        g: {str(r.workload.get("text", "not recorded")) for r in rs} for g, rs in groups.items()
+    }
+    ctx = {g: {f"{context(r)} tokens" for r in rs} for g, rs in groups.items()}
+    by = Counter(protocol(r) for r in recs)
+    main = by.most_common(1)[0][0]
+    others: dict[str, set[str]] = {}
+    for r in recs:
+        if protocol(r) != main:
+            others.setdefault(protocol(r), set()).add(r.method)
+    proto = f"protocol {main}" + "".join(
+        f"; {', '.join(sorted(f))}: {p}" for p, f in sorted(others.items())
+    )
+    where = contexts or one("context", ctx)
+    return "; ".join(["model " + ", ".join(sorted(models)), one("text", texts), where, proto])
+
+
+def unquantized(rec: Record) -> bool:
+    """A configuration that quantizes nothing: measured key and value bits >= 16, not ``full``
+    (its metric against ``full`` is the run's float noise)."""
+    m = rec.metrics
+    bits = (m.get("effective_key_bits") or 0, m.get("effective_value_bits") or 0)
+    return rec.method != BASELINE and min(bits) >= BASE_BITS
+
+
+def noise_floor(metric: str, recs: list[Record]) -> float:
+    """The headline table's noise floor of ``metric`` (:func:`kvbench.report.headline.noise_floor`
+    for ``next_token_kl``): the largest ``|value|`` or interval bound of the :func:`unquantized`
+    records, at least :data:`~kvbench.report.headline.KL_FLOOR`."""
+    out = [KL_FLOOR]
+    for r in recs:
+        if unquantized(r):
+            keys = (metric, f"{metric}_ci_low", f"{metric}_ci_high")
+            out += [abs(r.metrics[k]) for k in keys if r.metrics.get(k) is not None]
+    return max(out)
+
+
+def floor_text(metric: str, floor: float) -> str:
+    """The legend's statement of the floor, worded as the headline table's note."""
+    what = "KL" if metric == "next_token_kl" else _short(metric)
+    return (
+        f"at or below full's noise floor ({floor:.0e}: the largest |{what}| of unquantized "
+        f"rows, at least {KL_FLOOR:.0e}): drawn on it"
+    )
+
+
+@dataclass
+class Point:
+    """One configuration in a figure: values and their 95% intervals (``None``: none
+    recorded), marker size (points) and the extra text of its key entry."""
+
+    label: str
+    x: float
+    y: float
+    x_ci: tuple[float, float] | None = None
+    y_ci: tuple[float, float] | None = None
+    size: float = SIZE
+    note: str = ""
+
+
+def _ci(rec: Record, metric: str) -> tuple[float, float] | None:
+    lo, hi = (rec.metrics.get(f"{metric}_ci_{k}") for k in ("low", "high"))
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def frontier(points: list[tuple[float, float]], higher: bool) -> list[bool]:
+    """:func:`kvbench.report.pareto.pareto_mask` of drawn ``(x, y)`` positions (x lower is
+    better; y higher is better when ``higher``)."""
+    return pareto_mask([p[0] for p in points], [p[1] for p in points], higher)
 
 
 def _log_axis(ax: Axes, axis: str, values: list[float]) -> None:
@@ -153,133 +301,252 @@ def _log_axis(ax: Axes, axis: str, values: list[float]) -> None:
     a.set_minor_formatter(NullFormatter())
 
 
-def _finish(
-    fig: Figure,
-    ax: Axes,
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    handles: list[Artist] | None = None,
-) -> None:
-    """Axis labels, title, grid, the legend right of the axes, tight layout."""
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    kw = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "frameon": False}
-    ax.legend(**kw) if handles is None else ax.legend(handles=handles, **kw)
-    fig.tight_layout()
+def _panel(
+    ax: Axes, points: list[Point], y: str, floor: float | None, styles: dict[str, Style]
+) -> list[tuple[Point, float]]:
+    """Draw ``points`` on ``ax``: intervals, markers (hollow when dominated), the frontier
+    line, the floor; returns each point with its drawn y."""
+    higher = direction(y) == HIGHER
+
+    def clamp(v: float) -> float:
+        return v if floor is None else max(v, floor)
+
+    drawn = [clamp(p.y) for p in points]
+    mask = frontier([(p.x, d) for p, d in zip(points, drawn)], higher)
+    bar = {"lw": 0.9, "alpha": 0.55, "zorder": 2, "marker": "_", "ms": 5}
+    for p, d, on in zip(points, drawn, mask):
+        st = styles[p.label]
+        if p.y_ci is not None:
+            ax.plot(
+                [p.x] * 2,
+                [clamp(v) for v in p.y_ci],
+                color=st["color"],
+                gid=f"ci-y:{p.label}",
+                **bar,
+            )
+        if p.x_ci is not None:
+            ax.plot(list(p.x_ci), [d] * 2, color=st["color"], gid=f"ci-x:{p.label}", **bar)
+        ax.plot(
+            [p.x],
+            [d],
+            ls="none",
+            marker=st["marker"],
+            ms=p.size * (1.4 if st["marker"] == "*" else 1.0),
+            mec=st["color"],
+            mfc=st["color"] if on else "none",
+            mew=1.4,
+            zorder=4,
+            gid=p.label,
+        )
+    front = sorted({(p.x, d) for p, d, on in zip(points, drawn, mask) if on})
+    ax.plot(*zip(*front), color="0.3", lw=1.1, zorder=3, gid="frontier")
+    if floor is not None and any(p.y <= floor for p in points):
+        ax.axhline(floor, color="0.45", ls=":", lw=1, zorder=1, gid="floor")
+    _log_axis(ax, "x", [p.x for p in points])
+    _log_axis(ax, "y", drawn + [clamp(v) for p in points if p.y_ci for v in p.y_ci])
+    ax.grid(alpha=0.3, which="major")
+    ax.margins(0.06)
+    return list(zip(points, drawn))
 
 
-def scatter_figure(
-    points: list[tuple[str, str, float, float]],
-    x: str,
-    y: str,
-    text: tuple[str, str, str],
-    styles: dict[str, dict[str, str]],
-) -> Figure:
-    """A Pareto figure of ``points`` = ``[(label, family, x value, y value)]`` (one per label)
-    by the rules of docs/design.md#plots; ``x``/``y`` name the metrics (direction, noise
-    floor), ``text`` is (x label, y label, title).  Each point is a ``Line2D`` whose gid is its
-    label."""
+def _key(
+    points: list[Point], styles: dict[str, Style], front_note: str, extra: list[Artist]
+) -> list[Artist]:
+    """Legend handles: one per configuration (``<number> <label>``), then the rules."""
     from matplotlib.lines import Line2D
 
-    fig, ax = _plt().subplots(figsize=(10, 6.5))
-    higher, ys = direction(y) == HIGHER, [p[3] for p in points]
-    base = {i for i, p in enumerate(points) if p[1] == BASELINE}
-    noise, floor = noise_floor(ys, [ys[i] for i in base]) if y in NONNEG else (None, None)
-    low = {i for i, v in enumerate(ys) if noise is not None and v <= noise}
-    drawn = [floor if i in low else v for i, v in enumerate(ys)]
-    ranked = [i for i in range(len(points)) if i not in base]
-    mask = pareto_mask([points[i][2] for i in ranked], [ys[i] for i in ranked], higher)
-    front = {i for i, on in zip(ranked, mask) if on}
-    dot = {"ls": "none", "mew": 1.3, "zorder": 3, "clip_on": False}
-    for i, (label, fam, xv, _) in enumerate(points):
-        c, fill = styles[fam]["color"], i in front | base
-        ax.plot(
-            [xv],
-            [drawn[i]],
-            mec=c,
-            mfc=c if fill else "none",
-            ms=9 if i in base else 7,
-            marker=styles[fam]["marker"],
-            gid=label,
-            **dot,
-        )
-    handles = [
-        Line2D([], [], ls="none", label=f, **styles[f]) for f in sorted({p[1] for p in points})
-    ]
-    if len(front) > 1:
-        line = sorted((points[i][2], drawn[i]) for i in front)
-        handles += ax.plot(
-            *zip(*line),
-            drawstyle="steps-post",
-            color="0.35",
-            lw=1,
-            zorder=2,
-            gid="frontier",
-            label="Pareto frontier (filled markers)",
-        )
-    handles += [
-        Line2D([], [], ls="none", marker="o", mfc="none", mec="0.4", label="hollow: dominated")
-    ]
-    if low:
-        handles += ax.plot(
-            [points[i][2] for i in sorted(low)],
-            [floor] * len(low),
-            color="k",
-            ms=12,
+    seen: dict[str, Point] = {}
+    for p in points:
+        seen.setdefault(p.label, p)
+    out: list[Artist] = [
+        Line2D(
+            [],
+            [],
             ls="none",
-            marker=r"$\downarrow$",
-            zorder=4,
-            gid="noise",
-            label=f"<= noise of full ({noise:.2g}): drawn at {floor:.2g}",
+            marker=styles[lb]["marker"],
+            color=styles[lb]["color"],
+            ms=SIZE,
+            label=f"{styles[lb]['number']:>2} {lb}{p.note}",
         )
-    _log_axis(ax, "x", [p[2] for p in points])
-    _log_axis(ax, "y", drawn)
-    if ax.get_yscale() == "log" and low:
-        ax.axhline(floor, color="0.5", ls=":", lw=1, zorder=1, gid="floor")
-    # one label per drawn position (coincident points share it), the frontier's and full's first
-    at: dict[tuple[float, float], list[str]] = {}
-    for i in sorted(range(len(points)), key=lambda i: i not in front | base):
-        if len(points) <= MAX_LABELS or i in front | base:  # else the legend names them
-            name = points[i][0] + (" (<= noise)" if i in low else "")
-            at.setdefault((points[i][2], drawn[i]), []).append(name)
-    texts = [ax.text(*xy, " = ".join(labs), fontsize=7, zorder=5) for xy, labs in at.items()]
-    ax.margins(0.08)
-    rule = f"filled: Pareto frontier, hollow: dominated; {'upper' if higher else 'lower'}-left is better"
-    _finish(fig, ax, text[0], text[1], f"{text[2]}\n({rule})", handles)
-    hidden = _place(fig, ax, texts, [p[2] for p in points], drawn)
-    if hidden:  # same two lines: the layout stands
-        ax.set_title(f"{text[2]}\n({rule}; {hidden} overlapping label(s) left out)", fontsize=10)
+        for lb, p in sorted(seen.items(), key=lambda kv: styles[kv[0]]["number"])
+    ]
+    out += [
+        Line2D([], [], color="0.3", lw=1.1, label=front_note),
+        Line2D([], [], ls="none", marker="o", mfc="none", mec="0.3", label="hollow: dominated"),
+    ]
+    if any(p.x_ci or p.y_ci for p in points):
+        out.append(Line2D([], [], color="0.3", marker="_", lw=0.9, label="95% interval"))
+    return out + extra
+
+
+#: a label further than this many placement steps from its marker gets a leader line
+LEADER_STEP = 2
+
+
+def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str]]) -> int:
+    """Write ``text`` beside each ``(point, drawn y, text, short)`` on ``ax`` at the first of
+    increasingly far offsets (8 directions) where its text overlaps no marker, it stays inside
+    the axes, and its extent (text, with the leader line drawn to a far one: the box from the
+    marker to the text) overlaps the extent of no label placed before; ``short`` (its number in
+    the key) where ``text`` has no such place, and nothing where neither has.  Call after the layout is final.  Returns how many were not
+    written."""
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    px = [ax.transData.transform((p.x, y)) for p, y, _, _ in items]
+    marks = [(x, y, p.size * fig.dpi / 72 * 0.6 + 1) for (p, _, _, _), (x, y) in zip(items, px)]
+    boxes: list[tuple[float, float, float, float]] = []
+    missed = 0
+
+    def apart(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+        return a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
+
+    def free(b: tuple[float, float, float, float], extent: tuple[float, ...]) -> bool:
+        x0, y0, x1, y1 = b
+        if x0 < frame.x0 + 2 or y0 < frame.y0 + 2 or x1 > frame.x1 - 2 or y1 > frame.y1 - 2:
+            return False
+        if not all(apart(extent, c) for c in boxes):  # type: ignore[arg-type]
+            return False
+        return not any(
+            x0 < mx + r and mx - r < x1 and y0 < my + r and my - r < y1 for mx, my, r in marks
+        )
+
+    for (p, y, *texts), (cx, cy), (_, _, r) in zip(items, px, marks):
+        found = None
+        for text in dict.fromkeys(texts):
+            found = _spot(ax, renderer, text, (cx, cy, r), free)
+            if found is not None:
+                break
+        if found is None:
+            missed += 1
+            continue
+        sx, sy, extent, step = found
+        boxes.append(extent)
+        k = 72 / fig.dpi  # pixels to points: the same place at any saved dpi
+        line = {"arrowstyle": "-", "color": "0.55", "lw": 0.5} if step > LEADER_STEP else None
+        ax.annotate(
+            text,
+            (p.x, y),
+            xytext=((sx - cx) * k, (sy - cy) * k),
+            textcoords="offset points",
+            ha="center",
+            va="center",
+            fontsize=7,
+            zorder=5,
+            arrowprops=line,
+            annotation_clip=False,
+        )
+    return missed
+
+
+def _spot(
+    ax: Axes,
+    renderer: object,
+    text: str,
+    mark: tuple[float, float, float],
+    free: Callable[[tuple[float, float, float, float], tuple[float, ...]], bool],
+) -> tuple[float, float, tuple[float, float, float, float], int] | None:
+    """The first place (pixels) for ``text`` beside the marker ``mark`` = (x, y, radius) that
+    ``free(text box, extent)`` accepts: ``(x, y, extent, step)``, or None."""
+    cx, cy, r = mark
+    probe = ax.text(0, 0, text, fontsize=7)
+    ext = probe.get_window_extent(renderer)
+    probe.remove()
+    w, h = ext.width + 2, ext.height + 2
+    dirs = [(1, 0), (-1, 0), (0, 1), (0, -1), (1, 1), (-1, 1), (1, -1), (-1, -1)]
+    for step in range(12):
+        gap = 1 + 5 * step
+        for ux, uy in dirs:
+            sx, sy = cx + ux * (r + gap + w / 2), cy + uy * (r + gap + h / 2)
+            box = (sx - w / 2, sy - h / 2, sx + w / 2, sy + h / 2)
+            extent = box
+            if step > LEADER_STEP:  # the leader runs from the marker to the text
+                extent = (min(box[0], cx), min(box[1], cy), max(box[2], cx), max(box[3], cy))
+            if free(box, extent):
+                return sx, sy, extent, step
+    return None
+
+
+def _figure(
+    panels: list[tuple[str, list[Point]]],
+    axes: tuple[str, str],
+    labels: tuple[str, str],
+    title: list[str],
+    styles: dict[str, Style],
+    floor: float | None,
+    extra: list[Artist] | None = None,
+) -> Figure:
+    """A figure of one Pareto panel per ``(subtitle, points)``, sharing the key at the right;
+    ``axes`` = (x, y) metrics, ``labels`` their axis text, ``title`` its lines."""
+    from matplotlib.lines import Line2D
+
+    pts = [p for _, ps in panels for p in ps]
+    n = len({p.label for p in pts})
+    fig = _plt().figure(
+        figsize=(6.5 * len(panels) + 4.2, max(6.5, 2.4 + 0.16 * n)), layout="constrained"
+    )
+    drawn = []
+    for ax, (sub, ps) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        drawn.append((ax, _panel(ax, ps, axes[1], floor, styles)))
+        ax.set_xlabel(labels[0], fontsize=8)
+        ax.set_ylabel(labels[1], fontsize=8)
+        ax.set_title(sub, fontsize=9)
+    higher = direction(axes[1]) == HIGHER
+    fronts = [sum(frontier([(p.x, y) for p, y in d], higher)) for _, d in drawn]
+    note = "Pareto frontier (line through the filled markers)"
+    if max(fronts) == 1:
+        note = "Pareto frontier: one point, it dominates every other (no line)"
+    extra = list(extra or [])
+    if floor is not None and any(p.y <= floor for p in pts):
+        extra.append(Line2D([], [], color="0.45", ls=":", label=floor_text(axes[1], floor)))
+    handles = _key(pts, styles, note, extra)
+    for h in handles:  # the key stays narrow: long entries wrap
+        h.set_label(textwrap.fill(h.get_label(), 52, subsequent_indent="   "))
+    drawn[-1][0].legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        fontsize=7,
+        frameon=False,
+        ncols=2 if len(handles) > 48 else 1,
+        handlelength=1.6,
+    )
+    better = f"{'upper' if higher else 'lower'}-left is better"
+    lines = [*title[:1], f"filled: Pareto frontier, hollow: dominated; {better}", *title[1:]]
+    fig.suptitle("\n".join(textwrap.fill(t, 150) for t in lines), fontsize=9)
+    fig.canvas.draw()  # the layout, then freeze it: labels go where the axes now are
+    fig.set_layout_engine("none")
+    for ax, d in drawn:
+        named = len(d) <= MAX_NAMED
+        items = [
+            (
+                p,
+                y,
+                p.label if named else str(styles[p.label]["number"]),
+                str(styles[p.label]["number"]),
+            )
+            for p, y in d
+        ]
+        order = sorted(range(len(items)), key=lambda i: (items[i][0].label != d[0][0].label, i))
+        missed = place_labels(fig, ax, [items[i] for i in order])
+        if missed:
+            ax.set_title(
+                f"{ax.get_title()} ({missed} label(s) without room: see the key)", fontsize=9
+            )
     return fig
 
 
-def _place(fig: Figure, ax: Axes, texts: list[Text], xs: list[float], ys: list[float]) -> int:
-    """Move labels off each other and off the points ``xs, ys`` (adjustText, a fixed number
-    of steps), leader lines to their points; then hide each label that still overlaps one
-    before it in ``texts``.  Returns how many were hidden."""
-    from adjustText import adjust_text
-
-    arrows = adjust_text(
-        texts,
-        x=list(xs),
-        y=list(ys),
-        ax=ax,
-        iter_lim=500,
-        arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
-    )[1]
-    renderer, kept, hidden = fig.canvas.get_renderer(), [], 0
-    for t in texts:
-        box = t.get_window_extent(renderer)
-        if any(box.overlaps(k) for k in kept):
-            hidden += 1
-            # adjustText's arrows: FancyArrowPatch (patchA: its text) or, for transforms that
-            # cannot take one, an Annotation, which has no patchA
-            for a in [t] + [a for a in arrows if getattr(a, "patchA", None) is t]:
-                a.set_visible(False)
-        else:
-            kept.append(box)
-    return hidden
+def _sections(records: list[Record]) -> dict[str, str]:
+    """Label -> headline section (``a``/``b``/``base``): that of its headline row, else
+    ``base`` for ``full``, ``b`` for nominal value bits >= 16, else ``a``."""
+    try:
+        out = {r["label"]: r["section"] for r in rows(records)}
+    except ValueError:
+        out = {}
+    for r in records:
+        if r.label not in out:
+            vb = r.metrics.get("nominal_value_bits", 0)
+            out[r.label] = "base" if r.method == BASELINE else ("b" if vb >= BASE_BITS else "a")
+    return out
 
 
 def section_figure(records: list[Record], section: str, x: str, y: str) -> Figure | str:
@@ -299,84 +566,204 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Figur
         table = rows(recs["next_token_kl"])
     except ValueError as exc:
         return str(exc)
-    decode = {r.label: r.metrics[DECODE] for r in recs[DECODE]}
-    method = {r.label: r.method for rs in recs.values() for r in rs}
+    decode = {r.label: r for r in recs[DECODE]}
     points = []
     for row in table:
-        vals = {**row, DECODE: decode.get(row["label"])}
-        if (
-            row["section"] in (section, "base")
-            and vals.get(x) is not None
-            and vals.get(y) is not None
-        ):
-            points.append((row["label"], method[row["label"]], vals[x], vals[y]))
-    if sum(p[1] != BASELINE for p in points) < 2:
+        q = row["sources"]["perplexity"]
+        vals = {
+            **row,
+            DECODE: decode[row["label"]].metrics[DECODE] if row["label"] in decode else None,
+        }
+        if row["section"] in (section, "base") and vals[x] is not None and vals[y] is not None:
+            ci = {"next_token_kl": _ci(q, "next_token_kl")}
+            points.append(Point(row["label"], vals[x], vals[y], ci.get(x), ci.get(y)))
+    if sum(p.label not in _base(records) for p in points) < 2:
         return f"fewer than two configurations of section ({section}) have {x} and {y}"
-    label = {m: f"{NAMES[m]}\n{describe(recs[m][0])}" for m in (x, y)}
-    title = f"{SECTIONS[section]}: {_short(y)} vs {_short(x)}"
-    styles = family_styles(r.method for r in records)
-    return scatter_figure(points, x, y, (label[x], label[y], title), styles)
+    used = {m: recs[m] for m in (x, y)}
+    floor = noise_floor(y, recs[y]) if y in NONNEG else None
+    what = {DECODE: "step", "next_token_kl": "KL", "bytes_ratio": "bytes"}
+    title = [
+        f"{SECTIONS[section]}: {_short(y)} vs {_short(x)}",
+        setting({what[m]: rs for m, rs in used.items()}),
+    ]
+    label = tuple(f"{NAMES[m]}\n{describe(recs[m][0])}" for m in (x, y))
+    return _figure([("", points)], (x, y), label, title, style_table(records), floor)
+
+
+def _base(records: list[Record]) -> set[str]:
+    return {r.label for r in records if r.method == BASELINE}
+
+
+def combined_figure(records: list[Record], section: str) -> Figure | str:
+    """Section ``section``'s next-token KL against bytes vs 16-bit, marker size by the decode
+    step ratio at the longest latency context (a marker of the smallest size and ``step -`` in
+    the key where not measured), or the reason it is not drawn."""
+    from matplotlib.lines import Line2D
+
+    quality = _group(records, "next_token_kl", "perplexity")
+    try:
+        table = rows(quality)
+    except ValueError as exc:
+        return str(exc)
+    chosen = [
+        r
+        for r in table
+        if r["section"] in (section, "base")
+        and r["bytes_ratio"] is not None
+        and r["next_token_kl"] is not None
+    ]
+    if sum(r["section"] != "base" for r in chosen) < 2:
+        return f"fewer than two configurations of section ({section}) have bytes_ratio and next_token_kl"
+    longest: dict[str, Record] = {}
+    for r in _group(records, DECODE, "latency", drop=("context",)):
+        if r.label not in longest or (context(r) or 0) > (context(longest[r.label]) or 0):
+            longest[r.label] = r
+    step = {lb: r.metrics[DECODE] for lb, r in longest.items()}
+    known = [step[r["label"]] for r in chosen if r["label"] in step] or [1.0]
+    lo, hi = min(known), max(known)
+
+    def size(v: float) -> float:
+        return 5.0 + (10.0 * (v - lo) / (hi - lo) if hi > lo else 4.0)
+
+    points = [
+        Point(
+            r["label"],
+            r["bytes_ratio"],
+            r["next_token_kl"],
+            y_ci=_ci(r["sources"]["perplexity"], "next_token_kl"),
+            size=size(step[r["label"]]) if r["label"] in step else 5.0,
+            note=f"  (step {step[r['label']]:.2f})" if r["label"] in step else "  (step -)",
+        )
+        for r in chosen
+    ]
+    ctxs = sorted({context(r) for r in longest.values() if context(r)})
+    sizes = [
+        Line2D(
+            [],
+            [],
+            ls="none",
+            marker="o",
+            mfc="none",
+            mec="0.3",
+            ms=size(v),
+            label=f"step {v:.2f}x full",
+        )
+        for v in sorted({lo, (lo + hi) / 2, hi})
+    ]
+    quality = [r["sources"]["perplexity"] for r in chosen]
+    title = [
+        f"{SECTIONS[section]}: next-token KL vs bytes, marker size: decode step vs full at "
+        f"{'/'.join(map(str, ctxs[-1:])) or '-'} tokens (the longest latency context)",
+        setting({"KL, bytes": quality, "step": list(longest.values())}),
+    ]
+    q = quality[0]
+    labels = (f"{NAMES['bytes_ratio']}\n{describe(q)}", f"{NAMES['next_token_kl']}\n{describe(q)}")
+    floor = noise_floor("next_token_kl", quality)
+    return _figure(
+        [("", points)],
+        ("bytes_ratio", "next_token_kl"),
+        labels,
+        title,
+        style_table(records),
+        floor,
+        sizes,
+    )
 
 
 def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Figure | str:
     """The Pareto figure of metric ``y`` (from the one workload most labels have) against
     metric ``x`` (from the same record, else from another record of the label), one point per
-    label, or the reason it is not drawn (str)."""
+    label, configurations whose values stay at 16 bits on their own axes (:data:`FACETS`), or
+    the reason it is not drawn (str).  Against a ``nominal_*`` x, a key entry names the
+    measured (``effective_*``) bits of the same record where they differ by more than 0.5."""
     ys = _group(records, y)
     xs = {r.label: r.metrics[x] for r in reversed(records) if x in r.metrics}
     xs.update({r.label: r.metrics[x] for r in ys if x in r.metrics})
-    points = [(r.label, r.method, xs[r.label], r.metrics[y]) for r in ys if r.label in xs]
-    if sum(p[1] != BASELINE for p in points) < 2:
+    section, base = _sections(records), _base(records)
+    facets: dict[str, list[Point]] = {"a": [], "b": []}
+    measured = x.replace("nominal_", "effective_") if x.startswith("nominal_") else None
+    for r in ys:
+        if r.label not in xs:
+            continue
+        eff = r.metrics.get(measured) if measured else None
+        note = f"  (stores {eff:.1f})" if eff is not None and abs(eff - xs[r.label]) > 0.5 else ""
+        p = Point(r.label, xs[r.label], r.metrics[y], _ci(r, x), _ci(r, y), note=note)
+        for f in (
+            ("a", "b")
+            if r.label in base
+            else [section[r.label] if section[r.label] == "b" else "a"]
+        ):
+            facets[f].append(p)
+    panels = [(FACETS[f], ps) for f, ps in facets.items() if any(p.label not in base for p in ps)]
+    if sum(p.label not in base for _, ps in panels for p in ps) < 2:
         return f"fewer than two configurations have {x} and {y}"
-    styles = family_styles(r.method for r in records)
-    ylabel = f"{NAMES.get(y, y)}\n{describe(ys[0])}"
-    title = title or f"{_short(y)} vs {_short(x)}, all configurations"
-    return scatter_figure(points, x, y, (NAMES.get(x, x), ylabel, title), styles)
+    if len(panels) == 1:
+        panels = [("", panels[0][1])]
+    head = title or f"{_short(y)} vs {_short(x)}, all configurations"
+    lines = [head, setting({_short(y): ys})]
+    labels = (
+        NAMES.get(x, x)
+        + ("\n(stores: measured bits of the same record, in the key)" if measured else ""),
+        f"{NAMES.get(y, y)}\n{describe(ys[0])}",
+    )
+    floor = noise_floor(y, ys) if y in NONNEG else None
+    return _figure(panels, (x, y), labels, lines, style_table(records), floor)
 
 
 def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
-    """``y`` against context depth, one line per label (style by family, line style by label
-    within it), from the ``wtype`` records of one workload but its context; a label measured
-    at one context only is a marker without a line.  The reason (str) when the records hold
-    fewer than two contexts."""
+    """``y`` against context depth, one line per label (its style of :func:`style_table`), from
+    the ``wtype`` records of one workload but its context; a label measured at one context only
+    is a marker without a line.  The reason (str) when the records hold fewer than two
+    contexts."""
     recs = _group(records, y, wtype, drop=("context",))
     contexts = sorted({r.workload.get("context") for r in recs} - {None})
+    if not recs:
+        return f"no {wtype} records with {y}"
     if len(contexts) < 2:
         return f"{wtype} records of {y} at {len(contexts)} context(s) {contexts}: no sweep to draw"
     scale = 2**-20 if "bytes" in y else 1.0  # bytes read better in MiB
     series: dict[str, list[tuple[int, float]]] = {}
     for r in sorted(recs, key=lambda r: r.workload.get("context") or 0):
         series.setdefault(r.label, []).append((r.workload["context"], r.metrics[y] * scale))
-    method, styles = {r.label: r.method for r in recs}, family_styles(r.method for r in records)
-    fig, ax = _plt().subplots(figsize=(10, 5.5))
-    rank: dict[str, int] = {}
-    for label in sorted(series):
-        k = rank[method[label]] = rank.get(method[label], -1) + 1  # line style within a family
-        ls = ("-", "--", ":", "-.")[k % 4] if len(series[label]) > 1 else "none"
+    styles = style_table(records)
+    n = len(series)
+    fig = _plt().figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
+    ax = fig.subplots()
+    for label in sorted(series, key=lambda lb: styles[lb]["number"]):
+        st = styles[label]
         ax.plot(
             *zip(*series[label]),
-            ls=ls,
+            ls="-" if len(series[label]) > 1 else "none",
+            marker=st["marker"],
+            color=st["color"],
             ms=5,
-            lw=1.3,
-            label=label,
+            lw=1.2,
+            label=f"{st['number']:>2} {label}",
             gid=label,
-            **styles[method[label]],
         )
     _log_axis(ax, "x", contexts)
     ax.set_xticks(contexts, [str(c) for c in contexts])
     _log_axis(ax, "y", [v for pts in series.values() for _, v in pts])
     if y.endswith("_ratio"):
         ax.axhline(1.0, color="0.4", lw=1, ls="--", zorder=0)
+    ax.grid(alpha=0.3)
     cpu = wtype == "latency" and any(r.manifest.get("timing_note") for r in recs)
-    title = f"{NAMES.get(y, y)} vs context depth" + (" (CPU: framework overhead dominates)" * cpu)
-    ylabel = f"{NAMES.get(y, y)}\n{describe(recs[0], drop=('context',))}"
-    _finish(fig, ax, "context depth (tokens)", ylabel, title)
+    head = f"{NAMES.get(y, y)} vs context depth" + (" (CPU: framework overhead dominates)" * cpu)
+    line = setting({wtype: recs}, f"context {', '.join(map(str, contexts))} tokens")
+    ax.set(
+        xlabel="context depth (tokens)",
+        ylabel=f"{NAMES.get(y, y)}\n{describe(recs[0], drop=('context',))}",
+    )
+    fig.suptitle(textwrap.fill(head, 150) + "\n" + textwrap.fill(line, 150), fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
     return fig
 
 
 def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
-    """``(name, figure or the reason it is not drawn)`` for every figure of
-    docs/design.md#plots, one at a time (a caller closes each figure)."""
+    """``(name, figure or the reason it is not drawn)`` for every figure: per headline section
+    the three Pareto pairs and the combined figure, quality (and directed lm-eval task metrics
+    present) against nominal key bits, and latency / memory sweeps over context, one at a time
+    (a caller closes each figure)."""
     pairs = {
         "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
         "kl_vs_decode": (DECODE, "next_token_kl"),
@@ -385,24 +772,24 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
     for section in SECTIONS:
         for name, (x, y) in pairs.items():
             yield f"headline_{section}_{name}", section_figure(records, section, x, y)
+        yield f"headline_{section}_kl_vs_bytes_by_step", combined_figure(records, section)
     tasks = sorted(
         {m for r in records for m in r.metrics if m.startswith("lm_eval.") and direction(m)}
         - {m for r in records for m in r.metrics if m.endswith("_ratio")}
     )
     for y in (*QUALITY, *tasks):
+        safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
+        name = f"pareto_{safe}_vs_nominal_key_bits"
         if any(y in r.metrics for r in records):
-            safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in y)
-            yield (
-                f"pareto_{safe}_vs_nominal_key_bits",
-                pareto_figure(records, "nominal_key_bits", y),
-            )
+            yield name, pareto_figure(records, "nominal_key_bits", y)
+        else:
+            yield name, f"no records with {y}"
     for wtype, y in SWEEPS:
-        if any(r.workload_type == wtype and y in r.metrics for r in records):
-            yield f"{y}_vs_context", sweep_figure(records, wtype, y)
+        yield f"{y}_vs_context", sweep_figure(records, wtype, y)
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=130)
+def _save(fig: Figure, path: Path, dpi: int = 130) -> Path:
+    fig.savefig(path, dpi=dpi)
     _plt().close(fig)
     return path
 

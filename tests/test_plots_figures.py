@@ -1,0 +1,356 @@
+"""Every figure of the committed default export (docs/results/default.json), read back from the
+figure's own matplotlib objects (positions, colours, markers, text extents via the renderer),
+never from pixels.
+
+Right values: dominance, sections, noise floor and intervals are worked here from the records
+(:func:`_non_dominated` on its own, the headline table's rows and note for sections and the
+floor), not taken from :mod:`kvbench.report.plots`.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.text import Annotation  # noqa: E402
+
+from kvbench.bench.records import Record  # noqa: E402
+from kvbench.report import headline, plots  # noqa: E402
+
+EXPORT = Path(__file__).resolve().parents[1] / "docs" / "results" / "default.json"
+#: artists of a Pareto panel that are not a configuration's point
+RULES = {"frontier", "floor"}
+#: headline pair -> (x metric, y metric)
+PAIRS = {
+    "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
+    "kl_vs_decode": (plots.DECODE, "next_token_kl"),
+    "bytes_vs_decode": (plots.DECODE, "bytes_ratio"),
+    "kl_vs_bytes_by_step": ("bytes_ratio", "next_token_kl"),
+}
+
+
+@pytest.fixture(scope="module")
+def records() -> list[Record]:
+    return plots.load([str(EXPORT)])
+
+
+@pytest.fixture(scope="module")
+def figs(records: list[Record]) -> Iterator[dict[str, object]]:
+    out = dict(plots.figures(records))
+    for fig in out.values():
+        if not isinstance(fig, str):
+            fig.canvas.draw()
+    yield out
+    plt = plots._plt()
+    for fig in out.values():
+        if not isinstance(fig, str):
+            plt.close(fig)
+
+
+def _drawn(figs: dict[str, object]) -> dict[str, object]:
+    return {n: f for n, f in figs.items() if not isinstance(f, str)}
+
+
+def _axes_metrics(name: str) -> tuple[str, str] | None:
+    """(x, y) metric of a Pareto figure, from its file name; None for a context sweep."""
+    m = re.fullmatch(r"headline_[ab]_(.+)", name)
+    if m:
+        return PAIRS[m.group(1)]
+    m = re.fullmatch(r"pareto_(.+)_vs_nominal_key_bits", name)
+    if m:
+        return "nominal_key_bits", m.group(1)
+    return None
+
+
+def _points(ax) -> list:
+    """The configuration lines of ``ax`` (gid = label)."""
+    return [
+        ln
+        for ln in ax.lines
+        if ln.get_gid() and ln.get_gid() not in RULES and not ln.get_gid().startswith("ci-")
+    ]
+
+
+def _line(ax, gid: str):
+    found = [ln for ln in ax.lines if ln.get_gid() == gid]
+    return found[0] if found else None
+
+
+def _non_dominated(pts: list[tuple[float, float]], higher: bool) -> set[tuple[float, float]]:
+    """Positions no other position beats: x lower is better, y by ``higher``."""
+
+    def beats(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        ya, yb = (a[1], b[1]) if higher else (-a[1], -b[1])
+        return a[0] <= b[0] and ya >= yb and (a[0] < b[0] or ya > yb)
+
+    return {p for p in pts if not any(beats(q, p) for q in pts)}
+
+
+def _legend(fig):
+    return fig.legends[0] if fig.legends else fig.axes[-1].get_legend()
+
+
+def _key(fig) -> list[str]:
+    """The key's entries, one line each."""
+    return [" ".join(t.get_text().split()) for t in _legend(fig).get_texts()]
+
+
+def _entry(key: list[str], label: str) -> tuple[int, str]:
+    """(index, number) of ``label``'s key entry ``"<number> <label>[ (note)]"``."""
+    label = " ".join(label.split())
+    for i, entry in enumerate(key):
+        number, _, rest = entry.partition(" ")
+        if number.isdigit() and rest.startswith(label):
+            if rest == label or rest[len(label) :].startswith(" ("):
+                return i, number
+    raise AssertionError(f"{label!r} not in the key {key}")
+
+
+def _floor(records: list[Record]) -> float:
+    return headline.noise_floor(headline.rows(records))
+
+
+def test_every_figure_drawn_or_named_with_a_reason(figs) -> None:
+    names = list(figs)
+    assert len(names) == len(set(names))
+    for section in ("a", "b"):
+        for pair in PAIRS:
+            assert not isinstance(figs[f"headline_{section}_{pair}"], str)
+    for y in plots.QUALITY:
+        assert not isinstance(figs[f"pareto_{y}_vs_nominal_key_bits"], str)
+    # the export holds one latency and one memory context: the sweeps cannot be drawn
+    for _, y in plots.SWEEPS:
+        why = figs[f"{y}_vs_context"]
+        assert isinstance(why, str) and "1 context(s) [1024]" in why
+
+
+def test_the_report_names_the_figures_it_does_not_draw(records, figs, tmp_path) -> None:
+    skipped = [f"{n}: {f}" for n, f in figs.items() if isinstance(f, str)]
+    assert len(skipped) == 6
+    sweeps = [r for r in records if r.workload_type in ("latency", "memory")]
+    text = io.StringIO()
+    paths = plots.write_listed(sweeps, [str(tmp_path)], str(tmp_path), text)
+    lines = text.getvalue().splitlines()
+    assert [ln for ln in lines if ln.startswith("not drawn: ")][-6:] == [
+        f"not drawn: {s}" for s in skipped
+    ]
+    assert all(f"wrote {p}" in lines for p in paths)
+
+
+def test_one_style_per_configuration_equal_across_figures(figs) -> None:
+    every: dict[str, tuple[str, str]] = {}
+    for name, fig in _drawn(figs).items():
+        here: dict[str, tuple[str, str]] = {}
+        for ax in fig.axes:
+            for ln in _points(ax):
+                style = (to_hex(ln.get_markeredgecolor()), ln.get_marker())
+                assert here.setdefault(ln.get_gid(), style) == style, (name, ln.get_gid())
+        assert len(set(here.values())) == len(here), name  # unique within the figure
+        for label, style in here.items():
+            assert every.setdefault(label, style) == style, (name, label)  # equal across
+        # the key shows each configuration in its style, numbered
+        key, handles = _key(fig), _legend(fig).legend_handles
+        keyed = {}
+        for label in here:
+            h = handles[_entry(key, label)[0]]
+            keyed[label] = (to_hex(h.get_color()), h.get_marker())
+        assert keyed == here, name
+    # one colour per family: a family's configurations share one, families do not
+    assert len(every) == 35
+
+
+def test_labels_apart_and_inside(figs) -> None:
+    for name, fig in _drawn(figs).items():
+        renderer = fig.canvas.get_renderer()
+        frame = fig.bbox
+        inside = [fig._suptitle, *fig.legends] + [
+            t for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label)
+        ]
+        inside += [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        for artist in inside:
+            if artist is None or not artist.get_visible():
+                continue
+            if hasattr(artist, "get_text") and not artist.get_text():
+                continue
+            b = artist.get_window_extent(renderer)
+            assert frame.x0 - 1 <= b.x0 and b.x1 <= frame.x1 + 1, (name, artist)
+            assert frame.y0 - 1 <= b.y0 and b.y1 <= frame.y1 + 1, (name, artist)
+        key = _key(fig)
+        for ax in fig.axes:
+            if _axes_metrics(name) is None:
+                continue
+            box = ax.get_window_extent(renderer)
+            notes = [t for t in ax.texts if isinstance(t, Annotation) and t.get_text()]
+            boxes = [t.get_window_extent(renderer) for t in notes]
+            for t, b in zip(notes, boxes):
+                assert box.x0 <= b.x0 and b.x1 <= box.x1, (name, t.get_text())
+                assert box.y0 <= b.y0 and b.y1 <= box.y1, (name, t.get_text())
+            for i, a in enumerate(boxes):
+                for j in range(i + 1, len(boxes)):
+                    assert not a.overlaps(boxes[j]), (
+                        name,
+                        notes[i].get_text(),
+                        notes[j].get_text(),
+                    )
+            # every point is named beside its marker: its label, or its number in the key
+            # (where its label finds no room)
+            texts = sorted(t.get_text() for t in notes)
+            names = [ln.get_gid() for ln in _points(ax)]
+            assert len(texts) == len(names), (name, ax.get_title())
+            for gid in names:
+                assert gid in texts or _entry(key, gid)[1] in texts, (name, gid)
+
+
+def test_frontier_is_exactly_the_non_dominated_points(figs) -> None:
+    for name, fig in _drawn(figs).items():
+        xy = _axes_metrics(name)
+        if xy is None:
+            assert all(_line(ax, "frontier") is None for ax in fig.axes), name
+            continue
+        higher = xy[1] == "top1_agreement"
+        for ax in fig.axes:
+            pts = {
+                ln.get_gid(): (float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
+                for ln in _points(ax)
+            }
+            want = _non_dominated(list(pts.values()), higher)
+            front = _line(ax, "frontier")
+            got = list(zip(map(float, front.get_xdata()), map(float, front.get_ydata())))
+            assert set(got) == want and len(got) == len(want), name
+            assert [x for x, _ in got] == sorted(x for x, _ in got), name
+            for ln in _points(ax):  # filled on the frontier, hollow where dominated
+                filled = ln.get_markerfacecolor() != "none"
+                assert filled == (pts[ln.get_gid()] in want), (name, ln.get_gid())
+
+
+def test_points_at_their_records_values_and_the_tables_floor(records, figs) -> None:
+    rows = {r["label"]: r for r in headline.rows(records)}
+    floor = _floor(records)
+    by_label: dict[str, list[Record]] = {}
+    for r in records:
+        by_label.setdefault(r.label, []).append(r)
+    for name, fig in _drawn(figs).items():
+        xy = _axes_metrics(name)
+        if xy is None:
+            continue
+        x, y = xy
+        floors = {
+            float(ln.get_ydata()[0])
+            for ax in fig.axes
+            for ln in ax.lines
+            if ln.get_gid() == "floor"
+        }
+        assert len(floors) <= 1, name  # one floor per figure
+        for ax in fig.axes:
+            for ln in _points(ax):
+                gid, px, py = ln.get_gid(), float(ln.get_xdata()[0]), float(ln.get_ydata()[0])
+                if name.startswith("headline_"):
+                    row = rows[gid]
+                    want_y = row[y] if y != plots.DECODE else None
+                    if y == "next_token_kl":
+                        want_y = max(row[y], floor)
+                    if want_y is not None:
+                        assert py == pytest.approx(want_y, rel=1e-12), (name, gid)
+                    if x == "bytes_ratio":
+                        assert px == pytest.approx(row["bytes_ratio"], rel=1e-12), (name, gid)
+                else:
+                    vals = [r.metrics[y] for r in by_label[gid] if y in r.metrics]
+                    assert any(py == pytest.approx(max([v, *floors])) for v in vals), (name, gid)
+                    assert any(r.metrics.get(x) == px for r in by_label[gid]), (name, gid)
+        if y == "next_token_kl":
+            # the figure's floor is the headline table's, worded as its note words it
+            assert floors == {floor}, name
+            stated = (
+                f"full's noise floor ({floor:.0e}: the largest |KL| of unquantized rows, "
+                f"at least {headline.KL_FLOOR:.0e})"
+            )
+            assert stated in headline.headline_table(records)
+            assert stated in " ".join(_key(fig)), name
+
+
+def test_error_bars_where_records_carry_intervals(records, figs) -> None:
+    rows = {r["label"]: r for r in headline.rows(records)}
+    floor = _floor(records)
+    for name, fig in _drawn(figs).items():
+        xy = _axes_metrics(name)
+        if xy is None:
+            continue
+        x, y = xy
+        n = 0
+        for ax in fig.axes:
+            for ln in _points(ax):
+                gid = ln.get_gid()
+                if name.startswith("headline_"):
+                    src = rows[gid]["sources"]["perplexity"]
+                else:
+                    src = next(
+                        r for r in records if r.label == gid and y in r.metrics
+                    )  # one record per label and metric in this export
+                for axis, metric in (("x", x), ("y", y)):
+                    lo = src.metrics.get(f"{metric}_ci_low")
+                    hi = src.metrics.get(f"{metric}_ci_high")
+                    bar = _line(ax, f"ci-{axis}:{gid}")
+                    if lo is None or hi is None:
+                        assert bar is None, (name, gid, axis)
+                        continue
+                    n += 1
+                    assert bar is not None, (name, gid, axis)
+                    data = bar.get_ydata() if axis == "y" else bar.get_xdata()
+                    clamp = floor if metric == "next_token_kl" else None
+                    want = [v if clamp is None else max(v, clamp) for v in (lo, hi)]
+                    assert list(map(float, data)) == pytest.approx(want, rel=1e-12), (name, gid)
+        if y in ("next_token_kl", "top1_agreement"):
+            assert n >= 5, name  # the perplexity records carry intervals
+
+
+def test_titles_name_model_text_context_and_protocol(records, figs) -> None:
+    models = {str(r.model["id"]) for r in records}
+    texts = {str(r.workload["text"]) for r in records if "text" in r.workload}
+    contexts = {plots.context(r) for r in records} - {None}
+    protocols = {plots.protocol(r) for r in records}
+    for name, fig in _drawn(figs).items():
+        title = " ".join(fig.get_suptitle().split())
+        assert any(f"model {m}" in title for m in models), name
+        assert any(f"text {t}" in title for t in texts), name
+        assert re.search(r"context (\d+(, )?)+ tokens", title), name
+        assert any(f"context {c} tokens" in title or f" {c}" in title for c in contexts), name
+        assert any(f"protocol {p}" in title for p in protocols), name
+
+
+def test_values_at_16_bits_never_share_a_nominal_bits_axis(records, figs) -> None:
+    section = {r["label"]: r["section"] for r in headline.rows(records)}
+    for name, fig in _drawn(figs).items():
+        if not name.endswith("_vs_nominal_key_bits"):
+            continue
+        seen = []
+        for ax in fig.axes:
+            kinds = {section[ln.get_gid()] for ln in _points(ax)} - {"base"}
+            assert len(kinds) == 1, (name, ax.get_title(), kinds)
+            seen += kinds
+        assert sorted(seen) == ["a", "b"], name
+        # a configuration storing more bits than its formula says: the key says so
+        assert re.search(r"pm-kvq K2V2 \(budget 2 bits\) \(stores \d", " ".join(_key(fig))), name
+
+
+def test_combined_figure_sizes_follow_the_step_ratio(records, figs) -> None:
+    step = {
+        r.label: r.metrics[plots.DECODE]
+        for r in records
+        if r.workload_type == "latency" and plots.DECODE in r.metrics
+    }
+    for section in ("a", "b"):
+        fig = figs[f"headline_{section}_kl_vs_bytes_by_step"]
+        size = {}
+        for ln in _points(fig.axes[0]):
+            ms = ln.get_markersize() / (1.4 if ln.get_marker() == "*" else 1.0)
+            size[ln.get_gid()] = ms
+        labels = sorted(size, key=lambda lb: step[lb])
+        assert [size[lb] for lb in labels] == sorted(size[lb] for lb in labels)
+        assert size[labels[0]] < size[labels[-1]]
