@@ -224,6 +224,28 @@ class ProgressiveLayerCache(LayerCache):
             used, codes = used - codes + now, now
         return bits
 
+    def steady_appends(self, limit: int) -> int:
+        """:meth:`LayerCache.steady_appends` that also stops before a budget halving (which
+        re-encodes every held token): the steps of the window, none of which flushes, add one
+        full-precision token each (K and V, counted as :meth:`budget_used` counts them); the
+        answer keeps the bytes counted against the budget within it after every step.  0 when
+        the next step flushes or already exceeds the budget (one token per call there)."""
+        k = super().steady_appends(limit)
+        if self._rows is not None or k == 0 or self.bits <= MIN_BITS:
+            return k  # rows: the minimum of each row's own answer; at MIN_BITS no halving
+        held = [0 if s.residual is None else s.residual.shape[2] for s in (self.k, self.v)]
+        sides = zip((self.k, self.v), held)
+        if any(s.schedule.flush_count(r + 1) or s.schedule.flush_count(r) for s, r in sides):
+            return 0  # the next step flushes: its codes change the bytes (one token per call)
+        b, h, d = self.kv_shape
+        used, budget = self.budget_used()
+        # one token of K and V in full precision, as budget_used counts residual and sinks
+        per = 2 / (torch.finfo(self.dtype).bits // 8)
+        token = int(2 * b * h * d * (torch.finfo(self.dtype).bits // 8) * per)
+        if used + token > budget:
+            return 0
+        return min(k, int((budget - used) // token) - 1)
+
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         super().finish_prefill(keys, queries)
         self._enforce_budget()

@@ -173,6 +173,32 @@ class Side:
         return out
 
 
+def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int) -> int:
+    """:meth:`LayerCache.steady_appends` of one side: simulate its schedule's ``flush_count``
+    over one-token steps (the first may flush anything; a later one nothing, or only its own
+    token when the codec codes tokens independently) and check that one call of all the
+    steps' tokens flushes what they flushed in all."""
+    if side.codec is None:
+        return limit  # never quantized: nothing held changes
+    room = max(num_sink_tokens - _len(side.sinks), 0)  # free sink slots (full precision)
+    r0 = _len(side.residual)
+    r, flushed, added = r0, 0, 0
+    own_ok = side.codec.token_group == 1
+    for step in range(limit + 1):
+        own = not room  # the step's token joins the residual (else a sink slot)
+        if room:
+            room -= 1
+        else:
+            r, added = r + 1, added + 1
+        f = side.schedule.flush_count(r)
+        if step and f and not (own_ok and own and f == 1 and r == 1):
+            return step - 1
+        r, flushed = r - f, flushed + f
+        if side.schedule.flush_count(r0 + added) != flushed:  # one call of the steps' tokens
+            return max(step - 1, 0)
+    return limit
+
+
 class LayerCache:
     """One layer's cache; see the module docstring for the protocol.
 
@@ -382,6 +408,41 @@ class LayerCache:
         self._pending = False
         for side in (self.k, self.v):
             side.flush(side.schedule.flush_count(_len(side.residual)))
+
+    def steady_appends(self, limit: int) -> int:
+        """How many further tokens can be appended, after the next one, without a change of the
+        stored form of a token the layer already holds (``exact-chunked``,
+        docs/design.md#protocols): an integer in ``[0, limit]`` (tokens; ``limit`` >= 0 caps
+        the look-ahead).
+
+        With the answer ``k``, appending the next ``j + 1 <= k + 1`` tokens in one call and
+        then :meth:`end_step` leaves every stored tensor as appending them one at a time with
+        :meth:`end_step` after each does (up to float rounding), and token ``i`` of the call,
+        masked causally, reads what it would read after its own step: within those steps only
+        the first flushes tokens held before it, later ones at most quantize their own new
+        token (a codec with ``token_group == 1``: its tokens are coded independently).
+
+        Derived from the state (residual length, free sink slots) and the side schedules'
+        ``flush_count`` (:mod:`kvbench.cache.schedule`, e.g. KIVI's block of R keys: up to
+        R - 1 after a flush; a sliding window of R > 0 values: 0, every step quantizes an older
+        token).  A subclass whose updates the base class cannot predict (it overrides
+        ``append``, ``end_step`` or a side's ``flush``, or observes attention) gets 0 -- always
+        one token per call: exact, slower -- unless it overrides this method (PM-KVQ's budget).
+        A padded batch: the minimum over its rows."""
+        if self._rows is not None:
+            return min(row.steady_appends(limit) for row in self._rows)
+        cls = type(self)
+        if (
+            limit <= 0
+            or self.observes_attention
+            or self._awaiting_queries
+            or any(getattr(cls, n) is not getattr(LayerCache, n) for n in ("append", "end_step"))
+            or any(type(side).flush is not Side.flush for side in (self.k, self.v))
+        ):
+            return 0
+        return min(
+            _side_steady_appends(side, self.num_sink_tokens, limit) for side in (self.k, self.v)
+        )
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated
