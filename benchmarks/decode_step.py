@@ -43,7 +43,9 @@ Columns
 ``median/p90/p99 ms`` (steady-state step), ``flush`` (flush steps timed / amortized ms),
 ``/dynamic`` and ``/quanto2`` (ratio of medians, same run), ``attn ms`` (median over steady
 steps of the time inside the registered attention function, summed over layers: for kvbench
-caches ``LayerCache.attend`` plus the step's deferred flush; for transformers caches sdpa over
+caches ``LayerCache.attend`` (the step's flush runs in ``update`` before it, outside this
+clock: ``write-then-attend``, docs/design.md#protocols; runs before 2026-12-06 flushed after
+the attention, inside it); for transformers caches sdpa over
 the K/V ``update`` returned, whose dequantization and concatenation run in ``update`` outside
 this clock), ``MiB read`` (bytes the step's attention reads, all layers: kvbench caches every
 stored tensor (codes, scales and other terms, metadata, residual, sinks; ``LayerCache.nbytes``)

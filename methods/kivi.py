@@ -5,8 +5,12 @@ Keys per-channel (one fp16 (scale, min) per channel per ``group_size`` tokens, Â
 per-token (groups of ``value_group_size`` channels).  Flush rules exactly as docs/methods.md#kivi
 (``models/llama_kivi.py``): at prefill the keys quantize ``T - T mod R`` tokens (all of them when
 ``T % R == 0``), the values all but the newest ``R``; while decoding the key residual cycles
-0..R-1 (a full residual of R keys is quantized as R/G groups after the step's attention) and the
-values keep a sliding window of exactly ``R`` tokens.
+0..R-1 (a full residual of R keys is quantized as R/G groups at the step's flush) and the
+values keep a sliding window of exactly ``R`` tokens.  Under kvbench's default decode protocol,
+``write-then-attend`` (docs/design.md#protocols), that flush runs before the step's queries
+attend, so the step that fills the residual reads its new key quantized; KIVI's code flushes
+after the step's attention (the step reads it in full precision), which is ``in-chunk-full``
+at one token per call.
 
 Defaults are the PN-Mix Table 10 key configuration (2 bits, G = R = 128, no sinks) with
 ``value_bits=16`` (the paper's main b_V = 16 setting); ``value_bits=2`` is KIVI-2.

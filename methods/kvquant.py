@@ -305,6 +305,7 @@ class KVQuant(Method):
     description = "KVQuant-lite: pre-RoPE per-channel keys, calibrated ranges, sparse outliers"
     source = "Hooper et al., NeurIPS'24, arXiv 2401.18079, §3.1-3.5; docs/methods.md#kvquant"
     capabilities = Capabilities(needs_calibration=True, reconstruction=True)
+    storage_dtype_refusal = "its pre-RoPE key side flushes the residual by its own path"
 
     def __init__(self, config: KVQuantConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)

@@ -336,6 +336,9 @@ class PMKVQ(Method):
         "Liu et al., arXiv 2505.18610 (ICLR'26), thu-nics/PM-KVQ c8a2bff; docs/methods.md#pm-kvq"
     )
     capabilities = Capabilities()  # all [SRC]; the choices are documented above
+    storage_dtype_refusal = (
+        "its budget counts window and sinks from the compute dtype (budget_used)"
+    )
 
     def key_codec(self, layer_idx: int, head_dim: int) -> ProgressiveCodec:
         """The per-token progressive codec (values use the same; both shrink together)."""

@@ -331,6 +331,7 @@ class SemKV(Method):
     description = "SemKV [RECON]: per-token mixed precision (3/2 bits) ranked by attention"
     source = "SemKV (2026), reconstruction from its summary; no public code"
     capabilities = Capabilities(needs_queries=True, reconstruction=True)
+    storage_dtype_refusal = "its layer flushes the key residual by its own path"
 
     @property
     def needs_queries(self) -> bool:  # prefill queries serve the attention score only

@@ -145,7 +145,8 @@ def test_generate_with_kivi_quantizes_per_spec_schedule(arch):
     total = PROMPT_LEN + 12 - 1  # the last generated token is never fed back
     assert cache.get_seq_length() == total
     # docs/methods.md#kivi with R = G = 4: keys quantize whole blocks of R (residual cycles 0..R-1), values
-    # keep a sliding window of exactly R tokens; flushes ran after each step's attention
+    # keep a sliding window of exactly R tokens; each step's flush ran before its attention
+    # (write-then-attend, the default): between steps the counts equal in-chunk-full's
     for i in range(len(cache.layers)):
         assert cache.quantized_tokens(i) == (total - total % 4, total - 4)
     nb = cache.nbytes()

@@ -221,8 +221,22 @@ def test_rows_apart_keeps_per_tensor_statistics_per_row(rows_apart):
         src = lc.rows[b] if rows_apart else lc  # shared: the batch's one scale per flush
         got = [t for _, c, t in src.tensors() if c == "scales"]
         assert got and len(got) == len(want)
-        same.append(all(torch.equal(x, y) for x, y in zip(got, want)))
+        same.append(same_fp16_scales(got, want))
     assert all(same) if rows_apart else not all(same)
+
+
+def same_fp16_scales(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    """Float16 scales equal up to one float16 ulp each.  A row cached apart gets its K/V from
+    the batched forward, whose linear layers have another shape than the row alone's and may
+    round differently in float32 (~1e-7 relative, far below half a float16 ulp, 2^-11): a scale
+    then lands at most on the neighbouring float16 value.  A scale shared by the batch's rows
+    differs by far more."""
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype == torch.float16 and x.shape == y.shape
+        ulp = torch.nextafter(y.abs(), torch.tensor(torch.inf, dtype=y.dtype)) - y.abs()
+        if not bool(((x.float() - y.float()).abs() <= ulp.float()).all()):
+            return False
+    return True
 
 
 @functools.cache
@@ -279,7 +293,33 @@ def test_without_kvbench_attention_pads_enter_kivi_groups(name, differs):
     got = prefill_keys(m, ids, mask, name, b, n)
     want = prefill_keys(m, rows[b].view(1, -1), None, name, 0, n)
     diff = float((got - want).abs().max())
-    assert (diff > 1e-2) if differs else diff == 0.0, (name, diff)
+    if differs:
+        assert diff > 1e-2, (name, diff)
+    else:  # stored unquantized (per-token: the residual): equal up to the projection's noise
+        assert ((got - want).abs() <= layer0_key_roundoff(m, rows[b].view(1, -1))).all(), diff
+
+
+def layer0_key_roundoff(m, ids: torch.Tensor) -> torch.Tensor:
+    """``[1, H_kv, T, D]``: how far layer 0's float32 keys of ``ids`` may move when ``k_proj``
+    runs in a batch of another shape (BLAS may sum the hidden-size products in another order;
+    the embedding, RMSNorm and RoPE are per token and run the same arithmetic).  Each order of
+    ``k = h W^T`` is within ``gamma_H sum_i |h_i W_ji|`` of the exact sum (``u = 2^-24``,
+    ``gamma_H = H u / (1 - H u)``), so two differ by twice that; RoPE's ``k_j cos + k_p sin``
+    (``p = j +- D/2``) adds channel ``p``'s difference and each side's roundings of the two
+    products and the sum (``<= 2 u (|k_j| + |k_p|)``)."""
+    layer, u = m.model.layers[0], 2.0**-24
+    with torch.no_grad():
+        h = layer.input_layernorm(m.model.embed_tokens(ids)).double()
+    w = layer.self_attn.k_proj.weight.double()
+    hid, d = w.shape[1], m.config.head_dim
+    delta = 2 * hid * u / (1 - hid * u) * (h.abs() @ w.abs().T)  # [1, T, H_kv * D]
+    k = (h @ w.T).abs()
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [1, T, H_kv * D] -> [1, H_kv, T, D]
+        return x.view(1, x.shape[1], -1, d).transpose(1, 2)
+
+    delta, k = heads(delta), heads(k)
+    return delta + delta.roll(d // 2, -1) + 2 * u * (k + k.roll(d // 2, -1))
 
 
 @pytest.mark.filterwarnings("ignore:QuantizedKVCache is used without")

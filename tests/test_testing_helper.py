@@ -1,5 +1,6 @@
 """``kvbench.testing.check_method``: passes built-ins and the example plugin, and each
-deliberately broken method fails the check that guards what it broke (docs/plugins.md#testing).
+deliberately broken method fails the check that guards what it broke
+(docs/plugins.md#testing-a-plugin).
 """
 
 from __future__ import annotations

@@ -4,11 +4,15 @@ Layout ``[B, H_kv, T, D]`` (KV heads, never repeated).  Each side (keys, values)
 token order: ``num_sink_tokens`` full-precision sinks, quantized blocks made by the side's
 codec, and a full-precision residual whose size the side's flush schedule controls.
 
-Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the caller has it);
-at a decode step the new tokens join the residual, the step attends to sinks + quantized +
-residual, and the flush happens *after* that attention: :meth:`LayerCache.append` only stores,
-and the pending flush runs at :meth:`LayerCache.end_step` (called by the next ``append`` or by
-whoever finishes the step).
+Protocol (docs/design.md#protocols): prefill attention uses the full-precision prompt (the
+caller has it).  At a decode step :meth:`LayerCache.append` only stores (the new tokens join
+the residual) and the flush it makes due waits for :meth:`LayerCache.end_step` (idempotent;
+the next ``append`` runs it too); the caller orders the two with the step's attention over
+sinks + quantized + residual.  Under ``write-then-attend``, the default of every workload that
+decodes through the model (:data:`kvbench.hf.cache.WRITE_THEN_ATTEND`), ``end_step`` runs
+right after ``append``, so the step's queries read their own tokens as stored; under
+``in-chunk-full`` (:data:`kvbench.hf.cache.IN_CHUNK_FULL`) it runs after the attention, so the
+step reads its new tokens in full precision.
 
 Attention (:meth:`LayerCache.attend`) is computed by :func:`kvbench.attention.dispatch.attend`,
 called directly; the dispatch reads the cache through its public attributes and never imports
@@ -139,6 +143,9 @@ class Side:
     sinks: torch.Tensor | None = None
     block: Block | None = None
     residual: torch.Tensor | None = None
+    #: the dtype a flush hands the codec when the residual is stored in another one (the
+    #: layer's ``storage_dtype``); ``None``: the residual as stored
+    compute_dtype: torch.dtype | None = None
 
     def __len__(self) -> int:
         return _len(self.sinks) + _len(self.block) + _len(self.residual)
@@ -151,6 +158,8 @@ class Side:
         if tg > 1 and n % tg:
             raise RuntimeError(f"schedule asked to flush {n} tokens, not a multiple of {tg}")
         head, self.residual = self.residual[:, :, :n], own_storage(self.residual[:, :, n:])
+        if self.compute_dtype is not None:  # a float16-stored residual is encoded as computed
+            head = head.to(self.compute_dtype)
         self.block = cat_blocks(self.block, self.codec.encode(head))
         if self.residual.shape[2] == 0:
             self.residual = None
@@ -218,6 +227,13 @@ class LayerCache:
 
     Attribute ``rotation``: a :class:`~kvbench.cache.rotation.ChannelRotation` or ``None``
     (set by ``Method.new_layer`` before any token; see the module docstring).
+
+    Attribute ``storage_dtype``: ``None`` (the full-precision parts, sinks and residual, are
+    stored in the compute dtype, that of the first tokens) or ``torch.float16`` /
+    ``torch.bfloat16`` (set by ``Method.new_layer`` from the config's ``storage_dtype``
+    before any token): sinks and residual are stored in it and read back in the compute dtype
+    (:meth:`keys_values`, :meth:`attend`; a flush encodes them in the compute dtype), so
+    :meth:`nbytes` counts them at its width (docs/design.md#storage-dtype).
     """
 
     #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
@@ -266,7 +282,16 @@ class LayerCache:
         self._rows: list[LayerCache] | None = None  # a padded batch: one cache per row
         self._pads: list[int] = []
         self.rotation: ChannelRotation | None = None
+        self.storage_dtype: torch.dtype | None = None
         self._attending = False  # inside attend(): keys_values() reads the stored space
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (full-precision tokens in the compute dtype) in the dtype the cache stores
+        them in: ``x`` itself without a ``storage_dtype``."""
+        if self.storage_dtype is None:
+            return x
+        self.k.compute_dtype = self.v.compute_dtype = self.dtype
+        return x.to(self.storage_dtype)
 
     def _rot(self, x: torch.Tensor | None, side: str, back: bool = False) -> torch.Tensor | None:
         """``x`` rotated into (``back``: out of) the stored space by ``self.rotation``."""
@@ -309,8 +334,8 @@ class LayerCache:
         if room <= 0:
             return keys, values
         n = min(room, keys.shape[2])
-        self.k.sinks = own_storage(_cat(self.k.sinks, keys[:, :, :n]))
-        self.v.sinks = own_storage(_cat(self.v.sinks, values[:, :, :n]))
+        self.k.sinks = own_storage(_cat(self.k.sinks, self._store(keys[:, :, :n])))
+        self.v.sinks = own_storage(_cat(self.v.sinks, self._store(values[:, :, :n])))
         return keys[:, :, n:], values[:, :, n:]
 
     # ---------------------------------------------------------------- operations
@@ -348,7 +373,7 @@ class LayerCache:
             self._rot(queries, "keys"),
         )
         k, v = self._take_sinks(keys, values)
-        self.k.residual, self.v.residual = own_storage(k), own_storage(v)
+        self.k.residual, self.v.residual = own_storage(self._store(k)), own_storage(self._store(v))
         if self.needs_queries and queries is None:
             self._awaiting_queries = True
             return
@@ -376,7 +401,8 @@ class LayerCache:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add decode tokens ``[B, H_kv, n, D]`` to the residual; the flush waits for
-        :meth:`end_step`."""
+        :meth:`end_step` (before the step's attention under ``write-then-attend``, after it
+        under ``in-chunk-full``: the module docstring)."""
         if self._rows is not None:
             return ragged.append(self, keys, values)
         if self._awaiting_queries:
@@ -395,8 +421,8 @@ class LayerCache:
         if self.dtype is None or not self.seq_length:
             self.dtype = keys.dtype
         k, v = self._take_sinks(self._rot(keys, "keys"), self._rot(values, "values"))
-        self.k.residual = own_storage(_cat(self.k.residual, k))
-        self.v.residual = own_storage(_cat(self.v.residual, v))
+        self.k.residual = own_storage(_cat(self.k.residual, self._store(k)))
+        self.v.residual = own_storage(_cat(self.v.residual, self._store(v)))
         self._pending = True
 
     def end_step(self) -> None:

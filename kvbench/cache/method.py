@@ -72,6 +72,10 @@ class Capabilities:
 #: what the cache holds (llama.cpp)
 PREFILL_ATTENTION = ("full", "stored")
 
+#: ``storage_dtype`` values (docs/design.md#storage-dtype): the dtype the full-precision parts
+#: (sinks, residual, ``full``'s K/V) are stored in; ``None`` (the default) is the compute dtype
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class MethodConfig:
@@ -84,8 +88,11 @@ class MethodConfig:
 
     Every method has the keyword-only rotation fields ``rotation``, ``rotation_block`` and
     ``rotation_seed`` (docs/methods.md#rotation; QuaRot arXiv:2404.00456), applied by the layer
-    cache (:mod:`kvbench.cache.rotation`), and ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
-    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`).
+    cache (:mod:`kvbench.cache.rotation`), ``prefill_attention`` (:data:`PREFILL_ATTENTION`),
+    honoured by kvbench's transformers attention function (:mod:`kvbench.hf.attention`), and
+    ``storage_dtype`` (:data:`STORAGE_DTYPES` or ``None``: the compute dtype), the dtype the
+    layer cache stores its full-precision parts in (docs/design.md#storage-dtype); a method
+    that cannot honour it names why in :attr:`Method.storage_dtype_refusal`.
     """
 
     _: KW_ONLY
@@ -93,6 +100,10 @@ class MethodConfig:
     rotation_block: int = kf.spec(64, int, choices=BLOCKS, text="powers of two 2..4096")
     rotation_seed: int | None = kf.spec(None, int, low=0, optional=True)
     prefill_attention: str = kf.spec("full", str, choices=PREFILL_ATTENTION)
+    storage_dtype: str | None = kf.spec(
+        None, str, choices=tuple(STORAGE_DTYPES), optional=True,
+        text="None (the compute dtype), float16 or bfloat16",
+    )  # fmt: skip
 
     # The windows of a config that declares no such field: plain class attributes, not
     # dataclass fields (a subclass declares the field with its own default: CacheConfig).
@@ -111,6 +122,7 @@ class MethodConfig:
         "rotation_block",
         "rotation_seed",
         "prefill_attention",
+        "storage_dtype",
     )
 
     def __post_init__(self) -> None:
@@ -221,7 +233,8 @@ def _rotating(
     new_layer: Callable[Concatenate[Method, P], LayerCache],
 ) -> Callable[Concatenate[Method, P], LayerCache]:
     """Wrap a ``Method.new_layer``: check :meth:`Method.rotation` for the head_dim first, then
-    hand it to the layer cache it returns (``layer.rotation``)."""
+    hand it to the layer cache it returns (``layer.rotation``), with the config's
+    ``storage_dtype`` (``layer.storage_dtype``)."""
     if inspect.unwrap(new_layer, stop=_ROTATING.__contains__) in _ROTATING:  # wrapped already
         return new_layer
 
@@ -231,6 +244,9 @@ def _rotating(
         layer = new_layer(self, *args, **kwargs)
         if rot is not None:
             layer.rotation = rot
+        storage = self.config.storage_dtype
+        if storage is not None:
+            layer.storage_dtype = STORAGE_DTYPES[storage]
         return layer
 
     _ROTATING.add(wrapper)
@@ -289,6 +305,11 @@ class Method:
     description: ClassVar[str] = ""
     source: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: why this method cannot store its full-precision parts in ``storage_dtype`` (its layer
+    #: cache keeps them outside the common sinks/residual path), or ``None``: it can.  A config
+    #: that sets ``storage_dtype`` is refused with this reason (so is any for a method without
+    #: a layer cache, ``capabilities.layer_cache=False``)
+    storage_dtype_refusal: ClassVar[str | None] = None
     name: str = ""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -314,6 +335,16 @@ class Method:
                 f"'none' ({type(self).__name__} wraps a transformers cache, capabilities."
                 "layer_cache=False, and rotations are applied by kvbench's LayerCache)",
             )
+        storage = config.storage_dtype
+        if storage is not None:
+            why = self.storage_dtype_refusal
+            if not self.capabilities.layer_cache:
+                why = (
+                    f"{type(self).__name__} wraps a transformers cache (capabilities."
+                    "layer_cache=False) and stores K/V in its own dtypes"
+                )
+            if why is not None:
+                config.reject("storage_dtype", f"None (the compute dtype) for this method: {why}")
         self.config = config
 
     def __repr__(self) -> str:

@@ -5,8 +5,10 @@ after the sinks:
 
 * ``prefill_count(n)``: of the ``n`` prompt tokens, how many (the oldest) are quantized at
   prefill;
-* ``flush_count(r)``: at the end of a decode step, with ``r`` tokens in the residual, how many
-  of the oldest are quantized now.
+* ``flush_count(r)``: when a decode step's flush runs (``LayerCache.end_step``: before the
+  step's attention under ``write-then-attend``, after it under ``in-chunk-full``;
+  docs/design.md#protocols), with ``r`` tokens in the residual, how many of the oldest are
+  quantized now.
 
 The count is always a multiple of the codec's ``token_group`` (checked by the layer cache).
 docs/methods.md#flush-schedules and docs/methods.md#worked-example-16 give the reference schedules.

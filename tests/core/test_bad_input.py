@@ -190,6 +190,33 @@ def test_config_non_integer_or_negative(name, field, value) -> None:
         kvbench.get_method(name, **{field: value})
 
 
+@pytest.mark.parametrize("name", ["full", "kivi", "pn-mix"])
+@pytest.mark.parametrize("value", ["float8_e4m3fn", "int8", "float32", torch.float16, ""])
+def test_config_storage_dtype(name, value) -> None:
+    """docs/design.md#storage-dtype: only float16 and bfloat16 (or None) are stored."""
+    with pytest.raises(
+        ValueError,
+        match=r"field 'storage_dtype': .* is not allowed; allowed: None \(the compute dtype\), "
+        r"float16 or bfloat16$",
+    ):
+        kvbench.get_method(name, storage_dtype=value)
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("hf-quanto", "wraps a transformers cache"),
+        ("hf-dynamic", "wraps a transformers cache"),
+        ("kvquant", "pre-RoPE key side"),
+        ("pm-kvq", "budget counts window and sinks"),
+        ("semkv", "flushes the key residual by its own path"),
+    ],
+)
+def test_storage_dtype_refused_where_not_honoured(name, why) -> None:
+    with pytest.raises(ValueError, match=rf"field 'storage_dtype': 'float16' .*{why}"):
+        kvbench.get_method(name, storage_dtype="float16")
+
+
 @pytest.mark.parametrize("name", QUANT_METHODS)
 @pytest.mark.parametrize("value", ["float64", "fp8", "int8", torch.float16])
 def test_config_scale_dtype(name, value) -> None:

@@ -137,9 +137,11 @@ def test_example16_kitty_schedule_on_core() -> None:
 # ------------------------------------------------------------------ the deferred flush
 
 
-def test_flush_runs_after_the_step() -> None:
-    # docs/design.md#protocols: the new token joins the residual and the step attends to it in full
-    # precision; the flush happens after that step (end_step, or the next append)
+def test_append_defers_the_flush_to_end_step() -> None:
+    # docs/design.md#layer-cache: append only stores (the new token joins the residual); the flush
+    # it makes due runs at end_step, or the next append.  The caller orders end_step with the
+    # step's attention (docs/design.md#protocols: before it under write-then-attend, the default,
+    # after it under in-chunk-full)
     m = kvbench.get_method("kivi", bits=2, group_size=4, residual_length=4, scale_dtype="float32")
     layer = m.new_layer(0, 1, 8)
     x = rand(1, 1, 10, 8)

@@ -61,7 +61,7 @@ import torch
 from kvbench.bench.context import Capture, RunContext
 from kvbench.bench.metrics import LOWER, STORAGE_METRICS
 from kvbench.bench.synthetic_kv import QKV, channel_gaussian_qkv
-from kvbench.cache.method import Method
+from kvbench.cache.method import STORAGE_DTYPES, Method
 from kvbench.fields import Field
 from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 from kvbench.measure.peak import transient_peak
@@ -474,7 +474,9 @@ class Memory(Workload):
         m["bytes_key_total"], m["bytes_value_total"] = side_total["key"], side_total["value"]
         m["bytes_total"] = side_total["key"] + side_total["value"]
         elems = sum(k.numel() for _, k, _ in inputs)  # per side; K and V have one shape
-        el_bits = 8 * inputs[0][1].element_size()
+        # bits of a full-precision element as stored: the config's storage_dtype, else as computed
+        storage = method.config.storage_dtype
+        el_bits = 8 * (STORAGE_DTYPES[storage].itemsize if storage else inputs[0][1].element_size())
         m["effective_key_bits"] = 8 * side_total["key"] / elems
         m["effective_value_bits"] = 8 * side_total["value"] / elems
         m["effective_bits"] = 8 * m["bytes_total"] / (2 * elems)
