@@ -225,26 +225,34 @@ class ProgressiveLayerCache(LayerCache):
         return bits
 
     def steady_appends(self, limit: int) -> int:
-        """:meth:`LayerCache.steady_appends` that also stops before a budget halving (which
-        re-encodes every held token): the steps of the window, none of which flushes, add one
-        full-precision token each (K and V, counted as :meth:`budget_used` counts them); the
-        answer keeps the bytes counted against the budget within it after every step.  0 when
-        the next step flushes or already exceeds the budget (one token per call there)."""
+        """:meth:`LayerCache.steady_appends` (the schedules: no flush after the next step) that
+        also stops before a budget halving, which re-encodes every held token: the minimum of
+        the schedules' answer and :meth:`budget_appends`."""
         k = super().steady_appends(limit)
-        if self._rows is not None or k == 0 or self.bits <= MIN_BITS:
-            return k  # rows: the minimum of each row's own answer; at MIN_BITS no halving
+        if self._rows is not None or k == 0:
+            return k  # rows: the minimum of each row's own answer
+        return self.budget_appends(k)
+
+    def budget_appends(self, limit: int) -> int:
+        """How many tokens can follow the next one, none of them flushing, before the layer's
+        width halves: an integer in ``[0, limit]`` (tokens; ``limit`` at :data:`MIN_BITS`,
+        where it never halves).
+
+        Every such step adds one token to the window (or a sink slot) and no codes, so the
+        bytes counted against the budget grow by one token of K and V at 16 bits per element
+        (:meth:`budget_used`) and the width halves at the first step they exceed the budget.
+        0 when the next step flushes (its codes change the bytes; the next call is cut from
+        the state it leaves) or already exceeds the budget (it halves, before the call's
+        queries read)."""
+        if self.bits <= MIN_BITS:
+            return limit
         held = [0 if s.residual is None else s.residual.shape[2] for s in (self.k, self.v)]
-        sides = zip((self.k, self.v), held)
-        if any(s.schedule.flush_count(r + 1) or s.schedule.flush_count(r) for s, r in sides):
-            return 0  # the next step flushes: its codes change the bytes (one token per call)
-        b, h, d = self.kv_shape
-        used, budget = self.budget_used()
-        # one token of K and V in full precision, as budget_used counts residual and sinks
-        per = 2 / (torch.finfo(self.dtype).bits // 8)
-        token = int(2 * b * h * d * (torch.finfo(self.dtype).bits // 8) * per)
-        if used + token > budget:
+        if any(s.schedule.flush_count(r + 1) for s, r in zip((self.k, self.v), held)):
             return 0
-        return min(k, int((budget - used) // token) - 1)
+        b, h, d = self.kv_shape
+        token = 2 * b * h * d * 2  # K and V, 2 bytes per element as budget_used counts them
+        used, budget = self.budget_used()
+        return min(max(int((budget - used) // token) - 1, 0), limit)
 
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         super().finish_prefill(keys, queries)

@@ -185,8 +185,8 @@ class Side:
 def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int) -> int:
     """:meth:`LayerCache.steady_appends` of one side: simulate its schedule's ``flush_count``
     over one-token steps (the first may flush anything; a later one nothing, or only its own
-    token when the codec codes tokens independently) and check that one call of all the
-    steps' tokens flushes what they flushed in all."""
+    token when the codec codes tokens independently, ``token_group == 1``) and check that one
+    call of all the steps' tokens flushes what they flushed in all."""
     if side.codec is None:
         return limit  # never quantized: nothing held changes
     room = max(num_sink_tokens - _len(side.sinks), 0)  # free sink slots (full precision)
@@ -240,6 +240,15 @@ class LayerCache:
     reads_transformed: ClassVar[str | None] = None
     #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
     observes_attention: ClassVar[bool] = False
+    #: the layer's decode updates are the base class's: :meth:`append` stores, :meth:`end_step`
+    #: flushes what the side schedules' ``flush_count`` says, and a side's ``flush(n)`` codes
+    #: its oldest ``n`` residual tokens from those tokens (and their positions) alone, so
+    #: :meth:`steady_appends` follows from the schedules.  A subclass whose updates change held
+    #: tokens in other ways too sets it ``False`` (one token per ``exact-chunked`` call: exact,
+    #: slower), or overrides :meth:`steady_appends` to also stop before its own changes (PM-KVQ's
+    #: budget halvings).  tests/test_exact_chunked.py checks that every registered method whose
+    #: layer overrides ``append`` or ``end_step`` does one of the two.
+    steady_updates: ClassVar[bool] = True
     #: the model layer this cache serves (set by ``Method.new_layer``, for messages); ``None``
     #: for a cache built directly
     layer_idx: int | None = None
@@ -451,19 +460,16 @@ class LayerCache:
         Derived from the state (residual length, free sink slots) and the side schedules'
         ``flush_count`` (:mod:`kvbench.cache.schedule`, e.g. KIVI's block of R keys: up to
         R - 1 after a flush; a sliding window of R > 0 values: 0, every step quantizes an older
-        token).  A subclass whose updates the base class cannot predict (it overrides
-        ``append``, ``end_step`` or a side's ``flush``, or observes attention) gets 0 -- always
-        one token per call: exact, slower -- unless it overrides this method (PM-KVQ's budget).
-        A padded batch: the minimum over its rows."""
+        token), which assumes :attr:`steady_updates`: a class that clears it gets 0 (one token
+        per call: exact, slower), as does a cache that :attr:`observes_attention` or still
+        awaits its prefill queries.  A padded batch: the minimum over its rows."""
         if self._rows is not None:
             return min(row.steady_appends(limit) for row in self._rows)
-        cls = type(self)
         if (
             limit <= 0
+            or not self.steady_updates
             or self.observes_attention
             or self._awaiting_queries
-            or any(getattr(cls, n) is not getattr(LayerCache, n) for n in ("append", "end_step"))
-            or any(type(side).flush is not Side.flush for side in (self.k, self.v))
         ):
             return 0
         return min(
