@@ -472,9 +472,9 @@ class LayerCache:
             or self._awaiting_queries
         ):
             return 0
-        return min(
-            _side_steady_appends(side, self.num_sink_tokens, limit) for side in (self.k, self.v)
-        )
+        for side in (self.k, self.v):  # each side looks no further than the other allows
+            limit = _side_steady_appends(side, self.num_sink_tokens, limit)
+        return limit
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated

@@ -464,8 +464,10 @@ class QuantizedKVCache(Cache):
         call still reads what one-token decode shows it (the ``exact-chunked`` protocol): the
         minimum over the layers of :meth:`kvbench.cache.layer.LayerCache.steady_appends`, in
         ``[0, limit]`` (tokens).  ``limit`` before any layer holds a token."""
-        held = [lc for lc in self.layer_caches() if lc is not None]
-        return min((lc.steady_appends(limit) for lc in held), default=limit)
+        for lc in self.layer_caches():  # each layer looks no further than the others allow
+            if lc is not None and limit > 0:
+                limit = lc.steady_appends(limit)
+        return limit
 
     # ------------------------------------------------------------------ kvbench views
     def layer_caches(self) -> list[LayerCache | None]:
