@@ -224,6 +224,36 @@ class ProgressiveLayerCache(LayerCache):
             used, codes = used - codes + now, now
         return bits
 
+    def steady_appends(self, limit: int) -> int:
+        """:meth:`LayerCache.steady_appends` (the schedules: no flush after the next step) that
+        also stops before a budget halving, which re-encodes every held token: the minimum of
+        the schedules' answer and :meth:`budget_appends`."""
+        k = super().steady_appends(limit)
+        if self._rows is not None or k == 0:
+            return k  # rows: the minimum of each row's own answer
+        return self.budget_appends(k)
+
+    def budget_appends(self, limit: int) -> int:
+        """How many tokens can follow the next one, none of them flushing, before the layer's
+        width halves: an integer in ``[0, limit]`` (tokens; ``limit`` at :data:`MIN_BITS`,
+        where it never halves).
+
+        Every such step adds one token to the window (or a sink slot) and no codes, so the
+        bytes counted against the budget grow by one token of K and V at 16 bits per element
+        (:meth:`budget_used`) and the width halves at the first step they exceed the budget.
+        0 when the next step flushes (its codes change the bytes; the next call is cut from
+        the state it leaves) or already exceeds the budget (it halves, before the call's
+        queries read)."""
+        if self.bits <= MIN_BITS:
+            return limit
+        held = [0 if s.residual is None else s.residual.shape[2] for s in (self.k, self.v)]
+        if any(s.schedule.flush_count(r + 1) for s, r in zip((self.k, self.v), held)):
+            return 0
+        b, h, d = self.kv_shape
+        token = 2 * b * h * d * 2  # K and V, 2 bytes per element as budget_used counts them
+        used, budget = self.budget_used()
+        return min(max(int((budget - used) // token) - 1, 0), limit)
+
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         super().finish_prefill(keys, queries)
         self._enforce_budget()

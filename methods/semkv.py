@@ -193,6 +193,10 @@ class SemKVLayer(LayerCache):
     float32 ``[B, H_kv, r, 2]``, key metadata): per residual key, the attention mass received
     and the number of queries that saw it; :meth:`attend` adds the decode queries'."""
 
+    #: a flush ranks the tokens it codes against the whole window, which a longer decode call
+    #: lengthens, so one call's flush is not its steps': ``exact-chunked`` cuts every token
+    steady_updates = False
+
     def __init__(self, config: SemKVConfig, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.c, self.stats = config, None

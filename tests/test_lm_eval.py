@@ -94,6 +94,9 @@ def test_method_config_file_and_batch_refusal(tmp_path):
         KVBenchLM(method="full", min_quantized_fraction=1.5)
     with pytest.raises(ValueError, match=r"kvbench backend: field 'protocol': 'chunked'"):
         KVBenchLM(method="full", protocol="chunked")
+    # exact-chunked needs its caller to cut the calls (docs/design.md#protocols): refused
+    with pytest.raises(ValueError, match=r"allowed: \['write-then-attend', 'in-chunk-full'\]$"):
+        KVBenchLM(method="full", protocol="exact-chunked")
 
 
 def test_local_tasks_listed():
@@ -172,6 +175,8 @@ def test_workload_validation():
     assert spec["protocol"] == "write-then-attend"
     with pytest.raises(ValueError, match=r"field 'protocol': 'x' is not allowed; allowed: \["):
         cls.validate({"type": "lm_eval", "tasks": ["x"], "protocol": "x"})
+    with pytest.raises(ValueError, match=r"'exact-chunked' is not allowed; allowed: \['write"):
+        cls.validate({"type": "lm_eval", "tasks": ["x"], "protocol": "exact-chunked"})
     with pytest.raises(ValueError, match="tasks"):
         cls.validate({"type": "lm_eval", "tasks": []})
     with pytest.raises(ValueError, match="field 'chunk': 0 is not allowed; allowed: integers"):

@@ -83,6 +83,23 @@ BAD_SUITES = [
         ["workloads[1] (perplexity)", "field 'windows': 'two'", "integers >= 1"],
     ),
     (
+        lambda d: d["workloads"][1].update(protocol="exact"),
+        [
+            "workloads[1] (perplexity)",
+            "field 'protocol': 'exact'",
+            "'write-then-attend', 'in-chunk-full', 'exact-chunked'",
+        ],
+    ),
+    # tokens 1280 - prefill 1024 = 256 tokens fed in chunks: a larger chunk is never one
+    (
+        lambda d: d["workloads"][1].update(chunk=300),
+        [
+            "workloads[1] (perplexity)",
+            "field 'chunk': 300",
+            "integers 1..256 (<= tokens - prefill)",
+        ],
+    ),
+    (
         lambda d: d["model"].update(dtype="float23"),
         ["model", "field 'dtype': 'float23'", "float32", "did you mean"],
     ),

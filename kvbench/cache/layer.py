@@ -182,6 +182,32 @@ class Side:
         return out
 
 
+def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int) -> int:
+    """:meth:`LayerCache.steady_appends` of one side: simulate its schedule's ``flush_count``
+    over one-token steps (the first may flush anything; a later one nothing, or only its own
+    token when the codec codes tokens independently, ``token_group == 1``) and check that one
+    call of all the steps' tokens flushes what they flushed in all."""
+    if side.codec is None:
+        return limit  # never quantized: nothing held changes
+    room = max(num_sink_tokens - _len(side.sinks), 0)  # free sink slots (full precision)
+    r0 = _len(side.residual)
+    r, flushed, added = r0, 0, 0
+    own_ok = side.codec.token_group == 1
+    for step in range(limit + 1):
+        own = not room  # the step's token joins the residual (else a sink slot)
+        if room:
+            room -= 1
+        else:
+            r, added = r + 1, added + 1
+        f = side.schedule.flush_count(r)
+        if step and f and not (own_ok and own and f == 1 and r == 1):
+            return step - 1
+        r, flushed = r - f, flushed + f
+        if side.schedule.flush_count(r0 + added) != flushed:  # one call of the steps' tokens
+            return max(step - 1, 0)
+    return limit
+
+
 class LayerCache:
     """One layer's cache; see the module docstring for the protocol.
 
@@ -214,6 +240,15 @@ class LayerCache:
     reads_transformed: ClassVar[str | None] = None
     #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
     observes_attention: ClassVar[bool] = False
+    #: the layer's decode updates are the base class's: :meth:`append` stores, :meth:`end_step`
+    #: flushes what the side schedules' ``flush_count`` says, and a side's ``flush(n)`` codes
+    #: its oldest ``n`` residual tokens from those tokens (and their positions) alone, so
+    #: :meth:`steady_appends` follows from the schedules.  A subclass whose updates change held
+    #: tokens in other ways too sets it ``False`` (one token per ``exact-chunked`` call: exact,
+    #: slower), or overrides :meth:`steady_appends` to also stop before its own changes (PM-KVQ's
+    #: budget halvings).  tests/test_exact_chunked.py checks that every registered method whose
+    #: layer overrides ``append`` or ``end_step`` does one of the two.
+    steady_updates: ClassVar[bool] = True
     #: the model layer this cache serves (set by ``Method.new_layer``, for messages); ``None``
     #: for a cache built directly
     layer_idx: int | None = None
@@ -408,6 +443,38 @@ class LayerCache:
         self._pending = False
         for side in (self.k, self.v):
             side.flush(side.schedule.flush_count(_len(side.residual)))
+
+    def steady_appends(self, limit: int) -> int:
+        """How many further tokens can be appended, after the next one, without a change of the
+        stored form of a token the layer already holds (``exact-chunked``,
+        docs/design.md#protocols): an integer in ``[0, limit]`` (tokens; ``limit`` >= 0 caps
+        the look-ahead).
+
+        With the answer ``k``, appending the next ``j + 1 <= k + 1`` tokens in one call and
+        then :meth:`end_step` leaves every stored tensor as appending them one at a time with
+        :meth:`end_step` after each does (up to float rounding), and token ``i`` of the call,
+        masked causally, reads what it would read after its own step: within those steps only
+        the first flushes tokens held before it, later ones at most quantize their own new
+        token (a codec with ``token_group == 1``: its tokens are coded independently).
+
+        Derived from the state (residual length, free sink slots) and the side schedules'
+        ``flush_count`` (:mod:`kvbench.cache.schedule`, e.g. KIVI's block of R keys: up to
+        R - 1 after a flush; a sliding window of R > 0 values: 0, every step quantizes an older
+        token), which assumes :attr:`steady_updates`: a class that clears it gets 0 (one token
+        per call: exact, slower), as does a cache that :attr:`observes_attention` or still
+        awaits its prefill queries.  A padded batch: the minimum over its rows."""
+        if self._rows is not None:
+            return min(row.steady_appends(limit) for row in self._rows)
+        if (
+            limit <= 0
+            or not self.steady_updates
+            or self.observes_attention
+            or self._awaiting_queries
+        ):
+            return 0
+        for side in (self.k, self.v):  # each side looks no further than the other allows
+            limit = _side_steady_appends(side, self.num_sink_tokens, limit)
+        return limit
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated

@@ -58,9 +58,18 @@ WRITE_THEN_ATTEND = "write-then-attend"
 #: the call's tokens attend to the quantized past plus each other in full precision; the flush
 #: waits until after the call's attention (KIVI's reference code at one token per call)
 IN_CHUNK_FULL = "in-chunk-full"
-PROTOCOLS = (WRITE_THEN_ATTEND, IN_CHUNK_FULL)
+#: write-then-attend with each chunk cut, by its caller, where the cache announces a change of
+#: the stored form of a token it already holds (:meth:`QuantizedKVCache.steady_appends`), so
+#: every query reads what one-token decode shows it: any chunk gives C = 1's logits up to float
+#: rounding (``chunked_logits``).  The cache's own update is write-then-attend's.
+EXACT_CHUNKED = "exact-chunked"
+PROTOCOLS = (WRITE_THEN_ATTEND, IN_CHUNK_FULL, EXACT_CHUNKED)
 #: the rule of a ``protocol`` argument or parameter (:mod:`kvbench.fields`)
 PROTOCOL_FIELD = Field(str, choices=PROTOCOLS)
+#: the protocols a caller that does not cut its calls can run (the lm-eval backend)
+STEP_PROTOCOLS = (WRITE_THEN_ATTEND, IN_CHUNK_FULL)
+#: the rule of a ``protocol`` of such a caller
+STEP_PROTOCOL_FIELD = Field(str, choices=STEP_PROTOCOLS)
 #: every kvbench cache's default, and so every workload's that decodes through the model
 DEFAULT_PROTOCOL = WRITE_THEN_ATTEND
 #: what records name for a transformers peer's cache, which runs its own ``update``: quanto and
@@ -204,7 +213,7 @@ class KVBenchLayer(CacheLayerMixin):
                     f"(kvbench.hf.attention.use_kvbench_attention(model))"
                 )
             lc.append(key_states, value_states)
-            if owner.protocol == WRITE_THEN_ATTEND:
+            if owner.protocol != IN_CHUNK_FULL:
                 lc.end_step()  # stored (flushes included) before the call's queries attend
             keys, values = (key_states, value_states) if attend else lc.keys_values()
         self._unconsumed = True
@@ -337,7 +346,9 @@ class QuantizedKVCache(Cache):
     protocol : :data:`PROTOCOLS`: ``"write-then-attend"`` (default: each decode call's K/V are
         stored, the deferred flush included, before its queries attend causally to the cache)
         or ``"in-chunk-full"`` (the flush waits until after the call's attention, so a call's
-        tokens attend to each other in full precision).  See the module docstring.
+        tokens attend to each other in full precision), or ``"exact-chunked"``
+        (write-then-attend's update; the caller cuts its calls at :meth:`steady_appends`).  See
+        the module docstring.
 
     The method's ``prefill_attention`` (``full`` | ``stored``, its config) decides what the
     prompt attends to (module docstring); :attr:`prefill_stored` says which.
@@ -448,6 +459,16 @@ class QuantizedKVCache(Cache):
         for i, k, v, q in zip(captured.layer_ids, captured.keys, captured.values, captured.queries):
             self.layers[i].prefill_from(k, v, q)
 
+    def steady_appends(self, limit: int) -> int:
+        """Tokens that can follow the next one in the same decode call while every query of the
+        call still reads what one-token decode shows it (the ``exact-chunked`` protocol): the
+        minimum over the layers of :meth:`kvbench.cache.layer.LayerCache.steady_appends`, in
+        ``[0, limit]`` (tokens).  ``limit`` before any layer holds a token."""
+        for lc in self.layer_caches():  # each layer looks no further than the others allow
+            if lc is not None and limit > 0:
+                limit = lc.steady_appends(limit)
+        return limit
+
     # ------------------------------------------------------------------ kvbench views
     def layer_caches(self) -> list[LayerCache | None]:
         """The kvbench ``LayerCache`` of each layer (``None`` before its first update)."""
@@ -465,12 +486,15 @@ class QuantizedKVCache(Cache):
 
 __all__ = [
     "DEFAULT_PROTOCOL",
+    "EXACT_CHUNKED",
     "IN_CHUNK_FULL",
     "KVBenchLayer",
     "PEER_PROTOCOL",
     "PROTOCOLS",
     "PROTOCOL_FIELD",
     "QuantizedKVCache",
+    "STEP_PROTOCOLS",
+    "STEP_PROTOCOL_FIELD",
     "WRITE_THEN_ATTEND",
     "cache_kwarg",
     "cache_protocol",

@@ -620,7 +620,9 @@ def test_perplexity_run_without_prompts_prefills_through_the_model(monkeypatch) 
         return _logprobs(6, 1), [ScoredState(6, {"key_total": 1, "value_total": 1}, 1)]
 
     monkeypatch.setattr(ppl_mod, "chunked_logits", fake)
-    wl = Perplexity(Perplexity.validate({"type": "perplexity", "tokens": 10, "prefill": 4}))
+    wl = Perplexity(
+        Perplexity.validate({"type": "perplexity", "tokens": 10, "prefill": 4, "chunk": 6})
+    )
     wl.windows, wl.ref, wl.info = [torch.arange(10) % V] * 2, [_logprobs(6, 2)] * 2, {}
     res = wl.run(_ctx(), get_method("full"))
     assert seen == [None, None]  # no captured prompt: each window's prefill runs the model

@@ -67,6 +67,7 @@ from kvbench.fields import Field
 from kvbench.hf.attention import kvbench_attention
 from kvbench.hf.cache import (
     DEFAULT_PROTOCOL,
+    EXACT_CHUNKED,
     PROTOCOL_FIELD,
     QuantizedKVCache,
     make_hf_cache,
@@ -172,7 +173,10 @@ def chunked_logits(
     (:class:`ScoredState` per call: the prefill, then each chunk; :func:`storage_metrics`).
 
     ``path``: the decode attention route (see the module docstring; :data:`DECODE_PATHS`).
-    ``protocol``: :data:`kvbench.hf.cache.PROTOCOLS` (module docstring).
+    ``protocol``: :data:`kvbench.hf.cache.PROTOCOLS` (module docstring); under
+    ``exact-chunked`` a kvbench cache's chunk runs as calls cut at
+    :meth:`~kvbench.hf.cache.QuantizedKVCache.steady_appends` (one :class:`ScoredState` per
+    chunk, after its last call), a peer's chunk as one call (recorded ``transformers-update``).
     ``prompt``: the window's :class:`kvbench.hf.capture.PromptState` of ``ids[:, :P]``; a
     kvbench cache of a method with ``prefill_attention: full`` is then prefilled from it instead
     of running the prompt through the model (same state, same logits); one with ``stored`` runs
@@ -205,11 +209,17 @@ def chunked_logits(
             out = model(input_ids=ids[:, :prefill], use_cache=True, **kw)
             logits = [out.logits[:, -1:].float()]
         stored(1)
+        # exact-chunked: each chunk cut where the cache announces a change of what it holds
+        cut = protocol == EXACT_CHUNKED and isinstance(cache, QuantizedKVCache)
         for s in range(prefill, t - 1, chunk):
             e = min(s + chunk, t - 1)
-            out = model(input_ids=ids[:, s:e], use_cache=True, **kw)
-            logits.append(out.logits.float())
-            stored(e - s)
+            part = []
+            while s < e:
+                m = e if not cut else s + 1 + cache.steady_appends(e - s - 1)
+                part.append(model(input_ids=ids[:, s:m], use_cache=True, **kw).logits.float())
+                s = m
+            logits.append(torch.cat(part, dim=1))
+            stored(sum(x.shape[1] for x in part))
     lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
     if info is not None:
         info.update(decode_info([cache], cache.attend if hasattr(cache, "attend") else attend, why))
@@ -254,6 +264,9 @@ class Perplexity(Workload):
     def check(cls, spec: dict[str, JSONValue], pre: str) -> None:
         if spec["prefill"] >= spec["tokens"]:
             reject(pre, "prefill", spec["prefill"], f"integers 1..{spec['tokens'] - 1} (< tokens)")
+        scored = spec["tokens"] - spec["prefill"]  # tokens fed in chunks: T - P
+        if spec["chunk"] > scored:
+            reject(pre, "chunk", spec["chunk"], f"integers 1..{scored} (<= tokens - prefill)")
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.cache.registry import get_method

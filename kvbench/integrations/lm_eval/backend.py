@@ -62,7 +62,7 @@ from kvbench.hf.attention import register, use_kvbench_attention
 from kvbench.hf.cache import (
     DEFAULT_PROTOCOL,
     PEER_PROTOCOL,
-    PROTOCOL_FIELD,
+    STEP_PROTOCOL_FIELD,
     QuantizedKVCache,
     cache_kwarg,
     make_hf_cache,
@@ -230,7 +230,7 @@ class KVBenchLM(HFLM):
     method_config : YAML file (or mapping) of config fields, plus optional ``method`` and
         ``calibration: {text, tokens}``; keyword fields override it.
     chunk : tokens fed per step while scoring log-likelihoods (1 = exact decode).
-    protocol : decode protocol of the method's cache (:data:`kvbench.hf.cache.PROTOCOLS`;
+    protocol : decode protocol of the method's cache (:data:`kvbench.hf.cache.STEP_PROTOCOLS`;
         default ``write-then-attend``); a peer runs its own cache's ``update``.
     dtype, device : model dtype (default float32) and device (default cuda when available).
     min_quantized_fraction : warn (:class:`LowQuantizedFractionWarning`, once) when a task's
@@ -244,7 +244,7 @@ class KVBenchLM(HFLM):
     ValueError
         Unknown method, config field or argument (each named with the allowed values);
         ``batch_size`` other than 1; ``chunk`` < 1; ``min_quantized_fraction`` outside [0, 1];
-        ``protocol`` not in :data:`kvbench.hf.cache.PROTOCOLS`.
+        ``protocol`` not in :data:`kvbench.hf.cache.STEP_PROTOCOLS`.
     """
 
     def __init__(
@@ -265,7 +265,7 @@ class KVBenchLM(HFLM):
             raise ValueError(BATCH_REFUSAL.format(batch_size))
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} must be an integer >= 1 (1 = exact decode)")
-        PROTOCOL_FIELD.check(protocol, "protocol", "kvbench backend")
+        STEP_PROTOCOL_FIELD.check(protocol, "protocol", "kvbench backend")
         self.protocol = protocol
         mqf = min_quantized_fraction
         if isinstance(mqf, bool) or not isinstance(mqf, (int, float)) or not 0 <= mqf <= 1:

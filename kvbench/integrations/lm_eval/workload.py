@@ -38,7 +38,7 @@ from kvbench.bench.metrics import LM_EVAL_DIRECTIONS
 from kvbench.bench.workloads import LOWER, NONE, Result, Workload, reject
 from kvbench.cache.method import Method
 from kvbench.fields import Field
-from kvbench.hf.cache import DEFAULT_PROTOCOL, PROTOCOL_FIELD
+from kvbench.hf.cache import DEFAULT_PROTOCOL, STEP_PROTOCOL_FIELD
 from kvbench.jsontypes import JSONValue
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class LMEval(Workload):
         "num_fewshot": Field(int, low=0, optional=True),
         "limit": Field(int, low=0, optional=True),
         "chunk": Field(int, low=1),
-        "protocol": PROTOCOL_FIELD,
+        "protocol": STEP_PROTOCOL_FIELD,
         "include_path": Field(
             str, shape="one-or-list", min_items=0, optional=True, text="a folder or a list"
         ),
