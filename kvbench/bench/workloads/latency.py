@@ -33,8 +33,9 @@ replacement, the same rounds for the method and the baseline (so drift of the ma
 to round, which moves both steps of a round, cancels), and takes the ratio of the two medians
 over the drawn steady-state steps; seeded with the suite's seed, so the record is reproducible
 from its timings; absent with fewer than two steady steps a side (rule recorded in
-``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
-``prefill_ms``, ``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
+``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are
+in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``, ``prefill_ms``,
+``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
 
 Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
 docs/design.md#protocols; peers: their own ``update``) and the attention path (kvbench methods:
@@ -103,9 +104,9 @@ def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
 
 
 RATIO_INTERVAL = (
-    f"95% paired percentile bootstrap over the interleaved timed rounds (decode_ms_p50_ratio_"
-    f"ci_low/_ci_high), {RATIO_RESAMPLES} resamples of the rounds with replacement, the same rounds "
-    "for method and baseline (round-to-round drift cancels); statistic: median of the method's "
+    "95% paired percentile bootstrap over the interleaved timed rounds "
+    f"(decode_ms_p50_ratio_ci_low/_ci_high), {RATIO_RESAMPLES} resamples of the rounds with "
+    "replacement, the same rounds for method and baseline (round-to-round drift cancels); statistic: median of the method's "
     "drawn steady-state steps / median of the baseline's; torch generator seeded with the "
     "suite's seed; none with fewer than two steady-state steps a side"
 )
