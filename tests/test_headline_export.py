@@ -135,6 +135,29 @@ def test_the_note_names_each_columns_workload_context_and_protocol():
     assert "`memory` (context=12, dtype=float16, source=model)" in note
 
 
+def test_step_cell_shows_the_ratio_interval_where_the_record_has_one():
+    """A latency record with ``decode_ms_p50_ratio_ci_low``/``_ci_high`` shows ``ratio [low,
+    high]`` (two decimals) and the note names its rule; a record without (written before the
+    interval existed) shows the ratio alone, and the note says nothing of an interval."""
+    rule = "95% paired percentile bootstrap (test rule)"
+    out = records()
+    for r in out:
+        if r.workload_type == "latency" and r.label in ("A", "full"):
+            lo, hi = (1.104, 1.396) if r.label == "A" else (0.97, 1.05)
+            r.metrics |= {"decode_ms_p50_ratio_ci_low": lo, "decode_ms_p50_ratio_ci_high": hi}
+            r.manifest["ratio_interval"] = rule
+    by = {r["label"]: r for r in rows(out)}
+    assert (by["A"]["step_low"], by["A"]["step_high"]) == (1.104, 1.396)
+    assert by["B"]["step_low"] is None and by["B"]["step_high"] is None
+    lines = _lines(headline_table(out))
+    assert "| 1.100 | 1.25 [1.10, 1.40] | 0.244 |" in lines["A"]
+    assert "| 1.02 [0.97, 1.05] |" in lines["full"]
+    assert "| 1.100 | 1.25 | 0.178 |" in lines["B"]  # no interval in its record
+    note = headline_table(out).split("\n> ", 1)[1]
+    assert f"step interval [low, high]: {rule}" in note
+    assert "step interval" not in headline_table(records())
+
+
 def test_rows_whose_interval_reaches_full_are_marked():
     """full's KL is exactly 0; the noise floor is the largest |KL| of the unquantized rows
     (a 16-bit peer at 3e-6 here) or 1e-6.  A lower bound at or below it gets the dagger."""

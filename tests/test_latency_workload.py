@@ -149,6 +149,33 @@ def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert m["decode_ms_p50_ratio"] == 2.0 and m["decode_ms_mean_ratio"] == pytest.approx(2.2)
     assert m["decode_ms_amortized_ratio"] == pytest.approx(amort)
     assert m["tokens_per_s_ratio"] == pytest.approx(1 / amort)
+    # the interval leaves the flush steps out as the ratio does: the baseline's median is 1
+    # in every resample, the method's is that of drawn 2 and 3 ms steps (2 in most)
+    assert m["decode_ms_p50_ratio_ci_low"] == 2.0
+    assert 2.0 <= m["decode_ms_p50_ratio_ci_high"] <= 3.0
+
+
+def test_step_ratio_interval_is_paired_over_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``full`` against itself, scripted: the machine slows from 1 to 12 ms a step over the
+    rounds and the method's step is 2 x the baseline's of the same round.  Resampling rounds
+    paired keeps the factor in every resample: interval [2, 2]; resampling the two series apart
+    would mix fast and slow rounds (medians from 1 to 12 ms) into a wide one."""
+    import kvbench.bench.workloads.latency as lat
+
+    base = [float(i + 1) for i in range(12)]
+    seq = [5.0] * 6  # 3 prefill rounds
+    for i in range(12):
+        pair = [2 * base[i], base[i]]
+        seq += pair if i % 2 == 0 else pair[::-1]
+    ScriptedTimer.samples = seq
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    res = w.run(ctx, kvbench.get_method("full"))
+    m = res.metrics
+    assert ScriptedTimer.samples == []
+    assert m["decode_ms_p50_ratio"] == 2.0
+    assert (m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]) == (2.0, 2.0)
+    assert "paired" in res.info["ratio_interval"] and "seed" in res.info["ratio_interval"]
 
 
 def test_end_to_end_records() -> None:
@@ -164,6 +191,10 @@ def test_end_to_end_records() -> None:
     assert "LayerCache.attend" in info["attention_path"]
     assert m["bytes_total"] > 0
     assert info["protocol"] == info["baseline_protocol"] == "write-then-attend"
+    # the step ratio's interval, from real (noisy) timings: the ratio lies inside it
+    lo, hi = m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]
+    assert 0 < lo <= m["decode_ms_p50_ratio"] <= hi
+    assert info["ratio_interval"].startswith("95% paired percentile bootstrap")
     # a peer runs through its transformers cache
     res = w.run(ctx, kvbench.get_method("hf-dynamic"))
     assert "transformers cache" in res.info["attention_path"]

@@ -8,7 +8,7 @@ divided by the ``full`` baseline's in the same run) inherit the direction of the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "direction",
     "interval_rule",
     "key_mse",
+    "paired_ratio_ci",
     "token_blocks",
 ]
 
@@ -140,6 +141,62 @@ def add_ci(metrics: dict[str, float], name: str, values: list[float], seed: int 
     ci = bootstrap_ci(values, seed=seed)
     if ci is not None:
         metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = ci
+
+
+#: resamples of :func:`paired_ratio_ci`
+RATIO_RESAMPLES = 2000
+
+
+def paired_ratio_ci(
+    method: Sequence[float],
+    baseline: Sequence[float],
+    method_skip: Iterable[int] = (),
+    baseline_skip: Iterable[int] = (),
+    n_boot: int = RATIO_RESAMPLES,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """Paired percentile bootstrap ``1 - alpha`` interval of ``median(method) /
+    median(baseline)`` over interleaved rounds (Efron & Tibshirani 1993, ch. 13), float64.
+
+    ``method[i]`` and ``baseline[i]`` (ms, ``[n]`` each) were timed in the same round ``i`` of
+    :func:`kvbench.measure.timer.interleave`.  Each of ``n_boot`` resamples draws ``n`` round
+    indices with replacement, by ``torch.randint(0, n, (n_boot, n), generator=g)`` with ``g =
+    torch.Generator().manual_seed(seed)``, and takes the **same** rounds for both series
+    (paired: drift of the machine from round to round moves both and cancels in the ratio).
+    A side's statistic is the median (linear interpolation, as
+    :data:`kvbench.measure.timer.PERCENTILE_RULE`) of its drawn rounds that are not in its
+    ``*_skip`` indices (e.g. its flush steps, which the point estimate leaves out too); the
+    interval is the ``alpha/2`` and ``1 - alpha/2`` quantiles (``torch.quantile``, linear) of
+    the resampled ratios, over the resamples where the ratio is finite (a resample that drew
+    only skipped rounds on one side has no median; with a few skipped rounds, a rare event).
+
+    Returns ``None`` when either side has fewer than two rounds left after its skips (no spread
+    to resample).  ValueError for series of different lengths or a skip index out of range."""
+    a = torch.as_tensor(method, dtype=torch.float64).flatten().clone()
+    b = torch.as_tensor(baseline, dtype=torch.float64).flatten().clone()
+    if a.shape != b.shape:
+        raise ValueError(
+            f"paired_ratio_ci: {a.numel()} method rounds and {b.numel()} baseline rounds; "
+            "a paired interval needs one of each per round"
+        )
+    n = a.numel()
+    for x, skip in ((a, method_skip), (b, baseline_skip)):
+        idx = sorted(set(skip))
+        if idx and (idx[0] < 0 or idx[-1] >= n):
+            raise ValueError(f"paired_ratio_ci: skip index {idx} out of range for {n} rounds")
+        x[idx] = float("nan")
+    if min(int((~a.isnan()).sum()), int((~b.isnan()).sum())) < 2:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    draw = torch.randint(0, n, (n_boot, n), generator=g)
+    ratio = a[draw].nanquantile(0.5, dim=-1) / b[draw].nanquantile(0.5, dim=-1)
+    ratio = ratio[ratio.isfinite()]
+    if ratio.numel() == 0:
+        return None
+    q = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(ratio, q)
+    return lo.item(), hi.item()
 
 
 #: consecutive scored tokens per block of :func:`block_bootstrap_ci` in the perplexity workload

@@ -12,7 +12,10 @@ need a workload of their own and say which (the note under the table names each 
 workload, context, protocol and dtype):
 
 * ``step vs full``: ``decode_ms_p50_ratio`` of the ``latency`` record, the median steady-state
-  decode step of the method's cache over that of ``full`` timed interleaved in the same run;
+  decode step of the method's cache over that of ``full`` timed interleaved in the same run,
+  with its 95% interval ``[decode_ms_p50_ratio_ci_low, _ci_high]`` (a paired bootstrap over
+  the interleaved rounds, :func:`kvbench.bench.metrics.paired_ratio_ci`) where the record has
+  one (older records: the ratio alone, :func:`step_cell`);
 * ``peak vs full``: (``bytes_total`` + ``peak_step_bytes``) of the ``memory`` record (bytes at
   rest plus the transient of one decode step) over the same sum of ``full``'s memory record.
 
@@ -80,6 +83,8 @@ class HeadlineRow(TypedDict):
     ppl: float | None
     ppl_ratio: float | None
     step_ratio: float | None
+    step_low: float | None
+    step_high: float | None
     peak_ratio: float | None
     sources: dict[str, Record]
 
@@ -168,7 +173,8 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
     (``a``/``b``/``base``), ``bytes``, ``bytes_ratio`` (vs 16-bit), ``key_bits``,
     ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
     ``ppl_ratio`` (``ppl`` / ``ppl_ref``, the ``full`` cache's perplexity under the same
-    schedule), ``step_ratio``, ``peak_ratio``, and ``sources`` (workload type -> the record
+    schedule), ``step_ratio`` with its interval ``step_low`` / ``step_high`` (``None``: the
+    latency record has none), ``peak_ratio``, and ``sources`` (workload type -> the record
     each column group came from).  ValueError without a ``full`` perplexity record."""
     by: dict[str, dict[str, list[Record]]] = {}
     for r in records:
@@ -211,6 +217,10 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
                 "ppl": m.get("ppl"),
                 "ppl_ratio": _ratio(m.get("ppl"), m.get("ppl_ref")),
                 "step_ratio": None if lat is None else lat.metrics.get("decode_ms_p50_ratio"),
+                "step_low": None if lat is None else lat.metrics.get("decode_ms_p50_ratio_ci_low"),
+                "step_high": (
+                    None if lat is None else lat.metrics.get("decode_ms_p50_ratio_ci_high")
+                ),
                 "peak_ratio": _ratio(peak, base),
                 "sources": {
                     k: r for k, r in ((QUALITY, q), ("latency", lat), ("memory", mem)) if r
@@ -258,6 +268,15 @@ def kl_cell(r: HeadlineRow, floor: float) -> str:
     return f"{cell} [{_kl(r['kl_low'])}, {_kl(r['kl_high'])}]{dagger}"
 
 
+def step_cell(r: HeadlineRow) -> str:
+    """``ratio [low, high]`` (two decimals) when the latency record has the ratio's interval,
+    else the ratio alone (records written before the interval existed) or ``–``."""
+    cell = _f(r["step_ratio"], 2)
+    if r["step_ratio"] is None or r["step_low"] is None or r["step_high"] is None:
+        return cell
+    return f"{cell} [{_f(r['step_low'], 2)}, {_f(r['step_high'], 2)}]"
+
+
 SECTIONS = {
     "a": "(a) Deployed: keys and values quantized",
     "b": "(b) Keys only: values kept at 16 bits (b_V = 16, the PN-Mix paper's setting)",
@@ -301,11 +320,13 @@ def note(allrows: list[HeadlineRow], floor: float) -> str:
             f"KL interval: {how}"
         )
     for rec in _used(allrows, "latency"):
+        how = rec.manifest.get("ratio_interval")  # absent from records before the interval
+        interval = f"; step interval [low, high]: {how}" if how else ""
         parts.append(
             f"step vs full: decode_ms_p50 (median steady-state decode step, flush steps "
             f"apart) over `{rec.manifest.get('baseline', BASELINE)}`'s timed interleaved in the "
             f"same run, {_spec(rec)}, threads={rec.manifest.get('threads', '?')} on "
-            f"{rec.manifest.get('device', '?')}"
+            f"{rec.manifest.get('device', '?')}{interval}"
         )
     for rec in _used(allrows, "memory"):
         parts.append(
@@ -342,7 +363,7 @@ def headline_table(records: list[Record]) -> str:
         lines = [
             f"| {r['label']} | {_f(r['key_bits'], 2)} | {_f(r['value_bits'], 2)} | "
             f"{_f(r['bytes_ratio'])} | {kl_cell(r, floor)} | {_f(r['top1'])} | "
-            f"{_f(r['ppl_ratio'])} | {_f(r['step_ratio'], 2)} | {_f(r['peak_ratio'])} | "
+            f"{_f(r['ppl_ratio'])} | {step_cell(r)} | {_f(r['peak_ratio'])} | "
             f"{'★' if id(r) in front else ''} |"
             for r in base + rs
         ]

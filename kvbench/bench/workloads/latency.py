@@ -26,9 +26,16 @@ the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
 of a long decode, with the period (steps between flushes) from the tokens one flush quantized
 (recorded with its source); ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized`` (B rows).  Each has a
 ``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
-baseline ms / method ms; the runner keeps these).  ``bytes_total`` of the method's cache at
-the end.  Raw samples are in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``,
-``prefill_ms``, ``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
+baseline ms / method ms; the runner keeps these).  ``decode_ms_p50_ratio`` has a 95% interval,
+``decode_ms_p50_ratio_ci_low``/``_ci_high``: a paired percentile bootstrap over the timed rounds
+(:func:`kvbench.bench.metrics.paired_ratio_ci`): each resample draws the rounds with
+replacement, the same rounds for the method and the baseline (so drift of the machine from round
+to round, which moves both steps of a round, cancels), and takes the ratio of the two medians
+over the drawn steady-state steps; seeded with the suite's seed, so the record is reproducible
+from its timings; absent with fewer than two steady steps a side (rule recorded in
+``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are
+in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``, ``prefill_ms``,
+``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
 
 Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
 docs/design.md#protocols; peers: their own ``update``) and the attention path (kvbench methods:
@@ -56,6 +63,7 @@ import torch
 
 from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
 from kvbench.bench.context import RunContext
+from kvbench.bench.metrics import RATIO_RESAMPLES, paired_ratio_ci
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
@@ -94,6 +102,14 @@ def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
         return [prompt] * batch
     return [prompt - (b * (prompt // 2)) // (batch - 1) for b in range(batch)]
 
+
+RATIO_INTERVAL = (
+    "95% paired percentile bootstrap over the interleaved timed rounds "
+    f"(decode_ms_p50_ratio_ci_low/_ci_high), {RATIO_RESAMPLES} resamples of the rounds with "
+    "replacement, the same rounds for method and baseline (round-to-round drift cancels); statistic: median of the method's "
+    "drawn steady-state steps / median of the baseline's; torch generator seeded with the "
+    "suite's seed; none with fewer than two steady-state steps a side"
+)
 
 STEADY_NOTE = (
     "steady-state steps and flush steps (held bytes fell) reported separately; "
@@ -313,6 +329,15 @@ class Latency(Workload):
         am, ab = mine["decode_ms_amortized"], ref["decode_ms_amortized"]
         metrics["decode_ms_amortized_ratio"] = am / ab if ab else float("nan")
         metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
+        ci = paired_ratio_ci(
+            times["method"],
+            times["baseline"],
+            split["method"].flush_index,
+            split["baseline"].flush_index,
+            seed=ctx.seed,
+        )
+        if ci is not None:
+            metrics["decode_ms_p50_ratio_ci_low"], metrics["decode_ms_p50_ratio_ci_high"] = ci
         mc = caches["method"]
         lcs = mc.layer_caches() if isinstance(mc, QuantizedKVCache) else []
         # a LayerCache gets ``attend_path`` from its first decode attention (none before)
@@ -344,6 +369,7 @@ class Latency(Workload):
             "baseline_attention_path": attention_path(base, attend["baseline"]),
             "interleaving": "round i starts at configuration i mod 2 (A B, B A, ...)",
             "ratio_baseline": f"{s['baseline']} interleaved in this run",
+            "ratio_interval": RATIO_INTERVAL,
             "prefill_tokens": p,
             "prefill_repeats": reps,
             "window": STEADY_NOTE,
