@@ -210,6 +210,16 @@ def declared(cls: type) -> dict[str, Field]:
     return out
 
 
+class FieldErrors(ValueError):
+    """Two or more fields refused at once by :func:`validate`: ``messages`` holds each
+    :func:`message` in declaration order (the text is them joined, one per line), so that a
+    caller collecting errors (a suite's validator) lists every one."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = messages
+        super().__init__("\n".join(messages))
+
+
 def validate(
     obj: object | Mapping[str, object], where: str = "", fields: Mapping[str, Field] | None = None
 ) -> None:
@@ -220,14 +230,24 @@ def validate(
     Raises
     ------
     ValueError
-        :func:`message` for the first field whose value its rule refuses, in declaration order.
+        :func:`message` of the field whose value its rule refuses, where one is;
+        :class:`FieldErrors` (a ``ValueError``) with every refused field's, in declaration
+        order, where several are.
     """
     if isinstance(obj, Mapping):
         if fields is None:
             raise TypeError("validate(mapping) needs fields=")
-        for name, rule in fields.items():
-            if name in obj:
-                rule.check(obj[name], name, where)
-        return
-    for name, rule in (declared(type(obj)) if fields is None else fields).items():
-        rule.check(getattr(obj, name), name, where)
+        values = {name: obj[name] for name in fields if name in obj}
+    else:
+        fields = declared(type(obj)) if fields is None else fields
+        values = {name: getattr(obj, name) for name in fields}
+    refused: list[ValueError] = []
+    for name, value in values.items():
+        try:
+            fields[name].check(value, name, where)
+        except ValueError as exc:
+            refused.append(exc)
+    if len(refused) == 1:
+        raise refused[0]
+    if refused:
+        raise FieldErrors([str(e) for e in refused])

@@ -414,3 +414,35 @@ def test_a_closed_pipe_is_not_an_error() -> None:
     proc.stdout.close()  # the reader is gone before kvbench writes its first line
     err = proc.stderr.read().decode()
     assert proc.wait() in (0, 141) and "Broken pipe" not in err and "error" not in err, err
+
+
+def test_every_bad_field_of_one_method_entry_is_named() -> None:
+    """Three refused fields of one entry give three errors (not the first one alone), each
+    naming the entry, its field and the allowed values; a lone refused field stays one."""
+    data = _smoke()
+    data["methods"][5] = {"name": "kivi", "config": {"bits": 9, "value_bits": 17, "group_size": 0}}
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml")
+    pre = "s.yaml: methods[5] (kivi): KIVIConfig: field "
+    assert sorted(info.value.errors) == sorted(
+        [
+            pre + "'bits': 9 is not allowed; allowed: 1..8 or 16",
+            pre + "'value_bits': 17 is not allowed; allowed: 1..8 or 16",
+            pre + "'group_size': 0 is not allowed; allowed: integers >= 1",
+        ]
+    )
+    data["methods"][5] = {"name": "kivi", "config": {"bits": 9}}
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml")
+    assert info.value.errors == [pre + "'bits': 9 is not allowed; allowed: 1..8 or 16"]
+
+
+def test_every_bad_parameter_of_one_workload_is_named() -> None:
+    data = _smoke()
+    data["workloads"][1].update(windows=0, chunk=0)
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml")
+    assert {e.split("field ")[1].split(":")[0] for e in info.value.errors} == {
+        "'windows'",
+        "'chunk'",
+    }

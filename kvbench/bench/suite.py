@@ -269,7 +269,7 @@ def _method_entry(
         try:
             cls(cls.Config.from_dict(cfg))
         except (ValueError, TypeError) as exc:
-            problems.errors.append(f"{where} ({tag}): {exc}")
+            problems.errors.extend(f"{where} ({tag}): {m}" for m in validate.messages(exc))
             continue
         out.append(MethodSpec(name, cfg, tag, f"methods[{i}]"))
     return out
@@ -307,7 +307,7 @@ def _workloads(
             try:
                 workloads.append(cls.validate({"type": w["type"], **params}, where))
             except ValueError as exc:
-                problems.errors.append(str(exc))
+                problems.errors.extend(validate.messages(exc))
                 complete = False
             except TypeError as exc:  # a check comparing a string with a number
                 problems.errors.append(f"{where}: {exc}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from kvbench import fields as kf
-from kvbench.fields import Field
+from kvbench.fields import Field, FieldErrors
 from kvbench.registry import did_you_mean
 
 #: model dtypes the loaders accept
@@ -60,6 +60,12 @@ def format_errors(path: str, errors: Sequence[str]) -> str:
     return f"{path}: {len(errors)} errors:\n" + "\n".join("  " + line for line in lines)
 
 
+def messages(exc: Exception) -> list[str]:
+    """The refusals an exception carries: each field's of a :class:`kvbench.fields.FieldErrors`,
+    else its one message."""
+    return list(exc.messages) if isinstance(exc, FieldErrors) else [str(exc)]
+
+
 class Problems:
     """Collects the errors of a suite's checks, so that one refusal names every bad field.
 
@@ -79,7 +85,7 @@ class Problems:
         except SuiteErrors as exc:
             self.errors.extend(exc.errors)
         except ValueError as exc:
-            self.errors.append(str(exc))
+            self.errors.extend(messages(exc))
 
     def raise_if_any(self) -> None:
         """Raise :class:`SuiteErrors` with every recorded error, if there is one."""
