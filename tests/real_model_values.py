@@ -6,7 +6,7 @@ prefilled, chunks of 64), and the attention KL of 8/4/2-bit per-channel keys on 
 layers 0 and 15.  They are measured at 1 and 2 threads, each with ``ATEN_CPU_CAPABILITY=default``
 and native, and each tolerance is derived by the model gate's rule
 (:func:`model_gate_baseline.tolerance`: ``max(SAFETY * spread, FLOOR_REL * |value|, FLOOR_ABS)``,
-docs/mutation.md#model-quality-gate).  Regenerate with ``make baseline-model`` or::
+docs/mutation.md#model-quality-gate).  Regenerate with ``make real-model-values`` or::
 
     KVBENCH_DATA_DIR=<data folder> python tests/real_model_values.py
 

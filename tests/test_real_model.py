@@ -2,7 +2,7 @@
 
 Known values (perplexities, attention KLs) are stored in ``tests/real_model_values.json`` with a
 tolerance derived from their spread across 1/2 threads and ``ATEN_CPU_CAPABILITY=default``/native
-(``tests/real_model_values.py``, the model gate's rule; ``make baseline-model`` remeasures them).
+(``tests/real_model_values.py``, the model gate's rule; ``make real-model-values`` remeasures them).
 Short lengths keep this file to about a minute once the converted model is cached.
 """
 
@@ -28,7 +28,7 @@ def known(name: str, value: float) -> None:
     entry = json.loads(VALUES.read_text())["values"][name]
     assert abs(value - entry["value"]) <= entry["tolerance"], (
         f"{name} = {value!r}, known {entry['value']!r} +- {entry['tolerance']:.3g} "
-        "(tests/real_model_values.json; `make baseline-model` after an intended change)"
+        "(tests/real_model_values.json; `make real-model-values` after an intended change)"
     )
 
 

@@ -36,6 +36,12 @@ def _smoke() -> dict:
     return yaml.safe_load(SMOKE.read_text())
 
 
+#: the index a method appended to suites/smoke.yaml's list gets (the list grows with each
+#: method a contributor adds, so no test may hard-code it), and the index of its ``kitty`` entry
+APPENDED = len(_smoke()["methods"])
+KITTY = [m if isinstance(m, str) else m["name"] for m in _smoke()["methods"]].index("kitty")
+
+
 def _error(capsys, *argv) -> str:
     rc = main([*argv])
     err = capsys.readouterr().err
@@ -73,7 +79,10 @@ BAD_SUITES = [
         lambda d: d["workloads"].append({"type": "fidelty"}),
         ["workloads[2]", "'fidelty'", "did you mean 'fidelity'"],
     ),
-    (lambda d: d["methods"].append("kitty"), ["methods[6] and methods[18]", "label 'kitty'"]),
+    (
+        lambda d: d["methods"].append("kitty"),
+        [f"methods[{KITTY}] and methods[{APPENDED}]", "label 'kitty'"],
+    ),
     (
         lambda d: d["workloads"][0].update(tokens=-1),
         ["workloads[0] (fidelity)", "field 'tokens': -1", "integers >= 2"],
@@ -166,7 +175,7 @@ def test_parse_suite_collects_every_error() -> None:
         "s.yaml: workloads[1] (perplexity): field 'windows': 'two' is not allowed; allowed: "
         "integers >= 1",
     ]
-    assert info.value.errors[2].startswith("s.yaml: methods[18]: unknown method 'kivy'")
+    assert info.value.errors[2].startswith(f"s.yaml: methods[{APPENDED}]: unknown method 'kivy'")
     text = str(info.value)
     assert text.splitlines()[0] == "s.yaml: 4 errors:"
     assert text.splitlines()[1:] == ["  " + e.removeprefix("s.yaml: ") for e in info.value.errors]
