@@ -455,3 +455,18 @@ def test_every_bad_parameter_of_one_workload_is_named() -> None:
         "'windows'",
         "'chunk'",
     }
+
+
+def test_a_mistyped_field_does_not_hide_the_entry_s_bad_values() -> None:
+    """An unknown config name is refused, and the known fields of the same entry are checked
+    too: both the misspelt name and the out-of-range value are named."""
+    data = _smoke()
+    data["methods"][5] = {"name": "kivi", "config": {"bits": 9, "grop_size": 32}}
+    with pytest.raises(validate.SuiteErrors) as info:
+        parse_suite(data, "s.yaml")
+    errors = info.value.errors
+    assert len(errors) == 2, errors
+    assert "unknown config field(s) ['grop_size']" in errors[0]
+    assert errors[1] == (
+        "s.yaml: methods[5] (kivi): KIVIConfig: field 'bits': 9 is not allowed; allowed: 1..8 or 16"
+    )

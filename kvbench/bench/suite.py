@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import cast
 
@@ -269,7 +269,14 @@ def _method_entry(
         try:
             cls(cls.Config.from_dict(cfg))
         except (ValueError, TypeError) as exc:
-            problems.errors.extend(f"{where} ({tag}): {m}" for m in validate.messages(exc))
+            found = validate.messages(exc)
+            known = {f.name for f in fields(cls.Config)}
+            if set(cfg) - known:  # an unknown name was refused first: check the known fields too
+                try:
+                    cls(cls.Config(**{k: v for k, v in cfg.items() if k in known}))
+                except (ValueError, TypeError) as more:
+                    found += validate.messages(more)
+            problems.errors.extend(f"{where} ({tag}): {m}" for m in found)
             continue
         out.append(MethodSpec(name, cfg, tag, f"methods[{i}]"))
     return out
