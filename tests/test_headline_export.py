@@ -365,11 +365,18 @@ def test_rows_holding_the_same_cache_are_merged():
 
 
 def test_a_budget_not_reached_is_in_the_label():
-    """A budgeted row whose measured bits (8) exceed its ``budget_bits`` (2) at the perplexity
-    cache's 10 tokens is labelled so; one within its budget (8 bits of 8) is not."""
+    """A budgeted row whose perplexity cache held 10 tokens while its budget is sized for 3072
+    is labelled so; one sized for 10 tokens (reached, even though its measured bits, 8, are
+    above its budget_bits, 2: the window and scales count there) and one sized for 9 are not."""
     out = records() + [
-        ppl("pm2", "pm-kvq", 160, 8.0, 8.0, 0.01, 0.005, 0.015, cfg={"budget_bits": 2}),
-        ppl("pm8", "pm-kvq", 160, 8.0, 7.5, 0.02, 0.015, 0.025, cfg={"budget_bits": 8}),
+        ppl("pm2", "pm-kvq", 160, 8.0, 8.0, 0.01, 0.005, 0.015, cfg=_budget(2, 3072)),
+        ppl("pm10", "pm-kvq", 150, 8.0, 7.5, 0.02, 0.015, 0.025, cfg=_budget(2, 10)),
+        ppl("pm9", "pm-kvq", 140, 8.0, 7.0, 0.03, 0.025, 0.035, cfg=_budget(2, 9)),
     ]
     lines = _lines(headline_table(out))
-    assert "pm2 (budget not reached at 10 tokens)" in lines and "pm8" in lines
+    assert "pm2 (budget not reached at 10 tokens: sized for 3072)" in lines
+    assert "pm10" in lines and "pm9" in lines
+
+
+def _budget(bits: int, tokens: int) -> dict:
+    return {"budget_bits": bits, "budget_tokens": tokens}

@@ -50,8 +50,8 @@ record's of the row; empty where none does).  Rows of transformers peers (perple
 protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer)``, left out of the
 frontier and never marked.  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
 and interval) are merged into one row ``A = B`` (:func:`merge_groups`), named in the note.  A
-budgeted row whose measured bits exceed its configuration's ``budget_bits``
-(:func:`budget_miss`) says ``(budget not reached at N tokens)`` after its label.
+budgeted row whose cache held fewer tokens than its configuration's ``budget_tokens``
+(:func:`budget_miss`) says ``(budget not reached at N tokens: sized for M)`` after its label.
 """
 
 from __future__ import annotations
@@ -331,25 +331,34 @@ def same_cache(row: HeadlineRow) -> tuple[float | None, ...]:
     return (row["bytes"], row["next_token_kl"], row["kl_low"], row["kl_high"])
 
 
-def budget_miss(row: HeadlineRow) -> int | None:
-    """The tokens the row's cache held when its measured key or value bits were above its
-    configuration's ``budget_bits`` (a budgeted method, as PM-KVQ, whose progressive budget
-    was not reached at the row's context); ``None`` for a row without a budget or within it."""
+def budget_miss(row: HeadlineRow) -> tuple[int, int] | None:
+    """``(tokens held, budget_tokens)`` when the row's cache held fewer tokens than its
+    configuration's ``budget_tokens``: a progressive budget (PM-KVQ, arXiv 2505.18610: codes
+    halve until ``budget_bits`` x ``budget_tokens`` holds them) reaches ``budget_bits`` only
+    once the cache holds ``budget_tokens``, so at fewer its codes are wider than the budget.
+    ``None`` for a row without ``budget_bits``/``budget_tokens`` or at or past them.  Not read
+    from the measured bits: those include the full-precision window and the scales, which a
+    reached budget does not count (``budget_scope: codes``)."""
     q = row["sources"][QUALITY]
-    budget = q.config.get("budget_bits")
-    bits = [b for b in (row["key_bits"], row["value_bits"]) if b is not None]
-    if budget is None or not bits or max(bits) <= budget:
+    budget, budget_tokens, held = (
+        q.config.get("budget_bits"),
+        q.config.get("budget_tokens"),
+        cache_tokens(q),
+    )
+    if budget is None or not isinstance(budget_tokens, int) or held is None:
         return None
-    return cache_tokens(q)
+    return (held, budget_tokens) if held < budget_tokens else None
 
 
 def row_label(row: HeadlineRow) -> str:
     """The row's label as the table prints it: `` (peer)`` after a transformers peer's
-    (:func:`is_peer`), `` (budget not reached at N tokens)`` after a row of
+    (:func:`is_peer`), `` (budget not reached at N tokens: sized for M)`` after a row of
     :func:`budget_miss`."""
     label = row["label"] + (" (peer)" if is_peer(row) else "")
     miss = budget_miss(row)
-    return label if miss is None else f"{label} (budget not reached at {miss} tokens)"
+    if miss is None:
+        return label
+    return f"{label} (budget not reached at {miss[0]} tokens: sized for {miss[1]})"
 
 
 def _nominal_cell(r: HeadlineRow) -> str:
@@ -455,8 +464,9 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
         f"largest |KL| of unquantized rows, at least {KL_FLOOR:.0e}), so the run cannot tell "
         "the row from full. ★: on the Pareto frontier of next-token KL vs bytes within the "
         "section, transformers peers (peer) left out of it and never marked. (budget not "
-        "reached at N tokens): the measured key or value bits at the row's N tokens are above "
-        "its configured `budget_bits`. –: not measured."
+        "reached at N tokens: sized for M): a progressive budget reaches its `budget_bits` "
+        "only once the cache holds its `budget_tokens` M; at N < M its codes are wider. "
+        "–: not measured."
     )
     return "\n>\n".join(f"> {p}" for p in parts)
 
