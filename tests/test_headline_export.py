@@ -17,7 +17,14 @@ import pytest
 
 from kvbench.bench.records import Record
 from kvbench.report import export as ex
-from kvbench.report.headline import bytes16, bytes_vs_16bit, headline_table, kv_elements, rows
+from kvbench.report.headline import (
+    PEER_PROTOCOL,
+    bytes16,
+    bytes_vs_16bit,
+    headline_table,
+    kv_elements,
+    rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the committed export of the README's table (written by `kvbench export`, see README)
@@ -104,9 +111,13 @@ def test_sections_ratios_and_frontier():
     assert star == {"full": False, "A": True, "B": True, "C": False, "D": True, "E": False}
     sec_a = table.split("#### (b)")[0]
     assert sec_a.index("| B |") < sec_a.index("| A |") < sec_a.index("| C |")  # by bytes
-    want = "| A | 2.50 | 2.00 | 0.300 | 0.100 [0.080, 0.120] | 0.900 | 1.100 | 1.25 | 0.244 | ★ |"
+    want = (
+        "| A | 2.50 | 2.00 |  | 0.300 | 0.100 [0.080, 0.120] | 0.900 | 1.100 | 1.25 | 0.244 | ★ |"
+    )
     assert lines["A"] == want
-    assert lines["full"].startswith("| full | 32.00 | 32.00 | 2.000 | 0.000 [0.000, 0.000] | 1.000")
+    assert lines["full"].startswith(
+        "| full | 32.00 | 32.00 |  | 2.000 | 0.000 [0.000, 0.000] | 1.000"
+    )
 
 
 def test_one_cache_state_per_row():
@@ -122,7 +133,7 @@ def test_one_cache_state_per_row():
     assert (r["key_bits"], r["value_bits"], r["bytes_ratio"]) == (8.0, 8.0, 0.5)
     assert r["peak_ratio"] == pytest.approx((125 + 50) / 484)  # only the peak is memory's
     line = _lines(headline_table(out))["pm"]
-    assert line.startswith("| pm | 8.00 | 8.00 | 0.500 | 1.2e-05 [1.0e-05, 1.4e-05] |")
+    assert line.startswith("| pm | 8.00 | 8.00 |  | 0.500 | 1.2e-05 [1.0e-05, 1.4e-05] |")
     assert "5.22" not in line and "0.326" not in line
 
 
@@ -282,3 +293,90 @@ def test_readme_table_matches_the_committed_records():
         )
     assert COMMITTED in blocks, f"README.md has no headline block for {COMMITTED}"
     assert blocks[COMMITTED] == ex.readme_block(ROOT / COMMITTED, COMMITTED)
+
+
+def test_nominal_bits_come_from_the_rows_records():
+    """The nominal column shows ``nominal_key_bits / nominal_value_bits`` of the perplexity
+    record, else of another record of the row (memory here, fidelity after it), and is empty
+    where no record of the row carries them (A..E of :func:`records`)."""
+    out = records()
+    for r in out:
+        if r.label == "A" and r.workload_type == "perplexity":
+            r.metrics |= {"nominal_key_bits": 2.25, "nominal_value_bits": 2.5}
+        if r.label == "A" and r.workload_type == "memory":
+            r.metrics |= {"nominal_key_bits": 9.0, "nominal_value_bits": 9.0}  # not taken
+        if r.label == "B" and r.workload_type == "memory":
+            r.metrics |= {"nominal_key_bits": 2.0625, "nominal_value_bits": 16.0}
+    fid = {"nominal_key_bits": 4.125, "nominal_value_bits": 4.5}
+    out.append(rec("C", "kivi", "fidelity", fid, tokens=8))
+    by = {r["label"]: r for r in rows(out)}
+    assert (by["A"]["nominal_key_bits"], by["A"]["nominal_value_bits"]) == (2.25, 2.5)
+    assert (by["B"]["nominal_key_bits"], by["B"]["nominal_value_bits"]) == (2.0625, 16.0)
+    assert (by["C"]["nominal_key_bits"], by["C"]["nominal_value_bits"]) == (4.125, 4.5)
+    assert by["D"]["nominal_key_bits"] is None and by["D"]["nominal_value_bits"] is None
+    lines = _lines(headline_table(out))
+    assert lines["A"].startswith("| A | 2.50 | 2.00 | 2.25 / 2.50 | 0.300 |")
+    assert lines["B"].startswith("| B | 2.50 | 2.00 | 2.06 / 16.00 | 0.200 |")
+    assert lines["C"].startswith("| C | 2.50 | 2.00 | 4.12 / 4.50 | 0.400 |")
+    assert lines["D"].startswith("| D | 2.50 | 32.00 |  | 0.600 |")
+    assert "| nominal bits (K / V) |" in lines["method"]
+
+
+def _peer(label, nbytes, kl, lo, hi):
+    p = ppl(label, "hf-quanto", nbytes, 2.5, 2.5, kl, lo, hi)
+    p.manifest["decode_attention"] = {"protocol": PEER_PROTOCOL}
+    return p
+
+
+def test_peers_are_labelled_and_left_out_of_the_frontier():
+    """A transformers peer at 32 bytes and KL 0.01 would dominate A (96, 0.1) and B (64, 0.5);
+    it is labelled ``(peer)``, never starred, and A and B stay on the frontier."""
+    out = records() + [_peer("P", 32, 0.01, 0.005, 0.015)]
+    lines = _lines(headline_table(out))
+    assert "P" not in lines and lines["P (peer)"].startswith("| P (peer) | 2.50 | 2.50 |  | 0.100")
+    star = {k: ln.rstrip(" |").endswith("★") for k, ln in lines.items() if k != "method"}
+    assert star == {
+        "full": False, "A": True, "B": True, "C": False, "P (peer)": False, "D": True, "E": False,
+    }  # fmt: skip
+    # the same record without the peer protocol is an ordinary row: it is the frontier
+    plain = records() + [ppl("P", "hf-quanto", 32, 2.5, 2.5, 0.01, 0.005, 0.015)]
+    star = {k: ln.rstrip(" |").endswith("★") for k, ln in _lines(headline_table(plain)).items()}
+    assert (star["P"], star["A"], star["B"]) == (True, False, False)
+
+
+def test_rows_holding_the_same_cache_are_merged():
+    """A2 has A's bytes, KL and interval (one cache, two labels) but its own step ratio: one
+    row ``A = A2``, cells that differ shown in label order split by ``/``, the note names the
+    merge.  A3 differs only in its interval's upper bound and a peer P with A's cache is
+    labelled apart: neither is merged."""
+    out = records() + [
+        ppl("A2", "kivi", 96, 2.5, 2.0, 0.10, 0.08, 0.12),
+        lat("A2", "kivi", 1.5),
+        ppl("A3", "kivi", 96, 2.5, 2.0, 0.10, 0.08, 0.13),
+        _peer("P", 96, 0.10, 0.08, 0.12),
+    ]
+    table = headline_table(out)
+    lines = _lines(table)
+    assert "A" not in lines and "A2" not in lines and "A3" in lines and "P (peer)" in lines
+    want = "| A = A2 | 2.50 | 2.00 |  | 0.300 | 0.100 [0.080, 0.120] | 0.900 | 1.100 | 1.25 / 1.50 "
+    assert lines["A = A2"] == want + "| 0.244 / – | ★ |"
+    assert "merged rows" in table and "/): A = A2\n" in table
+    assert "merged rows" not in headline_table(records())
+
+
+def test_a_budget_not_reached_is_in_the_label():
+    """A budgeted row whose perplexity cache held 10 tokens while its budget is sized for 3072
+    is labelled so; one sized for 10 tokens (reached, even though its measured bits, 8, are
+    above its budget_bits, 2: the window and scales count there) and one sized for 9 are not."""
+    out = records() + [
+        ppl("pm2", "pm-kvq", 160, 8.0, 8.0, 0.01, 0.005, 0.015, cfg=_budget(2, 3072)),
+        ppl("pm10", "pm-kvq", 150, 8.0, 7.5, 0.02, 0.015, 0.025, cfg=_budget(2, 10)),
+        ppl("pm9", "pm-kvq", 140, 8.0, 7.0, 0.03, 0.025, 0.035, cfg=_budget(2, 9)),
+    ]
+    lines = _lines(headline_table(out))
+    assert "pm2 (budget not reached at 10 tokens: sized for 3072)" in lines
+    assert "pm10" in lines and "pm9" in lines
+
+
+def _budget(bits: int, tokens: int) -> dict:
+    return {"budget_bits": bits, "budget_tokens": tokens}

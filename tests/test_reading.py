@@ -17,9 +17,8 @@ import pytest
 
 from kvbench.bench.records import Record, write_record
 from kvbench.report import export as ex
-from kvbench.report.headline import rows
+from kvbench.report.headline import PEER_PROTOCOL, rows
 from kvbench.report.reading import (
-    PEER_PROTOCOL,
     budget_lines,
     candidates,
     reading,

@@ -43,6 +43,15 @@ Rows are sorted by bytes; ``frontier`` marks the configurations no other row of 
 beats on both bytes and KL (:func:`kvbench.report.pareto.pareto_mask`).  ``†`` marks a row whose
 KL interval reaches ``full``'s noise floor (:func:`noise_floor`): its lower bound is at or below
 it, so the run cannot tell the row from ``full``.
+
+Beside the measured bits, ``nominal bits (K / V)`` shows ``nominal_key_bits`` /
+``nominal_value_bits`` as the row's records carry them (the perplexity record's, else another
+record's of the row; empty where none does).  Rows of transformers peers (perplexity record's
+protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer)``, left out of the
+frontier and never marked.  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
+and interval) are merged into one row ``A = B`` (:func:`merge_groups`), named in the note.  A
+budgeted row whose cache held fewer tokens than its configuration's ``budget_tokens``
+(:func:`budget_miss`) says ``(budget not reached at N tokens: sized for M)`` after its label.
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ QUALITY = "perplexity"
 KL_FLOOR = 1e-6
 #: bits per element of the deployed baseline cache
 BASE_BITS = 16
+#: the protocol records name for a transformers peer's own cache
+#: (``kvbench.hf.cache.PEER_PROTOCOL``, not imported here: that module loads transformers)
+PEER_PROTOCOL = "transformers-update"
 
 
 class HeadlineRow(TypedDict):
@@ -76,6 +88,8 @@ class HeadlineRow(TypedDict):
     bytes_ratio: float | None
     key_bits: float | None
     value_bits: float | None
+    nominal_key_bits: float | None
+    nominal_value_bits: float | None
     next_token_kl: float | None
     kl_low: float | None
     kl_high: float | None
@@ -164,6 +178,16 @@ def _at_context(recs: list[Record], context: int | None) -> Record | None:
     return min(recs, key=lambda r: (abs(_context(r) - context), -_context(r)))
 
 
+def _nominal(recs: list[Record]) -> tuple[float | None, float | None]:
+    """The nominal (key, value) bits of the first of ``recs`` whose metrics carry both
+    ``nominal_key_bits`` and ``nominal_value_bits``; ``(None, None)`` when none does."""
+    for r in recs:
+        kb, vb = r.metrics.get("nominal_key_bits"), r.metrics.get("nominal_value_bits")
+        if kb is not None and vb is not None:
+            return kb, vb
+    return None, None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b not in (None, 0) else None
 
@@ -202,6 +226,10 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
             keys = ("bytes_total", "peak_step_bytes")
             if all(k in mm and k in bm for k in keys):
                 peak, base = (sum(x[k] for k in keys) for x in (mm, bm))
+        # nominal bits: the quality record's, else the first other record of the row that
+        # carries them (the memory record at the context, then the rest by workload type)
+        others = [r for t in sorted(e) for r in e[t] if r is not q and r is not mem]
+        nominal = _nominal([q] + ([mem] if mem is not None else []) + others)
         out.append(
             {
                 "label": label,
@@ -210,6 +238,8 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
                 "bytes_ratio": bytes_vs_16bit(q),
                 "key_bits": m.get("effective_key_bits"),
                 "value_bits": m.get("effective_value_bits"),
+                "nominal_key_bits": nominal[0],
+                "nominal_value_bits": nominal[1],
                 "next_token_kl": m.get("next_token_kl"),
                 "kl_low": m.get("next_token_kl_ci_low"),
                 "kl_high": m.get("next_token_kl_ci_high"),
@@ -282,10 +312,93 @@ SECTIONS = {
     "b": "(b) Keys only: values kept at 16 bits (b_V = 16, the PN-Mix paper's setting)",
 }
 HEAD = (
-    "| method | key bits | value bits | bytes vs 16-bit | next-token KL [95% CI] | top-1 "
-    "| ppl ratio | step vs full | peak vs full | frontier |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"
+    "| method | key bits | value bits | nominal bits (K / V) | bytes vs 16-bit "
+    "| next-token KL [95% CI] | top-1 | ppl ratio | step vs full | peak vs full | frontier |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"
 )
+
+
+def is_peer(row: HeadlineRow) -> bool:
+    """Whether the row's perplexity record ran a transformers peer's own cache (its
+    ``decode_attention`` manifest entry's protocol is :data:`PEER_PROTOCOL`)."""
+    decode = row["sources"][QUALITY].manifest.get("decode_attention") or {}
+    return decode.get("protocol") == PEER_PROTOCOL
+
+
+def same_cache(row: HeadlineRow) -> tuple[float | None, ...]:
+    """The key under which rows hold the same cache: (``bytes``, KL, interval low, high).
+    Rows with equal keys (and a KL and bytes) are one cache under several labels."""
+    return (row["bytes"], row["next_token_kl"], row["kl_low"], row["kl_high"])
+
+
+def budget_miss(row: HeadlineRow) -> tuple[int, int] | None:
+    """``(tokens held, budget_tokens)`` when the row's cache held fewer tokens than its
+    configuration's ``budget_tokens``: a progressive budget (PM-KVQ, arXiv 2505.18610: codes
+    halve until ``budget_bits`` x ``budget_tokens`` holds them) reaches ``budget_bits`` only
+    once the cache holds ``budget_tokens``, so at fewer its codes are wider than the budget.
+    ``None`` for a row without ``budget_bits``/``budget_tokens`` or at or past them.  Not read
+    from the measured bits: those include the full-precision window and the scales, which a
+    reached budget does not count (``budget_scope: codes``)."""
+    q = row["sources"][QUALITY]
+    budget, budget_tokens, held = (
+        q.config.get("budget_bits"),
+        q.config.get("budget_tokens"),
+        cache_tokens(q),
+    )
+    if budget is None or not isinstance(budget_tokens, int) or held is None:
+        return None
+    return (held, budget_tokens) if held < budget_tokens else None
+
+
+def row_label(row: HeadlineRow) -> str:
+    """The row's label as the table prints it: `` (peer)`` after a transformers peer's
+    (:func:`is_peer`), `` (budget not reached at N tokens: sized for M)`` after a row of
+    :func:`budget_miss`."""
+    label = row["label"] + (" (peer)" if is_peer(row) else "")
+    miss = budget_miss(row)
+    if miss is None:
+        return label
+    return f"{label} (budget not reached at {miss[0]} tokens: sized for {miss[1]})"
+
+
+def _nominal_cell(r: HeadlineRow) -> str:
+    kb, vb = r["nominal_key_bits"], r["nominal_value_bits"]
+    return "" if kb is None or vb is None else f"{_f(kb, 2)} / {_f(vb, 2)}"
+
+
+def _cells(r: HeadlineRow, floor: float) -> list[str]:
+    """The cells of one row between its label and its frontier mark."""
+    return [
+        _f(r["key_bits"], 2),
+        _f(r["value_bits"], 2),
+        _nominal_cell(r),
+        _f(r["bytes_ratio"]),
+        kl_cell(r, floor),
+        _f(r["top1"]),
+        _f(r["ppl_ratio"]),
+        step_cell(r),
+        _f(r["peak_ratio"]),
+    ]
+
+
+def merge_groups(rs: list[HeadlineRow]) -> list[list[HeadlineRow]]:
+    """``rs`` grouped by cache: rows that are not transformers peers, have a KL and bytes and
+    share :func:`same_cache` form one group (labels in order); every other row is a group of
+    its own.  Groups keep the order of their first row in ``rs``."""
+    groups: dict[object, list[HeadlineRow]] = {}
+    for r in rs:
+        merge = not is_peer(r) and r["next_token_kl"] is not None and r["bytes"] is not None
+        groups.setdefault(same_cache(r) if merge else id(r), []).append(r)
+    return [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
+
+
+def _line(group: list[HeadlineRow], floor: float, star: bool) -> str:
+    """One table line for a group of rows holding the same cache: labels joined by `` = ``,
+    each cell once where the rows agree, else their cells in label order joined by `` / ``."""
+    cols = zip(*(_cells(r, floor) for r in group))
+    cells = [c[0] if len(set(c)) == 1 else " / ".join(c) for c in cols]
+    label = " = ".join(row_label(r) for r in group)
+    return f"| {label} | " + " | ".join(cells) + f" | {'★' if star else ''} |"
 
 
 def _spec(rec: Record) -> str:
@@ -303,8 +416,10 @@ def _used(allrows: list[HeadlineRow], kind: str) -> list[Record]:
     return list(seen.values())
 
 
-def note(allrows: list[HeadlineRow], floor: float) -> str:
-    """The note under the tables: each column's workload, context, protocol and dtype."""
+def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = None) -> str:
+    """The note under the tables: each column's workload, context, protocol and dtype, the
+    nominal bits' source, and the labels merged into one row (``merged``: each row's printed
+    ``A = B`` label, :func:`merge_groups`)."""
     parts = []
     for rec in _used(allrows, QUALITY):
         model = _model(rec)
@@ -334,22 +449,37 @@ def note(allrows: list[HeadlineRow], floor: float) -> str:
             f"{_spec(rec)}, K/V stored in {rec.workload.get('dtype', '?')}"
         )
     parts.append(
+        "nominal bits (K / V): the method's own nominal key and value bits per element as its "
+        "records carry them (`nominal_key_bits` / `nominal_value_bits` of the quality record, "
+        "else of the row's other records); empty where no record of the row carries them"
+    )
+    if merged:
+        parts.append(
+            "merged rows (equal bytes, next-token KL and KL interval: one cache under several "
+            "labels; where their other cells differ, those cells are given in label order, "
+            "separated by /): " + "; ".join(merged)
+        )
+    parts.append(
         f"†: the KL interval's lower bound is at or below full's noise floor ({floor:.0e}: the "
         f"largest |KL| of unquantized rows, at least {KL_FLOOR:.0e}), so the run cannot tell "
         "the row from full. ★: on the Pareto frontier of next-token KL vs bytes within the "
-        "section. –: not measured."
+        "section, transformers peers (peer) left out of it and never marked. (budget not "
+        "reached at N tokens: sized for M): a progressive budget reaches its `budget_bits` "
+        "only once the cache holds its `budget_tokens` M; at N < M its codes are wider. "
+        "–: not measured."
     )
     return "\n>\n".join(f"> {p}" for p in parts)
 
 
 def headline_table(records: list[Record]) -> str:
-    """Markdown: one table per section, rows sorted by bytes, Pareto frontier marked, a note
-    naming each column's source (see the module docstring).  Rows without a KL or bytes are
-    listed but not ranked."""
+    """Markdown: one table per section, rows sorted by bytes, rows holding the same cache
+    merged (:func:`merge_groups`), Pareto frontier marked without transformers peers
+    (:func:`is_peer`), a note naming each column's source and the merged labels (see the module
+    docstring).  Rows without a KL or bytes are listed but not ranked."""
     allrows = rows(records)
     floor = noise_floor(allrows)
     base = [r for r in allrows if r["section"] == "base"]
-    parts = []
+    parts, merged = [], []
     for sec, title in SECTIONS.items():
         rs = sorted(
             (r for r in allrows if r["section"] == sec),
@@ -357,15 +487,15 @@ def headline_table(records: list[Record]) -> str:
         )
         if not rs:
             continue
-        ranked = [r for r in rs if r["next_token_kl"] is not None and r["bytes_ratio"] is not None]
+        ranked = [
+            r
+            for r in rs
+            if r["next_token_kl"] is not None and r["bytes_ratio"] is not None and not is_peer(r)
+        ]
         mask = pareto_mask([r["bytes_ratio"] for r in ranked], [r["next_token_kl"] for r in ranked])
         front = {id(r) for r, on in zip(ranked, mask) if on}
-        lines = [
-            f"| {r['label']} | {_f(r['key_bits'], 2)} | {_f(r['value_bits'], 2)} | "
-            f"{_f(r['bytes_ratio'])} | {kl_cell(r, floor)} | {_f(r['top1'])} | "
-            f"{_f(r['ppl_ratio'])} | {step_cell(r)} | {_f(r['peak_ratio'])} | "
-            f"{'★' if id(r) in front else ''} |"
-            for r in base + rs
-        ]
+        groups = [[r] for r in base] + merge_groups(rs)
+        merged += [" = ".join(row_label(r) for r in g) for g in groups if len(g) > 1]
+        lines = [_line(g, floor, any(id(r) in front for r in g)) for g in groups]
         parts.append(f"#### {title}\n\n{HEAD}\n" + "\n".join(lines))
-    return "\n\n".join(parts + [note(allrows, floor)])
+    return "\n\n".join(parts + [note(allrows, floor, merged)])

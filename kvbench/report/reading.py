@@ -13,9 +13,10 @@ can act on, every number and every method name computed from the records, none t
   interval overlaps the runner-up's (each lower bound at or below the other's upper bound: then
   the two are not distinguishable).  Candidates (:func:`candidates`): rows of the section that
   quantize something (measured key or value bits below 16), are not transformers peers (their
-  perplexity record's protocol is :data:`PEER_PROTOCOL`) and have a KL and bytes; rows that
-  hold the same cache (equal ``bytes_total``, KL and interval) are one candidate named by all
-  their labels.  Ties on KL go to fewer bytes, then to the label.
+  perplexity record's protocol is :data:`~kvbench.report.headline.PEER_PROTOCOL`,
+  :func:`~kvbench.report.headline.is_peer`) and have a KL and bytes; rows that hold the same
+  cache (equal ``bytes_total``, KL and interval, :func:`~kvbench.report.headline.same_cache`)
+  are one candidate named by all their labels.  Ties on KL go to fewer bytes, then to the label.
 * **Step vs full by context** (:func:`step_sentence`): with latency records at one context,
   how many rows step at or below ``full`` there; with several, at which contexts each row's
   ``decode_ms_p50_ratio`` crosses 1.0.
@@ -34,16 +35,15 @@ from kvbench.report.headline import (
     SECTIONS,
     HeadlineRow,
     cache_tokens,
+    is_peer,
     kl_cell,
     noise_floor,
     rows,
+    same_cache,
 )
 
 #: bytes budgets, as fractions of the 16-bit cache of the same K/V elements
 BUDGETS = (0.125, 0.25, 0.5)
-#: the protocol records name for a transformers peer's own cache
-#: (``kvbench.hf.cache.PEER_PROTOCOL``, not imported here: that module loads transformers)
-PEER_PROTOCOL = "transformers-update"
 #: the other measured records: (what they hold, path in the repository)
 LINKS = (
     ("decode-step latency per method and context", "docs/results/decode-step.md"),
@@ -51,12 +51,6 @@ LINKS = (
     ("decode protocols, chunked vs exact", "docs/results/protocols.md"),
     ("llama.cpp's own q8_0/q4_0 error on this model", "docs/results/llama-cpp-crosscheck.md"),
 )
-
-
-def is_peer(row: HeadlineRow) -> bool:
-    """Whether the row's perplexity record ran a transformers peer's own cache."""
-    decode = row["sources"][QUALITY].manifest.get("decode_attention") or {}
-    return decode.get("protocol") == PEER_PROTOCOL
 
 
 def storage_dtype(rec: Record) -> str:
@@ -111,8 +105,7 @@ def candidates(allrows: list[HeadlineRow], section: str) -> list[list[HeadlineRo
             continue
         if min(r["key_bits"] or 0, r["value_bits"] or 0) >= BASE_BITS:
             continue  # quantizes nothing
-        key = (r["bytes"], r["next_token_kl"], r["kl_low"], r["kl_high"])
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(same_cache(r), []).append(r)
     out = [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
     return sorted(out, key=lambda g: (g[0]["next_token_kl"], g[0]["bytes_ratio"], g[0]["label"]))
 
