@@ -38,6 +38,7 @@ from functools import lru_cache
 import torch
 
 from kvbench import fields as kf
+from kvbench.attention.reference import NoDequantizedForm
 from kvbench.cache.blocks import own_storage
 from kvbench.cache.chunks import token_chunks
 from kvbench.cache.finite import all_finite
@@ -83,7 +84,7 @@ class QJLBlock:
         return self.signs.shape[2]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError(NO_KEYS)
+        raise NoDequantizedForm(NO_KEYS)
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         tok, grp = self._fields()
@@ -273,7 +274,7 @@ class QJLLayerCache(LayerCache):
     residual, the QJL estimate for sketched keys, float32 softmax)."""
 
     def keys_values(self, dtype: torch.dtype | None = None):
-        raise NotImplementedError(NO_KEYS)
+        raise NoDequantizedForm(NO_KEYS)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 
 from kvbench.attention.backend import AttentionCache, Backend, common_reason, layout_name
 from kvbench.attention.reference import (
+    NoDequantizedForm,
     length_mask,
     reference_attention,
     reference_probabilities,
@@ -115,12 +116,12 @@ def reference_attend(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference path: dequantize (``keys_values``) and softmax.  A cache whose blocks have
-    no dequantized form (``keys_values`` raises ``NotImplementedError``: QJL's sketches) is
+    no dequantized form (``keys_values`` raises :class:`NoDequantizedForm`: QJL's sketches) is
     read by the eager kernels of :data:`ESTIMATOR`, its blocks' estimator being their
     reference."""
     try:
         keys, values = cache.keys_values(query.dtype)
-    except NotImplementedError:
+    except NoDequantizedForm:
         out = BACKENDS.get(ESTIMATOR).eager(cache, query, scaling, lengths)
         if out is None:
             raise

@@ -7,6 +7,13 @@ import math
 import torch
 
 
+class NoDequantizedForm(NotImplementedError):
+    """Raised by ``keys_values`` (and a block's ``dequantize``) of a cache whose stored keys
+    have no dequantized form, only an estimator of ``q . k`` (QJL's 1-bit sketches, arXiv
+    2406.03482 §3).  :func:`kvbench.attention.dispatch.reference_attend` catches exactly this
+    and reads such a cache through its estimator's eager kernel; any other error propagates."""
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[B, H_kv, T, D]`` -> ``[B, H_kv * n_rep, T, D]``; query head ``h`` reads KV head ``h // n_rep``."""
     if n_rep == 1:

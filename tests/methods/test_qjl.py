@@ -129,8 +129,16 @@ def test_keys_values_raises_naming_the_capability():
     layer = QJL().new_layer(0, 1, 16)
     x = torch.randn(1, 1, 4, 16)
     layer.prefill(x, x)
-    with pytest.raises(NotImplementedError, match="keys_values"):
+    from kvbench.attention.reference import NoDequantizedForm
+
+    with pytest.raises(NoDequantizedForm, match="keys_values"):
         layer.keys_values()
+    sketched = QJL(group_size=8, residual_length=8).new_layer(0, 1, 16)
+    y = torch.randn(1, 1, 24, 16)
+    sketched.prefill(y, y)
+    assert sketched.k.block is not None  # 16 of the 24 keys are sketched
+    with pytest.raises(NoDequantizedForm, match="keys_values"):
+        sketched.k.block.dequantize(torch.float32)
     assert QJL.capabilities.keys_values is False
     assert not QJL.capabilities.needs_queries
 
