@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_padded_batch import same_fp16_scales
 from tiny_lm import tiny_lm
 
 from kvbench.bench.context import RunContext
@@ -164,20 +165,6 @@ def test_unpadded_passkey_batch_keeps_per_tensor_statistics_per_row(monkeypatch)
             want = [t for _, c, t in la.tensors() if c == "scales"]
             assert got and len(got) == len(want)
             assert same_fp16_scales(got, want)
-
-
-def same_fp16_scales(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
-    """Float16 scales equal up to one float16 ulp each.  A row cached apart gets its K/V from
-    the batched forward, whose linear layers have another shape than the row alone's and may
-    round differently in float32 (~1e-7 relative, far below half a float16 ulp, 2^-11): a scale
-    then lands at most on the neighbouring float16 value.  A scale shared by the batch's rows
-    differs by far more."""
-    for x, y in zip(got, want, strict=True):
-        assert x.dtype == y.dtype == torch.float16 and x.shape == y.shape
-        ulp = torch.nextafter(y.abs(), torch.tensor(torch.inf, dtype=y.dtype)) - y.abs()
-        if not bool(((x.float() - y.float()).abs() <= ulp.float()).all()):
-            return False
-    return True
 
 
 def test_batched_generation_and_passkey_refuse_a_method_without_padding():

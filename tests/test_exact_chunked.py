@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_lm import toy_llama
 
 from kvbench.bench.workloads.perplexity import chunked_logits
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.method import Method
 from kvbench.cache.registry import METHODS, get_method
-from kvbench.hf.attention import use_kvbench_attention
 from kvbench.methods.pm_kvq import ProgressiveLayerCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,20 +78,7 @@ def _method(name: str) -> Method:
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=96,
-        intermediate_size=96,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return use_kvbench_attention(LlamaForCausalLM(cfg).eval().double())
+    return toy_llama(max_positions=512, dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")

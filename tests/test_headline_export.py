@@ -38,7 +38,8 @@ BYTES16 = 10 * 2 * 1 * 4 * 2 * 2  # 320
 
 def rec(label, method, wtype, metrics, config=None, manifest=None, **workload):
     return Record(
-        run_id=f"{label}-{wtype}-{workload.get('context', workload.get('tokens'))}",
+        run_id=f"{label}-{wtype}-{workload.get('context', workload.get('tokens'))}"
+        f"-{workload.get('steps', '')}",
         method=method,
         config=config or {},
         model={"id": "m"},

@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 from test_padded_batch import LENS, generate, left_pad, prompts, toy
+from tiny_lm import toy_llama
 
 import kvbench.data.loaders as loaders
 from kvbench.bench.context import RunContext
@@ -33,7 +34,6 @@ from kvbench.bench.decoding import decode_info
 from kvbench.bench.workloads import WORKLOADS
 from kvbench.bench.workloads.perplexity import chunked_logits
 from kvbench.cache.registry import get_method, get_method_class
-from kvbench.hf.attention import use_kvbench_attention
 from kvbench.hf.cache import QuantizedKVCache, cache_kwarg, make_hf_cache
 from kvbench.hf.capture import capture_prompt
 
@@ -50,27 +50,9 @@ TOKENWISE = [
 ROUTES = ["attend", "reference"]
 
 
-def _toy_llama():
-    """A seeded random Llama: 2 layers, 4 query heads over 2 KV heads (GQA), head_dim 16."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=96,
-        intermediate_size=96,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return use_kvbench_attention(LlamaForCausalLM(cfg).eval())
-
-
 @pytest.fixture(scope="module")
 def model():
-    return _toy_llama()
+    return toy_llama()
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +237,7 @@ def _hand_logits(model, ids: torch.Tensor, method) -> torch.Tensor:
 
 @pytest.mark.parametrize("attend", [False, True], ids=["sdpa", "attend"])
 def test_stored_prefill_q4_0_equals_hand_written_loop(ids, attend) -> None:
-    model = _toy_llama().double()
+    model = toy_llama().double()
     prompt = ids[:, :40]
     q4 = get_method("int4-block", block_size=16, prefill_attention="stored")
     with torch.no_grad():

@@ -14,8 +14,9 @@ import json
 from argparse import Namespace
 
 import pytest
+from test_headline_export import PPL, rec
 
-from kvbench.bench.records import Record, write_record
+from kvbench.bench.records import write_record
 from kvbench.report import export as ex
 from kvbench.report.headline import PEER_PROTOCOL, rows
 from kvbench.report.reading import (
@@ -25,22 +26,6 @@ from kvbench.report.reading import (
     step_sentence,
     storage_sentence,
 )
-
-GEOMETRY = {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 4, "dtype": "float32"}
-PPL = {"tokens": 11, "prefill": 5, "chunk": 3, "windows": 1, "text": "t"}
-
-
-def rec(label, method, wtype, metrics, config=None, manifest=None, **workload):
-    return Record(
-        run_id=f"{label}-{wtype}-{workload.get('context', workload.get('tokens'))}"
-        f"-{workload.get('steps', '')}",
-        method=method,
-        config=config or {},
-        model={"id": "m"},
-        workload={"type": wtype, **workload},
-        metrics=metrics,
-        manifest={"label": label, "model": GEOMETRY, **(manifest or {})},
-    )
 
 
 def ppl(label, nbytes, kl, lo, hi, kb=4.0, vb=4.0, method="x", protocol="write-then-attend",

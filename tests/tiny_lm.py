@@ -30,6 +30,27 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
+def toy_llama(max_positions: int = 256, dtype: torch.dtype = torch.float32):
+    """A seeded random Llama without a tokenizer (ids 0..95): 2 layers, 4 query heads over 2 KV
+    heads (GQA), head_dim 16, in ``dtype``, with kvbench's attention; a new model each call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.hf.attention import use_kvbench_attention
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=96,
+        intermediate_size=96,
+        max_position_embeddings=max_positions,
+    )
+    torch.manual_seed(0)
+    return use_kvbench_attention(LlamaForCausalLM(cfg).eval().to(dtype))
+
+
 @functools.cache
 def tiny_lm(head_dim: int = 16):
     """``(model, tokenizer, model_info)``; ``head_dim`` 32 fits llama.cpp blocks of 32 channels."""

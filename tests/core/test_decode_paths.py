@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_workload_metrics import _toy_llama
+from tiny_lm import toy_llama
 
 import kvbench.data.loaders as loaders
 from kvbench.bench.context import RunContext
@@ -47,7 +47,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def model():
-    return _toy_llama()
+    return toy_llama()
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_generation_forced_logprobs_attend_equal_reference(model, ids) -> None:
 
 
 def test_attention_implementation_is_set_for_the_run_and_restored(ids) -> None:
-    model = _toy_llama()
+    model = toy_llama()
     model.set_attn_implementation("sdpa")
     method = get_method("kivi", **SMALL, bits=2, value_bits=2)
     info = {}

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import special
+from tiny_lm import toy_llama
 from torch.distributions import Categorical, kl_divergence
 
 from kvbench.bench.context import RunContext
@@ -36,7 +37,6 @@ from kvbench.bench.workloads.generation import Generation, run_batched
 from kvbench.bench.workloads.passkey import Passkey
 from kvbench.bench.workloads.perplexity import Perplexity, ScoredState, chunked_logits
 from kvbench.cache.registry import get_method
-from kvbench.hf.attention import use_kvbench_attention
 
 V = 11  # vocabulary of the hand-built distributions; != the number of positions scored
 
@@ -135,26 +135,9 @@ def test_perplexity_of_the_reference_itself_is_exact(monkeypatch) -> None:
     assert m["ppl_delta"] == pytest.approx(0.0, abs=1e-6)
 
 
-def _toy_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=96,
-        intermediate_size=96,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return use_kvbench_attention(LlamaForCausalLM(cfg).eval())
-
-
 @pytest.mark.parametrize("prefill, chunk", [(5, 1), (8, 3), (1, 64)])
 def test_chunked_full_scores_the_same_positions_as_one_forward(prefill: int, chunk: int) -> None:
-    model = _toy_llama()
+    model = toy_llama()
     ids = torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(1))
     lp, _ = chunked_logits(model, ids, get_method("full"), prefill, chunk)
     with torch.no_grad():
@@ -166,7 +149,7 @@ def test_chunked_full_scores_the_same_positions_as_one_forward(prefill: int, chu
 
 def test_chunked_quantized_method_reads_its_cache() -> None:
     # a 2-bit cache must change the scored distributions (so the workload measures the cache)
-    model = _toy_llama()
+    model = toy_llama()
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
     full, _ = chunked_logits(model, ids, get_method("full"), 16, 4)
     q, nb = chunked_logits(
