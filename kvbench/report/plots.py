@@ -388,8 +388,8 @@ def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str
     increasingly far offsets (8 directions) where its text overlaps no marker, it stays inside
     the axes, and its extent (text, with the leader line drawn to a far one: the box from the
     marker to the text) overlaps the extent of no label placed before; ``short`` (its number in
-    the key) where ``text`` has no such place, and nothing where neither has.  Call after the layout is final.  Returns how many were not
-    written."""
+    the key) where ``text`` has no such place, and nothing where neither has.  Call after the
+    layout is final.  Returns how many were not written."""
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
     px = [ax.transData.transform((p.x, y)) for p, y, _, _ in items]

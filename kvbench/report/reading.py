@@ -15,7 +15,7 @@ can act on, every number and every method name computed from the records, none t
   quantize something (measured key or value bits below 16), are not transformers peers (their
   perplexity record's protocol is :data:`~kvbench.report.headline.PEER_PROTOCOL`,
   :func:`~kvbench.report.headline.is_peer`) and have a KL and bytes; rows that hold the same
-  cache (equal ``bytes_total``, KL and interval, :func:`~kvbench.report.headline.same_cache`)
+  cache (equal ``bytes_total``, KL and interval, :func:`~kvbench.report.headline.merge_groups`)
   are one candidate named by all their labels.  Ties on KL go to fewer bytes, then to the label.
 * **Step vs full by context** (:func:`step_sentence`): with latency records at one context,
   how many rows step at or below ``full`` there; with several, at which contexts each row's
@@ -37,9 +37,9 @@ from kvbench.report.headline import (
     cache_tokens,
     is_peer,
     kl_cell,
+    merge_groups,
     noise_floor,
     rows,
-    same_cache,
 )
 
 #: bytes budgets, as fractions of the 16-bit cache of the same K/V elements
@@ -97,17 +97,19 @@ def candidates(allrows: list[HeadlineRow], section: str) -> list[list[HeadlineRo
     """The rows of ``section`` a budget can pick (module docstring), grouped by cache (one
     group per distinct (``bytes``, KL, interval); labels in order), sorted by KL, then bytes
     vs 16-bit, then first label."""
-    groups: dict[tuple[float | None, ...], list[HeadlineRow]] = {}
-    for r in allrows:
-        if r["section"] != section or is_peer(r):
-            continue
-        if r["next_token_kl"] is None or r["bytes_ratio"] is None:
-            continue
-        if min(r["key_bits"] or 0, r["value_bits"] or 0) >= BASE_BITS:
-            continue  # quantizes nothing
-        groups.setdefault(same_cache(r), []).append(r)
-    out = [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
-    return sorted(out, key=lambda g: (g[0]["next_token_kl"], g[0]["bytes_ratio"], g[0]["label"]))
+    picked = [
+        r
+        for r in allrows
+        if r["section"] == section
+        and not is_peer(r)
+        and r["next_token_kl"] is not None
+        and r["bytes_ratio"] is not None
+        and min(r["key_bits"] or 0, r["value_bits"] or 0) < BASE_BITS  # quantizes something
+    ]
+    return sorted(
+        merge_groups(picked),
+        key=lambda g: (g[0]["next_token_kl"], g[0]["bytes_ratio"], g[0]["label"]),
+    )
 
 
 def _name(group: list[HeadlineRow]) -> str:

@@ -106,7 +106,8 @@ def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
 RATIO_INTERVAL = (
     "95% paired percentile bootstrap over the interleaved timed rounds "
     f"(decode_ms_p50_ratio_ci_low/_ci_high), {RATIO_RESAMPLES} resamples of the rounds with "
-    "replacement, the same rounds for method and baseline (round-to-round drift cancels); statistic: median of the method's "
+    "replacement, the same rounds for method and baseline (round-to-round drift cancels); "
+    "statistic: median of the method's "
     "drawn steady-state steps / median of the baseline's; torch generator seeded with the "
     "suite's seed; none with fewer than two steady-state steps a side"
 )
