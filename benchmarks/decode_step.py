@@ -94,6 +94,16 @@ KIVI2 = dict(
     residual_length=128,
     scale_dtype="float16",
 )
+#: llama.cpp's q4_0 / q8_0 KV caches as deployed (docs/results/llama-cpp-crosscheck.md): the
+#: 64-channel Hadamard rotation of Q/K/V and key blocks in GGUF channel order; with ``full-fp16``
+#: (K/V stored in float16, as llama.cpp's f16 cache) they are the configurations the speed table
+#: of that page sets beside ``llama-bench``.
+AS_LLAMA_CPP = dict(rotation="hadamard", rotation_block=64, channel_order="gguf")
+EXTRA = {
+    "full-fp16": ("full", dict(storage_dtype="float16")),
+    "int4-block-llama": ("int4-block", AS_LLAMA_CPP),
+    "int8-block-llama": ("int8-block", AS_LLAMA_CPP),
+}
 PEERS = ("dynamic", "quanto2")
 QUICK = ("dynamic", "quanto2", "full", "kivi-2", "kitty", "pn-mix")
 TARGET_ALL = (4096, 1.25)  # (context, max ratio to dynamic) for every built-in method
@@ -123,6 +133,7 @@ def configurations(names: list[str] | None) -> dict[str, tuple[str, dict]]:
         out[name] = (name, {})
         if name == "kivi":
             out["kivi-2"] = ("kivi", KIVI2)
+    out.update(EXTRA)
     if names:
         unknown = sorted(set(names) - set(out))
         if unknown:
