@@ -70,12 +70,20 @@ class Recorder:
 
 
 KIVI8 = dict(bits=2, value_bits=2, group_size=8, residual_length=8)
+#: one baseline candidate (``full`` in the model's dtype): the two-cache protocol
+ONE = ["model"]
 
 
 def test_protocol_repeated_prefill_then_alternating_rounds() -> None:
     model = Recorder(_tiny_model())
     w, ctx = _workload(
-        model, context=40, steps=4, warmup=2, baseline="hf-dynamic", prefill_repeats=2
+        model,
+        context=40,
+        steps=4,
+        warmup=2,
+        baseline="hf-dynamic",
+        baseline_storage_dtypes=["model"],
+        prefill_repeats=2,
     )
     res = w.run(ctx, kvbench.get_method("kivi", bits=2, group_size=8, residual_length=8))
     calls = model.calls
@@ -135,7 +143,7 @@ def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
         seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     m = w.run(ctx, kvbench.get_method("kivi", **KIVI8)).metrics
     assert ScriptedTimer.samples == []
     assert m["prefill_ms"] == 20.0 and m["prefill_ms_ratio"] == 2.0
@@ -169,7 +177,7 @@ def test_step_ratio_interval_is_paired_over_rounds(monkeypatch: pytest.MonkeyPat
         seq += pair if i % 2 == 0 else pair[::-1]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     res = w.run(ctx, kvbench.get_method("full"))
     m = res.metrics
     assert ScriptedTimer.samples == []
@@ -295,9 +303,10 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
     for b, k in enumerate(lens):
         assert pos[b, 36 - k :].tolist() == list(range(k))
         assert torch.equal(ids[b, 36 - k :], w.ids[b, 36 - k : 36])  # the row's own text
-    decode = [c for c in model.calls[2:] if c[0].shape[1] == 1]
-    assert len(decode) == 8  # 4 rounds x (method, baseline)
-    for j, (_, mask, pos) in enumerate(decode[::2]):
+    decode = [c for c in model.calls[3:] if c[0].shape[1] == 1]
+    assert len(decode) == 12  # 4 rounds x (method, full float32, full float16)
+    for i, (_, mask, pos) in enumerate(decode):
+        j = i // 3  # every cache of a round decodes the same position
         assert pos.view(-1).tolist() == [k + j for k in lens]
         assert mask.shape == (3, 37 + j) and mask.sum(-1).tolist() == [k + j + 1 for k in lens]
     batch = res.info["batch"]
@@ -327,7 +336,9 @@ def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatc
         seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _batched(_tiny_model(), 4, context=40, steps=4, warmup=2, prefill_repeats=1)
+    w, ctx = _batched(
+        _tiny_model(), 4, context=40, steps=4, warmup=2, prefill_repeats=1, baseline_storage_dtypes=ONE
+    )
     m = w.run(ctx, kvbench.get_method("full")).metrics
     assert ScriptedTimer.samples == []
     assert m["decode_ms_mean"] == 5.0 and m["tokens_per_s"] == pytest.approx(800.0)

@@ -84,6 +84,8 @@ class Shared:
     )
     #: reference log-probs of token windows (``perplexity``)
     references: dict[Key, Reference] = field(default_factory=dict)
+    #: a prompt's full-precision K/V, shared by every cache's prefill (``latency``)
+    prompts: dict[Key, PromptState] = field(default_factory=dict)
     #: selected examples with rendered prompts, and their provenance (task workloads)
     examples: dict[Key, tuple[list[Example], Info]] = field(default_factory=dict)
     #: what workloads outside the core (``kvbench.integrations``, plugins) share, keyed by a
