@@ -186,6 +186,164 @@ def test_step_ratio_interval_is_paired_over_rounds(monkeypatch: pytest.MonkeyPat
     assert "paired" in res.info["ratio_interval"] and "seed" in res.info["ratio_interval"]
 
 
+class ThreadTimer(ScriptedTimer):
+    """A scripted timer that also records the intra-op threads in force at each timed call."""
+
+    threads: list[int] = []
+
+    def __call__(self, fn):
+        ThreadTimer.threads.append(torch.get_num_threads())
+        return super().__call__(fn)
+
+
+def _three_way(base32: list[float], base16: list[float], meth: list[float]) -> list[float]:
+    """The scripted samples of one prefill (M, B32, B16) and ``len(meth)`` timed rounds after
+    2 warm-up rounds: round i calls (method, full float32, full float16) rotated left by i."""
+    seq = [5.0, 5.0, 5.0]
+    for i in range(len(meth)):
+        by = {"method": meth[i], "baseline_float32": base32[i], "baseline_float16": base16[i]}
+        names = ["method", "baseline_float32", "baseline_float16"]
+        k = (i + 2) % 3  # warm-up rounds 0 and 1 count in the rotation
+        seq += [by[n] for n in names[k:] + names[:k]]
+    return seq
+
+
+@pytest.mark.parametrize("faster", ["float16", "float32"])
+def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    """Three caches interleaved: the method, ``full`` stored in float32 (the model's dtype) and
+    in float16.  The machine drifts from 1x to 12x over the rounds; the faster candidate steps
+    in 8 ms x drift, the slower in 10 ms x drift, the method in 12 ms x drift.  The ratio is
+    against the faster, 12 / 8 = 1.5, with its paired interval around it (the method's
+    flush rounds are left out of its side only, so a resample's ratio moves a little); the
+    record names the faster and gives both medians.  Every timed call runs at 1 thread."""
+    import kvbench.bench.workloads.latency as lat
+
+    drift = [float(i + 1) for i in range(12)]
+    fast, slow = [8.0 * x for x in drift], [10.0 * x for x in drift]
+    meth = [12.0 * x for x in drift]
+    b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
+    ScriptedTimer.samples, ThreadTimer.threads = _three_way(b32, b16, meth), []
+    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    m, info = res.metrics, res.info
+    assert ScriptedTimer.samples == []
+    # medians over the steady steps (KIVI's flush steps 3 and 11, drift 4 and 12, left out
+    # of the method's; full never flushes): drift 1..12 without 4 and 12 has median 6.5, as
+    # has 1..12: method 12 x 6.5, baselines 8 x 6.5 and 10 x 6.5
+    assert info["baseline_storage_dtype"] == faster
+    assert info["baseline_candidates"] == {"float32": 6.5 * b32[0], "float16": 6.5 * b16[0]}
+    assert m["decode_ms_p50"] == 78.0 and info["baseline_decode_ms_p50"] == 52.0
+    assert m["decode_ms_p50_ratio"] == 1.5
+    assert res.per_layer["baseline_decode_ms"] == fast
+    assert res.per_layer[f"baseline_decode_ms_{faster}"] == fast
+    assert "faster" in info["ratio_baseline"] and faster in info["ratio_baseline"]
+    # the interval pairs the method with the chosen baseline, round by round (against the
+    # slower one, 10 ms x drift, it would centre on 1.2)
+    from kvbench.bench.metrics import paired_ratio_ci
+
+    lo, hi = m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]
+    assert (lo, hi) == paired_ratio_ci(meth, fast, [3, 11], [], seed=0)
+    assert (lo, hi) != paired_ratio_ci(meth, slow, [3, 11], [], seed=0)
+    assert lo <= m["decode_ms_p50_ratio"] <= hi
+    assert ThreadTimer.threads == [1] * (3 + 36)
+
+
+def test_full_against_itself_paired_with_the_faster_baseline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``full`` (float32) against ``full`` float32 and float16, scripted with no flush: the
+    float16 cache steps in 0.9x the float32's; the method is a float32 cache, so its ratio to
+    the faster (float16) baseline is 1 / 0.9, and its interval is exactly that (paired rounds
+    with a fixed factor)."""
+    import kvbench.bench.workloads.latency as lat
+
+    drift = [1.0 + 0.5 * (i % 5) for i in range(10)]
+    b32 = [10.0 * x for x in drift]
+    b16 = [9.0 * x for x in drift]
+    ScriptedTimer.samples, ThreadTimer.threads = _three_way(b32, b16, list(b32)), []
+    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("full"))
+    m = res.metrics
+    assert res.info["baseline_storage_dtype"] == "float16"
+    assert res.info["baseline_candidates"] == {"float32": 20.0, "float16": 18.0}
+    assert m["decode_ms_p50_ratio"] == pytest.approx(10 / 9)
+    assert m["decode_ms_p50_ratio_ci_low"] == pytest.approx(10 / 9)
+    assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
+
+
+def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Suite threads 2 (torch's count when the run starts): the prefill calls see 2, every
+    timed step the workload's ``threads`` (1 by default, 2 when set), recorded; torch's count
+    is restored after the run."""
+    import kvbench.bench.workloads.latency as lat
+
+    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in (1, 2):
+            ScriptedTimer.samples, ThreadTimer.threads = [1.0] * (2 + 2 * 3), []
+            params = dict(context=40, steps=3, warmup=1, prefill_repeats=1)
+            w, ctx = _workload(
+                _tiny_model(), baseline_storage_dtypes=ONE, threads=threads, **params
+            )
+            info = w.run(ctx, kvbench.get_method("full")).info
+            assert ThreadTimer.threads == [2, 2] + [threads] * 6
+            assert info["step_threads"] == threads and info["prefill_threads"] == 2
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
+    """``prefill: shared``: ``prepare`` captures the prompt (P = 40 - 4 - 1 = 35 tokens) once per
+    model; the kvbench caches (KIVI, both ``full`` baselines) are prefilled from it without a
+    model call, a peer's cache (hf-dynamic) by the model; every cache then holds P tokens and
+    decodes the same 5 steps; no prefill is timed.  The shared prefill leaves the cache the
+    model's own prefill leaves (same stored K/V)."""
+    model = _tiny_model()
+    lengths: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    params = dict(context=40, steps=4, warmup=1, prefill_repeats=1, prefill="shared")
+    w = Latency(Latency.validate({"type": "latency", **params}))
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
+    w.prepare(ctx)
+    assert lengths == [35] and len(ctx.shared.prompts) == 1  # the capture
+    Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses it
+    assert lengths == [35] and len(ctx.shared.prompts) == 1
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    assert lengths[1:] == [1] * 15  # no prefill call: 5 rounds x 3 caches
+    assert "prefill_ms" not in res.metrics and "prefill_ms_ratio" not in res.metrics
+    assert "prefill_ms" not in res.per_layer and res.info["prefill_repeats"] == 0
+    assert all(res.info["prefill_from_capture"].values())
+    lengths.clear()
+    res = w.run(ctx, kvbench.get_method("hf-dynamic"))
+    assert lengths == [35] + [1] * 15  # the peer's prompt through the model
+    assert res.info["prefill_from_capture"] == {
+        "method": False,
+        "baseline_float32": True,
+        "baseline_float16": True,
+    }
+    assert res.metrics["bytes_total"] == 40 * 512  # all 40 tokens held
+    # the captured prefill stores what the model's own prefill stores
+    from kvbench.hf.cache import make_hf_cache
+
+    a, b = (make_hf_cache(kvbench.get_method("full"), model) for _ in range(2))
+    a.prefill_from(w.prompt.captured)
+    model(input_ids=ids[:, :35], past_key_values=b, use_cache=True)
+    for la, lb in zip(a.layer_caches(), b.layer_caches()):
+        for x, y in zip(la.keys_values(), lb.keys_values()):
+            torch.testing.assert_close(x, y)
+
+
 def test_end_to_end_records() -> None:
     model = _tiny_model()
     w, ctx = _workload(model, context=48, steps=5, warmup=1, prefill_repeats=1)
@@ -254,6 +412,14 @@ def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPat
         ({"path": "fast"}, "allowed"),
         ({"baseline": "fulll"}, "did you mean 'full'"),
         ({"stepz": 3}, "unknown parameter"),
+        ({"threads": 0}, "field 'threads': 0 is not allowed; allowed: integers >= 1"),
+        ({"prefill": "once"}, "field 'prefill': 'once' is not allowed"),
+        ({"prefill": "shared"}, "field 'prefill_repeats': 3 is not allowed; allowed: 1"),
+        ({"baseline_storage_dtypes": ["float8"]}, "field 'baseline_storage_dtypes'"),
+        (
+            {"baseline": "hf-dynamic"},
+            "field 'baseline_storage_dtypes'.*allowed: \\['model'\\] for baseline 'hf-dynamic'",
+        ),
     ],
 )
 def test_bad_params(params: dict, match: str) -> None:
@@ -337,7 +503,13 @@ def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatc
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
     w, ctx = _batched(
-        _tiny_model(), 4, context=40, steps=4, warmup=2, prefill_repeats=1, baseline_storage_dtypes=ONE
+        _tiny_model(),
+        4,
+        context=40,
+        steps=4,
+        warmup=2,
+        prefill_repeats=1,
+        baseline_storage_dtypes=ONE,
     )
     m = w.run(ctx, kvbench.get_method("full")).metrics
     assert ScriptedTimer.samples == []
