@@ -40,8 +40,8 @@ the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
 of a long decode, with the period (steps between flushes) from the tokens one flush quantized
 (recorded with its source); ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized`` (B rows).  Each has a
 ``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
-baseline ms / method ms; the runner keeps these).  ``decode_ms_p50_ratio`` has a 95% interval against the chosen baseline,
-``decode_ms_p50_ratio_ci_low``/``_ci_high``: a paired percentile bootstrap over the timed rounds
+baseline ms / method ms; the runner keeps these).  ``decode_ms_p50_ratio`` has a 95% interval
+against the chosen baseline, ``decode_ms_p50_ratio_ci_low``/``_ci_high``: a paired percentile bootstrap over the timed rounds
 (:func:`kvbench.bench.metrics.paired_ratio_ci`): each resample draws the rounds with
 replacement, the same rounds for the method and the baseline (so drift of the machine from round
 to round, which moves both steps of a round, cancels), and takes the ratio of the two medians
