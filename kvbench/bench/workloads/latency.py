@@ -4,15 +4,24 @@ caveat: docs/design.md#latency.
 
 Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with the method's
 cache (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
-transformers cache) and one cache per baseline candidate: the ``baseline`` method (default
-``full``) with each of ``baseline_storage_dtypes`` (default ``["model", "float16"]``: its
-full-precision K/V stored in the model's dtype, float32 on the default CPU model, and in
-float16; ``model`` passes ``storage_dtype: None``).
+transformers cache) and the baseline's: the ``baseline`` method (default ``full``) with one of
+``baseline_storage_dtypes`` (default ``["model", "float16"]``: its full-precision K/V stored in
+the model's dtype, float32 on the default CPU model, or in float16; ``model`` passes
+``storage_dtype: None``).
 
-1. Prefill ``P = d - warmup - steps`` tokens into fresh caches of all of them.  ``prefill:
-   timed`` (default): ``prefill_repeats`` times (default 3), rotating which goes first (A B C,
-   B C A, ...); ``prefill_ms`` is the median and ``prefill_ms_ratio`` the ratio to the chosen
-   baseline's median (not one sample).  ``prefill: shared``: untimed, the prompt's
+0. Pre-pass (:meth:`Latency.choose_baseline`, with two or more candidates): the candidates'
+   caches alone, run through steps 1, 2 and 4 below for the same rounds; the one with the
+   smallest steady-state median step (ties: the first listed) is the baseline of every
+   configuration of the suite run at this context and step threads (kept in
+   ``ctx.shared.latency_baselines``, keyed by the context, ``threads``, the baseline spec and
+   the rest of the protocol), so no method is flattered by a slow baseline, and each
+   configuration times two caches, not one per candidate.  ``info.baseline_storage_dtype``
+   names the choice (``float32``, ``float16``, ...), ``info.baseline_candidates`` each
+   candidate's pre-pass median (ms; ``None`` with a single candidate, no pre-pass).
+1. Prefill ``P = d - warmup - steps`` tokens into fresh caches of both.  ``prefill: timed``
+   (default): ``prefill_repeats`` times (default 3), alternating which goes first (A B, B A,
+   ...); ``prefill_ms`` is the median and ``prefill_ms_ratio`` the ratio to the baseline's
+   median (not one sample).  ``prefill: shared``: untimed, the prompt's
    full-precision K/V captured once per (text, window, P, batch) and shared by every run of
    the model (:func:`kvbench.hf.capture.capture_prompt`, as the perplexity workload shares its
    prompt), each kvbench cache whose method has ``prefill_attention: full`` prefilled from it
@@ -23,12 +32,12 @@ float16; ``model`` passes ``storage_dtype: None``).
 2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
    :func:`kvbench.measure.timer.interleave` at the workload's ``threads`` (default 1: on a
    2-core machine 2 threads share the cores with the OS; recorded as ``step_threads``): every
-   round times one step of each cache, rotating which goes first.  Inputs are the text's next
-   tokens (teacher forcing), identical for every cache, so the runs do the same work.
-3. The baseline of every ratio is the candidate with the smallest steady-state median step
-   (``decode_ms_p50``; ties: the first listed), so no method is flattered by a slow baseline:
-   ``info.baseline_storage_dtype`` names it (``float32``, ``float16``, ...) and
-   ``info.baseline_candidates`` gives each candidate's median (ms).
+   round times one step of each cache, alternating which goes first.  Inputs are the text's
+   next tokens (teacher forcing), identical for every cache, so the runs do the same work.
+3. Every ratio is against the chosen baseline's steps timed in this call, interleaved with the
+   method's (not the pre-pass's).  A configuration equal to the chosen baseline (``full``
+   with its storage dtype) times ``full`` against itself: its ratio is the noise of the
+   measurement.
 4. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
    steps); steady-state and flush steps are reported separately.
@@ -48,8 +57,9 @@ to round, which moves both steps of a round, cancels), and takes the ratio of th
 over the drawn steady-state steps; seeded with the suite's seed, so the record is reproducible
 from its timings; absent with fewer than two steady steps a side (rule recorded in
 ``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are
-in ``per_layer`` (``decode_ms``, ``baseline_decode_ms`` of the chosen baseline,
-``baseline_decode_ms_<dtype>`` of each candidate, ``prefill_ms``, ``baseline_prefill_ms``);
+in ``per_layer`` (``decode_ms``, ``baseline_decode_ms`` of the chosen baseline in this call,
+``prepass_decode_ms_<dtype>`` of each candidate in the pre-pass, ``prefill_ms``,
+``baseline_prefill_ms``);
 ``info.flush_index`` lists the flush steps.
 
 Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
@@ -73,13 +83,14 @@ Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_rep
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import BaselineChoice, RunContext
 from kvbench.bench.metrics import RATIO_RESAMPLES, paired_ratio_ci
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method, require_padding
@@ -97,7 +108,7 @@ from kvbench.measure.timer import (
     summarize,
     system_state,
 )
-from kvbench.measure.window import flush_steps, split_steps
+from kvbench.measure.window import FlushSplit, flush_steps, split_steps
 
 from . import Result, Workload, reject
 
@@ -185,6 +196,28 @@ def flush_period(
         gaps = [b - a for a, b in zip(flushes, flushes[1:])]
         return float(sum(gaps) / len(gaps)), "spacing of the flushes in the timed window"
     return None, "unknown (amortized mean spreads the flush over the timed window)"
+
+
+@dataclass
+class Timed:
+    """One interleaved timing of named caches (:meth:`Latency._time`): the caches after the
+    last step, whether each used the ``LayerCache.attend`` path, prefill times (ms; empty lists
+    under ``prefill: shared``), which caches were prefilled from the shared capture, the timed
+    steps (ms, round order), their steady/flush split, flush period and its source, each row's
+    prompt tokens, the step and prefill threads and the timer's description."""
+
+    caches: dict[str, Cache]
+    attend: dict[str, bool]
+    prefill: dict[str, list[float]]
+    shared_prefill: dict[str, bool]
+    times: dict[str, list[float]]
+    split: dict[str, FlushSplit]
+    period: dict[str, float | None]
+    source: dict[str, str]
+    lens: list[int]
+    step_threads: int
+    prefill_threads: int
+    timing: str
 
 
 def attention_path(method: Method, attend: bool) -> str:
@@ -294,6 +327,7 @@ class Latency(Workload):
                 dev = next(ctx.model.parameters()).device
                 ctx.shared.prompts[pkey] = capture_prompt(ctx.model, self.ids[:, :p].to(dev))
             self.prompt = ctx.shared.prompts[pkey]
+        self.choose_baseline(ctx)  # the pre-pass, once per key, outside the runs' wall time
 
     def _attend(self, method: Method) -> bool:
         p = self.spec["path"]
@@ -322,8 +356,52 @@ class Latency(Workload):
             out[dtype] = base
         return out
 
+    def _pass_key(self) -> tuple[Hashable, ...]:
+        """What the pre-pass's choice depends on: the context, the step threads, the baseline
+        spec and the rest of the timing protocol (text, rounds, batch, prefill)."""
+        s = self.spec
+        return (
+            "latency-baseline",
+            s["context"],
+            s["threads"],
+            s["baseline"],
+            tuple(s["baseline_storage_dtypes"]),
+            s["text"],
+            s["window"],
+            s["steps"],
+            s["warmup"],
+            s["batch_size"],
+            s["padding"],
+            s["path"],
+            s["prefill"],
+            s["prefill_repeats"],
+        )
+
     @torch.no_grad()
-    def run(self, ctx: RunContext, method: Method) -> Result:
+    def choose_baseline(self, ctx: RunContext) -> BaselineChoice | None:
+        """The pre-pass (docs/design.md#latency): the baseline candidates (:meth:`baselines`)
+        interleaved with each other, no method, for the workload's ``warmup`` + ``steps``
+        rounds; the one with the smallest steady median step (ties: the first listed) is the
+        baseline of every configuration of this context and step threads.  Run once per
+        :meth:`_pass_key` and kept in ``ctx.shared.latency_baselines``; ``None`` (nothing
+        timed) with a single candidate.  ``ValueError`` as :meth:`baselines`."""
+        model_dtype = next(ctx.model.parameters()).dtype
+        candidates = self.baselines(model_dtype)
+        if len(candidates) == 1:
+            return None
+        key = self._pass_key()
+        if key not in ctx.shared.latency_baselines:
+            timed = self._time(ctx, candidates)
+            steady = {dt: timed.split[dt].metrics()["decode_ms_p50"] for dt in candidates}
+            chosen = min(candidates, key=lambda dt: steady[dt])
+            ctx.shared.latency_baselines[key] = BaselineChoice(
+                chosen, steady, {dt: timed.times[dt] for dt in candidates}
+            )
+        return ctx.shared.latency_baselines[key]
+
+    def _time(self, ctx: RunContext, methods: dict[str, Method]) -> Timed:
+        """Prefill fresh caches of ``methods`` (name -> method) and time their decode steps
+        interleaved (protocol steps 1, 2 and 4 of the module docstring)."""
         from kvbench.hf.cache import cache_kwarg
 
         s = self.spec
@@ -336,18 +414,13 @@ class Latency(Workload):
         bs, padding = s["batch_size"], s["padding"]
         if ids.shape[0] != bs:
             raise ValueError(f"latency: {ids.shape[0]} text windows for batch_size={bs}")
-        model_dtype = next(model.parameters()).dtype
-        candidates = self.baselines(model_dtype)
         lens = row_prompt_lengths(p, bs, padding)
         mask = pos = None
         if padding == "left":
-            for m in (method, *candidates.values()):
+            for m in methods.values():
                 require_padding(m)
             rows = [row[p - k :] for row, k in zip(ids, lens)]  # row 0 keeps all d tokens
             ids, mask, pos = left_pad(rows, pad_id(model, ctx.tokenizer), dev)
-        # one baseline keeps the names of the records before the candidates existed
-        bnames = {dt: "baseline" if len(candidates) == 1 else f"baseline_{dt}" for dt in candidates}
-        methods = {"method": method, **{bnames[dt]: m for dt, m in candidates.items()}}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)
         caches: dict[str, Cache] = {}
@@ -420,14 +493,42 @@ class Latency(Workload):
             flushes = flush_steps(hb) if all(x is not None for x in hb) else []
             period[k], source[k] = flush_period(caches[k], quant[k], flushes)
             split[k] = split_steps(times[k], flushes, period[k])
-        steady = {dt: split[bnames[dt]].metrics() for dt in candidates}
-        # the faster candidate (smallest steady median; ties: the first listed)
-        chosen = min(candidates, key=lambda dt: steady[dt]["decode_ms_p50"])
-        bname = bnames[chosen]
-        mine, ref = split["method"].metrics(), steady[chosen]
+        return Timed(
+            caches,
+            attend,
+            prefill,
+            shared_prefill,
+            times,
+            split,
+            period,
+            source,
+            lens,
+            step_threads,
+            prefill_threads,
+            timer.how,
+        )
+
+    @torch.no_grad()
+    def run(self, ctx: RunContext, method: Method) -> Result:
+        s = self.spec
+        d, n, w, reps = s["context"], s["steps"], s["warmup"], s["prefill_repeats"]
+        p = d - n - w
+        bs, padding = s["batch_size"], s["padding"]
+        dev = next(ctx.model.parameters()).device
+        model_dtype = next(ctx.model.parameters()).dtype
+        candidates = self.baselines(model_dtype)
+        choice = self.choose_baseline(ctx)  # the pre-pass (once per key; None: one candidate)
+        chosen = next(iter(candidates)) if choice is None else choice.storage_dtype
+        base = candidates[chosen]
+        # two caches, the method's and the chosen baseline's, interleaved round by round
+        names = ["method", "baseline"]
+        timed = self._time(ctx, {"method": method, "baseline": base})
+        caches, attend, split, times = timed.caches, timed.attend, timed.split, timed.times
+        prefill, lens = timed.prefill, timed.lens
+        mine, ref = split["method"].metrics(), split["baseline"].metrics()
         metrics: dict[str, float] = {}
         if self.prompt is None:
-            pm, pb = summarize(prefill["method"]), summarize(prefill[bname])
+            pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
             metrics["prefill_ms"] = pm.median
         metrics.update(mine)
         metrics["tokens_per_s"] = bs * 1000.0 / mine["decode_ms_amortized"]
@@ -440,9 +541,9 @@ class Latency(Workload):
         metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
         ci = paired_ratio_ci(
             times["method"],
-            times[bname],
+            times["baseline"],
             split["method"].flush_index,
-            split[bname].flush_index,
+            split["baseline"].flush_index,
             seed=ctx.seed,
         )
         if ci is not None:
@@ -462,38 +563,44 @@ class Latency(Workload):
             "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
             "row_context_tokens": [d - (p - k) for k in lens],
         }
-        base = candidates[chosen]
+        if choice is None:
+            how = f"the only candidate of its storage dtypes: {chosen}"
+        else:
+            how = (
+                f"the faster (smallest steady median step) of its storage dtypes "
+                f"{', '.join(candidates)}, chosen by a pre-pass that timed them interleaved for "
+                f"the same rounds, once per context and step threads: {chosen}"
+            )
         info = {
             **self.info,
             "batch": batch,
             **system_state(),
-            "step_threads": step_threads,
-            "prefill_threads": prefill_threads,
-            "timing": timer.how,
+            "step_threads": timed.step_threads,
+            "prefill_threads": timed.prefill_threads,
+            "timing": timed.timing,
             "percentiles": PERCENTILE_RULE,
             "attention_path": attention_path(method, attend["method"]),
             # the decode protocol (docs/design.md#protocols): the same work either way, a flush
             # before or after the step's attention; a peer runs its own update
             "protocol": cache_protocol(caches["method"]),
-            "baseline_protocol": cache_protocol(caches[bname]),
+            "baseline_protocol": cache_protocol(caches["baseline"]),
             "attend_path_ran": ran if attend["method"] else None,
             "baseline": s["baseline"],
             "baseline_storage_dtype": chosen,
-            "baseline_candidates": {dt: steady[dt]["decode_ms_p50"] for dt in candidates},
-            "baseline_attention_path": attention_path(base, attend[bname]),
+            "baseline_candidates": None if choice is None else dict(choice.medians),
+            "baseline_attention_path": attention_path(base, attend["baseline"]),
             "interleaving": f"round i starts at configuration i mod {len(names)} "
             f"({', '.join(names)} rotated left by i)",
-            "ratio_baseline": f"{s['baseline']} interleaved in this run, the faster (smallest "
-            f"steady median step) of its storage dtypes {', '.join(candidates)}: {chosen}",
+            "ratio_baseline": f"{s['baseline']} interleaved in this run, {how}",
             "ratio_interval": RATIO_INTERVAL,
             "prefill": PREFILL_NOTE[s["prefill"]],
             "prefill_tokens": p,
             "prefill_repeats": reps if self.prompt is None else 0,
             "window": STEADY_NOTE,
             "flush_index": list(split["method"].flush_index),
-            "flush_period": period["method"],
-            "flush_period_source": source["method"],
-            "baseline_flush_index": list(split[bname].flush_index),
+            "flush_period": timed.period["method"],
+            "flush_period_source": timed.source["method"],
+            "baseline_flush_index": list(split["baseline"].flush_index),
             "cuda_graphs": False,
             "model_dtype": str(model_dtype).removeprefix("torch."),
             **{f"baseline_{k}": v for k, v in ref.items()},
@@ -501,16 +608,16 @@ class Latency(Workload):
         if self.prompt is None:
             info["baseline_prefill_ms"] = pb.median
         else:
-            info["prefill_from_capture"] = {k: shared_prefill[k] for k in names}
+            info["prefill_from_capture"] = {k: timed.shared_prefill[k] for k in names}
         if dev.type != "cuda":
             info["timing_note"] = CPU_NOTE
         per: dict[str, list[float]] = {
             "decode_ms": times["method"],
-            "baseline_decode_ms": times[bname],
+            "baseline_decode_ms": times["baseline"],
         }
-        if len(candidates) > 1:
-            per.update({f"baseline_decode_ms_{dt}": times[bnames[dt]] for dt in candidates})
+        if choice is not None:  # the pre-pass's steps, shared by every record of its key
+            per.update({f"prepass_decode_ms_{dt}": v for dt, v in choice.steps_ms.items()})
         if self.prompt is None:
             per["prefill_ms"] = prefill["method"]
-            per["baseline_prefill_ms"] = prefill[bname]
+            per["baseline_prefill_ms"] = prefill["baseline"]
         return Result(metrics, per, info)
