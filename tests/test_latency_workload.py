@@ -196,33 +196,34 @@ class ThreadTimer(ScriptedTimer):
         return super().__call__(fn)
 
 
-def _three_way(base32: list[float], base16: list[float], meth: list[float]) -> list[float]:
-    """The scripted samples of one prefill (M, B32, B16) and ``len(meth)`` timed rounds after
-    2 warm-up rounds: round i calls (method, full float32, full float16) rotated left by i."""
-    seq = [5.0, 5.0, 5.0]
-    for i in range(len(meth)):
-        by = {"method": meth[i], "baseline_float32": base32[i], "baseline_float16": base16[i]}
-        names = ["method", "baseline_float32", "baseline_float16"]
-        k = (i + 2) % 3  # warm-up rounds 0 and 1 count in the rotation
-        seq += [by[n] for n in names[k:] + names[:k]]
+def _two_way(first: list[float], second: list[float], warmup: int = 2) -> list[float]:
+    """The scripted samples of one timed prefill of two caches (5 ms each) and ``len(first)``
+    timed rounds after ``warmup`` warm-up rounds: round i calls (first, second) rotated left by
+    ``i + warmup`` (the warm-up rounds count in the rotation)."""
+    seq = [5.0, 5.0]
+    for i in range(len(first)):
+        pair = [first[i], second[i]]
+        seq += pair if (i + warmup) % 2 == 0 else pair[::-1]
     return seq
 
 
 @pytest.mark.parametrize("faster", ["float16", "float32"])
 def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
-    """Three caches interleaved: the method, ``full`` stored in float32 (the model's dtype) and
-    in float16.  The machine drifts from 1x to 12x over the rounds; the faster candidate steps
-    in 8 ms x drift, the slower in 10 ms x drift, the method in 12 ms x drift.  The ratio is
-    against the faster, 12 / 8 = 1.5, with its paired interval around it (the method's
-    flush rounds are left out of its side only, so a resample's ratio moves a little); the
-    record names the faster and gives both medians.  Every timed call runs at 1 thread."""
+    """The pre-pass interleaves ``full`` stored in float32 (the model's dtype) and in float16;
+    the machine drifts from 1x to 12x over the rounds; the faster candidate steps in
+    8 ms x drift, the slower in 10 ms x drift.  Then the configuration interleaves two caches:
+    the method (12 ms x drift) and the chosen baseline, which now steps in 7.5 ms x drift.  The
+    record names the faster with both pre-pass medians; the ratio and its paired interval are
+    against the chosen baseline's rounds timed WITH the method (12 / 7.5 = 1.6), not the
+    pre-pass's (that would give 1.5).  Every timed call runs at 1 thread."""
     import kvbench.bench.workloads.latency as lat
 
     drift = [float(i + 1) for i in range(12)]
     fast, slow = [8.0 * x for x in drift], [10.0 * x for x in drift]
-    meth = [12.0 * x for x in drift]
+    meth, base = [12.0 * x for x in drift], [7.5 * x for x in drift]
     b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
-    ScriptedTimer.samples, ThreadTimer.threads = _three_way(b32, b16, meth), []
+    samples = _two_way(b32, b16) + _two_way(meth, base)  # pre-pass (float32, float16), then run
+    ScriptedTimer.samples, ThreadTimer.threads = samples, []
     monkeypatch.setattr(lat, "Timer", ThreadTimer)
     w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
@@ -230,47 +231,84 @@ def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: 
     assert ScriptedTimer.samples == []
     # medians over the steady steps (KIVI's flush steps 3 and 11, drift 4 and 12, left out
     # of the method's; full never flushes): drift 1..12 without 4 and 12 has median 6.5, as
-    # has 1..12: method 12 x 6.5, baselines 8 x 6.5 and 10 x 6.5
+    # has 1..12: method 12 x 6.5, baseline 7.5 x 6.5; candidates 8 x 6.5 and 10 x 6.5
     assert info["baseline_storage_dtype"] == faster
     assert info["baseline_candidates"] == {"float32": 6.5 * b32[0], "float16": 6.5 * b16[0]}
-    assert m["decode_ms_p50"] == 78.0 and info["baseline_decode_ms_p50"] == 52.0
-    assert m["decode_ms_p50_ratio"] == 1.5
-    assert res.per_layer["baseline_decode_ms"] == fast
-    assert res.per_layer[f"baseline_decode_ms_{faster}"] == fast
-    assert "faster" in info["ratio_baseline"] and faster in info["ratio_baseline"]
-    # the interval pairs the method with the chosen baseline, round by round (against the
-    # slower one, 10 ms x drift, it would centre on 1.2)
+    assert m["decode_ms_p50"] == 78.0 and info["baseline_decode_ms_p50"] == 48.75
+    assert m["decode_ms_p50_ratio"] == pytest.approx(1.6)
+    assert res.per_layer["baseline_decode_ms"] == base
+    assert res.per_layer[f"prepass_decode_ms_{faster}"] == fast
+    assert "pre-pass" in info["ratio_baseline"] and faster in info["ratio_baseline"]
+    # the interval pairs the method with the chosen baseline's rounds of this run
     from kvbench.bench.metrics import paired_ratio_ci
 
     lo, hi = m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]
-    assert (lo, hi) == paired_ratio_ci(meth, fast, [3, 11], [], seed=0)
-    assert (lo, hi) != paired_ratio_ci(meth, slow, [3, 11], [], seed=0)
+    assert (lo, hi) == paired_ratio_ci(meth, base, [3, 11], [], seed=0)
+    assert (lo, hi) != paired_ratio_ci(meth, fast, [3, 11], [], seed=0)
     assert lo <= m["decode_ms_p50_ratio"] <= hi
-    assert ThreadTimer.threads == [1] * (3 + 36)
+    assert ThreadTimer.threads == [1] * 2 * (2 + 24)
 
 
-def test_full_against_itself_paired_with_the_faster_baseline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``full`` (float32) against ``full`` float32 and float16, scripted with no flush: the
-    float16 cache steps in 0.9x the float32's; the method is a float32 cache, so its ratio to
-    the faster (float16) baseline is 1 / 0.9, and its interval is exactly that (paired rounds
-    with a fixed factor)."""
+def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-pass picks float16 (9 ms x drift against float32's 10 ms x drift) once; then
+    ``full`` stored in float16, the chosen baseline itself, steps in the same time as its
+    interleaved baseline: ratio 1 with the interval [1, 1] (the noise check reads this row),
+    and ``full`` in float32, 10 / 9 against it; the pre-pass is not timed again."""
     import kvbench.bench.workloads.latency as lat
 
     drift = [1.0 + 0.5 * (i % 5) for i in range(10)]
-    b32 = [10.0 * x for x in drift]
-    b16 = [9.0 * x for x in drift]
-    ScriptedTimer.samples, ThreadTimer.threads = _three_way(b32, b16, list(b32)), []
-    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    b32, b16 = [10.0 * x for x in drift], [9.0 * x for x in drift]
+    ScriptedTimer.samples = _two_way(b32, b16) + _two_way(b16, b16) + _two_way(b32, b16)
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
     w, ctx = _workload(_tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
-    res = w.run(ctx, kvbench.get_method("full"))
-    m = res.metrics
-    assert res.info["baseline_storage_dtype"] == "float16"
-    assert res.info["baseline_candidates"] == {"float32": 20.0, "float16": 18.0}
+    same = w.run(ctx, kvbench.get_method("full", storage_dtype="float16"))
+    other = w.run(ctx, kvbench.get_method("full"))
+    assert ScriptedTimer.samples == []
+    for res in (same, other):
+        assert res.info["baseline_storage_dtype"] == "float16"
+        assert res.info["baseline_candidates"] == {"float32": 20.0, "float16": 18.0}
+    m = same.metrics
+    assert m["decode_ms_p50_ratio"] == 1.0
+    assert (m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]) == (1.0, 1.0)
+    m = other.metrics
     assert m["decode_ms_p50_ratio"] == pytest.approx(10 / 9)
     assert m["decode_ms_p50_ratio_ci_low"] == pytest.approx(10 / 9)
     assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
+
+
+def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three configurations at context 40 and two at 48 (threads 1), and one at 40 with
+    threads 2, on one model's shared state: the pre-pass (the two ``full`` candidates timed
+    alone) runs once per (context, threads), three times in all; every configuration times
+    two caches, its own and the chosen baseline; records of one key carry the same choice."""
+    timed: list[tuple[str, ...]] = []
+    real = Latency._time
+
+    def spy(self: Latency, ctx: RunContext, methods: dict) -> object:
+        timed.append(tuple(methods))
+        return real(self, ctx, methods)
+
+    monkeypatch.setattr(Latency, "_time", spy)
+    model = _tiny_model()
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    runs = [(40, 1, "full"), (40, 1, "kivi"), (40, 1, "hf-dynamic"), (48, 1, "full")]
+    runs += [(48, 1, "kivi"), (40, 2, "full")]
+    infos: dict[tuple[int, int], list[dict]] = {}
+    for context, threads, name in runs:
+        params = dict(context=context, threads=threads, steps=2, warmup=1, prefill_repeats=1)
+        w = Latency(Latency.validate({"type": "latency", **params}))
+        w.ids = torch.randint(0, 128, (1, context), generator=torch.Generator().manual_seed(1))
+        w.info = {}
+        config = KIVI8 if name == "kivi" else {}
+        res = w.run(ctx, kvbench.get_method(name, **config))
+        infos.setdefault((context, threads), []).append(res.info)
+    prepass = ("float32", "float16")
+    assert timed.count(prepass) == 3 and len(ctx.shared.latency_baselines) == 3
+    assert [t for t in timed if t != prepass] == [("method", "baseline")] * len(runs)
+    assert timed.index(prepass) == 0  # before the first configuration of its key
+    for group in infos.values():
+        assert len({i["baseline_storage_dtype"] for i in group}) == 1
+        assert all(i["baseline_candidates"] == group[0]["baseline_candidates"] for i in group)
 
 
 def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
@@ -316,22 +354,20 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
     w.prepare(ctx)
-    assert lengths == [35] and len(ctx.shared.prompts) == 1  # the capture
-    Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses it
-    assert lengths == [35] and len(ctx.shared.prompts) == 1
+    # the capture, then the pre-pass: both full candidates prefilled from it, 5 rounds x 2
+    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses both
+    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    lengths.clear()
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
-    assert lengths[1:] == [1] * 15  # no prefill call: 5 rounds x 3 caches
+    assert lengths == [1] * 10  # no prefill call: 5 rounds x 2 caches
     assert "prefill_ms" not in res.metrics and "prefill_ms_ratio" not in res.metrics
     assert "prefill_ms" not in res.per_layer and res.info["prefill_repeats"] == 0
     assert all(res.info["prefill_from_capture"].values())
     lengths.clear()
     res = w.run(ctx, kvbench.get_method("hf-dynamic"))
-    assert lengths == [35] + [1] * 15  # the peer's prompt through the model
-    assert res.info["prefill_from_capture"] == {
-        "method": False,
-        "baseline_float32": True,
-        "baseline_float16": True,
-    }
+    assert lengths == [35] + [1] * 10  # the peer's prompt through the model
+    assert res.info["prefill_from_capture"] == {"method": False, "baseline": True}
     assert res.metrics["bytes_total"] == 40 * 512  # all 40 tokens held
     # the captured prefill stores what the model's own prefill stores
     from kvbench.hf.cache import make_hf_cache
@@ -469,10 +505,11 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
     for b, k in enumerate(lens):
         assert pos[b, 36 - k :].tolist() == list(range(k))
         assert torch.equal(ids[b, 36 - k :], w.ids[b, 36 - k : 36])  # the row's own text
-    decode = [c for c in model.calls[3:] if c[0].shape[1] == 1]
-    assert len(decode) == 12  # 4 rounds x (method, full float32, full float16)
+    decode = [c for c in model.calls if c[0].shape[1] == 1]
+    # the pre-pass (full float32, float16), then the run (method, baseline): 4 rounds x 2 each
+    assert len(decode) == 16
     for i, (_, mask, pos) in enumerate(decode):
-        j = i // 3  # every cache of a round decodes the same position
+        j = (i // 2) % 4  # every cache of a round decodes the same position
         assert pos.view(-1).tolist() == [k + j for k in lens]
         assert mask.shape == (3, 37 + j) and mask.sum(-1).tolist() == [k + j + 1 for k in lens]
     batch = res.info["batch"]
