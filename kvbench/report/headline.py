@@ -482,7 +482,8 @@ def _baselines(allrows: list[HeadlineRow], contexts: list[int]) -> str:
     parts = [f"{dt} in {n} record{'s' if n > 1 else ''}" for dt, n in sorted(count.items())]
     return (
         "; the baseline is the faster (smallest steady median step) of `full` with its K/V "
-        "stored in each dtype, timed in the same interleaved run (the record's "
+        "stored in each dtype, chosen once per context by a pre-pass that times them "
+        "interleaved, then timed interleaved with each configuration (the record's "
         "`baseline_storage_dtype`): " + ", ".join(parts)
     )
 
