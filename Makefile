@@ -109,8 +109,10 @@ bench-shape-attention: $(STAMP)
 		--contexts 4096 16384 --steps 20 --warmup 3 --threads 2 \
 		--json results/shape_attention/llama-3.1-8b.json
 
+# Step ratio vs context per method with 95% intervals: results/latency/decode_ms_p50_ratio_vs_context.png
 bench-latency: $(STAMP)
 	$(RUN_AS) $(BIN)/kvbench run suites/latency.yaml --out results/latency
+	$(BIN)/kvbench plot results/latency
 
 bench-micro: $(STAMP)
 	$(BIN)/python -m pytest benchmarks --benchmark-only --benchmark-autosave $(PYTEST_ARGS)

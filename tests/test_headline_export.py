@@ -147,6 +147,44 @@ def test_the_note_names_each_columns_workload_context_and_protocol():
     assert "`memory` (context=12, dtype=float16, source=model)" in note
 
 
+def test_step_columns_at_two_contexts_name_their_context():
+    """Latency records at 11 and 88 tokens: one ``step vs full`` column per context, its header
+    naming the context, each row's cells from its record at exactly that context (``–`` where
+    the row has none: B at 88), with the interval; the note gives both workloads' specs, the
+    steps' threads and how many records took which baseline storage dtype."""
+    out = [r for r in records() if r.workload_type != "latency"]
+    cells = {  # label -> context -> (ratio, low, high, baseline storage dtype)
+        "full": {11: (1.01, 0.98, 1.03, "float32"), 88: (1.0, 0.99, 1.02, "float32")},
+        "A": {11: (1.25, 1.2, 1.3, "float32"), 88: (0.75, 0.7, 0.8, "float16")},
+        "B": {11: (1.5, 1.4, 1.6, "float16")},
+    }
+    for label, by_ctx in cells.items():
+        for ctx, (ratio, lo, hi, dt) in by_ctx.items():
+            m = {"decode_ms_p50_ratio": ratio}
+            m |= {"decode_ms_p50_ratio_ci_low": lo, "decode_ms_p50_ratio_ci_high": hi}
+            man = {"baseline": "full", "threads": 2, "step_threads": 1}
+            man |= {"baseline_storage_dtype": dt, "ratio_interval": "paired (test rule)"}
+            method = "full" if label == "full" else "kivi"
+            out.append(rec(label, method, "latency", m, None, man, context=ctx, steps=40))
+    by = {r["label"]: r for r in rows(out)}
+    assert by["A"]["step_ratio"] == 1.25  # the headline context's (10 tokens: 11 is closest)
+    assert sorted(by["A"]["step_records"]) == [11, 88] and sorted(by["B"]["step_records"]) == [11]
+    table = headline_table(out)
+    header = next(ln for ln in table.splitlines() if ln.startswith("| method"))
+    assert "| ppl ratio | step vs full, 11 tok | step vs full, 88 tok | peak vs full |" in header
+    rule = table.splitlines()[table.splitlines().index(header) + 1]
+    assert rule.count("|") == header.count("|")  # one alignment cell per column
+    lines = _lines(table)
+    assert "| 1.100 | 1.25 [1.20, 1.30] | 0.75 [0.70, 0.80] | 0.244 |" in lines["A"]
+    assert "| 1.100 | 1.50 [1.40, 1.60] | – | 0.178 |" in lines["B"]
+    assert "| 1.01 [0.98, 1.03] | 1.00 [0.99, 1.02] |" in lines["full"]
+    assert all(ln.count("|") == header.count("|") for ln in lines.values())
+    note = table.split("\n> ", 1)[1]
+    assert "`latency` (context=11, steps=40)" in note and "`latency` (context=88, steps=40)" in note
+    assert "threads=1" in note
+    assert "float16 in 2 records, float32 in 3 records" in note
+
+
 def test_step_cell_shows_the_ratio_interval_where_the_record_has_one():
     """A latency record with ``decode_ms_p50_ratio_ci_low``/``_ci_high`` shows ``ratio [low,
     high]`` (two decimals) and the note names its rule; a record without (written before the

@@ -70,12 +70,20 @@ class Recorder:
 
 
 KIVI8 = dict(bits=2, value_bits=2, group_size=8, residual_length=8)
+#: one baseline candidate (``full`` in the model's dtype): the two-cache protocol
+ONE = ["model"]
 
 
 def test_protocol_repeated_prefill_then_alternating_rounds() -> None:
     model = Recorder(_tiny_model())
     w, ctx = _workload(
-        model, context=40, steps=4, warmup=2, baseline="hf-dynamic", prefill_repeats=2
+        model,
+        context=40,
+        steps=4,
+        warmup=2,
+        baseline="hf-dynamic",
+        baseline_storage_dtypes=["model"],
+        prefill_repeats=2,
     )
     res = w.run(ctx, kvbench.get_method("kivi", bits=2, group_size=8, residual_length=8))
     calls = model.calls
@@ -135,7 +143,7 @@ def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
         seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     m = w.run(ctx, kvbench.get_method("kivi", **KIVI8)).metrics
     assert ScriptedTimer.samples == []
     assert m["prefill_ms"] == 20.0 and m["prefill_ms_ratio"] == 2.0
@@ -169,13 +177,207 @@ def test_step_ratio_interval_is_paired_over_rounds(monkeypatch: pytest.MonkeyPat
         seq += pair if i % 2 == 0 else pair[::-1]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     res = w.run(ctx, kvbench.get_method("full"))
     m = res.metrics
     assert ScriptedTimer.samples == []
     assert m["decode_ms_p50_ratio"] == 2.0
     assert (m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]) == (2.0, 2.0)
     assert "paired" in res.info["ratio_interval"] and "seed" in res.info["ratio_interval"]
+
+
+class ThreadTimer(ScriptedTimer):
+    """A scripted timer that also records the intra-op threads in force at each timed call."""
+
+    threads: list[int] = []
+
+    def __call__(self, fn):
+        ThreadTimer.threads.append(torch.get_num_threads())
+        return super().__call__(fn)
+
+
+def _two_way(first: list[float], second: list[float], warmup: int = 2) -> list[float]:
+    """The scripted samples of one timed prefill of two caches (5 ms each) and ``len(first)``
+    timed rounds after ``warmup`` warm-up rounds: round i calls (first, second) rotated left by
+    ``i + warmup`` (the warm-up rounds count in the rotation)."""
+    seq = [5.0, 5.0]
+    for i in range(len(first)):
+        pair = [first[i], second[i]]
+        seq += pair if (i + warmup) % 2 == 0 else pair[::-1]
+    return seq
+
+
+@pytest.mark.parametrize("faster", ["float16", "float32"])
+def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    """The pre-pass interleaves ``full`` stored in float32 (the model's dtype) and in float16;
+    the machine drifts from 1x to 12x over the rounds; the faster candidate steps in
+    8 ms x drift, the slower in 10 ms x drift.  Then the configuration interleaves two caches:
+    the method (12 ms x drift) and the chosen baseline, which now steps in 7.5 ms x drift.  The
+    record names the faster with both pre-pass medians; the ratio and its paired interval are
+    against the chosen baseline's rounds timed WITH the method (12 / 7.5 = 1.6), not the
+    pre-pass's (that would give 1.5).  Every timed call runs at 1 thread."""
+    import kvbench.bench.workloads.latency as lat
+
+    drift = [float(i + 1) for i in range(12)]
+    fast, slow = [8.0 * x for x in drift], [10.0 * x for x in drift]
+    meth, base = [12.0 * x for x in drift], [7.5 * x for x in drift]
+    b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
+    samples = _two_way(b32, b16) + _two_way(meth, base)  # pre-pass (float32, float16), then run
+    ScriptedTimer.samples, ThreadTimer.threads = samples, []
+    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    m, info = res.metrics, res.info
+    assert ScriptedTimer.samples == []
+    # medians over the steady steps (KIVI's flush steps 3 and 11, drift 4 and 12, left out
+    # of the method's; full never flushes): drift 1..12 without 4 and 12 has median 6.5, as
+    # has 1..12: method 12 x 6.5, baseline 7.5 x 6.5; candidates 8 x 6.5 and 10 x 6.5
+    assert info["baseline_storage_dtype"] == faster
+    assert info["baseline_candidates"] == {"float32": 6.5 * b32[0], "float16": 6.5 * b16[0]}
+    assert m["decode_ms_p50"] == 78.0 and info["baseline_decode_ms_p50"] == 48.75
+    assert m["decode_ms_p50_ratio"] == pytest.approx(1.6)
+    assert res.per_layer["baseline_decode_ms"] == base
+    assert res.per_layer[f"prepass_decode_ms_{faster}"] == fast
+    assert "pre-pass" in info["ratio_baseline"] and faster in info["ratio_baseline"]
+    # the interval pairs the method with the chosen baseline's rounds of this run
+    from kvbench.bench.metrics import paired_ratio_ci
+
+    lo, hi = m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]
+    assert (lo, hi) == paired_ratio_ci(meth, base, [3, 11], [], seed=0)
+    assert (lo, hi) != paired_ratio_ci(meth, fast, [3, 11], [], seed=0)
+    assert lo <= m["decode_ms_p50_ratio"] <= hi
+    assert ThreadTimer.threads == [1] * 2 * (2 + 24)
+
+
+def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-pass picks float16 (9 ms x drift against float32's 10 ms x drift) once; then
+    ``full`` stored in float16, the chosen baseline itself, steps in the same time as its
+    interleaved baseline: ratio 1 with the interval [1, 1] (the noise check reads this row),
+    and ``full`` in float32, 10 / 9 against it; the pre-pass is not timed again."""
+    import kvbench.bench.workloads.latency as lat
+
+    drift = [1.0 + 0.5 * (i % 5) for i in range(10)]
+    b32, b16 = [10.0 * x for x in drift], [9.0 * x for x in drift]
+    ScriptedTimer.samples = _two_way(b32, b16) + _two_way(b16, b16) + _two_way(b32, b16)
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
+    same = w.run(ctx, kvbench.get_method("full", storage_dtype="float16"))
+    other = w.run(ctx, kvbench.get_method("full"))
+    assert ScriptedTimer.samples == []
+    for res in (same, other):
+        assert res.info["baseline_storage_dtype"] == "float16"
+        assert res.info["baseline_candidates"] == {"float32": 20.0, "float16": 18.0}
+    m = same.metrics
+    assert m["decode_ms_p50_ratio"] == 1.0
+    assert (m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]) == (1.0, 1.0)
+    m = other.metrics
+    assert m["decode_ms_p50_ratio"] == pytest.approx(10 / 9)
+    assert m["decode_ms_p50_ratio_ci_low"] == pytest.approx(10 / 9)
+    assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
+
+
+def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three configurations at context 40 and two at 48 (threads 1), and one at 40 with
+    threads 2, on one model's shared state: the pre-pass (the two ``full`` candidates timed
+    alone) runs once per (context, threads), three times in all; every configuration times
+    two caches, its own and the chosen baseline; records of one key carry the same choice."""
+    timed: list[tuple[str, ...]] = []
+    real = Latency._time
+
+    def spy(self: Latency, ctx: RunContext, methods: dict) -> object:
+        timed.append(tuple(methods))
+        return real(self, ctx, methods)
+
+    monkeypatch.setattr(Latency, "_time", spy)
+    model = _tiny_model()
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    runs = [(40, 1, "full"), (40, 1, "kivi"), (40, 1, "hf-dynamic"), (48, 1, "full")]
+    runs += [(48, 1, "kivi"), (40, 2, "full")]
+    infos: dict[tuple[int, int], list[dict]] = {}
+    for context, threads, name in runs:
+        params = dict(context=context, threads=threads, steps=2, warmup=1, prefill_repeats=1)
+        w = Latency(Latency.validate({"type": "latency", **params}))
+        w.ids = torch.randint(0, 128, (1, context), generator=torch.Generator().manual_seed(1))
+        w.info = {}
+        config = KIVI8 if name == "kivi" else {}
+        res = w.run(ctx, kvbench.get_method(name, **config))
+        infos.setdefault((context, threads), []).append(res.info)
+    prepass = ("float32", "float16")
+    assert timed.count(prepass) == 3 and len(ctx.shared.latency_baselines) == 3
+    assert [t for t in timed if t != prepass] == [("method", "baseline")] * len(runs)
+    assert timed.index(prepass) == 0  # before the first configuration of its key
+    for group in infos.values():
+        assert len({i["baseline_storage_dtype"] for i in group}) == 1
+        assert all(i["baseline_candidates"] == group[0]["baseline_candidates"] for i in group)
+
+
+def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Suite threads 2 (torch's count when the run starts): the prefill calls see 2, every
+    timed step the workload's ``threads`` (1 by default, 2 when set), recorded; torch's count
+    is restored after the run."""
+    import kvbench.bench.workloads.latency as lat
+
+    monkeypatch.setattr(lat, "Timer", ThreadTimer)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in (1, 2):
+            ScriptedTimer.samples, ThreadTimer.threads = [1.0] * (2 + 2 * 3), []
+            params = dict(context=40, steps=3, warmup=1, prefill_repeats=1)
+            w, ctx = _workload(
+                _tiny_model(), baseline_storage_dtypes=ONE, threads=threads, **params
+            )
+            info = w.run(ctx, kvbench.get_method("full")).info
+            assert ThreadTimer.threads == [2, 2] + [threads] * 6
+            assert info["step_threads"] == threads and info["prefill_threads"] == 2
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
+    """``prefill: shared``: ``prepare`` captures the prompt (P = 40 - 4 - 1 = 35 tokens) once per
+    model; the kvbench caches (KIVI, both ``full`` baselines) are prefilled from it without a
+    model call, a peer's cache (hf-dynamic) by the model; every cache then holds P tokens and
+    decodes the same 5 steps; no prefill is timed.  The shared prefill leaves the cache the
+    model's own prefill leaves (same stored K/V)."""
+    model = _tiny_model()
+    lengths: list[int] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    params = dict(context=40, steps=4, warmup=1, prefill_repeats=1, prefill="shared")
+    w = Latency(Latency.validate({"type": "latency", **params}))
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
+    w.prepare(ctx)
+    # the capture, then the pre-pass: both full candidates prefilled from it, 5 rounds x 2
+    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses both
+    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    lengths.clear()
+    res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
+    assert lengths == [1] * 10  # no prefill call: 5 rounds x 2 caches
+    assert "prefill_ms" not in res.metrics and "prefill_ms_ratio" not in res.metrics
+    assert "prefill_ms" not in res.per_layer and res.info["prefill_repeats"] == 0
+    assert all(res.info["prefill_from_capture"].values())
+    lengths.clear()
+    res = w.run(ctx, kvbench.get_method("hf-dynamic"))
+    assert lengths == [35] + [1] * 10  # the peer's prompt through the model
+    assert res.info["prefill_from_capture"] == {"method": False, "baseline": True}
+    assert res.metrics["bytes_total"] == 40 * 512  # all 40 tokens held
+    # the captured prefill stores what the model's own prefill stores
+    from kvbench.hf.cache import make_hf_cache
+
+    a, b = (make_hf_cache(kvbench.get_method("full"), model) for _ in range(2))
+    a.prefill_from(w.prompt.captured)
+    model(input_ids=ids[:, :35], past_key_values=b, use_cache=True)
+    for la, lb in zip(a.layer_caches(), b.layer_caches()):
+        for x, y in zip(la.keys_values(), lb.keys_values()):
+            torch.testing.assert_close(x, y)
 
 
 def test_end_to_end_records() -> None:
@@ -246,6 +448,14 @@ def test_runner_keeps_interleaved_ratios(tmp_path, monkeypatch: pytest.MonkeyPat
         ({"path": "fast"}, "allowed"),
         ({"baseline": "fulll"}, "did you mean 'full'"),
         ({"stepz": 3}, "unknown parameter"),
+        ({"threads": 0}, "field 'threads': 0 is not allowed; allowed: integers >= 1"),
+        ({"prefill": "once"}, "field 'prefill': 'once' is not allowed"),
+        ({"prefill": "shared"}, "field 'prefill_repeats': 3 is not allowed; allowed: 1"),
+        ({"baseline_storage_dtypes": ["float8"]}, "field 'baseline_storage_dtypes'"),
+        (
+            {"baseline": "hf-dynamic"},
+            "field 'baseline_storage_dtypes'.*allowed: \\['model'\\] for baseline 'hf-dynamic'",
+        ),
     ],
 )
 def test_bad_params(params: dict, match: str) -> None:
@@ -295,9 +505,11 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
     for b, k in enumerate(lens):
         assert pos[b, 36 - k :].tolist() == list(range(k))
         assert torch.equal(ids[b, 36 - k :], w.ids[b, 36 - k : 36])  # the row's own text
-    decode = [c for c in model.calls[2:] if c[0].shape[1] == 1]
-    assert len(decode) == 8  # 4 rounds x (method, baseline)
-    for j, (_, mask, pos) in enumerate(decode[::2]):
+    decode = [c for c in model.calls if c[0].shape[1] == 1]
+    # the pre-pass (full float32, float16), then the run (method, baseline): 4 rounds x 2 each
+    assert len(decode) == 16
+    for i, (_, mask, pos) in enumerate(decode):
+        j = (i // 2) % 4  # every cache of a round decodes the same position
         assert pos.view(-1).tolist() == [k + j for k in lens]
         assert mask.shape == (3, 37 + j) and mask.sum(-1).tolist() == [k + j + 1 for k in lens]
     batch = res.info["batch"]
@@ -327,7 +539,15 @@ def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatc
         seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _batched(_tiny_model(), 4, context=40, steps=4, warmup=2, prefill_repeats=1)
+    w, ctx = _batched(
+        _tiny_model(),
+        4,
+        context=40,
+        steps=4,
+        warmup=2,
+        prefill_repeats=1,
+        baseline_storage_dtypes=ONE,
+    )
     m = w.run(ctx, kvbench.get_method("full")).metrics
     assert ScriptedTimer.samples == []
     assert m["decode_ms_mean"] == 5.0 and m["tokens_per_s"] == pytest.approx(800.0)

@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from matplotlib.colors import to_hex  # noqa: E402
+
 from kvbench.bench.records import Record, write_record  # noqa: E402
 from kvbench.cli import main  # noqa: E402
 from kvbench.report import headline, plots  # noqa: E402
@@ -243,6 +245,50 @@ def test_context_sweep_lines_and_single_context() -> None:
     # memory at one context only: no figure, a reason
     reason = plots.sweep_figure(RECORDS, "memory", "bytes_total")
     assert isinstance(reason, str) and "1 context(s) [2048]" in reason
+
+
+def test_step_ratio_vs_context_with_intervals() -> None:
+    """The figure of ``make bench-latency`` from fake records: latency at 1K..16K for three
+    methods with the step ratio's 95% interval, steps at 1 thread.  One line per method at its
+    contexts, its colour and marker of the style table (the same as in every other figure),
+    an error bar at each point spanning exactly [low, high], a dashed line at 1.0, and a title
+    naming the model and the threads."""
+    ctxs = [1024, 2048, 4096, 8192, 16384]
+    ratios = {"full": [1.0] * 5, "kivi K2V2": [1.3, 1.1, 0.9, 0.7, 0.5]}
+    ratios["int4-block"] = [1.2, 1.1, 1.0, 0.9, 0.8]
+    fams = {"full": "full", "kivi K2V2": "kivi", "int4-block": "int4-block"}
+    recs = []
+    for label, rs in ratios.items():
+        for ctx, r in zip(ctxs, rs):
+            w = {"type": "latency", "context": ctx, "steps": 40}
+            m = {plots.DECODE: r, f"{plots.DECODE}_ci_low": r - 0.02}
+            m[f"{plots.DECODE}_ci_high"] = r + 0.03
+            rec = _rec(label, fams[label], w, m)
+            rec.manifest |= {"threads": 2, "step_threads": 1, "timing_note": "cpu"}
+            recs.append(rec)
+    fig = plots.sweep_figure(recs, "latency", plots.DECODE)
+    ax = fig.axes[0]
+    styles = plots.style_table(recs)
+    lines = {ln.get_gid(): ln for ln in ax.lines if ln.get_gid() in ratios}
+    assert sorted(lines) == sorted(ratios)  # one line per method
+    for label, ln in lines.items():
+        assert list(ln.get_xdata()) == ctxs and list(ln.get_ydata()) == ratios[label]
+        assert (ln.get_color(), ln.get_marker()) == (
+            styles[label]["color"],
+            styles[label]["marker"],
+        )
+        (bar,) = [c for c in ax.collections if c.get_gid() == f"ci-y:{label}"]
+        segs = bar.get_segments()
+        assert [tuple(s[:, 0]) for s in segs] == [(c, c) for c in ctxs]  # vertical, at x
+        for seg, r in zip(segs, ratios[label]):
+            assert sorted(seg[:, 1]) == pytest.approx([r - 0.02, r + 0.03])
+        assert to_hex(bar.get_colors()[0]) == styles[label]["color"]
+    assert any(ln.get_linestyle() == "--" and list(ln.get_ydata()) == [1.0, 1.0] for ln in ax.lines)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(c) for c in ctxs]
+    title = fig._suptitle.get_text()
+    assert "model m" in title and "threads 1" in title
+    assert "context 1024, 2048, 4096, 8192, 16384 tokens" in title.replace("\n", " ")
+    plots._plt().close(fig)
 
 
 def test_write_plots_and_reasons(tmp_path: Path) -> None:

@@ -192,3 +192,20 @@ def test_reading_in_the_readme_block_and_the_report(tmp_path, capsys):
 def test_reading_needs_full():
     with pytest.raises(ValueError, match="'full' perplexity record"):
         reading([r for r in quality() if r.label != "full"])
+
+
+def test_step_sentence_names_the_chosen_baseline_of_full():
+    """The pre-pass chose ``full`` in float16 (``baseline_storage_dtype``): a float32 ``full``
+    (the model's dtype, no ``storage_dtype`` in its config) is timed against it, not against
+    itself; where the chosen dtype is its own (float32) it is itself."""
+
+    def with_choice(label, ratio, chosen):
+        r = lat(label, ratio)
+        r.manifest |= {"baseline_storage_dtype": chosen, "model_dtype": "float32"}
+        return r
+
+    for chosen, against in (("float16", "`full` stored in float16"), ("float32", "itself")):
+        out = quality() + [with_choice("full", 1.05, chosen), with_choice("A", 0.98, chosen)]
+        assert step_sentence(out, rows(out)).endswith(
+            f"`full` timed against {against} reads 1.050 at 11 tokens."
+        )

@@ -67,6 +67,18 @@ class Reference:
 
 
 @dataclass
+class BaselineChoice:
+    """The ``latency`` pre-pass: the baseline candidates' caches (``full`` stored in each of
+    ``baseline_storage_dtypes``) interleaved alone for the workload's rounds; ``storage_dtype``
+    is the one with the smallest steady median step (ms, ``medians``), ``steps_ms`` each
+    candidate's timed steps (ms, in round order)."""
+
+    storage_dtype: str
+    medians: dict[str, float]
+    steps_ms: dict[str, list[float]]
+
+
+@dataclass
 class Shared:
     """State computed once per model and reused by every workload that asks with the same key."""
 
@@ -84,6 +96,11 @@ class Shared:
     )
     #: reference log-probs of token windows (``perplexity``)
     references: dict[Key, Reference] = field(default_factory=dict)
+    #: a prompt's full-precision K/V, shared by every cache's prefill (``latency``)
+    prompts: dict[Key, PromptState] = field(default_factory=dict)
+    #: the faster baseline candidate, chosen once per context, step threads and baseline spec
+    #: (``latency``)
+    latency_baselines: dict[Key, BaselineChoice] = field(default_factory=dict)
     #: selected examples with rendered prompts, and their provenance (task workloads)
     examples: dict[Key, tuple[list[Example], Info]] = field(default_factory=dict)
     #: what workloads outside the core (``kvbench.integrations``, plugins) share, keyed by a

@@ -12,10 +12,13 @@ need a workload of their own and say which (the note under the table names each 
 workload, context, protocol and dtype):
 
 * ``step vs full``: ``decode_ms_p50_ratio`` of the ``latency`` record, the median steady-state
-  decode step of the method's cache over that of ``full`` timed interleaved in the same run,
-  with its 95% interval ``[decode_ms_p50_ratio_ci_low, _ci_high]`` (a paired bootstrap over
-  the interleaved rounds, :func:`kvbench.bench.metrics.paired_ratio_ci`) where the record has
-  one (older records: the ratio alone, :func:`step_cell`);
+  decode step of the method's cache over that of ``full`` timed interleaved in the same run
+  (the faster of ``full``'s storage dtypes, as the record names), with its 95% interval
+  ``[decode_ms_p50_ratio_ci_low, _ci_high]`` (a paired bootstrap over the interleaved rounds,
+  :func:`kvbench.bench.metrics.paired_ratio_ci`) where the record has one (older records: the
+  ratio alone, :func:`step_cell`).  With latency records at several contexts
+  (:func:`step_contexts`), one such column per context, its header naming the context
+  (``step vs full, 1024 tok``), each from the row's record at exactly that context;
 * ``peak vs full``: (``bytes_total`` + ``peak_step_bytes``) of the ``memory`` record (bytes at
   rest plus the transient of one decode step) over the same sum of ``full``'s memory record.
 
@@ -80,7 +83,9 @@ class HeadlineRow(TypedDict):
     """One row of the headline (:func:`rows`): a label's quality, bits and bytes from its
     ``perplexity`` record, its step and peak ratios from its ``latency`` and ``memory`` records
     (``None``: not measured).  Ratios are unitless, ``bytes`` in bytes, bits per element, KL in
-    nats; ``sources`` maps a workload type to the record its columns came from."""
+    nats; ``sources`` maps a workload type to the record its columns came from;
+    ``step_records`` a context (tokens) to the row's latency record there (the first where
+    several)."""
 
     label: str
     section: Literal["a", "b", "base"]
@@ -101,6 +106,7 @@ class HeadlineRow(TypedDict):
     step_high: float | None
     peak_ratio: float | None
     sources: dict[str, Record]
+    step_records: dict[int, Record]
 
 
 def _model(rec: Record) -> dict[str, JSONValue]:
@@ -198,8 +204,10 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
     ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
     ``ppl_ratio`` (``ppl`` / ``ppl_ref``, the ``full`` cache's perplexity under the same
     schedule), ``step_ratio`` with its interval ``step_low`` / ``step_high`` (``None``: the
-    latency record has none), ``peak_ratio``, and ``sources`` (workload type -> the record
-    each column group came from).  ValueError without a ``full`` perplexity record."""
+    latency record has none) of the latency record at the headline context, ``peak_ratio``,
+    ``sources`` (workload type -> the record each column group came from) and
+    ``step_records`` (context -> latency record).  ValueError without a ``full`` perplexity
+    record."""
     by: dict[str, dict[str, list[Record]]] = {}
     for r in records:
         by.setdefault(r.label, {}).setdefault(r.workload_type, []).append(r)
@@ -219,6 +227,9 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
             continue
         m = q.metrics
         lat = _at_context(e.get("latency", []), context)
+        step_records: dict[int, Record] = {}
+        for r in e.get("latency", []):
+            step_records.setdefault(_context(r), r)
         mem = _at_context(e.get("memory", []), context)
         peak = base = None
         if mem is not None and base_mem is not None:
@@ -255,6 +266,7 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
                 "sources": {
                     k: r for k, r in ((QUALITY, q), ("latency", lat), ("memory", mem)) if r
                 },
+                "step_records": dict(sorted(step_records.items())),
             }
         )
     return out
@@ -298,13 +310,30 @@ def kl_cell(r: HeadlineRow, floor: float) -> str:
     return f"{cell} [{_kl(r['kl_low'])}, {_kl(r['kl_high'])}]{dagger}"
 
 
-def step_cell(r: HeadlineRow) -> str:
+def step_cell(r: HeadlineRow, context: int | None = None) -> str:
     """``ratio [low, high]`` (two decimals) when the latency record has the ratio's interval,
-    else the ratio alone (records written before the interval existed) or ``–``."""
-    cell = _f(r["step_ratio"], 2)
-    if r["step_ratio"] is None or r["step_low"] is None or r["step_high"] is None:
+    else the ratio alone (records written before the interval existed) or ``–``: of the row's
+    record at the headline context (``context=None``), else of its record at exactly
+    ``context`` tokens."""
+    if context is None:
+        ratio, low, high = r["step_ratio"], r["step_low"], r["step_high"]
+    else:
+        rec = r["step_records"].get(context)
+        m = {} if rec is None else rec.metrics
+        ratio = m.get("decode_ms_p50_ratio")
+        low, high = m.get("decode_ms_p50_ratio_ci_low"), m.get("decode_ms_p50_ratio_ci_high")
+    cell = _f(ratio, 2)
+    if ratio is None or low is None or high is None:
         return cell
-    return f"{cell} [{_f(r['step_low'], 2)}, {_f(r['step_high'], 2)}]"
+    return f"{cell} [{_f(low, 2)}, {_f(high, 2)}]"
+
+
+def step_contexts(rs: list[HeadlineRow]) -> list[int]:
+    """The contexts (tokens, ascending) of the step columns: every context some row has a
+    latency record at, when there are two or more; else ``[]`` (one ``step vs full`` column
+    from the record at the headline context, :func:`step_cell`)."""
+    ctxs = sorted({c for r in rs for c in r["step_records"]})
+    return ctxs if len(ctxs) > 1 else []
 
 
 SECTIONS = {
@@ -316,6 +345,20 @@ HEAD = (
     "| next-token KL [95% CI] | top-1 | ppl ratio | step vs full | peak vs full | frontier |\n"
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"
 )
+
+
+def head(contexts: list[int]) -> str:
+    """The table's header: :data:`HEAD`, its ``step vs full`` column one per context
+    (``step vs full, N tok``) when ``contexts`` (:func:`step_contexts`) is not empty."""
+    if not contexts:
+        return HEAD
+    names = " | ".join(f"step vs full, {c} tok" for c in contexts)
+    top, rule = HEAD.split("\n")
+    return (
+        top.replace("step vs full", names)
+        + "\n"
+        + rule.replace("|---:|:---:|", "|---:" * len(contexts) + "|:---:|")
+    )
 
 
 def is_peer(row: HeadlineRow) -> bool:
@@ -366,8 +409,10 @@ def _nominal_cell(r: HeadlineRow) -> str:
     return "" if kb is None or vb is None else f"{_f(kb, 2)} / {_f(vb, 2)}"
 
 
-def _cells(r: HeadlineRow, floor: float) -> list[str]:
-    """The cells of one row between its label and its frontier mark."""
+def _cells(r: HeadlineRow, floor: float, contexts: list[int]) -> list[str]:
+    """The cells of one row between its label and its frontier mark (``contexts``: the step
+    columns', :func:`step_contexts`)."""
+    steps = [step_cell(r, c) for c in contexts] if contexts else [step_cell(r)]
     return [
         _f(r["key_bits"], 2),
         _f(r["value_bits"], 2),
@@ -376,7 +421,7 @@ def _cells(r: HeadlineRow, floor: float) -> list[str]:
         kl_cell(r, floor),
         _f(r["top1"]),
         _f(r["ppl_ratio"]),
-        step_cell(r),
+        *steps,
         _f(r["peak_ratio"]),
     ]
 
@@ -392,10 +437,10 @@ def merge_groups(rs: list[HeadlineRow]) -> list[list[HeadlineRow]]:
     return [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
 
 
-def _line(group: list[HeadlineRow], floor: float, star: bool) -> str:
+def _line(group: list[HeadlineRow], floor: float, star: bool, contexts: list[int]) -> str:
     """One table line for a group of rows holding the same cache: labels joined by `` = ``,
     each cell once where the rows agree, else their cells in label order joined by `` / ``."""
-    cols = zip(*(_cells(r, floor) for r in group))
+    cols = zip(*(_cells(r, floor, contexts) for r in group))
     cells = [c[0] if len(set(c)) == 1 else " / ".join(c) for c in cols]
     label = " = ".join(row_label(r) for r in group)
     return f"| {label} | " + " | ".join(cells) + f" | {'★' if star else ''} |"
@@ -406,20 +451,48 @@ def _spec(rec: Record) -> str:
     return f"`{rec.workload_type}` (" + ", ".join(f"{k}={w[k]}" for k in sorted(w)) + ")"
 
 
-def _used(allrows: list[HeadlineRow], kind: str) -> list[Record]:
-    """One record per distinct workload spec of ``kind`` the rows took a column from."""
+def _used(allrows: list[HeadlineRow], kind: str, contexts: list[int] | None = None) -> list[Record]:
+    """One record per distinct workload spec of ``kind`` the rows took a column from (for
+    ``latency`` with step ``contexts``: the records at those contexts)."""
     seen: dict[str, Record] = {}
     for r in allrows:
-        rec = r["sources"].get(kind)
-        if rec is not None:
+        if kind == "latency" and contexts:
+            recs = [r["step_records"][c] for c in contexts if c in r["step_records"]]
+        else:
+            recs = [r["sources"][kind]] if kind in r["sources"] else []
+        for rec in recs:
             seen.setdefault(_spec(rec), rec)
     return list(seen.values())
+
+
+def _baselines(allrows: list[HeadlineRow], contexts: list[int]) -> str:
+    """``; baseline storage: float16 in N records, float32 in M`` over the latency records
+    shown that name theirs (``baseline_storage_dtype``), else ``""``."""
+    count: dict[str, int] = {}
+    for r in allrows:
+        recs = [r["step_records"][c] for c in contexts if c in r["step_records"]] or [
+            r["sources"][k] for k in ("latency",) if k in r["sources"]
+        ]
+        for rec in recs:
+            dt = rec.manifest.get("baseline_storage_dtype")
+            if dt is not None:
+                count[str(dt)] = count.get(str(dt), 0) + 1
+    if not count:
+        return ""
+    parts = [f"{dt} in {n} record{'s' if n > 1 else ''}" for dt, n in sorted(count.items())]
+    return (
+        "; the baseline is the faster (smallest steady median step) of `full` with its K/V "
+        "stored in each dtype, chosen once per context by a pre-pass that times them "
+        "interleaved, then timed interleaved with each configuration (the record's "
+        "`baseline_storage_dtype`): " + ", ".join(parts)
+    )
 
 
 def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = None) -> str:
     """The note under the tables: each column's workload, context, protocol and dtype, the
     nominal bits' source, and the labels merged into one row (``merged``: each row's printed
     ``A = B`` label, :func:`merge_groups`)."""
+    contexts = step_contexts(allrows)
     parts = []
     for rec in _used(allrows, QUALITY):
         model = _model(rec)
@@ -434,15 +507,19 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
             f"agreement against `full` under the same schedule, ppl ratio = ppl / `full`'s; "
             f"KL interval: {how}"
         )
-    for rec in _used(allrows, "latency"):
+    for rec in _used(allrows, "latency", contexts):
         how = rec.manifest.get("ratio_interval")  # absent from records before the interval
         interval = f"; step interval [low, high]: {how}" if how else ""
+        threads = rec.manifest.get("step_threads", rec.manifest.get("threads", "?"))
         parts.append(
             f"step vs full: decode_ms_p50 (median steady-state decode step, flush steps "
             f"apart) over `{rec.manifest.get('baseline', BASELINE)}`'s timed interleaved in the "
-            f"same run, {_spec(rec)}, threads={rec.manifest.get('threads', '?')} on "
+            f"same run, {_spec(rec)}, threads={threads} on "
             f"{rec.manifest.get('device', '?')}{interval}"
         )
+    base = _baselines(allrows, contexts)
+    if base:
+        parts[-1] += base
     for rec in _used(allrows, "memory"):
         parts.append(
             f"peak vs full: (bytes at rest + transient peak of one decode step) over `full`'s, "
@@ -478,6 +555,7 @@ def headline_table(records: list[Record]) -> str:
     docstring).  Rows without a KL or bytes are listed but not ranked."""
     allrows = rows(records)
     floor = noise_floor(allrows)
+    contexts = step_contexts(allrows)
     base = [r for r in allrows if r["section"] == "base"]
     parts, merged = [], []
     for sec, title in SECTIONS.items():
@@ -496,6 +574,6 @@ def headline_table(records: list[Record]) -> str:
         front = {id(r) for r, on in zip(ranked, mask) if on}
         groups = [[r] for r in base] + merge_groups(rs)
         merged += [" = ".join(row_label(r) for r in g) for g in groups if len(g) > 1]
-        lines = [_line(g, floor, any(id(r) in front for r in g)) for g in groups]
-        parts.append(f"#### {title}\n\n{HEAD}\n" + "\n".join(lines))
+        lines = [_line(g, floor, any(id(r) in front for r in g), contexts) for g in groups]
+        parts.append(f"#### {title}\n\n{head(contexts)}\n" + "\n".join(lines))
     return "\n\n".join(parts + [note(allrows, floor, merged)])

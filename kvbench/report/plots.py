@@ -710,11 +710,27 @@ def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Fig
     return _figure(panels, (x, y), labels, lines, style_table(records), floor)
 
 
+def threads_text(recs: list[Record]) -> str:
+    """``"threads 1"``: the intra-op threads the records' timed steps ran at (manifest
+    ``step_threads``, else ``threads``), each distinct count once; ``"threads not recorded"``."""
+    got = sorted(
+        {
+            str(r.manifest.get("step_threads", r.manifest.get("threads")))
+            for r in recs
+            if r.manifest.get("step_threads", r.manifest.get("threads")) is not None
+        }
+    )
+    return f"threads {', '.join(got)}" if got else "threads not recorded"
+
+
 def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
     """``y`` against context depth, one line per label (its style of :func:`style_table`), from
     the ``wtype`` records of one workload but its context; a label measured at one context only
-    is a marker without a line.  The reason (str) when the records hold fewer than two
-    contexts."""
+    is a marker without a line.  A point whose record carries ``<y>_ci_low`` / ``_ci_high`` has
+    its 95% interval as an error bar (a collection per label, gid ``ci-y:<label>``: e.g. the
+    step ratio vs ``full`` of ``make bench-latency``); a latency figure's title names the
+    steps' threads (:func:`threads_text`).  The reason (str) when the records hold fewer than
+    two contexts."""
     recs = _group(records, y, wtype, drop=("context",))
     contexts = sorted({r.workload.get("context") for r in recs} - {None})
     if not recs:
@@ -723,8 +739,13 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
         return f"{wtype} records of {y} at {len(contexts)} context(s) {contexts}: no sweep to draw"
     scale = 2**-20 if "bytes" in y else 1.0  # bytes read better in MiB
     series: dict[str, list[tuple[int, float]]] = {}
+    bars: dict[str, list[tuple[int, float, float, float]]] = {}  # (x, y, low, high)
     for r in sorted(recs, key=lambda r: r.workload.get("context") or 0):
-        series.setdefault(r.label, []).append((r.workload["context"], r.metrics[y] * scale))
+        x, v = r.workload["context"], r.metrics[y] * scale
+        series.setdefault(r.label, []).append((x, v))
+        lo, hi = r.metrics.get(f"{y}_ci_low"), r.metrics.get(f"{y}_ci_high")
+        if lo is not None and hi is not None:
+            bars.setdefault(r.label, []).append((x, v, lo * scale, hi * scale))
     styles = style_table(records)
     n = len(series)
     fig = _plt().figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
@@ -741,15 +762,24 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
             label=f"{st['number']:>2} {label}",
             gid=label,
         )
+        if label in bars:
+            xs, vs, los, his = zip(*bars[label])
+            err = [[v - lo for v, lo in zip(vs, los)], [hi - v for v, hi in zip(vs, his)]]
+            eb = ax.errorbar(xs, vs, yerr=err, fmt="none", ecolor=st["color"], elinewidth=0.9)
+            eb.lines[2][0].set_gid(f"ci-y:{label}")
+            eb.set_label(None)
     _log_axis(ax, "x", contexts)
     ax.set_xticks(contexts, [str(c) for c in contexts])
-    _log_axis(ax, "y", [v for pts in series.values() for _, v in pts])
+    bounds = [b for pts in bars.values() for _, _, lo, hi in pts for b in (lo, hi)]
+    _log_axis(ax, "y", [v for pts in series.values() for _, v in pts] + bounds)
     if y.endswith("_ratio"):
         ax.axhline(1.0, color="0.4", lw=1, ls="--", zorder=0)
     ax.grid(alpha=0.3)
     cpu = wtype == "latency" and any(r.manifest.get("timing_note") for r in recs)
     head = f"{NAMES.get(y, y)} vs context depth" + (" (CPU: framework overhead dominates)" * cpu)
     line = setting({wtype: recs}, f"context {', '.join(map(str, contexts))} tokens")
+    if wtype == "latency":
+        line += f"; {threads_text(recs)}"
     ax.set(
         xlabel="context depth (tokens)",
         ylabel=f"{NAMES.get(y, y)}\n{describe(recs[0], drop=('context',))}",

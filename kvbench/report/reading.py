@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvbench.bench.records import Record
+from kvbench.cache.registry import BASELINE
 from kvbench.report.headline import (
     BASE_BITS,
     QUALITY,
@@ -186,13 +187,31 @@ def step_ratios(records: list[Record], allrows: list[HeadlineRow]) -> dict[str, 
     return out
 
 
+def _against(records: list[Record], label: str) -> str:
+    """What the base row ``label``'s step ratios time it against: ``itself`` where its records
+    store K/V in the baseline's chosen dtype (``baseline_storage_dtype``; ``config``'s
+    ``storage_dtype``, else the model's dtype) or name none, else ``full`` stored in the
+    chosen dtypes (a float32 ``full`` against the float16 one the pre-pass chose)."""
+    other = set()
+    for rec in records:
+        chosen = rec.manifest.get("baseline_storage_dtype")
+        if rec.workload_type != "latency" or rec.label != label or chosen is None:
+            continue
+        own = rec.config.get("storage_dtype") or rec.manifest.get("model_dtype")
+        if own != chosen:
+            other.add(str(chosen))
+    if not other:
+        return "itself"
+    return f"`{BASELINE}` stored in " + "/".join(sorted(other))
+
+
 def step_sentence(records: list[Record], allrows: list[HeadlineRow]) -> str | None:
     """Where the step ratio vs full crosses 1.0 by context (module docstring); ``None``
     without latency records."""
     ratios = step_ratios(records, allrows)
     base = {r["label"] for r in allrows if r["section"] == "base"}
     own = "".join(
-        f" `{lab}` timed against itself reads "
+        f" `{lab}` timed against {_against(records, lab)} reads "
         + ", ".join(f"{v:.3f} at {c}" for c, v in sorted(ratios[lab].items()))
         + " tokens."
         for lab in sorted(base & ratios.keys())

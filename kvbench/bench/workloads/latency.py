@@ -2,20 +2,43 @@
 baseline in the same call, timed by :mod:`kvbench.measure.timer`; protocol, clocks and the CPU
 caveat: docs/design.md#latency.
 
-Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with two caches: the
-method's (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
-transformers cache) and the ``baseline``'s (default ``full``).
+Protocol.  Token ids of ``text`` (a fixed window) are fed to the real model with the method's
+cache (``make_hf_cache(method, model)``: kvbench's ``QuantizedKVCache``, or a peer's
+transformers cache) and the baseline's: the ``baseline`` method (default ``full``) with one of
+``baseline_storage_dtypes`` (default ``["model", "float16"]``: its full-precision K/V stored in
+the model's dtype, float32 on the default CPU model, or in float16; ``model`` passes
+``storage_dtype: None``).
 
-1. Prefill ``P = d - warmup - steps`` tokens, ``prefill_repeats`` times (default 3), each time
-   into fresh caches of both, rotating which goes first (A B, B A, ...); ``prefill_ms`` is the
-   median and ``prefill_ms_ratio`` the ratio of the two medians (not one sample).  The last
-   round's caches decode, so the last timed step attends to exactly d tokens (the model's
-   maximum context is the largest allowed d).
+0. Pre-pass (:meth:`Latency.choose_baseline`, with two or more candidates): the candidates'
+   caches alone, run through steps 1, 2 and 4 below for the same rounds; the one with the
+   smallest steady-state median step (ties: the first listed) is the baseline of every
+   configuration of the suite run at this context and step threads (kept in
+   ``ctx.shared.latency_baselines``, keyed by the context, ``threads``, the baseline spec and
+   the rest of the protocol), so no method is flattered by a slow baseline, and each
+   configuration times two caches, not one per candidate.  ``info.baseline_storage_dtype``
+   names the choice (``float32``, ``float16``, ...), ``info.baseline_candidates`` each
+   candidate's pre-pass median (ms; ``None`` with a single candidate, no pre-pass).
+1. Prefill ``P = d - warmup - steps`` tokens into fresh caches of both.  ``prefill: timed``
+   (default): ``prefill_repeats`` times (default 3), alternating which goes first (A B, B A,
+   ...); ``prefill_ms`` is the median and ``prefill_ms_ratio`` the ratio to the baseline's
+   median (not one sample).  ``prefill: shared``: untimed, the prompt's
+   full-precision K/V captured once per (text, window, P, batch) and shared by every run of
+   the model (:func:`kvbench.hf.capture.capture_prompt`, as the perplexity workload shares its
+   prompt), each kvbench cache whose method has ``prefill_attention: full`` prefilled from it
+   (``QuantizedKVCache.prefill_from``: the state its own prefill leaves), any other cache (a
+   peer's, ``prefill_attention: stored``) by the model; no ``prefill_ms``.  The last round's
+   caches decode, so the last timed step attends to exactly d tokens (the model's maximum
+   context is the largest allowed d).  The prefill runs at the suite's ``threads``.
 2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
-   :func:`kvbench.measure.timer.interleave`: every round times one step of each cache,
-   alternating which goes first.  Inputs are the text's next tokens (teacher forcing),
-   identical for both caches, so the two runs do the same work.
-3. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
+   :func:`kvbench.measure.timer.interleave` at the workload's ``threads`` (default 1: on a
+   2-core machine 2 threads share the cores with the OS; recorded as ``step_threads``): every
+   round times one step of each cache, alternating which goes first.  Inputs are the text's
+   next tokens (teacher forcing), identical for every cache, so the runs do the same work.
+3. Every ratio is against the chosen baseline's steps timed in this call, interleaved with the
+   method's (not the pre-pass's).  A configuration equal to the chosen baseline (``full``
+   with its storage dtype) times ``full`` against itself: its ratio is the noise of the
+   measurement.
+4. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
    steps); steady-state and flush steps are reported separately.
 
@@ -26,16 +49,18 @@ the window), ``flush_ms_mean``/``flush_ms_max`` (when a flush was timed);
 of a long decode, with the period (steps between flushes) from the tokens one flush quantized
 (recorded with its source); ``tokens_per_s`` = B * 1000 / ``decode_ms_amortized`` (B rows).  Each has a
 ``*_ratio`` against the interleaved baseline of this same call (``tokens_per_s_ratio`` =
-baseline ms / method ms; the runner keeps these).  ``decode_ms_p50_ratio`` has a 95% interval,
-``decode_ms_p50_ratio_ci_low``/``_ci_high``: a paired percentile bootstrap over the timed rounds
+baseline ms / method ms; the runner keeps these).  ``decode_ms_p50_ratio`` has a 95% interval
+against the chosen baseline, ``decode_ms_p50_ratio_ci_low``/``_ci_high``: a paired percentile bootstrap over the timed rounds
 (:func:`kvbench.bench.metrics.paired_ratio_ci`): each resample draws the rounds with
 replacement, the same rounds for the method and the baseline (so drift of the machine from round
 to round, which moves both steps of a round, cancels), and takes the ratio of the two medians
 over the drawn steady-state steps; seeded with the suite's seed, so the record is reproducible
 from its timings; absent with fewer than two steady steps a side (rule recorded in
 ``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are
-in ``per_layer`` (``decode_ms``, ``baseline_decode_ms``, ``prefill_ms``,
-``baseline_prefill_ms``); ``info.flush_index`` lists the flush steps.
+in ``per_layer`` (``decode_ms``, ``baseline_decode_ms`` of the chosen baseline in this call,
+``prepass_decode_ms_<dtype>`` of each candidate in the pre-pass, ``prefill_ms``,
+``baseline_prefill_ms``);
+``info.flush_index`` lists the flush steps.
 
 Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
 docs/design.md#protocols; peers: their own ``update``) and the attention path (kvbench methods:
@@ -49,42 +74,48 @@ Batches (``batch_size`` B, ``padding``: ``none`` or ``left``): row b reads text 
 tokens, the pad tokens and the pad tokens the cache stored (measured).
 
 Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_repeats`` (3),
-``baseline`` (a method name, ``full``), ``path`` (``auto`` | ``reference`` | ``attend``),
-``text`` (``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
+``prefill`` (``timed`` | ``shared``), ``threads`` (1), ``baseline`` (a method name, ``full``),
+``baseline_storage_dtypes`` (``model`` | ``float16`` | ``bfloat16``, a list, default
+``["model", "float16"]``), ``path`` (``auto`` | ``reference`` | ``attend``), ``text``
+(``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.bench.batching import left_pad, pad_id, stored_pad_tokens
-from kvbench.bench.context import RunContext
+from kvbench.bench.context import BaselineChoice, RunContext
 from kvbench.bench.metrics import RATIO_RESAMPLES, paired_ratio_ci
 from kvbench.bench.workloads import HIGHER, LOWER, NONE
 from kvbench.cache.method import Method, require_padding
 from kvbench.cache.registry import BASELINE
 from kvbench.fields import Field
-from kvbench.hf.cache import QuantizedKVCache, cache_protocol, make_hf_cache
+from kvbench.hf.cache import QuantizedKVCache, cache_protocol, make_hf_cache, prefill_attention
 from kvbench.hf.peers import cache_nbytes
 from kvbench.jsontypes import JSONValue
 from kvbench.measure.timer import (
     PERCENTILE_RULE,
     Timer,
     interleave,
+    pin_threads,
     rotation,
     summarize,
     system_state,
 )
-from kvbench.measure.window import flush_steps, split_steps
+from kvbench.measure.window import FlushSplit, flush_steps, split_steps
 
 from . import Result, Workload, reject
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
+
+    from kvbench.hf.capture import PromptState
 
 CPU_NOTE = (
     "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
@@ -93,6 +124,11 @@ CPU_NOTE = (
 
 
 PADDINGS = ("none", "left")
+#: ``prefill``: ``timed`` (each cache runs the prompt, ``prefill_repeats`` times) or ``shared``
+PREFILLS = ("timed", "shared")
+#: ``baseline_storage_dtypes`` entries: ``model`` (``storage_dtype: None``, the model's dtype)
+#: or a :data:`kvbench.cache.method.STORAGE_DTYPES` name
+BASELINE_STORAGE = ("model", "float16", "bfloat16")
 
 
 def row_prompt_lengths(prompt: int, batch: int, padding: str) -> list[int]:
@@ -111,6 +147,13 @@ RATIO_INTERVAL = (
     "drawn steady-state steps / median of the baseline's; torch generator seeded with the "
     "suite's seed; none with fewer than two steady-state steps a side"
 )
+
+PREFILL_NOTE = {
+    "timed": "timed: each cache runs the prompt through the model, prefill_repeats rounds",
+    "shared": "shared, untimed: the prompt's full-precision K/V captured once "
+    "(kvbench.hf.capture.capture_prompt) prefill every kvbench cache with prefill_attention "
+    "full (prefill_from_capture: true); the others run the prompt through the model",
+}
 
 STEADY_NOTE = (
     "steady-state steps and flush steps (held bytes fell) reported separately; "
@@ -155,6 +198,28 @@ def flush_period(
     return None, "unknown (amortized mean spreads the flush over the timed window)"
 
 
+@dataclass
+class Timed:
+    """One interleaved timing of named caches (:meth:`Latency._time`): the caches after the
+    last step, whether each used the ``LayerCache.attend`` path, prefill times (ms; empty lists
+    under ``prefill: shared``), which caches were prefilled from the shared capture, the timed
+    steps (ms, round order), their steady/flush split, flush period and its source, each row's
+    prompt tokens, the step and prefill threads and the timer's description."""
+
+    caches: dict[str, Cache]
+    attend: dict[str, bool]
+    prefill: dict[str, list[float]]
+    shared_prefill: dict[str, bool]
+    times: dict[str, list[float]]
+    split: dict[str, FlushSplit]
+    period: dict[str, float | None]
+    source: dict[str, str]
+    lens: list[int]
+    step_threads: int
+    prefill_threads: int
+    timing: str
+
+
 def attention_path(method: Method, attend: bool) -> str:
     if not method.capabilities.layer_cache:
         return "transformers cache update + sdpa over the dequantized K/V it returns"
@@ -174,6 +239,8 @@ class Latency(Workload):
         "bytes_total": LOWER,
     }
     accepts_random_weights = True  # step time does not depend on the weights' values
+    #: the prompt's captured K/V under ``prefill: shared`` (``prepare``); ``None``: timed
+    prompt: PromptState | None = None
     layer_cache = False  # peers run through their transformers_cache
     PARAMS = {
         "context": 2048,
@@ -186,7 +253,11 @@ class Latency(Workload):
         "prefill_repeats": 3,
         "batch_size": 1,
         "padding": "none",
+        "threads": 1,
+        "prefill": "timed",
+        "baseline_storage_dtypes": ["model", "float16"],
     }
+    LIST_PARAMS = frozenset({"baseline_storage_dtypes"})
     FIELDS = {
         "context": Field(int, low=2),
         "steps": Field(int, low=1),
@@ -196,6 +267,9 @@ class Latency(Workload):
         "batch_size": Field(int, low=1),
         "padding": Field(str, choices=PADDINGS),
         "baseline": Field(str, text="a registered method name"),
+        "threads": Field(int, low=1),
+        "prefill": Field(str, choices=PREFILLS),
+        "baseline_storage_dtypes": Field(str, shape="list", choices=BASELINE_STORAGE),
     }
 
     @classmethod
@@ -207,12 +281,26 @@ class Latency(Workload):
         if spec["padding"] == "left" and spec["batch_size"] < 2:
             why = "'left' needs batch_size >= 2 (rows of different lengths)"
             reject(pre, "padding", "left", f"'none' with batch_size={spec['batch_size']}; {why}")
+        if spec["prefill"] == "shared" and spec["prefill_repeats"] != 1:
+            why = "prefill: shared times no prefill"
+            reject(pre, "prefill_repeats", spec["prefill_repeats"], f"1 ({why})")
+        if spec["prefill"] == "shared" and spec["padding"] == "left":
+            why = "a shared prefill captures unpadded rows"
+            reject(pre, "prefill", "shared", f"'timed' with padding='left' ({why})")
         if spec["padding"] == "left" and (d - n - w) // 2 < 1:
             why = "a prefill of at least 2 tokens"
             reject(pre, "context", d, f"integers >= {w + n + 2} with padding='left' ({why})")
-        from kvbench.cache.registry import get_method_class
+        from kvbench.cache.registry import get_method, get_method_class
 
         get_method_class(spec["baseline"])  # unknown name: ValueError with "did you mean"
+        for dt in spec["baseline_storage_dtypes"]:
+            if dt == "model":
+                continue
+            try:  # a peer baseline stores K/V in its own dtypes: refused before any work
+                get_method(spec["baseline"], storage_dtype=dt)
+            except ValueError as exc:
+                why = f"['model'] for baseline {spec['baseline']!r} ({exc})"
+                reject(pre, "baseline_storage_dtypes", spec["baseline_storage_dtypes"], why)
 
     def prepare(self, ctx: RunContext) -> None:
         from kvbench.data.loaders import load_text, token_windows
@@ -229,6 +317,17 @@ class Latency(Workload):
                 {"dataset": tinfo, "windows": winfo},
             )
         self.ids, self.info = ctx.shared.token_ids[key]
+        self.prompt = None
+        if s["prefill"] == "shared":  # the prompt's K/V, captured once for every cache
+            from kvbench.hf.capture import capture_prompt
+
+            p = s["context"] - s["steps"] - s["warmup"]
+            pkey = ("latency-prompt", s["text"], s["window"], s["context"], bs, p)
+            if pkey not in ctx.shared.prompts:
+                dev = next(ctx.model.parameters()).device
+                ctx.shared.prompts[pkey] = capture_prompt(ctx.model, self.ids[:, :p].to(dev))
+            self.prompt = ctx.shared.prompts[pkey]
+        self.choose_baseline(ctx)  # the pre-pass, once per key, outside the runs' wall time
 
     def _attend(self, method: Method) -> bool:
         p = self.spec["path"]
@@ -236,9 +335,73 @@ class Latency(Workload):
             return method.capabilities.layer_cache
         return p == "attend"
 
-    @torch.no_grad()
-    def run(self, ctx: RunContext, method: Method) -> Result:
+    def baselines(self, model_dtype: torch.dtype) -> dict[str, Method]:
+        """The baseline candidates: the storage dtype each stores its full-precision K/V in
+        (``float32``, ``float16``, ...; ``model`` resolved to ``model_dtype``) -> the
+        ``baseline`` method with that ``storage_dtype``, in ``baseline_storage_dtypes`` order
+        (a dtype named twice once).  ``ValueError`` when the baseline is unavailable or refuses
+        the storage dtype."""
         from kvbench.cache.registry import get_method
+
+        s = self.spec
+        out: dict[str, Method] = {}
+        for name in s["baseline_storage_dtypes"]:
+            dtype = str(model_dtype).removeprefix("torch.") if name == "model" else name
+            if dtype in out:
+                continue
+            base = get_method(s["baseline"], storage_dtype=None if name == "model" else name)
+            why = base.unavailable_reason()
+            if why:
+                raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
+            out[dtype] = base
+        return out
+
+    def _pass_key(self) -> tuple[Hashable, ...]:
+        """What the pre-pass's choice depends on: the context, the step threads, the baseline
+        spec and the rest of the timing protocol (text, rounds, batch, prefill)."""
+        s = self.spec
+        return (
+            "latency-baseline",
+            s["context"],
+            s["threads"],
+            s["baseline"],
+            tuple(s["baseline_storage_dtypes"]),
+            s["text"],
+            s["window"],
+            s["steps"],
+            s["warmup"],
+            s["batch_size"],
+            s["padding"],
+            s["path"],
+            s["prefill"],
+            s["prefill_repeats"],
+        )
+
+    @torch.no_grad()
+    def choose_baseline(self, ctx: RunContext) -> BaselineChoice | None:
+        """The pre-pass (docs/design.md#latency): the baseline candidates (:meth:`baselines`)
+        interleaved with each other, no method, for the workload's ``warmup`` + ``steps``
+        rounds; the one with the smallest steady median step (ties: the first listed) is the
+        baseline of every configuration of this context and step threads.  Run once per
+        :meth:`_pass_key` and kept in ``ctx.shared.latency_baselines``; ``None`` (nothing
+        timed) with a single candidate.  ``ValueError`` as :meth:`baselines`."""
+        model_dtype = next(ctx.model.parameters()).dtype
+        candidates = self.baselines(model_dtype)
+        if len(candidates) == 1:
+            return None
+        key = self._pass_key()
+        if key not in ctx.shared.latency_baselines:
+            timed = self._time(ctx, candidates)
+            steady = {dt: timed.split[dt].metrics()["decode_ms_p50"] for dt in candidates}
+            chosen = min(candidates, key=lambda dt: steady[dt])
+            ctx.shared.latency_baselines[key] = BaselineChoice(
+                chosen, steady, {dt: timed.times[dt] for dt in candidates}
+            )
+        return ctx.shared.latency_baselines[key]
+
+    def _time(self, ctx: RunContext, methods: dict[str, Method]) -> Timed:
+        """Prefill fresh caches of ``methods`` (name -> method) and time their decode steps
+        interleaved (protocol steps 1, 2 and 4 of the module docstring)."""
         from kvbench.hf.cache import cache_kwarg
 
         s = self.spec
@@ -251,18 +414,13 @@ class Latency(Workload):
         bs, padding = s["batch_size"], s["padding"]
         if ids.shape[0] != bs:
             raise ValueError(f"latency: {ids.shape[0]} text windows for batch_size={bs}")
-        base = get_method(s["baseline"])
-        why = base.unavailable_reason()
-        if why:
-            raise ValueError(f"latency baseline {s['baseline']!r} is unavailable: {why}")
         lens = row_prompt_lengths(p, bs, padding)
         mask = pos = None
         if padding == "left":
-            for m in (method, base):
+            for m in methods.values():
                 require_padding(m)
             rows = [row[p - k :] for row, k in zip(ids, lens)]  # row 0 keeps all d tokens
             ids, mask, pos = left_pad(rows, pad_id(model, ctx.tokenizer), dev)
-        methods = {"method": method, "baseline": base}
         attend = {k: self._attend(m) for k, m in methods.items()}
         names = list(methods)
         caches: dict[str, Cache] = {}
@@ -285,13 +443,26 @@ class Latency(Workload):
                 **kw[name],
             )
 
-        # prefill: `prefill_repeats` rounds, each on fresh caches, rotating which goes first;
-        # the last round's caches decode
         prefill: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(reps):
-            for name in rotation(names, r):
+        shared_prefill: dict[str, bool] = {}
+        if self.prompt is None:
+            # `prefill_repeats` timed rounds, each on fresh caches, rotating which goes first;
+            # the last round's caches decode
+            for r in range(reps):
+                for name in rotation(names, r):
+                    fresh(name)
+                    prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
+        else:  # untimed: from the shared capture where the cache can take it, else the model
+            for name in names:
                 fresh(name)
-                prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
+                c = caches[name]
+                shared_prefill[name] = (
+                    isinstance(c, QuantizedKVCache) and prefill_attention(methods[name]) == "full"
+                )
+                if shared_prefill[name]:
+                    c.prefill_from(self.prompt.captured)
+                else:
+                    call(name, slice(0, p))
 
         held: dict[str, list[int | None]] = {k: [] for k in names}
         quant: dict[str, list[tuple[int, int] | None]] = {k: [] for k in names}
@@ -313,18 +484,56 @@ class Latency(Workload):
         if w == 0:  # the state before the first timed step
             for k in names:
                 observe(k, w - 1, None)
-        times = interleave({k: stepper(k) for k in names}, n, w, timer, after=observe)
+        prefill_threads = torch.get_num_threads()
+        with pin_threads(s["threads"]) as step_threads:
+            times = interleave({k: stepper(k) for k in names}, n, w, timer, after=observe)
         split, period, source = {}, {}, {}
         for k in names:
             hb = held[k]
             flushes = flush_steps(hb) if all(x is not None for x in hb) else []
             period[k], source[k] = flush_period(caches[k], quant[k], flushes)
             split[k] = split_steps(times[k], flushes, period[k])
+        return Timed(
+            caches,
+            attend,
+            prefill,
+            shared_prefill,
+            times,
+            split,
+            period,
+            source,
+            lens,
+            step_threads,
+            prefill_threads,
+            timer.how,
+        )
+
+    @torch.no_grad()
+    def run(self, ctx: RunContext, method: Method) -> Result:
+        s = self.spec
+        d, n, w, reps = s["context"], s["steps"], s["warmup"], s["prefill_repeats"]
+        p = d - n - w
+        bs, padding = s["batch_size"], s["padding"]
+        dev = next(ctx.model.parameters()).device
+        model_dtype = next(ctx.model.parameters()).dtype
+        candidates = self.baselines(model_dtype)
+        choice = self.choose_baseline(ctx)  # the pre-pass (once per key; None: one candidate)
+        chosen = next(iter(candidates)) if choice is None else choice.storage_dtype
+        base = candidates[chosen]
+        # two caches, the method's and the chosen baseline's, interleaved round by round
+        names = ["method", "baseline"]
+        timed = self._time(ctx, {"method": method, "baseline": base})
+        caches, attend, split, times = timed.caches, timed.attend, timed.split, timed.times
+        prefill, lens = timed.prefill, timed.lens
         mine, ref = split["method"].metrics(), split["baseline"].metrics()
-        pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
-        metrics: dict[str, float] = {"prefill_ms": pm.median, **mine}
+        metrics: dict[str, float] = {}
+        if self.prompt is None:
+            pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
+            metrics["prefill_ms"] = pm.median
+        metrics.update(mine)
         metrics["tokens_per_s"] = bs * 1000.0 / mine["decode_ms_amortized"]
-        metrics["prefill_ms_ratio"] = pm.median / pb.median if pb.median else float("nan")
+        if self.prompt is None:
+            metrics["prefill_ms_ratio"] = pm.median / pb.median if pb.median else float("nan")
         for k in ("decode_ms_p50", "decode_ms_p90", "decode_ms_p99", "decode_ms_mean"):
             metrics[f"{k}_ratio"] = mine[k] / ref[k] if ref[k] else float("nan")
         am, ab = mine["decode_ms_amortized"], ref["decode_ms_amortized"]
@@ -354,11 +563,21 @@ class Latency(Workload):
             "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
             "row_context_tokens": [d - (p - k) for k in lens],
         }
+        if choice is None:
+            how = f"the only candidate of its storage dtypes: {chosen}"
+        else:
+            how = (
+                f"the faster (smallest steady median step) of its storage dtypes "
+                f"{', '.join(candidates)}, chosen by a pre-pass that timed them interleaved for "
+                f"the same rounds, once per context and step threads: {chosen}"
+            )
         info = {
             **self.info,
             "batch": batch,
             **system_state(),
-            "timing": timer.how,
+            "step_threads": timed.step_threads,
+            "prefill_threads": timed.prefill_threads,
+            "timing": timed.timing,
             "percentiles": PERCENTILE_RULE,
             "attention_path": attention_path(method, attend["method"]),
             # the decode protocol (docs/design.md#protocols): the same work either way, a flush
@@ -367,28 +586,38 @@ class Latency(Workload):
             "baseline_protocol": cache_protocol(caches["baseline"]),
             "attend_path_ran": ran if attend["method"] else None,
             "baseline": s["baseline"],
+            "baseline_storage_dtype": chosen,
+            "baseline_candidates": None if choice is None else dict(choice.medians),
             "baseline_attention_path": attention_path(base, attend["baseline"]),
-            "interleaving": "round i starts at configuration i mod 2 (A B, B A, ...)",
-            "ratio_baseline": f"{s['baseline']} interleaved in this run",
+            "interleaving": f"round i starts at configuration i mod {len(names)} "
+            f"({', '.join(names)} rotated left by i)",
+            "ratio_baseline": f"{s['baseline']} interleaved in this run, {how}",
             "ratio_interval": RATIO_INTERVAL,
+            "prefill": PREFILL_NOTE[s["prefill"]],
             "prefill_tokens": p,
-            "prefill_repeats": reps,
+            "prefill_repeats": reps if self.prompt is None else 0,
             "window": STEADY_NOTE,
             "flush_index": list(split["method"].flush_index),
-            "flush_period": period["method"],
-            "flush_period_source": source["method"],
+            "flush_period": timed.period["method"],
+            "flush_period_source": timed.source["method"],
             "baseline_flush_index": list(split["baseline"].flush_index),
             "cuda_graphs": False,
-            "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "baseline_prefill_ms": pb.median,
+            "model_dtype": str(model_dtype).removeprefix("torch."),
             **{f"baseline_{k}": v for k, v in ref.items()},
         }
+        if self.prompt is None:
+            info["baseline_prefill_ms"] = pb.median
+        else:
+            info["prefill_from_capture"] = {k: timed.shared_prefill[k] for k in names}
         if dev.type != "cuda":
             info["timing_note"] = CPU_NOTE
-        per = {
+        per: dict[str, list[float]] = {
             "decode_ms": times["method"],
             "baseline_decode_ms": times["baseline"],
-            "prefill_ms": prefill["method"],
-            "baseline_prefill_ms": prefill["baseline"],
         }
+        if choice is not None:  # the pre-pass's steps, shared by every record of its key
+            per.update({f"prepass_decode_ms_{dt}": v for dt, v in choice.steps_ms.items()})
+        if self.prompt is None:
+            per["prefill_ms"] = prefill["method"]
+            per["baseline_prefill_ms"] = prefill["baseline"]
         return Result(metrics, per, info)
