@@ -257,3 +257,27 @@ def test_semkv_float16_bytes_by_hand() -> None:
     for cat in ("codes", "scales", "metadata"):
         assert nb[cat] == lc32.nbytes()[cat]
     torch.testing.assert_close(out16, out32, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ perplexity: what is stored
+def test_perplexity_reads_the_stored_dtype_and_keeps_a_float32_reference() -> None:
+    """The perplexity workload reads the dtype the full-precision tensors were held in
+    (``ScoredState.full_precision_dtype``): float16 for ``full`` with ``storage_dtype``,
+    float32 for a transformers peer (which cannot be told: recorded, not assumed).  Against the
+    float32 ``full`` reference, float16 storage moves the log-probs a little (KL small, > 0),
+    and its bytes are half of float32's."""
+    from tiny_lm import toy_llama
+
+    from kvbench.bench.workloads.perplexity import chunked_logits
+
+    model = toy_llama()
+    ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(3))
+    ref, s32 = chunked_logits(model, ids, get_method("full"), 32, 16)
+    lp16, s16 = chunked_logits(model, ids, get_method("full", storage_dtype="float16"), 32, 16)
+    _, peer = chunked_logits(model, ids, get_method("hf-dynamic"), 32, 16)
+    assert [s[-1].full_precision_dtype for s in (s32, s16, peer)] == [
+        "float32", "float16", "float32",
+    ]  # fmt: skip
+    assert s16[-1].nbytes["total"] * 2 == s32[-1].nbytes["total"] == peer[-1].nbytes["total"]
+    kl = (ref.double().exp() * (ref.double() - lp16.double())).sum(-1).mean().item()
+    assert 0 < kl < 1e-3
