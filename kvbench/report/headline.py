@@ -25,8 +25,13 @@ perplexity workload's ``tokens``) is taken, else the closest context.
 ``bytes vs 16-bit`` = ``bytes_total`` / :func:`bytes16` of the same record: the number of K/V
 elements the cache holds (tokens x layers x KV heads x head_dim x batch, from the record's
 workload and model) x 2 sides x 2 bytes, the deployed 16-bit cache whatever dtype the model
-computes in (``full`` in a float32 model holds 32-bit K/V and shows 2.0).  The report's tables
-give the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).
+computes in: ``full`` with ``storage_dtype: float16`` (docs/design.md#storage-dtype) shows
+1.000, ``full`` storing a float32 model's K/V as computed shows 2.0.  The report's tables give
+the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).  The note names the dtype the rows
+stored their full-precision parts in, and the KL reference (``full`` in the model's dtype).
+A ``peak vs full`` cell is marked ``⚠`` (:func:`peak_below_rest`) where the memory record's
+bytes at rest plus step peak, per 16-bit cache, fall below the row's ``bytes vs 16-bit``: the
+two workloads then measured different caches.
 
 Sections:
 
@@ -47,7 +52,9 @@ it, so the run cannot tell the row from ``full``.
 Beside the measured bits, ``nominal bits (K / V)`` shows ``nominal_key_bits`` /
 ``nominal_value_bits`` as the row's records carry them (the perplexity record's, else another
 record's of the row; empty where none does).  Rows of transformers peers (perplexity record's
-protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer)``, left out of the
+protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer, stored D)`` (D the
+dtype their held tensors were read in, :func:`measured_dtype`; ``(peer)`` where the record does
+not say), left out of the
 frontier and never marked.  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
 and interval) are merged into one row ``A = B`` (:func:`merge_groups`), named in the note.  A
 budgeted row whose cache held fewer tokens than its configuration's ``budget_tokens``
