@@ -192,3 +192,16 @@ def test_reading_in_the_readme_block_and_the_report(tmp_path, capsys):
 def test_reading_needs_full():
     with pytest.raises(ValueError, match="'full' perplexity record"):
         reading([r for r in quality() if r.label != "full"])
+
+
+def test_storage_sentence_takes_the_dtype_read_from_the_held_tensors():
+    """The dtype the perplexity workload read from the held tensors (manifest
+    ``storage.full_precision_dtype``) wins over the configuration and the compute dtype; a
+    cache that held none falls back to them."""
+    full = ppl("full", 320, 1e-7, 0.0, 2e-7, kb=16.0, vb=16.0, method="full")
+    full.manifest["storage"]["full_precision_dtype"] = "float16"
+    a = ppl("A", 32, 0.3, 0.2, 0.4, config={"storage_dtype": "float16"})
+    a.manifest["storage"]["full_precision_dtype"] = "none held"
+    assert storage_sentence(rows([full, a])).endswith(
+        "in float16: `full` reads 1.000, 16 bits per element."
+    )
