@@ -13,7 +13,11 @@ k-means of the non-outlier calibration ``u`` (:func:`lloyd_levels`), else unifor
 ``first_few_fp16`` = ``num_sink_tokens`` (default 1).
 The cache receives post-RoPE keys: a flushed key is un-rotated at its position (index in the
 cache) and the dequantized block re-rotated when read, with HF's float32 angles ``pos *
-theta^(-2i/D)``; sinks and residual stay post-RoPE, exact.  RoPE scaling (llama3, yarn) and
+theta^(-2i/D)``; sinks and residual stay post-RoPE, exact in the compute dtype, or in the
+config's ``storage_dtype`` (float16/bfloat16, docs/design.md#storage-dtype; a flush codes them
+converted back to the compute dtype).  The thresholds and levels are stored in ``scale_dtype``
+(float16 by default) and the outliers in float16 whatever the compute dtype, so
+``storage_dtype`` leaves them as they are.  RoPE scaling (llama3, yarn) and
 left-padding offsets are not modelled (the round trip stays exact).
 
 [RECON] "lite": values use the core's per-token codec (``value_bits``; no value outliers or
@@ -259,6 +263,8 @@ class PreRopeSide(Side):
         start = len(self) - self.residual.shape[2]  # position of the oldest residual token
         head, rest = self.residual[:, :, :n], self.residual[:, :, n:]
         self.residual = own_storage(rest) if rest.shape[2] else None
+        if self.compute_dtype is not None:  # a 16-bit-stored residual is coded as computed
+            head = head.to(self.compute_dtype)
         b, h, m, d = head.shape  # un-rotated and coded chunk by chunk (elementwise: equal)
         parts = [
             self.codec.encode(rope(head[:, :, t0:t1], start + t0, self.theta, self.layout, True))
@@ -305,7 +311,6 @@ class KVQuant(Method):
     description = "KVQuant-lite: pre-RoPE per-channel keys, calibrated ranges, sparse outliers"
     source = "Hooper et al., NeurIPS'24, arXiv 2401.18079, §3.1-3.5; docs/methods.md#kvquant"
     capabilities = Capabilities(needs_calibration=True, reconstruction=True)
-    storage_dtype_refusal = "its pre-RoPE key side flushes the residual by its own path"
 
     def __init__(self, config: KVQuantConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)

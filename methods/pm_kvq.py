@@ -11,9 +11,13 @@ its budget the whole main cache (K and V) shrinks 16 -> 8 -> 4 -> 2 by the equiv
 shift (:func:`shrink_codes`; scale x (2^c + 1), zero unchanged).
 
 Choices made here:
-* Sinks and window are kept in the model dtype (bit-exact; fp16/bf16 = 2 bytes per element like
-  the original's 16-bit codes, without their scales).  The original stores them through its
-  16-bit integer quantizer, so they are not bit-exact there.
+* Sinks and window are kept in the model dtype, or in the config's ``storage_dtype``
+  (float16/bfloat16: docs/design.md#storage-dtype) when set (bit-exact in that dtype; fp16/bf16
+  = 2 bytes per element like the original's 16-bit codes, without their scales).  The original
+  stores them through its 16-bit integer quantizer, so they are not bit-exact there.  Scales
+  and zeros are stored in ``scale_dtype`` (float16 by default) whatever the compute dtype, so
+  ``storage_dtype`` leaves them as they are; the budget counts sinks and window at 16 bits per
+  element either way, so the widths reached do not depend on ``storage_dtype``.
 * The budget is checked after each step's flush (docs/design.md#protocols) and the main cache shrinks until
   it fits (the original shrinks one step per update, reaching the same widths a few tokens
   later).  Over budget at 2 bits: ``on_overflow="raise"`` raises ``MemoryError`` like the
@@ -175,8 +179,10 @@ class ProgressiveLayerCache(LayerCache):
         """(bytes counted against the budget, the budget for the current batch)."""
         nb = self.nbytes()
         # sinks and window count as 16-bit integers, as the original stores them, whatever the
-        # model dtype (an fp32 model would otherwise spend the budget on its window)
-        per = 2 / (torch.finfo(self.dtype).bits // 8) if self.dtype is not None else 1.0
+        # dtype they are stored in (the layer's storage_dtype, else the model dtype: an fp32
+        # model would otherwise spend the budget on its window)
+        stored = self.storage_dtype or self.dtype
+        per = 2 / (torch.finfo(stored).bits // 8) if stored is not None else 1.0
         used = nb["codes"] + int((nb["residual"] + nb["sinks"]) * per)
         used += nb["scales"] + nb["metadata"] if self.scope == "all" else 0
         return used, self.budget * max(self.batch_size, 1)
@@ -344,9 +350,6 @@ class PMKVQ(Method):
         "Liu et al., arXiv 2505.18610 (ICLR'26), thu-nics/PM-KVQ c8a2bff; docs/methods.md#pm-kvq"
     )
     capabilities = Capabilities()  # all [SRC]; the choices are documented above
-    storage_dtype_refusal = (
-        "its budget counts window and sinks from the compute dtype (budget_used)"
-    )
 
     def key_codec(self, layer_idx: int, head_dim: int) -> ProgressiveCodec:
         """The per-token progressive codec (values use the same; both shrink together)."""

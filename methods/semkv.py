@@ -15,6 +15,12 @@ model-internal score, and assigns two adjacent above-cliff precisions".  Reconst
   residual R): a flushed token is *important* if in the top ``ceil(f m)`` of the ``m`` residual
   tokens, then the high count is clamped to ``[floor(f N), ceil(f N)]`` of ``N`` quantized.
 
+Sinks and residual are stored in the compute dtype, or in the config's ``storage_dtype``
+(float16/bfloat16, docs/design.md#storage-dtype; a flush codes them converted back to the
+compute dtype).  Scales and zeros are stored in ``scale_dtype`` (float16 by default) whatever the
+compute dtype, so ``storage_dtype`` leaves them as they are; so it does the attention score's
+float32 ``stats`` (key metadata, a running sum that 16 bits would round).
+
 The stored block, :class:`MixedTokenBlock` (per-token min-max codes at two widths, the
 high-width tokens' upper bits stored apart), is defined here; ``kvbench.kernels.cpu.mixed_tokens``
 reads it in the code domain.
@@ -248,6 +254,8 @@ class SemKVLayer(LayerCache):
         for side in (self.k, self.v) if self.c.mixed_values else (self.k,):
             head, rest = side.residual[:, :, :n], side.residual[:, :, n:]
             side.residual = own_storage(rest) if rest.shape[2] else None
+            if side.compute_dtype is not None:  # a 16-bit-stored residual, coded as computed
+                head = head.to(side.compute_dtype)
             side.block = cat_blocks(side.block, side.codec.encode(head, high))
         if self.stats is not None:
             self.stats = own_storage(self.stats[:, :, n:])
@@ -335,7 +343,6 @@ class SemKV(Method):
     description = "SemKV [RECON]: per-token mixed precision (3/2 bits) ranked by attention"
     source = "SemKV (2026), reconstruction from its summary; no public code"
     capabilities = Capabilities(needs_queries=True, reconstruction=True)
-    storage_dtype_refusal = "its layer flushes the key residual by its own path"
 
     @property
     def needs_queries(self) -> bool:  # prefill queries serve the attention score only

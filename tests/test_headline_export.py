@@ -18,11 +18,13 @@ import pytest
 from kvbench.bench.records import Record
 from kvbench.report import export as ex
 from kvbench.report.headline import (
+    PEAK_FLAG,
     PEER_PROTOCOL,
     bytes16,
     bytes_vs_16bit,
     headline_table,
     kv_elements,
+    peak_below_rest,
     rows,
 )
 
@@ -419,3 +421,49 @@ def test_a_budget_not_reached_is_in_the_label():
 
 def _budget(bits: int, tokens: int) -> dict:
     return {"budget_bits": bits, "budget_tokens": tokens}
+
+
+def test_a_peer_says_the_dtype_it_stored_in_as_measured():
+    """docs/design.md#storage-dtype: a transformers peer cannot be given ``storage_dtype``; the
+    dtype its held tensors were read in (manifest ``storage.full_precision_dtype``) is printed,
+    never assumed: an older record without it stays ``(peer)``."""
+    p = _peer("P", 32, 0.01, 0.005, 0.015)
+    p.manifest["storage"] = {"dtype": "float32", "full_precision_dtype": "float32"}
+    lines = _lines(headline_table(records() + [p]))
+    assert "P (peer, stored float32)" in lines and "P (peer)" not in lines
+    p.manifest["storage"] = {"dtype": "float32"}  # not measured: not faked from the model
+    assert "P (peer)" in _lines(headline_table(records() + [p]))
+
+
+def _sixteen_bit_records():
+    """``full`` and A stored as a 16-bit deployment in both workloads: perplexity 10 tokens
+    (16-bit: 320 bytes), memory 12 tokens (384 bytes)."""
+    cfg = {"storage_dtype": "float16"}
+    full = ppl("full", "full", 320, 16.0, 16.0, 2e-5, 1e-5, 3e-5, top1=1.0, p=10.0, cfg=cfg)
+    a = ppl("A", "kivi", 96, 2.5, 2.0, 0.1, 0.08, 0.12, cfg=cfg)
+    return [full, mem("full", "full", 384, 100), a, mem("A", "kivi", 120, 22)]
+
+
+def test_peak_below_bytes_at_rest_is_flagged():
+    """One cache per row: (bytes at rest + step peak) of the memory record, per 16-bit cache
+    of its tokens, is never below the perplexity record's bytes vs 16-bit.  Measured on the
+    same storage (A: (120 + 22) / 384 = 0.370 >= 96 / 320 = 0.300; full: 484 / 384 >= 1.0)
+    nothing is flagged; a memory record of a smaller cache (A at 100 bytes with no peak: 0.260)
+    or ``full`` stored in float32 by perplexity but float16 by memory (2.0 vs 1.26) is."""
+    recs = _sixteen_bit_records()
+    by = {r["label"]: r for r in rows(recs)}
+    assert peak_below_rest(by["A"]) is None and peak_below_rest(by["full"]) is None
+    table = headline_table(recs)
+    assert PEAK_FLAG not in table
+    assert _lines(table)["full"].startswith("| full | 16.00 | 16.00 |  | 1.000 | 2.0e-05 [")
+    assert "stored in float16; KL(full || method)" in table
+    assert "against `full` stored in float32 (the model's dtype)" in table
+    low = recs[:3] + [mem("A", "kivi", 100, 0)]
+    got = peak_below_rest({r["label"]: r for r in rows(low)}["A"])
+    assert got == pytest.approx((100 / 384, 96 / 320))
+    table = headline_table(low)
+    assert _lines(table)["A"].split("|")[10].strip() == f"{100 / 484:.3f} {PEAK_FLAG}"
+    assert f"{PEAK_FLAG} (peak vs full)" in table and "different caches" in table
+    # the committed-style mismatch: full at 2.000 bytes (float32) against a float16 memory run
+    old = {r["label"]: r for r in rows(records())}
+    assert peak_below_rest(old["full"]) == pytest.approx((484 / 384, 2.0))

@@ -209,3 +209,16 @@ def test_step_sentence_names_the_chosen_baseline_of_full():
         assert step_sentence(out, rows(out)).endswith(
             f"`full` timed against {against} reads 1.050 at 11 tokens."
         )
+
+
+def test_storage_sentence_takes_the_dtype_read_from_the_held_tensors():
+    """The dtype the perplexity workload read from the held tensors (manifest
+    ``storage.full_precision_dtype``) wins over the configuration and the compute dtype; a
+    cache that held none falls back to them."""
+    full = ppl("full", 320, 1e-7, 0.0, 2e-7, kb=16.0, vb=16.0, method="full")
+    full.manifest["storage"]["full_precision_dtype"] = "float16"
+    a = ppl("A", 32, 0.3, 0.2, 0.4, config={"storage_dtype": "float16"})
+    a.manifest["storage"]["full_precision_dtype"] = "none held"
+    assert storage_sentence(rows([full, a])).endswith(
+        "in float16: `full` reads 1.000, 16 bits per element."
+    )

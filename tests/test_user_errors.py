@@ -52,6 +52,15 @@ def _error(capsys, *argv) -> str:
 
 BAD_SUITES = [
     # (edit of smoke.yaml, the words the one-line error must contain)
+    (
+        lambda d: d.update(storage_dtype="float8_e4m3fn"),
+        [
+            "s.yaml",
+            "field 'storage_dtype': 'float8_e4m3fn' is not allowed",
+            "allowed: float16 or bfloat16",
+            "or float32 (the compute dtype",
+        ],
+    ),
     (lambda d: d.update(seed="zero"), ["s.yaml", "field 'seed': 'zero'", "integer"]),
     (lambda d: d.update(threads=0), ["s.yaml", "field 'threads': 0", ">= 1"]),
     (
@@ -470,3 +479,38 @@ def test_a_mistyped_field_does_not_hide_the_entry_s_bad_values() -> None:
     assert errors[1] == (
         "s.yaml: methods[5] (kivi): KIVIConfig: field 'bits': 9 is not allowed; allowed: 1..8 or 16"
     )
+
+
+def test_suite_storage_dtype_reaches_every_layer_cache_method() -> None:
+    """docs/design.md#storage-dtype: the suite's ``storage_dtype`` is each layer-cache
+    method's unless its entry sets the field (``null``: the compute dtype); transformers peers
+    keep their own dtype; the compute dtype itself or no key leaves every config as written
+    (so run ids stay those of records made before the key)."""
+    d = {
+        **MODEL_FREE,
+        "model": {"id": "m", "dtype": "float32"},
+        "storage_dtype": "float16",
+        "methods": [
+            "full",
+            {"name": "kivi", "config": {"bits": [2, 4]}},
+            {"name": "full", "label": "full f32", "config": {"storage_dtype": None}},
+            {"name": "pn-mix", "config": {"storage_dtype": "bfloat16"}},
+            "kvquant",
+            "hf-dynamic",
+        ],
+    }
+    got = {m.label: m.config.get("storage_dtype", "absent") for m in parse_suite(d).methods}
+    assert got == {
+        "full": "float16", "kivi[bits=2]": "float16", "kivi[bits=4]": "float16",
+        "full f32": None, "pn-mix": "bfloat16", "kvquant": "float16", "hf-dynamic": "absent",
+    }  # fmt: skip
+    for same in ("float32", None):
+        d["storage_dtype"] = same
+        assert [m.config for m in parse_suite(d).methods][:2] == [{}, {"bits": 2}]
+    d["storage_dtype"] = "float64"
+    with pytest.raises(ValueError, match=r"field 'storage_dtype': 'float64' is not allowed; "):
+        parse_suite(d, "s.yaml")
+    d["storage_dtype"] = "float16"
+    d["methods"] = [{"name": "hf-dynamic", "config": {"storage_dtype": "float16"}}]
+    with pytest.raises(ValueError, match=r"methods\[0\] \(hf-dynamic\).*'storage_dtype'"):
+        parse_suite(d, "s.yaml")  # a peer told to store 16-bit: refused, never faked

@@ -13,9 +13,15 @@ Example::
     workloads:
       - {type: fidelity, text: essays, tokens: 1024, prefill: 512}
     resources: {num_cpus: 1, num_gpus: 1}   # per worker under --executor ray (docs/cluster.md)
+    storage_dtype: float16  # every method's full-precision parts stored in 16 bits (see below)
 
 The keys (``models:``, ``model: none``, ``calibration:``), the sweep expansion and the errors
 (checks in :mod:`kvbench.bench.validate`) are in docs/design.md#suites-and-workloads.
+
+``storage_dtype`` (:func:`suite_storage_dtype`): the method config field of the same name
+(docs/design.md#storage-dtype) for every method of the suite that stores through kvbench's layer
+cache, where its entry's ``config`` does not set it (a config value, ``null`` included, wins);
+transformers peers (``capabilities.layer_cache=False``) keep their own dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import cast
 import yaml
 
 from kvbench.bench import validate
+from kvbench.cache.method import STORAGE_DTYPES
 from kvbench.cache.registry import get_method_class
 
 TOP_KEYS = {
@@ -44,6 +51,7 @@ TOP_KEYS = {
     "paper",
     "calibration",
     "resources",
+    "storage_dtype",
 }
 #: calibration text for methods that need it (must differ from every evaluation text)
 DEFAULT_CALIBRATION: dict[str, str | int] = {"text": "essays-calib", "tokens": 2048}
@@ -220,9 +228,33 @@ def _models(
     return models if len(models) == len(models_raw) else None
 
 
-def _methods(data: dict[str, object], path: str, problems: validate.Problems) -> list[MethodSpec]:
+def suite_storage_dtype(
+    data: dict[str, object], models: Sequence[ModelSpec | None], path: str
+) -> str | None:
+    """The suite's ``storage_dtype``: ``float16`` or ``bfloat16`` (:data:`STORAGE_DTYPES`),
+    given to every layer-cache method's config that does not set the field
+    (:func:`_method_entry`), or ``None``: absent, or the compute dtype (a ``dtype`` of the
+    suite's models, e.g. ``float32``: the full-precision parts stay as computed, configs
+    unchanged).  ``ValueError`` naming the field and the allowed values otherwise (e.g.
+    ``float8_e4m3fn``, which no method stores its full-precision parts in)."""
+    value = data.get("storage_dtype")
+    if value is None or (isinstance(value, str) and value in STORAGE_DTYPES):
+        return cast("str | None", value)
+    compute = sorted({str(m["dtype"]) for m in models if m is not None})
+    if isinstance(value, str) and value in compute:
+        return None
+    also = f", or {' or '.join(compute)} (the compute dtype: the model's)" if compute else ""
+    raise ValueError(
+        f"{path}: field 'storage_dtype': {value!r} is not allowed; allowed: "
+        f"{' or '.join(STORAGE_DTYPES)} (full-precision parts stored in 16 bits){also}"
+    )
+
+
+def _methods(
+    data: dict[str, object], path: str, problems: validate.Problems, storage: str | None = None
+) -> list[MethodSpec]:
     """The expanded ``methods:`` (the refused entries and configs left out, their errors
-    recorded in ``problems``)."""
+    recorded in ``problems``); ``storage``: the suite's :func:`suite_storage_dtype`."""
     methods_raw = data.get("methods")
     if not isinstance(methods_raw, list) or not methods_raw:
         problems.errors.append(
@@ -233,17 +265,19 @@ def _methods(data: dict[str, object], path: str, problems: validate.Problems) ->
     methods: list[MethodSpec] = []
     for i, entry in enumerate(methods_raw):
         with problems.catch():
-            methods += _method_entry(entry, i, path, problems)
+            methods += _method_entry(entry, i, path, problems, storage)
     with problems.catch():
         validate.check_labels([(m.where, m.label) for m in methods], path)
     return methods
 
 
 def _method_entry(
-    entry: object, i: int, path: str, problems: validate.Problems
+    entry: object, i: int, path: str, problems: validate.Problems, storage: str | None = None
 ) -> list[MethodSpec]:
     """The configurations ``methods[i]`` expands to; ``ValueError`` for an entry that is
-    refused as a whole, each refused configuration recorded in ``problems`` and left out."""
+    refused as a whole, each refused configuration recorded in ``problems`` and left out.
+    ``storage`` (the suite's ``storage_dtype``) is added to each configuration of a method with
+    a layer cache whose entry does not set ``storage_dtype``."""
     where = f"{path}: methods[{i}]"
     if isinstance(entry, str):
         entry = {"name": entry}
@@ -266,6 +300,8 @@ def _method_entry(
         swept = {k: v for k, v in cfg.items() if isinstance(config[k], list)}
         if swept:
             tag += "[" + ",".join(f"{k}={v}" for k, v in swept.items()) + "]"
+        if storage is not None and "storage_dtype" not in cfg and cls.capabilities.layer_cache:
+            cfg = {**cfg, "storage_dtype": storage}
         try:
             cls(cls.Config.from_dict(cfg))
         except (ValueError, TypeError) as exc:
@@ -364,7 +400,10 @@ def parse_suite(data: object, path: str = "<suite>", checks: Sequence[SuiteCheck
         if key in data and not isinstance(data[key], str):
             problems.errors.append(f"{path}: {key}={data[key]!r} must be a string")
     models = _models(data, path, problems)
-    methods = _methods(data, path, problems)
+    storage = None
+    with problems.catch():
+        storage = suite_storage_dtype(data, models or [], path)
+    methods = _methods(data, path, problems, storage)
     workloads = _workloads(data, path, problems)
     resources = None
     with problems.catch():

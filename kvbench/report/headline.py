@@ -28,8 +28,13 @@ perplexity workload's ``tokens``) is taken, else the closest context.
 ``bytes vs 16-bit`` = ``bytes_total`` / :func:`bytes16` of the same record: the number of K/V
 elements the cache holds (tokens x layers x KV heads x head_dim x batch, from the record's
 workload and model) x 2 sides x 2 bytes, the deployed 16-bit cache whatever dtype the model
-computes in (``full`` in a float32 model holds 32-bit K/V and shows 2.0).  The report's tables
-give the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).
+computes in: ``full`` with ``storage_dtype: float16`` (docs/design.md#storage-dtype) shows
+1.000, ``full`` storing a float32 model's K/V as computed shows 2.0.  The report's tables give
+the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).  The note names the dtype the rows
+stored their full-precision parts in, and the KL reference (``full`` in the model's dtype).
+A ``peak vs full`` cell is marked ``⚠`` (:func:`peak_below_rest`) where the memory record's
+bytes at rest plus step peak, per 16-bit cache, fall below the row's ``bytes vs 16-bit``: the
+two workloads then measured different caches.
 
 Sections:
 
@@ -50,7 +55,9 @@ it, so the run cannot tell the row from ``full``.
 Beside the measured bits, ``nominal bits (K / V)`` shows ``nominal_key_bits`` /
 ``nominal_value_bits`` as the row's records carry them (the perplexity record's, else another
 record's of the row; empty where none does).  Rows of transformers peers (perplexity record's
-protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer)``, left out of the
+protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer, stored D)`` (D the
+dtype their held tensors were read in, :func:`measured_dtype`; ``(peer)`` where the record does
+not say), left out of the
 frontier and never marked.  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
 and interval) are merged into one row ``A = B`` (:func:`merge_groups`), named in the note.  A
 budgeted row whose cache held fewer tokens than its configuration's ``budget_tokens``
@@ -393,15 +400,52 @@ def budget_miss(row: HeadlineRow) -> tuple[int, int] | None:
     return (held, budget_tokens) if held < budget_tokens else None
 
 
+def measured_dtype(rec: Record) -> str | None:
+    """The dtype the record's cache stored its full-precision parts in, as the perplexity
+    workload read it from the held tensors (manifest ``storage.full_precision_dtype``, e.g.
+    ``"float32"`` for a transformers peer, which ``storage_dtype`` cannot set); ``None`` when
+    the record does not say (records written before it) or the cache held none."""
+    got = (rec.manifest.get("storage") or {}).get("full_precision_dtype")
+    return got if isinstance(got, str) and got and got != "none held" else None
+
+
 def row_label(row: HeadlineRow) -> str:
-    """The row's label as the table prints it: `` (peer)`` after a transformers peer's
-    (:func:`is_peer`), `` (budget not reached at N tokens: sized for M)`` after a row of
-    :func:`budget_miss`."""
-    label = row["label"] + (" (peer)" if is_peer(row) else "")
+    """The row's label as the table prints it: `` (peer, stored D)`` after a transformers
+    peer's (:func:`is_peer`; D its :func:`measured_dtype`, `` (peer)`` when not recorded),
+    `` (budget not reached at N tokens: sized for M)`` after a row of :func:`budget_miss`."""
+    label = row["label"]
+    if is_peer(row):
+        stored = measured_dtype(row["sources"][QUALITY])
+        label += f" (peer, stored {stored})" if stored else " (peer)"
     miss = budget_miss(row)
     if miss is None:
         return label
     return f"{label} (budget not reached at {miss[0]} tokens: sized for {miss[1]})"
+
+
+def peak_below_rest(row: HeadlineRow) -> tuple[float, float] | None:
+    """``(peak, rest)`` per 16-bit cache when the row's memory record's bytes at rest plus its
+    step peak, over :func:`bytes16` of that record, fall below the ``bytes vs 16-bit`` of its
+    perplexity record: a peak cannot be below the bytes the cache holds at rest, so the two
+    workloads measured different caches (another storage dtype, or a flush between their
+    contexts); ``None`` otherwise or when either is unknown."""
+    mem, rest = row["sources"].get("memory"), row["bytes_ratio"]
+    if mem is None or rest is None:
+        return None
+    m, n16 = mem.metrics, bytes16(mem)
+    if not n16 or "bytes_total" not in m or "peak_step_bytes" not in m:
+        return None
+    peak = (m["bytes_total"] + m["peak_step_bytes"]) / n16
+    return (peak, rest) if peak < rest - 1e-9 else None
+
+
+#: marks a ``peak vs full`` cell of :func:`peak_below_rest`
+PEAK_FLAG = "⚠"
+
+
+def _peak_cell(r: HeadlineRow) -> str:
+    cell = _f(r["peak_ratio"])
+    return f"{cell} {PEAK_FLAG}" if r["peak_ratio"] is not None and peak_below_rest(r) else cell
 
 
 def _nominal_cell(r: HeadlineRow) -> str:
@@ -422,7 +466,7 @@ def _cells(r: HeadlineRow, floor: float, contexts: list[int]) -> list[str]:
         _f(r["top1"]),
         _f(r["ppl_ratio"]),
         *steps,
-        _f(r["peak_ratio"]),
+        _peak_cell(r),
     ]
 
 
@@ -488,6 +532,22 @@ def _baselines(allrows: list[HeadlineRow], contexts: list[int]) -> str:
     )
 
 
+def _stored_in(allrows: list[HeadlineRow]) -> str:
+    """The dtypes the rows stored their full-precision parts in (peers aside): each row's
+    ``storage_dtype``, else its :func:`measured_dtype`, else the model's dtype, with row
+    counts when they differ."""
+    seen: dict[str, int] = {}
+    for r in allrows:
+        if is_peer(r):
+            continue
+        q = r["sources"][QUALITY]
+        dt = q.config.get("storage_dtype") or measured_dtype(q) or _model(q).get("dtype", "?")
+        seen[str(dt)] = seen.get(str(dt), 0) + 1
+    if len(seen) == 1:
+        return next(iter(seen))
+    return ", ".join(f"{d} ({n} rows)" for d, n in sorted(seen.items(), key=lambda x: -x[1]))
+
+
 def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = None) -> str:
     """The note under the tables: each column's workload, context, protocol and dtype, the
     nominal bits' source, and the labels merged into one row (``merged``: each row's printed
@@ -503,9 +563,10 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
             f"measured on the stored tensors of the whole cache (every layer) after the last "
             f"scored chunk ({cache_tokens(rec)} tokens), the cache the scored tokens attended "
             f"to; bytes vs 16-bit: those bytes over K/V elements x 2 bytes (the deployed 16-bit "
-            f"cache, whatever dtype the model computes in); KL(full || method) and top-1 "
-            f"agreement against `full` under the same schedule, ppl ratio = ppl / `full`'s; "
-            f"KL interval: {how}"
+            f"cache, whatever dtype the model computes in); full-precision parts (`full`'s K/V, "
+            f"residuals, sinks) stored in {_stored_in(allrows)}; KL(full || method) and top-1 "
+            f"agreement against `full` stored in {model.get('dtype', '?')} (the model's dtype) "
+            f"under the same schedule, ppl ratio = ppl / that `full`'s; KL interval: {how}"
         )
     for rec in _used(allrows, "latency", contexts):
         how = rec.manifest.get("ratio_interval")  # absent from records before the interval
@@ -523,7 +584,19 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
     for rec in _used(allrows, "memory"):
         parts.append(
             f"peak vs full: (bytes at rest + transient peak of one decode step) over `full`'s, "
-            f"{_spec(rec)}, K/V stored in {rec.workload.get('dtype', '?')}"
+            f"{_spec(rec)} ({cache_tokens(rec)} tokens), K/V handed to the cache in "
+            f"{rec.workload.get('dtype', '?')}, full-precision parts stored in the row's "
+            f"`storage_dtype` where set, else in that dtype"
+        )
+    flagged = sorted(
+        r["label"] for r in allrows if r["peak_ratio"] is not None and peak_below_rest(r)
+    )
+    if flagged:
+        parts.append(
+            f"{PEAK_FLAG} (peak vs full): the memory record's bytes at rest + step peak, per "
+            "16-bit cache, are below the row's bytes vs 16-bit: the two workloads measured "
+            "different caches (storage dtype or context), so the peak is not that row's cache: "
+            + ", ".join(flagged)
         )
     parts.append(
         "nominal bits (K / V): the method's own nominal key and value bits per element as its "

@@ -4,8 +4,9 @@ can act on, every number and every method name computed from the records, none t
 * **What the bytes are.**  ``bytes vs 16-bit`` is the measured bytes of the stored cache over 2
   bytes per K/V element (:func:`kvbench.report.headline.bytes_vs_16bit`), whatever dtype the
   full-precision parts (``full``'s K/V, residuals, sinks) were stored in.  The reading names
-  that dtype (:func:`storage_dtype`: the configuration's ``storage_dtype``, else the dtype the
-  perplexity record's ``storage`` manifest entry names) and ``full``'s own ratio, so a float32
+  that dtype (:func:`storage_dtype`: the dtype read from the held tensors, else the
+  configuration's ``storage_dtype``, else the dtype the perplexity record's ``storage`` manifest
+  entry names) and ``full``'s own ratio, so a float32
   store (``full`` at 2.000) is not read as a 16-bit deployment.
 * **Lowest KL within a bytes budget** (:func:`budget_lines`): for each section of the table and
   each budget of :data:`BUDGETS`, the row with the lowest next-token KL among the candidates
@@ -38,6 +39,7 @@ from kvbench.report.headline import (
     cache_tokens,
     is_peer,
     kl_cell,
+    measured_dtype,
     merge_groups,
     noise_floor,
     rows,
@@ -55,11 +57,17 @@ LINKS = (
 
 
 def storage_dtype(rec: Record) -> str:
-    """The dtype a record's full-precision parts were stored in: the configuration's
+    """The dtype a record's full-precision parts were stored in: the one read from the held
+    tensors (:func:`~kvbench.report.headline.measured_dtype`), else the configuration's
     ``storage_dtype``, else the ``storage`` manifest entry's ``dtype`` (the compute dtype),
     else ``"not recorded"``."""
     storage = rec.manifest.get("storage") or {}
-    return rec.config.get("storage_dtype") or storage.get("dtype") or "not recorded"
+    return (
+        measured_dtype(rec)
+        or rec.config.get("storage_dtype")
+        or storage.get("dtype")
+        or "not recorded"
+    )
 
 
 def storage_sentence(allrows: list[HeadlineRow]) -> str:

@@ -190,7 +190,7 @@ def test_config_non_integer_or_negative(name, field, value) -> None:
         kvbench.get_method(name, **{field: value})
 
 
-@pytest.mark.parametrize("name", ["full", "kivi", "pn-mix"])
+@pytest.mark.parametrize("name", ["full", "kivi", "pn-mix", "kvquant", "pm-kvq", "semkv"])
 @pytest.mark.parametrize("value", ["float8_e4m3fn", "int8", "float32", torch.float16, ""])
 def test_config_storage_dtype(name, value) -> None:
     """docs/design.md#storage-dtype: only float16 and bfloat16 (or None) are stored."""
@@ -207,9 +207,6 @@ def test_config_storage_dtype(name, value) -> None:
     [
         ("hf-quanto", "wraps a transformers cache"),
         ("hf-dynamic", "wraps a transformers cache"),
-        ("kvquant", "pre-RoPE key side"),
-        ("pm-kvq", "budget counts window and sinks"),
-        ("semkv", "flushes the key residual by its own path"),
     ],
 )
 def test_storage_dtype_refused_where_not_honoured(name, why) -> None:

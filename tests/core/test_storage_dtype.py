@@ -176,3 +176,108 @@ def test_every_method_stores_float16_or_refuses(name: str) -> None:
     torch.testing.assert_close(out16, out32, rtol=1e-5, atol=1e-6)
     fp32 = sum(t.numel() for _, c, t in lc32.tensors() if c in FP)
     assert lc16.nbytes()["total"] == lc32.nbytes()["total"] - fp32 * 2
+
+
+# ------------------------------------------------------------------ methods with their own paths
+def _calibrated(m, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    keys = {0: torch.randn(4, HKV, 64, D, generator=g) * 1.5 + 0.3}
+    return m.calibrate(keys, {0: torch.randn(4, HKV, 64, D, generator=g)}, source="random")
+
+
+def test_kvquant_float16_bytes_by_hand() -> None:
+    """Pre-RoPE LUT keys (no outliers at tau = 1), per-token values; 1 sink, R = 4 sliding."""
+    cfg = dict(bits=2, value_bits=2, group_size=8, residual_length=4, sparsity_threshold=1.0)
+    m16 = _calibrated(get_method("kvquant", storage_dtype="float16", **cfg))
+    m32 = _calibrated(get_method("kvquant", **cfg))
+    k, v, q = _qkv(23)
+    lc16, out16 = _run(m16, k, v, q, 20)
+    lc32, out32 = _run(m32, k.half().float(), v.half().float(), q, 20)
+    # 20 -> 1 sink + 15 coded + 4 residual; each decode flushes one: 18 coded + 4 residual
+    n, r, s = 18, 4, 1
+    fp = (r + s) * HKV * D * 2  # sinks and residual of one side, float16
+    key = n * HKV * D * 2 // 8 + 2 * HKV * D * 2 + 4 * 2 + fp  # codes, center+half, LUT
+    val = n * HKV * D * 2 // 8 + n * HKV * (D // 8) * 4 + fp  # codes, (scale, zero) per 8
+    nb = lc16.nbytes()
+    assert nb["key_total"] == key and nb["value_total"] == val
+    assert nb["residual"] == 2 * r * HKV * D * 2 and nb["sinks"] == 2 * s * HKV * D * 2
+    assert _fp_dtypes(lc16) == {torch.float16}
+    assert {t.dtype for _, c, t in lc16.tensors() if c == "scales"} == {torch.float16}
+    for cat in ("codes", "scales", "metadata"):  # the coded part is what float32 codes
+        assert nb[cat] == lc32.nbytes()[cat]
+    torch.testing.assert_close(out16, out32, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lc16.keys_values()[0], lc32.keys_values()[0])
+
+
+@pytest.mark.parametrize("budget_tokens, bits", [(48, 4), (40, 2)])
+def test_pm_kvq_float16_bytes_by_hand_and_same_widths(budget_tokens: int, bits: int) -> None:
+    """Budget 4 bits of ``budget_tokens`` tokens = 4/8 x 2 x HKV x D x tokens bytes; the
+    window and the sink count at 16 bits per element whatever they are stored in, so float16
+    and float32 storage reach the same width: 16 coded + 4 held (256 B per token of K and V at
+    16 bits) fit 4 bits (2048 B) at 48 and 40 tokens; 3 decode tokens more (2816 B) fit 3072
+    (48) but not 2560 (40), where the cache halves to 2 bits."""
+    cfg = dict(
+        residual_length=8, num_sink_tokens=1, budget_bits=4, budget_tokens=budget_tokens,
+        on_overflow="allow",
+    )  # fmt: skip
+    k, v, q = _qkv(23)
+    lc16, out16 = _run(get_method("pm-kvq", storage_dtype="float16", **cfg), k, v, q, 20)
+    lc32, out32 = _run(get_method("pm-kvq", **cfg), k.half().float(), v.half().float(), q, 20)
+    assert lc16.bits == lc32.bits == bits
+    assert lc16.budget_used() == lc32.budget_used()
+    # 20 -> 1 sink + 16 coded (two windows of 8) + 3 residual; +3 decode: residual 6
+    n, r, s = 16, 6, 1
+    side = n * HKV * D * bits // 8 + n * HKV * 1 * 4 + (r + s) * HKV * D * 2  # one 32-ch group
+    nb = lc16.nbytes()
+    assert nb["key_total"] == nb["value_total"] == side and nb["total"] == 2 * side
+    assert _fp_dtypes(lc16) == {torch.float16}
+    assert nb["total"] == lc32.nbytes()["total"] - (r + s) * HKV * D * 2 * 2
+    torch.testing.assert_close(out16, out32, rtol=1e-5, atol=1e-6)
+
+
+def test_semkv_float16_bytes_by_hand() -> None:
+    """Key-norm ranking, 1 sink, R = 4 sliding: 18 coded tokens per (row, head), 9 of them at
+    3 bits (f = 1/2 of an even count), K and V at their token's width."""
+    cfg = dict(score="key-norm", residual_length=4, num_sink_tokens=1, value_group_size=8)
+    k, v, q = _qkv(23)
+    lc16, out16 = _run(get_method("semkv", storage_dtype="float16", **cfg), k, v, q, 20)
+    lc32, out32 = _run(get_method("semkv", **cfg), k.half().float(), v.half().float(), q, 20)
+    n, hi, r, s = 18, 9, 4, 1
+    assert lc16.k.block.high_count().tolist() == [[hi] * HKV]
+    side = (
+        n * HKV * D * 2 // 8  # the 2-bit plane of every token
+        + hi * HKV * D * 1 // 8  # the upper bit of the high tokens
+        + HKV * -(-n // 8)  # 1-bit high mask per token
+        + n * HKV * (D // 8) * 4  # float16 (scale, zero) per 8 channels
+        + (r + s) * HKV * D * 2  # sinks and residual, float16
+    )
+    nb = lc16.nbytes()
+    assert nb["key_total"] == nb["value_total"] == side
+    assert _fp_dtypes(lc16) == {torch.float16}
+    for cat in ("codes", "scales", "metadata"):
+        assert nb[cat] == lc32.nbytes()[cat]
+    torch.testing.assert_close(out16, out32, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ perplexity: what is stored
+def test_perplexity_reads_the_stored_dtype_and_keeps_a_float32_reference() -> None:
+    """The perplexity workload reads the dtype the full-precision tensors were held in
+    (``ScoredState.full_precision_dtype``): float16 for ``full`` with ``storage_dtype``,
+    float32 for a transformers peer (which cannot be told: recorded, not assumed).  Against the
+    float32 ``full`` reference, float16 storage moves the log-probs a little (KL small, > 0),
+    and its bytes are half of float32's."""
+    from tiny_lm import toy_llama
+
+    from kvbench.bench.workloads.perplexity import chunked_logits
+
+    model = toy_llama()
+    ids = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(3))
+    ref, s32 = chunked_logits(model, ids, get_method("full"), 32, 16)
+    lp16, s16 = chunked_logits(model, ids, get_method("full", storage_dtype="float16"), 32, 16)
+    _, peer = chunked_logits(model, ids, get_method("hf-dynamic"), 32, 16)
+    assert [s[-1].full_precision_dtype for s in (s32, s16, peer)] == [
+        "float32", "float16", "float32",
+    ]  # fmt: skip
+    assert s16[-1].nbytes["total"] * 2 == s32[-1].nbytes["total"] == peer[-1].nbytes["total"]
+    kl = (ref.double().exp() * (ref.double() - lp16.double())).sum(-1).mean().item()
+    assert 0 < kl < 1e-3

@@ -19,7 +19,11 @@ layers x B x H_kv x tokens x D), each of the cache after the last chunk's write 
 scored token attended to), and ``*_mean_scored``: the mean over scored positions of the cache
 each one attended to (measured after each call's write; the prefill's prediction counts the
 cache after the prefill).  The full-precision parts (residual, sinks, ``full``) count in the
-model's dtype (4 bytes on the default float32 CPU model; manifest ``storage.dtype``).  Under
+dtype they are stored in: the method's ``storage_dtype`` (docs/design.md#storage-dtype), else
+the model's dtype (4 bytes on the default float32 CPU model; manifest ``storage.dtype``); the
+manifest's ``storage.full_precision_dtype`` names the dtype read from the tensors the last
+cache held (:func:`full_precision_dtype`; a transformers peer's own, which kvbench cannot set).
+The reference log-probs are always those of ``full`` stored in the model's dtype.  Under
 ``in-chunk-full`` a chunk attended to its own tokens in full precision before its flush, which
 these bytes (after the flush) do not count.
 
@@ -105,12 +109,15 @@ class ScoredState:
     elements : K (= V) elements held then: layers x B x H_kv x tokens x D.
     quantized_keys : key tokens held in quantized form over key tokens held, all layers
         (``LayerCache.quantized_tokens``); ``None`` for a transformers cache (peers).
+    full_precision_dtype : the dtype(s) the full-precision parts held then are stored in
+        (:func:`full_precision_dtype`).
     """
 
     positions: int
     nbytes: dict[str, int]
     elements: int
     quantized_keys: float | None = None
+    full_precision_dtype: str = "none held"
 
     def metrics(self) -> dict[str, float]:
         """:data:`STATE_METRICS` of this state (bytes; bits = 8 x bytes / elements)."""
@@ -146,6 +153,25 @@ def quantized_key_fraction(cache: Cache) -> float | None:
     layers = [lc for lc in cache.layer_caches() if lc is not None]
     held = sum(lc.seq_length for lc in layers)
     return sum(lc.quantized_tokens()[0] for lc in layers) / held if held else 0.0
+
+
+def full_precision_dtype(cache: Cache) -> str:
+    """The dtype the full-precision parts of ``cache`` are stored in, read from the tensors it
+    holds: a kvbench :class:`~kvbench.hf.cache.QuantizedKVCache`'s sinks and residual (every
+    layer; ``storage_dtype``, docs/design.md#storage-dtype, else the compute dtype), a
+    transformers cache's unquantized K/V (``DynamicCache``'s tensors, ``QuantizedCache``'s
+    residual: :func:`kvbench.hf.peers.hf_layer_tensors`).  Dtype names without ``torch.``
+    (``"float16"``), several joined by ``", "`` in sorted order; ``"none held"`` when the cache
+    holds no full-precision tensor."""
+    from kvbench.hf.peers import hf_layer_tensors
+
+    if isinstance(cache, QuantizedKVCache):
+        held = [lc.tensors() for lc in cache.layer_caches() if lc is not None]
+        fp = ("residual", "sinks")
+    else:
+        held, fp = [hf_layer_tensors(layer) for layer in cache.layers], ("residual",)
+    names = {str(t.dtype).removeprefix("torch.") for ts in held for _, c, t in ts if c in fp}
+    return ", ".join(sorted(names)) or "none held"
 
 
 def _elements(model: PreTrainedModel, cache: Cache, batch: int) -> int:
@@ -198,7 +224,8 @@ def chunked_logits(
     def stored(positions: int) -> None:
         elements = _elements(model, cache, ids.shape[0])
         frac = quantized_key_fraction(cache)
-        states.append(ScoredState(positions, cache_nbytes(cache), elements, frac))
+        fp = full_precision_dtype(cache)
+        states.append(ScoredState(positions, cache_nbytes(cache), elements, frac, fp))
 
     shared = prompt is not None and isinstance(cache, QuantizedKVCache)
     with kvbench_attention(model):
@@ -302,6 +329,7 @@ class Perplexity(Workload):
         p = self.spec["prefill"]
         nll, nll_ref, kls, agree, tokens = [], [], [], [], []
         storage: list[dict[str, float]] = []
+        stored_in: set[str] = set()  # the last state's full-precision dtype, per window
         decode: Info = {}
         prompts = self.prompts or [None] * len(self.windows)
         for w, ref, prompt in zip(self.windows, self.ref, prompts):
@@ -310,6 +338,7 @@ class Perplexity(Workload):
                 info=decode, protocol=self.spec["protocol"],
             )  # fmt: skip
             storage.append(storage_metrics(states))
+            stored_in.add(states[-1].full_precision_dtype)
             ref = ref.float()
             target = w[p:].to(lp.device)
             nll.append(-lp.gather(1, target[:, None]).mean().item())
@@ -352,6 +381,8 @@ class Perplexity(Workload):
         dtype = "unknown" if ctx.model is None else str(ctx.model.dtype).removeprefix("torch.")
         info["storage"] = {
             "dtype": dtype,
+            # measured on the cache the last scored token attended to (peers included)
+            "full_precision_dtype": ", ".join(sorted(stored_in)),
             "measured": "bytes_* / effective_*: the cache after the last chunk's write (what the "
             "last scored token attended to), all layers; *_mean_scored: mean over scored "
             "positions of the cache each attended to; mean over windows",
