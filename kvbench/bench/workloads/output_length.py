@@ -103,9 +103,7 @@ class OutputLength(Workload):
 
         plain = f"{self.spec['instruction']}\n\n{passage}"
         messages = [{"role": "user", "content": plain}]
-        text, templated = render_prompt(
-            ctx.tokenizer, plain, messages, self.spec["chat_template"]
-        )
+        text, templated = render_prompt(ctx.tokenizer, plain, messages, self.spec["chat_template"])
         return encode_text(ctx.tokenizer, text, templated)
 
     def generate(self, ctx: RunContext, method: Method, ids: torch.Tensor) -> Completion:

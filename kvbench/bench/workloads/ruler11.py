@@ -10,7 +10,8 @@ haystack, number), ``niah_single_2`` (essay haystack, number), ``niah_single_3``
 (4 keys asked), ``vt`` (1 chain of 4 hops), ``cwe``, ``fwe``.  RULER's ``qa_1``/``qa_2`` need
 SQuAD/HotpotQA and are not generated.
 
-For each length in ``lengths`` (prompt tokens, chat template included), each task,
+For each length in ``lengths`` (RULER's sequence length: the prompt, chat template included,
+plus the task's generation budget fit in it), each task,
 ``num_examples`` examples with seeds ``seed*1000 + i + 100000*k`` (``k`` the task's index in
 ``RULER11``): the same prompts for every method.
 Needles are kept out of the first ``protect_prefix`` and last ``protect_suffix`` prompt tokens
@@ -150,7 +151,11 @@ class Ruler11(TaskWorkload):
         for name in ("tasks", "lengths"):
             if isinstance(spec[name], (str, int)):
                 spec[name] = [spec[name]]
-        shortest = min(spec["lengths"])
+        budget = spec["new_tokens"] or max(RULER11[t].max_new_tokens for t in spec["tasks"])
+        if min(spec["lengths"]) <= 2 * budget:
+            why = f"twice the generation budget of {budget} tokens, for the prompt"
+            reject(pre, "lengths", spec["lengths"], f"integers > {2 * budget} ({why})")
+        shortest = min(spec["lengths"]) - budget
         check_protected(spec, pre, shortest, f"the shortest length ({shortest}) for the needles")
         if spec["protocol"] == QUESTION_AWARE:
             bare = [t for t in spec["tasks"] if RULER11[t].question is None]
@@ -192,7 +197,9 @@ class Ruler11(TaskWorkload):
                         )
                     # distinct seeds per task, the same for every method
                     seed = ctx.seed * 1000 + i + 100_000 * list(RULER11).index(alias)
-                    ex = task.generator(tok, length, seed=seed, **kw)
+                    # RULER's budget: prompt and generated tokens together fit ``length``
+                    budget = self.spec["new_tokens"] or task.max_new_tokens
+                    ex = task.generator(tok, length - budget, seed=seed, **kw)
                     # special tokens the tokenizer prepends to a plain prompt (e.g. BOS)
                     shift = 0
                     if not use_chat:
