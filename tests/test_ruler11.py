@@ -267,3 +267,11 @@ def test_tiny_llama_both_protocols(tiny) -> None:
             assert r["key_quantized_after_prefill"] == held - held % 32
     # the 16-bit cache gives the same greedy answers whether the question comes later or not
     assert texts["question-agnostic"] == texts["question-aware"]
+
+
+def test_answer_prefix_opens_the_assistant_turn() -> None:
+    closing = "<end>\n<assistant>\n"
+    prompt = "ctx\nWhat is X? The special magic number for X is" + closing
+    moved = rt.answer_after_turn(prompt, " The special magic", closing)
+    assert moved == "ctx\nWhat is X?" + closing + " The special magic number for X is"
+    assert rt.answer_after_turn(prompt, " The special magic", "") == prompt

@@ -320,8 +320,9 @@ class RulerTask:
     """One RULER task: its generator and settings, RULER's generation budget
     (``tokens_to_generate``), its metric (a key of :data:`SCORERS`), where its question
     starts (a marker whose last occurrence in the prompt begins the question, after a
-    newline; ``None``: the task has no question), and whether it has needles (then it takes
-    ``depth``, ``protect_prefix`` and ``protect_suffix``)."""
+    newline; ``None``: the task has no question), whether it has needles (then it takes
+    ``depth``, ``protect_prefix`` and ``protect_suffix``), and where RULER's answer prefix
+    starts (its last occurrence; :func:`answer_after_turn`)."""
 
     generator: Callable[..., SyntheticExample]
     kwargs: dict[str, JSONValue] = field(default_factory=dict)
@@ -329,6 +330,7 @@ class RulerTask:
     metric: str = "string_match_all"
     question: str | None = "\nWhat "
     needles: bool = True
+    answer_prefix: str = " The special magic"
 
 
 #: the 11 RULER tasks that need no download (RULER's ``synthetic.yaml`` settings)
@@ -348,9 +350,14 @@ RULER11: dict[str, RulerTask] = {
         {"haystack": "noise", "num_chains": 1, "num_hops": 4},
         30,
         question="\nQuestion:",
+        answer_prefix=" Answer:",
     ),
-    "cwe": RulerTask(common_words, {}, 120, question="\nQuestion:", needles=False),
-    "fwe": RulerTask(frequent_words, {}, 50, question="\nQuestion:", needles=False),
+    "cwe": RulerTask(
+        common_words, {}, 120, question="\nQuestion:", needles=False, answer_prefix=" Answer:"
+    ),
+    "fwe": RulerTask(
+        frequent_words, {}, 50, question="\nQuestion:", needles=False, answer_prefix=" Answer:"
+    ),
 }
 
 
@@ -368,3 +375,18 @@ def question_token(tokenizer: TokenizerLike, prompt: str, marker: str) -> int:
     question (:func:`question_start`): the first token overlapping its non-blank characters."""
     ids, spans = token_spans(tokenizer, prompt, [(question_start(prompt, marker), len(prompt))])
     return spans[0][0]
+
+
+def answer_after_turn(prompt: str, answer_prefix: str, closing: str) -> str:
+    """RULER's placement of the answer prefix with a chat template: ``prompt`` (ending with the
+    template's ``closing`` part, the end of the user turn and the assistant header) with the
+    text from the last ``answer_prefix`` up to ``closing`` moved after ``closing``, so the
+    model continues the prefix in its own turn.  Unchanged when ``closing`` is empty or
+    ``answer_prefix`` does not occur.  Text before the prefix (needles, question) is kept."""
+    if not closing or not prompt.endswith(closing):
+        return prompt
+    body = prompt[: len(prompt) - len(closing)]
+    i = body.rfind(answer_prefix)
+    if i < 0:
+        return prompt
+    return body[:i] + closing + body[i:]

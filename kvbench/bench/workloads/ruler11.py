@@ -169,7 +169,7 @@ class Ruler11(TaskWorkload):
                 )
 
     def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
-        from kvbench.bench.tasks.ruler_tasks import question_token
+        from kvbench.bench.tasks.ruler_tasks import answer_after_turn, question_token
         from kvbench.bench.tasks.tokens import encode
 
         tok = ctx.tokenizer
@@ -204,6 +204,9 @@ class Ruler11(TaskWorkload):
                     shift = 0
                     if not use_chat:
                         shift = len(tok(ex["prompt"])["input_ids"]) - len(encode(tok, ex["prompt"]))
+                    else:  # RULER: the answer prefix opens the assistant's turn
+                        ex["prompt"] = answer_after_turn(ex["prompt"], task.answer_prefix, wrap[1])
+                        ex["context_tokens"] = len(encode(tok, ex["prompt"]))
                     n_tok = ex["context_tokens"] + shift
                     context = None
                     if task.question is not None:
