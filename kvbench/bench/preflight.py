@@ -57,6 +57,7 @@ CONTEXT_PARAMS = {
     "passkey": "length",
     "perplexity": "tokens",
     "ruler": "lengths",
+    "ruler11": "lengths",
 }
 
 
