@@ -302,8 +302,9 @@ def run(
     presses: Sequence[str] = tuple(PRESSES),
     attn: str = "eager",
 ) -> dict[str, Any]:
-    """Run kvpress's presses (see the module docstring); write ``out``.json and ``out``.npz and
-    return the JSON's dict.  Needs kvpress importable (``ImportError`` naming how to get it)."""
+    """Run kvpress's presses (see the module docstring); write ``out``.json and ``out``.npz (the
+    suffixes appended to ``out``'s name) and return the JSON's dict.  Needs kvpress importable
+    (``ImportError`` naming how to get it)."""
     import numpy as np
     import torch
     import transformers
@@ -405,12 +406,12 @@ def run(
             or cfg.hidden_size // cfg.num_attention_heads,
         },
         "prompts": prompts,
-        "scores_file": out.with_suffix(".npz").name,
+        "scores_file": f"{out.name}.npz",
         "runs": runs,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    np.savez_compressed(out.with_suffix(".npz"), **scores)
+    Path(f"{out}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    np.savez_compressed(f"{out}.npz", **scores)
     return data
 
 
@@ -433,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out.suffix == ".json":
             args.out = args.out.with_suffix("")
         run(args.out, args.lengths, args.windows, args.ratios, args.presses, args.attn)
-        print(args.out.with_suffix(".json"))
+        print(f"{args.out}.json")
         return 0
     rows = compare(load(args.reference), load(args.candidate))
     print(json.dumps(rows, indent=1) if args.json else markdown(rows))
