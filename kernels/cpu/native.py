@@ -763,7 +763,9 @@ def attend_fused(
     args.nseg = len(parts)
     if lengths is not None:
         lengths = lengths.to(torch.int64).contiguous()
-        if tuple(lengths.shape) != (bsz,) or bool(((lengths < nq) | (lengths > sum(p.k.shape[2] for p in parts))).any()):
+        if tuple(lengths.shape) != (bsz,) or bool(
+            ((lengths < nq) | (lengths > sum(p.k.shape[2] for p in parts))).any()
+        ):
             raise ValueError(f"attend_fused: lengths {lengths.tolist()} outside [nq, T]")
         args.lengths = lengths.data_ptr()
         keep.append(lengths)

@@ -1434,10 +1434,11 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
  * Vector code in GCC/Clang vector extensions (16 floats), compiled three times: AVX-512,
  * AVX2+FMA (target attributes added to the build's flags) and the build's own target; the
  * widest the CPU supports runs (__builtin_cpu_supports), or the one `isa` asks for. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors of inlined helpers, any target */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
 
 #define FUSED_MAX_SEGS 3
 #define FUSED_MR 4  /* query rows per pass over the tokens */
@@ -1517,10 +1518,27 @@ static inline __attribute__((always_inline)) v16f fz_hsum16(v16f *v) {
     return __builtin_shuffle(r3[0], r3[1], l3) + __builtin_shuffle(r3[0], r3[1], h3);
 }
 
+/* lanes i and i ^ k of x swapped, for k = 8, 4, 2, 1 */
+static inline __attribute__((always_inline)) v16f fz_swap(v16f x, int k) {
+    const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    return __builtin_shuffle(x, k == 8 ? s8 : k == 4 ? s4 : k == 2 ? s2 : s1);
+}
+
+/* the largest lane (a NaN lane may be skipped: its exp is NaN and the row's sum with it) */
 static inline __attribute__((always_inline)) float fz_hmax(v16f x) {
-    float m = x[0];
-    for (int j = 1; j < 16; j++) m = x[j] > m ? x[j] : m;
-    return m;
+    for (int k = 8; k >= 1; k /= 2) {
+        const v16f y = fz_swap(x, k);
+        x = fz_select((v16i)(x > y), x, y);
+    }
+    return x[0];
+}
+
+static inline __attribute__((always_inline)) float fz_hadd(v16f x) {
+    for (int k = 8; k >= 1; k /= 2) x += fz_swap(x, k);
+    return x[0];
 }
 
 static inline __attribute__((always_inline)) float fz_half(const uint8_t *p) {
@@ -1541,18 +1559,22 @@ static inline __attribute__((always_inline)) void fz_decode(v16f *x, const uint8
     const int64_t vpg = cg / 16; /* vectors per scale group */
     for (int v = 0; v < DV; v++) {
         const float d = fz_half(sc + 2 * (v / vpg));
-        v16i c;
+        v16i c; /* each 32-bit word of codes in the lanes of its codes, shifted apart (lanes
+                 * set from scalars: a shuffle of a narrower vector goes through the stack) */
         if (bits == 4) {
-            uint32_t w0, w1;
-            memcpy(&w0, row + 8 * v, 4);
-            memcpy(&w1, row + 8 * v + 4, 4);
-            const v16u w = {w0, w0, w0, w0, w0, w0, w0, w0, w1, w1, w1, w1, w1, w1, w1, w1};
+            uint32_t w[2];
+            memcpy(w, row + 8 * v, 8);
+            const v16u x = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0],
+                            w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
             const v16u sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
-            c = (v16i)((w >> sh) & 15u) - 8;
+            c = (v16i)((x >> sh) & 15u) - 8;
         } else {
-            v16b u;
-            memcpy(&u, row + 16 * v, 16);
-            c = __builtin_convertvector(u, v16i) - 128;
+            uint32_t w[4];
+            memcpy(w, row + 16 * v, 16);
+            const v16u x = {w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1],
+                            w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3]};
+            const v16u sh = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
+            c = (v16i)((x >> sh) & 255u) - 128;
         }
         x[v] = __builtin_convertvector(c, v16f) * d;
     }
@@ -1616,9 +1638,7 @@ static inline __attribute__((always_inline)) void fz_segment(
             const float mnew = tmax > mx[m] ? tmax : mx[m];
             const float corr = mx[m] == -__builtin_inff() ? 0.f : fz_exp1(mx[m] - mnew);
             const v16f p = fz_exp(sc - mnew);
-            float ps = 0.f;
-            for (int j = 0; j < FUSED_TT; j++) ps += p[j];
-            l[m] = l[m] * corr + ps;
+            l[m] = l[m] * corr + fz_hadd(p);
             for (int v = 0; v < DV; v++) acc[m][v] *= corr;
             mx[m] = mnew;
             memcpy(pb[m], &p, sizeof pb[m]);
@@ -1703,6 +1723,8 @@ __attribute__((target("avx2,fma,f16c,bmi2"))) static void fused_avx2(const kv_fu
 }
 
 static void fused_base(const kv_fused_args *a) { fused_impl(a); }
+
+#pragma GCC diagnostic pop
 
 /* the instruction set kv_attend_fused uses for `isa` (0: the widest the CPU has; 1: the
  * build's own target; 2: AVX2; 3: AVX-512), or -1 when the CPU lacks the one asked for */
