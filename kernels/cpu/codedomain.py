@@ -13,6 +13,13 @@ values' own partition (keys and values flush on different schedules).  Paths rec
 :data:`NATIVE_PATH`, :data:`EAGER_PATH`, ``cpu-native+eager`` when the blocks differed (the
 kinds: :mod:`kvbench.kernels.cpu.affine`).
 
+Where the native kernels run and :func:`fused_parts` takes the cache (llama.cpp ``q4_0`` /
+``q8_0`` blocks on both sides, keys and values split at the same tokens, head_dim 32/64/128,
+a cache that does not observe its probabilities), the whole step is one call of
+:func:`kvbench.kernels.cpu.native.attend_fused` instead (scores, online softmax and values in
+one pass over the tokens, the GQA group's query rows sharing each decoded token), recorded
+as :data:`FUSED_PATH`; equal to the per-block path up to float32 round-off.
+
 Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto`` (default)
 and ``native``: native where a block supports it, else eager; ``eager``; ``reference``.
 """
