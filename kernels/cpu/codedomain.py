@@ -13,6 +13,13 @@ values' own partition (keys and values flush on different schedules).  Paths rec
 :data:`NATIVE_PATH`, :data:`EAGER_PATH`, ``cpu-native+eager`` when the blocks differed (the
 kinds: :mod:`kvbench.kernels.cpu.affine`).
 
+Where the native kernels run and :func:`fused_parts` takes the cache (llama.cpp ``q4_0`` /
+``q8_0`` blocks on both sides, keys and values split at the same tokens, head_dim 32/64/128,
+a cache that does not observe its probabilities), the whole step is one call of
+:func:`kvbench.kernels.cpu.native.attend_fused` instead (scores, online softmax and values in
+one pass over the tokens, the GQA group's query rows sharing each decoded token), recorded
+as :data:`FUSED_PATH`; equal to the per-block path up to float32 round-off.
+
 Mode (environment ``KVBENCH_CPU_ATTENTION`` or :func:`cpu_attention_mode`): ``auto`` (default)
 and ``native``: native where a block supports it, else eager; ``eager``; ``reference``.
 """
@@ -39,6 +46,8 @@ from kvbench.kernels.cpu.affine import _state
 ENV_MODE = "KVBENCH_CPU_ATTENTION"
 MODES = ("auto", "native", "eager", "reference")
 NATIVE_PATH, EAGER_PATH, REFERENCE_PATH = "cpu-native", "cpu-eager", "reference"
+#: the path of a step computed by one call of :func:`kvbench.kernels.cpu.native.attend_fused`
+FUSED_PATH = "cpu-native-fused"
 #: the backend's name (its entry point in ``kvbench.backends``)
 NAME = "code-domain"
 #: bytes of the float32 scratch a full-precision part (residual, sinks, ``full``'s whole cache)
@@ -48,12 +57,12 @@ DENSE_CHUNK_BYTES = 8 << 20
 _mode_override: str | None = None
 
 
-KERNEL_KINDS = ("native", "eager")
+KERNEL_KINDS = ("native", "native-fused", "eager")
 
 
 def path_kinds(path: str) -> set[str]:
     """The kernel kinds a recorded code-domain path names: ``"cpu-native+eager"`` ->
-    ``{"native", "eager"}``; ``ValueError`` for a path that is not a ``cpu-`` path of
+    ``{"native", "eager"}``, ``"cpu-native-fused"`` -> ``{"native-fused"}``; ``ValueError`` for a path that is not a ``cpu-`` path of
     :data:`KERNEL_KINDS`."""
     kinds = set(path.removeprefix("cpu-").split("+")) if path.startswith("cpu-") else set()
     if not kinds or not kinds <= set(KERNEL_KINDS):
@@ -327,14 +336,79 @@ def _attend(
     return out.reshape(bsz, hq, nq, d).to(query.dtype)
 
 
+def _fused_block(block: object) -> str | None:
+    """Why :func:`~kvbench.kernels.cpu.native.attend_fused` does not read ``block`` (``None``:
+    it does): it takes symmetric per-token codes of 4 or 8 bits with float16 scales (llama.cpp
+    ``q4_0`` / ``q8_0`` blocks, :mod:`kvbench.methods.int_block`)."""
+    if type(block) is not AffineBlock:
+        return f"{type(block).__name__} blocks"
+    if not (block.symmetric and not block.midpoint and block.bits in (4, 8)):
+        return "codes other than symmetric 4 or 8 bits"
+    if len(block.group_len) != block.ntokens or block.scale.dtype != torch.float16:
+        return "scales other than float16 per token"
+    return None
+
+
+def fused_parts(layer_cache: Any, query: torch.Tensor) -> list[native.FusedPart] | str:
+    """The parts of ``layer_cache`` for one :func:`~kvbench.kernels.cpu.native.attend_fused`
+    call (sinks, block, residual: keys and values split at the same tokens; full-precision
+    parts as float32), or why not: no quantized block, a block it does not read
+    (:func:`_fused_block`), a cache that observes its probabilities, or shapes
+    (:func:`~kvbench.kernels.cpu.native.fused_reason`)."""
+    if getattr(layer_cache, "observes_attention", False):
+        return "the cache observes the attention probabilities"
+    ks, vs = layer_cache.k, layer_cache.v
+    if ks.block is None or vs.block is None:
+        return "no quantized block on both sides"
+    parts = []
+    for kp, vp in ((ks.sinks, vs.sinks), (ks.block, vs.block), (ks.residual, vs.residual)):
+        if kp is None and vp is None:
+            continue
+        if isinstance(kp, torch.Tensor) and isinstance(vp, torch.Tensor):
+            parts.append(native.FusedPart(kp.float(), vp.float()))
+            continue
+        if isinstance(kp, torch.Tensor) or isinstance(vp, torch.Tensor) or kp is None or vp is None:
+            return "keys and values are split at different tokens"
+        why = _fused_block(kp) or _fused_block(vp)
+        if why:
+            return why
+        parts.append(native.FusedPart(kp.codes, vp.codes, kp.bits, vp.bits, kp.scale, vp.scale))
+    bsz, hkv, d = query.shape[0], *layer_cache.kv_shape[1:]
+    return native.fused_reason(parts, bsz, hkv, d) or parts
+
+
+def _attend_fused(
+    layer_cache: Any,
+    query: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None,
+    parts: list[native.FusedPart],
+) -> torch.Tensor:
+    """:func:`_attend` in one native call over ``parts`` (:func:`fused_parts`)."""
+    bsz, hq, nq, d = query.shape
+    hkv = layer_cache.kv_shape[1]
+    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    q = (query.float() * scale).reshape(bsz, hkv, hq // hkv * nq, d).contiguous()
+    out = torch.empty_like(q)
+    ln = None if lengths is None else torch.as_tensor(lengths).to(torch.int64)
+    native.attend_fused(parts, q, nq, out, ln)
+    return out.reshape(bsz, hq, nq, d).to(query.dtype)
+
+
 def _registry_run(layer_cache: Any, query: torch.Tensor, scaling: float | None, lengths: Any):
     """The registry's code-domain backend: ``(out, path)``; the mode picks the kernels.
 
     ``auto`` and ``native``: the native kernels (:mod:`kvbench.kernels.cpu.native`) wherever a
     block supports them, else eager; ``eager``: eager.  The path names what ran:
-    ``cpu-native``, ``cpu-eager``, or ``cpu-native+eager`` when blocks differed."""
+    ``cpu-native-fused`` (the whole step in one native call where :func:`fused_parts` takes
+    the cache), ``cpu-native``, ``cpu-eager``, or ``cpu-native+eager`` when blocks differed."""
     mode = cpu_mode()
-    _state.native = query.device.type == "cpu" and mode in ("auto", "native") and native.available()
+    allowed = query.device.type == "cpu" and mode in ("auto", "native") and native.available()
+    if allowed:
+        parts = fused_parts(layer_cache, query)
+        if not isinstance(parts, str):
+            return _attend_fused(layer_cache, query, scaling, lengths, parts), FUSED_PATH
+    _state.native = allowed
     _state.used = []
     try:
         out = _attend(layer_cache, query, scaling, lengths)

@@ -50,7 +50,7 @@ SOURCE = Path(__file__).with_name("csrc") / "codes.c"
 #: the shared object setup.py builds from SOURCE with FLAGS (~80 CPU-s with GCC 12 at -O3)
 LIBRARY = Path(__file__).with_name("_codes.so")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 10
+ABI_VERSION = 11
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -138,6 +138,36 @@ class _PolarArgs(ctypes.Structure):
     ]
 
 
+class _FusedSeg(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("kbits", ctypes.c_int),
+        ("vbits", ctypes.c_int),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("ks", ctypes.c_int64 * 3),
+        ("vs", ctypes.c_int64 * 3),
+        ("kd", ctypes.c_void_p),
+        ("vd", ctypes.c_void_p),
+        ("kds", ctypes.c_int64 * 3),
+        ("vds", ctypes.c_int64 * 3),
+    ]
+
+
+FUSED_MAX_SEGS = 3
+
+
+class _FusedArgs(ctypes.Structure):
+    _fields_ = [
+        *((f, ctypes.c_int64) for f in ("B", "H", "M", "D", "nq", "kcg", "vcg")),
+        ("q", ctypes.c_void_p),
+        ("lengths", ctypes.c_void_p),
+        ("nseg", ctypes.c_int64),
+        ("seg", _FusedSeg * FUSED_MAX_SEGS),
+        ("out", ctypes.c_void_p),
+    ]
+
+
 def _load_library() -> ctypes.CDLL:
     """The built :data:`LIBRARY` with its functions' argument types set.  Raises
     ``FileNotFoundError`` when it was not built, ``RuntimeError`` when stale or of another
@@ -150,6 +180,10 @@ def _load_library() -> ctypes.CDLL:
     lib.kv_keys_lut_outliers.restype = ctypes.c_int
     lib.kv_keys_polar.argtypes = [ctypes.POINTER(_PolarArgs), ctypes.c_int, ctypes.c_int]
     lib.kv_keys_polar.restype = ctypes.c_int
+    lib.kv_attend_fused.argtypes = [ctypes.POINTER(_FusedArgs), ctypes.c_int]
+    lib.kv_attend_fused.restype = ctypes.c_int
+    lib.kv_fused_isa.argtypes = [ctypes.c_int]
+    lib.kv_fused_isa.restype = ctypes.c_int
     return lib
 
 
@@ -580,4 +614,168 @@ def keys_polar(rcodes, acodes, ar, br, tab, length: int, rbits: int, abits: int)
     lib = _loaded()
     if lib.kv_keys_polar(ctypes.byref(args), rbits, abits) != 0:
         raise ValueError("keys_polar: shapes not supported")
+    return out
+
+
+# ------------------------------------------------------------------ fused decode attention
+#: ``KVBENCH_NATIVE_ISA``: the instruction set of :func:`attend_fused` (``auto``: the widest
+#: the CPU has; ``base``: the build's own target; ``avx2``; ``avx512``), the C side's ``isa``
+FUSED_ISAS = {"auto": 0, "base": 1, "avx2": 2, "avx512": 3}
+ENV_ISA = "KVBENCH_NATIVE_ISA"
+#: head dims :func:`attend_fused` takes
+FUSED_HEAD_DIMS = (32, 64, 128)
+#: code widths of :class:`FusedPart` (0: float32 rows)
+FUSED_BITS = (0, 4, 8)
+
+
+class FusedPart(NamedTuple):
+    """One run of tokens of a layer's keys and values for :func:`attend_fused`.
+
+    ``k``, ``v``: float32 ``[B, H, n, D]`` rows (``kbits = vbits = 0``), or uint8 ``[B, H, n,
+    D * bits / 8]`` symmetric codes (:func:`kvbench.cache.quant.pack_bits` order; ``bits`` 4
+    or 8: ``x = (c - 2^(bits-1)) d``); ``kd``, ``vd``: their float16 scales ``[B|1, H|1, n,
+    D / cg]`` (``None`` for float rows).  Any strides with a contiguous last dim."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    kbits: int = 0
+    vbits: int = 0
+    kd: torch.Tensor | None = None
+    vd: torch.Tensor | None = None
+
+
+def fused_isa(isa: str | None = None) -> str:
+    """The instruction set :func:`attend_fused` runs for ``isa`` (default ``$KVBENCH_NATIVE_ISA``,
+    else ``auto``): ``"base"``, ``"avx2"`` or ``"avx512"``.  Raises ``ValueError`` for a name not in
+    :data:`FUSED_ISAS` and ``RuntimeError`` when the CPU lacks the one asked for or the native
+    library is unavailable."""
+    isa = isa or os.environ.get(ENV_ISA, "auto")
+    if isa not in FUSED_ISAS:
+        raise ValueError(f"{ENV_ISA}={isa!r} is not supported; allowed: {list(FUSED_ISAS)}")
+    got = _loaded().kv_fused_isa(FUSED_ISAS[isa])
+    if got < 0:
+        raise RuntimeError(f"{ENV_ISA}={isa!r}: this CPU does not have it")
+    return {v: k for k, v in FUSED_ISAS.items()}[got]
+
+
+def _strides_bytes(x: torch.Tensor) -> tuple[int, int, int]:
+    """Byte strides of ``x``'s batch, head and token dims (0 where a dim has size 1)."""
+    es = x.element_size()
+    return tuple(x.stride(i) * es if x.shape[i] > 1 else 0 for i in range(3))
+
+
+def _fused_side(x: torch.Tensor, d16: torch.Tensor | None, bits: int, shape, d: int) -> bool:
+    bsz, h, n = shape
+    if bits == 0:
+        return (
+            x.dtype == torch.float32
+            and tuple(x.shape) == (bsz, h, n, d)
+            and x.stride(-1) == 1
+            and d16 is None
+        )
+    return (
+        bits in (4, 8)
+        and x.dtype == torch.uint8
+        and tuple(x.shape) == (bsz, h, n, d * bits // 8)
+        and (x.stride(-1) == 1 or x.shape[-1] == 1)
+        and d16 is not None
+        and d16.dtype == torch.float16
+        and d16.dim() == 4
+        and d16.shape[0] in (1, bsz)
+        and d16.shape[1] in (1, h)
+        and d16.shape[2] == n
+        and (d16.stride(-1) == 1 or d16.shape[-1] == 1)
+        and d % d16.shape[-1] == 0
+        and (d // d16.shape[-1]) % 16 == 0
+    )
+
+
+def fused_reason(parts: list[FusedPart], bsz: int, h: int, d: int) -> str | None:
+    """Why :func:`attend_fused` does not take ``parts`` (``None``: it does): head_dim not in
+    :data:`FUSED_HEAD_DIMS`, more than ``FUSED_MAX_SEGS`` parts, widths other than 4/8-bit codes
+    with float16 scales of whole vectors of 16 channels or float32 rows, shapes that do not fit,
+    or the library unavailable."""
+    if d not in FUSED_HEAD_DIMS:
+        return f"head_dim {d} (fused: {FUSED_HEAD_DIMS})"
+    if not 1 <= len(parts) <= FUSED_MAX_SEGS:
+        return f"{len(parts)} parts (fused: 1..{FUSED_MAX_SEGS})"
+    groups = set()
+    for p in parts:
+        n = p.k.shape[2]
+        if (p.kbits == 0) != (p.vbits == 0) or p.v.shape[2] != n:
+            return "keys and values of a part differ in kind or length"
+        if not (
+            _fused_side(p.k, p.kd, p.kbits, (bsz, h, n), d)
+            and _fused_side(p.v, p.vd, p.vbits, (bsz, h, n), d)
+        ):
+            return "a part the fused kernel does not take (4/8-bit codes, float16 scales)"
+        if p.kbits:
+            groups.add((d // p.kd.shape[-1], d // p.vd.shape[-1]))
+    if len(groups) > 1:
+        return "channel groups differ between parts"
+    return None if available() else unavailable_reason()
+
+
+def attend_fused(
+    parts: list[FusedPart],
+    q: torch.Tensor,
+    nq: int,
+    out: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """A decode step's attention over ``parts`` (the cache's tokens in order) in one native
+    call: ``out[b, h, m] = sum_t softmax_t(q[b, h, m] . k_t) v_t`` over the tokens row ``m``
+    sees (``lengths`` int64 ``[B]`` valid tokens per batch row, else all; the ``nq`` queries
+    of a row are its last positions, causal among them; row ``m``'s query is ``m % nq``).
+    ``q`` float32 ``[B, H, M, D]`` contiguous (the logit scale applied; ``M = (H_q / H) nq``
+    rows per KV head), ``out`` float32 ``[B, H, M, D]`` contiguous, written and returned.
+    Float32 sums over the exactly dequantized values, an online softmax (the C file).  ``isa``:
+    see :func:`fused_isa`.  Raises ``ValueError`` where :func:`fused_reason` is not ``None``
+    or ``q``/``out``/``lengths`` do not fit."""
+    bsz, h, m, d = q.shape
+    why = fused_reason(parts, bsz, h, d)
+    if why:
+        raise ValueError(f"attend_fused: {why}")
+    if not (
+        q.dtype == out.dtype == torch.float32
+        and q.is_contiguous()
+        and out.is_contiguous()
+        and tuple(out.shape) == (bsz, h, m, d)
+        and nq >= 1
+        and m % nq == 0
+    ):
+        raise ValueError(f"attend_fused: q {tuple(q.shape)} / out {tuple(out.shape)} do not fit")
+    args = _FusedArgs()
+    args.B, args.H, args.M, args.D, args.nq = bsz, h, m, d, nq
+    args.kcg = args.vcg = 16
+    keep = [q, out]
+    for i, p in enumerate(parts):
+        s = args.seg[i]
+        s.n, s.kbits, s.vbits = p.k.shape[2], p.kbits, p.vbits
+        s.k, s.v = p.k.data_ptr(), p.v.data_ptr()
+        s.ks[:], s.vs[:] = _strides_bytes(p.k), _strides_bytes(p.v)
+        if p.kbits:
+            s.kd, s.vd = p.kd.data_ptr(), p.vd.data_ptr()
+            s.kds[:], s.vds[:] = _strides_bytes(p.kd), _strides_bytes(p.vd)
+            args.kcg, args.vcg = d // p.kd.shape[-1], d // p.vd.shape[-1]
+        keep.append(p)
+    args.nseg = len(parts)
+    if lengths is not None:
+        lengths = lengths.to(torch.int64).contiguous()
+        if tuple(lengths.shape) != (bsz,) or bool(
+            ((lengths < nq) | (lengths > sum(p.k.shape[2] for p in parts))).any()
+        ):
+            raise ValueError(f"attend_fused: lengths {lengths.tolist()} outside [nq, T]")
+        args.lengths = lengths.data_ptr()
+        keep.append(lengths)
+    args.q, args.out = q.data_ptr(), out.data_ptr()
+    isa = isa or os.environ.get(ENV_ISA, "auto")
+    if isa not in FUSED_ISAS:
+        raise ValueError(f"{ENV_ISA}={isa!r} is not supported; allowed: {list(FUSED_ISAS)}")
+    rc = _loaded().kv_attend_fused(ctypes.byref(args), FUSED_ISAS[isa])
+    if rc == -2:
+        raise RuntimeError(f"attend_fused: this CPU does not have {isa!r}")
+    if rc != 0:
+        raise ValueError("attend_fused: shapes the kernel does not take")
     return out

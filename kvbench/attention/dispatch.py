@@ -15,8 +15,8 @@ are declared in ``pyproject.toml`` exactly as a plugin declares its own), and
 The first backend whose ``reason`` is ``None`` runs; one that raises is reported (a
 ``RuntimeWarning`` naming the layout and the device) and the reference path runs, so bad input
 never crashes a step.  The path taken is recorded on the cache as ``attend_path``
-(``"triton"``, ``"cpu-native"``, ``"cpu-eager"``, ``"cpu-native+eager"``, ``"<device>-eager"``,
-or ``"reference"``) and why the faster ones declined or failed as ``attend_path_reason`` (``""``
+(``"triton"``, ``"cpu-native-fused"``, ``"cpu-native"``, ``"cpu-eager"``, ``"cpu-native+eager"``,
+``"<device>-eager"``, or ``"reference"``) and why the faster ones declined or failed as ``attend_path_reason`` (``""``
 when the first choice ran).  Nothing here reads a type name or a private field: a cache (or
 side) whose reads are not its stored parts says so with ``reads_transformed`` (a reason string),
 and a block type says what it stores by its kernel.

@@ -1413,4 +1413,354 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     }
 }
 
-int kv_abi_version(void) { return 10; }
+/* ================================================ fused decode attention (one call a layer)
+ * kv_attend_fused: the whole attention of a layer's decode step over a cache read as up to
+ * FUSED_MAX_SEGS segments in token order (sinks, the quantized block, the residual), for
+ * every (batch row, KV head) and its M query rows (GQA: the rows of one KV head share every
+ * loaded token):
+ *   out[b, h, m, :] = sum_t softmax_t(q[b, h, m] . k_t) v_t      over t < lim(b, m)
+ * with lim(b, m) = len_b - nq + (m % nq) + 1 (len_b = lengths[b], else T; the causal mask of
+ * nq queries aligned to the row's end, kvbench.attention.reference.length_mask).
+ * A segment's keys and values are each float32 rows (bits 0) or symmetric block codes of 4 or
+ * 8 bits (llama.cpp q4_0 / q8_0 layouts as stored by methods/int_block.py): pack_bits's
+ * LSB-first codes c, one float16 scale d per token per group of cg channels, and
+ *   x = (c - 2^(bits-1)) * d      (exact in float32: the dequantized value).
+ * One pass over the tokens in tiles of FUSED_TT: the keys of a tile are decoded in registers
+ * and dotted with FUSED_MR query rows at a time (logits of the tile: one vector per row), an
+ * online softmax (running max and sum, Milakov & Gimelshein arXiv 1805.02867; FlashAttention)
+ * rescales the accumulators, then the tile's values are decoded once and accumulated into the
+ * rows' outputs.  Sums in float32; exp by a Cody-Waite reduction and a degree-6 polynomial
+ * (Cephes expf, within 2 ulp); logits below -87.3 under the max give exactly 0.
+ * Vector code in GCC/Clang vector extensions (16 floats), compiled three times: AVX-512,
+ * AVX2+FMA (target attributes added to the build's flags) and the build's own target; the
+ * widest the CPU supports runs (__builtin_cpu_supports), or the one `isa` asks for. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors of inlined helpers, any target */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+#define FUSED_MAX_SEGS 3
+#define FUSED_MR 4  /* query rows per pass over the tokens */
+#define FUSED_TT 16 /* tokens per tile: one vector of logits */
+
+typedef struct {
+    int64_t n;                   /* tokens of the segment */
+    int kbits, vbits;            /* 0: float32 rows; 4 or 8: symmetric block codes */
+    const uint8_t *k, *v;        /* token t of (b, h): k + b*ks[0] + h*ks[1] + t*ks[2] (bytes) */
+    int64_t ks[3], vs[3];
+    const uint8_t *kd, *vd;      /* float16 scales: group g of token t of (b, h) at
+                                  * kd + b*kds[0] + h*kds[1] + t*kds[2] + 2*g (bytes) */
+    int64_t kds[3], vds[3];
+} kv_fused_seg;
+
+typedef struct {
+    int64_t B, H, M, D, nq;      /* D: 32, 64 or 128; M = (H_q / H_kv) * nq rows per KV head */
+    int64_t kcg, vcg;            /* channels per scale group of the coded keys / values (16k) */
+    const float *q;              /* [B, H, M, D] contiguous, the logit scale applied */
+    const int64_t *lengths;      /* [B] valid tokens of each row, or NULL (all) */
+    int64_t nseg;
+    kv_fused_seg seg[FUSED_MAX_SEGS];
+    float *out;                  /* [B, H, M, D] contiguous */
+} kv_fused_args;
+
+static inline __attribute__((always_inline)) v16f fz_bits(v16i x) { return (v16f)x; }
+
+/* lanes of a where mask (all ones), else b */
+static inline __attribute__((always_inline)) v16f fz_select(v16i mask, v16f a, v16f b) {
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* exp(x) lane by lane (x <= 0 here; NaN stays NaN; below -87.3: 0) */
+static inline __attribute__((always_inline)) v16f fz_exp(v16f x) {
+    const v16i tiny = (v16i)(x < -87.3f);
+    const v16f xc = fz_select(tiny, (v16f){0} - 87.3f, x);
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16f t = xc * 1.44269504088896341f + magic;
+    const v16f n = t - magic;
+    const v16i ni = (v16i)t - (v16i)((v16f){0} + magic);
+    v16f r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v16f e = p * fz_bits((ni + 127) << 23);
+    return fz_select(tiny, (v16f){0}, e);
+}
+
+static inline __attribute__((always_inline)) float fz_exp1(float x) {
+    return fz_exp((v16f){0} + x)[0];
+}
+
+/* lane j = the sum of the 16 lanes of v[j] (a transpose-add of 16 vectors) */
+static inline __attribute__((always_inline)) v16f fz_hsum16(v16f *v) {
+    const v16i l0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i h0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const v16i l1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i h1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i l2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i h2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i l3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i h3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    v16f r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++)
+        r1[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], l0) +
+                __builtin_shuffle(v[2 * i], v[2 * i + 1], h0);
+    for (int i = 0; i < 4; i++)
+        r2[i] = __builtin_shuffle(r1[2 * i], r1[2 * i + 1], l1) +
+                __builtin_shuffle(r1[2 * i], r1[2 * i + 1], h1);
+    for (int i = 0; i < 2; i++)
+        r3[i] = __builtin_shuffle(r2[2 * i], r2[2 * i + 1], l2) +
+                __builtin_shuffle(r2[2 * i], r2[2 * i + 1], h2);
+    return __builtin_shuffle(r3[0], r3[1], l3) + __builtin_shuffle(r3[0], r3[1], h3);
+}
+
+/* lanes i and i ^ k of x swapped, for k = 8, 4, 2, 1 */
+static inline __attribute__((always_inline)) v16f fz_swap(v16f x, int k) {
+    const v16i s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    return __builtin_shuffle(x, k == 8 ? s8 : k == 4 ? s4 : k == 2 ? s2 : s1);
+}
+
+/* the largest lane (a NaN lane may be skipped: its exp is NaN and the row's sum with it) */
+static inline __attribute__((always_inline)) float fz_hmax(v16f x) {
+    for (int k = 8; k >= 1; k /= 2) {
+        const v16f y = fz_swap(x, k);
+        x = fz_select((v16i)(x > y), x, y);
+    }
+    return x[0];
+}
+
+static inline __attribute__((always_inline)) float fz_hadd(v16f x) {
+    for (int k = 8; k >= 1; k /= 2) x += fz_swap(x, k);
+    return x[0];
+}
+
+static inline __attribute__((always_inline)) float fz_half(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* the D / 16 vectors of token row `row` (bits 0: float32; 4, 8: codes with scales `sc`, one
+ * per cg channels) */
+static inline __attribute__((always_inline)) void fz_decode(v16f *x, const uint8_t *row,
+                                                            const uint8_t *sc, const int bits,
+                                                            const int DV, int64_t cg) {
+    if (bits == 0) {
+        for (int v = 0; v < DV; v++) memcpy(&x[v], row + 64 * v, 64);
+        return;
+    }
+    const int64_t vpg = cg / 16; /* vectors per scale group */
+    for (int v = 0; v < DV; v++) {
+        const float d = fz_half(sc + 2 * (v / vpg));
+        v16i c; /* each 32-bit word of codes in the lanes of its codes, shifted apart (lanes
+                 * set from scalars: a shuffle of a narrower vector goes through the stack) */
+        if (bits == 4) {
+            uint32_t w[2];
+            memcpy(w, row + 8 * v, 8);
+            const v16u x = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0],
+                            w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
+            const v16u sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+            c = (v16i)((x >> sh) & 15u) - 8;
+        } else {
+            uint32_t w[4];
+            memcpy(w, row + 16 * v, 16);
+            const v16u x = {w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1],
+                            w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3]};
+            const v16u sh = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
+            c = (v16i)((x >> sh) & 255u) - 128;
+        }
+        x[v] = __builtin_convertvector(c, v16f) * d;
+    }
+}
+
+typedef struct {
+    float mx[FUSED_MR], l[FUSED_MR];
+    v16f acc[FUSED_MR][8];
+} fz_state;
+
+/* one segment (tokens t0 + [0, n) of the cache) for rows [0, mr) of a pass */
+static inline __attribute__((always_inline)) void fz_segment(
+    fz_state *st, const kv_fused_seg *s, const kv_fused_args *a, int64_t b, int64_t h,
+    const v16f (*q)[8], const int64_t *lim, int mr, int64_t t0, const int KB, const int VB,
+    const int DV) {
+    const uint8_t *kb = s->k + b * s->ks[0] + h * s->ks[1];
+    const uint8_t *vb = s->v + b * s->vs[0] + h * s->vs[1];
+    const uint8_t *kd = KB ? s->kd + b * s->kds[0] + h * s->kds[1] : NULL;
+    const uint8_t *vd = VB ? s->vd + b * s->vds[0] + h * s->vds[1] : NULL;
+    int64_t end = 0; /* tokens any row sees */
+    for (int m = 0; m < mr; m++) end = lim[m] > end ? lim[m] : end;
+    end = end - t0 < s->n ? end - t0 : s->n;
+    float mx[FUSED_MR], l[FUSED_MR];
+    v16f acc[FUSED_MR][8];
+    for (int m = 0; m < FUSED_MR; m++) {
+        mx[m] = st->mx[m];
+        l[m] = st->l[m];
+        for (int v = 0; v < DV; v++) acc[m][v] = st->acc[m][v];
+    }
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t j0 = 0; j0 < end; j0 += FUSED_TT) {
+        const int cnt = end - j0 < FUSED_TT ? (int)(end - j0) : FUSED_TT;
+        v16f part[FUSED_MR][FUSED_TT];
+        for (int j = 0; j < cnt; j++) {
+            const int64_t t = j0 + j;
+            v16f x[8];
+            fz_decode(x, kb + t * s->ks[2], KB ? kd + t * s->kds[2] : NULL, KB, DV, a->kcg);
+            for (int m = 0; m < FUSED_MR; m++) {
+                if (m >= mr) break;
+                v16f sum = q[m][0] * x[0];
+                for (int v = 1; v < DV; v++) sum += q[m][v] * x[v];
+                part[m][j] = sum;
+            }
+        }
+        for (int m = 0; m < FUSED_MR; m++) {
+            if (m >= mr) break;
+            for (int j = cnt; j < FUSED_TT; j++) part[m][j] = (v16f){0};
+        }
+        float pb[FUSED_MR][FUSED_TT];
+        for (int m = 0; m < FUSED_MR; m++) {
+            if (m >= mr) break;
+            const int64_t vis = lim[m] - t0 - j0; /* lanes below it are visible */
+            const int vn = vis < cnt ? (vis < 0 ? 0 : (int)vis) : cnt;
+            const v16i ok = (v16i)(lane < vn);
+            const v16f sc = fz_select(ok, fz_hsum16(part[m]), (v16f){0} - __builtin_inff());
+            if (vn == 0) {
+                memset(pb[m], 0, sizeof pb[m]);
+                continue;
+            }
+            const float tmax = fz_hmax(sc);
+            const float mnew = tmax > mx[m] ? tmax : mx[m];
+            const float corr = mx[m] == -__builtin_inff() ? 0.f : fz_exp1(mx[m] - mnew);
+            const v16f p = fz_exp(sc - mnew);
+            l[m] = l[m] * corr + fz_hadd(p);
+            for (int v = 0; v < DV; v++) acc[m][v] *= corr;
+            mx[m] = mnew;
+            memcpy(pb[m], &p, sizeof pb[m]);
+        }
+        for (int j = 0; j < cnt; j++) {
+            const int64_t t = j0 + j;
+            v16f x[8];
+            fz_decode(x, vb + t * s->vs[2], VB ? vd + t * s->vds[2] : NULL, VB, DV, a->vcg);
+            for (int m = 0; m < FUSED_MR; m++) {
+                if (m >= mr) break;
+                const float p = pb[m][j];
+                for (int v = 0; v < DV; v++) acc[m][v] += p * x[v];
+            }
+        }
+    }
+    for (int m = 0; m < FUSED_MR; m++) {
+        st->mx[m] = mx[m];
+        st->l[m] = l[m];
+        for (int v = 0; v < DV; v++) st->acc[m][v] = acc[m][v];
+    }
+}
+
+#define FZ_SEG(KB, VB, DV) fz_segment(&st, s, a, b, h, q, lim, mr, t0, KB, VB, DV)
+#define FZ_DV(KB, VB)                                                                          \
+    do {                                                                                       \
+        if (dv == 2) FZ_SEG(KB, VB, 2);                                                        \
+        else if (dv == 4) FZ_SEG(KB, VB, 4);                                                   \
+        else FZ_SEG(KB, VB, 8);                                                                \
+    } while (0)
+
+static inline __attribute__((always_inline)) void fused_impl(const kv_fused_args *a) {
+    const int dv = (int)(a->D / 16);
+    int64_t T = 0;
+    for (int64_t i = 0; i < a->nseg; i++) T += a->seg[i].n;
+    for (int64_t b = 0; b < a->B; b++) {
+        const int64_t len = a->lengths ? a->lengths[b] : T;
+        for (int64_t h = 0; h < a->H; h++) {
+            for (int64_t m0 = 0; m0 < a->M; m0 += FUSED_MR) {
+                const int mr = a->M - m0 < FUSED_MR ? (int)(a->M - m0) : FUSED_MR;
+                v16f q[FUSED_MR][8];
+                int64_t lim[FUSED_MR];
+                fz_state st;
+                for (int m = 0; m < FUSED_MR; m++) {
+                    const float *qr = a->q + ((b * a->H + h) * a->M + m0 + (m < mr ? m : 0)) * a->D;
+                    for (int v = 0; v < dv; v++) memcpy(&q[m][v], qr + 16 * v, 64);
+                    lim[m] = len - a->nq + (m0 + m) % a->nq + 1;
+                    st.mx[m] = -__builtin_inff();
+                    st.l[m] = 0.f;
+                    for (int v = 0; v < 8; v++) st.acc[m][v] = (v16f){0};
+                }
+                int64_t t0 = 0;
+                for (int64_t i = 0; i < a->nseg; i++) {
+                    const kv_fused_seg *s = &a->seg[i];
+                    const int kb = s->kbits, vb = s->vbits;
+                    if (kb == 0) FZ_DV(0, 0);
+                    else if (kb == 4 && vb == 4) FZ_DV(4, 4);
+                    else if (kb == 4) FZ_DV(4, 8);
+                    else if (vb == 4) FZ_DV(8, 4);
+                    else FZ_DV(8, 8);
+                    t0 += s->n;
+                }
+                for (int m = 0; m < mr; m++) {
+                    float *o = a->out + ((b * a->H + h) * a->M + m0 + m) * a->D;
+                    const v16f inv = (v16f){0} + 1.0f / st.l[m];
+                    for (int v = 0; v < dv; v++) {
+                        const v16f r = st.acc[m][v] * inv;
+                        memcpy(o + 16 * v, &r, 64);
+                    }
+                }
+            }
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2"))) static void
+fused_avx512(const kv_fused_args *a) {
+    fused_impl(a);
+}
+
+__attribute__((target("avx2,fma,f16c,bmi2"))) static void fused_avx2(const kv_fused_args *a) {
+    fused_impl(a);
+}
+
+static void fused_base(const kv_fused_args *a) { fused_impl(a); }
+
+#pragma GCC diagnostic pop
+
+/* the instruction set kv_attend_fused uses for `isa` (0: the widest the CPU has; 1: the
+ * build's own target; 2: AVX2; 3: AVX-512), or -1 when the CPU lacks the one asked for */
+int kv_fused_isa(int isa) {
+    __builtin_cpu_init();
+    const int has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+    if (isa == 0) return has512 ? 3 : has2 ? 2 : 1;
+    if (isa == 3) return has512 ? 3 : -1;
+    if (isa == 2) return has2 ? 2 : -1;
+    return isa == 1 ? 1 : -1;
+}
+
+/* Returns 0, -1 for shapes it does not take (D not 32/64/128, groups not whole vectors, bad
+ * widths or segment count), -2 for an instruction set the CPU lacks */
+int kv_attend_fused(const kv_fused_args *a, int isa) {
+    if (!(a->D == 32 || a->D == 64 || a->D == 128) || a->nseg < 1 || a->nseg > FUSED_MAX_SEGS ||
+        a->nq < 1 || a->M < 1)
+        return -1;
+    for (int64_t i = 0; i < a->nseg; i++) {
+        const kv_fused_seg *s = &a->seg[i];
+        const int kb = s->kbits, vb = s->vbits;
+        if (!((kb == 0 && vb == 0) || ((kb == 4 || kb == 8) && (vb == 4 || vb == 8))))
+            return -1;
+        if (kb && (a->kcg < 16 || a->kcg % 16 || a->D % a->kcg || a->vcg < 16 || a->vcg % 16 ||
+                   a->D % a->vcg))
+            return -1;
+    }
+    switch (kv_fused_isa(isa)) {
+    case 3: fused_avx512(a); return 0;
+    case 2: fused_avx2(a); return 0;
+    case 1: fused_base(a); return 0;
+    default: return -2;
+    }
+}
+
+int kv_abi_version(void) { return 11; }
