@@ -72,6 +72,12 @@ class Block(Protocol):
     ``crop(n) -> Block`` (keep the first n tokens), ``index_batch(idx) -> Block``.
     Built-in blocks also describe what they hold as a typed ``layout``
     (:class:`kvbench.cache.layout.BlockLayout`).
+
+    Optional member ``gather(keep) -> Block``: keep tokens ``keep`` (int64 ``[B, H_kv, K]``,
+    ascending in each row and head, the same ``K`` everywhere) and drop the rest, each kept
+    token dequantizing exactly as before (token eviction, docs/design.md#eviction).  A block
+    without it cannot lose tokens once flushed: the layer cache refuses such an eviction with a
+    ``TypeError`` naming the block type.
     """
 
     @property
@@ -185,6 +191,44 @@ class AffineBlock:
             zero=None if self.zero is None else own_storage(self.zero[:, :, :kept]),
             group_len=lens,
         )
+
+    def gather(self, keep: torch.Tensor) -> AffineBlock:
+        """Keep tokens ``keep`` (int64 ``[B, H_kv, K]``, ascending per row and head; the
+        optional :class:`Block` member), each dequantizing exactly as before.
+
+        When every row and head keeps the same tokens (a sliding window), each token group
+        keeps its (scale, zero) and covers its kept tokens (groups left empty are dropped).
+        Otherwise a group's tokens may be kept in one head and dropped in another, so each
+        kept token carries a copy of its group's (scale, zero) (``group_len`` all 1): the
+        values are unchanged and the extra metadata is counted in :meth:`tensors`."""
+        b, h, _, nbytes = self.codes.shape
+        keep = keep.to(self.codes.device)
+        k = keep.shape[2]
+        codes = torch.gather(self.codes, 2, keep[..., None].expand(b, h, k, nbytes))
+        lens = torch.tensor(self.group_len, device=keep.device)
+        if bool((keep == keep[:1, :1]).all()):  # one set of tokens for every row and head
+            group = torch.repeat_interleave(torch.arange(len(lens), device=keep.device), lens)
+            counts = torch.bincount(group[keep[0, 0]], minlength=len(lens))
+            groups = counts.nonzero().flatten()
+
+            def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else own_storage(t.index_select(2, groups.to(t.device)))
+
+            return replace(
+                self, codes=codes, scale=sel(self.scale), zero=sel(self.zero),
+                group_len=counts[groups].tolist(),
+            )  # fmt: skip
+
+        def per_token(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = expand_groups(t, self.group_len).expand(b, h, -1, t.shape[-1])
+            return torch.gather(t, 2, keep[..., None].expand(b, h, k, t.shape[-1]).to(t.device))
+
+        return replace(
+            self, codes=codes, scale=per_token(self.scale), zero=per_token(self.zero),
+            group_len=[1] * k, batch_shared=False,
+        )  # fmt: skip
 
     def index_batch(self, idx: torch.Tensor) -> AffineBlock:
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:

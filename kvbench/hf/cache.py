@@ -183,7 +183,7 @@ class KVBenchLayer(CacheLayerMixin):
         stored = prefill and owner.prefill_stored  # the prompt attends to the stored cache
         attend = owner.attend and (stored or not prefill)
         b, _, n, _ = key_states.shape
-        mask = padding.current(b, lc.seq_length + n)
+        mask = padding.current(b, lc.seen_tokens + n)
         if prefill:
             lengths = None
             if mask is not None:
@@ -201,7 +201,7 @@ class KVBenchLayer(CacheLayerMixin):
                 keys, values = lc.keys_values()
                 stored = False  # read here; the attention function needs not read it again
         else:
-            held = lc.seq_length
+            held = lc.seen_tokens  # the 2-D mask counts every token seen (evicted ones too)
             rows = lc.row_lengths
             pads = [0] * b if rows is None else [held - r for r in rows]
             padding.check_decode(mask, pads, held, n)
@@ -262,14 +262,19 @@ class KVBenchLayer(CacheLayerMixin):
             lc.provide_queries(queries)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones.
-        Accepts the query length or (older transformers) ``cache_position``."""
+        """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones, offset
+        by the tokens evicted (docs/design.md#eviction): held key ``j`` gets mask position
+        ``j + evicted``, so the new tokens sit at their positions and every held token is
+        before them.  Accepts the query length or (older transformers) ``cache_position``."""
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
-        return self.get_seq_length() + int(query_length), 0
+        lc = self.layer_cache
+        held, evicted = (0, 0) if lc is None else (lc.seq_length, lc.evicted_tokens)
+        return held + int(query_length), evicted
 
     def get_seq_length(self) -> int:
-        return 0 if self.layer_cache is None else self.layer_cache.seq_length
+        """Tokens seen (evicted ones included): the next token's position."""
+        return 0 if self.layer_cache is None else self.layer_cache.seen_tokens
 
     def get_max_length(self) -> int:
         return -1
