@@ -208,12 +208,16 @@ class Side:
         parts = [p.to(dtype) for p in parts if p is not None and p.shape[2] > 0]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Keep the held tokens where ``mask`` (bool ``[B, H_kv, T]``, T tokens held) is True.
+    def plan_keep(self, mask: torch.Tensor) -> list[tuple[str, torch.Tensor | None]]:
+        """What keeping the held tokens where ``mask`` (bool ``[B, H_kv, T]``, T tokens held)
+        is True takes, part by part: ``(part, keep)`` with int64 ``keep [B, H_kv, K]``
+        (ascending per row and head) or ``None`` (the part is emptied); parts that keep every
+        token are left out.  Nothing changes; :meth:`keep` applies the plan.
 
         Each part (sinks, quantized block, residual) must keep the same number of tokens in
         every row and head (the indices may differ).  Raises ``ValueError`` naming the part
         otherwise, ``TypeError`` when a quantized block that loses tokens has no ``gather``."""
+        plan: list[tuple[str, torch.Tensor | None]] = []
         start = 0
         for name in ("sinks", "block", "residual"):
             part = getattr(self, name)
@@ -230,20 +234,26 @@ class Side:
                     f"{name} tokens across rows and heads; each part must keep the same number "
                     "in every row and head (kvbench.cache.eviction.choose_drop plans that)"
                 )
-            if k == 0:
-                setattr(self, name, None)
-                continue
+            if name == "block" and k and getattr(part, "gather", None) is None:
+                raise TypeError(
+                    f"{type(part).__name__} has no gather(keep): its quantized tokens cannot be "
+                    "evicted (docs/design.md#eviction)"
+                )
             b, h = m.shape[:2]
-            idx = m.nonzero()[:, 2].reshape(b, h, k)  # row-major: ascending per row and head
-            if name == "block":
-                gather = getattr(part, "gather", None)
-                if gather is None:
-                    raise TypeError(
-                        f"{type(part).__name__} has no gather(keep): its quantized tokens cannot "
-                        "be evicted (docs/design.md#eviction)"
-                    )
-                self.block = gather(idx)
+            plan.append((name, m.nonzero()[:, 2].reshape(b, h, k) if k else None))
+        return plan
+
+    def keep(self, plan: list[tuple[str, torch.Tensor | None]]) -> None:
+        """Apply a :meth:`plan_keep` plan: each part keeps its tokens ``keep``, quantized ones
+        through ``Block.gather`` (their stored form unchanged)."""
+        for name, idx in plan:
+            part = getattr(self, name)
+            if idx is None:
+                setattr(self, name, None)
+            elif name == "block":
+                self.block = part.gather(idx)
             else:
+                b, h, k = idx.shape
                 idx = idx.to(part.device)[..., None].expand(b, h, k, part.shape[3])
                 setattr(self, name, torch.gather(part, 2, idx))
 
@@ -688,8 +698,9 @@ class LayerCache:
         mask.scatter_(2, drop.cpu(), False)
         if bool((mask.sum(-1) != held - n).any()):
             raise ValueError("drop repeats an index within a row and head")
-        for side in (self.k, self.v):
-            side.keep(mask)
+        plans = [side.plan_keep(mask) for side in (self.k, self.v)]  # all checked, then applied
+        for side, plan in zip((self.k, self.v), plans, strict=True):
+            side.keep(plan)
         self._evicted += n
 
     def seen_bytes16(self) -> int:
