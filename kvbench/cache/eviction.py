@@ -162,6 +162,7 @@ class ScoreEvictor:
 
     needs_queries: ClassVar[bool] = False
     evicts_at_decode: ClassVar[bool] = False
+    observes_attention: ClassVar[bool] = False
 
     def __init__(self, config: EvictionConfig) -> None:
         self.config = config
@@ -204,8 +205,38 @@ class ScoreEvictor:
         n = layer.seq_length - self.limit
         return choose_drop(self.step_scores(layer), n, layer.part_bounds())
 
+    def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        return None
+
     def reset(self) -> None:
         self.limit = None
+
+
+def attention_probs(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """Causal softmax ``[B, H_q, n_q, T]`` of the last ``n_q`` positions' post-RoPE
+    ``queries [B, H_q, n_q, D]`` over ``keys [B, H_kv, T, D]`` (GQA: query head ``h`` reads
+    KV head ``h // (H_q / H_kv)``), as eager attention computes it: logits in the keys' dtype
+    scaled by ``1/sqrt(D)``, softmax in float32, cast back to the queries' dtype."""
+    b, hkv, t, d = keys.shape
+    nq = queries.shape[2]
+    k = keys.repeat_interleave(queries.shape[1] // hkv, dim=1)
+    logits = torch.matmul(queries, k.transpose(2, 3)) / math.sqrt(d)
+    mask = torch.triu(torch.full_like(logits, -math.inf), diagonal=t - nq + 1)
+    return torch.softmax(logits + mask, dim=-1, dtype=torch.float32).to(queries.dtype)
+
+
+def pad_new(scores: torch.Tensor, held: int) -> torch.Tensor:
+    """``scores [B, H, T0]`` extended to ``held`` tokens with ``inf`` for the tokens stored
+    since (never dropped before they were scored)."""
+    extra = held - scores.shape[2]
+    return torch.nn.functional.pad(scores, (0, extra), value=math.inf) if extra > 0 else scores
+
+
+def kept_after(scores: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """``scores [B, H, T]`` of the tokens left after dropping ``drop [B, H, n]``."""
+    keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    keep.scatter_(2, drop.to(scores.device), False)
+    return scores[keep].reshape(*scores.shape[:2], -1)
 
 
 class EvictionMethod(Method):
@@ -214,6 +245,9 @@ class EvictionMethod(Method):
     refused (``capabilities.padding`` False)."""
 
     Config: ClassVar[type[MethodConfig]] = EvictionConfig
+    #: the evictor scores by the attention decode steps read: a transformers cache routes
+    #: decode attention through ``LayerCache.attend`` (which hands it the probabilities)
+    observes_attention: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig | None = None, **overrides: object) -> None:
         super().__init__(config, **overrides)

@@ -143,6 +143,8 @@ class Evictor(Protocol):
     needs_queries: bool
     #: :meth:`at_step` may drop tokens (a fixed budget while decoding)
     evicts_at_decode: bool
+    #: the evictor scores by the attention decode steps read (:meth:`observe`)
+    observes_attention: bool
 
     def check_prompt(self, tokens: int) -> None:
         """Raise ``ValueError`` naming the config field when a prompt of ``tokens`` tokens
@@ -158,6 +160,11 @@ class Evictor(Protocol):
 
     def at_step(self, layer: LayerCache) -> torch.Tensor | None:
         """A decode step's drop decision, once its tokens are held (``end_step``)."""
+        ...
+
+    def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """A decode step's float32 softmax ``[B, H_q, n_q, T]`` over the held tokens (only
+        called when :attr:`observes_attention`)."""
         ...
 
     def reset(self) -> None:
@@ -322,8 +329,6 @@ class LayerCache:
 
     #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
     reads_transformed: ClassVar[str | None] = None
-    #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
-    observes_attention: ClassVar[bool] = False
     #: the layer's decode updates are the base class's: :meth:`append` stores, :meth:`end_step`
     #: flushes what the side schedules' ``flush_count`` says, and a side's ``flush(n)`` codes
     #: its oldest ``n`` residual tokens from those tokens (and their positions) alone, so
@@ -622,11 +627,19 @@ class LayerCache:
             self._attending = False
         return self._rot(out, "values", back=True)
 
+    @property
+    def observes_attention(self) -> bool:
+        """The cache wants each attention step's probabilities (:meth:`observe_attention`):
+        in the base class when its :attr:`evictor` scores by observed attention (a subclass
+        that observes for itself overrides it)."""
+        return self.evictor is not None and self.evictor.observes_attention
+
     def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,
         n_q, T]`` (masked keys 0; ``lengths`` as in :meth:`attend`) when ``observes_attention``
-        is set; the base cache does nothing."""
-        return None
+        is set; the base cache hands it to its evictor (:meth:`Evictor.observe`)."""
+        if self.evictor is not None and self.evictor.observes_attention:
+            self.evictor.observe(self, probs, lengths)
 
     @property
     def kv_shape(self) -> tuple[int, int, int] | None:

@@ -343,7 +343,8 @@ class QuantizedKVCache(Cache):
     method_config : config fields when ``method`` is a name (copied, never modified).
     attend : route decode attention through ``layer_cache.attend(query)`` (the kernel path)
         instead of sdpa over the returned K/V.  Forced on for methods whose capabilities say
-        they have no ``keys_values``.  Needs ``attn_implementation="kvbench"``.
+        they have no ``keys_values`` and for eviction methods that score by the attention
+        decode steps read (``method.observes_attention``, docs/design.md#eviction).  Needs ``attn_implementation="kvbench"``.
     rows_apart : cache every row of a batch alone even when the batch has no padding, so that
         methods with cross-row statistics (per-tensor scales) give each row the results of the
         row run alone, as a padded batch does (docs/design.md#padding).  Batched workloads set
@@ -394,7 +395,9 @@ class QuantizedKVCache(Cache):
             )
         self.method = method
         self.method_name = method.name or type(method).__name__
-        self.attend = bool(attend) or not method.capabilities.keys_values
+        # an evictor that scores by observed attention reads it on the attend path only
+        observes = getattr(method, "observes_attention", False)
+        self.attend = bool(attend) or not method.capabilities.keys_values or observes
         if self.attend and "sliding_attention" in types:
             raise ValueError(
                 "the attend path (attend=True, or a method without keys_values) ignores sliding "

@@ -14,9 +14,11 @@ import torch
 
 from kvbench.cache.layer import LayerCache
 from kvbench.methods.full import FullPrecision
+from kvbench.methods.h2o import H2O
 from kvbench.methods.knorm import Knorm
 from kvbench.methods.snapkv import SnapKV
 from kvbench.methods.streamingllm import StreamingLLM
+from kvbench.methods.tova import TOVA
 from kvbench.testing import check_method
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,6 +94,40 @@ def ref_snapkv(keys: torch.Tensor, queries: torch.Tensor, window: int, kernel: i
     return out
 
 
+def softmax64(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Float64 softmax of one query ``[D]`` over ``keys [T, D]``."""
+    return torch.softmax(keys.double() @ q.double() / math.sqrt(keys.shape[-1]), dim=0)
+
+
+def ref_tova(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """TOVA at prefill: the last query's weights, averaged over every query head (one score
+    per token for all KV heads); the last token scores above all."""
+    b, hkv, t, _ = keys.shape
+    hq = queries.shape[1]
+    out = torch.zeros(b, hkv, t, dtype=torch.float64)
+    for i in range(b):
+        mean = sum(softmax64(queries[i, j, -1], keys[i, j // (hq // hkv)]) for j in range(hq)) / hq
+        out[i, :, :] = mean
+        out[i, :, -1] = math.inf
+    return out
+
+
+def ref_observed(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """kvpress's observed attention: each key's causal weights summed over the prompt's
+    queries, over the number of queries that see it, averaged over the KV head's query heads."""
+    b, hkv, t, _ = keys.shape
+    group = queries.shape[1] // hkv
+    out = torch.zeros(b, hkv, t, dtype=torch.float64)
+    for i in range(b):
+        for h in range(hkv):
+            for j in range(h * group, (h + 1) * group):
+                total = torch.zeros(t, dtype=torch.float64)
+                for pos in range(t):
+                    total[: pos + 1] += softmax64(queries[i, j, pos], keys[i, h, : pos + 1])
+                out[i, h] += total / torch.arange(t, 0, -1) / group
+    return out
+
+
 # ------------------------------------------------------------------ kept indices
 @pytest.mark.parametrize("quantizer", ["full", KIVI4])
 def test_streamingllm_keeps_sinks_and_the_newest(quantizer) -> None:
@@ -127,6 +163,38 @@ def test_snapkv_keeps_the_window_and_the_voted(seed: int) -> None:
     lc = SnapKV(budget_tokens=20, window_size=8, kernel_size=5).new_layer(0, 2, 16)
     lc.prefill(k, v, q)
     assert kept_indices(lc, k) == top_kept(ref_snapkv(k, q, 8, 5), 20)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tova_and_h2o_keep_what_the_references_keep_at_prefill(seed: int) -> None:
+    k, v, q = data(t=30, seed=seed)
+    for method, ref in ((TOVA(budget_tokens=12), ref_tova), (H2O(budget_tokens=12), ref_observed)):
+        lc = method.new_layer(0, 2, 16)
+        lc.prefill(k, v, q)
+        assert kept_indices(lc, k) == top_kept(ref(k, q), 12), type(method).__name__
+
+
+def test_tova_decode_drops_what_the_last_query_attended_least() -> None:
+    """Each decode step stores its token, drops the held token the previous step's query (the
+    prefill's last query at the first step) attended least, averaged over every query head,
+    then attends; the float64 simulation keeps the same tokens."""
+    k, v, q = data(b=1, t=40, seed=3)
+    budget, prompt = 12, 30
+    lc = TOVA(budget_tokens=budget).new_layer(0, 2, 16)
+    lc.prefill(k[:, :, :prompt], v[:, :, :prompt], q[:, :, :prompt])
+    held = top_kept(ref_tova(k[:, :, :prompt], q[:, :, :prompt]), budget)[0][0]
+    last = q[0, :, prompt - 1]  # the query whose attention scores the next drop
+    for t in range(prompt, 40):
+        lc.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        lc.end_step()
+        weights = sum(softmax64(last[j], k[0, j // 2, held]) for j in range(4)) / 4
+        if t == prompt:  # the first drop uses the prefill's scores of the kept tokens
+            weights = ref_tova(k[:, :, :prompt], q[:, :, :prompt])[0, 0, held]
+        held = sorted([p for p, w in zip(held, weights.tolist(), strict=True) if w != min(weights)])
+        held.append(t)
+        assert kept_indices(lc, k) == [[held, held]], t
+        lc.attend(q[:, :, t : t + 1])
+        last = q[0, :, t]
 
 
 def test_snapkv_waits_for_queries_then_evicts() -> None:
@@ -246,6 +314,10 @@ def test_snapkv_without_kvbench_attention_is_refused_naming_it() -> None:
         Knorm(keep_ratio=0.5, quantizer=KIVI4),
         SnapKV(keep_ratio=0.5, window_size=8),
         SnapKV(keep_ratio=0.5, window_size=8, quantizer=KIVI4),
+        H2O(budget_tokens=12),
+        H2O(keep_ratio=0.5, quantizer=KIVI4),
+        TOVA(budget_tokens=12),
+        TOVA(keep_ratio=0.5, quantizer=KIVI4),
     ],
     ids=lambda m: f"{type(m).__name__}-{m.config.quantizer['name']}",
 )
@@ -318,11 +390,31 @@ def test_decode_after_eviction_keeps_positions() -> None:
     assert not torch.allclose(got[:, 1:], _greedy(model, FullPrecision(), ids, steps)[0][:, 1:])
 
 
+@pytest.mark.parametrize(
+    "method",
+    [
+        H2O(budget_tokens=10),
+        TOVA(budget_tokens=10, quantizer=KIVI4),
+        H2O(keep_ratio=0.5, quantizer=KIVI4),
+    ],
+    ids=["h2o", "tova-kivi", "h2o-kivi"],
+)
+def test_attention_scored_evictors_generate_on_the_attend_path(method) -> None:
+    model = toy_llama()
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+    _, cache = _greedy(model, method, ids, 6)
+    assert cache.attend and sum(cache.decode_paths.values()) == 2 * 6
+    lc = cache.layer_caches()[1]
+    assert lc.seen_tokens == 30 and lc.seq_length == (10 if method.config.budget_tokens else 12)
+
+
 def test_entry_points_register_each_evictor_once() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     for name, target in (
         ("streamingllm", "kvbench.methods.streamingllm:StreamingLLM"),
         ("knorm", "kvbench.methods.knorm:Knorm"),
         ("snapkv", "kvbench.methods.snapkv:SnapKV"),
+        ("h2o", "kvbench.methods.h2o:H2O"),
+        ("tova", "kvbench.methods.tova:TOVA"),
     ):
         assert text.count(f'{name} = "{target}"') == 1
