@@ -1,8 +1,9 @@
 """Contract checks for a method: what a plugin's own tests call.
 
 :func:`check_method` builds a method's layer cache on seeded random keys and values, prefills
-it, decodes token by token and runs the checks ``config``, ``round trip``, ``bytes``,
-``attend`` and (when ``capabilities.padding``) ``padding`` in this order; what each requires is
+it, decodes token by token and runs the checks ``config``, ``attend`` (at every decode step),
+``positions``, ``round trip``, ``bytes`` and (when ``capabilities.padding``) ``padding`` in this
+order; what each requires is
 the table of docs/plugins.md#testing-a-plugin.  An eviction method
 (:class:`kvbench.cache.eviction.EvictionMethod`) is followed through its evictions: the seen
 positions of the tokens it holds are tracked from its ``evict`` decisions, ``seen_tokens`` must
@@ -478,7 +479,7 @@ def check_method(
     ------
     AssertionError
         ``check_method(<method>): <check>: ...`` for the first check that failed (``config``,
-        ``round trip``, ``bytes``, ``attend``, ``padding``).
+        ``attend``, ``positions``, ``round trip``, ``bytes``, ``padding``).
     """
     chk = _Checker(method)
     if attend_atol is None:

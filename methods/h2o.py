@@ -23,7 +23,7 @@ from kvbench import fields as kf
 from kvbench.cache.eviction import (
     EvictionConfig,
     EvictionMethod,
-    ScoreEvictor,
+    ObservingEvictor,
     attention_probs,
     choose_drop,
     kept_after,
@@ -66,12 +66,8 @@ def h2o_prefill_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tenso
     return out
 
 
-class H2OEvictor(ScoreEvictor):
+class H2OEvictor(ObservingEvictor):
     """Observed attention at prefill, accumulated attention + a recent window while decoding."""
-
-    needs_queries = True
-    evicts_at_decode = True
-    observes_attention = True
 
     def __init__(self, config: H2OConfig) -> None:
         super().__init__(config)
@@ -97,6 +93,7 @@ class H2OEvictor(ScoreEvictor):
         return self.acc
 
     def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        super().observe(layer, probs, lengths)
         b, hq, _, t = probs.shape
         hkv = layer.kv_shape[1]
         add = probs.float().sum(2).reshape(b, hkv, hq // hkv, t).mean(2)
@@ -107,6 +104,7 @@ class H2OEvictor(ScoreEvictor):
         held = layer.seq_length
         if self.limit is None or held <= self.limit:
             return None
+        self.observed("h2o")
         scores = self._grow(held).clone()
         recent = int(self.limit * self.config.recent_ratio)
         if recent:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kvbench.cache.eviction import (
     EvictionConfig,
     EvictionMethod,
-    ScoreEvictor,
+    ObservingEvictor,
     attention_probs,
     choose_drop,
     kept_after,
@@ -44,12 +44,8 @@ def tova_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     return F.pad(scores, (0, 1), value=scores.max().item())
 
 
-class TOVAEvictor(ScoreEvictor):
+class TOVAEvictor(ObservingEvictor):
     """TOVA's scores: the newest query's attention, averaged over heads."""
-
-    needs_queries = True
-    evicts_at_decode = True
-    observes_attention = True
 
     def __init__(self, config: EvictionConfig) -> None:
         super().__init__(config)
@@ -73,12 +69,14 @@ class TOVAEvictor(ScoreEvictor):
         return drop
 
     def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        super().observe(layer, probs, lengths)
         hkv = layer.kv_shape[1]
         self.last = probs[:, :, -1].float().mean(1, keepdim=True).repeat(1, hkv, 1)
 
     def at_step(self, layer: LayerCache) -> torch.Tensor | None:
         if self.limit is None or layer.seq_length <= self.limit:
             return None
+        self.observed("tova")
         scores = pad_new(self.last, layer.seq_length)
         drop = choose_drop(scores, layer.seq_length - self.limit, layer.part_bounds())
         self.last = kept_after(scores, drop)

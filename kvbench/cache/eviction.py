@@ -8,8 +8,8 @@ held tokens and says which to drop at prefill and, for a method with a decode bu
 each decode step.  The layer cache applies the decision to its full-precision parts and its
 quantized blocks; positions and masks keep counting every token seen.
 
-Budget (one of two fields): ``keep_ratio`` in (0, 1), the prompt keeps ``max(int(P *
-keep_ratio), 1)`` tokens (kvpress's ``int(k_len * (1 - compression_ratio))``) and a method with
+Budget (one of two fields): ``keep_ratio`` in (0, 1) (``None``: 0.5 unless ``budget_tokens``
+is set), the prompt keeps ``max(int(P * keep_ratio), 1)`` tokens (kvpress's ``int(k_len * (1 - compression_ratio))``) and a method with
 a decode budget then holds that many; or ``budget_tokens``, a token count: the prompt keeps
 ``min(budget_tokens, P)`` and a decode budget holds at most ``budget_tokens``.  Every layer and
 KV head keeps the same number of tokens (the indices differ per head).
@@ -37,14 +37,18 @@ QUANTIZER_TEXT = (
 )
 
 
+#: the fraction of the prompt kept when neither ``keep_ratio`` nor ``budget_tokens`` is set
+KEEP_RATIO = 0.5
+
+
 @dataclass(frozen=True)
 class EvictionConfig(MethodConfig):
     """Fields every eviction method shares.
 
     Attributes
     ----------
-    keep_ratio : fraction of the prompt's tokens kept, in (0, 1); ``None`` when
-        ``budget_tokens`` is set.
+    keep_ratio : fraction of the prompt's tokens kept, in (0, 1); ``None``: :data:`KEEP_RATIO`
+        unless ``budget_tokens`` is set (setting both is refused).
     budget_tokens : tokens kept (a positive integer); ``None`` when ``keep_ratio`` is set.
     quantizer : the method that stores the kept tokens: a registered name or ``{name: ...,
         config: {...}}`` (stored as the latter); default ``full``.  Rotation, ``storage_dtype``
@@ -52,15 +56,14 @@ class EvictionConfig(MethodConfig):
     """
 
     keep_ratio: float | None = kf.spec(
-        None, float, low=0, high=1, low_open=True, high_open=True, optional=True
-    )
+        None, float, low=0, high=1, low_open=True, high_open=True, optional=True,
+        text="a number in (0, 1), or None (0.5 unless budget_tokens is set)",
+    )  # fmt: skip
     budget_tokens: int | None = kf.spec(None, int, low=1, optional=True)
     quantizer: object = kf.spec("full", None, text=QUANTIZER_TEXT)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.keep_ratio is None and self.budget_tokens is None:
-            self.reject("keep_ratio", "a number in (0, 1), or None with budget_tokens set")
         if self.keep_ratio is not None and self.budget_tokens is not None:
             self.reject("budget_tokens", "None when keep_ratio is set (one budget)")
         for name, default in (("rotation", "none"), ("storage_dtype", None)):
@@ -77,10 +80,18 @@ class EvictionConfig(MethodConfig):
     def __hash__(self) -> int:  # ``quantizer`` is a dict
         return hash((type(self).__name__, json.dumps(self.to_dict(), sort_keys=True)))
 
+    @property
+    def ratio(self) -> float | None:
+        """The fraction kept: ``keep_ratio``, :data:`KEEP_RATIO` when neither budget field is
+        set, ``None`` with ``budget_tokens``."""
+        if self.budget_tokens is not None:
+            return None
+        return KEEP_RATIO if self.keep_ratio is None else self.keep_ratio
+
     def kept(self, tokens: int) -> int:
         """Tokens a prompt of ``tokens`` keeps (module docstring)."""
-        if self.keep_ratio is not None:
-            return max(int(tokens * self.keep_ratio), 1)
+        if self.budget_tokens is None:
+            return max(int(tokens * self.ratio), 1)
         return min(int(self.budget_tokens), tokens)
 
 
@@ -212,6 +223,38 @@ class ScoreEvictor:
         self.limit = None
 
 
+class ObservingEvictor(ScoreEvictor):
+    """A :class:`ScoreEvictor` whose decode decisions read the attention of the steps
+    (``observes_attention``): :meth:`observed` refuses a decision when no step's attention
+    arrived since the last one (a path that hands none over)."""
+
+    needs_queries = True
+    evicts_at_decode = True
+    observes_attention = True
+
+    def __init__(self, config: EvictionConfig) -> None:
+        super().__init__(config)
+        self.fresh = True  # scores arrived since the last decode decision (the prefill's count)
+
+    def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        self.fresh = True
+
+    def observed(self, name: str) -> None:
+        """Raise ``ValueError`` unless scores arrived since the last decision; then consume
+        them."""
+        if not self.fresh:
+            raise ValueError(
+                f"{name} scores tokens by the attention decode steps read, and none arrived "
+                "since its last eviction: run decode attention through LayerCache.attend "
+                "(QuantizedKVCache does for this method), not over keys_values()"
+            )
+        self.fresh = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.fresh = True
+
+
 def attention_probs(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """Causal softmax ``[B, H_q, n_q, T]`` of the last ``n_q`` positions' post-RoPE
     ``queries [B, H_q, n_q, D]`` over ``keys [B, H_kv, T, D]`` (GQA: query head ``h`` reads
@@ -275,6 +318,15 @@ class EvictionMethod(Method):
     ) -> LayerCache:
         """The quantizer's layer cache with this method's :meth:`evictor`."""
         layer = self.quantizer.new_layer(layer_idx, num_kv_heads, head_dim, dtype, device)
+        if self.observes_attention and (
+            type(layer).observe_attention is not LayerCache.observe_attention
+            or type(layer).observes_attention is not LayerCache.observes_attention
+        ):
+            self.config.reject(
+                "quantizer",
+                f"a method whose layer cache leaves observe_attention to the evictor "
+                f"({type(layer).__name__} observes attention for itself)",
+            )
         layer.needs_queries = layer.needs_queries or self.capabilities.needs_queries
         layer.evictor = self.evictor(layer_idx)
         return layer

@@ -665,11 +665,21 @@ class LayerCache:
     def seen_tokens(self) -> int:
         """Tokens stored so far, evicted ones included: the next token's position (int, per
         row and head; :attr:`seq_length` plus :attr:`evicted_tokens`)."""
-        return self.seq_length + self._evicted
+        return self.seq_length + self.evicted_tokens
 
     @property
     def evicted_tokens(self) -> int:
-        """Tokens dropped by :meth:`evict` so far (the same in every row and KV head)."""
+        """Tokens dropped by :meth:`evict` so far (the same in every row and KV head).  Rows
+        cached apart (``prefill(..., lengths=...)``) must have dropped the same number:
+        ``ValueError`` otherwise (one mask offset serves the batch)."""
+        if self._rows is not None:
+            counts = {r.evicted_tokens for r in self._rows}
+            if len(counts) > 1:
+                raise ValueError(
+                    f"the rows of this batch evicted different numbers of tokens {sorted(counts)}"
+                    "; eviction methods take batches of equal prompts (capabilities.padding)"
+                )
+            return counts.pop()
         return self._evicted
 
     def part_bounds(self) -> list[int]:

@@ -203,7 +203,7 @@ class KVBenchLayer(CacheLayerMixin):
         else:
             held = lc.seen_tokens  # the 2-D mask counts every token seen (evicted ones too)
             rows = lc.row_lengths
-            pads = [0] * b if rows is None else [held - r for r in rows]
+            pads = [0] * b if rows is None else [lc.seq_length - r for r in rows]
             padding.check_decode(mask, pads, held, n)
             if lc.awaiting_queries:
                 raise ValueError(

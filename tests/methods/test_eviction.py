@@ -197,6 +197,23 @@ def test_tova_decode_drops_what_the_last_query_attended_least() -> None:
         last = q[0, :, t]
 
 
+@pytest.mark.parametrize("cls", [H2O, TOVA])
+def test_attention_scored_decode_without_attention_is_refused(cls) -> None:
+    k, v, q = data(t=32)
+    lc = cls(budget_tokens=12).new_layer(0, 2, 16)
+    lc.prefill(k[:, :, :30], v[:, :, :30], q[:, :, :30])
+    lc.append(k[:, :, 30:31], v[:, :, 30:31])
+    lc.end_step()  # the first drop: the prefill's scores
+    lc.append(k[:, :, 31:32], v[:, :, 31:32])  # no attend() between: no scores
+    with pytest.raises(ValueError, match="LayerCache.attend"):
+        lc.end_step()
+
+
+def test_an_evictor_that_observes_refuses_a_layer_that_observes_for_itself() -> None:
+    with pytest.raises(ValueError, match="quantizer"):
+        H2O(quantizer={"name": "semkv", "config": {"score": "attention"}}).new_layer(0, 2, 16)
+
+
 def test_snapkv_waits_for_queries_then_evicts() -> None:
     k, v, q = data(t=40)
     lc = SnapKV(keep_ratio=0.5, window_size=8).new_layer(0, 2, 16)
@@ -254,7 +271,6 @@ def test_per_head_decisions_over_quantized_tokens_keep_their_codes() -> None:
         (Knorm, {"keep_ratio": 1.0}, "keep_ratio"),
         (Knorm, {"keep_ratio": 0.0}, "keep_ratio"),
         (Knorm, {"keep_ratio": 1.5}, "keep_ratio"),
-        (Knorm, {}, "keep_ratio"),
         (Knorm, {"keep_ratio": 0.5, "budget_tokens": 8}, "budget_tokens"),
         (Knorm, {"budget_tokens": 0}, "budget_tokens"),
         (Knorm, {"keep_ratio": 0.5, "quantizer": "no-such-method"}, "quantizer"),
@@ -272,6 +288,13 @@ def test_per_head_decisions_over_quantized_tokens_keep_their_codes() -> None:
 def test_bad_configs_are_refused_naming_the_field(cls, config, field) -> None:
     with pytest.raises(ValueError, match=rf"'?{re.escape(field)}'?"):
         cls.Config.from_dict(config)
+
+
+def test_the_default_budget_keeps_half() -> None:
+    k, v, _ = data(t=31)
+    lc = Knorm().new_layer(0, 2, 16)
+    lc.prefill(k, v)
+    assert (lc.seq_length, lc.seen_tokens) == (15, 31)
 
 
 def test_budgets_a_prompt_cannot_meet_are_refused_before_storing() -> None:
@@ -418,3 +441,21 @@ def test_entry_points_register_each_evictor_once() -> None:
         ("tova", "kvbench.methods.tova:TOVA"),
     ):
         assert text.count(f'{name} = "{target}"') == 1
+
+
+def test_rows_cached_apart_keep_positions() -> None:
+    """A batch whose rows are cached apart (batched workloads) counts the rows' evictions."""
+    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
+
+    model = toy_llama()
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(4))
+    cache = QuantizedKVCache(StreamingLLM(budget_tokens=8), model, rows_apart=True)
+    alone = QuantizedKVCache(StreamingLLM(budget_tokens=8), model)
+    with torch.no_grad():
+        out = model(ids, **cache_kwarg(cache, model), use_cache=True)
+        one = model(ids[:1], **cache_kwarg(alone, model), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        out = model(nxt, **cache_kwarg(cache, model), use_cache=True)
+        one = model(nxt[:1], **cache_kwarg(alone, model), use_cache=True)
+    assert cache.get_seq_length() == 21 and cache.layer_caches()[0].seq_length == 8
+    assert torch.allclose(out.logits[:1], one.logits, atol=1e-5)
