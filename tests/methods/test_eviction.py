@@ -459,3 +459,34 @@ def test_rows_cached_apart_keep_positions() -> None:
         one = model(nxt[:1], **cache_kwarg(alone, model), use_cache=True)
     assert cache.get_seq_length() == 21 and cache.layer_caches()[0].seq_length == 8
     assert torch.allclose(out.logits[:1], one.logits, atol=1e-5)
+
+
+def test_indexed_block_keeps_codes_and_counts_its_index() -> None:
+    """A per-head gather from per-channel groups: values unchanged, the group rows kept
+    once, an int16 row index per token counted as metadata; it concatenates with a new
+    flush, crops and selects batch rows."""
+    from kvbench.cache.blocks import IndexedAffineBlock, PerChannelCodec
+
+    k, _, _ = data(t=24)
+    codec = PerChannelCodec(4, group_size=8)
+    block = codec.encode(k)
+    before = block.dequantize(torch.float32)
+    keep = torch.tensor([[[0, 3, 9, 17], [1, 2, 20, 23]], [[4, 5, 6, 7], [8, 9, 10, 16]]])
+    got = block.gather(keep)
+    assert isinstance(got, IndexedAffineBlock)
+    want = torch.gather(before, 2, keep[..., None].expand(2, 2, 4, 16))
+    assert torch.equal(got.dequantize(torch.float32), want)
+    meta = [t for c, t in got.tensors() if c == "metadata"]
+    assert len(meta) == 1 and meta[0].dtype == torch.int16 and meta[0].shape == (2, 2, 4)
+    assert got.scale.shape[2] == 3  # the groups some row and head still uses
+    new = codec.encode(k[:, :, :8])
+    both = got.cat(new)
+    assert torch.equal(
+        both.dequantize(torch.float32), torch.cat([want, new.dequantize(torch.float32)], 2)
+    )
+    assert torch.equal(both.crop(4).dequantize(torch.float32), want)
+    assert torch.equal(
+        both.index_batch(torch.tensor([1])).dequantize(torch.float32)[0, :, :4], want[1]
+    )
+    same = block.gather(torch.tensor([2, 3, 12]).expand(2, 2, 3))  # one set for all: groups stay
+    assert type(same) is type(block) and same.group_len == [2, 1]
