@@ -77,9 +77,6 @@ class EvictionConfig(MethodConfig):
         object.__setattr__(self, "quantizer", _quantizer_entry(self))
         build_quantizer(self)  # refuse an unknown or unfit quantizer before any work
 
-    def __hash__(self) -> int:  # ``quantizer`` is a dict
-        return hash((type(self).__name__, json.dumps(self.to_dict(), sort_keys=True)))
-
     @property
     def ratio(self) -> float | None:
         """The fraction kept: ``keep_ratio``, :data:`KEEP_RATIO` when neither budget field is
@@ -95,15 +92,24 @@ class EvictionConfig(MethodConfig):
         return min(int(self.budget_tokens), tokens)
 
 
-def _quantizer_entry(config: EvictionConfig) -> dict[str, object]:
-    """``config.quantizer`` as ``{"name": str, "config": dict}``; refusal naming the field."""
+class QuantizerEntry(dict):
+    """A config's ``quantizer``: ``{"name": str, "config": dict}``, a plain mapping (JSON, the
+    suite's ``methods:`` form) that hashes by its JSON text, as every field of a frozen config
+    must hash."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True))
+
+
+def _quantizer_entry(config: EvictionConfig) -> QuantizerEntry:
+    """``config.quantizer`` as a :class:`QuantizerEntry`; refusal naming the field."""
     q = config.quantizer
     if isinstance(q, str) and q:
-        return {"name": q, "config": {}}
+        return QuantizerEntry(name=q, config={})
     if isinstance(q, Mapping) and set(q) <= {"name", "config"} and isinstance(q.get("name"), str):
         inner = q.get("config") or {}
         if isinstance(inner, Mapping):
-            return {"name": q["name"], "config": dict(inner)}
+            return QuantizerEntry(name=q["name"], config=dict(inner))
     config.reject("quantizer", QUANTIZER_TEXT)
 
 

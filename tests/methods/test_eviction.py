@@ -290,6 +290,14 @@ def test_bad_configs_are_refused_naming_the_field(cls, config, field) -> None:
         cls.Config.from_dict(config)
 
 
+def test_configs_hash_and_round_trip() -> None:
+    import json
+
+    for m in (StreamingLLM(), Knorm(quantizer="kivi"), SnapKV(quantizer=KIVI4)):
+        again = type(m.config).from_dict(json.loads(json.dumps(m.config.to_dict())))
+        assert again == m.config and hash(again) == hash(m.config)
+
+
 def test_the_default_budget_keeps_half() -> None:
     k, v, _ = data(t=31)
     lc = Knorm().new_layer(0, 2, 16)
