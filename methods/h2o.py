@@ -124,7 +124,7 @@ class H2O(EvictionMethod):
     Config = H2OConfig
     description = "token eviction: heavy hitters of accumulated attention + recent (H2O)"
     source = "Zhang et al., H2O: Heavy-Hitter Oracle, arXiv 2306.14048"
-    capabilities = Capabilities(needs_queries=True, padding=False)
+    capabilities = Capabilities(needs_queries=True, padding=False, evicts=True)
     observes_attention = True
 
     def evictor(self, layer_idx: int) -> H2OEvictor:

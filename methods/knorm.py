@@ -33,7 +33,7 @@ class Knorm(EvictionMethod):
     Config = KnormConfig
     description = "token eviction at prefill: keep the keys of smallest L2 norm (KnormPress)"
     source = "Devoto et al., A Simple and Effective L2 Norm-Based Strategy, arXiv 2406.11430"
-    capabilities = Capabilities(padding=False)
+    capabilities = Capabilities(padding=False, evicts=True)
 
     def evictor(self, layer_idx: int) -> KnormEvictor:
         return KnormEvictor(self.config)

@@ -81,7 +81,7 @@ class SnapKV(EvictionMethod):
     Config = SnapKVConfig
     description = "token eviction at prefill: the prompt's last queries vote (SnapKV)"
     source = "Li et al., SnapKV: LLM Knows What You are Looking for, arXiv 2404.14469"
-    capabilities = Capabilities(needs_queries=True, padding=False)
+    capabilities = Capabilities(needs_queries=True, padding=False, evicts=True)
 
     def evictor(self, layer_idx: int) -> SnapKVEvictor:
         return SnapKVEvictor(self.config)

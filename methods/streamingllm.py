@@ -70,7 +70,7 @@ class StreamingLLM(EvictionMethod):
     source = (
         "Xiao et al., Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453"
     )
-    capabilities = Capabilities(padding=False)
+    capabilities = Capabilities(padding=False, evicts=True)
 
     def evictor(self, layer_idx: int) -> StreamingEvictor:
         return StreamingEvictor(self.config)

@@ -93,7 +93,7 @@ class TOVA(EvictionMethod):
     Config = TOVAConfig
     description = "token eviction: drop what the newest query attends to least (TOVA)"
     source = "Oren et al., Transformers are Multi-State RNNs, arXiv 2401.06104"
-    capabilities = Capabilities(needs_queries=True, padding=False)
+    capabilities = Capabilities(needs_queries=True, padding=False, evicts=True)
     observes_attention = True
 
     def evictor(self, layer_idx: int) -> TOVAEvictor:
