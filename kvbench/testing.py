@@ -1,9 +1,14 @@
 """Contract checks for a method: what a plugin's own tests call.
 
 :func:`check_method` builds a method's layer cache on seeded random keys and values, prefills
-it, decodes token by token and runs the checks ``config``, ``round trip``, ``bytes``,
-``attend`` and (when ``capabilities.padding``) ``padding`` in this order; what each requires is
-the table of docs/plugins.md#testing-a-plugin.  The round-trip bound of a quantized side,
+it, decodes token by token and runs the checks ``config``, ``attend`` (at every decode step),
+``positions``, ``round trip``, ``bytes`` and (when ``capabilities.padding``) ``padding`` in this
+order; what each requires is
+the table of docs/plugins.md#testing-a-plugin.  An eviction method
+(:class:`kvbench.cache.eviction.EvictionMethod`) is followed through its evictions: the seen
+positions of the tokens it holds are tracked from its ``evict`` decisions, ``seen_tokens`` must
+count every token given, and the round trip, attend and bytes checks compare with the inputs
+at the held positions (docs/design.md#eviction).  The round-trip bound of a quantized side,
 :func:`half_step_bound`, is the half step of a symmetric absmax code and at least that of a
 min-max affine code; a codec of another kind (floating-point codes, codebooks, projections)
 passes its own ``round_trip_atol``.
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.cache.eviction import EvictionMethod
 from kvbench.cache.layer import BYTE_KEYS, LayerCache
 from kvbench.cache.layout import BlockLayout
 from kvbench.cache.method import Method
@@ -100,14 +106,57 @@ def reference_attention64(
     return probs @ v
 
 
+def _storing(method: Method) -> Method:
+    """The method whose layer stores the tokens: an eviction method's quantizer, else itself."""
+    return method.quantizer if isinstance(method, EvictionMethod) else method
+
+
 def _default_lengths(method: Method) -> tuple[int, int]:
-    """Prompt and decode lengths that reach quantized tokens and a decode-time flush."""
-    c = method.config
+    """Prompt and decode lengths that reach quantized tokens and a decode-time flush (and, for
+    an eviction method, a prompt longer than its ``window_size`` where it has one)."""
+    c = _storing(method).config
     r = int(c.residual_length or 0)
     g = int(c.group_size or 1)
     ns = int(c.num_sink_tokens or 0)
     span = max(r, g, 1)
-    return ns + 2 * span + 1, span + 1
+    window = int(getattr(method.config, "window_size", 0) or 0)
+    return ns + 2 * span + 1 + window, span + 1
+
+
+class HeldPositions:
+    """The seen positions of the tokens a layer cache holds, followed through its evictions.
+
+    Installed on ``layer`` before any token (it wraps ``layer.evict``); :meth:`now` gives int64
+    ``[B, H_kv, T_held]``, ascending per row and head (held tokens stay in the order seen)."""
+
+    def __init__(self, layer: LayerCache) -> None:
+        self.layer = layer
+        self.pos: torch.Tensor | None = None
+        evict = layer.evict
+
+        def tracked(drop: torch.Tensor) -> None:
+            pos = self.now()
+            evict(drop)
+            keep = torch.ones(pos.shape, dtype=torch.bool)
+            keep.scatter_(2, torch.as_tensor(drop, dtype=torch.long).cpu(), False)
+            self.pos = pos[keep].reshape(*pos.shape[:2], -1)
+
+        layer.evict = tracked
+
+    def now(self) -> torch.Tensor:
+        """Positions of the held tokens now (tokens stored since the last eviction appended)."""
+        lc = self.layer
+        b, h, _ = lc.kv_shape
+        old = self.pos if self.pos is not None else torch.zeros(b, h, 0, dtype=torch.long)
+        new = lc.seq_length - old.shape[2]
+        fresh = torch.arange(lc.seen_tokens - new, lc.seen_tokens).expand(b, h, new)
+        self.pos = torch.cat([old, fresh], dim=2)
+        return self.pos
+
+
+def held_inputs(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` at the held positions ``pos [B, H, T_held]``."""
+    return torch.gather(x, 2, pos[..., None].expand(*pos.shape, x.shape[3]))
 
 
 def _data(
@@ -131,10 +180,15 @@ def _run(
     prompt: int,
     lengths: list[int] | None = None,
     on_step: Callable[[LayerCache, int, torch.Tensor], None] | None = None,
+    track: list[HeldPositions] | None = None,
 ) -> tuple[LayerCache, list[torch.Tensor]]:
     """Prefill ``prompt`` tokens (left-padded to ``lengths`` if given), then append the rest one
-    token at a time; ``on_step(layer, t, out)`` sees each decode step's attention output."""
+    token at a time; ``on_step(layer, t, out)`` sees each decode step's attention output.
+    ``track``: a list that gets the layer's :class:`HeldPositions` (installed before the
+    prefill)."""
     lc = method.new_layer(0, k.shape[1], k.shape[3], k.dtype)
+    if track is not None:
+        track.append(HeldPositions(lc))
     queries = q[:, :, :prompt] if method.needs_queries else None
     lc.prefill(k[:, :, :prompt], v[:, :, :prompt], queries, lengths=lengths)
     outs = []
@@ -182,7 +236,7 @@ def _check_round_trip(
 ) -> tuple[list[float], list[float]]:
     kv = lc.keys_values()
     held = inputs[0].shape[2]
-    ns = min(int(method.config.num_sink_tokens or 0), held)
+    ns = min(int(_storing(method).config.num_sink_tokens or 0), held)
     errors, bounds = [], []
     for i, side in enumerate(("key", "value")):
         got, x = kv[i], inputs[i]
@@ -282,6 +336,31 @@ def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
             f"{nq} quantized {side}s take {packed} bytes, more than in the cache dtype "
             f"({nq * b * h * d * itemsize})",
         )
+
+
+def _check_positions(chk: _Checker, lc: LayerCache, pos: torch.Tensor, seen: int) -> None:
+    """Positions follow the tokens seen: ``seen_tokens`` counts every token given, the held
+    count is ``seen`` less the evicted ones, and the held positions are distinct, ascending
+    and below ``seen``."""
+    chk.require(
+        lc.seen_tokens == seen and lc.seq_length == pos.shape[2],
+        "positions",
+        f"seen_tokens={lc.seen_tokens} and seq_length={lc.seq_length} after {seen} tokens with "
+        f"{seen - pos.shape[2]} evicted (want {seen} and {pos.shape[2]}): positions must count "
+        "every token seen, attention the tokens held",
+    )
+    chk.require(
+        pos.shape[2] == 0 or bool((pos.diff(dim=2) > 0).all() and (pos < seen).all()),
+        "positions",
+        "the held tokens are not distinct tokens seen, in the order seen",
+    )
+    b, h, d = lc.kv_shape
+    chk.require(
+        lc.seen_bytes16() == 2 * 2 * b * h * d * seen,
+        "bytes",
+        f"seen_bytes16()={lc.seen_bytes16()}, not the 16-bit cache of the {seen} tokens seen "
+        f"({2 * 2 * b * h * d * seen} bytes)",
+    )
 
 
 def _check_padding(
@@ -400,7 +479,7 @@ def check_method(
     ------
     AssertionError
         ``check_method(<method>): <check>: ...`` for the first check that failed (``config``,
-        ``round trip``, ``bytes``, ``attend``, ``padding``).
+        ``attend``, ``positions``, ``round trip``, ``bytes``, ``padding``).
     """
     chk = _Checker(method)
     if attend_atol is None:
@@ -433,10 +512,14 @@ def check_method(
             f"{err:.3g} x max|v| (allowed {attend_atol:g}; path {lc.attend_path or '?'})",
         )
 
-    lc, _ = _run(method, k, v, q, prompt, on_step=compare)
+    track: list[HeldPositions] = []
+    lc, _ = _run(method, k, v, q, prompt, on_step=compare, track=track)
+    pos = track[0].now()
+    _check_positions(chk, lc, pos, prompt + steps)
+    held = (held_inputs(k, pos), held_inputs(v, pos))
     errs, bounds = [0.0, 0.0], [0.0, 0.0]
     if caps.keys_values:
-        errs, bounds = _check_round_trip(chk, method, lc, (k, v), round_trip_atol or {})
+        errs, bounds = _check_round_trip(chk, method, lc, held, round_trip_atol or {})
     _check_bytes(chk, lc, k.element_size())
     padded = caps.padding
     if padded:

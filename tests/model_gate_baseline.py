@@ -33,6 +33,11 @@ It writes the records of the suite's own configuration (its ``threads``, native 
 into ``tests/baseline_model/`` and the measured values, spreads and tolerances into
 ``tests/baseline_model_tolerance.json``.  ``--work`` keeps the eight runs' records so that an
 interrupted regeneration resumes (``kvbench run`` skips runs whose record exists).
+
+``--methods LABEL ...`` runs only those entries of the suite (a ``methods:`` entry's ``label``,
+else its name) in the eight configurations and adds their records and tolerances to the
+committed ones, which stay as they are (a method added to the suite costs its own runs, not
+the whole matrix's); the committed files must exist and name the same configurations.
 """
 
 from __future__ import annotations
@@ -125,9 +130,46 @@ def environment(threads: int, capability: str | None, attention: str | None) -> 
     return env
 
 
-def _run(threads: int, capability: str | None, attention: str | None, out: Path) -> None:
+def entry_label(entry: object) -> str:
+    """A suite ``methods:`` entry's label: its ``label``, else its method name."""
+    if isinstance(entry, str):
+        return entry
+    return str(entry.get("label") or entry["name"])  # type: ignore[union-attr]
+
+
+def subset_suite(labels: list[str], folder: Path) -> Path:
+    """A copy of :data:`SUITE` in ``folder`` with only the ``methods:`` entries labelled
+    ``labels`` (in the suite's order).  Raises ``SystemExit`` naming labels the suite lacks."""
+    import yaml
+
+    suite = yaml.safe_load(SUITE.read_text())
+    have = [entry_label(e) for e in suite["methods"]]
+    unknown = sorted(set(labels) - set(have))
+    if unknown:
+        raise SystemExit(f"--methods: {unknown} not in {SUITE.name}; its entries: {have}")
+    suite["methods"] = [e for e in suite["methods"] if entry_label(e) in labels]
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / SUITE.name
+    out.write_text(yaml.safe_dump(suite, sort_keys=False))
+    return out
+
+
+def merge(summary: dict, old: dict) -> dict:
+    """The committed tolerance file ``old`` with the runs of ``summary`` added (existing runs
+    and every other field kept).  Raises ``SystemExit`` when the configurations differ."""
+    if summary["configs"] != old["configs"] or summary["baseline_config"] != old["baseline_config"]:
+        raise SystemExit(
+            f"--methods: configurations {summary['configs']} differ from the committed "
+            f"{old['configs']}; regenerate everything"
+        )
+    return {**old, "runs": {**old["runs"], **summary["runs"]}}
+
+
+def _run(
+    threads: int, capability: str | None, attention: str | None, out: Path, suite: Path = SUITE
+) -> None:
     env = environment(threads, capability, attention)
-    cmd = [sys.executable, "-m", "kvbench.cli", "run", str(SUITE), "--out", str(out)]
+    cmd = [sys.executable, "-m", "kvbench.cli", "run", str(suite), "--out", str(out)]
     cmd += ["--set", f"threads={threads}", "--quiet"]
     print(f"[{label(threads, capability, attention)}] {' '.join(cmd)}", flush=True)
     done = subprocess.run(cmd, env=env)
@@ -189,8 +231,16 @@ def portable(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, help="keep the runs here (resumable)")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="LABEL",
+        help="run only these suite entries and add them to the committed baseline (module "
+        "docstring)",
+    )
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvbench-model-gate-"))
+    suite = subset_suite(args.methods, work / "suite") if args.methods else SUITE
     from kvbench.bench.suite import load_suite
 
     assert CONFIGS[-1] == (load_suite(SUITE).threads, None, None), "baseline config last"
@@ -206,12 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for cfg in CONFIGS:
         folder = work / label(*cfg)
-        _run(*cfg, folder)
+        _run(*cfg, folder, suite)
         runs[label(*cfg)] = records(folder)
     ref = label(*CONFIGS[-1])
     summary = summarize(runs, ref)
+    if args.methods:
+        summary = merge(summary, json.loads(TOLERANCE.read_text()))
     BASELINE.mkdir(exist_ok=True)
-    for p in BASELINE.glob("*.json"):
+    for p in BASELINE.glob("*.json") if not args.methods else ():
         p.unlink()
     for p in (work / ref).glob("*.json"):
         (BASELINE / p.name).write_text(portable(p.read_text()))

@@ -58,6 +58,7 @@ OTHER = {
     "int4-block": dict(block_size=16),
     "int8-block": dict(block_size=16),
     "polarquant": dict(group_size=16, residual_length=16, value_bits=2),
+    "snapkv": dict(window_size=16),  # its observation window fits the 40-token prompt
     "semkv": dict(residual_length=16),
     "kvquant": dict(bits=2, value_bits=2, residual_length=16),  # calibrated by _method
     "turboquant-mse": dict(residual_length=16),

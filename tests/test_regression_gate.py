@@ -20,7 +20,7 @@ import pytest
 import torch
 from gate_suites import GATE, gated_builtins, how_to_gate, missing_from
 
-from kvbench.bench.records import load_record, load_records, write_record
+from kvbench.bench.records import Record, load_record, load_records, write_record
 from kvbench.bench.runner import run_suite
 from kvbench.bench.suite import load_suite
 from kvbench.cli import main as cli_main
@@ -98,26 +98,55 @@ def test_missing_method_message_says_what_to_do() -> None:
     assert "  - {name: fp8, config: {residual_length: 32}}" in how_to_gate({"fp8"})
 
 
-def test_gate_records_cover_quantization() -> None:
-    """Each quantizing method quantized most key tokens in the fidelity run and reports an
-    attention metric; every method has a memory record with bytes by category."""
-    by = {}
+def _pairs() -> list[tuple[str, dict, Record | None, Record | None]]:
+    """``(method, config, fidelity record, memory record)`` per configuration of the baseline
+    (a suite entry: the same method may run in several configurations, e.g. an evictor alone
+    and composed with a quantizer)."""
+    by: dict[tuple[str, str, str], Record] = {}
+    configs: dict[tuple[str, str], dict] = {}
     for rec in load_records(BASELINE):
-        by[(rec.method, rec.workload_type)] = rec.metrics
+        by[(rec.method, rec.config_key, rec.workload_type)] = rec
+        configs[(rec.method, rec.config_key)] = rec.config
+    return [
+        (name, config, by.get((name, key, "fidelity")), by.get((name, key, "memory")))
+        for (name, key), config in sorted(configs.items())
+    ]
+
+
+def test_gate_records_cover_quantization() -> None:
+    """Each gated configuration has a fidelity record with an attention metric and a memory
+    record with bytes by category, and exercises its method's family (declared by the method,
+    ``capabilities.evicts``): a quantizing method quantized most key tokens in the fidelity run
+    and stores fewer than 16 bits per element; an evicting method held fewer tokens than it saw
+    in both runs, its bytes counted against the 16-bit cache of every token seen (below it),
+    and one composed with a quantizer other than ``full`` quantized most of the keys it held."""
+    from kvbench.cache.registry import get_method_class
+    from kvbench.report.headline import bytes_vs_16bit
+
     assert not missing_from(GATE), how_to_gate(missing_from(GATE))
+    pairs = _pairs()
     unrun = sorted(
-        m for m in gated_builtins() if (m, "memory") not in by or (m, "fidelity") not in by
+        {m for m in gated_builtins()}
+        - {name for name, _, fid, mem in pairs if fid is not None and mem is not None}
     )
     assert not unrun, f"tests/baseline has no records of {unrun} (in {GATE}): run `make baseline`"
-    for name in gated_builtins():
-        fid, mem = by[(name, "fidelity")], by[(name, "memory")]
+    for name, config, fid_rec, mem_rec in pairs:
+        if fid_rec is None or mem_rec is None or name not in gated_builtins():
+            continue
+        what, fid, mem = (name, config), fid_rec.metrics, mem_rec.metrics
         assert mem["bytes_total"] == sum(
             mem[f"bytes_{c}"] for c in ("codes", "scales", "metadata", "residual", "sinks")
-        ), name
-        assert "attn_kl" in fid or "attn_out_rel_err" in fid, name
-        if name != "full":
-            assert fid["quantized_key_fraction"] >= 0.5, (name, fid["quantized_key_fraction"])
-            assert mem["effective_bits"] < 16, name
+        ), what
+        assert "attn_kl" in fid or "attn_out_rel_err" in fid, what
+        if get_method_class(name).capabilities.evicts:
+            for metrics in (fid, mem):
+                assert 0 < metrics["held_token_fraction"] < 1, (what, metrics)
+            assert bytes_vs_16bit(mem_rec) < 1 and mem["effective_bits"] < 16, what
+            if config["quantizer"]["name"] != "full":
+                assert fid["quantized_key_fraction"] >= 0.5, (what, fid["quantized_key_fraction"])
+        elif name != "full":
+            assert fid["quantized_key_fraction"] >= 0.5, (what, fid["quantized_key_fraction"])
+            assert mem["effective_bits"] < 16, what
 
 
 def test_gate_passes_on_rerun(fresh: Path, capsys: pytest.CaptureFixture) -> None:

@@ -72,6 +72,12 @@ class Block(Protocol):
     ``crop(n) -> Block`` (keep the first n tokens), ``index_batch(idx) -> Block``.
     Built-in blocks also describe what they hold as a typed ``layout``
     (:class:`kvbench.cache.layout.BlockLayout`).
+
+    Optional member ``gather(keep) -> Block``: keep tokens ``keep`` (int64 ``[B, H_kv, K]``,
+    ascending in each row and head, the same ``K`` everywhere) and drop the rest, each kept
+    token dequantizing exactly as before (token eviction, docs/design.md#eviction).  A block
+    without it cannot lose tokens once flushed: the layer cache refuses such an eviction with a
+    ``TypeError`` naming the block type.
     """
 
     @property
@@ -159,6 +165,11 @@ class AffineBlock:
         quantizer settings differ."""
         if len(parts) == 1:
             return parts[0]
+        if any(isinstance(p, IndexedAffineBlock) for p in parts):  # tokens index their rows
+            out = IndexedAffineBlock.of(parts[0])
+            for p in parts[1:]:
+                out = out.cat(p)
+            return out
         p0 = parts[0]
         for p in parts[1:]:
             if (p.bits, p.symmetric, p.midpoint, p.scale.shape[-1]) != (
@@ -186,6 +197,35 @@ class AffineBlock:
             group_len=lens,
         )
 
+    def gather(self, keep: torch.Tensor) -> AffineBlock:
+        """Keep tokens ``keep`` (int64 ``[B, H_kv, K]``, ascending per row and head; the
+        optional :class:`Block` member), each dequantizing exactly as before.
+
+        When every row and head keeps the same tokens (a sliding window), each token group
+        keeps its (scale, zero) and covers its kept tokens (groups left empty are dropped).
+        Otherwise a group's tokens may be kept in one head and dropped in another: the result
+        is an :class:`IndexedAffineBlock` (each kept token indexes its group's (scale, zero)
+        row), whose values are unchanged."""
+        b, h, _, nbytes = self.codes.shape
+        keep = keep.to(self.codes.device)
+        k = keep.shape[2]
+        codes = torch.gather(self.codes, 2, keep[..., None].expand(b, h, k, nbytes))
+        lens = torch.tensor(self.group_len, device=keep.device)
+        if bool((keep == keep[:1, :1]).all()):  # one set of tokens for every row and head
+            group = torch.repeat_interleave(torch.arange(len(lens), device=keep.device), lens)
+            counts = torch.bincount(group[keep[0, 0]], minlength=len(lens))
+            groups = counts.nonzero().flatten()
+
+            def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else own_storage(t.index_select(2, groups.to(t.device)))
+
+            return replace(
+                self, codes=codes, scale=sel(self.scale), zero=sel(self.zero),
+                group_len=counts[groups].tolist(),
+            )  # fmt: skip
+
+        return IndexedAffineBlock.of(self).gather(keep)
+
     def index_batch(self, idx: torch.Tensor) -> AffineBlock:
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
             # per-row metadata follows the codes, a B == 1 cache included (repeat_batch);
@@ -200,6 +240,115 @@ class AffineBlock:
             scale=sel(self.scale),
             zero=sel(self.zero),
         )
+
+
+def _index_dtype(rows: int) -> torch.dtype:
+    """The narrowest signed integer dtype that indexes ``rows`` rows."""
+    return torch.int16 if rows <= torch.iinfo(torch.int16).max else torch.int32
+
+
+@dataclass
+class IndexedAffineBlock(AffineBlock):
+    """Affine codes whose tokens index their (scale, zero) rows: what an eviction leaves of
+    an :class:`AffineBlock` when rows or heads keep different tokens of a token group
+    (docs/design.md#eviction).
+
+    ``scale``, ``zero``: ``[B, H_kv, NG, Dg]``, one row per (row, head) group;
+    ``group_index``: int16 (int32 past 32767 rows) ``[B, H_kv, n]``, the row of each token,
+    counted as ``metadata`` bytes; ``group_len``: the token groups the rows were made for
+    (what :attr:`layout` describes; ``ntokens`` is the codes').  No attention kernel reads
+    this type: the reference path does (``dequantize``)."""
+
+    group_index: torch.Tensor | None = None
+
+    @staticmethod
+    def of(block: AffineBlock) -> IndexedAffineBlock:
+        """``block`` with a row index per token (itself when it has one)."""
+        if isinstance(block, IndexedAffineBlock):
+            return block
+        b, h, n, _ = block.codes.shape
+        lens = torch.tensor(block.group_len, device=block.codes.device)
+        rows = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
+
+        def full(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.expand(b, h, *t.shape[2:]).contiguous()
+
+        return IndexedAffineBlock(
+            block.codes, full(block.scale), full(block.zero), list(block.group_len), block.bits,
+            block.head_dim, block.symmetric, block.midpoint, False,
+            rows.to(_index_dtype(len(lens))).expand(b, h, n).contiguous(),
+        )  # fmt: skip
+
+    def _per_token(self) -> AffineBlock:
+        """The same values as an :class:`AffineBlock` with one (scale, zero) per token."""
+        idx = self.group_index.long()
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.gather(t, 2, idx[..., None].expand(*idx.shape, t.shape[-1]))
+
+        n = self.ntokens
+        return AffineBlock(
+            self.codes, pick(self.scale), pick(self.zero), [1] * n, self.bits, self.head_dim,
+            self.symmetric, self.midpoint,
+        )  # fmt: skip
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._per_token().dequantize(dtype)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [*super().tensors(), ("metadata", self.group_index)]
+
+    def _compact(self, codes: torch.Tensor, index: torch.Tensor) -> IndexedAffineBlock:
+        """This block with ``codes`` and row ``index``, keeping only the rows some token
+        indexes."""
+        used = torch.unique(index.long())
+        remap = torch.full((self.scale.shape[2],), -1, dtype=torch.long, device=index.device)
+        remap[used] = torch.arange(len(used), device=index.device)
+
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else own_storage(t.index_select(2, used.to(t.device)))
+
+        return replace(
+            self, codes=own_storage(codes), scale=sel(self.scale), zero=sel(self.zero),
+            group_index=remap[index.long()].to(_index_dtype(len(used))),
+        )  # fmt: skip
+
+    def gather(self, keep: torch.Tensor) -> IndexedAffineBlock:
+        b, h, _, nbytes = self.codes.shape
+        keep = keep.to(self.codes.device)
+        codes = torch.gather(self.codes, 2, keep[..., None].expand(b, h, keep.shape[2], nbytes))
+        return self._compact(codes, torch.gather(self.group_index, 2, keep))
+
+    def crop(self, n: int) -> IndexedAffineBlock:
+        return self._compact(self.codes[:, :, :n], self.group_index[:, :, :n])
+
+    def cat(self, other: AffineBlock) -> IndexedAffineBlock:
+        o = IndexedAffineBlock.of(other)
+        if (o.bits, o.symmetric, o.midpoint, o.scale.shape[-1]) != (
+            self.bits, self.symmetric, self.midpoint, self.scale.shape[-1]
+        ):  # fmt: skip
+            raise ValueError("cannot concatenate blocks of different quantizer settings")
+        rows = self.scale.shape[2]
+        index = torch.cat([self.group_index.long(), o.group_index.long() + rows], dim=2)
+        return replace(
+            self,
+            codes=torch.cat([self.codes, o.codes], dim=2),
+            scale=torch.cat([self.scale, o.scale], dim=2),
+            zero=None if self.zero is None else torch.cat([self.zero, o.zero], dim=2),
+            group_len=[*self.group_len, *o.group_len],
+            group_index=index.to(_index_dtype(rows + o.scale.shape[2])),
+        )
+
+    def index_batch(self, idx: torch.Tensor) -> IndexedAffineBlock:
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, idx.to(t.device))
+
+        return replace(
+            self, codes=sel(self.codes), scale=sel(self.scale), zero=sel(self.zero),
+            group_index=sel(self.group_index),
+        )  # fmt: skip
 
 
 def affine_layout(

@@ -37,7 +37,7 @@ import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -130,6 +130,48 @@ def _prefill_rows(
     ragged.prefill(layer, keys, values, queries, n)
 
 
+class Evictor(Protocol):
+    """What a layer cache asks when it holds an evictor (``LayerCache.evictor``,
+    docs/design.md#eviction): which held tokens to drop.
+
+    A decision is int64 ``drop [B, H_kv, n]``: indices into the tokens held (sinks, quantized,
+    residual, in the order they were seen), the same ``n`` in every row and KV head, the indices
+    free to differ between heads; :meth:`LayerCache.evict` applies it.  ``None``: drop nothing.
+    Implementations: :mod:`kvbench.cache.eviction`."""
+
+    #: the prefill decision needs the prompt's post-RoPE queries (the layer waits for them)
+    needs_queries: bool
+    #: :meth:`at_step` may drop tokens (a fixed budget while decoding)
+    evicts_at_decode: bool
+    #: the evictor scores by the attention decode steps read (:meth:`observe`)
+    observes_attention: bool
+
+    def check_prompt(self, tokens: int) -> None:
+        """Raise ``ValueError`` naming the config field when a prompt of ``tokens`` tokens
+        cannot meet the budget (before anything is stored)."""
+        ...
+
+    def at_prefill(
+        self, layer: LayerCache, keys: torch.Tensor, queries: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The prompt's drop decision from its held keys ``[B, H_kv, P, D]`` (stored space)
+        and post-RoPE queries ``[B, H_q, P, D]`` (``None`` unless :attr:`needs_queries`)."""
+        ...
+
+    def at_step(self, layer: LayerCache) -> torch.Tensor | None:
+        """A decode step's drop decision, once its tokens are held (``end_step``)."""
+        ...
+
+    def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """A decode step's float32 softmax ``[B, H_q, n_q, T]`` over the held tokens (only
+        called when :attr:`observes_attention`)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-sequence state (the layer was emptied)."""
+        ...
+
+
 @dataclass
 class Side:
     """State of one side (keys or values) of a layer cache.
@@ -172,6 +214,55 @@ class Side:
         ]
         parts = [p.to(dtype) for p in parts if p is not None and p.shape[2] > 0]
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def plan_keep(self, mask: torch.Tensor) -> list[tuple[str, torch.Tensor | None]]:
+        """What keeping the held tokens where ``mask`` (bool ``[B, H_kv, T]``, T tokens held)
+        is True takes, part by part: ``(part, keep)`` with int64 ``keep [B, H_kv, K]``
+        (ascending per row and head) or ``None`` (the part is emptied); parts that keep every
+        token are left out.  Nothing changes; :meth:`keep` applies the plan.
+
+        Each part (sinks, quantized block, residual) must keep the same number of tokens in
+        every row and head (the indices may differ).  Raises ``ValueError`` naming the part
+        otherwise, ``TypeError`` when a quantized block that loses tokens has no ``gather``."""
+        plan: list[tuple[str, torch.Tensor | None]] = []
+        start = 0
+        for name in ("sinks", "block", "residual"):
+            part = getattr(self, name)
+            n = _len(part)
+            m = mask[:, :, start : start + n]
+            start += n
+            if not n or bool(m.all()):
+                continue
+            counts = m.sum(-1)
+            k = int(counts.flatten()[0])
+            if bool((counts != k).any()):
+                raise ValueError(
+                    f"an eviction keeps {int(counts.min())}..{int(counts.max())} of the {n} "
+                    f"{name} tokens across rows and heads; each part must keep the same number "
+                    "in every row and head (kvbench.cache.eviction.choose_drop plans that)"
+                )
+            if name == "block" and k and getattr(part, "gather", None) is None:
+                raise TypeError(
+                    f"{type(part).__name__} has no gather(keep): its quantized tokens cannot be "
+                    "evicted (docs/design.md#eviction)"
+                )
+            b, h = m.shape[:2]
+            plan.append((name, m.nonzero()[:, 2].reshape(b, h, k) if k else None))
+        return plan
+
+    def keep(self, plan: list[tuple[str, torch.Tensor | None]]) -> None:
+        """Apply a :meth:`plan_keep` plan: each part keeps its tokens ``keep``, quantized ones
+        through ``Block.gather`` (their stored form unchanged)."""
+        for name, idx in plan:
+            part = getattr(self, name)
+            if idx is None:
+                setattr(self, name, None)
+            elif name == "block":
+                self.block = part.gather(idx)
+            else:
+                b, h, k = idx.shape
+                idx = idx.to(part.device)[..., None].expand(b, h, k, part.shape[3])
+                setattr(self, name, torch.gather(part, 2, idx))
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         out = [] if self.block is None else list(self.block.tensors())
@@ -238,8 +329,6 @@ class LayerCache:
 
     #: ``None``: attention reads the stored parts; else why it does not (see module docstring)
     reads_transformed: ClassVar[str | None] = None
-    #: the cache wants each attention step's probabilities (:meth:`observe_attention`)
-    observes_attention: ClassVar[bool] = False
     #: the layer's decode updates are the base class's: :meth:`append` stores, :meth:`end_step`
     #: flushes what the side schedules' ``flush_count`` says, and a side's ``flush(n)`` codes
     #: its oldest ``n`` residual tokens from those tokens (and their positions) alone, so
@@ -293,6 +382,10 @@ class LayerCache:
         self.rotation: ChannelRotation | None = None
         self.storage_dtype: torch.dtype | None = None
         self._attending = False  # inside attend(): keys_values() reads the stored space
+        #: the token evictor (:class:`Evictor`, set by an eviction method before any token), or
+        #: ``None``: every token seen stays held
+        self.evictor: Evictor | None = None
+        self._evicted = 0  # tokens dropped so far (the same in every row and head)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (full-precision tokens in the compute dtype) in the dtype the cache stores
@@ -375,6 +468,8 @@ class LayerCache:
         finite.check(keys, values, self, "prefill")  # NaN/Inf policy (kvbench.cache.finite)
         if self.seq_length:
             raise ValueError("prefill() needs an empty cache; use append() for later tokens")
+        if self.evictor is not None:
+            self.evictor.check_prompt(keys.shape[2])
         self.dtype = keys.dtype
         keys, values, queries = (
             self._rot(keys, "keys"),
@@ -401,7 +496,15 @@ class LayerCache:
     def finish_prefill(self, keys: torch.Tensor, queries: torch.Tensor | None) -> None:
         """Hook run once the prefill keys ``[B, H_kv, P, D]`` (and post-RoPE queries, or
         ``None``) are in: prepares the codecs (channel selection) and flushes what the schedules
-        quantize at prefill.  Subclasses that extend it call ``super().finish_prefill``."""
+        quantize at prefill.  Subclasses that extend it call ``super().finish_prefill``.
+
+        With an :attr:`evictor` the prompt's eviction runs first (:meth:`Evictor.at_prefill`),
+        and the codecs are prepared on the keys still held."""
+        if self.evictor is not None:
+            drop = self.evictor.at_prefill(self, keys, queries)
+            if drop is not None:
+                self.evict(drop)
+                keys = self.k.read(self.dtype)
         for side, x in ((self.k, keys), (self.v, None)):
             if side.codec is not None:
                 if x is not None:
@@ -441,6 +544,10 @@ class LayerCache:
         if not self._pending:
             return
         self._pending = False
+        if self.evictor is not None:  # a decode budget drops tokens before the flush
+            drop = self.evictor.at_step(self)
+            if drop is not None:
+                self.evict(drop)
         for side in (self.k, self.v):
             side.flush(side.schedule.flush_count(_len(side.residual)))
 
@@ -462,7 +569,8 @@ class LayerCache:
         R - 1 after a flush; a sliding window of R > 0 values: 0, every step quantizes an older
         token), which assumes :attr:`steady_updates`: a class that clears it gets 0 (one token
         per call: exact, slower), as does a cache that :attr:`observes_attention` or still
-        awaits its prefill queries.  A padded batch: the minimum over its rows."""
+        awaits its prefill queries, or holds an :attr:`evictor` that drops tokens while decoding.
+        A padded batch: the minimum over its rows."""
         if self._rows is not None:
             return min(row.steady_appends(limit) for row in self._rows)
         if (
@@ -470,6 +578,7 @@ class LayerCache:
             or not self.steady_updates
             or self.observes_attention
             or self._awaiting_queries
+            or (self.evictor is not None and self.evictor.evicts_at_decode)
         ):
             return 0
         for side in (self.k, self.v):  # each side looks no further than the other allows
@@ -518,11 +627,19 @@ class LayerCache:
             self._attending = False
         return self._rot(out, "values", back=True)
 
+    @property
+    def observes_attention(self) -> bool:
+        """The cache wants each attention step's probabilities (:meth:`observe_attention`):
+        in the base class when its :attr:`evictor` scores by observed attention (a subclass
+        that observes for itself overrides it)."""
+        return self.evictor is not None and self.evictor.observes_attention
+
     def observe_attention(self, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         """Called by the attention backends with the step's float32 softmax ``probs [B, H_q,
         n_q, T]`` (masked keys 0; ``lengths`` as in :meth:`attend`) when ``observes_attention``
-        is set; the base cache does nothing."""
-        return None
+        is set; the base cache hands it to its evictor (:meth:`Evictor.observe`)."""
+        if self.evictor is not None and self.evictor.observes_attention:
+            self.evictor.observe(self, probs, lengths)
 
     @property
     def kv_shape(self) -> tuple[int, int, int] | None:
@@ -538,10 +655,86 @@ class LayerCache:
 
     @property
     def seq_length(self) -> int:
-        """Tokens held (sinks + quantized + residual); a padded batch: the padded length."""
+        """Tokens held (sinks + quantized + residual), what attention reads; a padded batch: the
+        padded length.  Positions and masks count :attr:`seen_tokens` instead."""
         if self._rows is not None:
             return ragged.seq_length(self)
         return len(self.k)
+
+    @property
+    def seen_tokens(self) -> int:
+        """Tokens stored so far, evicted ones included: the next token's position (int, per
+        row and head; :attr:`seq_length` plus :attr:`evicted_tokens`)."""
+        return self.seq_length + self.evicted_tokens
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens dropped by :meth:`evict` so far (the same in every row and KV head).  Rows
+        cached apart (``prefill(..., lengths=...)``) must have dropped the same number:
+        ``ValueError`` otherwise (one mask offset serves the batch)."""
+        if self._rows is not None:
+            counts = {r.evicted_tokens for r in self._rows}
+            if len(counts) > 1:
+                raise ValueError(
+                    f"the rows of this batch evicted different numbers of tokens {sorted(counts)}"
+                    "; eviction methods take batches of equal prompts (capabilities.padding)"
+                )
+            return counts.pop()
+        return self._evicted
+
+    def part_bounds(self) -> list[int]:
+        """Where the held parts end, as token indices: the sinks' end, then the ends of each
+        side's quantized block and of the held tokens (sorted, distinct): the segments within
+        which :meth:`evict` needs equal drop counts per row and head."""
+        ns = _len(self.k.sinks)
+        ends = {ns, ns + _len(self.k.block), ns + _len(self.v.block), self.seq_length}
+        return sorted(ends)
+
+    def evict(self, drop: torch.Tensor) -> None:
+        """Drop held tokens ``drop`` (int64 ``[B, H_kv, n]``, indices into the held tokens in
+        the order :meth:`keys_values` returns them; the same ``n`` in every row and head, the
+        indices free to differ) from every part that holds them: the full-precision residual
+        and the quantized blocks (``Block.gather``).  Positions do not move:
+        :attr:`seen_tokens` still counts the dropped tokens.
+
+        Raises ``ValueError`` for indices out of range, repeated in a row and head, or naming
+        a full-precision sink (sinks stay held), or when a part would keep different numbers
+        of tokens in different rows or heads; ``TypeError`` for a quantized block without
+        ``gather``."""
+        if self._rows is not None:
+            raise ValueError("evict() does not take a padded batch (cache rows one at a time)")
+        held = self.seq_length
+        b, h = self._bhd[0], self._bhd[1]
+        drop = torch.as_tensor(drop, dtype=torch.long)
+        if drop.dim() != 3 or tuple(drop.shape[:2]) != (b, h):
+            raise ValueError(f"drop must be [B, H_kv, n] = [{b}, {h}, n]; got {tuple(drop.shape)}")
+        n = drop.shape[2]
+        if n == 0:
+            return
+        ns = _len(self.k.sinks)
+        if bool((drop < ns).any()) or bool((drop >= held).any()):
+            raise ValueError(
+                f"drop indices must be in [{ns}, {held}) (the {ns} sinks stay held); got "
+                f"{int(drop.min())}..{int(drop.max())}"
+            )
+        mask = torch.ones(b, h, held, dtype=torch.bool)
+        mask.scatter_(2, drop.cpu(), False)
+        if bool((mask.sum(-1) != held - n).any()):
+            raise ValueError("drop repeats an index within a row and head")
+        plans = [side.plan_keep(mask) for side in (self.k, self.v)]  # all checked, then applied
+        for side, plan in zip((self.k, self.v), plans, strict=True):
+            side.keep(plan)
+        self._evicted += n
+
+    def seen_bytes16(self) -> int:
+        """Bytes a 16-bit cache of every token seen would hold (keys and values, 2 bytes per
+        element): the reference that "bytes vs 16-bit" divides by (docs/design.md#eviction)."""
+        if self._rows is not None:
+            return sum(r.seen_bytes16() for r in self._rows)
+        if self._bhd is None:
+            return 0
+        b, h, d = self._bhd
+        return 2 * 2 * b * h * d * self.seen_tokens
 
     @property
     def row_lengths(self) -> list[int] | None:
@@ -568,6 +761,11 @@ class LayerCache:
         """Keep the first ``max_length`` tokens (negative: drop that many from the end)."""
         if self._rows is not None:
             return ragged.crop(self, max_length)
+        if self._evicted:
+            raise ValueError(
+                f"crop() after an eviction ({self._evicted} tokens dropped): the held tokens are "
+                "no longer a prefix of those seen"
+            )
         n = self.seq_length + max_length if max_length < 0 else max_length
         for side in (self.k, self.v):
             ns, nb = _len(side.sinks), _len(side.block)
@@ -612,6 +810,9 @@ class LayerCache:
             side.sinks = side.block = side.residual = None
         self._pending = self._awaiting_queries = False
         self._bhd = None
+        self._evicted = 0
+        if self.evictor is not None:
+            self.evictor.reset()
 
     # ---------------------------------------------------------------- accounting
     def tensors(self) -> list[tuple[str, str, torch.Tensor]]:

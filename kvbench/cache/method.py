@@ -61,6 +61,10 @@ class Capabilities:
     #: a left-padded batch (prompts of different lengths) gives each row the results of that row
     #: run alone (docs/design.md#padding); False: padded batches are refused, naming the method
     padding: bool = True
+    #: holds fewer tokens than it saw (token eviction, docs/design.md#eviction): the layer
+    #: cache's ``seq_length`` falls below its ``seen_tokens``; workloads compare what it holds
+    #: with every token seen and record ``held_token_fraction``
+    evicts: bool = False
 
     def to_dict(self) -> dict[str, bool]:
         return dataclasses.asdict(self)

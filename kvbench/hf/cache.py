@@ -183,7 +183,7 @@ class KVBenchLayer(CacheLayerMixin):
         stored = prefill and owner.prefill_stored  # the prompt attends to the stored cache
         attend = owner.attend and (stored or not prefill)
         b, _, n, _ = key_states.shape
-        mask = padding.current(b, lc.seq_length + n)
+        mask = padding.current(b, lc.seen_tokens + n)
         if prefill:
             lengths = None
             if mask is not None:
@@ -201,9 +201,9 @@ class KVBenchLayer(CacheLayerMixin):
                 keys, values = lc.keys_values()
                 stored = False  # read here; the attention function needs not read it again
         else:
-            held = lc.seq_length
+            held = lc.seen_tokens  # the 2-D mask counts every token seen (evicted ones too)
             rows = lc.row_lengths
-            pads = [0] * b if rows is None else [held - r for r in rows]
+            pads = [0] * b if rows is None else [lc.seq_length - r for r in rows]
             padding.check_decode(mask, pads, held, n)
             if lc.awaiting_queries:
                 raise ValueError(
@@ -262,14 +262,19 @@ class KVBenchLayer(CacheLayerMixin):
             lc.provide_queries(queries)
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones.
-        Accepts the query length or (older transformers) ``cache_position``."""
+        """``(kv_length, kv_offset)`` for the mask: all held tokens plus the new ones, offset
+        by the tokens evicted (docs/design.md#eviction): held key ``j`` gets mask position
+        ``j + evicted``, so the new tokens sit at their positions and every held token is
+        before them.  Accepts the query length or (older transformers) ``cache_position``."""
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
-        return self.get_seq_length() + int(query_length), 0
+        lc = self.layer_cache
+        held, evicted = (0, 0) if lc is None else (lc.seq_length, lc.evicted_tokens)
+        return held + int(query_length), evicted
 
     def get_seq_length(self) -> int:
-        return 0 if self.layer_cache is None else self.layer_cache.seq_length
+        """Tokens seen (evicted ones included): the next token's position."""
+        return 0 if self.layer_cache is None else self.layer_cache.seen_tokens
 
     def get_max_length(self) -> int:
         return -1
@@ -338,7 +343,8 @@ class QuantizedKVCache(Cache):
     method_config : config fields when ``method`` is a name (copied, never modified).
     attend : route decode attention through ``layer_cache.attend(query)`` (the kernel path)
         instead of sdpa over the returned K/V.  Forced on for methods whose capabilities say
-        they have no ``keys_values``.  Needs ``attn_implementation="kvbench"``.
+        they have no ``keys_values`` and for eviction methods that score by the attention
+        decode steps read (``method.observes_attention``, docs/design.md#eviction).  Needs ``attn_implementation="kvbench"``.
     rows_apart : cache every row of a batch alone even when the batch has no padding, so that
         methods with cross-row statistics (per-tensor scales) give each row the results of the
         row run alone, as a padded batch does (docs/design.md#padding).  Batched workloads set
@@ -389,7 +395,9 @@ class QuantizedKVCache(Cache):
             )
         self.method = method
         self.method_name = method.name or type(method).__name__
-        self.attend = bool(attend) or not method.capabilities.keys_values
+        # an evictor that scores by observed attention reads it on the attend path only
+        observes = getattr(method, "observes_attention", False)
+        self.attend = bool(attend) or not method.capabilities.keys_values or observes
         if self.attend and "sliding_attention" in types:
             raise ValueError(
                 "the attend path (attend=True, or a method without keys_values) ignores sliding "

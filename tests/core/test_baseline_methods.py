@@ -30,6 +30,7 @@ CAPABILITIES = {
     "reconstruction",
     "layer_cache",
     "padding",
+    "evicts",
 }
 F32 = torch.float32
 

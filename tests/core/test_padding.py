@@ -29,10 +29,14 @@ DROP = ("value_bits", "bits", "num_sink_tokens")
 
 
 def builtin_layer_methods() -> list[str]:
+    """Built-in methods with kvbench layer caches, evicting ones excepted (they refuse padded
+    batches, docs/design.md#eviction)."""
     return sorted(
         r["name"]
         for r in kvbench.list_methods()
-        if r["distribution"] == "kvbench" and r["capabilities"].get("layer_cache", True)
+        if r["distribution"] == "kvbench"
+        and r["capabilities"].get("layer_cache", True)
+        and not r["capabilities"].get("evicts", False)
     )
 
 

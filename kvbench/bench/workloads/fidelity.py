@@ -4,6 +4,14 @@ metrics as docs/design.md#fidelity-metrics.  ``quantized_key_fraction`` is the s
 key tokens the cache holds quantized at the end (0 when the context never filled a group beyond
 the residual window: the runner flags such runs).
 
+An evicting method (``capabilities.evicts``, docs/design.md#eviction) holds fewer than the T
+tokens, so its K/V cannot be compared token by token: each of the T - P tokens after the prefill
+is appended and its query attends to what the cache holds (``LayerCache.attend``, which also
+hands the attention to evictors that score by it), and ``attn_out_rel_err`` compares those
+outputs with exact attention over every token seen; ``held_token_fraction`` is the share of the
+T tokens held at the end, ``quantized_key_fraction`` the share of the held keys quantized and
+the effective bits count the bytes held against the T tokens seen.
+
 Parameters: ``text`` (kvbench.data.loaders name, default ``essays``), ``tokens`` (T, 2048), ``prefill``
 (P, 1024), ``layers`` (``all`` or a list of layer indices), ``window`` (which non-overlapping
 T-token window of the text, default 0), ``source`` (``model``, or ``synthetic``: seeded Gaussian
@@ -52,6 +60,38 @@ def replay(
     return layer
 
 
+def evicted_fidelity(
+    method: Method,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefill: int,
+    scaling: float | None = None,
+) -> dict[str, float]:
+    """Fidelity metrics of one layer of an evicting method (module docstring): prefill P tokens
+    with their queries, then per token append, attend with its query ``[B, H_q, 1, D]``, end
+    the step.  Shapes ``[B, H, T, D]``."""
+    layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
+    layer.prefill(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
+    outs = []
+    for t in range(prefill, k.shape[2]):
+        layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(layer.attend(q[:, :, t : t + 1], scaling))
+        layer.end_step()
+    exact = reference_attention(q.double(), k.double(), v.double(), scaling)[:, :, prefill:]
+    approx = torch.cat(outs, 2).double()
+    nb = layer.nbytes()
+    elems = k.numel()
+    return {
+        "attn_out_rel_err": ((exact - approx).norm() / exact.norm()).item(),
+        "held_token_fraction": layer.seq_length / layer.seen_tokens,
+        "quantized_key_fraction": layer.quantized_tokens()[0] / max(layer.seq_length, 1),
+        "effective_key_bits": 8 * nb["key_total"] / elems,
+        "effective_value_bits": 8 * nb["value_total"] / elems,
+    }
+
+
 def layer_fidelity(
     method: Method,
     layer_idx: int,
@@ -62,6 +102,8 @@ def layer_fidelity(
     scaling: float | None = None,
 ) -> dict[str, float]:
     """Fidelity metrics of one layer (see the module docstring)."""
+    if method.capabilities.evicts:
+        return evicted_fidelity(method, layer_idx, q, k, v, prefill, scaling)
     layer = replay(method, layer_idx, q, k, v, prefill)
     out: dict[str, float] = {}
     if method.capabilities.keys_values:
@@ -88,6 +130,7 @@ class Fidelity(Workload):
         "attn_kl": LOWER,
         "attn_out_rel_err": LOWER,
         "quantized_key_fraction": NONE,  # what the run covered, not a quality
+        "held_token_fraction": NONE,  # evicting methods: tokens held / tokens seen
     }
     LIST_PARAMS = frozenset({"layers"})
     SOURCE_PARAMS = KV_SOURCE_PARAMS

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from kvbench.bench.context import Capture, RunContext
-from kvbench.bench.metrics import LOWER, STORAGE_METRICS
+from kvbench.bench.metrics import LOWER, NONE, STORAGE_METRICS
 from kvbench.bench.synthetic_kv import QKV, channel_gaussian_qkv
 from kvbench.cache.method import STORAGE_DTYPES, Method
 from kvbench.fields import Field
@@ -214,7 +214,7 @@ def whole_cache(metrics: dict[str, float], measured: int, num_layers: int) -> di
 
 class Memory(Workload):
     type = "memory"
-    METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER}
+    METRICS = {**STORAGE_METRICS, "analytic_bits": LOWER, "held_token_fraction": NONE}
     needs_model = False  # ``source: synthetic`` runs without one
     accepts_random_weights = True  # a shape model: K/V of its shape (rope-outliers)
     shape_forward = False  # only the config is read (meta device)
@@ -377,7 +377,9 @@ class Memory(Workload):
             r.prefill(k[:, :, :p], v[:, :, :p], self._prefill_queries(method, idx, q, p, r))
             for t in range(p, d - 1):
                 kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
-                if t == d - 2:  # the step before the measured one reads too (warms kernels)
+                # the step before the measured one reads too (warms kernels); an evicting
+                # method's every step reads (its decode evictions may score by that attention)
+                if t == d - 2 or method.capabilities.evicts:
                     r.step(kt, vt, q[:, :, t - q0 : t - q0 + 1])
                 else:  # earlier steps: store and flush, no read (nothing at rest changes)
                     r.store(kt, vt)
@@ -398,7 +400,8 @@ class Memory(Workload):
             metrics["cuda_bytes_total"] = torch.cuda.memory_allocated(dev) - base
             metrics["cuda_peak_bytes"] = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
         metrics.update(self._bytes(method, caches, inputs, peaks))
-        metrics.update(self._errors(caches, inputs))
+        if not method.capabilities.evicts:  # it holds fewer tokens: no token-wise error
+            metrics.update(self._errors(caches, inputs))
         metrics.update(whole_cache(metrics, len(caches), self.num_layers))
         per_layer = {
             "layers": self.layer_ids,
@@ -474,6 +477,15 @@ class Memory(Workload):
         m["bytes_key_total"], m["bytes_value_total"] = side_total["key"], side_total["value"]
         m["bytes_total"] = side_total["key"] + side_total["value"]
         elems = sum(k.numel() for _, k, _ in inputs)  # per side; K and V have one shape
+        held = elems  # elements held per side: fewer for an evicting method
+        if method.capabilities.evicts:
+            frac = sum(c.layer.seq_length for c in caches) / sum(
+                c.layer.seen_tokens for c in caches
+            )
+            m_held = {"held_token_fraction": frac}
+            held = elems * frac
+        else:
+            m_held = {}
         # bits of a full-precision element as stored: the config's storage_dtype, else as computed
         storage = method.config.storage_dtype
         el_bits = 8 * (STORAGE_DTYPES[storage].itemsize if storage else inputs[0][1].element_size())
@@ -488,10 +500,11 @@ class Memory(Workload):
         for side, terms in (("key", nominal["key_terms"]), ("value", nominal["value_terms"])):
             fp_bytes = by.get((side, "residual"), 0) + by.get((side, "sinks"), 0)
             fp_elems = fp_bytes * 8 / el_bits
-            q_elems = max(elems - fp_elems, 0)
+            q_elems = max(held - fp_elems, 0)
             m[f"analytic_{side}_bits"] = (q_elems * per_element_bits(terms) + fp_bytes * 8) / elems
         m["analytic_bits"] = (m["analytic_key_bits"] + m["analytic_value_bits"]) / 2
         m["peak_step_bytes"] = max(peaks)
+        m.update(m_held)
         return m
 
     def error_rows(self, batch: int) -> int | None:
