@@ -1,7 +1,7 @@
 """kvpress's own presses on kvbench's default model and text: the token indices each press keeps,
 per layer and KV head, for a cross-check of kvbench's evictors (docs/results/kvpress-crosscheck.md).
 
-Two commands::
+Three commands (``kvbench`` below)::
 
     # in an environment where kvpress imports (the doc's command block builds one)
     python benchmarks/kvpress_indices.py run --out results/kvpress_indices
@@ -47,6 +47,24 @@ JSON format (``FORMAT``)::
                "prompt": "essays-1024-0", "tokens": 1024, "n_kept": 512,
                "kept": [[[0, 1, ...], ...per KV head], ...per layer]}]}
 
+``kvbench`` runs kvbench's own evictors (the registered methods of :data:`KVBENCH_METHODS`,
+``keep_ratio = 1 - compression_ratio`` and kvpress's defaults) on the prompts of a kvpress file::
+
+    HF_HUB_OFFLINE=1 python benchmarks/kvpress_indices.py kvbench results/kvpress_indices.json \
+        --out results/kvbench_kept
+
+It loads the default model with kvbench's loader (float32, CPU), cuts the reference's prompts
+again (``token_windows``, window ``i`` of a length starts at ``i * length``) and refuses
+(``ValueError``) a prompt whose start or ``tokens_sha256`` differs; runs each prompt once
+through the model (:func:`kvbench.hf.capture.capture_prompt`, kvbench's attention) and prefills
+a :class:`~kvbench.hf.cache.QuantizedKVCache` of each method and ratio from that capture
+(``prefill_from``: what the model's own prefill through the cache stores, as kvbench's
+workloads do).  Each layer's evictor is wrapped to record its drop decision and its prefill
+scores; the kept indices are the complement of the drop, checked against the keys the layer
+holds (``RuntimeError`` otherwise).  It writes ``--out``.json (this format, ``"source":
+"kvbench"``, runs named by ``method`` and ``keep_ratio``) and ``--out``.npz (the evictor's
+scores, float32 ``[layers, kv_heads, tokens]`` per run key).
+
 A kvbench evictor's file uses the same layout; its runs may name ``method`` and ``keep_ratio``
 (kvbench's names, :data:`METHOD_TO_PRESS`; ``compression_ratio = 1 - keep_ratio``) instead of
 ``press`` and ``compression_ratio``.  :func:`compare` matches runs by (press, ratio, prompt) and
@@ -85,6 +103,24 @@ METHOD_TO_PRESS = {
     "tova": "tova",
     "h2o": "observed_attention",
     "observed-attention": "observed_attention",
+}
+#: kvpress press -> (kvbench method name, its config besides ``keep_ratio``): kvpress 0.5.5's
+#: defaults in kvbench's field names (h2o's ``recent_ratio`` acts at decode only)
+KVBENCH_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "snapkv": ("snapkv", {"window_size": 64, "kernel_size": 5}),
+    "streamingllm": ("streamingllm", {"n_sink": 4}),
+    "knorm": ("knorm", {}),
+    "tova": ("tova", {}),
+    "observed_attention": ("h2o", {}),
+}
+#: kvbench method name -> the class its ``kvbench.methods`` entry point names (pyproject.toml),
+#: imported directly so an environment installed before the evictors' entry points runs them
+KVBENCH_CLASSES = {
+    "snapkv": "kvbench.methods.snapkv:SnapKV",
+    "streamingllm": "kvbench.methods.streamingllm:StreamingLLM",
+    "knorm": "kvbench.methods.knorm:Knorm",
+    "tova": "kvbench.methods.tova:TOVA",
+    "h2o": "kvbench.methods.h2o:H2O",
 }
 
 
@@ -415,6 +451,207 @@ def run(
     return data
 
 
+# ---------------------------------------------------------------- running kvbench's evictors
+
+
+def evictor_kept(
+    model: Any, captured: Any, method: str, config: Mapping[str, Any]
+) -> tuple[list[list[list[int]]], Any]:
+    """The token indices kvbench's eviction method ``method`` (a name of
+    :data:`KVBENCH_CLASSES`, ``config`` its fields) keeps per layer and KV head when a cache of it is prefilled from ``captured`` (a
+    :class:`kvbench.hf.capture.CapturedQKV` of one prompt, batch 1, model dtype).
+
+    Returns ``(kept, scores)``: ``kept[layer][head]`` ascending ints; ``scores`` float32
+    ``[layers, kv_heads, tokens]``, the evictor's last prefill scores (NaN for a layer that
+    kept every token without scoring).
+
+    Raises
+    ------
+    RuntimeError
+        A batch other than 1, or a layer whose held keys are not the prompt's keys at the kept
+        indices (the recorded decision is not the one the cache applied).
+    """
+    import importlib
+
+    import torch
+
+    from kvbench.hf.cache import QuantizedKVCache
+
+    module, cls_name = KVBENCH_CLASSES[method].split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    m = cls(cls.Config.from_dict(dict(config), where=f"method {method!r}"))  # as get_method
+    m.name = method
+    drops: dict[int, torch.Tensor | None] = {}
+    scores: dict[int, torch.Tensor] = {}
+    make = m.evictor
+
+    def evictor(layer_idx: int) -> Any:
+        ev = make(layer_idx)
+        at_prefill, prefill_scores = type(ev).at_prefill, type(ev).prefill_scores
+
+        def scored(keys: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
+            s = prefill_scores(ev, keys, queries)
+            scores[layer_idx] = s[0].detach().float().cpu()
+            return s
+
+        def recorded(layer: Any, keys: torch.Tensor, queries: torch.Tensor | None) -> Any:
+            drop = at_prefill(ev, layer, keys, queries)
+            drops[layer_idx] = drop
+            return drop
+
+        ev.prefill_scores, ev.at_prefill = scored, recorded
+        return ev
+
+    m.evictor = evictor  # an instance attribute: the class is left untouched
+    cache = QuantizedKVCache(m, model)
+    cache.prefill_from(captured)
+    kept: list[list[list[int]]] = []
+    rows = []
+    for i, keys in zip(captured.layer_ids, captured.keys):
+        b, h, t, _ = keys.shape
+        if b != 1 or i not in drops:
+            raise RuntimeError(f"layer {i}: expected one prefill decision on a batch of 1")
+        keep = torch.ones(h, t, dtype=torch.bool)
+        if drops[i] is not None:
+            keep.scatter_(1, drops[i][0].cpu(), False)
+        idx = [torch.nonzero(keep[j]).flatten() for j in range(h)]
+        held = cache.layer_caches()[i].keys_values()[0][0].cpu()
+        want = torch.stack([keys[0, j].cpu()[idx[j]] for j in range(h)])
+        if not torch.equal(held.to(want.dtype), want):
+            raise RuntimeError(f"layer {i}: the held keys are not the prompt's at the kept indices")
+        kept.append([x.tolist() for x in idx])
+        rows.append(scores.get(i, torch.full((h, t), float("nan"))))
+    return kept, torch.stack(rows)
+
+
+def reference_prompts(reference: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The reference's prompts (``essays`` windows) cut again with ``tokenizer``:
+    ``{prompt id: LongTensor [1, length]}``.
+
+    Raises ``ValueError`` for a prompt of another text, or whose start or ``tokens_sha256``
+    differs from the reference's (other tokens: the indices would not be comparable)."""
+    from kvbench.data.loaders import load_text, token_windows
+
+    text, _ = load_text("essays")
+    by_length: dict[int, list[Mapping[str, Any]]] = {}
+    for p in reference["prompts"]:
+        if p.get("text") != "essays":
+            raise ValueError(f"prompt {p['id']!r}: text {p.get('text')!r}, only 'essays' is cut")
+        by_length.setdefault(int(p["length"]), []).append(p)
+    out = {}
+    for length, ps in sorted(by_length.items()):
+        index = {p["id"]: int(p["id"].rsplit("-", 1)[1]) for p in ps}
+        wins, info = token_windows(tokenizer, text, length, max(index.values()) + 1)
+        for p in ps:
+            i = index[p["id"]]
+            sha = hashlib.sha256(wins[i].numpy().tobytes()).hexdigest()
+            if info["starts"][i] != p["start"] or sha != p["tokens_sha256"]:
+                raise ValueError(
+                    f"prompt {p['id']!r}: start {info['starts'][i]} / tokens_sha256 {sha} here, "
+                    f"{p['start']} / {p['tokens_sha256']} in the reference: other tokens"
+                )
+            out[p["id"]] = wins[i : i + 1]
+    return out
+
+
+def kvbench_file(
+    model: Any,
+    prompts: Sequence[Mapping[str, Any]],
+    ids_of: Mapping[str, Any],
+    wanted: Sequence[tuple[str, float]],
+    out: Path,
+    model_id: str,
+    model_path: str | None = None,
+) -> dict[str, Any]:
+    """kvbench's evictors (:data:`KVBENCH_METHODS`) on ``model`` for every prompt of
+    ``prompts`` (the reference's entries; ``ids_of[id]`` its LongTensor ``[1, T]``) and every
+    ``(press, compression_ratio)`` of ``wanted``; writes ``out``.json (:data:`FORMAT`) and
+    ``out``.npz (scores) and returns the JSON's dict.  ``ValueError`` for a press without a
+    kvbench method."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from kvbench.hf.capture import capture_prompt
+
+    unknown = sorted({p for p, _ in wanted} - set(KVBENCH_METHODS))
+    if unknown:
+        raise ValueError(f"presses {unknown} have no kvbench method; known: {KVBENCH_METHODS}")
+    cfg = model.config
+    runs, scores = [], {}
+    for p in prompts:
+        pid, ids = p["id"], ids_of[p["id"]]
+        t0 = time.perf_counter()
+        captured = capture_prompt(model, ids).captured
+        print(f"{pid}: captured in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for press, ratio in wanted:
+            method, params = KVBENCH_METHODS[press]
+            keep_ratio = ratio_key(1.0 - ratio)
+            t0 = time.perf_counter()
+            kept, sc = evictor_kept(model, captured, method, {"keep_ratio": keep_ratio, **params})
+            key = f"{method}|{keep_ratio:g}|{pid}"
+            runs.append(
+                {
+                    "key": key,
+                    "method": method,
+                    "params": params,
+                    "keep_ratio": keep_ratio,
+                    "prompt": pid,
+                    "tokens": ids.shape[1],
+                    "n_kept": len(kept[0][0]),
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "kept": kept,
+                }
+            )
+            scores[key] = sc.numpy().astype(np.float32)
+            print(f"{key}: kept {runs[-1]['n_kept']} of {ids.shape[1]}", file=sys.stderr)
+    data = {
+        "format": FORMAT,
+        "source": "kvbench",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "attn_implementation": "kvbench",
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "model": {
+            "id": model_id,
+            "path": model_path,
+            "layers": cfg.num_hidden_layers,
+            "kv_heads": cfg.num_key_value_heads,
+            "head_dim": getattr(cfg, "head_dim", None)
+            or cfg.hidden_size // cfg.num_attention_heads,
+        },
+        "prompts": list(prompts),
+        "scores_file": f"{out.name}.npz",
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    np.savez_compressed(f"{out}.npz", **scores)
+    return data
+
+
+def run_kvbench(
+    reference: Mapping[str, Any],
+    out: Path,
+    model_spec: str | None = None,
+    presses: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """kvbench's evictors on ``reference``'s prompts and ratios with the model ``model_spec``
+    (default kvbench's default model, float32, CPU; module docstring): :func:`kvbench_file`
+    after :func:`reference_prompts`.  ``presses``: a subset of the reference's (default all)."""
+    from kvbench.hf.models import DEFAULT_MODEL, load_model
+
+    spec = model_spec or DEFAULT_MODEL
+    model, tok, info = load_model(spec, dtype="float32", device="cpu")
+    ids_of = reference_prompts(reference, tok)
+    wanted = sorted({run_id(r)[:2] for r in reference["runs"]})
+    if presses is not None:
+        wanted = [w for w in wanted if w[0] in presses]
+    return kvbench_file(
+        model, reference["prompts"], ids_of, wanted, out, spec, str(info.get("path"))
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -429,7 +666,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("reference", type=Path)
     c.add_argument("candidate", type=Path)
     c.add_argument("--json", action="store_true", help="print the rows as JSON")
+    k = sub.add_parser("kvbench", help="kvbench's evictors on a kvpress file's prompts")
+    k.add_argument("reference", type=Path, help="a kvpress file written by run")
+    k.add_argument("--out", type=Path, required=True, help="output path without suffix")
+    k.add_argument("--model", default=None, help="model spec (default: kvbench's default)")
+    k.add_argument("--presses", nargs="+", default=None, choices=list(KVBENCH_METHODS))
     args = ap.parse_args(argv)
+    if args.cmd == "kvbench":
+        if args.out.suffix == ".json":
+            args.out = args.out.with_suffix("")
+        run_kvbench(load(args.reference), args.out, args.model, args.presses)
+        print(f"{args.out}.json")
+        return 0
     if args.cmd == "run":
         if args.out.suffix == ".json":
             args.out = args.out.with_suffix("")

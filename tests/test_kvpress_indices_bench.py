@@ -175,3 +175,95 @@ def test_record_gives_the_gathered_indices() -> None:
     for h in range(2):
         assert torch.equal(k_out[0, h].sort(dim=0).values, keys[0, h, want[h]].sort(dim=0).values)
     assert got["scores"][1].shape == (2, 10)
+
+
+# ---------------------------------------------------------------- kvbench's evictors
+
+
+def _toy_prompt(t: int = 96):
+    import hashlib
+
+    import torch
+
+    ids = torch.randint(0, 96, (1, t), generator=torch.Generator().manual_seed(3))
+    sha = hashlib.sha256(ids[0].numpy().tobytes()).hexdigest()
+    return {"id": "toy-0", "text": "essays", "length": t, "start": 0, "tokens_sha256": sha}, ids
+
+
+def test_kvbench_file_reads_back_through_compare(tmp_path: Path) -> None:
+    """Every evictor's kept indices on a tiny Llama, written in the kept-indices format, read by
+    ``load`` and ``compare``: against a kvpress-named copy of themselves every set is equal;
+    a changed set and a differing prompt hash are seen."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_lm import toy_llama
+
+    b = _bench()
+    prompt, ids = _toy_prompt()
+    wanted = [(press, r) for press in b.KVBENCH_METHODS for r in (0.25, 0.75)]
+    out = tmp_path / "kvbench_kept"
+    b.kvbench_file(toy_llama(), [prompt], {"toy-0": ids}, wanted, out, "toy")
+    cand = b.load(f"{out}.json")
+    assert cand["source"] == "kvbench" and (tmp_path / "kvbench_kept.npz").is_file()
+    assert len(cand["runs"]) == len(wanted)
+    for run in cand["runs"]:
+        assert len(run["kept"]) == 2 and all(len(h) == run["n_kept"] for h in run["kept"][0][:1])
+        assert run["n_kept"] == int(96 * run["keep_ratio"])
+    ref = json.loads(json.dumps(cand))
+    for run in ref["runs"]:
+        run["press"], run["compression_ratio"] = b.run_id(run)[:2]
+        del run["method"], run["keep_ratio"]
+    rows = b.compare(ref, cand)
+    assert [(r["press"], r["compression_ratio"]) for r in rows] == sorted(wanted)
+    assert all(r["equal"] == 1.0 and r["min_jaccard"] == 1.0 and r["missing"] == 0 for r in rows)
+    # streamingllm keeps the 4 sinks and the newest tokens, the same in every head
+    stream = next(
+        r for r in cand["runs"] if r["method"] == "streamingllm" and r["keep_ratio"] == 0.25
+    )
+    assert stream["kept"][0][0] == [0, 1, 2, 3] + list(range(96 - 20, 96))
+    ref["runs"][0]["kept"][0][0] = list(range(len(ref["runs"][0]["kept"][0][0])))
+    ref["prompts"][0]["tokens_sha256"] = "00"
+    with pytest.raises(ValueError, match="tokens_sha256"):
+        b.compare(ref, cand)
+
+
+def test_kvbench_knorm_keeps_what_float64_norms_keep() -> None:
+    """knorm's kept indices equal the ``int(T * keep_ratio)`` smallest float64 L2 norms of the
+    keys the model's own prefill stores in a transformers ``DynamicCache``."""
+    import torch
+    from transformers import DynamicCache
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_lm import toy_llama
+
+    from kvbench.hf.cache import cache_kwarg
+    from kvbench.hf.capture import capture_prompt
+
+    b = _bench()
+    model = toy_llama()
+    _, ids = _toy_prompt(80)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **cache_kwarg(ref, model), use_cache=True)
+    captured = capture_prompt(model, ids).captured
+    for keep_ratio in (0.25, 0.5, 0.75):
+        kept, scores = b.evictor_kept(model, captured, "knorm", {"keep_ratio": keep_ratio})
+        n = int(80 * keep_ratio)
+        for layer in range(2):
+            keys = ref.layers[layer].keys[0].double()  # [H_kv, T, D]
+            norms = keys.pow(2).sum(-1).sqrt()
+            want = torch.topk(-norms, n, dim=-1).indices.sort(-1).values.tolist()
+            assert kept[layer] == want, (keep_ratio, layer)
+            assert torch.allclose(scores[layer].double(), -norms, rtol=1e-6)
+
+
+def test_kvbench_refuses_other_tokens() -> None:
+    b = _bench()
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(5000))}
+
+    ref = {"prompts": [{"id": "essays-64-0", "text": "essays", "length": 64, "start": 0,
+                        "tokens_sha256": "00"}]}  # fmt: skip
+    with pytest.raises(ValueError, match="other tokens"):
+        b.reference_prompts(ref, Tok())
