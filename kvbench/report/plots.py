@@ -512,7 +512,9 @@ def _figure(
     )
     better = f"{'upper' if higher else 'lower'}-left is better"
     lines = [*title[:1], f"filled: Pareto frontier, hollow: dominated; {better}", *title[1:]]
-    fig.suptitle("\n".join(textwrap.fill(t, 150) for t in lines), fontsize=9)
+    fig.suptitle(
+        "\n".join(textwrap.fill(t, 150, break_on_hyphens=False) for t in lines), fontsize=9
+    )
     fig.canvas.draw()  # the layout, then freeze it: labels go where the axes now are
     fig.set_layout_engine("none")
     for ax, d in drawn:
@@ -784,7 +786,12 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
         xlabel="context depth (tokens)",
         ylabel=f"{NAMES.get(y, y)}\n{describe(recs[0], drop=('context',))}",
     )
-    fig.suptitle(textwrap.fill(head, 150) + "\n" + textwrap.fill(line, 150), fontsize=9)
+    fig.suptitle(
+        textwrap.fill(head, 150, break_on_hyphens=False)
+        + "\n"
+        + textwrap.fill(line, 150, break_on_hyphens=False),
+        fontsize=9,
+    )
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
     return fig
 
