@@ -7,8 +7,10 @@ Two outside figures, both from llama.cpp's own tools on this machine:
   prefill of ``-d`` tokens (``-p 0``), flash attention on (``-fa 1``: llama.cpp quantizes V only
   under it), cache types ``-ctk T -ctv T`` for T in f16, q8_0, q4_0.  The cache types run in
   interleaved rounds: round r runs every type once (rotating which goes first), one
-  ``llama-bench -r 1`` per (type, depth) with every thread count of ``--threads`` in that call
-  (llama-bench keeps the prefilled depth for the later thread counts of one call).  A step's
+  ``llama-bench -r REPS`` per (type, depth) with every thread count of ``--threads`` in that
+  call (llama-bench prefills the depth once per call, with the first thread count, and restores
+  that state before each repetition and for the later thread counts); repetition i of round r
+  is sample ``r * REPS + i``, paired with f16's sample of the same number.  A step's
   time is ``1 / tg t/s``; the ratio quantized / f16 is the median over rounds of the
   quantized type's step over the median of f16's, with a paired percentile bootstrap 95%
   interval over the rounds (:func:`kvbench.bench.metrics.paired_ratio_ci`, the latency
@@ -27,7 +29,7 @@ Command (paths to the built tools and the F32 GGUF that ``benchmarks/llama_cpp_k
 
     python benchmarks/llama_cpp_speed.py --bench build/bin/llama-bench \\
         --backend-ops build/bin/test-backend-ops --model SmolLM2-135M-Instruct.F32.gguf \\
-        --depths 1024 4096 8192 --threads 1 2 --rounds 5 \\
+        --depths 1024 4096 8192 --threads 2 1 --rounds 2 --reps 3 \\
         --kvbench results/decode_step_t1.json results/decode_step_t2.json \\
         --out results/llama_cpp_speed
 
@@ -58,35 +60,55 @@ KVBENCH_CONFIG = {"f16": "full-fp16", "q8_0": "int8-block-llama", "q4_0": "int4-
 
 
 def bench_command(
-    binary: str, model: str, ctype: str, depth: int, threads: Sequence[int], n_gen: int
+    binary: str,
+    model: str,
+    ctype: str,
+    depth: int,
+    threads: Sequence[int],
+    n_gen: int,
+    reps: int = 1,
 ) -> list[str]:
-    """The ``llama-bench`` command line of one (cache type, depth) call."""
+    """The ``llama-bench`` command line of one (cache type, depth) call: ``reps`` timed
+    generations, each from the same prefilled depth (llama-bench prefills once per call and
+    restores that state before every repetition)."""
     return [
         binary, "-m", model, "-ctk", ctype, "-ctv", ctype, "-fa", "1", "-p", "0",
-        "-n", str(n_gen), "-d", str(depth), "-t", ",".join(map(str, threads)), "-r", "1",
+        "-n", str(n_gen), "-d", str(depth), "-t", ",".join(map(str, threads)), "-r", str(reps),
         "-o", "json",
     ]  # fmt: skip
 
 
 def parse_bench(stdout: str) -> list[dict]:
-    """``[{"threads", "depth", "type_k", "type_v", "tg_ts", "ns"}]`` of llama-bench's ``-o json``
-    output (a JSON list of test objects; ``avg_ts`` is tokens per second, ``avg_ns`` the
-    whole generation's time in ns).  ``ValueError`` when the output holds no JSON list."""
+    """``[{"threads", "depth", "type_k", "type_v", "n_gen", "rep", "tg_ts", "ns"}]`` of
+    llama-bench's ``-o json`` output (a JSON list of test objects), one entry per repetition:
+    ``samples_ts`` / ``samples_ns`` (tokens per second, the whole generation's ns) of each
+    repetition where the object has them, else its ``avg_ts`` / ``avg_ns`` as repetition 0.
+    ``ValueError`` when the output holds no JSON list."""
     start, end = stdout.find("["), stdout.rfind("]")
     if start < 0 or end < start:
         raise ValueError(f"llama-bench printed no JSON list: {stdout[:200]!r}")
-    return [
-        {
-            "threads": int(t["n_threads"]),
-            "depth": int(t["n_depth"]),
-            "type_k": t["type_k"],
-            "type_v": t["type_v"],
-            "n_gen": int(t["n_gen"]),
-            "tg_ts": float(t["avg_ts"]),
-            "ns": int(t["avg_ns"]),
-        }
-        for t in json.loads(stdout[start : end + 1])
-    ]
+    out = []
+    for t in json.loads(stdout[start : end + 1]):
+        ts = t.get("samples_ts") or [t["avg_ts"]]
+        ns = t.get("samples_ns") or [t["avg_ns"]]
+        if len(ts) != len(ns):
+            raise ValueError(
+                f"llama-bench samples_ts ({len(ts)}) and samples_ns ({len(ns)}) differ"
+            )
+        out += [
+            {
+                "threads": int(t["n_threads"]),
+                "depth": int(t["n_depth"]),
+                "type_k": t["type_k"],
+                "type_v": t["type_v"],
+                "n_gen": int(t["n_gen"]),
+                "rep": i,
+                "tg_ts": float(a),
+                "ns": int(b),
+            }
+            for i, (a, b) in enumerate(zip(ts, ns, strict=True))
+        ]
+    return out
 
 
 def ratio_row(method_ms: Sequence[float], base_ms: Sequence[float], seed: int = 0) -> dict:
@@ -250,15 +272,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=int, nargs="+", default=[1024, 4096, 8192])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="timed generations per llama-bench call (one prefill per call); samples of round r, "
+        "repetition i pair as round r * reps + i",
+    )
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--kvbench", nargs="*", default=[], help="decode_step.py JSON outputs")
+    ap.add_argument(
+        "--samples-from",
+        help="this tool's JSON of an earlier run: tabulate its llama.cpp samples and op rows "
+        "(and its machine state) beside --kvbench instead of running llama.cpp again",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     state = machine_state()
     samples: list[dict] = []
     commands: list[list[str]] = []
+    ops: list[dict] = []
+    if args.samples_from:
+        if args.bench or args.backend_ops:
+            ap.error(
+                "--samples-from tabulates an earlier run: give it without --bench/--backend-ops"
+            )
+        prev = json.loads(Path(args.samples_from).read_text())
+        samples, commands, ops, state = (
+            prev["samples"],
+            prev["commands"],
+            prev["op_rows"],
+            prev["env"],
+        )
     if args.bench:
         if not args.model:
             ap.error("--bench needs --model")
@@ -267,15 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             for ctype in order:
                 for depth in args.depths:
                     cmd = bench_command(args.bench, args.model, ctype, depth, args.threads,
-                                        args.n_gen)  # fmt: skip
+                                        args.n_gen, args.reps)  # fmt: skip
                     commands.append(cmd)
                     r = subprocess.run(cmd, capture_output=True, text=True, check=True)
                     for s in parse_bench(r.stdout):
-                        samples.append(s | {"round": rnd, "loadavg": os.getloadavg()})
+                        samples.append(s | {"round": rnd * args.reps + s["rep"],
+                                            "loadavg": os.getloadavg()})  # fmt: skip
                     print(f"round {rnd} {ctype} d={depth}: "
                           + ", ".join(f"t{s['threads']} {s['tg_ts']:.1f} t/s"
                                       for s in parse_bench(r.stdout)), flush=True)  # fmt: skip
-    ops: list[dict] = []
     if args.backend_ops:
         cmd = [args.backend_ops, "perf", "-b", "CPU", "-o", "FLASH_ATTN_EXT", "-p", args.ops_params]
         commands.append(cmd)
@@ -288,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         kvb_env.append(d["env"])
         kvb.update(kvbench_ratios(d))
     doc = {
-        "env": state | {"state_after": machine_state()},
+        "env": state if args.samples_from else state | {"state_after": machine_state()},
         "commands": commands,
         "samples": samples,
         "llama_ratios": {json.dumps(list(k)): v for k, v in llama_ratios(samples).items()},

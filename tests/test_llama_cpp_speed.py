@@ -51,12 +51,82 @@ def test_parse_bench_reads_tokens_per_second() -> None:
             "type_k": "q4_0",
             "type_v": "q4_0",
             "n_gen": 64,
+            "rep": 0,
             "tg_ts": 80.0,
             "ns": 800000000,
         }  # fmt: skip
     ]
     with pytest.raises(ValueError, match="no JSON list"):
         T.parse_bench("error: failed to load model")
+
+
+def test_parse_bench_gives_one_sample_per_repetition() -> None:
+    T = _tool()
+    obj = {"n_threads": 2, "n_depth": 8, "type_k": "f16", "type_v": "f16", "n_gen": 64,
+           "avg_ns": 600, "avg_ts": 15.0, "samples_ns": [400, 800], "samples_ts": [20.0, 10.0]}  # fmt: skip
+    out = T.parse_bench(json.dumps([obj]))
+    assert [(s["rep"], s["tg_ts"], s["ns"]) for s in out] == [(0, 20.0, 400), (1, 10.0, 800)]
+    with pytest.raises(ValueError, match="samples_ts"):
+        T.parse_bench(json.dumps([obj | {"samples_ns": [400]}]))
+
+
+FAKE_BENCH = """#!{python}
+import json, sys
+a = sys.argv
+ctype, reps = a[a.index("-ctk") + 1], int(a[a.index("-r") + 1])
+log = {log!r}
+with open(log, "a") as f:
+    f.write(ctype + "\\n")
+n = sum(1 for _ in open(log))  # calls so far: call n's repetition i runs at 10 * n + i t/s
+ts = [10.0 * n + i for i in range(reps)]
+print(json.dumps([{{"n_threads": 1, "n_depth": 8, "type_k": ctype, "type_v": ctype, "n_gen": 4,
+                   "avg_ns": 1, "avg_ts": 1.0, "samples_ns": [1] * reps, "samples_ts": ts}}]))
+"""
+
+
+def test_main_numbers_rounds_by_round_and_repetition(tmp_path: Path) -> None:
+    """Round r's call of a type gives ``--reps`` samples numbered r * reps + i, so each
+    repetition pairs with the same repetition of f16's call of that round; the types rotate
+    which goes first each round."""
+    import sys
+
+    T = _tool()
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_BENCH.format(python=sys.executable, log=str(tmp_path / "calls")))
+    fake.chmod(0o755)
+    out = tmp_path / "speed"
+    T.main(["--bench", str(fake), "--model", "m.gguf", "--depths", "8", "--threads", "1",
+            "--rounds", "2", "--reps", "2", "--out", str(out)])  # fmt: skip
+    assert (tmp_path / "calls").read_text().split() == [
+        "f16", "q8_0", "q4_0", "q8_0", "q4_0", "f16"]  # fmt: skip
+    doc = json.loads(out.with_suffix(".json").read_text())
+    got = {(s["type_k"], s["round"]): s["tg_ts"] for s in doc["samples"]}
+    assert got == {
+        ("f16", 0): 10.0, ("f16", 1): 11.0, ("q8_0", 0): 20.0, ("q8_0", 1): 21.0,
+        ("q4_0", 0): 30.0, ("q4_0", 1): 31.0, ("q8_0", 2): 40.0, ("q8_0", 3): 41.0,
+        ("q4_0", 2): 50.0, ("q4_0", 3): 51.0, ("f16", 2): 60.0, ("f16", 3): 61.0,
+    }  # fmt: skip
+    assert (
+        "-r" in doc["commands"][0] and doc["commands"][0][doc["commands"][0].index("-r") + 1] == "2"
+    )
+
+    # tabulating that run again beside kvbench's decode_step output runs no llama.cpp: the
+    # samples are the earlier run's, and kvbench's q4_0 row pairs its two rounds (2 ms over 1 ms)
+    calls = (tmp_path / "calls").read_text()
+    step = {"env": {"threads": 1}, "contexts": [8], "rows": [
+        {"context": 8, "config": "full-fp16", "step_ms": [1.0, 1.0], "median_ms": 1.0},
+        {"context": 8, "config": "int4-block-llama", "step_ms": [2.0, 2.0], "median_ms": 2.0}]}  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(step))
+    T.main(["--samples-from", str(out.with_suffix(".json")), "--kvbench", str(tmp_path / "ds.json"),
+            "--out", str(tmp_path / "again")])  # fmt: skip
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert (tmp_path / "calls").read_text() == calls
+    assert again["samples"] == doc["samples"] and again["env"] == doc["env"]
+    assert again["kvbench_ratios"][json.dumps([8, 1, "q4_0"])]["ratio"] == pytest.approx(2.0)
+    assert again["llama_ratios"] == doc["llama_ratios"]
+    with pytest.raises(SystemExit):
+        T.main(["--samples-from", str(out.with_suffix(".json")), "--bench", str(fake),
+                "--out", str(tmp_path / "x")])  # fmt: skip
 
 
 def test_llama_ratios_pair_rounds_by_hand() -> None:
