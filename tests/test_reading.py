@@ -45,8 +45,9 @@ FULL = ppl("full", 640, 0.0, 0.0, 0.0, kb=32.0, vb=32.0, method="full")
 
 
 def quality():
-    """Section (a): A, B, C, D and D2 (the same cache as D), a transformers peer P with the
-    lowest KL of all, and a row U that quantizes nothing; section (b): E (keys only)."""
+    """Section (a): A, B, C, D and D2 (the same cache as D) and a row U that quantizes
+    nothing; section (b): E (keys only); the peers' section: a transformers peer P with the
+    lowest KL of all."""
     return [
         FULL,
         ppl("A", 32, 0.30, 0.25, 0.35),  # 0.100
@@ -67,6 +68,7 @@ def test_peer_protocol_is_the_one_records_name():
 
 
 def test_candidates_leave_out_full_peers_and_unquantized_rows_and_merge_one_cache():
+    assert {r["label"]: r["section"] for r in rows(quality())}["P"] == "peer"
     groups = candidates(rows(quality()), "a")
     assert [[r["label"] for r in g] for g in groups] == [["D", "D2"], ["C"], ["B"], ["A"]]
     assert [[r["label"] for r in g] for g in candidates(rows(quality()), "b")] == [["E"]]

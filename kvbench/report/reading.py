@@ -13,9 +13,10 @@ can act on, every number and every method name computed from the records, none t
   whose ``bytes vs 16-bit`` is at or below the budget, with its 95% interval, and whether that
   interval overlaps the runner-up's (each lower bound at or below the other's upper bound: then
   the two are not distinguishable).  Candidates (:func:`candidates`): rows of the section that
-  quantize something (measured key or value bits below 16), are not transformers peers (their
-  perplexity record's protocol is :data:`~kvbench.report.headline.PEER_PROTOCOL`,
-  :func:`~kvbench.report.headline.is_peer`) and have a KL and bytes; rows that hold the same
+  quantize something (measured key or value bits below 16) and have a KL and bytes (the
+  sections are (a) and (b): transformers peers, whose perplexity record's protocol is
+  :data:`~kvbench.report.headline.PEER_PROTOCOL`, are rows of their own section, never
+  candidates); rows that hold the same
   cache (equal ``bytes_total``, KL and interval, :func:`~kvbench.report.headline.merge_groups`)
   are one candidate named by all their labels.  Ties on KL go to fewer bytes, then to the label.
 * **Step vs full by context** (:func:`step_sentence`): with latency records at one context,
@@ -110,7 +111,6 @@ def candidates(allrows: list[HeadlineRow], section: str) -> list[list[HeadlineRo
         r
         for r in allrows
         if r["section"] == section
-        and not is_peer(r)
         and r["next_token_kl"] is not None
         and r["bytes_ratio"] is not None
         and min(r["key_bits"] or 0, r["value_bits"] or 0) < BASE_BITS  # quantizes something
@@ -265,8 +265,8 @@ def reading(records: list[Record], root: str | None = None) -> str:
     if bullets:
         parts.append(
             "Lowest next-token KL [95% CI] within each bytes budget (bytes vs 16-bit at or "
-            "below it; `full`, transformers peers and rows that quantize nothing left out):\n\n"
-            + "\n".join(bullets)
+            "below it; `full` and rows that quantize nothing left out; transformers peers are "
+            "in their own section, not ranked):\n\n" + "\n".join(bullets)
         )
     step = step_sentence(records, allrows)
     if step is not None:
