@@ -178,7 +178,11 @@ def test_reading_in_the_readme_block_and_the_report(tmp_path, capsys):
     text = reading(out, root="")
     assert text.startswith("#### Reading\n\nBytes vs 16-bit is")
     assert "[decode-step latency per method and context](docs/results/decode-step.md)" in text
-    assert "(docs/results/llama-cpp-crosscheck.md)." in text
+    assert "(docs/results/llama-cpp-crosscheck.md), " in text
+    assert (
+        "[kvbench's evictors against kvpress's presses](docs/results/kvpress-crosscheck.md)."
+        in text
+    )
     path = tmp_path / "x.json"
     path.write_text(json.dumps(ex.make_export(out, "make bench", "box", 1.0)))
     block = ex.readme_block(path, "x.json")

@@ -54,6 +54,7 @@ LINKS = (
     ("memory at deployed model shapes", "docs/results/memory-shapes.md"),
     ("decode protocols, chunked vs exact", "docs/results/protocols.md"),
     ("llama.cpp's own q8_0/q4_0 error on this model", "docs/results/llama-cpp-crosscheck.md"),
+    ("kvbench's evictors against kvpress's presses", "docs/results/kvpress-crosscheck.md"),
 )
 
 
