@@ -138,14 +138,16 @@ def test_storage_sentence_says_what_the_bytes_are_measured_in():
 
 
 def test_step_ratio_at_one_context_only():
-    """A 0.98 and B exactly 1.00 are at or below; P (a peer: it is a method with a step) 0.9;
+    """A 0.98 and B exactly 1.00 are at or below; P (a peer: a method with a step, named as
+    its row, ``(peer)``) 0.9;
     C 1.2 and D 1.1 above: 3 of 5.  ``full`` against itself: 1.02."""
     out = quality() + [lat(lab, v) for lab, v in
                        (("full", 1.02), ("A", 0.98), ("B", 1.0), ("C", 1.2), ("D", 1.1),
                         ("P", 0.9))]  # fmt: skip
     assert step_sentence(out, rows(out)) == (
         "Step ratio vs full measured at 11 tokens only: 3 of 5 methods at or below 1.00: "
-        "A (0.980), B (1.000), P (0.900). `full` timed against itself reads 1.020 at 11 tokens."
+        "A (0.980), B (1.000), P (peer) (0.900). `full` timed against itself reads 1.020 at 11 "
+        "tokens."
     )
     assert step_sentence(quality(), rows(quality())) is None
 

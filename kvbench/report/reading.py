@@ -21,7 +21,8 @@ can act on, every number and every method name computed from the records, none t
   are one candidate named by all their labels.  Ties on KL go to fewer bytes, then to the label.
 * **Step vs full by context** (:func:`step_sentence`): with latency records at one context,
   how many rows step at or below ``full`` there; with several, at which contexts each row's
-  ``decode_ms_p50_ratio`` crosses 1.0.
+  ``decode_ms_p50_ratio`` crosses 1.0 (a transformers peer named as its row, ``<label>
+  (peer)``).
 * **Links** to the other measured records (:data:`LINKS`), or their paths where the
   document's place in the repository is not known.
 """
@@ -225,7 +226,13 @@ def step_sentence(records: list[Record], allrows: list[HeadlineRow]) -> str | No
         + " tokens."
         for lab in sorted(base & ratios.keys())
     )
-    methods = {lab: by for lab, by in sorted(ratios.items()) if lab not in base}
+    # a transformers peer is named as its table row names it: "<label> (peer)"
+    peers = {r["label"] for r in allrows if r["section"] == "peer"}
+    methods = {
+        lab + " (peer)" * (lab in peers): by
+        for lab, by in sorted(ratios.items())
+        if lab not in base
+    }
     if not methods:
         return None
     contexts = sorted({c for by in methods.values() for c in by})
