@@ -206,14 +206,22 @@ def run_summary(records: list[Record], out: str, suite_path: str) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvbench.bench.preflight import check_contexts, format_missing, preflight
+    from kvbench.bench.preflight import (
+        check_contexts,
+        check_token_limits,
+        format_missing,
+        preflight,
+    )
     from kvbench.bench.runner import run_suite
     from kvbench.bench.suite import load_suite
     from kvbench.bench.validate import check_devices, check_output
 
     # every error of the suite in one refusal, before the asset pre-flight: the fields, then
-    # devices (nothing else matters without one) and contexts beyond a model's maximum
-    suite = load_suite(args.suite, parse_set(args.set), checks=(check_devices, check_contexts))
+    # devices (nothing else matters without one), contexts beyond a model's maximum and beyond
+    # a method's token limit
+    suite = load_suite(
+        args.suite, parse_set(args.set), checks=(check_devices, check_contexts, check_token_limits)
+    )
     paper_block = suite.raw.get("paper")
     if paper_block is not None:
         from kvbench.integrations.paper import validate

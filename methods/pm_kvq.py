@@ -391,6 +391,29 @@ class PMKVQ(Method):
         chain = [w for w in WIDTHS if w <= c.init_bits]
         return [next((w for w in chain if w <= b), MIN_BITS) for b in budgets]
 
+    def token_limit(self) -> tuple[str, object, int] | None:
+        """``("budget_tokens", budget_tokens, T)``: the longest run T (tokens per sequence) in
+        which every layer keeps the width b its ``budget_bits`` B names (:meth:`final_bits`)
+        within its budget; past it the run raises (:class:`BudgetTooShort`, or
+        ``MemoryError`` at 2 bits).  At a budget check (after a step's flush) the layer holds
+        b-bit codes for T - w - N_s tokens and the window (w <= R - 1: flushed whole when
+        full) and sinks at 16 bits per element, b T + (16 - b)(w + N_s) <= B x budget_tokens,
+        so T = floor((B x budget_tokens - (16 - b)(R - 1 + N_s)) / b) holds at every window
+        fill (the module docstring's rule, with R + N_s, is the same bound a token short);
+        the smallest over a per-layer list.  ``None`` where no run fails on it or its length
+        depends on the model's shape: ``on_overflow="allow"``, ``budget_bytes``,
+        ``budget_scope="all"`` (scales count too)."""
+        c = self.config
+        if c.on_overflow != "raise" or c.budget_bytes is not None or c.budget_scope != "codes":
+            return None
+        budgets = c.bits_budget if isinstance(c.bits_budget, tuple) else (c.bits_budget,)
+        kept = max(c.residual_length - 1, 0) + c.num_sink_tokens
+        most = min(
+            math.floor((budget * c.budget_tokens - (16 - width) * kept) / width)
+            for budget, width in zip(budgets, self.final_bits())
+        )
+        return "budget_tokens", c.budget_tokens, most
+
     def key_layout(self, head_dim: int) -> BlockLayout:
         """Per-token (scale, zero) groups of ``value_group_size`` channels; the codes' widths
         are :meth:`final_bits`, each budget's layers holding an equal share of the tokens."""

@@ -371,14 +371,26 @@ def _peer(label, nbytes, kl, lo, hi):
 
 def test_peers_are_labelled_and_left_out_of_the_frontier():
     """A transformers peer at 32 bytes and KL 0.01 would dominate A (96, 0.1) and B (64, 0.5);
-    it is labelled ``(peer)``, never starred, and A and B stay on the frontier."""
+    it is labelled ``(peer)``, is a row of the peers' own section only (after ``full``, with no
+    frontier column), never starred, and A and B stay on the frontier."""
     out = records() + [_peer("P", 32, 0.01, 0.005, 0.015)]
-    lines = _lines(headline_table(out))
+    assert {r["label"]: r["section"] for r in rows(out)}["P"] == "peer"
+    table = headline_table(out)
+    lines = _lines(table)
     assert "P" not in lines and lines["P (peer)"].startswith("| P (peer) | 2.50 | 2.50 |  | 0.100")
     star = {k: ln.rstrip(" |").endswith("★") for k, ln in lines.items() if k != "method"}
     assert star == {
         "full": False, "A": True, "B": True, "C": False, "P (peer)": False, "D": True, "E": False,
     }  # fmt: skip
+    ranked, peers = table.split("#### Peers: ")
+    assert "P (peer)" not in ranked  # neither (a) nor (b)
+    peers = peers.split("\n> ")[0]
+    header, rule, *body = [ln for ln in peers.splitlines() if ln.startswith("|")]
+    assert "frontier" not in header and header.endswith("| peak vs full |")
+    assert [ln.split("|")[1].strip() for ln in body] == ["full", "P (peer)"]
+    assert all(ln.count("|") == header.count("|") == rule.count("|") for ln in body)
+    assert "★" not in peers
+    assert "#### Peers" not in headline_table(records())  # no peers: no section
     # the same record without the peer protocol is an ordinary row: it is the frontier
     plain = records() + [ppl("P", "hf-quanto", 32, 2.5, 2.5, 0.01, 0.005, 0.015)]
     star = {k: ln.rstrip(" |").endswith("★") for k, ln in _lines(headline_table(plain)).items()}

@@ -103,14 +103,24 @@ def _key(fig) -> list[str]:
 
 
 def _entry(key: list[str], label: str) -> tuple[int, str]:
-    """(index, number) of ``label``'s key entry ``"<number> <label>[ (note)]"``."""
+    """(index, number) of ``label``'s key entry ``"<number> <label>[ (note)]"`` (or
+    ``"<number> <label> = <label> ..."``, a marker of several labels)."""
     label = " ".join(label.split())
     for i, entry in enumerate(key):
         number, _, rest = entry.partition(" ")
         if number.isdigit() and rest.startswith(label):
-            if rest == label or rest[len(label) :].startswith(" ("):
+            if rest == label or rest[len(label) :].startswith((" (", " = ")):
                 return i, number
     raise AssertionError(f"{label!r} not in the key {key}")
+
+
+def _peers(records: list[Record]) -> set[str]:
+    """Labels of transformers peers, from their perplexity records' protocol."""
+    return {
+        r.label
+        for r in records
+        if (r.manifest.get("decode_attention") or {}).get("protocol") == headline.PEER_PROTOCOL
+    }
 
 
 def _floor(records: list[Record]) -> float:
@@ -202,16 +212,21 @@ def test_labels_apart_and_inside(figs) -> None:
                         notes[i].get_text(),
                         notes[j].get_text(),
                     )
-            # every point is named beside its marker: its label, or its number in the key
-            # (where its label finds no room)
+            # every point is named beside its marker: its name (its label first), or its
+            # number in the key (where its name finds no room)
             texts = sorted(t.get_text() for t in notes)
             names = [ln.get_gid() for ln in _points(ax)]
             assert len(texts) == len(names), (name, ax.get_title())
             for gid in names:
-                assert gid in texts or _entry(key, gid)[1] in texts, (name, gid)
+                named = any(" ".join(t.split()).startswith(gid) for t in texts)
+                assert named or _entry(key, gid)[1] in texts, (name, gid)
 
 
-def test_frontier_is_exactly_the_non_dominated_points(figs) -> None:
+def test_frontier_is_exactly_the_non_dominated_points(records, figs) -> None:
+    """The frontier of the configurations a figure ranks: transformers peers are never ranked
+    (the table's rule) and are drawn hollow."""
+    peers = _peers(records)
+    assert peers == {"hf-dynamic", "hf-quanto K2V2", "hf-quanto K4V4"}
     for name, fig in _drawn(figs).items():
         xy = _axes_metrics(name)
         if xy is None:
@@ -223,14 +238,16 @@ def test_frontier_is_exactly_the_non_dominated_points(figs) -> None:
                 ln.get_gid(): (float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
                 for ln in _points(ax)
             }
-            want = _non_dominated(list(pts.values()), higher)
+            ranked = [xy for gid, xy in pts.items() if gid not in peers]
+            want = _non_dominated(ranked, higher)
             front = _line(ax, "frontier")
             got = list(zip(map(float, front.get_xdata()), map(float, front.get_ydata())))
             assert set(got) == want and len(got) == len(want), name
             assert [x for x, _ in got] == sorted(x for x, _ in got), name
-            for ln in _points(ax):  # filled on the frontier, hollow where dominated
+            for ln in _points(ax):  # filled on the frontier, hollow where dominated or a peer
                 filled = ln.get_markerfacecolor() != "none"
-                assert filled == (pts[ln.get_gid()] in want), (name, ln.get_gid())
+                on = pts[ln.get_gid()] in want and ln.get_gid() not in peers
+                assert filled == on, (name, ln.get_gid())
 
 
 def test_points_at_their_records_values_and_the_tables_floor(records, figs) -> None:
@@ -279,7 +296,14 @@ def test_points_at_their_records_values_and_the_tables_floor(records, figs) -> N
 
 
 def test_error_bars_where_records_carry_intervals(records, figs) -> None:
+    """Every axis whose record carries a 95% interval shows it: the perplexity record's KL, the
+    latency record's step (at the longest context, the one the step axis names)."""
     rows = {r["label"]: r for r in headline.rows(records)}
+    longest: dict[str, Record] = {}
+    for r in records:
+        if r.workload_type == "latency" and plots.DECODE in r.metrics:
+            if r.label not in longest or plots.context(r) > plots.context(longest[r.label]):
+                longest[r.label] = r
     floor = _floor(records)
     for name, fig in _drawn(figs).items():
         xy = _axes_metrics(name)
@@ -297,8 +321,10 @@ def test_error_bars_where_records_carry_intervals(records, figs) -> None:
                         r for r in records if r.label == gid and y in r.metrics
                     )  # one record per label and metric in this export
                 for axis, metric in (("x", x), ("y", y)):
-                    lo = src.metrics.get(f"{metric}_ci_low")
-                    hi = src.metrics.get(f"{metric}_ci_high")
+                    # the step axis: the latency record it names
+                    rec = longest[gid] if metric == plots.DECODE else src
+                    lo = rec.metrics.get(f"{metric}_ci_low")
+                    hi = rec.metrics.get(f"{metric}_ci_high")
                     bar = _line(ax, f"ci-{axis}:{gid}")
                     if lo is None or hi is None:
                         assert bar is None, (name, gid, axis)
@@ -309,8 +335,8 @@ def test_error_bars_where_records_carry_intervals(records, figs) -> None:
                     clamp = floor if metric == "next_token_kl" else None
                     want = [v if clamp is None else max(v, clamp) for v in (lo, hi)]
                     assert list(map(float, data)) == pytest.approx(want, rel=1e-12), (name, gid)
-        if y in ("next_token_kl", "top1_agreement"):
-            assert n >= 5, name  # the perplexity records carry intervals
+        if y in ("next_token_kl", "top1_agreement") or x == plots.DECODE:
+            assert n >= 5, name  # the perplexity and latency records carry intervals
 
 
 def test_titles_name_model_text_context_and_protocol(records, figs) -> None:
@@ -325,19 +351,29 @@ def test_titles_name_model_text_context_and_protocol(records, figs) -> None:
         assert re.search(r"context (\d+(, )?)+ tokens", title), name
         assert any(f"context {c} tokens" in title or f" {c}" in title for c in contexts), name
         assert any(f"protocol {p}" in title for p in protocols), name
+        # a headline figure draws no transformers peer: its title names no peer's protocol
+        if name.startswith("headline_"):
+            assert headline.PEER_PROTOCOL not in title, name
 
 
 def test_values_at_16_bits_never_share_a_nominal_bits_axis(records, figs) -> None:
-    section = {r["label"]: r["section"] for r in headline.rows(records)}
+    """Every configuration of an axes but ``full`` keeps its values at 16 bits (nominal value
+    bits, as its records carry them) or none does: peers too (hf-dynamic keeps them)."""
+    v16 = {
+        r.label: r.metrics["nominal_value_bits"] >= 16
+        for r in records
+        if "nominal_value_bits" in r.metrics and r.method != "full"
+    }
+    assert v16["hf-dynamic"] and not v16["hf-quanto K2V2"] and v16["kivi K2 V16"]
     for name, fig in _drawn(figs).items():
         if not name.endswith("_vs_nominal_key_bits"):
             continue
         seen = []
         for ax in fig.axes:
-            kinds = {section[ln.get_gid()] for ln in _points(ax)} - {"base"}
+            kinds = {v16[ln.get_gid()] for ln in _points(ax) if ln.get_gid() != "full"}
             assert len(kinds) == 1, (name, ax.get_title(), kinds)
             seen += kinds
-        assert sorted(seen) == ["a", "b"], name
+        assert sorted(seen) == [False, True], name
         # a configuration storing more bits than its formula says: the key says so
         assert re.search(r"pm-kvq K2V2 \(budget 2 bits\) \(stores \d", " ".join(_key(fig))), name
 
@@ -359,3 +395,66 @@ def test_combined_figure_sizes_follow_the_step_ratio(records, figs) -> None:
         labels = sorted(size, key=lambda lb: step[lb])
         assert [size[lb] for lb in labels] == sorted(size[lb] for lb in labels)
         assert size[labels[0]] < size[labels[-1]]
+
+
+def test_names_as_the_table_peers_and_merged_rows(records, figs) -> None:
+    """The figures name configurations as the headline table does: a peer ``<label> (peer)``
+    wherever it is drawn and never in a headline section figure (the table gives peers their
+    own section); configurations holding one cache (the table's merged rows, equal values and
+    intervals) are one marker whose key entry names every label, ``A = B``."""
+    peers = _peers(records)
+    table = headline.headline_table(records)
+    merged = [
+        " = ".join(r["label"] for r in g)
+        for g in headline.merge_groups([r for r in headline.rows(records) if r["section"] == "b"])
+        if len(g) > 1
+    ]
+    assert merged == ["kivi K2 V16 = per-channel K2 V16"] and all(
+        f"| {m} |" in table for m in merged
+    )
+    drew_peer = 0
+    for name, fig in _drawn(figs).items():
+        key = _key(fig)
+        gids = {ln.get_gid() for ax in fig.axes for ln in _points(ax)}
+        for label in peers & gids:
+            i, _ = _entry(key, label)
+            assert key[i].split(" ", 1)[1].startswith(f"{label} (peer)"), (name, key[i])
+            drew_peer += 1
+        if name.startswith("headline_"):
+            assert not peers & gids, name
+        floors = {float(ln.get_ydata()[0]) for ax in fig.axes for ln in _points(ax)}
+        floors &= {
+            float(ln.get_ydata()[0])
+            for ax in fig.axes
+            for ln in ax.lines
+            if ln.get_gid() == "floor"
+        }
+        for ax in fig.axes:  # one marker per position and intervals (off the floor, where
+            seen = {}  # values at or below it are drawn by rule)
+            for ln in _points(ax):
+                gid = ln.get_gid()
+                if float(ln.get_ydata()[0]) in floors:
+                    continue
+                bars = tuple(
+                    tuple(map(float, b.get_xydata().ravel()))
+                    for b in (_line(ax, f"ci-x:{gid}"), _line(ax, f"ci-y:{gid}"))
+                    if b is not None
+                )
+                at = (float(ln.get_xdata()[0]), float(ln.get_ydata()[0]), bars)
+                assert at not in seen, (name, gid, seen.get(at))
+                seen[at] = gid
+    assert drew_peer >= 3
+    for section, pair in (("b", "kl_vs_bytes"), ("b", "kl_vs_bytes_by_step")):
+        key = _key(figs[f"headline_{section}_{pair}"])
+        for m in merged:
+            assert any(e.split(" ", 1)[1].startswith(m) for e in key), (pair, key)
+    # every configuration drawn is named in the key, also one merged into another's marker in
+    # one panel only (hf-dynamic with full at top-1 1.0, beside full alone in the other panel)
+    for name, fig in _drawn(figs).items():
+        m = re.fullmatch(r"pareto_(.+)_vs_nominal_key_bits", name)
+        if m:
+            text = " ".join(_key(fig))
+            for label in {r.label for r in records if m.group(1) in r.metrics}:
+                assert label in text, (name, label)
+    nominal = _key(figs["pareto_key_mse_vs_nominal_key_bits"])
+    assert any(e.split(" ", 1)[1].startswith(merged[0]) for e in nominal), nominal

@@ -12,6 +12,7 @@ import yaml
 
 from kvbench.bench import preflight as pf
 from kvbench.bench.suite import parse_suite
+from kvbench.cache.registry import get_method
 from kvbench.cli import main as cli_main
 from kvbench.data import catalog
 
@@ -175,3 +176,103 @@ def test_only_the_data_a_run_reads_is_asked_for():
     (m,) = pf.preflight(both)
     assert m.name == "mobydick"
     assert m.needed_by == ["workloads[0] (memory)", "calibration of kvquant"]
+
+
+# ---------------------------------------------------------------- token limits of methods
+
+LAT = {"type": "latency", "context": 8192, "steps": 4, "warmup": 1}
+
+
+def _pm(label: str, budget_tokens: int, **config: object) -> dict:
+    cfg = {"budget_bits": 2, "budget_tokens": budget_tokens, **config}
+    return {"name": "pm-kvq", "label": label, "config": cfg}
+
+
+def test_a_pm_kvq_budget_short_of_the_longest_context_is_refused_before_work():
+    """PM-KVQ at budget_bits 2 keeps its width for T <= budget_tokens - 7 (R - 1 + N_s)
+    tokens (R = 128, N_s = 1: 896): 9088 holds the latency workload's 8192, 9087 does not, nor
+    3072 (2176 tokens); the refusal names the entry, the field, its value and the context."""
+    ok = suite([FID, LAT], methods=("full", _pm("pm ok", 9088)))
+    pf.check_token_limits(ok)
+    bad = suite([FID, LAT], methods=("full", _pm("pm short", 3072), _pm("pm edge", 9087)))
+    with pytest.raises(ValueError) as info:
+        pf.check_token_limits(bad)
+    errors = info.value.errors
+    assert errors == [
+        "t.yaml: methods[1] (pm short): budget_tokens=3072 holds at most 2176 tokens per "
+        "sequence, fewer than the context of workloads[1] (latency) context=8192; raise "
+        "budget_tokens or shorten the context; nothing was run or created",
+        "t.yaml: methods[2] (pm edge): budget_tokens=9087 holds at most 8191 tokens per "
+        "sequence, fewer than the context of workloads[1] (latency) context=8192; raise "
+        "budget_tokens or shorten the context; nothing was run or created",
+    ]
+    # budget_bits 3 stores 2-bit codes: (3 x 4000 - 14 x 128) / 2 = 5104 tokens
+    assert get_method("pm-kvq", budget_bits=3, budget_tokens=4000).token_limit() == (
+        "budget_tokens",
+        4000,
+        5104,
+    )
+    # no run fails on the budget: no limit
+    for cfg in ({"on_overflow": "allow"}, {"budget_scope": "all"}):
+        assert get_method("pm-kvq", budget_bits=2, budget_tokens=3072, **cfg).token_limit() is None
+    assert get_method("pm-kvq", budget_bytes=1000.0).token_limit() is None
+
+
+def test_the_limit_is_where_pm_kvq_runs_out():
+    """The declared limit holds: a layer fed one token at a time keeps its width through
+    ``token_limit()`` tokens and raises by the next window flush past it (R = 4 tokens: the
+    limit counts the fullest window, R - 1 tokens, at every budget check)."""
+    import torch
+
+    m = get_method("pm-kvq", budget_bits=2, budget_tokens=60, residual_length=4, num_sink_tokens=1)
+    most = m.token_limit()[2]
+    assert most == (2 * 60 - 14 * 4) // 2  # 32
+    layer = m.new_layer(0, 1, 8)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 1, 8, generator=gen)
+    layer.prefill(x, x.clone())
+    with pytest.raises((MemoryError, ValueError)):
+        while layer.seq_length < 2 * most:
+            x = torch.randn(1, 1, 1, 8, generator=gen)
+            layer.append(x, x.clone())
+            layer.end_step()
+    assert most < layer.seq_length <= most + 4  # R = 4
+
+
+def test_a_plugin_method_declares_its_own_token_limit():
+    """The check knows no method by name: a plugin's method that declares a limit through
+    :meth:`~kvbench.cache.method.Method.token_limit` is refused past it, and so is each of
+    its configurations in one refusal, through ``kvbench run``'s suite checks."""
+    from dataclasses import dataclass
+
+    from kvbench import fields as kf
+    from kvbench.bench.validate import check_devices
+    from kvbench.cache.method import CacheConfig, Method
+    from kvbench.cache.registry import METHODS
+
+    @dataclass(frozen=True)
+    class WindowConfig(CacheConfig):
+        slots: int = kf.spec(100, int, low=1)
+
+    class Window(Method):
+        Config = WindowConfig
+
+        def token_limit(self) -> tuple[str, object, int]:
+            return "slots", self.config.slots, self.config.slots - 1
+
+    METHODS.register("test-window", Window)
+    try:
+        data = {"name": "t", "model": MODEL, "workloads": [FID, PPL]}
+        data["methods"] = [
+            {"name": "test-window", "label": "w64", "config": {"slots": 64}},
+            {"name": "test-window", "label": "w65", "config": {"slots": 65}},
+        ]
+        with pytest.raises(ValueError) as info:
+            parse_suite(data, "t.yaml", (check_devices, pf.check_token_limits))
+        assert info.value.errors == [
+            "t.yaml: methods[0] (w64): slots=64 holds at most 63 tokens per sequence, fewer "
+            "than the context of workloads[0] (fidelity) tokens=64; raise slots or shorten "
+            "the context; nothing was run or created"
+        ]
+    finally:
+        METHODS.unregister("test-window")

@@ -45,8 +45,9 @@ FULL = ppl("full", 640, 0.0, 0.0, 0.0, kb=32.0, vb=32.0, method="full")
 
 
 def quality():
-    """Section (a): A, B, C, D and D2 (the same cache as D), a transformers peer P with the
-    lowest KL of all, and a row U that quantizes nothing; section (b): E (keys only)."""
+    """Section (a): A, B, C, D and D2 (the same cache as D) and a row U that quantizes
+    nothing; section (b): E (keys only); the peers' section: a transformers peer P with the
+    lowest KL of all."""
     return [
         FULL,
         ppl("A", 32, 0.30, 0.25, 0.35),  # 0.100
@@ -67,6 +68,7 @@ def test_peer_protocol_is_the_one_records_name():
 
 
 def test_candidates_leave_out_full_peers_and_unquantized_rows_and_merge_one_cache():
+    assert {r["label"]: r["section"] for r in rows(quality())}["P"] == "peer"
     groups = candidates(rows(quality()), "a")
     assert [[r["label"] for r in g] for g in groups] == [["D", "D2"], ["C"], ["B"], ["A"]]
     assert [[r["label"] for r in g] for g in candidates(rows(quality()), "b")] == [["E"]]
@@ -136,14 +138,16 @@ def test_storage_sentence_says_what_the_bytes_are_measured_in():
 
 
 def test_step_ratio_at_one_context_only():
-    """A 0.98 and B exactly 1.00 are at or below; P (a peer: it is a method with a step) 0.9;
+    """A 0.98 and B exactly 1.00 are at or below; P (a peer: a method with a step, named as
+    its row, ``(peer)``) 0.9;
     C 1.2 and D 1.1 above: 3 of 5.  ``full`` against itself: 1.02."""
     out = quality() + [lat(lab, v) for lab, v in
                        (("full", 1.02), ("A", 0.98), ("B", 1.0), ("C", 1.2), ("D", 1.1),
                         ("P", 0.9))]  # fmt: skip
     assert step_sentence(out, rows(out)) == (
         "Step ratio vs full measured at 11 tokens only: 3 of 5 methods at or below 1.00: "
-        "A (0.980), B (1.000), P (0.900). `full` timed against itself reads 1.020 at 11 tokens."
+        "A (0.980), B (1.000), P (peer) (0.900). `full` timed against itself reads 1.020 at 11 "
+        "tokens."
     )
     assert step_sentence(quality(), rows(quality())) is None
 
@@ -176,7 +180,11 @@ def test_reading_in_the_readme_block_and_the_report(tmp_path, capsys):
     text = reading(out, root="")
     assert text.startswith("#### Reading\n\nBytes vs 16-bit is")
     assert "[decode-step latency per method and context](docs/results/decode-step.md)" in text
-    assert "(docs/results/llama-cpp-crosscheck.md)." in text
+    assert "(docs/results/llama-cpp-crosscheck.md), " in text
+    assert (
+        "[kvbench's evictors against kvpress's presses](docs/results/kvpress-crosscheck.md)."
+        in text
+    )
     path = tmp_path / "x.json"
     path.write_text(json.dumps(ex.make_export(out, "make bench", "box", 1.0)))
     block = ex.readme_block(path, "x.json")

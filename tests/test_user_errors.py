@@ -145,8 +145,9 @@ def test_bad_suite_is_one_line_naming_file_entry_field(tmp_path, capsys, edit, w
 
 
 def test_every_bad_field_of_a_suite_in_one_refusal(tmp_path, capsys) -> None:
-    """Three independent errors (a config field, a method name, a context past the model's
-    maximum) are refused at once, each on its line, instead of one per run."""
+    """Four independent errors (a config field, a method name, a context past the model's
+    maximum, and so past the smoke suite's PM-KVQ budget) are refused at once, each on its
+    line, instead of one per run."""
     data = _smoke()
     data["methods"][5] = {"name": "kivi", "config": {"bits": 9}}
     data["methods"][1] = "kivii"
@@ -155,15 +156,17 @@ def test_every_bad_field_of_a_suite_in_one_refusal(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     header, *lines = err.strip().splitlines()
-    assert header.endswith("s.yaml: 3 errors:"), err
+    assert header.endswith("s.yaml: 4 errors:"), err
     assert [line.split(":")[0].strip() for line in lines] == [
         "methods[1]",
         "methods[5] (kivi)",
         "workloads[0] (fidelity)",
+        "methods[10] (pm-kvq)",
     ], err
     assert "unknown method 'kivii'" in lines[0] and "did you mean 'kivi'" in lines[0], err
     assert "field 'bits': 9 is not allowed; allowed: 1..8 or 16" in lines[1], err
     assert "tokens=9000 exceeds the maximum context" in lines[2] and "8192" in lines[2], err
+    assert "budget_tokens=1792 holds at most 1408 tokens" in lines[3], err
     assert not (tmp_path / "o").exists()
 
 

@@ -11,7 +11,9 @@ calibration; each loaded from its source and checked against its pinned checksum
 ``kvbench run`` calls both before it runs anything and exits with status 2 on a missing asset.
 :func:`check_contexts` (called by ``kvbench run`` and :func:`kvbench.bench.runner.run_suite`
 before the result folder is made) refuses a workload whose context exceeds its model's
-``max_position_embeddings``, read from the model's config without loading weights.
+``max_position_embeddings``, read from the model's config without loading weights;
+:func:`check_token_limits` (called with it) a method whose cache cannot hold the suite's
+longest context (:meth:`kvbench.cache.method.Method.token_limit`).
 """
 
 from __future__ import annotations
@@ -319,4 +321,48 @@ def check_contexts(suite: Suite) -> None:
                     f"the maximum context of {model}, {max_pos} tokens "
                     "(max_position_embeddings); nothing was run or created"
                 )
+    problems.raise_if_any()
+
+
+def check_token_limits(suite: Suite) -> None:
+    """Refuse a method whose cache cannot hold the suite's longest context (the most tokens
+    its :meth:`~kvbench.cache.method.Method.token_limit` declares, e.g. a PM-KVQ budget sized
+    for fewer tokens) before anything is created or loaded: the run would fail mid-suite.  The
+    context of a workload is its :data:`CONTEXT_PARAMS` parameter (the longest of a list).
+    A method that cannot be built is left to the runner's plan, which reports it.
+
+    Raises
+    ------
+    ValueError
+        :class:`kvbench.bench.validate.SuiteErrors`, naming for every such method the suite
+        entry, the config field and its value, the tokens it holds, and the workload, its
+        parameter and the context.
+    """
+    from kvbench.cache.registry import get_method
+
+    contexts = []
+    for wi, w in enumerate(suite.workloads):
+        param = CONTEXT_PARAMS.get(w["type"])
+        value = w.get(param) if param else None
+        longest = max(value, default=0) if isinstance(value, list) else value
+        if isinstance(longest, int):
+            contexts.append((longest, f"workloads[{wi}] ({w['type']}) {param}={longest}"))
+    if not contexts:
+        return
+    tokens, where = max(contexts, key=lambda c: c[0])
+    problems = Problems(suite.path)
+    for mi, m in enumerate(suite.methods):
+        try:
+            limit = get_method(m.name, **m.config).token_limit()
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
+            continue
+        if limit is not None and tokens > limit[2]:
+            field_name, value, most = limit
+            problems.errors.append(
+                f"{suite.path}: {m.where or f'methods[{mi}]'} ({m.label}): {field_name}={value} "
+                f"holds at most "
+                f"{most} tokens per sequence, fewer than the context of {where}; raise "
+                f"{field_name} or shorten the context; nothing was run or created"
+            )
     problems.raise_if_any()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from kvbench.bench import validate
 from kvbench.bench.context import Info, RunContext
 from kvbench.bench.manifest import base_manifest, loadavg
-from kvbench.bench.preflight import check_contexts
+from kvbench.bench.preflight import check_contexts, check_token_limits
 from kvbench.bench.records import (
     Record,
     load_record,
@@ -439,7 +439,8 @@ def run_suite(
     from its ``prepare``, e.g. a hub-only dataset offline) is skipped with a message on stderr
     instead of stopping the suite."""
     problems = validate.Problems(suite.path)  # both checks' errors in one refusal
-    for check in (validate.check_devices, check_contexts):  # before check_output makes the folder
+    # before check_output makes the folder
+    for check in (validate.check_devices, check_contexts, check_token_limits):
         with problems.catch():
             check(suite)
     problems.raise_if_any()

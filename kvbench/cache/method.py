@@ -480,6 +480,14 @@ class Method:
         runner skips a method that gives a reason and says why."""
         return None
 
+    def token_limit(self) -> tuple[str, object, int] | None:
+        """The most tokens per sequence this configured method's cache holds before a run
+        fails (a budget sized for fewer tokens: PM-KVQ's ``budget_tokens``), as ``(config
+        field, its value, tokens)``, or ``None`` (the default): no such limit.
+        :func:`kvbench.bench.preflight.check_token_limits` refuses a suite whose longest
+        context is above it before any work."""
+        return None
+
     # ----------------------------------------------------------- bit budget
     def _codec_layout(self, codec: Codec | None, side: str, head_dim: int) -> BlockLayout:
         if codec is None:

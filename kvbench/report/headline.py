@@ -38,14 +38,18 @@ two workloads then measured different caches.
 
 Sections:
 
-* **(a) deployed**: keys and values quantized (every configuration whose values are not kept at
-  16 bits);
+* **(a) deployed**: keys and values quantized (every configuration of kvbench's caches whose
+  values are not kept at 16 bits);
 * **(b) keys only**: configurations whose values are stored unquantized (>= 16 bits per
   element) while their keys are quantized (< 16 bits), the PN-Mix paper's b_V = 16 setting,
   from the measured bits of the perplexity record; from its nominal bits when it has no
   measured ones; from ``value_bits: 16`` in the configuration when it has neither (a method's
   ``value_bits`` field alone can mislead: SemKV keeps ``value_bits: 16`` but stores values at
-  each token's mixed width).
+  each token's mixed width);
+* **Peers** (:data:`PEERS`): transformers' own caches (perplexity record's protocol
+  :data:`PEER_PROTOCOL`, :func:`peer_record`), whatever their bits: never rows of (a) or (b),
+  which hold kvbench's caches only; listed with ``full`` for reference, without a frontier
+  column (never ranked, never marked).
 
 Rows are sorted by bytes; ``frontier`` marks the configurations no other row of the section
 beats on both bytes and KL (:func:`kvbench.report.pareto.pareto_mask`).  ``†`` marks a row whose
@@ -54,11 +58,9 @@ it, so the run cannot tell the row from ``full``.
 
 Beside the measured bits, ``nominal bits (K / V)`` shows ``nominal_key_bits`` /
 ``nominal_value_bits`` as the row's records carry them (the perplexity record's, else another
-record's of the row; empty where none does).  Rows of transformers peers (perplexity record's
-protocol :data:`PEER_PROTOCOL`, :func:`is_peer`) are labelled ``(peer, stored D)`` (D the
+record's of the row; empty where none does).  Peer rows are labelled ``(peer, stored D)`` (D the
 dtype their held tensors were read in, :func:`measured_dtype`; ``(peer)`` where the record does
-not say), left out of the
-frontier and never marked.  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
+not say).  Rows holding the same cache (equal :func:`same_cache`: bytes, KL
 and interval) are merged into one row ``A = B`` (:func:`merge_groups`), named in the note.  A
 budgeted row whose cache held fewer tokens than its configuration's ``budget_tokens``
 (:func:`budget_miss`) says ``(budget not reached at N tokens: sized for M)`` after its label.
@@ -95,7 +97,7 @@ class HeadlineRow(TypedDict):
     several)."""
 
     label: str
-    section: Literal["a", "b", "base"]
+    section: Literal["a", "b", "base", "peer"]
     bytes: float | None
     bytes_ratio: float | None
     key_bits: float | None
@@ -178,6 +180,25 @@ def _keys_only(rec: Record) -> bool:
     return rec.config.get("value_bits") == 16
 
 
+def peer_record(rec: Record) -> bool:
+    """Whether the record ``rec`` ran a transformers peer's own cache (its
+    ``decode_attention`` manifest entry's protocol is :data:`PEER_PROTOCOL`, as perplexity
+    records name it)."""
+    decode = rec.manifest.get("decode_attention") or {}
+    return decode.get("protocol") == PEER_PROTOCOL
+
+
+def section_of(rec: Record) -> Literal["a", "b", "base", "peer"]:
+    """The headline section of the row whose perplexity record is ``rec``: ``base`` for
+    ``full``, ``peer`` for a transformers peer (:func:`peer_record`, whatever its bits), ``b``
+    for keys only (:func:`_keys_only`), else ``a``."""
+    if rec.method == BASELINE:
+        return "base"
+    if peer_record(rec):
+        return "peer"
+    return "b" if _keys_only(rec) else "a"
+
+
 def _context(rec: Record) -> int:
     return cache_tokens(rec) or 0
 
@@ -207,8 +228,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def rows(records: list[Record]) -> list[HeadlineRow]:
     """One dict per label that has a ``perplexity`` record: ``label``, ``section``
-    (``a``/``b``/``base``), ``bytes``, ``bytes_ratio`` (vs 16-bit), ``key_bits``,
-    ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
+    (``a``/``b``/``base``/``peer``: :func:`section_of`), ``bytes``, ``bytes_ratio`` (vs
+    16-bit), ``key_bits``, ``value_bits``, ``next_token_kl``, ``kl_low``, ``kl_high``, ``top1``, ``ppl``,
     ``ppl_ratio`` (``ppl`` / ``ppl_ref``, the ``full`` cache's perplexity under the same
     schedule), ``step_ratio`` with its interval ``step_low`` / ``step_high`` (``None``: the
     latency record has none) of the latency record at the headline context, ``peak_ratio``,
@@ -251,7 +272,7 @@ def rows(records: list[Record]) -> list[HeadlineRow]:
         out.append(
             {
                 "label": label,
-                "section": "base" if q.method == BASELINE else ("b" if _keys_only(q) else "a"),
+                "section": section_of(q),
                 "bytes": m.get("bytes_total"),
                 "bytes_ratio": bytes_vs_16bit(q),
                 "key_bits": m.get("effective_key_bits"),
@@ -347,6 +368,8 @@ SECTIONS = {
     "a": "(a) Deployed: keys and values quantized",
     "b": "(b) Keys only: values kept at 16 bits (b_V = 16, the PN-Mix paper's setting)",
 }
+#: the title of the peers' section (rows of section ``peer``: transformers' own caches)
+PEERS = "Peers: transformers' own caches, for reference (not ranked)"
 HEAD = (
     "| method | key bits | value bits | nominal bits (K / V) | bytes vs 16-bit "
     "| next-token KL [95% CI] | top-1 | ppl ratio | step vs full | peak vs full | frontier |\n"
@@ -368,11 +391,16 @@ def head(contexts: list[int]) -> str:
     )
 
 
+def peer_head(contexts: list[int]) -> str:
+    """The peers section's header: :func:`head` without its ``frontier`` column."""
+    top, rule = head(contexts).split("\n")
+    return top.removesuffix(" frontier |") + "\n" + rule.removesuffix(":---:|")
+
+
 def is_peer(row: HeadlineRow) -> bool:
-    """Whether the row's perplexity record ran a transformers peer's own cache (its
-    ``decode_attention`` manifest entry's protocol is :data:`PEER_PROTOCOL`)."""
-    decode = row["sources"][QUALITY].manifest.get("decode_attention") or {}
-    return decode.get("protocol") == PEER_PROTOCOL
+    """Whether the row is a transformers peer's own cache (:func:`peer_record` of its
+    perplexity record)."""
+    return peer_record(row["sources"][QUALITY])
 
 
 def same_cache(row: HeadlineRow) -> tuple[float | None, ...]:
@@ -481,13 +509,15 @@ def merge_groups(rs: list[HeadlineRow]) -> list[list[HeadlineRow]]:
     return [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
 
 
-def _line(group: list[HeadlineRow], floor: float, star: bool, contexts: list[int]) -> str:
+def _line(group: list[HeadlineRow], floor: float, star: bool | None, contexts: list[int]) -> str:
     """One table line for a group of rows holding the same cache: labels joined by `` = ``,
-    each cell once where the rows agree, else their cells in label order joined by `` / ``."""
+    each cell once where the rows agree, else their cells in label order joined by `` / ``;
+    the frontier cell last (``★`` when ``star``), none when ``star`` is ``None`` (peers)."""
     cols = zip(*(_cells(r, floor, contexts) for r in group))
     cells = [c[0] if len(set(c)) == 1 else " / ".join(c) for c in cols]
     label = " = ".join(row_label(r) for r in group)
-    return f"| {label} | " + " | ".join(cells) + f" | {'★' if star else ''} |"
+    mark = "" if star is None else f" {'★' if star else ''} |"
+    return f"| {label} | " + " | ".join(cells) + " |" + mark
 
 
 def _spec(rec: Record) -> str:
@@ -613,7 +643,8 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
         f"†: the KL interval's lower bound is at or below full's noise floor ({floor:.0e}: the "
         f"largest |KL| of unquantized rows, at least {KL_FLOOR:.0e}), so the run cannot tell "
         "the row from full. ★: on the Pareto frontier of next-token KL vs bytes within the "
-        "section, transformers peers (peer) left out of it and never marked. (budget not "
+        "section; transformers' own caches (peer) are rows of their own section, never ranked "
+        "or marked. (budget not "
         "reached at N tokens: sized for M): a progressive budget reaches its `budget_bits` "
         "only once the cache holds its `budget_tokens` M; at N < M its codes are wider. "
         "–: not measured."
@@ -622,10 +653,11 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
 
 
 def headline_table(records: list[Record]) -> str:
-    """Markdown: one table per section, rows sorted by bytes, rows holding the same cache
-    merged (:func:`merge_groups`), Pareto frontier marked without transformers peers
-    (:func:`is_peer`), a note naming each column's source and the merged labels (see the module
-    docstring).  Rows without a KL or bytes are listed but not ranked."""
+    """Markdown: one table per section ((a), (b), then the peers' own, :data:`PEERS`, without a
+    frontier column), rows sorted by bytes after ``full``, rows holding the same cache merged
+    (:func:`merge_groups`), the Pareto frontier of (a) and (b) marked, a note naming each
+    column's source and the merged labels (see the module docstring).  Rows without a KL or
+    bytes are listed but not ranked."""
     allrows = rows(records)
     floor = noise_floor(allrows)
     contexts = step_contexts(allrows)
@@ -649,4 +681,11 @@ def headline_table(records: list[Record]) -> str:
         merged += [" = ".join(row_label(r) for r in g) for g in groups if len(g) > 1]
         lines = [_line(g, floor, any(id(r) in front for r in g), contexts) for g in groups]
         parts.append(f"#### {title}\n\n{head(contexts)}\n" + "\n".join(lines))
+    peers = sorted(
+        (r for r in allrows if r["section"] == "peer"),
+        key=lambda r: (r["bytes_ratio"] is None, r["bytes_ratio"] or 0, r["label"]),
+    )
+    if peers:
+        lines = [_line([r], floor, None, contexts) for r in base + peers]
+        parts.append(f"#### {PEERS}\n\n{peer_head(contexts)}\n" + "\n".join(lines))
     return "\n\n".join(parts + [note(allrows, floor, merged)])

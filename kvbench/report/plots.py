@@ -7,9 +7,14 @@ The rules every figure follows:
   looks the same in every figure): a colour per method family (tab20, darker half first; ``full``
   black), a marker per configuration within its family, and a number (the key beside the axes
   reads ``<number> <label>``); no two labels share (colour, marker) up to 20 x 12 labels.
+- **Names as the table's**: transformers peers (:func:`peer_labels`) are named ``<label>
+  (peer)``, headline rows by the table's label (``(budget not reached ...)``); configurations
+  at one position with equal intervals (one cache under several labels: the headline's merged
+  rows) are one marker (:func:`merge_points`) named by all their labels joined by `` = ``.
 - **Frontier**: :func:`kvbench.report.pareto.pareto_mask` over every drawn point (``full``
-  included) at its drawn position; filled markers on the frontier, hollow ones dominated, a line
-  (gid ``frontier``) through exactly the frontier's points sorted by x.
+  included, transformers peers left out: never ranked, as in the table) at its drawn position;
+  filled markers on the frontier, hollow ones dominated (and every peer), a line (gid
+  ``frontier``) through exactly the frontier's points sorted by x.
 - **Noise floor** (metrics that cannot be negative, :data:`NONNEG`): one per figure,
   :func:`noise_floor`, the headline table's rule and wording; values at or below it are drawn on
   it (a dotted line, gid ``floor``).
@@ -17,8 +22,10 @@ The rules every figure follows:
   carries ``<metric>_ci_low`` / ``_ci_high``.
 - **Titles** name the model, text, context and decode protocol of the records drawn.
 - **Facets**: quality against nominal bits (:func:`pareto_figure`) draws configurations whose
-  values stay at 16 bits (headline section (b)) on their own axes, never beside those whose
-  values are quantized; ``full`` is the reference in both.
+  values stay at 16 bits (headline section (b); a peer by its nominal value bits) on their own
+  axes, never beside those whose values are quantized; ``full`` is the reference in both.
+- **Sections**: the headline figures draw section (a) or (b) with ``full``; the peers' own
+  section of the table is not drawn there (its rows are in the nominal-bits figures).
 - **Labels**: each point's name (at most :data:`MAX_NAMED` points per axes) or number, placed
   by :func:`place_labels` where it overlaps no marker and no other label (a leader line counted
   as part of its label) and stays inside the axes; its number where its name finds no room.
@@ -27,6 +34,7 @@ The rules every figure follows:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import textwrap
 from collections import Counter
@@ -38,7 +46,7 @@ from typing import TYPE_CHECKING, TextIO, TypedDict
 from kvbench.bench.metrics import HIGHER, direction
 from kvbench.bench.records import Record, canonical, load_records
 from kvbench.cache.registry import BASELINE
-from kvbench.report.headline import BASE_BITS, KL_FLOOR, SECTIONS, rows
+from kvbench.report.headline import BASE_BITS, KL_FLOOR, SECTIONS, peer_record, row_label, rows
 from kvbench.report.pareto import pareto_mask
 
 if TYPE_CHECKING:
@@ -265,7 +273,9 @@ def floor_text(metric: str, floor: float) -> str:
 @dataclass
 class Point:
     """One configuration in a figure: values and their 95% intervals (``None``: none
-    recorded), marker size (points) and the extra text of its key entry."""
+    recorded), marker size (points), the extra text of its key entry, the name it is shown
+    under (``""``: its label; :func:`merge_points`, :func:`peer_labels`) and whether it takes
+    part in the frontier (``False``: a transformers peer, never ranked)."""
 
     label: str
     x: float
@@ -274,6 +284,46 @@ class Point:
     y_ci: tuple[float, float] | None = None
     size: float = SIZE
     note: str = ""
+    name: str = ""
+    ranked: bool = True
+
+    @property
+    def shown(self) -> str:
+        """The name in the key and beside the marker: :attr:`name`, else the label."""
+        return self.name or self.label
+
+
+#: what follows a transformers peer's label wherever a figure names it (the table's mark)
+PEER_MARK = " (peer)"
+
+
+def peer_labels(records: list[Record]) -> set[str]:
+    """The labels of transformers peers: those with a record of a peer's own cache
+    (:func:`kvbench.report.headline.peer_record`)."""
+    return {r.label for r in records if peer_record(r)}
+
+
+def merge_points(points: list[Point], styles: dict[str, Style]) -> list[Point]:
+    """One point per distinct (x, y, intervals): the points of several labels there (one cache
+    under several labels, as the headline's merged rows, or equal values of one metric: ``full``
+    and a 16-bit peer at top-1 1.0) become one, drawn as the lowest-numbered ranked one (its
+    style, size and rank; the lowest-numbered where none is ranked), named by all their names
+    in number order joined by `` = ``, their key notes joined by `` /`` where they differ; the
+    others as they are.  Order: that of each group's first point."""
+    groups: dict[tuple[object, ...], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.x, p.y, p.x_ci, p.y_ci), []).append(p)
+    out = []
+    for g in groups.values():
+        g = sorted(g, key=lambda p: styles[p.label]["number"])
+        if len(g) == 1:
+            out.append(g[0])
+            continue
+        base = next((p for p in g if p.ranked), g[0])
+        notes = list(dict.fromkeys(p.note for p in g))
+        note = notes[0] if len(notes) == 1 else " /".join(notes)
+        out.append(dataclasses.replace(base, name=" = ".join(p.shown for p in g), note=note))
+    return out
 
 
 def _ci(rec: Record, metric: str) -> tuple[float, float] | None:
@@ -312,7 +362,10 @@ def _panel(
         return v if floor is None else max(v, floor)
 
     drawn = [clamp(p.y) for p in points]
-    mask = frontier([(p.x, d) for p, d in zip(points, drawn)], higher)
+    ranked = [i for i, p in enumerate(points) if p.ranked]  # peers are never ranked
+    mask = [False] * len(points)
+    for i, on in zip(ranked, frontier([(points[i].x, drawn[i]) for i in ranked], higher)):
+        mask[i] = on
     bar = {"lw": 0.9, "alpha": 0.55, "zorder": 2, "marker": "_", "ms": 5}
     for p, d, on in zip(points, drawn, mask):
         st = styles[p.label]
@@ -339,7 +392,8 @@ def _panel(
             gid=p.label,
         )
     front = sorted({(p.x, d) for p, d, on in zip(points, drawn, mask) if on})
-    ax.plot(*zip(*front), color="0.3", lw=1.1, zorder=3, gid="frontier")
+    if front:
+        ax.plot(*zip(*front), color="0.3", lw=1.1, zorder=3, gid="frontier")
     if floor is not None and any(p.y <= floor for p in points):
         ax.axhline(floor, color="0.45", ls=":", lw=1, zorder=1, gid="floor")
     _log_axis(ax, "x", [p.x for p in points])
@@ -356,8 +410,9 @@ def _key(
     from matplotlib.lines import Line2D
 
     seen: dict[str, Point] = {}
-    for p in points:
-        seen.setdefault(p.label, p)
+    for p in points:  # a label in several panels: its longest name (merged there with others)
+        if p.label not in seen or len(p.shown) > len(seen[p.label].shown):
+            seen[p.label] = p
     out: list[Artist] = [
         Line2D(
             [],
@@ -366,19 +421,25 @@ def _key(
             marker=styles[lb]["marker"],
             color=styles[lb]["color"],
             ms=SIZE,
-            label=f"{styles[lb]['number']:>2} {lb}{p.note}",
+            label=f"{styles[lb]['number']:>2} {p.shown}{p.note}",
         )
         for lb, p in sorted(seen.items(), key=lambda kv: styles[kv[0]]["number"])
     ]
+    hollow = "hollow: dominated"
+    if not all(p.ranked for p in points):
+        hollow += "; (peer): transformers' own cache, never ranked (hollow)"
     out += [
         Line2D([], [], color="0.3", lw=1.1, label=front_note),
-        Line2D([], [], ls="none", marker="o", mfc="none", mec="0.3", label="hollow: dominated"),
+        Line2D([], [], ls="none", marker="o", mfc="none", mec="0.3", label=hollow),
     ]
     if any(p.x_ci or p.y_ci for p in points):
         out.append(Line2D([], [], color="0.3", marker="_", lw=0.9, label="95% interval"))
     return out + extra
 
 
+#: inches of a figure's key (7-point text): per entry, per wrapped line within an entry, and
+#: the title and axis text above and below it
+KEY_ENTRY, KEY_WRAP, KEY_TOP = 0.17, 0.12, 1.6
 #: a label further than this many placement steps from its marker gets a leader line
 LEADER_STEP = 2
 
@@ -479,6 +540,7 @@ def _figure(
     ``axes`` = (x, y) metrics, ``labels`` their axis text, ``title`` its lines."""
     from matplotlib.lines import Line2D
 
+    panels = [(sub, merge_points(ps, styles)) for sub, ps in panels]
     pts = [p for _, ps in panels for p in ps]
     n = len({p.label for p in pts})
     fig = _plt().figure(
@@ -491,7 +553,7 @@ def _figure(
         ax.set_ylabel(labels[1], fontsize=8)
         ax.set_title(sub, fontsize=9)
     higher = direction(axes[1]) == HIGHER
-    fronts = [sum(frontier([(p.x, y) for p, y in d], higher)) for _, d in drawn]
+    fronts = [sum(frontier([(p.x, y) for p, y in d if p.ranked], higher)) for _, d in drawn]
     note = "Pareto frontier (line through the filled markers)"
     if max(fronts) == 1:
         note = "Pareto frontier: one point, it dominates every other (no line)"
@@ -501,13 +563,18 @@ def _figure(
     handles = _key(pts, styles, note, extra)
     for h in handles:  # the key stays narrow: long entries wrap
         h.set_label(textwrap.fill(h.get_label(), 52, subsequent_indent="   "))
+    ncols = 2 if len(handles) > 48 else 1
+    # the key hangs from the axes' top: the figure is tall enough for its wrapped entries
+    wraps = sum(h.get_label().count("\n") for h in handles)
+    need = KEY_TOP + (KEY_ENTRY * len(handles) + KEY_WRAP * wraps) / ncols
+    fig.set_figheight(max(fig.get_figheight(), need))
     drawn[-1][0].legend(
         handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.02, 1.0),
         fontsize=7,
         frameon=False,
-        ncols=2 if len(handles) > 48 else 1,
+        ncols=ncols,
         handlelength=1.6,
     )
     better = f"{'upper' if higher else 'lower'}-left is better"
@@ -523,7 +590,7 @@ def _figure(
             (
                 p,
                 y,
-                p.label if named else str(styles[p.label]["number"]),
+                p.shown if named else str(styles[p.label]["number"]),
                 str(styles[p.label]["number"]),
             )
             for p, y in d
@@ -538,7 +605,7 @@ def _figure(
 
 
 def _sections(records: list[Record]) -> dict[str, str]:
-    """Label -> headline section (``a``/``b``/``base``): that of its headline row, else
+    """Label -> headline section (``a``/``b``/``base``/``peer``): that of its headline row, else
     ``base`` for ``full``, ``b`` for nominal value bits >= 16, else ``a``."""
     try:
         out = {r["label"]: r["section"] for r in rows(records)}
@@ -553,7 +620,9 @@ def _sections(records: list[Record]) -> dict[str, str]:
 
 def section_figure(records: list[Record], section: str, x: str, y: str) -> Figure | str:
     """The Pareto figure of headline section ``section`` (``"a"``/``"b"``) with ``x``/``y`` in
-    ``bytes_ratio``, ``next_token_kl``, :data:`DECODE`, or the reason it is not drawn (str)."""
+    ``bytes_ratio``, ``next_token_kl``, :data:`DECODE` (each with its 95% interval where the
+    record has one: the perplexity record's KL, the latency record's step), or the reason it
+    is not drawn (str); the title names the records of the rows drawn."""
     recs = {
         # bytes of the very cache the quality was scored in (one cache state per row)
         "bytes_ratio": _group(records, "bytes_total", "perplexity"),
@@ -577,11 +646,14 @@ def section_figure(records: list[Record], section: str, x: str, y: str) -> Figur
             DECODE: decode[row["label"]].metrics[DECODE] if row["label"] in decode else None,
         }
         if row["section"] in (section, "base") and vals[x] is not None and vals[y] is not None:
-            ci = {"next_token_kl": _ci(q, "next_token_kl")}
-            points.append(Point(row["label"], vals[x], vals[y], ci.get(x), ci.get(y)))
+            lat = decode.get(row["label"])
+            ci = {"next_token_kl": _ci(q, "next_token_kl"), DECODE: lat and _ci(lat, DECODE)}
+            name = row_label(row)  # the table's: "(budget not reached ...)" where it says so
+            points.append(Point(row["label"], vals[x], vals[y], ci.get(x), ci.get(y), name=name))
     if sum(p.label not in _base(records) for p in points) < 2:
         return f"fewer than two configurations of section ({section}) have {x} and {y}"
-    used = {m: recs[m] for m in (x, y)}
+    drawn = {p.label for p in points}  # the title names what is drawn (no peer: not a row here)
+    used = {m: [r for r in recs[m] if r.label in drawn] for m in (x, y)}
     floor = noise_floor(y, recs[y]) if y in NONNEG else None
     what = {DECODE: "step", "next_token_kl": "KL", "bytes_ratio": "bytes"}
     title = [
@@ -635,6 +707,7 @@ def combined_figure(records: list[Record], section: str) -> Figure | str:
             y_ci=_ci(r["sources"]["perplexity"], "next_token_kl"),
             size=size(step[r["label"]]) if r["label"] in step else 5.0,
             note=f"  (step {step[r['label']]:.2f})" if r["label"] in step else "  (step -)",
+            name=row_label(r),
         )
         for r in chosen
     ]
@@ -656,7 +729,12 @@ def combined_figure(records: list[Record], section: str) -> Figure | str:
     title = [
         f"{SECTIONS[section]}: next-token KL vs bytes, marker size: decode step vs full at "
         f"{'/'.join(map(str, ctxs[-1:])) or '-'} tokens (the longest latency context)",
-        setting({"KL, bytes": quality, "step": list(longest.values())}),
+        setting(
+            {
+                "KL, bytes": quality,
+                "step": [r for r in longest.values() if r.label in {p.label for p in points}],
+            }
+        ),
     ]
     q = quality[0]
     labels = (f"{NAMES['bytes_ratio']}\n{describe(q)}", f"{NAMES['next_token_kl']}\n{describe(q)}")
@@ -681,7 +759,12 @@ def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Fig
     ys = _group(records, y)
     xs = {r.label: r.metrics[x] for r in reversed(records) if x in r.metrics}
     xs.update({r.label: r.metrics[x] for r in ys if x in r.metrics})
-    section, base = _sections(records), _base(records)
+    section, base, peers = _sections(records), _base(records), peer_labels(records)
+    vbits = {
+        r.label: r.metrics["nominal_value_bits"]
+        for r in reversed(records)
+        if "nominal_value_bits" in r.metrics
+    }
     facets: dict[str, list[Point]] = {"a": [], "b": []}
     measured = x.replace("nominal_", "effective_") if x.startswith("nominal_") else None
     for r in ys:
@@ -689,12 +772,24 @@ def pareto_figure(records: list[Record], x: str, y: str, title: str = "") -> Fig
             continue
         eff = r.metrics.get(measured) if measured else None
         note = f"  (stores {eff:.1f})" if eff is not None and abs(eff - xs[r.label]) > 0.5 else ""
-        p = Point(r.label, xs[r.label], r.metrics[y], _ci(r, x), _ci(r, y), note=note)
-        for f in (
-            ("a", "b")
-            if r.label in base
-            else [section[r.label] if section[r.label] == "b" else "a"]
-        ):
+        peer = r.label in peers
+        p = Point(
+            r.label,
+            xs[r.label],
+            r.metrics[y],
+            _ci(r, x),
+            _ci(r, y),
+            note=note,
+            name=r.label + PEER_MARK if peer else "",
+            ranked=not peer,
+        )
+        if r.label in base:
+            where = ["a", "b"]
+        elif peer:  # a peer by its values: kept at 16 bits or not
+            where = ["b" if vbits.get(r.label, 0) >= BASE_BITS else "a"]
+        else:
+            where = ["b" if section[r.label] == "b" else "a"]
+        for f in where:
             facets[f].append(p)
     panels = [(FACETS[f], ps) for f, ps in facets.items() if any(p.label not in base for p in ps)]
     if sum(p.label not in base for _, ps in panels for p in ps) < 2:
@@ -748,7 +843,7 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
         lo, hi = r.metrics.get(f"{y}_ci_low"), r.metrics.get(f"{y}_ci_high")
         if lo is not None and hi is not None:
             bars.setdefault(r.label, []).append((x, v, lo * scale, hi * scale))
-    styles = style_table(records)
+    styles, peers = style_table(records), peer_labels(records)
     n = len(series)
     fig = _plt().figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
     ax = fig.subplots()
@@ -761,7 +856,7 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
             color=st["color"],
             ms=5,
             lw=1.2,
-            label=f"{st['number']:>2} {label}",
+            label=f"{st['number']:>2} {label}{PEER_MARK * (label in peers)}",
             gid=label,
         )
         if label in bars:

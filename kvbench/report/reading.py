@@ -13,14 +13,16 @@ can act on, every number and every method name computed from the records, none t
   whose ``bytes vs 16-bit`` is at or below the budget, with its 95% interval, and whether that
   interval overlaps the runner-up's (each lower bound at or below the other's upper bound: then
   the two are not distinguishable).  Candidates (:func:`candidates`): rows of the section that
-  quantize something (measured key or value bits below 16), are not transformers peers (their
-  perplexity record's protocol is :data:`~kvbench.report.headline.PEER_PROTOCOL`,
-  :func:`~kvbench.report.headline.is_peer`) and have a KL and bytes; rows that hold the same
+  quantize something (measured key or value bits below 16) and have a KL and bytes (the
+  sections are (a) and (b): transformers peers, whose perplexity record's protocol is
+  :data:`~kvbench.report.headline.PEER_PROTOCOL`, are rows of their own section, never
+  candidates); rows that hold the same
   cache (equal ``bytes_total``, KL and interval, :func:`~kvbench.report.headline.merge_groups`)
   are one candidate named by all their labels.  Ties on KL go to fewer bytes, then to the label.
 * **Step vs full by context** (:func:`step_sentence`): with latency records at one context,
   how many rows step at or below ``full`` there; with several, at which contexts each row's
-  ``decode_ms_p50_ratio`` crosses 1.0.
+  ``decode_ms_p50_ratio`` crosses 1.0 (a transformers peer named as its row, ``<label>
+  (peer)``).
 * **Links** to the other measured records (:data:`LINKS`), or their paths where the
   document's place in the repository is not known.
 """
@@ -53,6 +55,7 @@ LINKS = (
     ("memory at deployed model shapes", "docs/results/memory-shapes.md"),
     ("decode protocols, chunked vs exact", "docs/results/protocols.md"),
     ("llama.cpp's own q8_0/q4_0 error on this model", "docs/results/llama-cpp-crosscheck.md"),
+    ("kvbench's evictors against kvpress's presses", "docs/results/kvpress-crosscheck.md"),
 )
 
 
@@ -110,7 +113,6 @@ def candidates(allrows: list[HeadlineRow], section: str) -> list[list[HeadlineRo
         r
         for r in allrows
         if r["section"] == section
-        and not is_peer(r)
         and r["next_token_kl"] is not None
         and r["bytes_ratio"] is not None
         and min(r["key_bits"] or 0, r["value_bits"] or 0) < BASE_BITS  # quantizes something
@@ -224,7 +226,13 @@ def step_sentence(records: list[Record], allrows: list[HeadlineRow]) -> str | No
         + " tokens."
         for lab in sorted(base & ratios.keys())
     )
-    methods = {lab: by for lab, by in sorted(ratios.items()) if lab not in base}
+    # a transformers peer is named as its table row names it: "<label> (peer)"
+    peers = {r["label"] for r in allrows if r["section"] == "peer"}
+    methods = {
+        lab + " (peer)" * (lab in peers): by
+        for lab, by in sorted(ratios.items())
+        if lab not in base
+    }
     if not methods:
         return None
     contexts = sorted({c for by in methods.values() for c in by})
@@ -265,8 +273,8 @@ def reading(records: list[Record], root: str | None = None) -> str:
     if bullets:
         parts.append(
             "Lowest next-token KL [95% CI] within each bytes budget (bytes vs 16-bit at or "
-            "below it; `full`, transformers peers and rows that quantize nothing left out):\n\n"
-            + "\n".join(bullets)
+            "below it; `full` and rows that quantize nothing left out; transformers peers are "
+            "in their own section, not ranked):\n\n" + "\n".join(bullets)
         )
     step = step_sentence(records, allrows)
     if step is not None:
