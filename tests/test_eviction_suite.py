@@ -1,18 +1,71 @@
-"""Refusals of an eviction suite's bad inputs before any work (issue 49): an evictor that scores by the decode
+"""suites/eviction.yaml and the refusals of its bad inputs before any work (issue 49): the
+suite and the reduced CPU command its header gives parse; an evictor that scores by the decode
 attention on a workload path that hands none over, a prefill-only budget above the tokens a
 workload sees and a keep ratio outside (0, 1) are refused when the suite is read, naming the
 field and the allowed values."""
 
 from __future__ import annotations
 
+import re
+import shlex
+from pathlib import Path
+
 import pytest
 
 from kvbench.bench import validate
 from kvbench.bench.preflight import check_contexts, evictor_problems
-from kvbench.bench.suite import parse_suite
+from kvbench.bench.suite import load_suite, parse_set, parse_suite
+from kvbench.report.equal_bytes import BUDGETS, family
 
+SUITE = Path(__file__).resolve().parents[1] / "suites" / "eviction.yaml"
 CHECKS = (validate.check_devices, check_contexts)
 MODEL = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
+
+
+def header_command() -> list[str]:
+    """The reduced CPU command of the suite's header, as argv after ``kvbench``."""
+    text = SUITE.read_text()
+    block = re.search(r"#   kvbench run suites/eviction\.yaml(.*?)\n#   kvbench report", text, re.S)
+    assert block, "the header gives the reduced command"
+    body = " ".join(ln.lstrip("# ").rstrip("\\ ") for ln in block.group(1).splitlines())
+    return shlex.split(body)
+
+
+def test_the_suite_and_its_reduced_command_parse() -> None:
+    suite = load_suite(SUITE, checks=CHECKS)
+    argv = header_command()
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert "--limit" in argv and len(sets) >= 10
+    reduced = load_suite(SUITE, parse_set(sets), checks=CHECKS)
+    assert [w["type"] for w in reduced.workloads] == [w["type"] for w in suite.workloads]
+    assert reduced.workloads[0]["lengths"] == [512] and reduced.workloads[2]["tokens"] == 512
+    assert {w.get("protocol") for w in suite.workloads if w["type"] == "ruler11"} == {
+        "question-agnostic",
+        "question-aware",
+    }
+
+
+def test_the_suite_has_every_family_at_every_budget_and_16_bit_storage() -> None:
+    suite = load_suite(SUITE)
+    names = {m.name for m in suite.methods}
+    assert {"full", "streamingllm", "snapkv", "h2o", "tova", "knorm"} <= names
+    for m in suite.methods:
+        q = m.config.get("quantizer")
+        stored = q["config"] if isinstance(q, dict) else m.config
+        assert stored.get("storage_dtype") == "float16", m.label
+    keep = {}
+    for m in suite.methods:
+        q = m.config.get("quantizer")
+        if isinstance(q, dict) and q["name"] == "full":
+            keep.setdefault(m.name, set()).add(m.config["keep_ratio"])
+    assert keep == {n: set(BUDGETS) for n in ("streamingllm", "snapkv", "h2o", "tova", "knorm")}
+
+    class R:  # what family() reads of a record
+        def __init__(self, m):
+            self.method, self.config = m.name, m.config
+
+    fams = {family(R(m)) for m in suite.methods}
+    assert fams == {"full", "eviction", "quantization", "combined"}
 
 
 def _suite(methods: list, workloads: list) -> dict:
