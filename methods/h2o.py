@@ -25,7 +25,6 @@ from kvbench.cache.eviction import (
     EvictionMethod,
     ObservingEvictor,
     attention_probs,
-    choose_drop,
     kept_after,
 )
 from kvbench.cache.layer import LayerCache
@@ -100,18 +99,19 @@ class H2OEvictor(ObservingEvictor):
         self._grow(t)
         self.acc = self.acc + add.to(self.acc.device)
 
-    def at_step(self, layer: LayerCache) -> torch.Tensor | None:
+    def step_scores(self, layer: LayerCache) -> torch.Tensor:
+        """The accumulated attention of the held tokens, ``inf`` for the newest
+        ``int(budget * recent_ratio)``."""
         held = layer.seq_length
-        if self.limit is None or held <= self.limit:
-            return None
         self.observed("h2o")
         scores = self._grow(held).clone()
         recent = int(self.limit * self.config.recent_ratio)
         if recent:
             scores[..., held - recent :] = math.inf
-        drop = choose_drop(scores, held - self.limit, layer.part_bounds())
+        return scores
+
+    def dropped(self, drop: torch.Tensor) -> None:
         self.acc = kept_after(self.acc, drop)
-        return drop
 
     def reset(self) -> None:
         super().reset()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import fields as kf
-from kvbench.cache.eviction import EvictionConfig, EvictionMethod, ScoreEvictor
+from kvbench.cache.eviction import DecodeEvictor, EvictionConfig, EvictionMethod
 from kvbench.cache.layer import LayerCache
 from kvbench.cache.method import Capabilities
 
@@ -36,10 +36,8 @@ def window_scores(shape: tuple[int, int, int], n_sink: int, device: torch.device
     return s
 
 
-class StreamingEvictor(ScoreEvictor):
+class StreamingEvictor(DecodeEvictor):
     """Drops the oldest tokens after the first ``n_sink``, at prefill and while decoding."""
-
-    evicts_at_decode = True
 
     def check_prompt(self, tokens: int) -> None:
         """Also refuses a budget that cannot hold the sinks and one recent token."""

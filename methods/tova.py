@@ -23,7 +23,6 @@ from kvbench.cache.eviction import (
     EvictionMethod,
     ObservingEvictor,
     attention_probs,
-    choose_drop,
     kept_after,
     pad_new,
 )
@@ -73,14 +72,14 @@ class TOVAEvictor(ObservingEvictor):
         hkv = layer.kv_shape[1]
         self.last = probs[:, :, -1].float().mean(1, keepdim=True).repeat(1, hkv, 1)
 
-    def at_step(self, layer: LayerCache) -> torch.Tensor | None:
-        if self.limit is None or layer.seq_length <= self.limit:
-            return None
+    def step_scores(self, layer: LayerCache) -> torch.Tensor:
+        """The last observed scores, ``inf`` for the tokens stored since."""
         self.observed("tova")
-        scores = pad_new(self.last, layer.seq_length)
-        drop = choose_drop(scores, layer.seq_length - self.limit, layer.part_bounds())
-        self.last = kept_after(scores, drop)
-        return drop
+        self.last = pad_new(self.last, layer.seq_length)
+        return self.last
+
+    def dropped(self, drop: torch.Tensor) -> None:
+        self.last = kept_after(self.last, drop)
 
     def reset(self) -> None:
         super().reset()

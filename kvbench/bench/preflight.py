@@ -11,8 +11,9 @@ calibration; each loaded from its source and checked against its pinned checksum
 ``kvbench run`` calls both before it runs anything and exits with status 2 on a missing asset.
 :func:`check_contexts` (called by ``kvbench run`` and :func:`kvbench.bench.runner.run_suite`
 before the result folder is made) refuses a workload whose context exceeds its model's
-``max_position_embeddings``, read from the model's config without loading weights;
-:func:`check_token_limits` (called with it) a method whose cache cannot hold the suite's
+``max_position_embeddings``, read from the model's config without loading weights, and (with
+:func:`evictor_problems`) an eviction method a workload cannot feed or whose budget it cannot
+meet; :func:`check_token_limits` (called with it) a method whose cache cannot hold the suite's
 longest context (:meth:`kvbench.cache.method.Method.token_limit`).
 """
 
@@ -298,9 +299,11 @@ def check_contexts(suite: Suite) -> None:
     ------
     ValueError
         :class:`kvbench.bench.validate.SuiteErrors`, naming for every such workload the suite
-        entry, the parameter, its value, the model and its maximum.
+        entry, the parameter, its value, the model and its maximum; and every problem of
+        :func:`evictor_problems`.
     """
     problems = Problems(suite.path)
+    problems.errors += evictor_problems(suite)
     for mi, spec in enumerate(suite.models):
         if spec is None:
             continue
@@ -366,3 +369,59 @@ def check_token_limits(suite: Suite) -> None:
                 f"{field_name} or shorten the context; nothing was run or created"
             )
     problems.raise_if_any()
+
+
+#: workload type -> (parameter, its values under which decode steps hand the cache no attention
+#: weights): the ``memory`` workload's ``path: reference`` reads ``keys_values()``, so an
+#: evictor that scores by the decode attention (``observes_attention``: h2o, tova) gets none
+NO_DECODE_ATTENTION = {"memory": ("path", ("reference",))}
+
+
+def evictor_problems(suite: Suite) -> list[str]:
+    """What ``suite``'s eviction methods (``capabilities.evicts``) cannot do on its workloads,
+    found before any work (each a message naming the suite entries, the field and the allowed
+    values; empty when none):
+
+    * an evictor that scores tokens by the decode attention on a workload path that hands none
+      over (:data:`NO_DECODE_ATTENTION`), which would fail at its first decode eviction;
+    * ``budget_tokens`` of an evictor without a decode budget above a workload's shortest
+      context (:data:`CONTEXT_PARAMS`): it would keep more tokens than it sees.
+
+    A method that cannot be built is left to the runner's plan, which names it."""
+    from kvbench.cache.registry import get_method
+
+    errors: list[str] = []
+    for m in suite.methods:
+        try:
+            method = get_method(m.name, **m.config)
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
+            continue
+        if not method.capabilities.evicts:
+            continue
+        evictor = method.evictor(0)
+        budget = method.config.budget_tokens
+        where = f"{suite.path}: {m.where or 'methods'} ({m.label})"
+        for wi, w in enumerate(suite.workloads):
+            param, bad = NO_DECODE_ATTENTION.get(w["type"], ("", ()))
+            if evictor.observes_attention and w.get(param) in bad:
+                errors.append(
+                    f"{where} on workloads[{wi}] ({w['type']}): field '{param}': {w[param]!r} "
+                    f"hands the cache no decode attention, which {m.name} scores tokens by; "
+                    f"allowed with this method: {param} 'attend'"
+                )
+            value = w.get(CONTEXT_PARAMS.get(w["type"], ""))
+            shortest = min(value, default=None) if isinstance(value, list) else value
+            if (
+                not evictor.evicts_at_decode
+                and budget is not None
+                and isinstance(shortest, int)
+                and budget > shortest
+            ):
+                errors.append(
+                    f"{where} on workloads[{wi}] ({w['type']}): field 'budget_tokens': {budget} "
+                    f"keeps more tokens than the {CONTEXT_PARAMS[w['type']]}={value} it sees "
+                    f"({m.name} evicts at prefill only); allowed: at most {shortest}, or "
+                    "keep_ratio in (0, 1)"
+                )
+    return errors

@@ -3,9 +3,9 @@
 
 An eviction method (a subclass of :class:`EvictionMethod`) builds its quantizer's layer cache
 (``quantizer`` in its config: a method name or ``{name, config}``, default ``full``) and hands
-it an :class:`~kvbench.cache.layer.Evictor` (:class:`ScoreEvictor` here), which scores the
-held tokens and says which to drop at prefill and, for a method with a decode budget, after
-each decode step.  The layer cache applies the decision to its full-precision parts and its
+it an :class:`~kvbench.cache.layer.Evictor` (:class:`ScoreEvictor`; :class:`DecodeEvictor` for
+a method with a decode budget), which scores the held tokens and says which to drop at prefill
+and, for a method with a decode budget, after each decode step.  The layer cache applies the decision to its full-precision parts and its
 quantized blocks; positions and masks keep counting every token seen.
 
 Budget (one of two fields): ``keep_ratio`` in (0, 1) (``None``: 0.5 unless ``budget_tokens``
@@ -170,12 +170,11 @@ def choose_drop(scores: torch.Tensor, n: int, bounds: list[int]) -> torch.Tensor
 
 
 class ScoreEvictor:
-    """An :class:`~kvbench.cache.layer.Evictor` that drops the lowest-scored tokens.
+    """An :class:`~kvbench.cache.layer.Evictor` that drops the lowest-scored tokens at prefill.
 
-    Subclasses define :meth:`prefill_scores` (and, with ``evicts_at_decode``,
-    :meth:`step_scores`): ``[B, H_kv, T]`` over the held tokens, higher = keep.  The budget
-    is the config's (module docstring); with ``evicts_at_decode`` the layer holds at most the
-    prefill's kept count (``keep_ratio``) or ``budget_tokens`` after every decode step."""
+    Subclasses define :meth:`prefill_scores`: ``[B, H_kv, P]`` over the prompt's tokens,
+    higher = keep.  The budget is the config's (module docstring).  No decode eviction: an
+    evictor that keeps a fixed budget while decoding derives from :class:`DecodeEvictor`."""
 
     needs_queries: ClassVar[bool] = False
     evicts_at_decode: ClassVar[bool] = False
@@ -201,10 +200,6 @@ class ScoreEvictor:
         """``[B, H_kv, P]`` scores of the prompt's keys ``[B, H_kv, P, D]``."""
         raise NotImplementedError
 
-    def step_scores(self, layer: LayerCache) -> torch.Tensor:
-        """``[B, H_kv, T]`` scores of the held tokens after a decode step."""
-        raise NotImplementedError
-
     def at_prefill(
         self, layer: LayerCache, keys: torch.Tensor, queries: torch.Tensor | None
     ) -> torch.Tensor | None:
@@ -217,10 +212,7 @@ class ScoreEvictor:
         return choose_drop(self.prefill_scores(keys, queries), t - keep, layer.part_bounds())
 
     def at_step(self, layer: LayerCache) -> torch.Tensor | None:
-        if not self.evicts_at_decode or self.limit is None or layer.seq_length <= self.limit:
-            return None
-        n = layer.seq_length - self.limit
-        return choose_drop(self.step_scores(layer), n, layer.part_bounds())
+        return None
 
     def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         return None
@@ -229,13 +221,46 @@ class ScoreEvictor:
         self.limit = None
 
 
-class ObservingEvictor(ScoreEvictor):
-    """A :class:`ScoreEvictor` whose decode decisions read the attention of the steps
+class DecodeEvictor(ScoreEvictor):
+    """A :class:`ScoreEvictor` that also keeps a fixed budget while decoding: after every
+    decode step the layer holds at most the prefill's kept count (``keep_ratio``) or
+    ``budget_tokens``, dropping the lowest :meth:`step_scores`.
+
+    Subclasses define :meth:`step_scores` and may define :meth:`dropped` (their per-token
+    state follows the held tokens)."""
+
+    evicts_at_decode = True
+
+    def over_budget(self, layer: LayerCache) -> int:
+        """Tokens ``layer`` holds above the decode budget (0: none, or no budget yet)."""
+        if self.limit is None or layer.seq_length <= self.limit:
+            return 0
+        return layer.seq_length - self.limit
+
+    def step_scores(self, layer: LayerCache) -> torch.Tensor:
+        """``[B, H_kv, T]`` scores of the held tokens after a decode step (only asked when the
+        layer is over budget)."""
+        raise NotImplementedError
+
+    def dropped(self, drop: torch.Tensor) -> None:
+        """Called with the decode decision ``drop [B, H_kv, n]`` (default: nothing)."""
+        return None
+
+    def at_step(self, layer: LayerCache) -> torch.Tensor | None:
+        n = self.over_budget(layer)
+        if not n:
+            return None
+        drop = choose_drop(self.step_scores(layer), n, layer.part_bounds())
+        self.dropped(drop)
+        return drop
+
+
+class ObservingEvictor(DecodeEvictor):
+    """A :class:`DecodeEvictor` whose decode decisions read the attention of the steps
     (``observes_attention``): :meth:`observed` refuses a decision when no step's attention
     arrived since the last one (a path that hands none over)."""
 
     needs_queries = True
-    evicts_at_decode = True
     observes_attention = True
 
     def __init__(self, config: EvictionConfig) -> None:
@@ -315,15 +340,12 @@ class EvictionMethod(Method):
         return self
 
     def new_layer(
-        self,
-        layer_idx: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
+        self, layer_idx: int, num_kv_heads: int, head_dim: int, *args: object, **kwargs: object
     ) -> LayerCache:
-        """The quantizer's layer cache with this method's :meth:`evictor`."""
-        layer = self.quantizer.new_layer(layer_idx, num_kv_heads, head_dim, dtype, device)
+        """The quantizer's layer cache with this method's :meth:`evictor`: the arguments of
+        :meth:`Method.new_layer` (``dtype``, ``device`` after the three sizes) go to the
+        quantizer's ``new_layer`` as given, so the two signatures cannot drift apart."""
+        layer = self.quantizer.new_layer(layer_idx, num_kv_heads, head_dim, *args, **kwargs)
         if self.observes_attention and (
             type(layer).observe_attention is not LayerCache.observe_attention
             or type(layer).observes_attention is not LayerCache.observes_attention

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, TextIO, TypedDict
 from kvbench.bench.metrics import HIGHER, direction
 from kvbench.bench.records import Record, canonical, load_records
 from kvbench.cache.registry import BASELINE
+from kvbench.report import equal_bytes
 from kvbench.report.headline import BASE_BITS, KL_FLOOR, SECTIONS, peer_record, row_label, rows
 from kvbench.report.pareto import pareto_mask
 
@@ -918,6 +919,8 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
             yield name, f"no records with {y}"
     for wtype, y in SWEEPS:
         yield f"{y}_vs_context", sweep_figure(records, wtype, y)
+    if equal_bytes.has_families(records):  # section (c) of the report
+        yield "eviction_vs_quantization", equal_bytes.figure(records)
 
 
 def _save(fig: Figure, path: Path, dpi: int = 130) -> Path:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from kvbench.bench.records import Record, canonical
 from kvbench.cache.registry import BASELINE
+from kvbench.report.equal_bytes import section as equal_bytes_section
 from kvbench.report.headline import QUALITY, bytes_vs_16bit, headline_table
 from kvbench.report.plots import load, write_listed
 from kvbench.report.provenance import provenance_block, run_logs
@@ -290,7 +291,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print("## Provenance\n\n" + block + "\n")
     if any(r.workload_type == QUALITY and r.method == BASELINE for r in records):
+        extra = equal_bytes_section(records)  # (c), with eviction records only
         headline = headline_table(records) + "\n\n" + reading(records)
+        headline += f"\n\n{extra}" if extra else ""
         print("## Headline\n\n" + headline + "\n\n## Every workload\n")
     print(summary_table(records))
     return 0
