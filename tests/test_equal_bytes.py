@@ -255,3 +255,16 @@ def test_figure_leaves_dominated_points_off_the_line() -> None:
 def test_no_eviction_rows_no_figure() -> None:
     recs = [r for r in records() if r.method in ("full", "int8-block")]
     assert isinstance(eb.figure(recs), str)
+
+
+def test_eviction_rows_leave_the_headline_tables_to_section_c() -> None:
+    """The headline's (a)/(b) tables hold quantized caches only: eviction and combined rows
+    (a ``quantizer`` in their config) are compared in section (c), quantized rows stay in (a)."""
+    from kvbench.report.headline import headline_table, rows
+
+    recs = records()
+    sections = {r["label"]: r["section"] for r in rows(recs)}
+    assert sections["snap 0.5"] == sections["h2o 0.25"] == "evict"
+    assert sections["int4"] == sections["kivi2"] == "a" and sections["full"] == "base"
+    table = headline_table(recs)
+    assert "| int4 |" in table and "snap 0.5" not in table and "h2o 0.25" not in table

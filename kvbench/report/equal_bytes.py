@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict
 from kvbench.bench.intervals import add_wilson_ci
 from kvbench.bench.records import Record
 from kvbench.cache.registry import BASELINE
-from kvbench.report.headline import QUALITY, bytes_vs_16bit, cache_tokens
+from kvbench.report.headline import QUALITY, bytes_vs_16bit, cache_tokens, evicting_record
 from kvbench.report.pareto import pareto_mask
 
 if TYPE_CHECKING:
@@ -94,9 +94,8 @@ def family(rec: Record) -> Family | Literal["full"]:
     carries ``quantizer`` (``{name, config}``)."""
     if rec.method == BASELINE:
         return "full"
-    q = rec.config.get("quantizer")
-    if isinstance(q, dict):
-        return "eviction" if q.get("name") == BASELINE else "combined"
+    if evicting_record(rec):
+        return "eviction" if rec.config["quantizer"].get("name") == BASELINE else "combined"
     return "quantization"
 
 

@@ -97,7 +97,7 @@ class HeadlineRow(TypedDict):
     several)."""
 
     label: str
-    section: Literal["a", "b", "base", "peer"]
+    section: Literal["a", "b", "base", "peer", "evict"]
     bytes: float | None
     bytes_ratio: float | None
     key_bits: float | None
@@ -188,14 +188,24 @@ def peer_record(rec: Record) -> bool:
     return decode.get("protocol") == PEER_PROTOCOL
 
 
-def section_of(rec: Record) -> Literal["a", "b", "base", "peer"]:
+def evicting_record(rec: Record) -> bool:
+    """Whether ``rec`` ran an eviction method (its configuration carries the ``quantizer`` it
+    composes with, ``{name, config}``: docs/design.md#eviction); such rows are compared in the
+    report's section (c), :mod:`kvbench.report.equal_bytes`, not in the headline's tables."""
+    return isinstance(rec.config.get("quantizer"), dict)
+
+
+def section_of(rec: Record) -> Literal["a", "b", "base", "peer", "evict"]:
     """The headline section of the row whose perplexity record is ``rec``: ``base`` for
-    ``full``, ``peer`` for a transformers peer (:func:`peer_record`, whatever its bits), ``b``
-    for keys only (:func:`_keys_only`), else ``a``."""
+    ``full``, ``peer`` for a transformers peer (:func:`peer_record`, whatever its bits),
+    ``evict`` for an eviction method (:func:`evicting_record`: left to section (c)), ``b`` for
+    keys only (:func:`_keys_only`), else ``a``."""
     if rec.method == BASELINE:
         return "base"
     if peer_record(rec):
         return "peer"
+    if evicting_record(rec):
+        return "evict"
     return "b" if _keys_only(rec) else "a"
 
 
