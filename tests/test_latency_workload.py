@@ -276,6 +276,31 @@ def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.Monkey
     assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
 
 
+def test_full_against_itself_times_two_distinct_caches_of_one_state() -> None:
+    """The ``full`` row's pair: two cache objects, prefilled from one shared capture, hold equal
+    K/V in allocations of their own after the warm-up and timed steps (an append writes
+    neither into the capture nor into the other cache)."""
+    model = _tiny_model()
+    params = dict(context=40, steps=4, warmup=2, prefill_repeats=1, prefill="shared")
+    w = Latency(Latency.validate({"type": "latency", **params, "baseline_storage_dtypes": ONE}))
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
+    w.prepare(ctx)
+    captured = [k.clone() for k in w.prompt.captured.keys]
+    full = kvbench.get_method("full")
+    timed = w._time(ctx, {"method": full, "baseline": full})
+    a, b = timed.caches["method"], timed.caches["baseline"]
+    assert a is not b
+    for la, lb in zip(a.layer_caches(), b.layer_caches(), strict=True):
+        assert la is not lb and la.seq_length == lb.seq_length == 40
+        for x, y in zip(la.keys_values(), lb.keys_values(), strict=True):
+            assert torch.equal(x, y)
+            assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    for k0, k1 in zip(captured, w.prompt.captured.keys, strict=True):
+        assert torch.equal(k0, k1)
+
+
 def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three configurations at context 40 and two at 48 (threads 1), and one at 40 with
     threads 2, on one model's shared state: the pre-pass (the two ``full`` candidates timed

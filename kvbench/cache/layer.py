@@ -24,6 +24,11 @@ set rotates what it stores and the prefill queries; :meth:`LayerCache.attend` ro
 and the output back, and :meth:`LayerCache.keys_values` returns the stored (rotated) space while
 :meth:`LayerCache.attend` runs, else keys and values rotated back.
 
+Growth: a full-precision residual of :data:`GROW_TOKENS` tokens or more (``full``'s whole cache)
+grows in place into an allocation with room (:meth:`Side.add_residual`, as a deployed engine
+preallocates), so a decode step copies its new tokens only, not the whole cache; ``nbytes()``
+counts the tokens held, :meth:`LayerCache.spare_bytes` the room (docs/design.md#memory).
+
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
 public operation then dispatches to those rows, also the overrides of a subclass
@@ -36,7 +41,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -63,6 +68,49 @@ def _len(t: torch.Tensor | Block | None) -> int:
     if t is None:
         return 0
     return t.ntokens if not isinstance(t, torch.Tensor) else t.shape[2]
+
+
+#: a full-precision residual that holds at least this many tokens after an append grows in
+#: place (:meth:`Side.add_residual`): its allocation has room for later tokens, in multiples of
+#: this many tokens; a shorter one is concatenated to its exact size as before
+GROW_TOKENS = 256
+#: a regrowth leaves room for at least ``1 / GROW_DIVISOR`` of the tokens then held (geometric
+#: growth: a token is copied O(1) times on average, a step costs O(new tokens) amortised)
+GROW_DIVISOR = 4
+
+
+def grown_capacity(tokens: int) -> int:
+    """Tokens a residual regrown to hold ``tokens`` tokens is allocated for: ``tokens + tokens //
+    GROW_DIVISOR`` rounded up to a multiple of :data:`GROW_TOKENS` (int, >= ``tokens``)."""
+    want = tokens + tokens // GROW_DIVISOR
+    return -(-want // GROW_TOKENS) * GROW_TOKENS
+
+
+@dataclass
+class Room:
+    """The allocation a residual was last grown into (:meth:`Side.add_residual`): the address
+    of its storage, the tokens written into it so far and its capacity (tokens).  Only tokens
+    past ``filled`` are ever written, so no tensor handed out before (a residual of ``filled``
+    tokens or fewer) sees a later append; ``filled`` is updated in place, so two holders of one
+    room (a shallow copy of a side) cannot both write the same token slot: the second regrows."""
+
+    ptr: int
+    filled: int
+    capacity: int
+
+    def holds(self, part: torch.Tensor) -> bool:
+        """``part`` (``[B, H_kv, n, D]``) is the first ``filled`` tokens of this allocation, as
+        :meth:`Side.add_residual` left it, and may be written past its end here (not an
+        inference tensor outside inference mode, no autograd)."""
+        b, h, n, d = part.shape
+        return (
+            n == self.filled
+            and part.storage_offset() == 0
+            and part.stride() == (h * self.capacity * d, self.capacity * d, d, 1)
+            and part.untyped_storage().data_ptr() == self.ptr
+            and not part.requires_grad
+            and (not part.is_inference() or torch.is_inference_mode_enabled())
+        )
 
 
 #: public operations that a padded layer (one cache per row) dispatches to
@@ -188,9 +236,58 @@ class Side:
     #: the dtype a flush hands the codec when the residual is stored in another one (the
     #: layer's ``storage_dtype``); ``None``: the residual as stored
     compute_dtype: torch.dtype | None = None
+    #: the allocation the residual was last grown into (:meth:`add_residual`), or ``None``
+    room: Room | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return _len(self.sinks) + _len(self.block) + _len(self.residual)
+
+    def add_residual(self, x: torch.Tensor) -> None:
+        """Append full-precision tokens ``x`` ``[B, H_kv, k, D]`` (in the stored dtype) after
+        the residual.
+
+        A residual that holds at least :data:`GROW_TOKENS` tokens afterwards lives in an
+        allocation with room (:func:`grown_capacity`): the tokens are copied into the room and
+        the residual becomes a view of the first tokens of the allocation, so a step copies
+        O(k) bytes instead of the whole residual (a regrowth, when the room is used up, copies
+        it once into a larger allocation).  A shorter residual is concatenated to its exact
+        size.  The values are those of ``torch.cat`` either way; :meth:`tensors` (and so
+        ``nbytes()``) count the tokens held, :meth:`spare_tokens` the room behind them
+        (docs/design.md#memory)."""
+        res, k = self.residual, x.shape[2]
+        n = _len(res)
+        room = self.room
+        if (
+            k
+            and res is not None
+            and room is not None
+            and n + k <= room.capacity
+            and room.holds(res)
+        ):
+            grown = res.as_strided((*res.shape[:2], n + k, res.shape[3]), res.stride(), 0)
+            grown[:, :, n:].copy_(x)
+            self.residual, room.filled = grown, n + k
+            return
+        if k and n + k >= GROW_TOKENS and not x.requires_grad:
+            b, h, _, d = x.shape
+            cap = grown_capacity(n + k)
+            buf = x.new_empty(b, h, cap, d)
+            if n:
+                buf[:, :, :n].copy_(res)
+            buf[:, :, n : n + k].copy_(x)
+            self.residual = buf[:, :, : n + k]
+            self.room = Room(buf.untyped_storage().data_ptr(), n + k, cap)
+            return
+        self.residual = own_storage(_cat(res, x))
+        self.room = None
+
+    def spare_tokens(self) -> int:
+        """Tokens of room behind the residual (allocated for later appends, not held; 0 when
+        the residual owns exactly its tokens): :meth:`add_residual`."""
+        res, room = self.residual, self.room
+        if res is None or room is None or not room.holds(res):
+            return 0
+        return room.capacity - room.filled
 
     def flush(self, n: int) -> None:
         """Quantize the oldest ``n`` residual tokens into the side's blocks."""
@@ -533,8 +630,8 @@ class LayerCache:
         if self.dtype is None or not self.seq_length:
             self.dtype = keys.dtype
         k, v = self._take_sinks(self._rot(keys, "keys"), self._rot(values, "values"))
-        self.k.residual = own_storage(_cat(self.k.residual, self._store(k)))
-        self.v.residual = own_storage(_cat(self.v.residual, self._store(v)))
+        self.k.add_residual(self._store(k))
+        self.v.add_residual(self._store(v))
         self._pending = True
 
     def end_step(self) -> None:
@@ -808,6 +905,7 @@ class LayerCache:
         self._rows, self._pads = None, []
         for side in (self.k, self.v):
             side.sinks = side.block = side.residual = None
+            side.room = None
         self._pending = self._awaiting_queries = False
         self._bhd = None
         self._evicted = 0
@@ -835,4 +933,18 @@ class LayerCache:
             out[cat] += n
             out[f"{side}_total"] += n
         out["total"] = out["key_total"] + out["value_total"]
+        return out
+
+    def spare_bytes(self) -> int:
+        """Bytes allocated behind the full-precision residuals for tokens not yet appended (the
+        room :meth:`Side.add_residual` grows into; docs/design.md#memory): not held, so not in
+        :meth:`nbytes`; what the process allocates for this layer is ``nbytes()["total"] +
+        spare_bytes()``.  A padded batch: the sum over its rows."""
+        if self._rows is not None:
+            return sum(r.spare_bytes() for r in self._rows)
+        out = 0
+        for side in (self.k, self.v):
+            if side.spare_tokens():
+                b, h, _, d = side.residual.shape
+                out += side.spare_tokens() * b * h * d * side.residual.element_size()
         return out

@@ -32,8 +32,17 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
 2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
    :func:`kvbench.measure.timer.interleave` at the workload's ``threads`` (default 1: on a
    2-core machine 2 threads share the cores with the OS; recorded as ``step_threads``): every
-   round times one step of each cache, alternating which goes first.  Inputs are the text's
-   next tokens (teacher forcing), identical for every cache, so the runs do the same work.
+   round times one step of each cache, alternating which goes first; the warm-up rounds step
+   both caches before the first timed round.  Inputs are the text's next tokens (teacher
+   forcing), identical for every cache, so the runs do the same work.  A kvbench cache's first
+   decode step copies a full-precision residual of 256+ tokens (``full``'s prompt K/V) once
+   into an allocation with room, and every later step writes its token into that room
+   (:meth:`kvbench.cache.layer.Side.add_residual`, docs/design.md#memory: no per-step copy of
+   the cache, as a deployed engine preallocates), so with ``warmup >= 1`` that one copy stays
+   out of the timed rounds and the room lasts a quarter of the context (no regrowth while
+   timing unless ``steps`` exceeds that).  The ``full`` row against the chosen ``full``
+   baseline times two distinct caches, each prefilled from the shared capture (neither ever
+   writes into it or into the other).
 3. Every ratio is against the chosen baseline's steps timed in this call, interleaved with the
    method's (not the pre-pass's).  A configuration equal to the chosen baseline (``full``
    with its storage dtype) times ``full`` against itself: its ratio is the noise of the
