@@ -38,8 +38,6 @@ and the score.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvbench.bench.context import Example, Info, RunContext
@@ -53,72 +51,6 @@ from kvbench.fields import Field
 from kvbench.jsontypes import JSONValue
 
 from .passkey import chat_wrap, check_protected
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-    from kvbench.bench.context import Tokenizer
-
-
-@torch.no_grad()
-def greedy_generate_after_context(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    ids: torch.Tensor,
-    context: int,
-    method: Method,
-    max_new_tokens: int,
-    stop: tuple[str, ...] | list[str] = (),
-    path: str = "attend",
-) -> Completion:
-    """:func:`kvbench.bench.decoding.greedy_generate` with the prompt ``ids [1, P]`` fed in
-    two forwards through the method's cache: its first ``context`` tokens (the prefill, where
-    the method compresses), then the other ``P - context`` (a multi-token append, as a decode
-    call), then one token per step.  ``0 < context < P``, else ``ValueError``.
-
-    Returns what ``greedy_generate`` does; ``key_quantized_after_prefill`` /
-    ``value_quantized_after_prefill`` are read after the context's forward."""
-    from kvbench.bench.decoding import cut_at_stop, decode_info, decode_route, eos_ids
-    from kvbench.hf.attention import kvbench_attention
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
-
-    if not 0 < context < ids.shape[1]:
-        raise ValueError(f"context={context} must split the prompt of {ids.shape[1]} tokens")
-    attend, why = decode_route(method, model, path)
-    cache = QuantizedKVCache(method, model, attend=attend)
-    kw = cache_kwarg(cache, model)
-    dev = next(model.parameters()).device
-    ids = ids.to(dev)
-    ends = eos_ids(model, tokenizer)
-    new: list[int] = []
-    reason = "length"
-    with kvbench_attention(model):
-        model(input_ids=ids[:, :context], use_cache=True, **kw)
-        kq, vq = cache.quantized_tokens(0)
-        out = model(input_ids=ids[:, context:], use_cache=True, **kw)
-        for step in range(max_new_tokens):
-            tok = int(out.logits[0, -1].argmax())
-            if tok in ends:
-                reason = "eos"
-                break
-            new.append(tok)
-            if stop:
-                _, hit = cut_at_stop(tokenizer.decode(new, skip_special_tokens=False), stop)
-                if hit is not None:
-                    reason = f"stop:{hit}"
-                    break
-            if step + 1 < max_new_tokens:
-                out = model(input_ids=torch.tensor([[tok]], device=dev), use_cache=True, **kw)
-    text, _ = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), stop)
-    return {
-        "text": text,
-        "new_tokens": len(new),
-        "stop_reason": reason,
-        "prompt_tokens": int(ids.shape[1]),
-        "key_quantized_after_prefill": kq,
-        "value_quantized_after_prefill": vq,
-        "decode_attention": decode_info([cache], cache.attend, why),
-    }
 
 
 class Ruler11(TaskWorkload):
@@ -281,12 +213,10 @@ class Ruler11(TaskWorkload):
         from kvbench.bench.decoding import greedy_generate
 
         ids, n = self.prompt_ids(ctx, example)
+        # question-agnostic: the context alone in the prefill, the question as a second forward
+        context = example["context"] if self.spec["protocol"] == QUESTION_AGNOSTIC else None
         path = self.spec["path"]
-        if self.spec["protocol"] == QUESTION_AGNOSTIC and example["context"] is not None:
-            return greedy_generate_after_context(
-                ctx.model, ctx.tokenizer, ids, example["context"], method, n, self.stop, path
-            )
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop, path)
+        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop, path, context)
 
     def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         from kvbench.bench.tasks.ruler_tasks import SCORERS
