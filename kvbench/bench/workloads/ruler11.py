@@ -50,7 +50,16 @@ from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.jsontypes import JSONValue
 
-from .passkey import chat_wrap, check_protected
+from .passkey import check_protected
+from .ruler import (
+    as_lists,
+    bos_shift,
+    generation_info,
+    generator_kwargs,
+    mean_over_tasks,
+    prompt_setup,
+    score_record,
+)
 
 
 class Ruler11(TaskWorkload):
@@ -80,9 +89,7 @@ class Ruler11(TaskWorkload):
 
     @classmethod
     def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
-        for name in ("tasks", "lengths"):
-            if isinstance(spec[name], (str, int)):
-                spec[name] = [spec[name]]
+        as_lists(spec)
         budget = spec["new_tokens"] or max(RULER11[t].max_new_tokens for t in spec["tasks"])
         if min(spec["lengths"]) <= 2 * budget:
             why = f"twice the generation budget of {budget} tokens, for the prompt"
@@ -104,41 +111,23 @@ class Ruler11(TaskWorkload):
         from kvbench.bench.tasks.ruler_tasks import answer_after_turn, question_token
         from kvbench.bench.tasks.tokens import encode
 
-        tok = ctx.tokenizer
-        if tok is None:
-            raise ValueError("ruler11 needs a tokenizer to place the needles")
-        longest = max(self.spec["lengths"])
-        if longest > ctx.max_positions:
-            raise ValueError(
-                f"ruler11: length {longest} exceeds the model's context {ctx.max_positions}"
-            )
-        use_chat = self.spec["chat_template"] and bool(tok.chat_template)
-        wrap = chat_wrap(tok) if use_chat else ("", "")
+        tok, use_chat, wrap = prompt_setup(ctx, self.spec, "ruler11")
         protocol = self.spec["protocol"]
         examples = []
         for length in self.spec["lengths"]:
             for alias in self.spec["tasks"]:
                 task = RULER11[alias]
                 for i in range(self.spec["num_examples"]):
-                    kw: dict[str, object] = dict(task.kwargs, wrap=wrap)
-                    if task.needles:
-                        kw.update(
-                            depth=self.spec["depth"],
-                            protect_prefix=self.spec["protect_prefix"],
-                            protect_suffix=self.spec["protect_suffix"],
-                        )
+                    kw = generator_kwargs(self.spec, task.kwargs, task.needles, wrap)
                     # distinct seeds per task, the same for every method
                     seed = ctx.seed * 1000 + i + 100_000 * list(RULER11).index(alias)
                     # RULER's budget: prompt and generated tokens together fit ``length``
                     budget = self.spec["new_tokens"] or task.max_new_tokens
                     ex = task.generator(tok, length - budget, seed=seed, **kw)
-                    # special tokens the tokenizer prepends to a plain prompt (e.g. BOS)
-                    shift = 0
-                    if not use_chat:
-                        shift = len(tok(ex["prompt"])["input_ids"]) - len(encode(tok, ex["prompt"]))
-                    else:  # RULER: the answer prefix opens the assistant's turn
+                    if use_chat:  # RULER: the answer prefix opens the assistant's turn
                         ex["prompt"] = answer_after_turn(ex["prompt"], task.answer_prefix, wrap[1])
                         ex["context_tokens"] = len(encode(tok, ex["prompt"]))
+                    shift = bos_shift(tok, ex["prompt"], use_chat)
                     n_tok = ex["context_tokens"] + shift
                     context = None
                     if task.question is not None:
@@ -185,15 +174,9 @@ class Ruler11(TaskWorkload):
                 }
                 for a in self.spec["tasks"]
             },
-            "lengths": self.spec["lengths"],
-            "placement": {
-                "depth": self.spec["depth"],
-                "protect_prefix": self.spec["protect_prefix"],
-                "protect_suffix": self.spec["protect_suffix"],
-            },
-            "chat_wrap": list(wrap),
-            "scoring": "RULER string_match_all; 95% Wilson intervals over examples",
-            "truncation": "none: prompts are generated to fit each length",
+            **generation_info(
+                self.spec, wrap, "RULER string_match_all; 95% Wilson intervals over examples"
+            ),
         }
 
     def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
@@ -222,11 +205,8 @@ class Ruler11(TaskWorkload):
         from kvbench.bench.tasks.ruler_tasks import SCORERS
 
         scorer = SCORERS[RULER11[example["task"]].metric]
-        return {
-            "scores": {"ruler11_score": scorer(completion, example["answers"])},
-            "extracted": None,
-            "gold": example["answers"],
-        }
+        answers = example["answers"]
+        return score_record("ruler11_score", scorer(completion, answers), answers)
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
@@ -241,12 +221,6 @@ class Ruler11(TaskWorkload):
                 add_wilson_ci(m, f"ruler11_{t}_{n}", mine)
                 pooled += mine
             add_wilson_ci(m, f"ruler11_{t}", pooled)
-        for n in lengths:
-            vals = [m[f"ruler11_{t}_{n}"] for t in tasks if f"ruler11_{t}_{n}" in m]
-            if vals:
-                m[f"ruler11_len{n}"] = sum(vals) / len(vals)
-        vals = [m[f"ruler11_{t}"] for t in tasks if f"ruler11_{t}" in m]
-        m["ruler11_avg"] = sum(vals) / len(vals) if vals else float("nan")
-        m["task_score"] = m["ruler11_avg"]
+        mean_over_tasks(m, "ruler11", tasks, lengths)
         result.info["protocol"] = self.spec["protocol"]
         return result
