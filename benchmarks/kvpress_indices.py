@@ -270,6 +270,48 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- writing
+
+
+def write_kept(
+    out: Path,
+    header: Mapping[str, Any],
+    config: Any,
+    model_id: str,
+    model_path: str | None,
+    prompts: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    scores: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Write a kept-indices file: ``out``.json (:data:`FORMAT`: ``format``, then ``header``'s
+    keys in order (``source``, versions, attention, dtype), ``model`` (``model_id``,
+    ``model_path`` and the layer, KV-head and head-dim counts of the transformers ``config``),
+    ``prompts``, ``scores_file``, ``runs``; compact separators, one line) and ``out``.npz
+    (``scores``: run key -> float32 array ``[layers, kv_heads, tokens]``), creating ``out``'s
+    folder; returns the JSON's dict."""
+    import numpy as np
+
+    data = {
+        "format": FORMAT,
+        **header,
+        "model": {
+            "id": model_id,
+            "path": model_path,
+            "layers": config.num_hidden_layers,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+        },
+        "prompts": prompts,
+        "scores_file": f"{out.name}.npz",
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    np.savez_compressed(f"{out}.npz", **scores)
+    return data
+
+
 # ---------------------------------------------------------------- running kvpress
 
 
@@ -423,8 +465,7 @@ def run(
                 )
                 scores[key] = torch.stack(got["scores"]).numpy().astype(np.float32)
                 print(f"{key}: kept {runs[-1]['n_kept']} of {p['length']}", file=sys.stderr)
-    data = {
-        "format": FORMAT,
+    header = {
         "source": "kvpress",
         "kvpress": version("kvpress"),
         "kvpress_path": str(Path(kvpress.__file__).parent),
@@ -433,22 +474,8 @@ def run(
         "adapter": used[0],
         "attn_implementation": attn,
         "dtype": "float32",
-        "model": {
-            "id": DEFAULT_MODEL,
-            "path": str(folder),
-            "layers": cfg.num_hidden_layers,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", None)
-            or cfg.hidden_size // cfg.num_attention_heads,
-        },
-        "prompts": prompts,
-        "scores_file": f"{out.name}.npz",
-        "runs": runs,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    np.savez_compressed(f"{out}.npz", **scores)
-    return data
+    return write_kept(out, header, cfg, DEFAULT_MODEL, str(folder), prompts, runs, scores)
 
 
 # ---------------------------------------------------------------- running kvbench's evictors
@@ -605,29 +632,14 @@ def kvbench_file(
             )
             scores[key] = sc.numpy().astype(np.float32)
             print(f"{key}: kept {runs[-1]['n_kept']} of {ids.shape[1]}", file=sys.stderr)
-    data = {
-        "format": FORMAT,
+    header = {
         "source": "kvbench",
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "attn_implementation": "kvbench",
         "dtype": str(model.dtype).removeprefix("torch."),
-        "model": {
-            "id": model_id,
-            "path": model_path,
-            "layers": cfg.num_hidden_layers,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": getattr(cfg, "head_dim", None)
-            or cfg.hidden_size // cfg.num_attention_heads,
-        },
-        "prompts": list(prompts),
-        "scores_file": f"{out.name}.npz",
-        "runs": runs,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    np.savez_compressed(f"{out}.npz", **scores)
-    return data
+    return write_kept(out, header, cfg, model_id, model_path, list(prompts), runs, scores)
 
 
 def run_kvbench(

@@ -37,7 +37,12 @@ STATUS |= dict.fromkeys((-6, -8, -9, -11), "crash")
 SCOPE = {
     "kvbench/bench/workloads/perplexity.py": ("xǁPerplexityǁrun",),
     "kvbench/bench/workloads/generation.py": ("xǁGenerationǁrun", "x_run_batched"),
-    "kvbench/bench/workloads/fidelity.py": ("x_layer_fidelity", "xǁFidelityǁrun"),
+    "kvbench/bench/workloads/fidelity.py": (
+        "x_layer_fidelity",
+        "x_attn_out_rel_err",
+        "x_storage_metrics",
+        "xǁFidelityǁrun",
+    ),
     "kvbench/bench/workloads/passkey.py": ("xǁPasskeyǁrun",),
     # the Python glue that decides which quantizer path runs and shapes its results; the
     # build-and-load code (``build``, ``_load``) is not scored

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,27 @@ def test_markdown_verdict_compares_kvbench_to_llama() -> None:
     line = next(x for x in md.splitlines() if x.startswith("| 4096 | 1 |"))
     assert "q8_0 no" in line and "q4_0 yes" in line
     assert "| 1.40 |" in line and "| 0.90 |" in line
+
+
+@pytest.mark.parametrize(
+    ("kvbench", "verdict"),
+    [
+        (1.25, "yes"),  # a tie is "at or below": kills ``<`` (and ``>``)
+        (math.nextafter(1.25, 2.0), "no"),  # the next float above: kills ``>=`` (and ``!=``)
+        (math.nextafter(1.25, 0.0), "yes"),  # the next float below
+    ],
+)
+def test_markdown_verdict_at_the_tie(kvbench: float, verdict: str) -> None:
+    """The verdict column is ``kvbench ratio <= llama.cpp ratio``, decided at the boundary:
+    exactly equal ratios (1.25 is exact in binary) and one ulp either side."""
+    T = _tool()
+    key = json.dumps([8192, 2, "q8_0"])
+    row = {"ci_low": None, "ci_high": None, "rounds": 1, "ms": 2.5, "base_ms": 2.0}
+    doc = {
+        "llama_ratios": {key: row | {"ratio": 1.25}},
+        "kvbench_ratios": {key: row | {"ratio": kvbench}},
+        "op_ratios": [],
+    }
+    line = next(x for x in T.markdown(doc).splitlines() if x.startswith("| 8192 | 2 |"))
+    # both ratios print alike (f16 2.00 ms; no q4_0 row): only the verdict tells them apart
+    assert line == f"| 8192 | 2 | 2.00 | 1.25 | 1.25 | - | - | q8_0 {verdict} |"

@@ -168,21 +168,29 @@ def greedy_generate(
     max_new_tokens: int,
     stop: Sequence[str] = (),
     path: str = "attend",
+    context: int | None = None,
 ) -> Completion:
     """Greedy decoding of ``ids [1, P]`` through the method's cache, one token per step;
     decode attention through ``LayerCache.attend`` (``path="attend"``: the attention-backend
     registry's code-domain kernels) or sdpa over ``keys_values()`` (``"reference"``), see
     :func:`decode_route`.
 
+    The prompt is prefilled in one forward, or with ``context`` in two (the ``ruler11``
+    workload's ``question-agnostic`` protocol): its first ``context`` tokens (the prefill,
+    where the method compresses), then the other ``P - context`` (a multi-token append, as a
+    decode call).  ``0 < context < P``, else ``ValueError``.
+
     Returns ``text`` (decoded without special tokens, cut at the first stop string),
     ``new_tokens``, ``stop_reason`` (``eos``, ``stop:<string>`` or ``length``),
     ``prompt_tokens`` and ``key_quantized_after_prefill`` / ``value_quantized_after_prefill``
-    (tokens of layer 0 held quantized right after the prefill) and ``decode_attention``
-    (:func:`decode_info`: the route and the paths that ran).
+    (tokens of layer 0 held quantized right after the prefill: after the first forward) and
+    ``decode_attention`` (:func:`decode_info`: the route and the paths that ran).
     """
     from kvbench.hf.attention import kvbench_attention
     from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
 
+    if context is not None and not 0 < context < ids.shape[1]:
+        raise ValueError(f"context={context} must split the prompt of {ids.shape[1]} tokens")
     attend, why = decode_route(method, model, path)
     cache = QuantizedKVCache(method, model, attend=attend)
     kw = cache_kwarg(cache, model)
@@ -192,8 +200,10 @@ def greedy_generate(
     new: list[int] = []
     reason = "length"
     with kvbench_attention(model):
-        out = model(input_ids=ids, use_cache=True, **kw)
+        out = model(input_ids=ids if context is None else ids[:, :context], use_cache=True, **kw)
         kq, vq = cache.quantized_tokens(0)
+        if context is not None:
+            out = model(input_ids=ids[:, context:], use_cache=True, **kw)
         for step in range(max_new_tokens):
             tok = int(out.logits[0, -1].argmax())
             if tok in ends:

@@ -337,8 +337,17 @@ def _assemble(
             prev = w
         if words[prev:]:
             items.append((" ".join(words[prev:]), None))
-    text, spans = pre, [(0, 0)] * len(needles)
-    for n, (piece, k) in enumerate(items):
+    return join_pieces(pre, post, items, len(needles))
+
+
+def join_pieces(
+    pre: str, post: str, pieces: Sequence[tuple[str, int | None]], n_needles: int
+) -> tuple[str, list[tuple[int, int]]]:
+    """``pre`` + ``pieces`` joined with spaces + ``post``, and the character span of each
+    needle, its separating space included: piece ``(text, k)`` is needle ``k`` of
+    ``n_needles`` (``k`` None: filler).  Spans are in needle order."""
+    text, spans = pre, [(0, 0)] * n_needles
+    for n, (piece, k) in enumerate(pieces):
         a = len(text)
         text += (" " if n else "") + piece
         if k is not None:

@@ -31,12 +31,20 @@ from dataclasses import dataclass, field
 from kvbench.jsontypes import JSONValue
 
 from .haystack import (
+    HaystackOptions,
     Placement,
     SyntheticExample,
     build_haystack_prompt,
+    join_pieces,
     word_list,
 )
-from .synthetic import variable_tracking
+from .synthetic import (
+    key_value_needles,
+    needle_depths,
+    score,
+    score_any,
+    variable_tracking,
+)
 from .tokens import TokenizerLike, count_tokens, token_spans
 from .words import common_words, frequent_words
 
@@ -109,7 +117,6 @@ def _needle_haystack(
     def build(n: int, slots: list[int]) -> tuple[str, list[tuple[int, int]]]:
         items = distractors(n)
         order = sorted(range(len(needles)), key=lambda k: (slots[k], k))
-        text, spans = pre, [(0, 0)] * len(needles)
         pieces: list[tuple[str, int | None]] = []
         j = 0
         for i in range(n + 1):
@@ -118,12 +125,7 @@ def _needle_haystack(
                 j += 1
             if i < n:
                 pieces.append((items[i], None))
-        for m, (piece, k) in enumerate(pieces):
-            a = len(text)
-            text += (" " if m else "") + piece
-            if k is not None:
-                spans[k] = (a, len(text))
-        return text + post, spans
+        return join_pieces(pre, post, pieces, len(needles))
 
     def fits(n: int) -> bool:
         return count_tokens(tokenizer, build(n, [0] * len(needles))[0]) <= length
@@ -218,11 +220,8 @@ def niah(
     rng = random.Random(seed)
     keys = _draw(rng, key_type, num_keys)
     values = _draw(rng, value_type, num_keys * num_values)
-    pairs = [(keys[i // num_values], values[i]) for i in range(len(values))]
-    asked = keys[:num_queries]
-    answers = [v for k, v in pairs if k in asked]
-    first = rng.random() if depth is None else float(depth)
-    depths = [first] + [rng.random() for _ in range(len(pairs) - 1)]
+    pairs, asked, answers = key_value_needles(keys, values, num_values, num_queries)
+    first, depths = needle_depths(rng, depth, len(pairs))
     plural = "numbers" if value_type == "numbers" else "uuids"
     needles = [NEEDLE.format(kind=plural, key=k, value=v) for k, v in pairs]
     query = asked[0] if num_queries == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
@@ -245,6 +244,11 @@ def niah(
             f"\nWhat are all the special magic {plural} for {query} mentioned in the provided "
             f"text? The special magic {plural} for {query} mentioned in the provided text are"
         )
+    opts: HaystackOptions = {
+        "protect_prefix": protect_prefix,
+        "protect_suffix": protect_suffix,
+        "wrap": wrap,
+    }
     if haystack == "needle":
         pool_rng = random.Random(seed + 1)
         pool_keys: list[str] = []
@@ -258,30 +262,10 @@ def niah(
                 NEEDLE.format(kind=plural, key=k, value=v) for k, v in zip(pool_keys, pool_values)
             ][:n]
 
-        p = _needle_haystack(
-            tokenizer,
-            length,
-            head,
-            tail,
-            needles,
-            depths,
-            distractors,
-            protect_prefix,
-            protect_suffix,
-            wrap,
-        )
+        p = _needle_haystack(tokenizer, length, head, tail, needles, depths, distractors, **opts)
     else:
         p = build_haystack_prompt(
-            tokenizer,
-            length,
-            head,
-            tail,
-            needles,
-            depths,
-            protect_prefix=protect_prefix,
-            protect_suffix=protect_suffix,
-            haystack=haystack,
-            wrap=wrap,
+            tokenizer, length, head, tail, needles, depths, haystack=haystack, **opts
         )
     return p.example("niah", seed, first, answers, needles)
 
@@ -293,19 +277,18 @@ def _postprocess(prediction: str) -> str:
 
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:
     """RULER ``string_match_all``: the share of ``answers`` contained, case-insensitively, in
-    the (post-processed) prediction; in [0, 1].  ``ValueError`` for no answers."""
-    if not answers:
-        raise ValueError("answers must not be empty")
-    pred = _postprocess(prediction).lower()
-    return sum(a.lower() in pred for a in answers) / len(answers)
+    the (post-processed) prediction; in [0, 1] (:func:`kvbench.bench.tasks.synthetic.score`
+    after :func:`_postprocess`).  ``ValueError`` for no answers."""
+    return score(_postprocess(prediction), answers)
 
 
 def string_match_part(prediction: str, answers: Sequence[str]) -> float:
-    """RULER ``string_match_part``: 1.0 when any answer is contained in the prediction."""
+    """RULER ``string_match_part``: 1.0 when any answer is contained, case-insensitively, in
+    the (post-processed) prediction (:func:`kvbench.bench.tasks.synthetic.score_any`).
+    ``ValueError`` for no answers."""
     if not answers:
         raise ValueError("answers must not be empty")
-    pred = _postprocess(prediction).lower()
-    return float(any(a.lower() in pred for a in answers))
+    return score_any(_postprocess(prediction), answers)
 
 
 #: metric name -> scorer

@@ -49,6 +49,8 @@ __all__ = [
     "frequent_words",
     "score",
     "score_any",
+    "needle_depths",
+    "key_value_needles",
 ]
 
 _NIAH_HEAD = (
@@ -70,9 +72,22 @@ def _numbers(rng: random.Random, n: int, low: int = 1_000_000, high: int = 9_999
     return [str(v) for v in rng.sample(range(low, high + 1), n)]
 
 
-def _depths(rng: random.Random, depth: float | None, n: int) -> tuple[float, list[float]]:
+def needle_depths(rng: random.Random, depth: float | None, n: int) -> tuple[float, list[float]]:
+    """``(first, depths)``: target depths in [0, 1] of ``n`` needles, the first at ``depth``
+    (drawn from ``rng`` when None), the others drawn from ``rng``, in that order."""
     first = rng.random() if depth is None else float(depth)
     return first, [first] + [rng.random() for _ in range(n - 1)]
+
+
+def key_value_needles(
+    keys: list[str], values: list[str], n_values: int, n_queries: int
+) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """``(pairs, asked, answers)`` of RULER's key-value needles: ``(key, value)`` of each
+    needle (key ``i // n_values`` with value ``i``), the first ``n_queries`` keys (asked) and
+    the values of the asked keys in needle order."""
+    pairs = [(keys[i // n_values], values[i]) for i in range(len(values))]
+    asked = keys[:n_queries]
+    return pairs, asked, [v for k, v in pairs if k in asked]
 
 
 def niah_single(
@@ -111,7 +126,7 @@ def niah_single(
     """
     rng = random.Random(seed)
     key = str(rng.randint(10_000, 99_999))
-    d, depths = _depths(rng, depth, 1)
+    d, depths = needle_depths(rng, depth, 1)
     needles = [f"The pass key is {key}. Remember it."]
     head = (
         "There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -146,10 +161,8 @@ def _niah(
     rng = random.Random(seed)
     keys = _keys(rng, n_keys)
     values = _numbers(rng, n_keys * n_values)
-    pairs = [(keys[i // n_values], values[i]) for i in range(len(values))]
-    asked = keys[:n_queries]
-    answers = [v for k, v in pairs if k in asked]
-    d, depths = _depths(rng, depth, len(pairs))
+    pairs, asked, answers = key_value_needles(keys, values, n_values, n_queries)
+    d, depths = needle_depths(rng, depth, len(pairs))
     needles = [_MAGIC.format(key=k, value=v) for k, v in pairs]
     if n_values > 1 or n_queries > 1:
         query = asked[0] if n_values > 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]

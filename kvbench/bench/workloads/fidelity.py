@@ -47,45 +47,50 @@ if TYPE_CHECKING:
     from kvbench.cache.layer import LayerCache
 
 
+def _prefilled(
+    method: Method, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: int
+) -> LayerCache:
+    """A fresh layer cache of ``method`` prefilled with the first P tokens of ``k``/``v`` and
+    their queries ``q``.  Shapes ``[B, H, T, D]`` (``H_q`` heads for ``q``)."""
+    layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
+    layer.prefill(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
+    return layer
+
+
 def replay(
     method: Method, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: int
 ) -> LayerCache:
     """Prefill a fresh layer cache with P tokens (and their queries), append the rest one at a
     time, settle the last flush; returns the layer cache.  Shapes ``[B, H, T, D]``."""
-    layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
-    layer.prefill(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
+    layer = _prefilled(method, layer_idx, q, k, v, prefill)
     for t in range(prefill, k.shape[2]):
         layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
     layer.end_step()
     return layer
 
 
-def evicted_fidelity(
-    method: Method,
-    layer_idx: int,
+def attn_out_rel_err(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    approx: torch.Tensor,
     prefill: int,
-    scaling: float | None = None,
-) -> dict[str, float]:
-    """Fidelity metrics of one layer of an evicting method (module docstring): prefill P tokens
-    with their queries, then per token append, attend with its query ``[B, H_q, 1, D]``, end
-    the step.  Shapes ``[B, H, T, D]``."""
-    layer = method.new_layer(layer_idx, k.shape[1], k.shape[3], k.dtype, k.device)
-    layer.prefill(k[:, :, :prefill], v[:, :, :prefill], queries=q[:, :, :prefill])
-    outs = []
-    for t in range(prefill, k.shape[2]):
-        layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        outs.append(layer.attend(q[:, :, t : t + 1], scaling))
-        layer.end_step()
+    scaling: float | None,
+) -> float:
+    """``||exact - approx|| / ||exact||`` (Frobenius, float64) of the attention outputs of the
+    queries after the first ``prefill``: ``exact`` is exact attention over every token of
+    ``k``/``v`` ``[B, H, T, D]`` (causal), ``approx`` ``[B, H_q, T - P, D]`` a cache's."""
     exact = reference_attention(q.double(), k.double(), v.double(), scaling)[:, :, prefill:]
-    approx = torch.cat(outs, 2).double()
+    return ((exact - approx.double()).norm() / exact.norm()).item()
+
+
+def storage_metrics(layer: LayerCache, k: torch.Tensor) -> dict[str, float]:
+    """``quantized_key_fraction`` (keys held quantized / tokens held) and
+    ``effective_key_bits`` / ``effective_value_bits`` (bits held per element of the T tokens
+    seen, ``k`` ``[B, H, T, D]``) of a layer cache after its run."""
     nb = layer.nbytes()
     elems = k.numel()
     return {
-        "attn_out_rel_err": ((exact - approx).norm() / exact.norm()).item(),
-        "held_token_fraction": layer.seq_length / layer.seen_tokens,
         "quantized_key_fraction": layer.quantized_tokens()[0] / max(layer.seq_length, 1),
         "effective_key_bits": 8 * nb["key_total"] / elems,
         "effective_value_bits": 8 * nb["value_total"] / elems,
@@ -101,9 +106,21 @@ def layer_fidelity(
     prefill: int,
     scaling: float | None = None,
 ) -> dict[str, float]:
-    """Fidelity metrics of one layer (see the module docstring)."""
+    """Fidelity metrics of one layer (see the module docstring).  An evicting method's cache
+    is prefilled with P tokens and their queries, then per later token: append, attend with
+    its query ``[B, H_q, 1, D]``, end the step.  Shapes ``[B, H, T, D]``."""
     if method.capabilities.evicts:
-        return evicted_fidelity(method, layer_idx, q, k, v, prefill, scaling)
+        layer = _prefilled(method, layer_idx, q, k, v, prefill)
+        outs = []
+        for t in range(prefill, k.shape[2]):
+            layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(layer.attend(q[:, :, t : t + 1], scaling))
+            layer.end_step()
+        return {
+            "attn_out_rel_err": attn_out_rel_err(q, k, v, torch.cat(outs, 2), prefill, scaling),
+            "held_token_fraction": layer.seq_length / layer.seen_tokens,
+            **storage_metrics(layer, k),
+        }
     layer = replay(method, layer_idx, q, k, v, prefill)
     out: dict[str, float] = {}
     if method.capabilities.keys_values:
@@ -112,14 +129,9 @@ def layer_fidelity(
         out["value_mse"], _ = key_mse(v, vq)
         out.update(attention_fidelity(q, k, v, kq, vq, prefill, scaling))
     else:
-        exact = reference_attention(q.double(), k.double(), v.double(), scaling)[:, :, prefill:]
-        approx = layer.attend(q[:, :, prefill:], scaling).double()
-        out["attn_out_rel_err"] = ((exact - approx).norm() / exact.norm()).item()
-    nb = layer.nbytes()
-    elems = k.numel()
-    out["quantized_key_fraction"] = layer.quantized_tokens()[0] / max(layer.seq_length, 1)
-    out["effective_key_bits"] = 8 * nb["key_total"] / elems
-    out["effective_value_bits"] = 8 * nb["value_total"] / elems
+        approx = layer.attend(q[:, :, prefill:], scaling)
+        out["attn_out_rel_err"] = attn_out_rel_err(q, k, v, approx, prefill, scaling)
+    out.update(storage_metrics(layer, k))
     return out
 
 

@@ -28,6 +28,8 @@ of needle examples whose needles all lie in quantized keys), ``task_score`` (mea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvbench.bench.context import Example, Info, RunContext
@@ -38,6 +40,9 @@ from kvbench.fields import Field
 from kvbench.jsontypes import JSONValue
 
 from .passkey import chat_wrap, check_protected
+
+if TYPE_CHECKING:
+    from kvbench.bench.context import Tokenizer
 
 #: alias -> (generator in kvbench.bench.tasks.synthetic.TASKS, generator kwargs, budget, needles?)
 RULER_TASKS: dict[str, tuple[str, dict[str, JSONValue], int, bool]] = {
@@ -50,6 +55,102 @@ RULER_TASKS: dict[str, tuple[str, dict[str, JSONValue], int, bool]] = {
     "cwe": ("cwe", {}, 120, False),
     "fwe": ("fwe", {}, 50, False),
 }
+
+
+def as_lists(spec: dict[str, JSONValue]) -> None:
+    """Wrap a single ``tasks`` name or ``lengths`` integer of ``spec`` in a list, in place
+    (the needle workloads' ``check_task``: ``ruler``, ``ruler11``)."""
+    for name in ("tasks", "lengths"):
+        if isinstance(spec[name], (str, int)):
+            spec[name] = [spec[name]]
+
+
+def prompt_setup(
+    ctx: RunContext, spec: dict[str, JSONValue], workload: str
+) -> tuple[Tokenizer, bool, tuple[str, str]]:
+    """``(tokenizer, use_chat, wrap)`` to generate the needle prompts of ``spec``: whether the
+    chat template applies (``chat_template`` asked and the tokenizer has one) and the text
+    before / after the user message in it (``("", "")`` without).
+
+    Raises ``ValueError`` naming ``workload`` when ``ctx`` has no tokenizer or the longest of
+    ``spec``'s ``lengths`` exceeds the model's context."""
+    tok = ctx.tokenizer
+    if tok is None:
+        raise ValueError(f"{workload} needs a tokenizer to place the needles")
+    longest = max(spec["lengths"])
+    if longest > ctx.max_positions:
+        raise ValueError(
+            f"{workload}: length {longest} exceeds the model's context {ctx.max_positions}"
+        )
+    use_chat = spec["chat_template"] and bool(tok.chat_template)
+    return tok, use_chat, chat_wrap(tok) if use_chat else ("", "")
+
+
+def placement(spec: dict[str, JSONValue]) -> dict[str, JSONValue]:
+    """``spec``'s needle placement: ``depth``, ``protect_prefix``, ``protect_suffix``."""
+    return {
+        "depth": spec["depth"],
+        "protect_prefix": spec["protect_prefix"],
+        "protect_suffix": spec["protect_suffix"],
+    }
+
+
+def generation_info(
+    spec: dict[str, JSONValue], wrap: tuple[str, str], scoring: str
+) -> dict[str, JSONValue]:
+    """The manifest entries the needle workloads share: ``lengths``, ``placement``
+    (:func:`placement`), ``chat_wrap``, ``scoring`` (as given) and ``truncation``."""
+    return {
+        "lengths": spec["lengths"],
+        "placement": placement(spec),
+        "chat_wrap": list(wrap),
+        "scoring": scoring,
+        "truncation": "none: prompts are generated to fit each length",
+    }
+
+
+def generator_kwargs(
+    spec: dict[str, JSONValue],
+    kwargs: dict[str, JSONValue],
+    needles: bool,
+    wrap: tuple[str, str],
+) -> dict[str, object]:
+    """A task generator's keyword arguments: the task's ``kwargs`` and ``wrap``, and for a
+    task with needles :func:`placement`."""
+    kw: dict[str, object] = dict(kwargs, wrap=wrap)
+    if needles:
+        kw.update(placement(spec))
+    return kw
+
+
+def bos_shift(tok: Tokenizer, prompt: str, use_chat: bool) -> int:
+    """The special tokens the tokenizer prepends to a plain ``prompt`` (e.g. BOS), by which
+    the needles' token positions move; 0 for a chat-templated one (its text holds them)."""
+    from kvbench.bench.tasks.tokens import encode
+
+    if use_chat:
+        return 0
+    return len(tok(prompt)["input_ids"]) - len(encode(tok, prompt))
+
+
+def score_record(name: str, value: float, answers: list[str]) -> dict[str, JSONValue]:
+    """A needle task's :meth:`~kvbench.bench.tasks.workload.TaskWorkload.score`: the score
+    ``name`` (in [0, 1]), nothing extracted, the ``answers`` as the gold."""
+    return {"scores": {name: value}, "extracted": None, "gold": answers}
+
+
+def mean_over_tasks(m: dict[str, float], prefix: str, tasks: list[str], lengths: list[int]) -> None:
+    """Add to the metrics ``m``, from its per-task scores ``<prefix>_<task>_<L>`` and
+    ``<prefix>_<task>``: ``<prefix>_len<L>`` (mean over the tasks scored at length ``L``),
+    ``<prefix>_avg`` (mean over the tasks scored; NaN when none) and ``task_score`` (the
+    same)."""
+    for n in lengths:
+        vals = [m[f"{prefix}_{t}_{n}"] for t in tasks if f"{prefix}_{t}_{n}" in m]
+        if vals:
+            m[f"{prefix}_len{n}"] = sum(vals) / len(vals)
+    vals = [m[f"{prefix}_{t}"] for t in tasks if f"{prefix}_{t}" in m]
+    m[f"{prefix}_avg"] = sum(vals) / len(vals) if vals else float("nan")
+    m["task_score"] = m[f"{prefix}_avg"]
 
 
 class Ruler(TaskWorkload):
@@ -77,43 +178,22 @@ class Ruler(TaskWorkload):
 
     @classmethod
     def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
-        for name in ("tasks", "lengths"):
-            if isinstance(spec[name], (str, int)):
-                spec[name] = [spec[name]]
+        as_lists(spec)
         shortest = min(spec["lengths"])
         check_protected(spec, pre, shortest, f"the shortest length ({shortest}) for the needles")
 
     def load(self, ctx: RunContext) -> tuple[list[Example], Info]:
         from kvbench.bench.tasks.synthetic import generate
-        from kvbench.bench.tasks.tokens import encode
 
-        tok = ctx.tokenizer
-        if tok is None:
-            raise ValueError("ruler needs a tokenizer to place the needles")
-        max_pos = ctx.max_positions
-        if max(self.spec["lengths"]) > max_pos:
-            raise ValueError(
-                f"ruler: length {max(self.spec['lengths'])} exceeds the model's context {max_pos}"
-            )
-        use_chat = self.spec["chat_template"] and bool(tok.chat_template)
-        wrap = chat_wrap(tok) if use_chat else ("", "")
+        tok, use_chat, wrap = prompt_setup(ctx, self.spec, "ruler")
         examples = []
         for length in self.spec["lengths"]:
             for alias in self.spec["tasks"]:
                 gen, kwargs, budget, needles = RULER_TASKS[alias]
                 for i in range(self.spec["num_examples"]):
-                    kw = dict(kwargs, wrap=wrap)
-                    if needles:
-                        kw.update(
-                            depth=self.spec["depth"],
-                            protect_prefix=self.spec["protect_prefix"],
-                            protect_suffix=self.spec["protect_suffix"],
-                        )
+                    kw = generator_kwargs(self.spec, kwargs, needles, wrap)
                     ex = generate(gen, tok, length, seed=ctx.seed * 1000 + i, **kw)
-                    # special tokens the tokenizer prepends to a plain prompt (e.g. BOS)
-                    shift = 0
-                    if not use_chat:
-                        shift = len(tok(ex["prompt"])["input_ids"]) - len(encode(tok, ex["prompt"]))
+                    shift = bos_shift(tok, ex["prompt"], use_chat)
                     spans = [[s + shift, e + shift] for s, e in ex["needle_token_spans"]]
                     n_tok = ex["context_tokens"] + shift
                     examples.append(
@@ -157,15 +237,7 @@ class Ruler(TaskWorkload):
                 }
                 for a in self.spec["tasks"]
             },
-            "lengths": self.spec["lengths"],
-            "placement": {
-                "depth": self.spec["depth"],
-                "protect_prefix": self.spec["protect_prefix"],
-                "protect_suffix": self.spec["protect_suffix"],
-            },
-            "chat_wrap": list(wrap),
-            "scoring": "RULER string_match_all",
-            "truncation": "none: prompts are generated to fit each length",
+            **generation_info(self.spec, wrap, "RULER string_match_all"),
         }
 
     def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
@@ -177,11 +249,8 @@ class Ruler(TaskWorkload):
     def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         from kvbench.bench.tasks.synthetic import score
 
-        return {
-            "scores": {"ruler_score": score(completion, example["answers"])},
-            "extracted": None,
-            "gold": example["answers"],
-        }
+        answers = example["answers"]
+        return score_record("ruler_score", score(completion, answers), answers)
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
@@ -211,13 +280,7 @@ class Ruler(TaskWorkload):
                     per_len.append(m[f"ruler_{t}_{n}"])
             if per_len:
                 m[f"ruler_{t}"] = sum(per_len) / len(per_len)
-        for n in lengths:
-            vals = [m[f"ruler_{t}_{n}"] for t in tasks if f"ruler_{t}_{n}" in m]
-            if vals:
-                m[f"ruler_len{n}"] = sum(vals) / len(vals)
-        vals = [m[f"ruler_{t}"] for t in tasks if f"ruler_{t}" in m]
-        m["ruler_avg"] = sum(vals) / len(vals) if vals else float("nan")
-        m["task_score"] = m["ruler_avg"]
+        mean_over_tasks(m, "ruler", tasks, lengths)
         m.pop("ruler_score", None)
         if inside:
             m["needles_in_quantized_keys"] = sum(inside) / len(inside)

@@ -38,8 +38,6 @@ and the score.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvbench.bench.context import Example, Info, RunContext
@@ -52,73 +50,16 @@ from kvbench.cache.method import Method
 from kvbench.fields import Field
 from kvbench.jsontypes import JSONValue
 
-from .passkey import chat_wrap, check_protected
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-    from kvbench.bench.context import Tokenizer
-
-
-@torch.no_grad()
-def greedy_generate_after_context(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    ids: torch.Tensor,
-    context: int,
-    method: Method,
-    max_new_tokens: int,
-    stop: tuple[str, ...] | list[str] = (),
-    path: str = "attend",
-) -> Completion:
-    """:func:`kvbench.bench.decoding.greedy_generate` with the prompt ``ids [1, P]`` fed in
-    two forwards through the method's cache: its first ``context`` tokens (the prefill, where
-    the method compresses), then the other ``P - context`` (a multi-token append, as a decode
-    call), then one token per step.  ``0 < context < P``, else ``ValueError``.
-
-    Returns what ``greedy_generate`` does; ``key_quantized_after_prefill`` /
-    ``value_quantized_after_prefill`` are read after the context's forward."""
-    from kvbench.bench.decoding import cut_at_stop, decode_info, decode_route, eos_ids
-    from kvbench.hf.attention import kvbench_attention
-    from kvbench.hf.cache import QuantizedKVCache, cache_kwarg
-
-    if not 0 < context < ids.shape[1]:
-        raise ValueError(f"context={context} must split the prompt of {ids.shape[1]} tokens")
-    attend, why = decode_route(method, model, path)
-    cache = QuantizedKVCache(method, model, attend=attend)
-    kw = cache_kwarg(cache, model)
-    dev = next(model.parameters()).device
-    ids = ids.to(dev)
-    ends = eos_ids(model, tokenizer)
-    new: list[int] = []
-    reason = "length"
-    with kvbench_attention(model):
-        model(input_ids=ids[:, :context], use_cache=True, **kw)
-        kq, vq = cache.quantized_tokens(0)
-        out = model(input_ids=ids[:, context:], use_cache=True, **kw)
-        for step in range(max_new_tokens):
-            tok = int(out.logits[0, -1].argmax())
-            if tok in ends:
-                reason = "eos"
-                break
-            new.append(tok)
-            if stop:
-                _, hit = cut_at_stop(tokenizer.decode(new, skip_special_tokens=False), stop)
-                if hit is not None:
-                    reason = f"stop:{hit}"
-                    break
-            if step + 1 < max_new_tokens:
-                out = model(input_ids=torch.tensor([[tok]], device=dev), use_cache=True, **kw)
-    text, _ = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), stop)
-    return {
-        "text": text,
-        "new_tokens": len(new),
-        "stop_reason": reason,
-        "prompt_tokens": int(ids.shape[1]),
-        "key_quantized_after_prefill": kq,
-        "value_quantized_after_prefill": vq,
-        "decode_attention": decode_info([cache], cache.attend, why),
-    }
+from .passkey import check_protected
+from .ruler import (
+    as_lists,
+    bos_shift,
+    generation_info,
+    generator_kwargs,
+    mean_over_tasks,
+    prompt_setup,
+    score_record,
+)
 
 
 class Ruler11(TaskWorkload):
@@ -148,9 +89,7 @@ class Ruler11(TaskWorkload):
 
     @classmethod
     def check_task(cls, spec: dict[str, JSONValue], pre: str) -> None:
-        for name in ("tasks", "lengths"):
-            if isinstance(spec[name], (str, int)):
-                spec[name] = [spec[name]]
+        as_lists(spec)
         budget = spec["new_tokens"] or max(RULER11[t].max_new_tokens for t in spec["tasks"])
         if min(spec["lengths"]) <= 2 * budget:
             why = f"twice the generation budget of {budget} tokens, for the prompt"
@@ -172,41 +111,23 @@ class Ruler11(TaskWorkload):
         from kvbench.bench.tasks.ruler_tasks import answer_after_turn, question_token
         from kvbench.bench.tasks.tokens import encode
 
-        tok = ctx.tokenizer
-        if tok is None:
-            raise ValueError("ruler11 needs a tokenizer to place the needles")
-        longest = max(self.spec["lengths"])
-        if longest > ctx.max_positions:
-            raise ValueError(
-                f"ruler11: length {longest} exceeds the model's context {ctx.max_positions}"
-            )
-        use_chat = self.spec["chat_template"] and bool(tok.chat_template)
-        wrap = chat_wrap(tok) if use_chat else ("", "")
+        tok, use_chat, wrap = prompt_setup(ctx, self.spec, "ruler11")
         protocol = self.spec["protocol"]
         examples = []
         for length in self.spec["lengths"]:
             for alias in self.spec["tasks"]:
                 task = RULER11[alias]
                 for i in range(self.spec["num_examples"]):
-                    kw: dict[str, object] = dict(task.kwargs, wrap=wrap)
-                    if task.needles:
-                        kw.update(
-                            depth=self.spec["depth"],
-                            protect_prefix=self.spec["protect_prefix"],
-                            protect_suffix=self.spec["protect_suffix"],
-                        )
+                    kw = generator_kwargs(self.spec, task.kwargs, task.needles, wrap)
                     # distinct seeds per task, the same for every method
                     seed = ctx.seed * 1000 + i + 100_000 * list(RULER11).index(alias)
                     # RULER's budget: prompt and generated tokens together fit ``length``
                     budget = self.spec["new_tokens"] or task.max_new_tokens
                     ex = task.generator(tok, length - budget, seed=seed, **kw)
-                    # special tokens the tokenizer prepends to a plain prompt (e.g. BOS)
-                    shift = 0
-                    if not use_chat:
-                        shift = len(tok(ex["prompt"])["input_ids"]) - len(encode(tok, ex["prompt"]))
-                    else:  # RULER: the answer prefix opens the assistant's turn
+                    if use_chat:  # RULER: the answer prefix opens the assistant's turn
                         ex["prompt"] = answer_after_turn(ex["prompt"], task.answer_prefix, wrap[1])
                         ex["context_tokens"] = len(encode(tok, ex["prompt"]))
+                    shift = bos_shift(tok, ex["prompt"], use_chat)
                     n_tok = ex["context_tokens"] + shift
                     context = None
                     if task.question is not None:
@@ -253,15 +174,9 @@ class Ruler11(TaskWorkload):
                 }
                 for a in self.spec["tasks"]
             },
-            "lengths": self.spec["lengths"],
-            "placement": {
-                "depth": self.spec["depth"],
-                "protect_prefix": self.spec["protect_prefix"],
-                "protect_suffix": self.spec["protect_suffix"],
-            },
-            "chat_wrap": list(wrap),
-            "scoring": "RULER string_match_all; 95% Wilson intervals over examples",
-            "truncation": "none: prompts are generated to fit each length",
+            **generation_info(
+                self.spec, wrap, "RULER string_match_all; 95% Wilson intervals over examples"
+            ),
         }
 
     def prompt_ids(self, ctx: RunContext, example: Example) -> tuple[torch.Tensor, int]:
@@ -281,22 +196,17 @@ class Ruler11(TaskWorkload):
         from kvbench.bench.decoding import greedy_generate
 
         ids, n = self.prompt_ids(ctx, example)
+        # question-agnostic: the context alone in the prefill, the question as a second forward
+        context = example["context"] if self.spec["protocol"] == QUESTION_AGNOSTIC else None
         path = self.spec["path"]
-        if self.spec["protocol"] == QUESTION_AGNOSTIC and example["context"] is not None:
-            return greedy_generate_after_context(
-                ctx.model, ctx.tokenizer, ids, example["context"], method, n, self.stop, path
-            )
-        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop, path)
+        return greedy_generate(ctx.model, ctx.tokenizer, ids, method, n, self.stop, path, context)
 
     def score(self, example: Example, completion: str) -> dict[str, JSONValue]:
         from kvbench.bench.tasks.ruler_tasks import SCORERS
 
         scorer = SCORERS[RULER11[example["task"]].metric]
-        return {
-            "scores": {"ruler11_score": scorer(completion, example["answers"])},
-            "extracted": None,
-            "gold": example["answers"],
-        }
+        answers = example["answers"]
+        return score_record("ruler11_score", scorer(completion, answers), answers)
 
     def run(self, ctx: RunContext, method: Method) -> Result:
         result = super().run(ctx, method)
@@ -311,12 +221,6 @@ class Ruler11(TaskWorkload):
                 add_wilson_ci(m, f"ruler11_{t}_{n}", mine)
                 pooled += mine
             add_wilson_ci(m, f"ruler11_{t}", pooled)
-        for n in lengths:
-            vals = [m[f"ruler11_{t}_{n}"] for t in tasks if f"ruler11_{t}_{n}" in m]
-            if vals:
-                m[f"ruler11_len{n}"] = sum(vals) / len(vals)
-        vals = [m[f"ruler11_{t}"] for t in tasks if f"ruler11_{t}" in m]
-        m["ruler11_avg"] = sum(vals) / len(vals) if vals else float("nan")
-        m["task_score"] = m["ruler11_avg"]
+        mean_over_tasks(m, "ruler11", tasks, lengths)
         result.info["protocol"] = self.spec["protocol"]
         return result
