@@ -340,34 +340,37 @@ def _attend(
 def _fused_block(block: object) -> tuple[str, int] | str:
     """``(kind, tokens)`` of :class:`~kvbench.kernels.cpu.native.FusedSide` that reads
     ``block`` (``tokens``: per row of its terms, ``"channel"`` only), or why it has none.  From
-    the layout the block declares (``block.layout``: code width and packing, term names,
-    dtype and group rectangle) and whether its token groups are all of that length:
-    ``"block"``, symmetric per-token codes of 4 or 8 bits with float16 scales (llama.cpp
-    ``q4_0`` / ``q8_0``, :mod:`kvbench.methods.int_block`); ``"token"``, affine codes of 2 or
-    4 bits with terms per token per group of channels (KIVI's values); ``"channel"``, affine
-    codes of 2 or 4 bits with terms per channel per ``G`` tokens (KIVI's keys)."""
+    what the block declares it stores (the fields its ``layout`` is made of: code width,
+    symmetry, term dtype and group rectangle; token groups all of one length, checked in O(1)
+    for per-token terms: this runs every step): ``"block"``, symmetric per-token codes of 4 or
+    8 bits with float16 scales (llama.cpp ``q4_0`` / ``q8_0``, :mod:`kvbench.methods.int_block`);
+    ``"token"``, affine codes of 2 or 4 bits with terms per token per group of channels (KIVI's
+    values); ``"channel"``, affine codes of 2 or 4 bits with terms per channel per ``G`` tokens
+    (KIVI's keys)."""
     if type(block) is not AffineBlock:
         return f"{type(block).__name__} blocks"
     if block.midpoint:
         return "1-bit midpoint codes"
-    lay = block.layout
-    bits, terms = lay.codes.classes[0].bits, lay.terms
-    if lay.codes.packing != "lsb-first":
-        return f"{lay.codes.packing} codes"
-    if set(block.group_len) != {terms.tokens}:
+    gl, n = block.group_len, block.ntokens
+    if len(gl) == n:  # every group one token (each holds at least one)
+        tokens = 1
+    elif len(gl) * gl[0] == n and all(x == gl[0] for x in gl):
+        tokens = gl[0]
+    else:
         return "token groups of unequal lengths"
-    if "zero" not in terms.names:  # symmetric
-        if bits not in native.FUSED_KIND_BITS["block"]:
+    per_token_channels = block.head_dim // block.scale.shape[-1]
+    if block.symmetric:
+        if block.bits not in native.FUSED_KIND_BITS["block"]:
             return "symmetric codes other than 4 or 8 bits"
-        if terms.tokens != 1 or terms.dtype != "float16":
+        if tokens != 1 or block.scale.dtype != torch.float16:
             return "symmetric scales other than float16 per token"
         return "block", 1
-    if bits not in native.FUSED_KIND_BITS["token"]:
+    if block.bits not in native.FUSED_KIND_BITS["token"] or block.zero is None:
         return "affine codes other than 2 or 4 bits"
-    if terms.tokens == 1 and terms.channels > 1:
+    if tokens == 1 and per_token_channels > 1:
         return "token", 1
-    if terms.channels == 1:
-        return "channel", terms.tokens
+    if per_token_channels == 1:
+        return "channel", tokens
     return "affine terms other than per-token channel groups or per-channel token groups"
 
 
