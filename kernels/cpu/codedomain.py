@@ -14,8 +14,9 @@ values' own partition (keys and values flush on different schedules).  Paths rec
 kinds: :mod:`kvbench.kernels.cpu.affine`).
 
 Where the native kernels run and :func:`fused_parts` takes the cache (llama.cpp ``q4_0`` /
-``q8_0`` blocks on both sides, keys and values split at the same tokens, head_dim 32/64/128,
-a cache that does not observe its probabilities), the whole step is one call of
+``q8_0`` blocks on both sides, or KIVI's 2- and 4-bit per-channel keys with per-token or
+full-precision values; head_dim 32/64/128, a cache that does not observe its probabilities),
+the whole step is one call of
 :func:`kvbench.kernels.cpu.native.attend_fused` instead (scores, online softmax and values in
 one pass over the tokens, the GQA group's query rows sharing each decoded token), recorded
 as :data:`FUSED_PATH`; equal to the per-block path up to float32 round-off.
@@ -336,43 +337,105 @@ def _attend(
     return out.reshape(bsz, hq, nq, d).to(query.dtype)
 
 
-def _fused_block(block: object) -> str | None:
-    """Why :func:`~kvbench.kernels.cpu.native.attend_fused` does not read ``block`` (``None``:
-    it does): it takes symmetric per-token codes of 4 or 8 bits with float16 scales (llama.cpp
-    ``q4_0`` / ``q8_0`` blocks, :mod:`kvbench.methods.int_block`)."""
+def _fused_block(block: object) -> tuple[str, int] | str:
+    """``(kind, tokens)`` of :class:`~kvbench.kernels.cpu.native.FusedSide` that reads
+    ``block`` (``tokens``: per row of its terms, ``"channel"`` only), or why it has none.  From
+    what the block declares it stores (the fields its ``layout`` is made of: code width,
+    symmetry, term dtype and group rectangle; token groups all of one length, checked in O(1)
+    for per-token terms: this runs every step): ``"block"``, symmetric per-token codes of 4 or
+    8 bits with float16 scales (llama.cpp ``q4_0`` / ``q8_0``, :mod:`kvbench.methods.int_block`);
+    ``"token"``, affine codes of 2 or 4 bits with terms per token per group of channels (KIVI's
+    values); ``"channel"``, affine codes of 2 or 4 bits with terms per channel per ``G`` tokens
+    (KIVI's keys)."""
     if type(block) is not AffineBlock:
         return f"{type(block).__name__} blocks"
-    if not (block.symmetric and not block.midpoint and block.bits in (4, 8)):
-        return "codes other than symmetric 4 or 8 bits"
-    if len(block.group_len) != block.ntokens or block.scale.dtype != torch.float16:
-        return "scales other than float16 per token"
-    return None
+    if block.midpoint:
+        return "1-bit midpoint codes"
+    gl, n = block.group_len, block.ntokens
+    if len(gl) == n:  # every group one token (each holds at least one)
+        tokens = 1
+    elif len(gl) * gl[0] == n and all(x == gl[0] for x in gl):
+        tokens = gl[0]
+    else:
+        return "token groups of unequal lengths"
+    per_token_channels = block.head_dim // block.scale.shape[-1]
+    if block.symmetric:
+        if block.bits not in native.FUSED_KIND_BITS["block"]:
+            return "symmetric codes other than 4 or 8 bits"
+        if tokens != 1 or block.scale.dtype != torch.float16:
+            return "symmetric scales other than float16 per token"
+        return "block", 1
+    if block.bits not in native.FUSED_KIND_BITS["token"] or block.zero is None:
+        return "affine codes other than 2 or 4 bits"
+    if tokens == 1 and per_token_channels > 1:
+        return "token", 1
+    if per_token_channels == 1:
+        return "channel", tokens
+    return "affine terms other than per-token channel groups or per-channel token groups"
+
+
+def _side_pieces(side: Any) -> list[tuple[int, object]]:
+    """``(tokens, part)`` of a cache side's non-empty parts in token order (sinks, block,
+    residual)."""
+    out = []
+    for part in (side.sinks, side.block, side.residual):
+        if part is None:
+            continue
+        n = part.shape[2] if isinstance(part, torch.Tensor) else part.ntokens
+        if n:
+            out.append((n, part))
+    return out
+
+
+def _fused_side(part: object, off: int, n: int) -> native.FusedSide | str:
+    """Tokens ``[off, off + n)`` of a side's part (a full-precision tensor or a block) as a
+    :class:`~kvbench.kernels.cpu.native.FusedSide` (views; full-precision parts as float32),
+    or why not (:func:`_fused_block`)."""
+    if isinstance(part, torch.Tensor):
+        return native.FusedSide(part[:, :, off : off + n].float())
+    got = _fused_block(part)
+    if isinstance(got, str):
+        return got
+    kind, tokens = got
+    codes = part.codes[:, :, off : off + n]
+    if kind == "channel":
+        r0 = off // tokens
+        sc, zr = part.scale[:, :, r0:], part.zero[:, :, r0:]
+        return native.FusedSide(codes, kind, part.bits, sc, zr, tokens, off - r0 * tokens)
+    sc = part.scale[:, :, off : off + n]
+    zr = None if part.zero is None else part.zero[:, :, off : off + n]
+    return native.FusedSide(codes, kind, part.bits, sc, zr)
 
 
 def fused_parts(layer_cache: Any, query: torch.Tensor) -> list[native.FusedPart] | str:
     """The parts of ``layer_cache`` for one :func:`~kvbench.kernels.cpu.native.attend_fused`
-    call (sinks, block, residual: keys and values split at the same tokens; full-precision
-    parts as float32), or why not: no quantized block, a block it does not read
-    (:func:`_fused_block`), a cache that observes its probabilities, or shapes
-    (:func:`~kvbench.kernels.cpu.native.fused_reason`)."""
+    call: the tokens split wherever the keys or the values change part (sinks, block,
+    residual; KIVI's keys and values flush on different schedules), each side a view of its
+    part (full-precision parts as float32), or why not: no quantized block, a block it does
+    not read (:func:`_fused_block`), a cache that observes its probabilities, or shapes and
+    pairs of kinds (:func:`~kvbench.kernels.cpu.native.fused_reason`)."""
     if getattr(layer_cache, "observes_attention", False):
         return "the cache observes the attention probabilities"
     ks, vs = layer_cache.k, layer_cache.v
-    if ks.block is None or vs.block is None:
-        return "no quantized block on both sides"
-    parts = []
-    for kp, vp in ((ks.sinks, vs.sinks), (ks.block, vs.block), (ks.residual, vs.residual)):
-        if kp is None and vp is None:
-            continue
-        if isinstance(kp, torch.Tensor) and isinstance(vp, torch.Tensor):
-            parts.append(native.FusedPart(kp.float(), vp.float()))
-            continue
-        if isinstance(kp, torch.Tensor) or isinstance(vp, torch.Tensor) or kp is None or vp is None:
-            return "keys and values are split at different tokens"
-        why = _fused_block(kp) or _fused_block(vp)
-        if why:
-            return why
-        parts.append(native.FusedPart(kp.codes, vp.codes, kp.bits, vp.bits, kp.scale, vp.scale))
+    if ks.block is None and vs.block is None:
+        return "no quantized block"
+    kp, vp = _side_pieces(ks), _side_pieces(vs)
+    if sum(n for n, _ in kp) != sum(n for n, _ in vp):
+        return "keys and values hold different token counts"
+    parts, ki, vi, koff, voff = [], 0, 0, 0, 0
+    while ki < len(kp):
+        n = min(kp[ki][0] - koff, vp[vi][0] - voff)
+        k = _fused_side(kp[ki][1], koff, n)
+        v = _fused_side(vp[vi][1], voff, n)
+        for name, side in (("keys", k), ("values", v)):
+            if isinstance(side, str):
+                return f"{name}: {side}"
+        parts.append(native.FusedPart(k, v))
+        koff, voff = koff + n, voff + n
+        if koff == kp[ki][0]:
+            ki, koff = ki + 1, 0
+        if voff == vp[vi][0]:
+            vi, voff = vi + 1, 0
     bsz, hkv, d = query.shape[0], *layer_cache.kv_shape[1:]
     return native.fused_reason(parts, bsz, hkv, d) or parts
 

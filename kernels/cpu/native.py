@@ -47,10 +47,11 @@ import torch
 from kvbench.clib import NativeLibrary, load_checked
 
 SOURCE = Path(__file__).with_name("csrc") / "codes.c"
-#: the shared object setup.py builds from SOURCE with FLAGS (~80 CPU-s with GCC 12 at -O3)
+#: the shared object setup.py builds from SOURCE with FLAGS (~3.4 CPU-min with GCC 12 at -O3,
+#: measured on a loaded machine: the fused kernel is instantiated per (key, value) kind pair)
 LIBRARY = Path(__file__).with_name("_codes.so")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 11
+ABI_VERSION = 12
 # KVBENCH_NATIVE_TILES: "1" (default) the fastest kernel that applies; "0" the per-token loops
 # (a check of the tiled and vectorised kernels); "tiled" the 8-token tiles for keys even where
 # the vectorised keys apply (a check of the vectorised keys against the tiles)
@@ -138,28 +139,33 @@ class _PolarArgs(ctypes.Structure):
     ]
 
 
-class _FusedSeg(ctypes.Structure):
+class _FusedSide(ctypes.Structure):
     _fields_ = [
-        ("n", ctypes.c_int64),
-        ("kbits", ctypes.c_int),
-        ("vbits", ctypes.c_int),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("ks", ctypes.c_int64 * 3),
-        ("vs", ctypes.c_int64 * 3),
-        ("kd", ctypes.c_void_p),
-        ("vd", ctypes.c_void_p),
-        ("kds", ctypes.c_int64 * 3),
-        ("vds", ctypes.c_int64 * 3),
+        ("kind", ctypes.c_int),
+        ("bits", ctypes.c_int),
+        ("sdt", ctypes.c_int),
+        ("x", ctypes.c_void_p),
+        ("xs", ctypes.c_int64 * 3),
+        ("s", ctypes.c_void_p),
+        ("z", ctypes.c_void_p),
+        ("ss", ctypes.c_int64 * 3),
+        ("zs", ctypes.c_int64 * 3),
+        ("cg", ctypes.c_int64),
+        ("G", ctypes.c_int64),
+        ("phase", ctypes.c_int64),
     ]
 
 
-FUSED_MAX_SEGS = 3
+class _FusedSeg(ctypes.Structure):
+    _fields_ = [("n", ctypes.c_int64), ("k", _FusedSide), ("v", _FusedSide)]
+
+
+FUSED_MAX_SEGS = 6
 
 
 class _FusedArgs(ctypes.Structure):
     _fields_ = [
-        *((f, ctypes.c_int64) for f in ("B", "H", "M", "D", "nq", "kcg", "vcg")),
+        *((f, ctypes.c_int64) for f in ("B", "H", "M", "D", "nq")),
         ("q", ctypes.c_void_p),
         ("lengths", ctypes.c_void_p),
         ("nseg", ctypes.c_int64),
@@ -184,6 +190,8 @@ def _load_library() -> ctypes.CDLL:
     lib.kv_attend_fused.restype = ctypes.c_int
     lib.kv_fused_isa.argtypes = [ctypes.c_int]
     lib.kv_fused_isa.restype = ctypes.c_int
+    lib.kv_fused_pair.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.kv_fused_pair.restype = ctypes.c_int
     return lib
 
 
@@ -624,24 +632,63 @@ FUSED_ISAS = {"auto": 0, "base": 1, "avx2": 2, "avx512": 3}
 ENV_ISA = "KVBENCH_NATIVE_ISA"
 #: head dims :func:`attend_fused` takes
 FUSED_HEAD_DIMS = (32, 64, 128)
-#: code widths of :class:`FusedPart` (0: float32 rows)
-FUSED_BITS = (0, 4, 8)
+#: the kinds of :class:`FusedSide` (the C side's ``FZ_*``) and the code widths of each
+FUSED_KINDS = {"float": 0, "block": 1, "token": 2, "channel": 3}
+FUSED_KIND_BITS = {"float": (0,), "block": (4, 8), "token": (2, 4), "channel": (2, 4)}
+#: scale / zero dtypes of the coded sides (the C side's ``sdt``; ``block``: float16 only)
+FUSED_TERM_DTYPES = {torch.float16: 0, torch.float32: 1, torch.bfloat16: 2}
+
+
+class FusedSide(NamedTuple):
+    """One side (keys or values) of a run of ``n`` tokens for :func:`attend_fused`.
+
+    ``kind``:
+
+    * ``"float"``: ``x`` float32 ``[B, H, n, D]`` rows;
+    * ``"block"``: ``x`` uint8 ``[B, H, n, D * bits / 8]`` symmetric codes
+      (:func:`kvbench.cache.quant.pack_bits` order; ``bits`` 4 or 8; llama.cpp ``q4_0`` /
+      ``q8_0``): ``(c - 2^(bits-1)) scale``, ``scale`` float16 ``[B|1, H|1, n, D / cg]``;
+    * ``"token"``: affine codes of ``bits`` 2 or 4 (KIVI's per-token values): ``c scale +
+      zero``, ``scale`` / ``zero`` ``[B|1, H|1, n, D / cg]`` (groups of ``cg`` channels, a
+      multiple of 16);
+    * ``"channel"``: affine codes of ``bits`` 2 or 4 (KIVI's per-channel keys): ``c scale +
+      zero``, ``scale`` / ``zero`` ``[B|1, H|1, R, D]`` per row of ``tokens`` tokens, token
+      ``t`` in row ``(phase + t) // tokens``.
+
+    Scales and zeros float16, float32 or bfloat16; any strides with a contiguous last dim."""
+
+    x: torch.Tensor
+    kind: str = "float"
+    bits: int = 0
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    tokens: int = 1
+    phase: int = 0
+
+    @property
+    def ntokens(self) -> int:
+        return self.x.shape[2]
 
 
 class FusedPart(NamedTuple):
-    """One run of tokens of a layer's keys and values for :func:`attend_fused`.
+    """One run of tokens of a layer's keys and values for :func:`attend_fused` (both sides
+    hold the same tokens)."""
 
-    ``k``, ``v``: float32 ``[B, H, n, D]`` rows (``kbits = vbits = 0``), or uint8 ``[B, H, n,
-    D * bits / 8]`` symmetric codes (:func:`kvbench.cache.quant.pack_bits` order; ``bits`` 4
-    or 8: ``x = (c - 2^(bits-1)) d``); ``kd``, ``vd``: their float16 scales ``[B|1, H|1, n,
-    D / cg]`` (``None`` for float rows).  Any strides with a contiguous last dim."""
+    k: FusedSide
+    v: FusedSide
 
-    k: torch.Tensor
-    v: torch.Tensor
-    kbits: int = 0
-    vbits: int = 0
-    kd: torch.Tensor | None = None
-    vd: torch.Tensor | None = None
+
+def fused_pair(k: FusedSide, v: FusedSide) -> bool:
+    """Whether :func:`attend_fused` reads a part of keys ``k`` and values ``v`` (the C side's
+    list of (key, value) kinds and widths, ``FZ_PAIRS``); ``False`` when the library is
+    unavailable."""
+    codes = []
+    for side in (k, v):
+        if side.kind not in FUSED_KINDS or side.bits not in FUSED_KIND_BITS[side.kind]:
+            return False
+        codes.append(FUSED_KINDS[side.kind] * 16 + side.bits)
+    lib = _load()
+    return lib is not None and bool(lib.kv_fused_pair(*codes))
 
 
 def fused_isa(isa: str | None = None) -> str:
@@ -664,56 +711,88 @@ def _strides_bytes(x: torch.Tensor) -> tuple[int, int, int]:
     return tuple(x.stride(i) * es if x.shape[i] > 1 else 0 for i in range(3))
 
 
-def _fused_side(x: torch.Tensor, d16: torch.Tensor | None, bits: int, shape, d: int) -> bool:
-    bsz, h, n = shape
-    if bits == 0:
-        return (
-            x.dtype == torch.float32
-            and tuple(x.shape) == (bsz, h, n, d)
-            and x.stride(-1) == 1
-            and d16 is None
-        )
+def _terms_fit(t: torch.Tensor | None, bsz: int, h: int, rows: int, groups: int) -> bool:
     return (
-        bits in (4, 8)
-        and x.dtype == torch.uint8
-        and tuple(x.shape) == (bsz, h, n, d * bits // 8)
-        and (x.stride(-1) == 1 or x.shape[-1] == 1)
-        and d16 is not None
-        and d16.dtype == torch.float16
-        and d16.dim() == 4
-        and d16.shape[0] in (1, bsz)
-        and d16.shape[1] in (1, h)
-        and d16.shape[2] == n
-        and (d16.stride(-1) == 1 or d16.shape[-1] == 1)
-        and d % d16.shape[-1] == 0
-        and (d // d16.shape[-1]) % 16 == 0
+        t is not None
+        and t.dtype in FUSED_TERM_DTYPES
+        and t.dim() == 4
+        and t.shape[0] in (1, bsz)
+        and t.shape[1] in (1, h)
+        and t.shape[2] >= rows
+        and t.shape[3] == groups
+        and (t.stride(-1) == 1 or t.shape[-1] == 1)
     )
+
+
+def _side_reason(side: FusedSide, bsz: int, h: int, n: int, d: int) -> str | None:
+    """Why :func:`attend_fused` does not read ``side`` of ``n`` tokens (``None``: it does)."""
+    x, kind = side.x, side.kind
+    if kind == "float":
+        ok = x.dtype == torch.float32 and tuple(x.shape) == (bsz, h, n, d) and x.stride(-1) == 1
+        return None if ok and side.scale is None else "float rows other than float32 [B, H, n, D]"
+    if kind not in FUSED_KINDS or side.bits not in FUSED_KIND_BITS[kind]:
+        return f"{kind} codes of {side.bits} bits"
+    if not (
+        x.dtype == torch.uint8
+        and tuple(x.shape) == (bsz, h, n, d * side.bits // 8)
+        and (x.stride(-1) == 1 or x.shape[-1] == 1)
+    ):
+        return f"{kind} codes of shape {tuple(x.shape)}"
+    if kind == "channel":
+        rows = -(-(side.phase + n) // side.tokens) if side.tokens >= 1 and side.phase >= 0 else -1
+        ok = rows >= 0 and all(_terms_fit(t, bsz, h, rows, d) for t in (side.scale, side.zero))
+        return None if ok and side.scale.dtype == side.zero.dtype else "per-channel terms"
+    sc = side.scale
+    groups = sc.shape[-1] if sc is not None and sc.dim() == 4 and sc.shape[-1] else 0
+    if not (groups and d % groups == 0 and (d // groups) % 16 == 0):
+        return f"{kind} scale groups other than whole vectors of 16 channels"
+    terms = (sc,) if kind == "block" else (sc, side.zero)
+    if not all(_terms_fit(t, bsz, h, n, groups) for t in terms):
+        return f"{kind} terms"
+    if kind == "block" and sc.dtype != torch.float16:
+        return "block scales other than float16"
+    if kind == "token" and sc.dtype != side.zero.dtype:
+        return "token scale and zero of different dtypes"
+    return None
 
 
 def fused_reason(parts: list[FusedPart], bsz: int, h: int, d: int) -> str | None:
     """Why :func:`attend_fused` does not take ``parts`` (``None``: it does): head_dim not in
-    :data:`FUSED_HEAD_DIMS`, more than ``FUSED_MAX_SEGS`` parts, widths other than 4/8-bit codes
-    with float16 scales of whole vectors of 16 channels or float32 rows, shapes that do not fit,
-    or the library unavailable."""
+    :data:`FUSED_HEAD_DIMS`, more than ``FUSED_MAX_SEGS`` parts, sides that do not fit
+    (:class:`FusedSide`), a pair of key and value kinds the kernel does not read
+    (:func:`fused_pair`), or the library unavailable."""
     if d not in FUSED_HEAD_DIMS:
         return f"head_dim {d} (fused: {FUSED_HEAD_DIMS})"
     if not 1 <= len(parts) <= FUSED_MAX_SEGS:
         return f"{len(parts)} parts (fused: 1..{FUSED_MAX_SEGS})"
-    groups = set()
+    if not available():
+        return unavailable_reason()
     for p in parts:
-        n = p.k.shape[2]
-        if (p.kbits == 0) != (p.vbits == 0) or p.v.shape[2] != n:
-            return "keys and values of a part differ in kind or length"
-        if not (
-            _fused_side(p.k, p.kd, p.kbits, (bsz, h, n), d)
-            and _fused_side(p.v, p.vd, p.vbits, (bsz, h, n), d)
-        ):
-            return "a part the fused kernel does not take (4/8-bit codes, float16 scales)"
-        if p.kbits:
-            groups.add((d // p.kd.shape[-1], d // p.vd.shape[-1]))
-    if len(groups) > 1:
-        return "channel groups differ between parts"
-    return None if available() else unavailable_reason()
+        n = p.k.ntokens
+        if p.v.ntokens != n:
+            return "keys and values of a part differ in length"
+        for name, side in (("keys", p.k), ("values", p.v)):
+            why = _side_reason(side, bsz, h, n, d)
+            if why:
+                return f"{name}: {why}"
+        if not fused_pair(p.k, p.v):
+            return f"{p.k.kind}-{p.k.bits} keys with {p.v.kind}-{p.v.bits} values"
+    return None
+
+
+def _set_side(c: _FusedSide, side: FusedSide, d: int) -> None:
+    c.kind, c.bits = FUSED_KINDS[side.kind], side.bits
+    c.x, c.xs[:] = side.x.data_ptr(), _strides_bytes(side.x)
+    if side.kind == "float":
+        return
+    c.sdt = FUSED_TERM_DTYPES[side.scale.dtype]
+    c.s, c.ss[:] = side.scale.data_ptr(), _strides_bytes(side.scale)
+    if side.zero is not None:
+        c.z, c.zs[:] = side.zero.data_ptr(), _strides_bytes(side.zero)
+    if side.kind == "channel":
+        c.G, c.phase = side.tokens, side.phase
+    else:
+        c.cg = d // side.scale.shape[-1]
 
 
 def attend_fused(
@@ -748,23 +827,18 @@ def attend_fused(
         raise ValueError(f"attend_fused: q {tuple(q.shape)} / out {tuple(out.shape)} do not fit")
     args = _FusedArgs()
     args.B, args.H, args.M, args.D, args.nq = bsz, h, m, d, nq
-    args.kcg = args.vcg = 16
     keep = [q, out]
     for i, p in enumerate(parts):
-        s = args.seg[i]
-        s.n, s.kbits, s.vbits = p.k.shape[2], p.kbits, p.vbits
-        s.k, s.v = p.k.data_ptr(), p.v.data_ptr()
-        s.ks[:], s.vs[:] = _strides_bytes(p.k), _strides_bytes(p.v)
-        if p.kbits:
-            s.kd, s.vd = p.kd.data_ptr(), p.vd.data_ptr()
-            s.kds[:], s.vds[:] = _strides_bytes(p.kd), _strides_bytes(p.vd)
-            args.kcg, args.vcg = d // p.kd.shape[-1], d // p.vd.shape[-1]
+        seg = args.seg[i]
+        seg.n = p.k.ntokens
+        _set_side(seg.k, p.k, d)
+        _set_side(seg.v, p.v, d)
         keep.append(p)
     args.nseg = len(parts)
     if lengths is not None:
         lengths = lengths.to(torch.int64).contiguous()
         if tuple(lengths.shape) != (bsz,) or bool(
-            ((lengths < nq) | (lengths > sum(p.k.shape[2] for p in parts))).any()
+            ((lengths < nq) | (lengths > sum(p.k.ntokens for p in parts))).any()
         ):
             raise ValueError(f"attend_fused: lengths {lengths.tolist()} outside [nq, T]")
         args.lengths = lengths.data_ptr()

@@ -1,6 +1,8 @@
 """The fused decode attention (``kv_attend_fused`` in kernels/cpu/csrc/codes.c, through
 :func:`kvbench.kernels.cpu.native.attend_fused`): one native call per layer for llama.cpp
-``q4_0`` / ``q8_0`` block caches (int4-block, int8-block), checked against float64.
+``q4_0`` / ``q8_0`` block caches (int4-block, int8-block) and KIVI's affine layouts (2- and
+4-bit per-channel keys in groups of G tokens; per-token values or full-precision values; keys
+and values split at different tokens), checked against float64.
 
 Right values: attention computed here in float64 over the cache's own ``keys_values(float64)``
 (the dequantize path of each block, independent of the kernel), GQA by ``repeat_interleave``,
@@ -78,6 +80,87 @@ LAYOUTS = [
 ]
 
 
+#: KIVI's layouts (keys per channel per G tokens, values per token per channel group, or in
+#: full precision; residual R; sinks), G and R small so that a few dozen tokens give key and
+#: value blocks that end at different tokens and a key group cut by a value boundary
+KIVI_LAYOUTS = [
+    ("kivi", dict(group_size=16, residual_length=32)),  # K2, values in full precision
+    ("kivi", dict(group_size=16, residual_length=16, value_bits=2, value_group_size=16)),
+    (
+        "kivi",
+        dict(
+            bits=4,
+            group_size=8,
+            residual_length=16,
+            value_bits=4,
+            value_group_size=16,
+            num_sink_tokens=3,
+        ),
+    ),
+    ("kivi", dict(bits=2, group_size=32, residual_length=32, value_bits=4, scale_dtype="float32")),
+    ("kivi", dict(bits=4, group_size=16, residual_length=16, value_bits=2, scale_dtype="bfloat16")),
+    ("kivi", dict(bits=4, group_size=16, residual_length=16)),  # K4, values in full precision
+]
+
+
+@pytest.mark.parametrize("name,cfg", KIVI_LAYOUTS, ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("tokens", [41, 58, 100])  # not multiples of G; values cut key groups
+@pytest.mark.parametrize("b,hq,hkv", [(1, 3, 3), (2, 9, 3), (1, 8, 2)])  # GQA 1, 3, 4
+def test_fused_kivi_matches_float64(name, cfg, d, tokens, b, hq, hkv):
+    lc, g = build(name, cfg, b, hkv, d, tokens)
+    parts = cpu.fused_parts(lc, torch.zeros(b, hq, 1, d))
+    assert not isinstance(parts, str), parts
+    assert any(p.k.kind == "channel" for p in parts)
+    for nq in (1, 3):
+        q = torch.randn(b, hq, nq, d, generator=g) * 2
+        ref = ref64(lc, q)
+        for isa in isas():
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(native.ENV_ISA, isa)
+                out = lc.attend(q)
+            assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
+            close_rows(out, ref)
+
+
+def test_kivi_parts_split_where_either_side_changes():
+    """KIVI-2 at 100 tokens (G 16, R 32): keys hold 96 quantized + 4 residual, values 68
+    quantized (a sliding window of R = 32 in full precision): three parts, the middle one a
+    key block read from row 4 of its terms, 2 tokens into that row."""
+    cfg = dict(group_size=16, residual_length=32, value_bits=2, value_group_size=16)
+    lc, g = build("kivi", cfg, 1, 2, 64, 100)
+    parts = cpu.fused_parts(lc, torch.zeros(1, 4, 1, 64))
+    got = [(p.k.kind, p.v.kind, p.k.ntokens, p.k.phase) for p in parts]
+    assert got == [
+        ("channel", "token", 68, 0),
+        ("channel", "float", 28, 4),
+        ("float", "float", 4, 0),
+    ]
+    assert parts[1].k.scale.shape[2] == 6 - 4  # rows 4 and 5 of the key terms
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_kivi_padded_rows(isa, monkeypatch):
+    monkeypatch.setenv(native.ENV_ISA, isa)
+    cfg = dict(group_size=16, residual_length=16, value_bits=2, value_group_size=32)
+    lc, g = build("kivi", cfg, 3, 2, 64, 75)
+    lengths = torch.tensor([75, 50, 17])
+    for nq in (1, 3):
+        q = torch.randn(3, 6, nq, 64, generator=g)
+        out = lc.attend(q, lengths=lengths)
+        assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
+        close_rows(out, ref64(lc, q, lengths))
+
+
+def test_kivi_equals_the_unfused_kernels_to_round_off():
+    lc, g = build("kivi", dict(value_bits=2, value_group_size=64), 1, 3, 64, 3000)
+    q = torch.randn(1, 9, 1, 64, generator=g) * 3
+    fused = lc.attend(q)
+    assert lc.attend_path == cpu.FUSED_PATH
+    close_rows(fused, cpu._attend(lc, q, None).double())
+    close_rows(fused, ref64(lc, q))
+
+
 @pytest.mark.parametrize("name,cfg", LAYOUTS, ids=lambda x: str(x)[:40])
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("tokens", [14, 17, 33, 100])  # block: below, at, past a 16-token tile
@@ -124,11 +207,18 @@ def test_equals_the_unfused_kernels_to_round_off():
 
 def test_other_layouts_keep_their_path():
     """Layouts the fused kernel does not read keep the per-block kernels, and say why."""
-    lc, g = build("kivi", dict(group_size=16, residual_length=16), 1, 2, 64, 60)
+    lc, g = build("kivi", dict(bits=3, group_size=16, residual_length=16), 1, 2, 64, 60)
     q = torch.randn(1, 4, 1, 64, generator=g)
-    assert isinstance(cpu.fused_parts(lc, q), str)
+    assert cpu.fused_parts(lc, q) == "keys: affine codes other than 2 or 4 bits"
     lc.attend(q)
     assert lc.attend_path == cpu.NATIVE_PATH
+    cfg = dict(group_size=16, residual_length=16, value_bits=2, value_group_size=8)
+    lc, g = build("kivi", cfg, 1, 2, 64, 60)  # value groups of 8 channels: half a vector
+    assert "whole vectors of 16 channels" in cpu.fused_parts(lc, q)
+    lc.attend(q)
+    assert lc.attend_path == cpu.NATIVE_PATH
+    lc, g = build("kivi", dict(group_size=16, residual_length=16), 1, 2, 64, 12)
+    assert cpu.fused_parts(lc, q) == "no quantized block"  # all tokens in the residual
     lc, g = build("int8-block", {}, 1, 2, 96, 40)  # head_dim 96: not a fused head_dim
     q = torch.randn(1, 4, 1, 96, generator=g)
     assert "head_dim 96" in cpu.fused_parts(lc, q)
@@ -136,7 +226,7 @@ def test_other_layouts_keep_their_path():
     assert lc.attend_path == cpu.NATIVE_PATH
     lc, g = build("int8-block", dict(value_type="f16"), 1, 2, 64, 40)  # no value block
     q = torch.randn(1, 4, 1, 64, generator=g)
-    assert cpu.fused_parts(lc, q) == "no quantized block on both sides"
+    assert cpu.fused_parts(lc, q) == "block-8 keys with float-0 values"
     lc.attend(q)
     assert lc.attend_path == cpu.NATIVE_PATH
 

@@ -1415,16 +1415,25 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
 
 /* ================================================ fused decode attention (one call a layer)
  * kv_attend_fused: the whole attention of a layer's decode step over a cache read as up to
- * FUSED_MAX_SEGS segments in token order (sinks, the quantized block, the residual), for
- * every (batch row, KV head) and its M query rows (GQA: the rows of one KV head share every
- * loaded token):
+ * FUSED_MAX_SEGS segments in token order (sinks, the quantized blocks, the residual; keys and
+ * values each split at their own tokens, the segments at the union of both), for every
+ * (batch row, KV head) and its M query rows (GQA: the rows of one KV head share every loaded
+ * token):
  *   out[b, h, m, :] = sum_t softmax_t(q[b, h, m] . k_t) v_t      over t < lim(b, m)
  * with lim(b, m) = len_b - nq + (m % nq) + 1 (len_b = lengths[b], else T; the causal mask of
  * nq queries aligned to the row's end, kvbench.attention.reference.length_mask).
- * A segment's keys and values are each float32 rows (bits 0) or symmetric block codes of 4 or
- * 8 bits (llama.cpp q4_0 / q8_0 layouts as stored by methods/int_block.py): pack_bits's
- * LSB-first codes c, one float16 scale d per token per group of cg channels, and
- *   x = (c - 2^(bits-1)) * d      (exact in float32: the dequantized value).
+ * Each side (keys, values) of a segment is one of (kind, pack_bits's LSB-first codes c):
+ *   FZ_F32:  float32 rows;
+ *   FZ_SYM:  symmetric block codes of 4 or 8 bits, one float16 scale d per token per group of
+ *            cg channels (llama.cpp q4_0 / q8_0 as stored by methods/int_block.py):
+ *            x = (c - 2^(bits-1)) * d;
+ *   FZ_TOK:  affine codes of 2 or 4 bits, scale s and zero z per token per group of cg
+ *            channels (KIVI's per-token values): x = c * s + z;
+ *   FZ_CHAN: affine codes of 2 or 4 bits, s and z per channel per row of G tokens, token t of
+ *            the segment in row (phase + t) / G (KIVI's per-channel keys): x = c * s + z;
+ * scales and zeros float16, float32 or bfloat16 (sdt).  Every x is the dequantized value
+ * exactly as kvbench.cache.quant.dequantize_groups computes it in float32 (a product, then a
+ * sum: this file is compiled without FMA contraction, -std=c11).
  * One pass over the tokens in tiles of FUSED_TT: the keys of a tile are decoded in registers
  * and dotted with FUSED_MR query rows at a time (logits of the tile: one vector per row), an
  * online softmax (running max and sum, Milakov & Gimelshein arXiv 1805.02867; FlashAttention)
@@ -1440,23 +1449,43 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-#define FUSED_MAX_SEGS 3
+#define FUSED_MAX_SEGS 6
 #define FUSED_MR 4  /* query rows per pass over the tokens */
 #define FUSED_TT 16 /* tokens per tile: one vector of logits */
+#define FZ_F32 0    /* side kinds (kv_fused_side.kind) */
+#define FZ_SYM 1
+#define FZ_TOK 2
+#define FZ_CHAN 3
+/* a side's (kind, bits) as one constant: the compile-time parameter of the decode */
+#define FZ_CODE(KIND, BITS) ((KIND) * 16 + (BITS))
+#define FZ_KIND(C) ((C) >> 4)
+#define FZ_BITS(C) ((C) & 15)
+/* whether a side of code C has terms per token (its scale row is the token) */
+#define FZ_TOKEN_TERMS(C) (FZ_KIND(C) == FZ_SYM || FZ_KIND(C) == FZ_TOK)
+
+typedef struct {
+    int kind, bits;              /* FZ_*; code width (0 for FZ_F32) */
+    int sdt;                     /* scale / zero dtype: 0 float16, 1 float32, 2 bfloat16 */
+    const uint8_t *x;            /* token t of (b, h): x + b*xs[0] + h*xs[1] + t*xs[2] (bytes) */
+    int64_t xs[3];
+    const uint8_t *s, *z;        /* scale / zero (z: affine kinds) of (b, h, row r, group g):
+                                  * s + b*ss[0] + h*ss[1] + r*ss[2] + g*(element size) (bytes);
+                                  * row r: the token (FZ_SYM, FZ_TOK), (phase + t) / G (FZ_CHAN);
+                                  * group g: of cg channels (FZ_SYM, FZ_TOK), the channel
+                                  * (FZ_CHAN) */
+    int64_t ss[3], zs[3];
+    int64_t cg;                  /* FZ_SYM, FZ_TOK: channels per group (16k dividing D) */
+    int64_t G, phase;            /* FZ_CHAN: tokens per row; tokens of the first row before
+                                  * the segment's first token */
+} kv_fused_side;
 
 typedef struct {
     int64_t n;                   /* tokens of the segment */
-    int kbits, vbits;            /* 0: float32 rows; 4 or 8: symmetric block codes */
-    const uint8_t *k, *v;        /* token t of (b, h): k + b*ks[0] + h*ks[1] + t*ks[2] (bytes) */
-    int64_t ks[3], vs[3];
-    const uint8_t *kd, *vd;      /* float16 scales: group g of token t of (b, h) at
-                                  * kd + b*kds[0] + h*kds[1] + t*kds[2] + 2*g (bytes) */
-    int64_t kds[3], vds[3];
+    kv_fused_side k, v;
 } kv_fused_seg;
 
 typedef struct {
     int64_t B, H, M, D, nq;      /* D: 32, 64 or 128; M = (H_q / H_kv) * nq rows per KV head */
-    int64_t kcg, vcg;            /* channels per scale group of the coded keys / values (16k) */
     const float *q;              /* [B, H, M, D] contiguous, the logit scale applied */
     const int64_t *lengths;      /* [B] valid tokens of each row, or NULL (all) */
     int64_t nseg;
@@ -1547,36 +1576,87 @@ static inline __attribute__((always_inline)) float fz_half(const uint8_t *p) {
     return (float)h;
 }
 
-/* the D / 16 vectors of token row `row` (bits 0: float32; 4, 8: codes with scales `sc`, one
- * per cg channels) */
+/* element i of a scale / zero array of dtype sdt (0 float16, 1 float32, 2 bfloat16) */
+static inline __attribute__((always_inline)) float fz_term(const uint8_t *p, int64_t i,
+                                                           int sdt) {
+    if (sdt == 0) return fz_half(p + 2 * i);
+    uint32_t w = 0;
+    if (sdt == 1) memcpy(&w, p + 4 * i, 4);
+    else {
+        uint16_t u;
+        memcpy(&u, p + 2 * i, 2);
+        w = (uint32_t)u << 16;
+    }
+    float f;
+    memcpy(&f, &w, 4);
+    return f;
+}
+
+/* the D = 16 DV terms of a per-channel row as vectors */
+static inline __attribute__((always_inline)) void fz_row_terms(v16f *o, const uint8_t *p,
+                                                               int sdt, const int DV) {
+    float f[16 * 8];
+    for (int i = 0; i < 16 * DV; i++) f[i] = fz_term(p, i, sdt);
+    memcpy(o, f, 64 * (size_t)DV);
+}
+
+/* the unsigned codes of channels 16 v .. 16 v + 15 of a token row of `bits`-bit codes (each
+ * 32-bit word of codes in the lanes of its codes, shifted apart; lanes set from scalars: a
+ * shuffle of a narrower vector goes through the stack) */
+static inline __attribute__((always_inline)) v16i fz_codes(const uint8_t *row, int v,
+                                                           const int bits) {
+    if (bits == 2) {
+        uint32_t w;
+        memcpy(&w, row + 4 * v, 4);
+        const v16u x = {w, w, w, w, w, w, w, w, w, w, w, w, w, w, w, w};
+        const v16u sh = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+        return (v16i)((x >> sh) & 3u);
+    }
+    if (bits == 4) {
+        uint32_t w[2];
+        memcpy(w, row + 8 * v, 8);
+        const v16u x = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0],
+                        w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
+        const v16u sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
+        return (v16i)((x >> sh) & 15u);
+    }
+    uint32_t w[4];
+    memcpy(w, row + 16 * v, 16);
+    const v16u x = {w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1],
+                    w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3]};
+    const v16u sh = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
+    return (v16i)((x >> sh) & 255u);
+}
+
+/* the D / 16 vectors of token row `row` of a side of code C (FZ_CODE): float32 rows; codes
+ * with the token's scales `sc` / zeros `zr` (FZ_SYM, FZ_TOK: one per cg channels, dtype sdt;
+ * FZ_SYM: float16); FZ_CHAN: the row's terms as vectors `cs` / `cz` */
 static inline __attribute__((always_inline)) void fz_decode(v16f *x, const uint8_t *row,
-                                                            const uint8_t *sc, const int bits,
-                                                            const int DV, int64_t cg) {
-    if (bits == 0) {
+                                                            const uint8_t *sc,
+                                                            const uint8_t *zr, int sdt,
+                                                            const v16f *cs, const v16f *cz,
+                                                            const int C, const int DV,
+                                                            int64_t cg) {
+    const int kind = FZ_KIND(C), bits = FZ_BITS(C);
+    if (kind == FZ_F32) {
         for (int v = 0; v < DV; v++) memcpy(&x[v], row + 64 * v, 64);
+        return;
+    }
+    if (kind == FZ_CHAN) {
+        for (int v = 0; v < DV; v++)
+            x[v] = __builtin_convertvector(fz_codes(row, v, bits), v16f) * cs[v] + cz[v];
         return;
     }
     const int64_t vpg = cg / 16; /* vectors per scale group */
     for (int v = 0; v < DV; v++) {
-        const float d = fz_half(sc + 2 * (v / vpg));
-        v16i c; /* each 32-bit word of codes in the lanes of its codes, shifted apart (lanes
-                 * set from scalars: a shuffle of a narrower vector goes through the stack) */
-        if (bits == 4) {
-            uint32_t w[2];
-            memcpy(w, row + 8 * v, 8);
-            const v16u x = {w[0], w[0], w[0], w[0], w[0], w[0], w[0], w[0],
-                            w[1], w[1], w[1], w[1], w[1], w[1], w[1], w[1]};
-            const v16u sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
-            c = (v16i)((x >> sh) & 15u) - 8;
+        const v16i c = fz_codes(row, v, bits);
+        if (kind == FZ_SYM) {
+            const float d = fz_half(sc + 2 * (v / vpg));
+            x[v] = __builtin_convertvector(c - (1 << (bits - 1)), v16f) * d;
         } else {
-            uint32_t w[4];
-            memcpy(w, row + 16 * v, 16);
-            const v16u x = {w[0], w[0], w[0], w[0], w[1], w[1], w[1], w[1],
-                            w[2], w[2], w[2], w[2], w[3], w[3], w[3], w[3]};
-            const v16u sh = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
-            c = (v16i)((x >> sh) & 255u) - 128;
+            const float s = fz_term(sc, v / vpg, sdt), z = fz_term(zr, v / vpg, sdt);
+            x[v] = __builtin_convertvector(c, v16f) * s + z;
         }
-        x[v] = __builtin_convertvector(c, v16f) * d;
     }
 }
 
@@ -1585,15 +1665,26 @@ typedef struct {
     v16f acc[FUSED_MR][8];
 } fz_state;
 
-/* one segment (tokens t0 + [0, n) of the cache) for rows [0, mr) of a pass */
+/* the bytes of side `sd` at (b, h): codes / rows, scales, zeros */
+typedef struct {
+    const uint8_t *x, *s, *z;
+} fz_base;
+
+static inline __attribute__((always_inline)) fz_base fz_at(const kv_fused_side *sd, int64_t b,
+                                                          int64_t h) {
+    fz_base o = {sd->x + b * sd->xs[0] + h * sd->xs[1], NULL, NULL};
+    if (sd->kind != FZ_F32) o.s = sd->s + b * sd->ss[0] + h * sd->ss[1];
+    if (sd->kind == FZ_TOK || sd->kind == FZ_CHAN) o.z = sd->z + b * sd->zs[0] + h * sd->zs[1];
+    return o;
+}
+
+/* one segment (tokens t0 + [0, n) of the cache) for rows [0, mr) of a pass; KC, VC: the
+ * sides' codes (FZ_CODE) */
 static inline __attribute__((always_inline)) void fz_segment(
-    fz_state *st, const kv_fused_seg *s, const kv_fused_args *a, int64_t b, int64_t h,
-    const v16f (*q)[8], const int64_t *lim, int mr, int64_t t0, const int KB, const int VB,
-    const int DV) {
-    const uint8_t *kb = s->k + b * s->ks[0] + h * s->ks[1];
-    const uint8_t *vb = s->v + b * s->vs[0] + h * s->vs[1];
-    const uint8_t *kd = KB ? s->kd + b * s->kds[0] + h * s->kds[1] : NULL;
-    const uint8_t *vd = VB ? s->vd + b * s->vds[0] + h * s->vds[1] : NULL;
+    fz_state *st, const kv_fused_seg *s, int64_t b, int64_t h, const v16f (*q)[8],
+    const int64_t *lim, int mr, int64_t t0, const int KC, const int VC, const int DV) {
+    const kv_fused_side *ks = &s->k, *vs = &s->v;
+    const fz_base kb = fz_at(ks, b, h), vb = fz_at(vs, b, h);
     int64_t end = 0; /* tokens any row sees */
     for (int m = 0; m < mr; m++) end = lim[m] > end ? lim[m] : end;
     end = end - t0 < s->n ? end - t0 : s->n;
@@ -1604,14 +1695,27 @@ static inline __attribute__((always_inline)) void fz_segment(
         l[m] = st->l[m];
         for (int v = 0; v < DV; v++) acc[m][v] = st->acc[m][v];
     }
+    v16f kcs[8], kcz[8]; /* FZ_CHAN keys: the terms of the row being read */
+    int64_t left = 0;    /* tokens of that row still to read */
     const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t j0 = 0; j0 < end; j0 += FUSED_TT) {
         const int cnt = end - j0 < FUSED_TT ? (int)(end - j0) : FUSED_TT;
         v16f part[FUSED_MR][FUSED_TT];
         for (int j = 0; j < cnt; j++) {
             const int64_t t = j0 + j;
+            if (FZ_KIND(KC) == FZ_CHAN) {
+                if (left == 0) {
+                    const int64_t p = ks->phase + t, r = p / ks->G;
+                    left = ks->G - p % ks->G;
+                    fz_row_terms(kcs, kb.s + r * ks->ss[2], ks->sdt, DV);
+                    fz_row_terms(kcz, kb.z + r * ks->zs[2], ks->sdt, DV);
+                }
+                left--;
+            }
             v16f x[8];
-            fz_decode(x, kb + t * s->ks[2], KB ? kd + t * s->kds[2] : NULL, KB, DV, a->kcg);
+            const uint8_t *sc = FZ_TOKEN_TERMS(KC) ? kb.s + t * ks->ss[2] : NULL;
+            const uint8_t *zr = FZ_KIND(KC) == FZ_TOK ? kb.z + t * ks->zs[2] : NULL;
+            fz_decode(x, kb.x + t * ks->xs[2], sc, zr, ks->sdt, kcs, kcz, KC, DV, ks->cg);
             for (int m = 0; m < FUSED_MR; m++) {
                 if (m >= mr) break;
                 v16f sum = q[m][0] * x[0];
@@ -1646,7 +1750,9 @@ static inline __attribute__((always_inline)) void fz_segment(
         for (int j = 0; j < cnt; j++) {
             const int64_t t = j0 + j;
             v16f x[8];
-            fz_decode(x, vb + t * s->vs[2], VB ? vd + t * s->vds[2] : NULL, VB, DV, a->vcg);
+            const uint8_t *sc = FZ_TOKEN_TERMS(VC) ? vb.s + t * vs->ss[2] : NULL;
+            const uint8_t *zr = FZ_KIND(VC) == FZ_TOK ? vb.z + t * vs->zs[2] : NULL;
+            fz_decode(x, vb.x + t * vs->xs[2], sc, zr, vs->sdt, NULL, NULL, VC, DV, vs->cg);
             for (int m = 0; m < FUSED_MR; m++) {
                 if (m >= mr) break;
                 const float p = pb[m][j];
@@ -1661,13 +1767,36 @@ static inline __attribute__((always_inline)) void fz_segment(
     }
 }
 
-#define FZ_SEG(KB, VB, DV) fz_segment(&st, s, a, b, h, q, lim, mr, t0, KB, VB, DV)
-#define FZ_DV(KB, VB)                                                                          \
-    do {                                                                                       \
-        if (dv == 2) FZ_SEG(KB, VB, 2);                                                        \
-        else if (dv == 4) FZ_SEG(KB, VB, 4);                                                   \
-        else FZ_SEG(KB, VB, 8);                                                                \
-    } while (0)
+/* the (key, value) side codes kv_attend_fused reads, as X(key code, value code): float32 rows;
+ * q4_0 / q8_0 blocks (int4-block, int8-block); KIVI's per-channel keys with float32 values
+ * (values kept in full precision, or the value residual beside a key block) or per-token
+ * values, and float32 keys (the key residual) with per-token values */
+#define FZ_PAIRS(X)                                                                            \
+    X(FZ_CODE(FZ_F32, 0), FZ_CODE(FZ_F32, 0))                                                  \
+    X(FZ_CODE(FZ_SYM, 4), FZ_CODE(FZ_SYM, 4))                                                  \
+    X(FZ_CODE(FZ_SYM, 4), FZ_CODE(FZ_SYM, 8))                                                  \
+    X(FZ_CODE(FZ_SYM, 8), FZ_CODE(FZ_SYM, 4))                                                  \
+    X(FZ_CODE(FZ_SYM, 8), FZ_CODE(FZ_SYM, 8))                                                  \
+    X(FZ_CODE(FZ_CHAN, 2), FZ_CODE(FZ_F32, 0))                                                 \
+    X(FZ_CODE(FZ_CHAN, 4), FZ_CODE(FZ_F32, 0))                                                 \
+    X(FZ_CODE(FZ_CHAN, 2), FZ_CODE(FZ_TOK, 2))                                                 \
+    X(FZ_CODE(FZ_CHAN, 2), FZ_CODE(FZ_TOK, 4))                                                 \
+    X(FZ_CODE(FZ_CHAN, 4), FZ_CODE(FZ_TOK, 2))                                                 \
+    X(FZ_CODE(FZ_CHAN, 4), FZ_CODE(FZ_TOK, 4))                                                 \
+    X(FZ_CODE(FZ_F32, 0), FZ_CODE(FZ_TOK, 2))                                                  \
+    X(FZ_CODE(FZ_F32, 0), FZ_CODE(FZ_TOK, 4))
+
+#define FZ_PAIR_KEY(KC, VC) ((KC) * 256 + (VC))
+#define FZ_SEG(KC, VC, DV) fz_segment(&st, s, b, h, q, lim, mr, t0, KC, VC, DV)
+#define FZ_CASE(KC, VC)                                                                        \
+    case FZ_PAIR_KEY(KC, VC):                                                                  \
+        if (dv == 2) FZ_SEG(KC, VC, 2);                                                        \
+        else if (dv == 4) FZ_SEG(KC, VC, 4);                                                   \
+        else FZ_SEG(KC, VC, 8);                                                                \
+        break;
+#define FZ_LISTED(KC, VC) case FZ_PAIR_KEY(KC, VC):
+
+static inline int fz_side_code(const kv_fused_side *sd) { return FZ_CODE(sd->kind, sd->bits); }
 
 static inline __attribute__((always_inline)) void fused_impl(const kv_fused_args *a) {
     const int dv = (int)(a->D / 16);
@@ -1692,12 +1821,10 @@ static inline __attribute__((always_inline)) void fused_impl(const kv_fused_args
                 int64_t t0 = 0;
                 for (int64_t i = 0; i < a->nseg; i++) {
                     const kv_fused_seg *s = &a->seg[i];
-                    const int kb = s->kbits, vb = s->vbits;
-                    if (kb == 0) FZ_DV(0, 0);
-                    else if (kb == 4 && vb == 4) FZ_DV(4, 4);
-                    else if (kb == 4) FZ_DV(4, 8);
-                    else if (vb == 4) FZ_DV(8, 4);
-                    else FZ_DV(8, 8);
+                    switch (FZ_PAIR_KEY(fz_side_code(&s->k), fz_side_code(&s->v))) {
+                        FZ_PAIRS(FZ_CASE)
+                    default: break; /* not reached: kv_attend_fused checked the pairs */
+                    }
                     t0 += s->n;
                 }
                 for (int m = 0; m < mr; m++) {
@@ -1740,19 +1867,35 @@ int kv_fused_isa(int isa) {
     return isa == 1 ? 1 : -1;
 }
 
-/* Returns 0, -1 for shapes it does not take (D not 32/64/128, groups not whole vectors, bad
- * widths or segment count), -2 for an instruction set the CPU lacks */
+/* whether kv_attend_fused takes the (key, value) pair of side codes (FZ_PAIRS) */
+int kv_fused_pair(int kcode, int vcode) {
+    switch (FZ_PAIR_KEY(kcode, vcode)) {
+        FZ_PAIRS(FZ_LISTED)
+        return 1;
+    default: return 0;
+    }
+}
+
+/* whether side `sd` fits head_dim D (group widths, scale dtype, rows of G tokens) */
+static int fz_side_ok(const kv_fused_side *sd, int64_t D) {
+    if (sd->kind == FZ_SYM && sd->sdt != 0) return 0;
+    if (sd->kind != FZ_F32 && (sd->sdt < 0 || sd->sdt > 2)) return 0;
+    if (sd->kind == FZ_SYM || sd->kind == FZ_TOK)
+        return sd->cg >= 16 && sd->cg % 16 == 0 && D % sd->cg == 0;
+    if (sd->kind == FZ_CHAN) return sd->G >= 1 && sd->phase >= 0;
+    return 1;
+}
+
+/* Returns 0, -1 for shapes it does not take (D not 32/64/128, groups not whole vectors, side
+ * pairs not in FZ_PAIRS, segment count), -2 for an instruction set the CPU lacks */
 int kv_attend_fused(const kv_fused_args *a, int isa) {
     if (!(a->D == 32 || a->D == 64 || a->D == 128) || a->nseg < 1 || a->nseg > FUSED_MAX_SEGS ||
         a->nq < 1 || a->M < 1)
         return -1;
     for (int64_t i = 0; i < a->nseg; i++) {
         const kv_fused_seg *s = &a->seg[i];
-        const int kb = s->kbits, vb = s->vbits;
-        if (!((kb == 0 && vb == 0) || ((kb == 4 || kb == 8) && (vb == 4 || vb == 8))))
-            return -1;
-        if (kb && (a->kcg < 16 || a->kcg % 16 || a->D % a->kcg || a->vcg < 16 || a->vcg % 16 ||
-                   a->D % a->vcg))
+        if (s->n < 0 || !kv_fused_pair(fz_side_code(&s->k), fz_side_code(&s->v)) ||
+            !fz_side_ok(&s->k, a->D) || !fz_side_ok(&s->v, a->D))
             return -1;
     }
     switch (kv_fused_isa(isa)) {
@@ -1763,4 +1906,4 @@ int kv_attend_fused(const kv_fused_args *a, int isa) {
     }
 }
 
-int kv_abi_version(void) { return 11; }
+int kv_abi_version(void) { return 12; }
