@@ -364,9 +364,10 @@ def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
 
 def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
     """``prefill: shared``: ``prepare`` captures the prompt (P = 40 - 4 - 1 = 35 tokens) once per
-    model; the kvbench caches (KIVI, both ``full`` baselines) are prefilled from it without a
-    model call, a peer's cache (hf-dynamic) by the model; every cache then holds P tokens and
-    decodes the same 5 steps; no prefill is timed.  The shared prefill leaves the cache the
+    model; the kvbench caches (KIVI, both ``full`` baselines) and a peer's cache whose prefill
+    is a replay (hf-dynamic) are prefilled from it without a model call, a peer whose prefill
+    is not a replay (``replay_prefill`` answering False) by the model; every cache then holds P
+    tokens and decodes the same 5 steps; no prefill is timed.  The shared prefill leaves the cache the
     model's own prefill leaves (same stored K/V)."""
     model = _tiny_model()
     lengths: list[int] = []
@@ -391,9 +392,21 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
     assert all(res.info["prefill_from_capture"].values())
     lengths.clear()
     res = w.run(ctx, kvbench.get_method("hf-dynamic"))
-    assert lengths == [35] + [1] * 10  # the peer's prompt through the model
-    assert res.info["prefill_from_capture"] == {"method": False, "baseline": True}
+    assert lengths == [1] * 10  # the peer's prefill replayed from the capture
+    assert all(res.info["prefill_from_capture"].values())
     assert res.metrics["bytes_total"] == 40 * 512  # all 40 tokens held
+    lengths.clear()
+    import kvbench.bench.workloads.latency as latency_module
+
+    real = latency_module.replay_prefill
+    latency_module.replay_prefill = lambda cache, captured: False  # a peer that is no replay
+    try:
+        res = w.run(ctx, kvbench.get_method("hf-dynamic"))
+    finally:
+        latency_module.replay_prefill = real
+    assert lengths == [35] + [1] * 10  # then its prompt runs through the model
+    assert res.info["prefill_from_capture"] == {"method": False, "baseline": True}
+    assert res.metrics["bytes_total"] == 40 * 512
     # the captured prefill stores what the model's own prefill stores
     from kvbench.hf.cache import make_hf_cache
 
@@ -598,3 +611,51 @@ def test_padded_batch_refuses_a_method_without_padding() -> None:
 def test_bad_batch_params(params: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Latency.validate({"type": "latency", **params})
+
+
+@pytest.mark.parametrize("name", ["hf-dynamic", "hf-quanto", "hf-fp8"])
+def test_replayed_peer_prefill_is_the_models_own(name: str) -> None:
+    """:func:`replay_prefill` of a peer's cache from the capture leaves exactly (bit for bit)
+    the tensors the model's own prefill through that cache leaves, and the next decode step's
+    logits equal.  Right value: the model's own prefill, run apart."""
+    from kvbench.bench.workloads.latency import replay_prefill
+    from kvbench.hf.cache import cache_kwarg
+    from kvbench.hf.capture import capture_prompt
+    from kvbench.hf.peers import hf_layer_tensors
+
+    method = kvbench.get_method(name)
+    if method.unavailable_reason():
+        pytest.skip(method.unavailable_reason())
+    model = _tiny_model()
+    ids = torch.randint(0, 128, (1, 41), generator=torch.Generator().manual_seed(2))
+    prompt = capture_prompt(model, ids[:, :40])
+    a, b = (method.transformers_cache(model) for _ in range(2))
+    replayed = replay_prefill(a, prompt.captured)
+    with torch.no_grad():
+        model(input_ids=ids[:, :40], use_cache=True, **cache_kwarg(b, model))
+    assert replayed
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        ta, tb = hf_layer_tensors(la), hf_layer_tensors(lb)
+        assert [x[:2] for x in ta] == [x[:2] for x in tb] and ta
+        assert all(torch.equal(x[2], y[2]) for x, y in zip(ta, tb))
+    with torch.no_grad():
+        step = [
+            model(input_ids=ids[:, 40:], use_cache=True, **cache_kwarg(c, model)) for c in (a, b)
+        ]
+    assert torch.equal(step[0].logits, step[1].logits)
+
+
+def test_a_peer_whose_prefill_is_no_replay_is_refused() -> None:
+    """A cache whose prefill ``update`` hands attention other K/V than it was given (its prompt
+    would attend to a stored form, so the next layers' K/V are not the capture's) is no replay:
+    :func:`replay_prefill` answers False."""
+    from kvbench.bench.workloads.latency import replay_prefill
+    from kvbench.hf.capture import capture_prompt
+
+    class StoresFirst:
+        def update(self, k, v, layer):
+            return k.half().float(), v
+
+    model = _tiny_model()
+    prompt = capture_prompt(model, torch.randint(0, 128, (1, 12)))
+    assert not replay_prefill(StoresFirst(), prompt.captured)

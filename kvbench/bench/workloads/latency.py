@@ -25,8 +25,10 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
    full-precision K/V captured once per (text, window, P, batch) and shared by every run of
    the model (:func:`kvbench.hf.capture.capture_prompt`, as the perplexity workload shares its
    prompt), each kvbench cache whose method has ``prefill_attention: full`` prefilled from it
-   (``QuantizedKVCache.prefill_from``: the state its own prefill leaves), any other cache (a
-   peer's, ``prefill_attention: stored``) by the model; no ``prefill_ms``.  The last round's
+   (``QuantizedKVCache.prefill_from``: the state its own prefill leaves), a transformers
+   peer's cache by replaying the capture through its ``update`` where that is its prefill
+   (:func:`replay_prefill`: ``DynamicCache``, quanto, HQQ), any other cache (``prefill_attention:
+   stored``, an fp8 peer) by the model; no ``prefill_ms``.  The last round's
    caches decode, so the last timed step attends to exactly d tokens (the model's maximum
    context is the largest allowed d).  The prefill runs at the suite's ``threads``.
 2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
@@ -124,7 +126,7 @@ from . import Result, Workload, reject
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-    from kvbench.hf.capture import PromptState
+    from kvbench.hf.capture import CapturedQKV, PromptState
 
 CPU_NOTE = (
     "CPU timing: dominated by framework overhead and dequantization (Python, small kernels, "
@@ -161,13 +163,36 @@ PREFILL_NOTE = {
     "timed": "timed: each cache runs the prompt through the model, prefill_repeats rounds",
     "shared": "shared, untimed: the prompt's full-precision K/V captured once "
     "(kvbench.hf.capture.capture_prompt) prefill every kvbench cache with prefill_attention "
-    "full (prefill_from_capture: true); the others run the prompt through the model",
+    "full, and every transformers peer whose prefill update hands attention the K/V it was "
+    "given (DynamicCache, quanto, HQQ: replayed layer by layer) (prefill_from_capture: true); "
+    "the others (prefill_attention stored, fp8 peers) run the prompt through the model",
 }
 
 STEADY_NOTE = (
     "steady-state steps and flush steps (held bytes fell) reported separately; "
     "decode_ms_amortized spreads the flush over its period"
 )
+
+
+def replay_prefill(cache: Cache, captured: CapturedQKV) -> bool:
+    """Prefill a transformers peer's (empty) ``cache`` from a prompt's captured K/V
+    (:func:`kvbench.hf.capture.capture_prompt`): ``cache.update(keys, values, layer)`` for each
+    layer in order, the calls the model's own prefill makes with the same tensors.  That is its
+    prefill only when every update hands attention the K/V it was given (``DynamicCache``;
+    quanto and HQQ, which quantize after the prompt attended): then each layer's input, and so
+    the next layer's K/V, is what the capture saw.  A cache that hands back another form (fp8
+    stores first: its prompt attends to fp8 K/V) is not: returns ``False``, and the caller
+    runs the prompt through the model on a fresh cache.  ``True``: ``cache`` holds the state
+    its own prefill leaves.
+
+    Raises ``ValueError`` when the capture is not of layers ``0 .. L-1`` in order."""
+    if captured.layer_ids != list(range(len(captured.layer_ids))):
+        raise ValueError(f"the capture holds layers {captured.layer_ids}, not 0..L-1 in order")
+    for i, k, v in zip(captured.layer_ids, captured.keys, captured.values):
+        got_k, got_v = cache.update(k, v, i)
+        if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
+            return False
+    return True
 
 
 def held_bytes(cache: Cache) -> int | None:
@@ -470,6 +495,11 @@ class Latency(Workload):
                 )
                 if shared_prefill[name]:
                     c.prefill_from(self.prompt.captured)
+                elif not isinstance(c, QuantizedKVCache):  # a peer: replay, else the model
+                    shared_prefill[name] = replay_prefill(c, self.prompt.captured)
+                    if not shared_prefill[name]:
+                        fresh(name)
+                        call(name, slice(0, p))
                 else:
                     call(name, slice(0, p))
 
