@@ -659,3 +659,50 @@ def test_a_peer_whose_prefill_is_no_replay_is_refused() -> None:
     model = _tiny_model()
     prompt = capture_prompt(model, torch.randint(0, 128, (1, 12)))
     assert not replay_prefill(StoresFirst(), prompt.captured)
+
+
+def test_stored_prompt_attends_on_the_reference_route() -> None:
+    """``prefill: shared`` with a ``prefill_attention: stored`` method: its prompt runs through
+    the model (no capture can be its prefill) with its attention on the reference route (sdpa
+    over the dequantized stored K/V: no ``LayerCache.attend`` call during the prompt), its
+    decode steps on the attend route; the state equals the attend route's stored prefill up to
+    float rounding.  Right value: the same prompt into a cache on the attend route."""
+    from kvbench.cache.layer import LayerCache
+    from kvbench.hf.cache import cache_kwarg, make_hf_cache
+
+    model = _tiny_model()
+    method = kvbench.get_method("int4-block", block_size=16, prefill_attention="stored")
+    params = dict(context=40, steps=4, warmup=1, prefill_repeats=1, prefill="shared")
+    w = Latency(Latency.validate({"type": "latency", **params}))
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
+    w.prepare(ctx)
+    attends: list[int] = []
+    real = LayerCache.attend
+
+    def counting(self, query, *args, **kwargs):
+        attends.append(query.shape[2])
+        return real(self, query, *args, **kwargs)
+
+    LayerCache.attend = counting
+    try:
+        res = w.run(ctx, method)
+    finally:
+        LayerCache.attend = real
+    assert res.info["prefill_from_capture"] == {"method": False, "baseline": True}
+    assert attends and set(attends) == {1}  # decode steps only: the prompt took sdpa
+    assert res.info["attend_path_ran"] and res.info["attend_path_ran"] != ["None"]
+    # the reference route's stored prefill leaves the attend route's state up to rounding
+    from kvbench.bench.workloads.latency import stored_prompt
+
+    a, b = (make_hf_cache(method, model, attend=True) for _ in range(2))
+    with torch.no_grad():
+        stored_prompt(
+            a, lambda: model(input_ids=ids[:, :35], use_cache=True, **cache_kwarg(a, model))
+        )
+        model(input_ids=ids[:, :35], use_cache=True, **cache_kwarg(b, model))
+    assert a.attend and b.attend
+    for la, lb in zip(a.layer_caches(), b.layer_caches(), strict=True):
+        for x, y in zip(la.keys_values(), lb.keys_values(), strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0.05)

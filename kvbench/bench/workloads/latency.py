@@ -27,8 +27,9 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
    prompt), each kvbench cache whose method has ``prefill_attention: full`` prefilled from it
    (``QuantizedKVCache.prefill_from``: the state its own prefill leaves), a transformers
    peer's cache by replaying the capture through its ``update`` where that is its prefill
-   (:func:`replay_prefill`: ``DynamicCache``, quanto, HQQ), any other cache (``prefill_attention:
-   stored``, an fp8 peer) by the model; no ``prefill_ms``.  The last round's
+   (:func:`replay_prefill`: ``DynamicCache``, quanto, HQQ), any other cache by the model (a
+   peer that is no replay; ``prefill_attention: stored``, whose prompt then attends to its
+   stored K/V by sdpa over ``keys_values()``, :func:`stored_prompt`); no ``prefill_ms``.  The last round's
    caches decode, so the last timed step attends to exactly d tokens (the model's maximum
    context is the largest allowed d).  The prefill runs at the suite's ``threads``.
 2. ``warmup`` single-token steps (untimed), then ``steps`` timed single-token steps, by
@@ -165,7 +166,8 @@ PREFILL_NOTE = {
     "(kvbench.hf.capture.capture_prompt) prefill every kvbench cache with prefill_attention "
     "full, and every transformers peer whose prefill update hands attention the K/V it was "
     "given (DynamicCache, quanto, HQQ: replayed layer by layer) (prefill_from_capture: true); "
-    "the others (prefill_attention stored, fp8 peers) run the prompt through the model",
+    "the others run the prompt through the model (prefill_attention stored: attending to its "
+    "stored K/V by sdpa over keys_values(), the decode steps on the workload's path)",
 }
 
 STEADY_NOTE = (
@@ -193,6 +195,29 @@ def replay_prefill(cache: Cache, captured: CapturedQKV) -> bool:
         if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
             return False
     return True
+
+
+def stored_prompt(cache: QuantizedKVCache, run: Callable[[], object]) -> None:
+    """Run ``run`` (the prompt's model call into ``cache``, a method with ``prefill_attention:
+    stored``) with its prompt attending on the reference route: sdpa over the dequantized
+    ``keys_values()`` of what the cache stored, instead of ``LayerCache.attend``'s code-domain
+    kernels, which are decode kernels (8166 queries at the 8192-token context cost them ~95 s
+    on 2 cores, sdpa about what the model's own prefill costs).  The same attention up to float
+    rounding; the decode steps after it run on the cache's route as before (``cache.attend``
+    is restored).  A cache forced onto the attend route (no ``keys_values``, an evictor that
+    observes attention) runs ``run`` unchanged."""
+    method = cache.method
+    if not cache.attend or not method.capabilities.keys_values:
+        run()
+        return
+    if getattr(method, "observes_attention", False):
+        run()
+        return
+    cache.attend = False
+    try:
+        run()
+    finally:
+        cache.attend = True
 
 
 def held_bytes(cache: Cache) -> int | None:
@@ -500,8 +525,8 @@ class Latency(Workload):
                     if not shared_prefill[name]:
                         fresh(name)
                         call(name, slice(0, p))
-                else:
-                    call(name, slice(0, p))
+                else:  # prefill_attention: stored
+                    stored_prompt(c, lambda name=name: call(name, slice(0, p)))
 
         held: dict[str, list[int | None]] = {k: [] for k in names}
         quant: dict[str, list[tuple[int, int] | None]] = {k: [] for k in names}
