@@ -20,7 +20,7 @@ RUN_AS = KVBENCH_COMMAND='$(subst ','\'',make $@$(if $(MAKEOVERRIDES), $(MAKEOVE
 
 env: $(STAMP)
 
-# setup.py compiles the native C kernels during the editable install (~80 CPU-s): an edit of a C
+# setup.py compiles the native C kernels during the editable install (~175 CPU-s, one compiler at a time): an edit of a C
 # source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler flags (docs/design.md).
 $(STAMP): pyproject.toml setup.py kernels/cpu/csrc/codes.c kvbench/cache/csrc/affine.c \
 		requirements-assets.txt examples/kvbench-example-plugin/pyproject.toml
