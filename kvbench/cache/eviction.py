@@ -17,6 +17,7 @@ KV head keeps the same number of tokens (the indices differ per head).
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from collections.abc import Mapping
@@ -169,7 +170,7 @@ def choose_drop(scores: torch.Tensor, n: int, bounds: list[int]) -> torch.Tensor
     return torch.cat(parts, -1).sort(-1).values
 
 
-class ScoreEvictor:
+class ScoreEvictor(abc.ABC):
     """An :class:`~kvbench.cache.layer.Evictor` that drops the lowest-scored tokens at prefill.
 
     Subclasses define :meth:`prefill_scores`: ``[B, H_kv, P]`` over the prompt's tokens,
@@ -196,9 +197,9 @@ class ScoreEvictor:
                 "or set keep_ratio in (0, 1)",
             )
 
+    @abc.abstractmethod
     def prefill_scores(self, keys: torch.Tensor, queries: torch.Tensor | None) -> torch.Tensor:
         """``[B, H_kv, P]`` scores of the prompt's keys ``[B, H_kv, P, D]``."""
-        raise NotImplementedError
 
     def at_prefill(
         self, layer: LayerCache, keys: torch.Tensor, queries: torch.Tensor | None
@@ -237,10 +238,10 @@ class DecodeEvictor(ScoreEvictor):
             return 0
         return layer.seq_length - self.limit
 
+    @abc.abstractmethod
     def step_scores(self, layer: LayerCache) -> torch.Tensor:
         """``[B, H_kv, T]`` scores of the held tokens after a decode step (only asked when the
         layer is over budget)."""
-        raise NotImplementedError
 
     def dropped(self, drop: torch.Tensor) -> None:
         """Called with the decode decision ``drop [B, H_kv, n]`` (default: nothing)."""
@@ -313,7 +314,7 @@ def kept_after(scores: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     return scores[keep].reshape(*scores.shape[:2], -1)
 
 
-class EvictionMethod(Method):
+class EvictionMethod(Method, abc.ABC):
     """Base of the eviction methods: the config's quantizer stores the tokens, :meth:`evictor`
     says which to drop.  Bits, layouts and sinks are the quantizer's; padded batches are
     refused (``capabilities.padding`` False)."""
@@ -327,9 +328,9 @@ class EvictionMethod(Method):
         super().__init__(config, **overrides)
         self.quantizer = build_quantizer(self.config)
 
+    @abc.abstractmethod
     def evictor(self, layer_idx: int) -> Evictor:
         """The evictor of layer ``layer_idx`` (a fresh one per layer)."""
-        raise NotImplementedError
 
     @property
     def needs_queries(self) -> bool:

@@ -498,3 +498,31 @@ def test_indexed_block_keeps_codes_and_counts_its_index() -> None:
     )
     same = block.gather(torch.tensor([2, 3, 12]).expand(2, 2, 3))  # one set for all: groups stay
     assert type(same) is type(block) and same.group_len == [2, 1]
+
+
+def test_evictor_hooks_are_required_when_a_subclass_is_built() -> None:
+    """The evictor bases' hooks are abstract: a subclass that lacks one is refused when it is
+    built (TypeError naming the hook), not when the hook is first called mid-run."""
+    from kvbench.cache.eviction import DecodeEvictor, EvictionConfig, EvictionMethod, ScoreEvictor
+
+    class NoScores(ScoreEvictor):
+        pass
+
+    class NoStepScores(DecodeEvictor):
+        def prefill_scores(self, keys, queries):
+            return keys[..., 0]
+
+    class NoEvictor(EvictionMethod):
+        pass
+
+    for cls, hook in ((NoScores, "prefill_scores"), (NoStepScores, "step_scores")):
+        with pytest.raises(TypeError, match=hook):
+            cls(EvictionConfig())
+    with pytest.raises(TypeError, match="evictor"):
+        NoEvictor()
+
+    class Complete(NoStepScores):
+        def step_scores(self, layer):
+            return None
+
+    assert Complete(EvictionConfig()).evicts_at_decode
