@@ -276,17 +276,25 @@ def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.Monkey
     assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
 
 
+def _prepared_shared(model, **params) -> tuple[Latency, RunContext, torch.Tensor]:
+    """A ``prefill: shared`` latency workload at 40 tokens (4 steps, one prefill) over a fixed
+    random prompt ``ids`` ``[1, 40]``, prepared on ``model``: ``(workload, context, ids)``;
+    ``params`` add to or override its fields."""
+    spec = dict(context=40, steps=4, prefill_repeats=1, prefill="shared") | params
+    w = Latency(Latency.validate({"type": "latency", **spec}))
+    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
+    w.prepare(ctx)
+    return w, ctx, ids
+
+
 def test_full_against_itself_times_two_distinct_caches_of_one_state() -> None:
     """The ``full`` row's pair: two cache objects, prefilled from one shared capture, hold equal
     K/V in allocations of their own after the warm-up and timed steps (an append writes
     neither into the capture nor into the other cache)."""
     model = _tiny_model()
-    params = dict(context=40, steps=4, warmup=2, prefill_repeats=1, prefill="shared")
-    w = Latency(Latency.validate({"type": "latency", **params, "baseline_storage_dtypes": ONE}))
-    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
-    w.prepare(ctx)
+    w, ctx, ids = _prepared_shared(model, warmup=2, baseline_storage_dtypes=ONE)
     captured = [k.clone() for k in w.prompt.captured.keys]
     full = kvbench.get_method("full")
     timed = w._time(ctx, {"method": full, "baseline": full})
@@ -374,12 +382,7 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
     model.register_forward_pre_hook(
         lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
     )
-    params = dict(context=40, steps=4, warmup=1, prefill_repeats=1, prefill="shared")
-    w = Latency(Latency.validate({"type": "latency", **params}))
-    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
-    w.prepare(ctx)
+    w, ctx, ids = _prepared_shared(model, warmup=1)
     # the capture, then the pre-pass: both full candidates prefilled from it, 5 rounds x 2
     assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
     Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses both
@@ -672,12 +675,7 @@ def test_stored_prompt_attends_on_the_reference_route() -> None:
 
     model = _tiny_model()
     method = kvbench.get_method("int4-block", block_size=16, prefill_attention="stored")
-    params = dict(context=40, steps=4, warmup=1, prefill_repeats=1, prefill="shared")
-    w = Latency(Latency.validate({"type": "latency", **params}))
-    ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
-    ctx.shared.token_ids[("latency-ids", "essays", 0, 40, 1)] = (ids, {})
-    w.prepare(ctx)
+    w, ctx, ids = _prepared_shared(model, warmup=1)
     attends: list[int] = []
     real = LayerCache.attend
 

@@ -139,19 +139,6 @@ def test_kivi_parts_split_where_either_side_changes():
     assert parts[1].k.scale.shape[2] == 6 - 4  # rows 4 and 5 of the key terms
 
 
-@pytest.mark.parametrize("isa", isas())
-def test_kivi_padded_rows(isa, monkeypatch):
-    monkeypatch.setenv(native.ENV_ISA, isa)
-    cfg = dict(group_size=16, residual_length=16, value_bits=2, value_group_size=32)
-    lc, g = build("kivi", cfg, 3, 2, 64, 75)
-    lengths = torch.tensor([75, 50, 17])
-    for nq in (1, 3):
-        q = torch.randn(3, 6, nq, 64, generator=g)
-        out = lc.attend(q, lengths=lengths)
-        assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
-        close_rows(out, ref64(lc, q, lengths))
-
-
 def test_kivi_equals_the_unfused_kernels_to_round_off():
     lc, g = build("kivi", dict(value_bits=2, value_group_size=64), 1, 3, 64, 3000)
     q = torch.randn(1, 9, 1, 64, generator=g) * 3
@@ -178,12 +165,20 @@ def test_fused_matches_float64(name, cfg, d, tokens, b, hq, hkv):
             close_rows(out, ref)
 
 
+PADDED = [
+    ("int4-block", dict(num_sink_tokens=1, residual_length=4), [60, 41, 3]),
+    ("kivi", dict(group_size=16, residual_length=16, value_bits=2, value_group_size=32),
+     [75, 50, 17]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,cfg,rows", PADDED, ids=lambda x: str(x)[:40])
 @pytest.mark.parametrize("isa", isas())
-def test_padded_rows(isa, monkeypatch):
+def test_padded_rows(isa, name, cfg, rows, monkeypatch):
     """Per-row valid lengths (a padded batch): each row reads only its own tokens."""
     monkeypatch.setenv(native.ENV_ISA, isa)
-    lc, g = build("int4-block", dict(num_sink_tokens=1, residual_length=4), 3, 2, 64, 60)
-    lengths = torch.tensor([60, 41, 3])
+    lc, g = build(name, cfg, 3, 2, 64, rows[0])
+    lengths = torch.tensor(rows)
     for nq in (1, 3):
         q = torch.randn(3, 6, nq, 64, generator=g)
         out = lc.attend(q, lengths=lengths)
