@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +34,8 @@ from kvbench.jsontypes import JSONValue
 from kvbench.registry import did_you_mean
 
 if TYPE_CHECKING:
-    from kvbench.bench.suite import Suite
+    from kvbench.bench.suite import MethodSpec, Suite
+    from kvbench.cache.method import Method
 
 #: what the pre-flight set aside (a method it could not build, a malformed model id), at DEBUG:
 #: each is reported where it belongs (the runner's plan, the model load), not here
@@ -62,6 +64,29 @@ CONTEXT_PARAMS = {
     "ruler": "lengths",
     "ruler11": "lengths",
 }
+
+
+def workload_contexts(w: Mapping[str, object]) -> list[int]:
+    """The context lengths (tokens) of the workload spec ``w``: its :data:`CONTEXT_PARAMS`
+    parameter, a list or one int (``[]`` when the type has none or the spec does not set it)."""
+    param = CONTEXT_PARAMS.get(str(w["type"]))
+    value = w.get(param) if param else None
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int)]
+
+
+def built_methods(suite: Suite) -> Iterator[tuple[int, MethodSpec, Method]]:
+    """``(index, entry, method)`` of every method entry of ``suite`` that builds; one that
+    cannot be built is left to the runner's plan, which reports it (logged here)."""
+    from kvbench.cache.registry import get_method
+
+    for mi, m in enumerate(suite.methods):
+        try:
+            method = get_method(m.name, **m.config)
+        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
+            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
+            continue
+        yield mi, m, method
 
 
 @dataclass
@@ -312,12 +337,12 @@ def check_contexts(suite: Suite) -> None:
             continue
         model = spec.get("id") or f"shape {spec['shape']}"
         for wi, w in enumerate(suite.workloads):
-            param = CONTEXT_PARAMS.get(w["type"])
-            if param is None or w.get("source", "model") != "model":
+            lengths = workload_contexts(w)
+            if not lengths or w.get("source", "model") != "model":
                 continue
-            value = w.get(param)
-            longest = max(value, default=0) if isinstance(value, list) else value
-            if isinstance(longest, int) and longest > max_pos:
+            param = CONTEXT_PARAMS[w["type"]]
+            value = w[param]
+            if max(lengths) > max_pos:
                 where = "" if len(suite.models) == 1 else f" on models[{mi}]"
                 problems.errors.append(
                     f"{suite.path}: workloads[{wi}] ({w['type']}){where}: {param}={value} exceeds "
@@ -341,25 +366,18 @@ def check_token_limits(suite: Suite) -> None:
         entry, the config field and its value, the tokens it holds, and the workload, its
         parameter and the context.
     """
-    from kvbench.cache.registry import get_method
-
     contexts = []
     for wi, w in enumerate(suite.workloads):
-        param = CONTEXT_PARAMS.get(w["type"])
-        value = w.get(param) if param else None
-        longest = max(value, default=0) if isinstance(value, list) else value
-        if isinstance(longest, int):
+        if lengths := workload_contexts(w):
+            longest = max(lengths)
+            param = CONTEXT_PARAMS[w["type"]]
             contexts.append((longest, f"workloads[{wi}] ({w['type']}) {param}={longest}"))
     if not contexts:
         return
     tokens, where = max(contexts, key=lambda c: c[0])
     problems = Problems(suite.path)
-    for mi, m in enumerate(suite.methods):
-        try:
-            limit = get_method(m.name, **m.config).token_limit()
-        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
-            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
-            continue
+    for mi, m, method in built_methods(suite):
+        limit = method.token_limit()
         if limit is not None and tokens > limit[2]:
             field_name, value, most = limit
             problems.errors.append(
@@ -388,15 +406,8 @@ def evictor_problems(suite: Suite) -> list[str]:
       context (:data:`CONTEXT_PARAMS`): it would keep more tokens than it sees.
 
     A method that cannot be built is left to the runner's plan, which names it."""
-    from kvbench.cache.registry import get_method
-
     errors: list[str] = []
-    for m in suite.methods:
-        try:
-            method = get_method(m.name, **m.config)
-        except Exception as exc:  # any get_method error: plan_runs reports it; logged here
-            _log.debug("preflight: method %s not built: %s: %s", m.label, type(exc).__name__, exc)
-            continue
+    for _, m, method in built_methods(suite):
         if not method.capabilities.evicts:
             continue
         evictor = method.evictor(0)
@@ -410,17 +421,18 @@ def evictor_problems(suite: Suite) -> list[str]:
                     f"hands the cache no decode attention, which {m.name} scores tokens by; "
                     f"allowed with this method: {param} 'attend'"
                 )
-            value = w.get(CONTEXT_PARAMS.get(w["type"], ""))
-            shortest = min(value, default=None) if isinstance(value, list) else value
+            lengths = workload_contexts(w)
+            shortest = min(lengths) if lengths else None
             if (
                 not evictor.evicts_at_decode
                 and budget is not None
-                and isinstance(shortest, int)
+                and shortest is not None
                 and budget > shortest
             ):
+                param = CONTEXT_PARAMS[w["type"]]
                 errors.append(
                     f"{where} on workloads[{wi}] ({w['type']}): field 'budget_tokens': {budget} "
-                    f"keeps more tokens than the {CONTEXT_PARAMS[w['type']]}={value} it sees "
+                    f"keeps more tokens than the {param}={w[param]} it sees "
                     f"({m.name} evicts at prefill only); allowed: at most {shortest}, or "
                     "keep_ratio in (0, 1)"
                 )
