@@ -194,10 +194,15 @@ MUTATIONS = [
 @pytest.mark.parametrize(("name", "honest"), MUTATIONS, ids=lambda x: getattr(x, "__name__", x))
 def test_one_token_too_many_breaks_equality(monkeypatch, model, ids, name, honest) -> None:
     """Mutation: a cache that announces one token more than it may (the next change of held
-    tokens falls inside the call) no longer gives C = 1's logits, by far more than ATOL."""
+    tokens falls inside the call) no longer gives C = 1's logits, by far more than ATOL.  The
+    schedules' answer is the one without per-query views (``viewable`` False: the reference
+    route's, and every layer's before views): with views the call's queries would read the
+    extra flush's tokens in full precision (``append_viewed`` replays every flush), so the
+    views' own mutation is :func:`test_calls_without_their_views_break_equality`."""
     method = _method(name)
     one, _ = chunked_logits(model, ids, method, PREFILL, 1)
     owner = ProgressiveLayerCache if name == "pm-kvq" else LayerCache
+    monkeypatch.setattr(LayerCache, "viewable", lambda self: False)
 
     def mutant(self: LayerCache, limit: int) -> int:
         return min(honest(self, limit) + 1, limit)
@@ -222,3 +227,96 @@ def test_layers_that_update_otherwise_declare_it() -> None:
         if overrides & {"append", "end_step"}:
             own[name] = (not cls.steady_updates) or "steady_appends" in overrides
     assert own == {"pm-kvq": True, "semkv": True}
+
+
+# ------------------------------------------------------------------ per-query views
+def _per_query(query, keys, values, key_view, value_view):
+    """The right value of :func:`view_attention`, built query by query: the keys and values
+    query ``t`` reads (the view's tokens replaced where ``steps > t``), cut at its causal end,
+    through :func:`reference_attention` (one query each)."""
+    from kvbench.attention.reference import reference_attention
+
+    nq, t = query.shape[2], keys.shape[2]
+    rows = []
+    for q in range(nq):
+        k, v = keys.clone(), values.clone()
+        for x, view in ((k, key_view), (v, value_view)):
+            if view is not None:
+                start, full, steps = view
+                for i in range(full.shape[2]):
+                    if int(steps[i]) > q:
+                        x[:, :, start + i] = full[:, :, i]
+        end = t - nq + q + 1
+        rows.append(reference_attention(query[:, :, q : q + 1], k[:, :, :end], v[:, :, :end]))
+    return torch.cat(rows, dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_view_attention_equals_each_query_own_cache(dtype) -> None:
+    """Each query of :func:`view_attention` reads exactly its own view (keys and values of a
+    window flushed at later steps in full precision), as a one-query reference attention over
+    that view computes it; without the views the rows that read a replaced token differ."""
+    from kvbench.attention.reference import view_attention
+
+    g = torch.Generator().manual_seed(11)
+    b, hkv, hq, t, d, nq = 1, 2, 6, 40, 16, 9
+    keys, values = (torch.randn(b, hkv, t, d, generator=g, dtype=dtype) for _ in range(2))
+    query = torch.randn(b, hq, nq, d, generator=g, dtype=dtype)
+    full_k, full_v = (torch.randn(b, hkv, 7, d, generator=g, dtype=dtype) for _ in range(2))
+    steps = torch.tensor([1, 2, 3, 4, 0, 5, 8])  # one token read as stored by every query
+    kview, vview = (20, full_k, steps), (24, full_v, steps)
+    got = view_attention(query, keys, values, None, kview, vview)
+    want = _per_query(query, keys, values, kview, vview)
+    assert got.dtype == dtype
+    # the right value's logits and softmax are float32 (reference_attention) in both cases
+    assert torch.allclose(got.double(), want.double(), rtol=0, atol=2e-6)
+    plain = view_attention(query, keys, values)
+    assert (plain - want).abs().amax(dim=(0, 1, 3)).gt(1e-3).sum() >= nq - 2
+
+
+def test_sliding_windows_take_few_calls(model, ids) -> None:
+    """With per-query views a sliding value window no longer cuts every token: KIVI (keys in
+    blocks of R = 16, values sliding over R = 16) takes about one call per key block at
+    C = 256 (it took 259 before) and records the views path; its logits still equal C = 1's
+    (:func:`_exact_everywhere`)."""
+    calls = _exact_everywhere(model, ids, _method("kivi"))
+    assert calls[256] <= 1 + 2 * (259 // 16 + 2), calls
+    info: dict = {}
+    chunked_logits(model, ids, _method("kivi"), PREFILL, 256, protocol=EXACT, info=info)
+    assert info["paths"].get("reference-views", 0) > 0, info["paths"]
+
+
+@pytest.mark.parametrize("name", ["full", "int4-block", "per-channel", "pm-kvq"])
+def test_methods_without_views_are_unchanged(monkeypatch, model, ids, name) -> None:
+    """A method whose held tokens change only at the call's first step never reads through a
+    view: its exact-chunked logits are bit-equal to the path without views (``viewable``
+    answering False, the protocol as it was), and its calls the same."""
+    from kvbench.cache.layer import LayerCache
+
+    method = _method(name)
+    (new, _), n_new = _calls(
+        model, lambda: chunked_logits(model, ids, method, PREFILL, 256, protocol=EXACT)
+    )
+    monkeypatch.setattr(LayerCache, "viewable", lambda self: False)
+    (old, _), n_old = _calls(
+        model, lambda: chunked_logits(model, ids, method, PREFILL, 256, protocol=EXACT)
+    )
+    assert torch.equal(new, old) and n_new == n_old
+
+
+def test_calls_without_their_views_break_equality(monkeypatch, model, ids) -> None:
+    """Mutation: the cuts of the views (few calls) with every query reading the stored state
+    (the views dropped) is write-then-attend inside a key block, and misses C = 1 by far more
+    than ATOL."""
+    from kvbench.attention import dispatch
+
+    method = _method("kivi")
+    one, _ = chunked_logits(model, ids, method, PREFILL, 1)
+    honest = dispatch.attend_views
+    monkeypatch.setattr(
+        dispatch,
+        "attend_views",
+        lambda cache, q, s, views: honest(cache, q, s, dispatch.StepViews(None, None)),
+    )
+    lp, _ = chunked_logits(model, ids, method, PREFILL, 256, protocol=EXACT)
+    assert (lp.double() - one.double()).abs().max() > 100 * ATOL

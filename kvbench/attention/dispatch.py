@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -39,10 +40,43 @@ from kvbench.attention.reference import (
     reference_attention,
     reference_probabilities,
     repeat_kv,
+    view_attention,
 )
 from kvbench.registry import Registry
 
 REFERENCE_PATH = "reference"
+#: the recorded path of a call attended by :func:`attend_views`
+VIEWS_PATH = "reference-views"
+
+
+@dataclass(frozen=True)
+class SideView:
+    """Tokens of one side (keys or values) that a multi-token decode call's queries read in full
+    precision although the cache now stores them quantized (flushed by a later step of the
+    call under one-token decode; ``LayerCache.append_viewed``).
+
+    Attributes
+    ----------
+    start : held-token index of the first such token (the tokens are ``start ..
+        start + F - 1``, in the order ``keys_values`` returns them).
+    full : ``[B, H_kv, F, D]``, their full-precision form as the residual held it (its
+        storage dtype, stored space of a rotating layer).
+    steps : int64 ``[F]``: query ``t`` of the call (0-based) reads token ``start + i`` in full
+        precision when ``steps[i] > t``, else as stored.
+    """
+
+    start: int
+    full: torch.Tensor
+    steps: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepViews:
+    """The :class:`SideView` of each side (``None``: that side's stored form is what every query
+    reads)."""
+
+    keys: SideView | None
+    values: SideView | None
 
 
 def _check_backend(name: str, obj: object) -> Backend:
@@ -171,6 +205,37 @@ def attend(
         record(cache, REFERENCE_PATH, f"backend failed: {msg}")
         return reference_attend(cache, query, scaling, lengths)
     record(cache, path, "; ".join(reasons))
+    return out
+
+
+def attend_views(
+    cache: AttentionCache,
+    query: torch.Tensor,
+    scaling: float | None,
+    views: StepViews,
+) -> torch.Tensor:
+    """Attention of a multi-token call's ``query [B, H_q, n_q, D]`` (the newest ``n_q``
+    positions, causal) over ``cache``, query ``t`` reading the tokens of ``views`` flushed after
+    its step in full precision: what each query reads under one-token decode (the
+    ``exact-chunked`` protocol, docs/design.md#protocols).  Computed on the dequantized
+    ``keys_values`` by :func:`kvbench.attention.reference.view_attention` (logits, softmax and
+    sums in float32, or in the query's dtype when wider); ``[B, H_q, n_q, D]`` in the query's
+    dtype.  Records ``attend_path`` :data:`VIEWS_PATH`.
+
+    Raises ``ValueError`` for a view outside the held tokens, :class:`NoDequantizedForm` for a
+    cache whose keys have none (QJL's sketches: such a method is cut one token per call)."""
+    keys, values = cache.keys_values(query.dtype)
+    out = view_attention(
+        query,
+        keys,
+        values,
+        scaling,
+        None if views.keys is None else (views.keys.start, views.keys.full, views.keys.steps),
+        None
+        if views.values is None
+        else (views.values.start, views.values.full, views.values.steps),
+    )
+    record(cache, VIEWS_PATH, "exact-chunked call: tokens flushed inside it read per query")
     return out
 
 

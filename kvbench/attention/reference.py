@@ -102,3 +102,67 @@ def reference_attention(
     probs = reference_probabilities(query, keys, scaling, lengths)
     v = repeat_kv(values.float(), query.shape[1] // keys.shape[1])
     return torch.matmul(probs, v).to(query.dtype)
+
+
+#: a side's view for :func:`view_attention`: ``(start, full [B, H_kv, F, D], steps [F])``
+SideViewTensors = tuple[int, torch.Tensor, torch.Tensor]
+
+
+def view_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float | None = None,
+    key_view: SideViewTensors | None = None,
+    value_view: SideViewTensors | None = None,
+) -> torch.Tensor:
+    """:func:`reference_attention` (causal, aligned to the end) where query ``t`` of the
+    ``n_q`` reads held tokens ``start .. start + F - 1`` of a side as ``full`` instead of the
+    given ``keys`` / ``values`` when ``steps[i] > t`` (a view per query:
+    :func:`kvbench.attention.dispatch.attend_views`).
+
+    Parameters
+    ----------
+    query : ``[B, H_q, n_q, D]``.
+    keys, values : ``[B, H_kv, T, D]``, what the cache stores (dequantized).
+    key_view, value_view : ``(start, full [B, H_kv, F, D], steps int [F])`` or ``None``.
+
+    Returns ``[B, H_q, n_q, D]`` in ``query``'s dtype; logits, softmax and sums in float32, or
+    in ``query``'s dtype when it is wider (float64).
+
+    Raises ``ValueError`` for shapes that do not fit or a view outside ``[0, T)``."""
+    b, hq, nq, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    if hq % hkv or keys.shape != values.shape or keys.shape[0] != b or keys.shape[3] != d:
+        raise ValueError(
+            f"attention shapes do not fit: query {tuple(query.shape)}, keys {tuple(keys.shape)},"
+            f" values {tuple(values.shape)}"
+        )
+    dt = torch.promote_types(query.dtype, torch.float32)
+    rep = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scaling is None else scaling
+    q = query.to(dt)
+    qstep = torch.arange(nq, device=query.device).view(nq, 1)
+
+    def window(view: SideViewTensors) -> tuple[slice, torch.Tensor, torch.Tensor]:
+        start, full, steps = view
+        f = full.shape[2]
+        if start < 0 or start + f > t or full.shape[:2] != keys.shape[:2] or steps.numel() != f:
+            raise ValueError(f"a view of tokens {start}..{start + f - 1} does not fit {t} held")
+        reads_full = steps.to(query.device).view(1, f) > qstep  # [n_q, F]
+        return slice(start, start + f), repeat_kv(full.to(dt), rep), reads_full
+
+    logits = torch.matmul(q, repeat_kv(keys.to(dt), rep).transpose(-1, -2)) * scale
+    if key_view is not None:
+        sl, kf, m = window(key_view)
+        full_logits = torch.matmul(q, kf.transpose(-1, -2)) * scale
+        logits[..., sl] = torch.where(m, full_logits, logits[..., sl])
+    if nq > 1:
+        logits = logits.masked_fill(~causal_mask(nq, t, query.device), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs, repeat_kv(values.to(dt), rep))
+    if value_view is not None:
+        sl, vf, m = window(value_view)
+        diff = vf - repeat_kv(values[:, :, sl].to(dt), rep)
+        out = out + torch.matmul(probs[..., sl] * m.to(dt), diff)
+    return out.to(query.dtype)

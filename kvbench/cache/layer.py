@@ -370,11 +370,13 @@ class Side:
         return out
 
 
-def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int) -> int:
+def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int, views: bool = False) -> int:
     """:meth:`LayerCache.steady_appends` of one side: simulate its schedule's ``flush_count``
     over one-token steps (the first may flush anything; a later one nothing, or only its own
-    token when the codec codes tokens independently, ``token_group == 1``) and check that one
-    call of all the steps' tokens flushes what they flushed in all."""
+    token when the codec codes tokens independently, ``token_group == 1``; with ``views`` such
+    a codec may flush any of its oldest tokens at a later step, which :meth:`LayerCache.
+    append_viewed` hands the call's earlier queries in full precision) and check that one call
+    of all the steps' tokens flushes what they flushed in all."""
     if side.codec is None:
         return limit  # never quantized: nothing held changes
     room = max(num_sink_tokens - _len(side.sinks), 0)  # free sink slots (full precision)
@@ -388,7 +390,7 @@ def _side_steady_appends(side: Side, num_sink_tokens: int, limit: int) -> int:
         else:
             r, added = r + 1, added + 1
         f = side.schedule.flush_count(r)
-        if step and f and not (own_ok and own and f == 1 and r == 1):
+        if step and f and not (own_ok and (views or (own and f == 1 and r == 1))):
             return step - 1
         r, flushed = r - f, flushed + f
         if side.schedule.flush_count(r0 + added) != flushed:  # one call of the steps' tokens
@@ -435,6 +437,13 @@ class LayerCache:
     #: budget halvings).  tests/test_exact_chunked.py checks that every registered method whose
     #: layer overrides ``append`` or ``end_step`` does one of the two.
     steady_updates: ClassVar[bool] = True
+    #: the caller attends each multi-token decode call with :meth:`attend_views` over what
+    #: :meth:`append_viewed` returned (``exact-chunked`` on the attend route, set by
+    #: :class:`kvbench.hf.cache.QuantizedKVCache` before any token): :meth:`steady_appends` then
+    #: lets a side whose codec codes tokens independently (``token_group == 1``) flush its
+    #: oldest tokens at any step of a call, not only at the first (a sliding window).  Only
+    #: effective on a class with the base class's updates (:meth:`base_updates`).
+    step_views: bool = False
     #: the model layer this cache serves (set by ``Method.new_layer``, for messages); ``None``
     #: for a cache built directly
     layer_idx: int | None = None
@@ -678,9 +687,97 @@ class LayerCache:
             or (self.evictor is not None and self.evictor.evicts_at_decode)
         ):
             return 0
+        views = self.viewable()
         for side in (self.k, self.v):  # each side looks no further than the other allows
-            limit = _side_steady_appends(side, self.num_sink_tokens, limit)
+            limit = _side_steady_appends(side, self.num_sink_tokens, limit, views)
         return limit
+
+    @classmethod
+    def base_updates(cls) -> bool:
+        """Whether ``cls`` decodes with the base class's :meth:`append`, :meth:`end_step` and
+        :meth:`steady_appends` (no override), so that a call's flushes are those of the side
+        schedules alone (what :meth:`append_viewed` replays)."""
+        return all(
+            getattr(cls, n) is getattr(LayerCache, n)
+            for n in ("append", "end_step", "steady_appends")
+        )
+
+    def viewable(self) -> bool:
+        """Whether :meth:`steady_appends` counts on :meth:`attend_views` (:attr:`step_views`
+        set, the base class's updates, a single cache, no evictor and reads of the stored
+        parts, so that the full-precision tokens a view restores are what one-token decode
+        reads)."""
+        return (
+            self.step_views
+            and self._rows is None
+            and self.evictor is None
+            and type(self).base_updates()
+            and self.reads_transformed is None
+            and self.k.reads_transformed is None
+            and self.v.reads_transformed is None
+        )
+
+    def append_viewed(self, keys: torch.Tensor, values: torch.Tensor) -> dispatch.StepViews | None:
+        """:meth:`append` the call's tokens ``[B, H_kv, n, D]`` and :meth:`end_step` at once,
+        and return what its queries must read otherwise than the stored state
+        (:class:`kvbench.attention.dispatch.StepViews`; ``None``: nothing, every query reads the
+        stored state, as :meth:`attend` does).
+
+        One-token decode of the same tokens runs ``n`` steps; the call's step ``t`` (its query
+        ``t``) would read the oldest tokens that the side schedules flush at steps ``> t`` in
+        full precision, as the residual held them.  The flush count of each step is replayed
+        from the state before the call (free sink slots, residual length) with
+        ``schedule.flush_count``, as :meth:`steady_appends` simulates it.  A token flushed at
+        step 0, or at the step that appends it, is read quantized by every query that sees
+        it.  ``RuntimeError`` when the flushes of the call differ from the replayed ones (the
+        call was not cut at :meth:`steady_appends` with :attr:`step_views`)."""
+        self.end_step()  # a flush deferred by an earlier call, before the state is read
+        n = keys.shape[2]
+        before = {}
+        for name, side in (("keys", self.k), ("values", self.v)):
+            room = max(self.num_sink_tokens - _len(side.sinks), 0)
+            before[name] = (room, _len(side.residual), _len(side.block))
+        self.append(keys, values)
+        held = {
+            name: None if side.codec is None or side.residual is None else side.residual.clone()
+            for name, side in (("keys", self.k), ("values", self.v))
+        }
+        self.end_step()
+        views: dict[str, dispatch.SideView | None] = {}
+        for name, side in (("keys", self.k), ("values", self.v)):
+            room, r0, nb = before[name]
+            flushed = _len(side.block) - nb if side.codec is not None else 0
+            views[name] = None
+            if flushed <= 0:
+                continue
+            steps, appended, r = [], [], r0
+            for t in range(n):
+                if room:
+                    room -= 1
+                else:
+                    r += 1
+                    appended.append(t)
+                f = side.schedule.flush_count(r)
+                steps += [t] * f
+                r -= f
+            if len(steps) != flushed:
+                raise RuntimeError(
+                    f"append_viewed: this call of {n} tokens flushed {flushed} {name} tokens, "
+                    f"its one-token steps {len(steps)}; cut calls at steady_appends()"
+                )
+            # step at which each flushed token joined: -1 before the call (residual order)
+            joined = [-1] * r0 + appended
+            seen = [t if t > max(j, 0) else 0 for t, j in zip(steps, joined)]
+            if max(seen) == 0:
+                continue
+            views[name] = dispatch.SideView(
+                start=_len(side.sinks) + nb,
+                full=held[name][:, :, :flushed],
+                steps=torch.tensor(seen, dtype=torch.long),
+            )
+        if views["keys"] is None and views["values"] is None:
+            return None
+        return dispatch.StepViews(views["keys"], views["values"])
 
     def keys_values(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values ``[B, H_kv, T, D]`` (sinks, quantized, residual), rotated
@@ -720,6 +817,23 @@ class LayerCache:
         self._attending = True
         try:
             out = dispatch.attend(self, self._rot(query, "keys"), scaling, lengths)
+        finally:
+            self._attending = False
+        return self._rot(out, "values", back=True)
+
+    def attend_views(
+        self, query: torch.Tensor, scaling: float | None, views: dispatch.StepViews
+    ) -> torch.Tensor:
+        """:meth:`attend` of the ``n_q`` queries of a call stored by :meth:`append_viewed`,
+        each query ``t`` reading the tokens of ``views`` flushed at a later step in full
+        precision (what it reads under one-token decode): ``query [B, H_q, n_q, D]`` ->
+        ``[B, H_q, n_q, D]`` in the query's dtype, by
+        :func:`kvbench.attention.dispatch.attend_views` (dequantized keys and values,
+        float32 or the query's wider dtype; recorded as ``attend_path`` ``"reference-views"``).
+        With a ``rotation`` the query is rotated in and the output back, as :meth:`attend`."""
+        self._attending = True
+        try:
+            out = dispatch.attend_views(self, self._rot(query, "keys"), scaling, views)
         finally:
             self._attending = False
         return self._rot(out, "values", back=True)

@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvbench.attention.dispatch import StepViews
 from kvbench.cache.layer import LayerCache
 from kvbench.hf import padding
 from kvbench.hf.padding import PaddedBatchError
@@ -66,6 +67,8 @@ class StepBinding:
         reference route) and why.
     read_stored : a prefill with ``prefill_attention="stored"`` on the sdpa route: attend to the
         layer cache's ``keys_values()`` after ``provide_queries`` instead of ``keys``.
+    views : a decode call's per-query views (``LayerCache.append_viewed``, ``exact-chunked``):
+        attend with ``layer_cache.attend_views``; ``None``: ``layer_cache.attend``.
     """
 
     layer_cache: LayerCache
@@ -76,6 +79,7 @@ class StepBinding:
     on_consumed: Callable[[], None] | None = None
     on_attended: Callable[[str, str], None] | None = None
     read_stored: bool = False
+    views: StepViews | None = None
 
 
 _STEP: ContextVar[StepBinding | None] = ContextVar("kvbench_step", default=None)
@@ -190,7 +194,12 @@ def kvbench_attention_forward(
             raise ValueError(
                 f"dropout={dropout} is not supported on the attend path; call model.eval()"
             )
-        out = _attend_prompt(lc, query, scaling) if step.prefill else lc.attend(query, scaling)
+        if step.prefill:
+            out = _attend_prompt(lc, query, scaling)
+        elif step.views is not None:
+            out = lc.attend_views(query, scaling, step.views)
+        else:
+            out = lc.attend(query, scaling)
         result = (out.transpose(1, 2).contiguous(), None)
         path = lc.attend_path or "unknown"
         reason = lc.attend_path_reason or ""

@@ -158,6 +158,8 @@ class KVBenchLayer(CacheLayerMixin):
         self.layer_cache = self.owner.method.new_layer(
             self.layer_idx, h, d, key_states.dtype, key_states.device
         )
+        # exact-chunked on the attend route: a call's queries may read per-query views
+        self.layer_cache.step_views = self.owner.step_views
         self.is_initialized = True
 
     def update(
@@ -184,6 +186,7 @@ class KVBenchLayer(CacheLayerMixin):
         attend = owner.attend and (stored or not prefill)
         b, _, n, _ = key_states.shape
         mask = padding.current(b, lc.seen_tokens + n)
+        views = None  # what the call's queries read otherwise than stored (append_viewed)
         if prefill:
             lengths = None
             if mask is not None:
@@ -212,9 +215,12 @@ class KVBenchLayer(CacheLayerMixin):
                     f"with attn_implementation={ATTN_IMPLEMENTATION!r} "
                     f"(kvbench.hf.attention.use_kvbench_attention(model))"
                 )
-            lc.append(key_states, value_states)
-            if owner.protocol != IN_CHUNK_FULL:
-                lc.end_step()  # stored (flushes included) before the call's queries attend
+            if attend and n > 1 and lc.viewable():  # exact-chunked: stored, with views
+                views = lc.append_viewed(key_states, value_states)
+            else:
+                lc.append(key_states, value_states)
+                if owner.protocol != IN_CHUNK_FULL:
+                    lc.end_step()  # stored (flushes included) before the call's queries attend
             keys, values = (key_states, value_states) if attend else lc.keys_values()
         self._unconsumed = True
         bind_step(
@@ -227,6 +233,7 @@ class KVBenchLayer(CacheLayerMixin):
                 self._consumed,
                 owner._attended,
                 read_stored=stored,
+                views=views,
             )
         )
         return keys, values
@@ -409,6 +416,12 @@ class QuantizedKVCache(Cache):
         self.protocol = protocol
         #: the method's ``prefill_attention`` is ``stored``: the prompt attends to the cache
         self.prefill_stored = prefill_attention(method) == "stored"
+        #: ``exact-chunked`` on the attend route with dequantizable keys: each layer's
+        #: ``step_views`` (a call's queries read tokens its later steps flush in full
+        #: precision, so sliding windows need not run one token per call)
+        self.step_views = (
+            protocol == EXACT_CHUNKED and self.attend and method.capabilities.keys_values
+        )
         self._warned = False
         #: decode steps (layer calls) per attention path that ran, and the reasons recorded
         self.decode_paths: dict[str, int] = {}
