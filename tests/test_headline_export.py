@@ -210,6 +210,95 @@ def test_step_cell_shows_the_ratio_interval_where_the_record_has_one():
     assert "step interval" not in headline_table(records())
 
 
+#: ``full`` vs itself as the latency pre-pass records it: (ratio, low, high, rounds, dtype)
+SELF_11 = (1.004, 0.981, 1.027, 24, "float16")
+SELF_88 = (1.012, 0.948, 1.061, 24, "float32")
+
+
+def lat_noise(label, method, context, ratio, lo, hi, check):
+    """A latency record at ``context`` tokens: the step ratio with its interval, and the
+    pre-pass's noise check ``check`` (:data:`SELF_11`) in its manifest."""
+    m = {"decode_ms_p50_ratio": ratio}
+    m |= {"decode_ms_p50_ratio_ci_low": lo, "decode_ms_p50_ratio_ci_high": hi}
+    self_ratio, self_lo, self_hi, rounds, dtype = check
+    man = {"baseline": "full", "threads": 2, "step_threads": 1, "baseline_storage_dtype": dtype}
+    man |= {"baseline_self_ratio": self_ratio, "baseline_self_interval": [self_lo, self_hi]}
+    man |= {"baseline_self_rounds": rounds}
+    return rec(label, method, "latency", m, None, man, context=context, steps=24)
+
+
+def noise_records(checks=None):
+    """:func:`records` with its latency records replaced by ones at 11 and 88 tokens carrying
+    the noise check (``checks``: label -> context -> check, overriding the defaults)."""
+    out = [r for r in records() if r.workload_type != "latency"]
+    cells = {  # label -> context -> step ratio, low, high
+        "full": {11: (1.01, 0.98, 1.03), 88: (1.09, 1.04, 1.15)},
+        "A": {11: (1.25, 1.20, 1.30), 88: (1.05, 1.02, 1.10)},
+        "B": {11: (0.95, 0.90, 0.97), 88: (0.80, 0.75, 0.85)},
+    }
+    for label, by_ctx in cells.items():
+        for c, (ratio, lo, hi) in by_ctx.items():
+            check = (checks or {}).get(label, {}).get(c, SELF_11 if c == 11 else SELF_88)
+            method = "full" if label == "full" else "kivi"
+            out.append(lat_noise(label, method, c, ratio, lo, hi, check))
+    return out
+
+
+def test_noise_line_per_context_renders_full_against_itself_from_the_records():
+    """Under the tables, one line per context from the records' ``baseline_self_*``: at 11
+    tokens 1.00 [0.98, 1.03] (reaches 0.027 from 1.00: no warning); at 88 tokens 1.01 [0.95,
+    1.06], whose interval reaches 0.061 > 0.03 from 1.00: the line says read ratios within 7%
+    (0.061 rounded up to the percent) as no difference.  A step cell whose interval overlaps
+    its context's noise interval is marked ≈ (full at 11: [0.98, 1.03] in [0.981, 1.027]; at
+    88, full's [1.04, 1.15] and A's [1.02, 1.10] start below 1.061); the others are not (A at
+    11 starts at 1.20 > 1.027, B at 11 ends at 0.97 < 0.981, B at 88 at 0.85 < 0.948)."""
+    table = headline_table(noise_records())
+    block = table[table.index("Noise of the step ratios") : table.index("\n> ")]
+    assert table.index("#### (b)") < table.index("Noise of the step ratios")
+    assert "- 11 tok: `full` vs itself: 1.00 [0.98, 1.03] (24 rounds, baseline float16)\n" in block
+    assert (
+        "- 88 tok: `full` vs itself: 1.01 [0.95, 1.06] (24 rounds, baseline float32); noise "
+        "+/-0.07 > 0.03: read ratios within 7% of 1.00 as no difference\n" in block
+    )
+    assert "11 tok: `full` vs itself: 1.00 [0.98, 1.03] (24 rounds, baseline float16);" not in block
+    lines = _lines(table)
+    assert "| 1.01 [0.98, 1.03] ≈ | 1.09 [1.04, 1.15] ≈ |" in lines["full"]
+    assert "| 1.25 [1.20, 1.30] | 1.05 [1.02, 1.10] ≈ |" in lines["A"]
+    assert "| 0.95 [0.90, 0.97] | 0.80 [0.75, 0.85] |" in lines["B"]
+    # the numbers are the records': another self ratio at 11 tokens reads in the line
+    other = (0.993, 0.976, 1.021, 30, "float16")
+    changed = noise_records({k: {11: other} for k in ("full", "A", "B")})
+    assert "- 11 tok: `full` vs itself: 0.99 [0.98, 1.02] (30 rounds, baseline float16)\n" in (
+        headline_table(changed)
+    )
+
+
+def test_noise_disagreement_between_records_of_one_context_is_flagged():
+    """A's record at 11 tokens carries another pre-pass's check than full's and B's: the line
+    of 11 tokens lists both values with their record counts after ⚠ records disagree, and no
+    step cell at 11 tokens is marked; 88 tokens still agrees.  A record without the check
+    (written before it) among checked ones counts as ``not recorded``.  Records without any
+    check: no noise paragraph and no mark (the committed README block stays as it was)."""
+    other = (1.021, 0.99, 1.05, 24, "float16")
+    table = headline_table(noise_records({"A": {11: other}}))
+    line = next(ln for ln in table.splitlines() if ln.startswith("- 11 tok"))
+    assert "⚠ records disagree" in line
+    assert "1.004 [0.981, 1.027] (24 rounds, baseline float16) in 2 records" in line
+    assert "1.021 [0.990, 1.050] (24 rounds, baseline float16) in 1 record" in line
+    lines = _lines(table)
+    assert "| 1.01 [0.98, 1.03] | 1.09 [1.04, 1.15] ≈ |" in lines["full"]
+    assert "- 88 tok: `full` vs itself: 1.01 [0.95, 1.06]" in table
+    old = noise_records()
+    for r in old:
+        if r.label == "B" and r.workload.get("context") == 88:
+            for k in ("baseline_self_ratio", "baseline_self_interval", "baseline_self_rounds"):
+                del r.manifest[k]
+    line = next(ln for ln in headline_table(old).splitlines() if ln.startswith("- 88 tok"))
+    assert "records disagree" in line and "not recorded in 1 record" in line
+    plain = headline_table(records())
+    assert "vs itself" not in plain and "≈" not in plain
+
+
 def test_rows_whose_interval_reaches_full_are_marked():
     """full's KL is exactly 0; the noise floor is the largest |KL| of the unquantized rows
     (a 16-bit peer at 3e-6 here) or 1e-6.  A lower bound at or below it gets the dagger."""

@@ -196,33 +196,47 @@ class ThreadTimer(ScriptedTimer):
         return super().__call__(fn)
 
 
-def _two_way(first: list[float], second: list[float], warmup: int = 2) -> list[float]:
-    """The scripted samples of one timed prefill of two caches (5 ms each) and ``len(first)``
-    timed rounds after ``warmup`` warm-up rounds: round i calls (first, second) rotated left by
-    ``i + warmup`` (the warm-up rounds count in the rotation)."""
-    seq = [5.0, 5.0]
-    for i in range(len(first)):
-        pair = [first[i], second[i]]
-        seq += pair if (i + warmup) % 2 == 0 else pair[::-1]
+def _rounds(series: list[list[float]], warmup: int = 2) -> list[float]:
+    """The scripted samples of one timed prefill of ``len(series)`` caches (5 ms each) and
+    ``len(series[0])`` timed rounds after ``warmup`` warm-up rounds: round i calls the caches
+    in ``series`` order rotated left by ``i + warmup`` (the warm-up rounds count in the
+    rotation), cache k taking ``series[k][i]``."""
+    n = len(series)
+    seq = [5.0] * n
+    for i in range(len(series[0])):
+        k = (i + warmup) % n
+        seq += [series[j][i] for j in [*range(k, n), *range(k)]]
     return seq
+
+
+def _two_way(first: list[float], second: list[float], warmup: int = 2) -> list[float]:
+    """:func:`_rounds` of two caches: a configuration's run (method, baseline)."""
+    return _rounds([first, second], warmup)
+
+
+def _prepass(b32: list[float], b16: list[float], warmup: int = 2) -> list[float]:
+    """:func:`_rounds` of the pre-pass's four caches, ``float32 A, float32 B, float16 A,
+    float16 B``, each copy of a dtype stepping the same times (``b32``, ``b16``)."""
+    return _rounds([b32, b32, b16, b16], warmup)
 
 
 @pytest.mark.parametrize("faster", ["float16", "float32"])
 def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
-    """The pre-pass interleaves ``full`` stored in float32 (the model's dtype) and in float16;
-    the machine drifts from 1x to 12x over the rounds; the faster candidate steps in
-    8 ms x drift, the slower in 10 ms x drift.  Then the configuration interleaves two caches:
-    the method (12 ms x drift) and the chosen baseline, which now steps in 7.5 ms x drift.  The
-    record names the faster with both pre-pass medians; the ratio and its paired interval are
-    against the chosen baseline's rounds timed WITH the method (12 / 7.5 = 1.6), not the
-    pre-pass's (that would give 1.5).  Every timed call runs at 1 thread."""
+    """The pre-pass interleaves two caches each of ``full`` stored in float32 (the model's
+    dtype) and in float16; the machine drifts from 1x to 12x over the rounds; the faster
+    candidate's copies step in 8 ms x drift, the slower's in 10 ms x drift.  Then the
+    configuration interleaves two caches: the method (12 ms x drift) and the chosen baseline,
+    which now steps in 7.5 ms x drift.  The record names the faster with both pre-pass
+    medians; the ratio and its paired interval are against the chosen baseline's rounds timed
+    WITH the method (12 / 7.5 = 1.6), not the pre-pass's (that would give 1.5).  Every timed
+    call runs at 1 thread."""
     import kvbench.bench.workloads.latency as lat
 
     drift = [float(i + 1) for i in range(12)]
     fast, slow = [8.0 * x for x in drift], [10.0 * x for x in drift]
     meth, base = [12.0 * x for x in drift], [7.5 * x for x in drift]
     b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
-    samples = _two_way(b32, b16) + _two_way(meth, base)  # pre-pass (float32, float16), then run
+    samples = _prepass(b32, b16) + _two_way(meth, base)  # pre-pass (4 caches), then the run
     ScriptedTimer.samples, ThreadTimer.threads = samples, []
     monkeypatch.setattr(lat, "Timer", ThreadTimer)
     w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
@@ -238,6 +252,7 @@ def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: 
     assert m["decode_ms_p50_ratio"] == pytest.approx(1.6)
     assert res.per_layer["baseline_decode_ms"] == base
     assert res.per_layer[f"prepass_decode_ms_{faster}"] == fast
+    assert res.per_layer[f"prepass_decode_ms_{faster}_b"] == fast
     assert "pre-pass" in info["ratio_baseline"] and faster in info["ratio_baseline"]
     # the interval pairs the method with the chosen baseline's rounds of this run
     from kvbench.bench.metrics import paired_ratio_ci
@@ -246,19 +261,20 @@ def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: 
     assert (lo, hi) == paired_ratio_ci(meth, base, [3, 11], [], seed=0)
     assert (lo, hi) != paired_ratio_ci(meth, fast, [3, 11], [], seed=0)
     assert lo <= m["decode_ms_p50_ratio"] <= hi
-    assert ThreadTimer.threads == [1] * 2 * (2 + 24)
+    assert ThreadTimer.threads == [1] * ((4 + 4 * 12) + (2 + 2 * 12))  # prefill + steps
 
 
 def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pre-pass picks float16 (9 ms x drift against float32's 10 ms x drift) once; then
-    ``full`` stored in float16, the chosen baseline itself, steps in the same time as its
-    interleaved baseline: ratio 1 with the interval [1, 1] (the noise check reads this row),
-    and ``full`` in float32, 10 / 9 against it; the pre-pass is not timed again."""
+    """The pre-pass picks float16 (9 ms x drift against float32's 10 ms x drift) once; its two
+    float16 copies step alike: ``full`` vs itself 1 with the interval [1, 1] over 10 rounds in
+    both records.  Then ``full`` stored in float16, the chosen baseline itself, steps in the
+    same time as its interleaved baseline: ratio 1 with the interval [1, 1], and ``full`` in
+    float32, 10 / 9 against it; the pre-pass is not timed again."""
     import kvbench.bench.workloads.latency as lat
 
     drift = [1.0 + 0.5 * (i % 5) for i in range(10)]
     b32, b16 = [10.0 * x for x in drift], [9.0 * x for x in drift]
-    ScriptedTimer.samples = _two_way(b32, b16) + _two_way(b16, b16) + _two_way(b32, b16)
+    ScriptedTimer.samples = _prepass(b32, b16) + _two_way(b16, b16) + _two_way(b32, b16)
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
     w, ctx = _workload(_tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
     same = w.run(ctx, kvbench.get_method("full", storage_dtype="float16"))
@@ -267,6 +283,9 @@ def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.Monkey
     for res in (same, other):
         assert res.info["baseline_storage_dtype"] == "float16"
         assert res.info["baseline_candidates"] == {"float32": 20.0, "float16": 18.0}
+        assert res.info["baseline_self_ratio"] == 1.0
+        assert res.info["baseline_self_interval"] == [1.0, 1.0]
+        assert res.info["baseline_self_rounds"] == 10
     m = same.metrics
     assert m["decode_ms_p50_ratio"] == 1.0
     assert (m["decode_ms_p50_ratio_ci_low"], m["decode_ms_p50_ratio_ci_high"]) == (1.0, 1.0)
@@ -274,6 +293,78 @@ def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.Monkey
     assert m["decode_ms_p50_ratio"] == pytest.approx(10 / 9)
     assert m["decode_ms_p50_ratio_ci_low"] == pytest.approx(10 / 9)
     assert m["decode_ms_p50_ratio_ci_high"] == pytest.approx(10 / 9)
+
+
+def test_prepass_times_four_distinct_caches() -> None:
+    """Two candidates (``full`` in float32 and in float16): the pre-pass prefills four caches,
+    distinct objects, two stored in the model's dtype and two in float16, and steps each once
+    a round in the order ``float32 A, float32 B, float16 A, float16 B`` rotated left by the
+    round (2 warm-up + 4 timed rounds): no cache is stepped twice in a round or stands in for
+    another."""
+    model = Recorder(_tiny_model())
+    w, ctx = _workload(model, context=40, steps=4, warmup=2, prefill_repeats=1)
+    choice = w.choose_baseline(ctx)
+    calls = model.calls
+    assert [n for _, n in calls[:4]] == [34] * 4  # P = 40 - 4 - 2, one prefill each
+    caches = [c for c, _ in calls[:4]]
+    assert len({id(c) for c in caches}) == 4
+    assert [c.method.config.storage_dtype for c in caches] == [None, None, "float16", "float16"]
+    assert all(n == 1 for _, n in calls[4:])
+    order = [c for c, _ in calls[4:]]
+    assert order == [c for r in range(6) for c in caches[r % 4 :] + caches[: r % 4]]
+    for steps in (choice.steps_ms, choice.steps_ms_b):
+        assert sorted(steps) == ["float16", "float32"] and all(len(v) == 4 for v in steps.values())
+
+
+@pytest.mark.parametrize("faster", ["float16", "float32"])
+def test_self_ratio_pairs_the_chosen_copies(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    """Scripted pre-pass: the faster dtype's copies A and B step in 8 ms x drift x their own
+    jitter, the slower's in 10 ms x drift x the jitters swapped.  Every record carries the
+    chosen dtype's A-vs-B ratio and interval; right values by hand in float64 from the
+    record's per-round times (``prepass_decode_ms_<dtype>`` and ``..._b``): the ratio of the
+    two medians, and the 2.5% and 97.5% linear quantiles of the ratio of medians over 2000
+    paired resamples of the rounds, drawn as the documented generator draws them."""
+    import statistics
+
+    import kvbench.bench.workloads.latency as lat
+    from kvbench.bench.metrics import RATIO_RESAMPLES
+
+    drift = [1.0 + 0.25 * (i % 7) for i in range(12)]
+    ja = [1.00, 1.04, 0.97, 1.02, 0.99, 1.06, 0.95, 1.01, 1.03, 0.98, 1.05, 0.96]
+    jb = [0.99, 1.01, 1.03, 0.97, 1.02, 0.98, 1.04, 0.96, 1.00, 1.05, 0.99, 1.02]
+    fast = ([8.0 * x * j for x, j in zip(drift, ja)], [8.0 * x * j for x, j in zip(drift, jb)])
+    slow = ([10.0 * x * j for x, j in zip(drift, jb)], [10.0 * x * j for x, j in zip(drift, ja)])
+    b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
+    ScriptedTimer.samples = _rounds([*b32, *b16]) + _two_way([3.0] * 12, [2.0] * 12)
+    monkeypatch.setattr(lat, "Timer", ScriptedTimer)
+    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    res = w.run(ctx, kvbench.get_method("full"))
+    info = res.info
+    assert ScriptedTimer.samples == []
+    assert info["baseline_storage_dtype"] == faster
+    a = res.per_layer[f"prepass_decode_ms_{faster}"]
+    b = res.per_layer[f"prepass_decode_ms_{faster}_b"]
+    assert (a, b) == fast
+
+    def ratio(rounds: list[int], x: list[float], y: list[float]) -> float:
+        return statistics.median([x[i] for i in rounds]) / statistics.median([y[i] for i in rounds])
+
+    assert info["baseline_self_ratio"] == pytest.approx(ratio(list(range(12)), a, b), rel=1e-14)
+    assert info["baseline_self_ratio"] != pytest.approx(ratio(list(range(12)), *slow), rel=1e-6)
+    draws = torch.randint(
+        0, 12, (RATIO_RESAMPLES, 12), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    r = sorted(ratio(d, a, b) for d in draws)
+
+    def quantile(q: float) -> float:
+        pos = q * (len(r) - 1)
+        k = int(pos)
+        return r[k] + (pos - k) * (r[k + 1] - r[k])
+
+    lo, hi = info["baseline_self_interval"]
+    assert (lo, hi) == pytest.approx((quantile(0.025), quantile(0.975)), rel=1e-12)
+    assert lo < info["baseline_self_ratio"] < hi and lo < hi
+    assert info["baseline_self_rounds"] == 12
 
 
 def _prepared_shared(model, **params) -> tuple[Latency, RunContext, torch.Tensor]:
@@ -311,9 +402,10 @@ def test_full_against_itself_times_two_distinct_caches_of_one_state() -> None:
 
 def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three configurations at context 40 and two at 48 (threads 1), and one at 40 with
-    threads 2, on one model's shared state: the pre-pass (the two ``full`` candidates timed
-    alone) runs once per (context, threads), three times in all; every configuration times
-    two caches, its own and the chosen baseline; records of one key carry the same choice."""
+    threads 2, on one model's shared state: the pre-pass (two caches each of the two ``full``
+    candidates timed alone) runs once per (context, threads), three times in all; every
+    configuration times two caches, its own and the chosen baseline; records of one key carry
+    the same choice and the same noise check."""
     timed: list[tuple[str, ...]] = []
     real = Latency._time
 
@@ -335,13 +427,16 @@ def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPat
         config = KIVI8 if name == "kivi" else {}
         res = w.run(ctx, kvbench.get_method(name, **config))
         infos.setdefault((context, threads), []).append(res.info)
-    prepass = ("float32", "float16")
+    prepass = ("float32 A", "float32 B", "float16 A", "float16 B")
     assert timed.count(prepass) == 3 and len(ctx.shared.latency_baselines) == 3
     assert [t for t in timed if t != prepass] == [("method", "baseline")] * len(runs)
     assert timed.index(prepass) == 0  # before the first configuration of its key
     for group in infos.values():
         assert len({i["baseline_storage_dtype"] for i in group}) == 1
         assert all(i["baseline_candidates"] == group[0]["baseline_candidates"] for i in group)
+        for k in ("baseline_self_ratio", "baseline_self_interval", "baseline_self_rounds"):
+            assert all(i[k] == group[0][k] for i in group) and group[0][k] is not None
+        assert group[0]["baseline_self_rounds"] == 2
 
 
 def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
@@ -383,10 +478,11 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
         lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
     )
     w, ctx, ids = _prepared_shared(model, warmup=1)
-    # the capture, then the pre-pass: both full candidates prefilled from it, 5 rounds x 2
-    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    # the capture, then the pre-pass: two caches of each full candidate prefilled from it,
+    # 5 rounds x 4
+    assert lengths == [35] + [1] * 20 and len(ctx.shared.prompts) == 1
     Latency(w.spec).prepare(ctx)  # a second workload of the same spec reuses both
-    assert lengths == [35] + [1] * 10 and len(ctx.shared.prompts) == 1
+    assert lengths == [35] + [1] * 20 and len(ctx.shared.prompts) == 1
     lengths.clear()
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
     assert lengths == [1] * 10  # no prefill call: 5 rounds x 2 caches
@@ -547,10 +643,11 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
         assert pos[b, 36 - k :].tolist() == list(range(k))
         assert torch.equal(ids[b, 36 - k :], w.ids[b, 36 - k : 36])  # the row's own text
     decode = [c for c in model.calls if c[0].shape[1] == 1]
-    # the pre-pass (full float32, float16), then the run (method, baseline): 4 rounds x 2 each
-    assert len(decode) == 16
+    # the pre-pass (full float32 A, B, float16 A, B): 4 rounds x 4, then the run (method,
+    # baseline): 4 rounds x 2
+    assert len(decode) == 16 + 8
     for i, (_, mask, pos) in enumerate(decode):
-        j = (i // 2) % 4  # every cache of a round decodes the same position
+        j = i // 4 if i < 16 else (i - 16) // 2  # every cache of a round: the same position
         assert pos.view(-1).tolist() == [k + j for k in lens]
         assert mask.shape == (3, 37 + j) and mask.sum(-1).tolist() == [k + j + 1 for k in lens]
     batch = res.info["batch"]

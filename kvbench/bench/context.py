@@ -68,14 +68,21 @@ class Reference:
 
 @dataclass
 class BaselineChoice:
-    """The ``latency`` pre-pass: the baseline candidates' caches (``full`` stored in each of
-    ``baseline_storage_dtypes``) interleaved alone for the workload's rounds; ``storage_dtype``
-    is the one with the smallest steady median step (ms, ``medians``), ``steps_ms`` each
-    candidate's timed steps (ms, in round order)."""
+    """The ``latency`` pre-pass: two caches (copies A and B) of each baseline candidate
+    (``full`` stored in each of ``baseline_storage_dtypes``) interleaved alone for the
+    workload's rounds; ``storage_dtype`` is the candidate with the smallest steady median step
+    over both copies (ms, ``medians``); ``steps_ms`` / ``steps_ms_b`` each candidate's copy A /
+    copy B timed steps (ms, in round order).  The noise check: ``self_ratio`` = steady median
+    of the chosen candidate's copy A / copy B's, ``self_interval`` its 95% paired interval over
+    the ``self_rounds`` timed rounds (``None``: fewer than two steady steps a side)."""
 
     storage_dtype: str
     medians: dict[str, float]
     steps_ms: dict[str, list[float]]
+    steps_ms_b: dict[str, list[float]]
+    self_ratio: float
+    self_interval: tuple[float, float] | None
+    self_rounds: int
 
 
 @dataclass

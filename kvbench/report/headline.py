@@ -22,6 +22,19 @@ workload, context, protocol and dtype):
 * ``peak vs full``: (``bytes_total`` + ``peak_step_bytes``) of the ``memory`` record (bytes at
   rest plus the transient of one decode step) over the same sum of ``full``'s memory record.
 
+**Noise of the step ratios.**  Under the tables, one line per context of the step columns
+(:func:`noise_block`): ``N tok: `full` vs itself: 1.00 [lo, hi] (n rounds, baseline D)``, the
+latency pre-pass's two caches of the chosen baseline timed against each other (manifest
+``baseline_self_ratio``, ``baseline_self_interval``, ``baseline_self_rounds``,
+``baseline_storage_dtype``; :func:`self_checks`), one value per context: where the shown records
+of a context disagree, the line lists each value with its record count after ``⚠ records
+disagree``.  Where the interval reaches farther than :data:`NOISE_TARGET` from 1.00, the line
+says how far (``noise +/-0.06 > 0.03: read ratios within 6% of 1.00 as no difference``).  A step
+cell whose interval overlaps the agreed noise interval of its context is marked ``≈``
+(:data:`NOISE_MARK`, :func:`within_noise`): the run cannot tell its step from ``full``'s.
+Records written before the check existed carry none: then there is no such paragraph and no
+mark.
+
 Where several records of one workload type exist, the one at the headline context (the
 perplexity workload's ``tokens``) is taken, else the closest context.
 
@@ -68,7 +81,8 @@ budgeted row whose cache held fewer tokens than its configuration's ``budget_tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, TypedDict
+import math
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 from kvbench.bench.records import Record
 from kvbench.cache.registry import BASELINE
@@ -348,13 +362,17 @@ def kl_cell(r: HeadlineRow, floor: float) -> str:
     return f"{cell} [{_kl(r['kl_low'])}, {_kl(r['kl_high'])}]{dagger}"
 
 
-def step_cell(r: HeadlineRow, context: int | None = None) -> str:
+def step_cell(
+    r: HeadlineRow, context: int | None = None, noise: dict[int, SelfCheck] | None = None
+) -> str:
     """``ratio [low, high]`` (two decimals) when the latency record has the ratio's interval,
     else the ratio alone (records written before the interval existed) or ``–``: of the row's
     record at the headline context (``context=None``), else of its record at exactly
-    ``context`` tokens."""
+    ``context`` tokens.  `` ≈`` (:data:`NOISE_MARK`) after an interval that overlaps
+    ``noise`` at the record's context (:func:`noise_at`, :func:`within_noise`)."""
     if context is None:
         ratio, low, high = r["step_ratio"], r["step_low"], r["step_high"]
+        rec = r["sources"].get("latency")
     else:
         rec = r["step_records"].get(context)
         m = {} if rec is None else rec.metrics
@@ -363,7 +381,173 @@ def step_cell(r: HeadlineRow, context: int | None = None) -> str:
     cell = _f(ratio, 2)
     if ratio is None or low is None or high is None:
         return cell
-    return f"{cell} [{_f(low, 2)}, {_f(high, 2)}]"
+    cell = f"{cell} [{_f(low, 2)}, {_f(high, 2)}]"
+    check = None if rec is None or noise is None else noise.get(_context(rec))
+    return f"{cell} {NOISE_MARK}" if within_noise(low, high, check) else cell
+
+
+#: how far from 1.00 ``full`` against itself may reach (the target: 1.00 within +/-0.03,
+#: docs/design.md#latency) before the headline says that ratios that close to 1.00 are no
+#: difference
+NOISE_TARGET = 0.03
+#: marks a step cell whose interval overlaps ``full`` against itself's at its context
+NOISE_MARK = "≈"
+#: :func:`self_check` of a latency record written before the noise check existed
+NOT_RECORDED = "not recorded"
+#: :func:`self_check` of a latency record with a single baseline candidate (no pre-pass)
+NOT_MEASURED = "not measured (a single baseline candidate: no pre-pass)"
+
+
+class SelfCheck(NamedTuple):
+    """``full`` against itself at one context, as a latency record gives it (manifest
+    ``baseline_self_ratio``, ``baseline_self_interval``, ``baseline_self_rounds``,
+    ``baseline_storage_dtype``: the pre-pass's two caches of the chosen baseline, copy A over
+    copy B, kvbench.bench.workloads.latency): the ratio (unitless), its 95% interval
+    (``None``: the record has none), the timed rounds and the baseline's storage dtype."""
+
+    ratio: float
+    low: float | None
+    high: float | None
+    rounds: int | None
+    dtype: str | None
+
+    def reach(self) -> float | None:
+        """How far the interval reaches from 1.00: ``max(1 - low, high - 1)`` (``None``
+        without an interval)."""
+        if self.low is None or self.high is None:
+            return None
+        return max(1.0 - self.low, self.high - 1.0)
+
+
+def self_check(rec: Record) -> SelfCheck | str:
+    """The latency record's ``full`` against itself (:class:`SelfCheck`), else
+    :data:`NOT_RECORDED` (no ``baseline_self_ratio`` in its manifest) or :data:`NOT_MEASURED`
+    (``baseline_self_ratio`` null)."""
+    m = rec.manifest
+    if "baseline_self_ratio" not in m:
+        return NOT_RECORDED
+    if m["baseline_self_ratio"] is None:
+        return NOT_MEASURED
+    iv = m.get("baseline_self_interval")
+    low, high = (float(iv[0]), float(iv[1])) if iv else (None, None)
+    rounds, dtype = m.get("baseline_self_rounds"), m.get("baseline_storage_dtype")
+    return SelfCheck(
+        float(m["baseline_self_ratio"]),
+        low,
+        high,
+        None if rounds is None else int(rounds),
+        None if dtype is None else str(dtype),
+    )
+
+
+def _shown_latency(allrows: list[HeadlineRow], contexts: list[int]) -> list[Record]:
+    """The latency records the step columns show: each row's at the step ``contexts``, else
+    its record at the headline context."""
+    out: list[Record] = []
+    for r in allrows:
+        out += [r["step_records"][c] for c in contexts if c in r["step_records"]] or [
+            r["sources"][k] for k in ("latency",) if k in r["sources"]
+        ]
+    return out
+
+
+def self_checks(
+    allrows: list[HeadlineRow], contexts: list[int]
+) -> dict[int, list[tuple[SelfCheck | str, int]]]:
+    """Context (tokens, ascending) -> the distinct :func:`self_check` values of the latency
+    records the step columns show there (:func:`_shown_latency`), each with its record count,
+    in the order first seen: one value when the records of the context agree.  Empty when no
+    shown record carries the check (all written before it): the headline then says nothing of
+    it."""
+    recs = _shown_latency(allrows, contexts)
+    if not any("baseline_self_ratio" in rec.manifest for rec in recs):
+        return {}
+    by: dict[int, dict[SelfCheck | str, int]] = {}
+    for rec in recs:
+        counts = by.setdefault(_context(rec), {})
+        value = self_check(rec)
+        counts[value] = counts.get(value, 0) + 1
+    return {c: list(by[c].items()) for c in sorted(by)}
+
+
+def noise_at(checks: dict[int, list[tuple[SelfCheck | str, int]]]) -> dict[int, SelfCheck]:
+    """Context -> the noise of its step ratios: the one :class:`SelfCheck` with an interval
+    that every shown record of the context gives (:func:`self_checks`); a context whose
+    records disagree, lack the check or its interval has none."""
+    out: dict[int, SelfCheck] = {}
+    for c, values in checks.items():
+        value = values[0][0]
+        if len(values) == 1 and isinstance(value, SelfCheck) and value.low is not None:
+            out[c] = value
+    return out
+
+
+def within_noise(low: float, high: float, noise: SelfCheck | None) -> bool:
+    """Whether a step ratio's interval ``[low, high]`` overlaps ``noise``'s (``full`` against
+    itself at its context): then the run cannot tell the row's step from ``full``'s.  False
+    without a noise interval."""
+    if noise is None or noise.low is None or noise.high is None:
+        return False
+    return low <= noise.high and high >= noise.low
+
+
+def _self_text(value: SelfCheck | str, digits: int = 2) -> str:
+    if isinstance(value, str):
+        return value
+    lo, hi = value.low, value.high
+    interval = "" if lo is None or hi is None else f" [{_f(lo, digits)}, {_f(hi, digits)}]"
+    rounds = "?" if value.rounds is None else value.rounds
+    return f"{_f(value.ratio, digits)}{interval} ({rounds} rounds, baseline {value.dtype or '?'})"
+
+
+def noise_line(context: int, values: list[tuple[SelfCheck | str, int]]) -> str:
+    """One context's line of :func:`noise_block`: ``N tok: `full` vs itself: 1.00 [lo, hi]
+    (n rounds, baseline D)``; where the interval reaches farther than :data:`NOISE_TARGET`
+    from 1.00, ``; noise +/-h > 0.03: read ratios within h% of 1.00 as no difference`` (h
+    rounded up to the percent); where the records disagree (``values`` holds several), each
+    value with its record count after ``⚠ records disagree``."""
+    head = f"{context} tok: `full` vs itself: "
+    if len(values) > 1:
+        seen = [f"{_self_text(v, 3)} in {n} record{'s' if n > 1 else ''}" for v, n in values]
+        return (
+            head
+            + f"{PEAK_FLAG} records disagree (not one pre-pass; no step cell of this context "
+            + "is marked): "
+            + "; ".join(seen)
+        )
+    value = values[0][0]
+    line = head + _self_text(value)
+    if not isinstance(value, SelfCheck):
+        return line
+    reach = value.reach()
+    if reach is None:
+        return line + " (no interval: fewer than two steady steps a side)"
+    if reach > NOISE_TARGET:
+        pct = math.ceil(round(reach * 100, 6))
+        line += (
+            f"; noise +/-{pct / 100:.2f} > {NOISE_TARGET:.2f}: read ratios within {pct}% of "
+            "1.00 as no difference"
+        )
+    return line
+
+
+def noise_block(allrows: list[HeadlineRow], contexts: list[int]) -> str:
+    """The paragraph under the headline tables: one :func:`noise_line` per context of the step
+    columns (:func:`self_checks`) and what :data:`NOISE_MARK` means; ``""`` when no shown
+    latency record carries the check."""
+    checks = self_checks(allrows, contexts)
+    if not checks:
+        return ""
+    lines = "\n".join(f"- {noise_line(c, values)}" for c, values in checks.items())
+    return (
+        "Noise of the step ratios: `full` against itself at each context, two caches of the "
+        "chosen baseline timed interleaved in the latency pre-pass (the records' "
+        "`baseline_self_ratio` [`baseline_self_interval`], `baseline_self_rounds`, "
+        "`baseline_storage_dtype`):\n\n"
+        + lines
+        + f"\n\n{NOISE_MARK} after a step ratio: its 95% interval overlaps `full` vs itself's "
+        "at that context, so the run cannot tell its step from `full`'s (within noise)."
+    )
 
 
 def step_contexts(rs: list[HeadlineRow]) -> list[int]:
@@ -491,10 +675,12 @@ def _nominal_cell(r: HeadlineRow) -> str:
     return "" if kb is None or vb is None else f"{_f(kb, 2)} / {_f(vb, 2)}"
 
 
-def _cells(r: HeadlineRow, floor: float, contexts: list[int]) -> list[str]:
+def _cells(
+    r: HeadlineRow, floor: float, contexts: list[int], noise: dict[int, SelfCheck]
+) -> list[str]:
     """The cells of one row between its label and its frontier mark (``contexts``: the step
-    columns', :func:`step_contexts`)."""
-    steps = [step_cell(r, c) for c in contexts] if contexts else [step_cell(r)]
+    columns', :func:`step_contexts`; ``noise``: :func:`noise_at`)."""
+    steps = [step_cell(r, c, noise) for c in contexts] if contexts else [step_cell(r, None, noise)]
     return [
         _f(r["key_bits"], 2),
         _f(r["value_bits"], 2),
@@ -519,11 +705,17 @@ def merge_groups(rs: list[HeadlineRow]) -> list[list[HeadlineRow]]:
     return [sorted(g, key=lambda r: r["label"]) for g in groups.values()]
 
 
-def _line(group: list[HeadlineRow], floor: float, star: bool | None, contexts: list[int]) -> str:
+def _line(
+    group: list[HeadlineRow],
+    floor: float,
+    star: bool | None,
+    contexts: list[int],
+    noise: dict[int, SelfCheck],
+) -> str:
     """One table line for a group of rows holding the same cache: labels joined by `` = ``,
     each cell once where the rows agree, else their cells in label order joined by `` / ``;
     the frontier cell last (``★`` when ``star``), none when ``star`` is ``None`` (peers)."""
-    cols = zip(*(_cells(r, floor, contexts) for r in group))
+    cols = zip(*(_cells(r, floor, contexts, noise) for r in group))
     cells = [c[0] if len(set(c)) == 1 else " / ".join(c) for c in cols]
     label = " = ".join(row_label(r) for r in group)
     mark = "" if star is None else f" {'★' if star else ''} |"
@@ -553,14 +745,10 @@ def _baselines(allrows: list[HeadlineRow], contexts: list[int]) -> str:
     """``; baseline storage: float16 in N records, float32 in M`` over the latency records
     shown that name theirs (``baseline_storage_dtype``), else ``""``."""
     count: dict[str, int] = {}
-    for r in allrows:
-        recs = [r["step_records"][c] for c in contexts if c in r["step_records"]] or [
-            r["sources"][k] for k in ("latency",) if k in r["sources"]
-        ]
-        for rec in recs:
-            dt = rec.manifest.get("baseline_storage_dtype")
-            if dt is not None:
-                count[str(dt)] = count.get(str(dt), 0) + 1
+    for rec in _shown_latency(allrows, contexts):
+        dt = rec.manifest.get("baseline_storage_dtype")
+        if dt is not None:
+            count[str(dt)] = count.get(str(dt), 0) + 1
     if not count:
         return ""
     parts = [f"{dt} in {n} record{'s' if n > 1 else ''}" for dt, n in sorted(count.items())]
@@ -665,12 +853,14 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
 def headline_table(records: list[Record]) -> str:
     """Markdown: one table per section ((a), (b), then the peers' own, :data:`PEERS`, without a
     frontier column), rows sorted by bytes after ``full``, rows holding the same cache merged
-    (:func:`merge_groups`), the Pareto frontier of (a) and (b) marked, a note naming each
-    column's source and the merged labels (see the module docstring).  Rows without a KL or
-    bytes are listed but not ranked."""
+    (:func:`merge_groups`), the Pareto frontier of (a) and (b) marked, step cells within noise
+    marked, the noise of the step ratios per context (:func:`noise_block`, where the records
+    carry it), a note naming each column's source and the merged labels (see the module
+    docstring).  Rows without a KL or bytes are listed but not ranked."""
     allrows = rows(records)
     floor = noise_floor(allrows)
     contexts = step_contexts(allrows)
+    noise = noise_at(self_checks(allrows, contexts))
     base = [r for r in allrows if r["section"] == "base"]
     parts, merged = [], []
     for sec, title in SECTIONS.items():
@@ -689,13 +879,14 @@ def headline_table(records: list[Record]) -> str:
         front = {id(r) for r, on in zip(ranked, mask) if on}
         groups = [[r] for r in base] + merge_groups(rs)
         merged += [" = ".join(row_label(r) for r in g) for g in groups if len(g) > 1]
-        lines = [_line(g, floor, any(id(r) in front for r in g), contexts) for g in groups]
+        lines = [_line(g, floor, any(id(r) in front for r in g), contexts, noise) for g in groups]
         parts.append(f"#### {title}\n\n{head(contexts)}\n" + "\n".join(lines))
     peers = sorted(
         (r for r in allrows if r["section"] == "peer"),
         key=lambda r: (r["bytes_ratio"] is None, r["bytes_ratio"] or 0, r["label"]),
     )
     if peers:
-        lines = [_line([r], floor, None, contexts) for r in base + peers]
+        lines = [_line([r], floor, None, contexts, noise) for r in base + peers]
         parts.append(f"#### {PEERS}\n\n{peer_head(contexts)}\n" + "\n".join(lines))
-    return "\n\n".join(parts + [note(allrows, floor, merged)])
+    block = noise_block(allrows, contexts)
+    return "\n\n".join(parts + ([block] if block else []) + [note(allrows, floor, merged)])

@@ -9,15 +9,24 @@ transformers cache) and the baseline's: the ``baseline`` method (default ``full`
 the model's dtype, float32 on the default CPU model, or in float16; ``model`` passes
 ``storage_dtype: None``).
 
-0. Pre-pass (:meth:`Latency.choose_baseline`, with two or more candidates): the candidates'
-   caches alone, run through steps 1, 2 and 4 below for the same rounds; the one with the
-   smallest steady-state median step (ties: the first listed) is the baseline of every
-   configuration of the suite run at this context and step threads (kept in
-   ``ctx.shared.latency_baselines``, keyed by the context, ``threads``, the baseline spec and
-   the rest of the protocol), so no method is flattered by a slow baseline, and each
-   configuration times two caches, not one per candidate.  ``info.baseline_storage_dtype``
-   names the choice (``float32``, ``float16``, ...), ``info.baseline_candidates`` each
-   candidate's pre-pass median (ms; ``None`` with a single candidate, no pre-pass).
+0. Pre-pass (:meth:`Latency.choose_baseline`, with two or more candidates): two caches of
+   each candidate (copies A and B: distinct objects of the same state, interleaved as
+   ``float32 A, float32 B, float16 A, float16 B``) alone, run through steps 1, 2 and 4 below
+   for the same rounds; the candidate with the smallest steady-state median step over both
+   copies' steady steps (ties: the first listed) is the baseline of every configuration of
+   the suite run at this context and step threads (kept in ``ctx.shared.latency_baselines``,
+   keyed by the context, ``threads``, the baseline spec and the rest of the protocol), so no
+   method is flattered by a slow baseline, and each configuration times two caches, not one
+   per candidate.  ``info.baseline_storage_dtype`` names the choice (``float32``,
+   ``float16``, ...), ``info.baseline_candidates`` each candidate's pre-pass median (ms, over
+   both copies; ``None`` with a single candidate, no pre-pass).  The noise check, at every
+   context with a pre-pass whatever dtype wins: the chosen candidate's copy A against its
+   copy B, ``info.baseline_self_ratio`` (steady median of A / of B),
+   ``info.baseline_self_interval`` (``[low, high]``, its 95% paired interval as the step
+   ratio's below; ``None`` with fewer than two steady steps a side) over
+   ``info.baseline_self_rounds`` timed rounds (all three ``None`` with a single candidate).
+   Cost: the second copy doubles the pre-pass, ``2 x candidates x (warmup + steps)`` baseline
+   steps per context instead of half as many.
 1. Prefill ``P = d - warmup - steps`` tokens into fresh caches of both.  ``prefill: timed``
    (default): ``prefill_repeats`` times (default 3), alternating which goes first (A B, B A,
    ...); ``prefill_ms`` is the median and ``prefill_ms_ratio`` the ratio to the baseline's
@@ -48,8 +57,8 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
    writes into it or into the other).
 3. Every ratio is against the chosen baseline's steps timed in this call, interleaved with the
    method's (not the pre-pass's).  A configuration equal to the chosen baseline (``full``
-   with its storage dtype) times ``full`` against itself: its ratio is the noise of the
-   measurement.
+   with its storage dtype) times ``full`` against itself: its ratio is noise too, as is the
+   pre-pass's ``baseline_self_ratio``, which every record of the context carries.
 4. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
    steps); steady-state and flush steps are reported separately.
@@ -70,8 +79,8 @@ over the drawn steady-state steps; seeded with the suite's seed, so the record i
 from its timings; absent with fewer than two steady steps a side (rule recorded in
 ``info.ratio_interval``).  ``bytes_total`` of the method's cache at the end.  Raw samples are
 in ``per_layer`` (``decode_ms``, ``baseline_decode_ms`` of the chosen baseline in this call,
-``prepass_decode_ms_<dtype>`` of each candidate in the pre-pass, ``prefill_ms``,
-``baseline_prefill_ms``);
+``prepass_decode_ms_<dtype>`` and ``prepass_decode_ms_<dtype>_b`` of each candidate's copies
+A and B in the pre-pass, ``prefill_ms``, ``baseline_prefill_ms``);
 ``info.flush_index`` lists the flush steps.
 
 Recorded with each run: the ``protocol`` (kvbench caches: ``write-then-attend``,
@@ -279,6 +288,26 @@ class Timed:
     timing: str
 
 
+def prepass_copies(dtype: str) -> tuple[str, str]:
+    """The pre-pass's names of the two caches (copies A and B) of the candidate stored in
+    ``dtype``: ``("<dtype> A", "<dtype> B")``."""
+    return f"{dtype} A", f"{dtype} B"
+
+
+def prepass_names(dtypes: list[str]) -> dict[str, str]:
+    """The pre-pass's caches in interleaving order, name -> candidate dtype: each candidate's
+    copies A and B (:func:`prepass_copies`), candidates in ``dtypes`` order
+    (``float32 A, float32 B, float16 A, float16 B``)."""
+    return {name: dt for dt in dtypes for name in prepass_copies(dt)}
+
+
+def steady_steps(timed: Timed, name: str) -> list[float]:
+    """The timed steps (ms, round order) of cache ``name`` of ``timed`` without its flush
+    steps."""
+    skip = set(timed.split[name].flush_index)
+    return [x for i, x in enumerate(timed.times[name]) if i not in skip]
+
+
 def attention_path(method: Method, attend: bool) -> str:
     if not method.capabilities.layer_cache:
         return "transformers cache update + sdpa over the dequantized K/V it returns"
@@ -438,23 +467,46 @@ class Latency(Workload):
 
     @torch.no_grad()
     def choose_baseline(self, ctx: RunContext) -> BaselineChoice | None:
-        """The pre-pass (docs/design.md#latency): the baseline candidates (:meth:`baselines`)
-        interleaved with each other, no method, for the workload's ``warmup`` + ``steps``
-        rounds; the one with the smallest steady median step (ties: the first listed) is the
-        baseline of every configuration of this context and step threads.  Run once per
-        :meth:`_pass_key` and kept in ``ctx.shared.latency_baselines``; ``None`` (nothing
-        timed) with a single candidate.  ``ValueError`` as :meth:`baselines`."""
+        """The pre-pass (docs/design.md#latency): two caches, copies A and B (distinct objects
+        of the same state), of each baseline candidate (:meth:`baselines`) interleaved with
+        each other, no method, for the workload's ``warmup`` + ``steps`` rounds (names
+        :func:`prepass_names`, candidates in order, A before B); the candidate with the smallest
+        steady median step over both copies' steady steps (ties: the first listed) is the
+        baseline of every configuration of this context and step threads.  The same rounds
+        give the noise check: the chosen candidate's copy A against its copy B, the ratio of
+        their steady medians (``self_ratio``) with its 95% paired interval
+        (:func:`~kvbench.bench.metrics.paired_ratio_ci` over the timed rounds, each copy's
+        flush steps left out, seeded with ``ctx.seed``).  Run once per :meth:`_pass_key` and
+        kept in ``ctx.shared.latency_baselines``; ``None`` (nothing timed) with a single
+        candidate.  ``ValueError`` as :meth:`baselines`."""
         model_dtype = next(ctx.model.parameters()).dtype
         candidates = self.baselines(model_dtype)
         if len(candidates) == 1:
             return None
         key = self._pass_key()
         if key not in ctx.shared.latency_baselines:
-            timed = self._time(ctx, candidates)
-            steady = {dt: timed.split[dt].metrics()["decode_ms_p50"] for dt in candidates}
+            names = prepass_names(list(candidates))
+            timed = self._time(ctx, {name: candidates[dt] for name, dt in names.items()})
+            steady = {
+                dt: summarize(
+                    [x for name in prepass_copies(dt) for x in steady_steps(timed, name)]
+                ).median
+                for dt in candidates
+            }
             chosen = min(candidates, key=lambda dt: steady[dt])
+            a, b = prepass_copies(chosen)
+            sa, sb = timed.split[a], timed.split[b]
+            ci = paired_ratio_ci(
+                timed.times[a], timed.times[b], sa.flush_index, sb.flush_index, seed=ctx.seed
+            )
             ctx.shared.latency_baselines[key] = BaselineChoice(
-                chosen, steady, {dt: timed.times[dt] for dt in candidates}
+                chosen,
+                steady,
+                {dt: timed.times[prepass_copies(dt)[0]] for dt in candidates},
+                {dt: timed.times[prepass_copies(dt)[1]] for dt in candidates},
+                sa.steady.median / sb.steady.median,
+                ci,
+                len(timed.times[a]),
             )
         return ctx.shared.latency_baselines[key]
 
@@ -627,13 +679,14 @@ class Latency(Workload):
             "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
             "row_context_tokens": [d - (p - k) for k in lens],
         }
+        self_iv = None if choice is None else choice.self_interval
         if choice is None:
             how = f"the only candidate of its storage dtypes: {chosen}"
         else:
             how = (
                 f"the faster (smallest steady median step) of its storage dtypes "
-                f"{', '.join(candidates)}, chosen by a pre-pass that timed them interleaved for "
-                f"the same rounds, once per context and step threads: {chosen}"
+                f"{', '.join(candidates)}, chosen by a pre-pass that timed two caches of each "
+                f"interleaved for the same rounds, once per context and step threads: {chosen}"
             )
         info = {
             **self.info,
@@ -652,6 +705,11 @@ class Latency(Workload):
             "baseline": s["baseline"],
             "baseline_storage_dtype": chosen,
             "baseline_candidates": None if choice is None else dict(choice.medians),
+            # the noise check: the chosen baseline's two pre-pass caches, A vs B (None: no
+            # pre-pass with one candidate)
+            "baseline_self_ratio": None if choice is None else choice.self_ratio,
+            "baseline_self_interval": None if self_iv is None else list(self_iv),
+            "baseline_self_rounds": None if choice is None else choice.self_rounds,
             "baseline_attention_path": attention_path(base, attend["baseline"]),
             "interleaving": f"round i starts at configuration i mod {len(names)} "
             f"({', '.join(names)} rotated left by i)",
@@ -681,6 +739,7 @@ class Latency(Workload):
         }
         if choice is not None:  # the pre-pass's steps, shared by every record of its key
             per.update({f"prepass_decode_ms_{dt}": v for dt, v in choice.steps_ms.items()})
+            per.update({f"prepass_decode_ms_{dt}_b": v for dt, v in choice.steps_ms_b.items()})
         if self.prompt is None:
             per["prefill_ms"] = prefill["method"]
             per["baseline_prefill_ms"] = prefill["baseline"]
