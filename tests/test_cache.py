@@ -434,9 +434,12 @@ def test_needs_queries_method_receives_post_rope_queries(arch):
     assert cache.quantized_tokens(0) == (4, 3)  # the prefill finished once queries arrived
     forward(m, prompt(n=1), cache)
     assert cache.get_seq_length() == PROMPT_LEN + 1
-    # without kvbench's attention function no queries arrive: a clear error, not silence
+    # without kvbench's attention function no queries arrive: a clear error, not silence;
+    # a cache bound to the model refuses the prefill, one bound to its config the decode step
     m2 = model(arch, attn="sdpa")
-    c2 = QuantizedKVCache(_NeedsQueries(**KIVI2), m2)
+    with pytest.raises(ValueError, match="attn_implementation='kvbench'"):
+        forward(m2, ids, QuantizedKVCache(_NeedsQueries(**KIVI2), m2))
+    c2 = QuantizedKVCache(_NeedsQueries(**KIVI2), m2.config)
     forward(m2, ids, c2)
     with pytest.raises(ValueError, match="needs post-RoPE queries"), warnings.catch_warnings():
         warnings.simplefilter("ignore")

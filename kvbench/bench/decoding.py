@@ -178,7 +178,9 @@ def greedy_generate(
     The prompt is prefilled in one forward, or with ``context`` in two (the ``ruler11``
     workload's ``question-agnostic`` protocol): its first ``context`` tokens (the prefill,
     where the method compresses), then the other ``P - context`` (a multi-token append, as a
-    decode call).  ``0 < context < P``, else ``ValueError``.
+    decode call, cut where a decode budget drops a token:
+    :meth:`~kvbench.hf.cache.QuantizedKVCache.eviction_appends`, docs/design.md#eviction).
+    ``0 < context < P``, else ``ValueError``.
 
     Returns ``text`` (decoded without special tokens, cut at the first stop string),
     ``new_tokens``, ``stop_reason`` (``eos``, ``stop:<string>`` or ``length``),
@@ -202,8 +204,11 @@ def greedy_generate(
     with kvbench_attention(model):
         out = model(input_ids=ids if context is None else ids[:, :context], use_cache=True, **kw)
         kq, vq = cache.quantized_tokens(0)
-        if context is not None:
-            out = model(input_ids=ids[:, context:], use_cache=True, **kw)
+        s = ids.shape[1] if context is None else context
+        while s < ids.shape[1]:  # one call, cut where a decode budget drops a token
+            m = s + 1 + cache.eviction_appends(ids.shape[1] - s - 1)
+            out = model(input_ids=ids[:, s:m], use_cache=True, **kw)
+            s = m
         for step in range(max_new_tokens):
             tok = int(out.logits[0, -1].argmax())
             if tok in ends:

@@ -12,7 +12,10 @@ Budget (one of two fields): ``keep_ratio`` in (0, 1) (``None``: 0.5 unless ``bud
 is set), the prompt keeps ``max(int(P * keep_ratio), 1)`` tokens (kvpress's ``int(k_len * (1 - compression_ratio))``) and a method with
 a decode budget then holds that many; or ``budget_tokens``, a token count: the prompt keeps
 ``min(budget_tokens, P)`` and a decode budget holds at most ``budget_tokens``.  Every layer and
-KV head keeps the same number of tokens (the indices differ per head).
+KV head keeps the same number of tokens (the indices differ per head).  A decode budget applies
+after every decode token, as one-token decode applies it: a decode call of several tokens fits
+in the budget's room (:meth:`DecodeEvictor.decode_room`), and callers cut longer ones
+(:meth:`kvbench.cache.layer.LayerCache.eviction_appends`).
 """
 
 from __future__ import annotations
@@ -215,6 +218,10 @@ class ScoreEvictor(abc.ABC):
     def at_step(self, layer: LayerCache) -> torch.Tensor | None:
         return None
 
+    def decode_room(self, layer: LayerCache) -> int | None:
+        """``None``: no decode budget, :meth:`at_step` drops nothing."""
+        return None
+
     def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         return None
 
@@ -246,6 +253,13 @@ class DecodeEvictor(ScoreEvictor):
     def dropped(self, drop: torch.Tensor) -> None:
         """Called with the decode decision ``drop [B, H_kv, n]`` (default: nothing)."""
         return None
+
+    def decode_room(self, layer: LayerCache) -> int | None:
+        """Tokens ``layer`` can take before a decode step drops one: the budget less the
+        tokens held (0 once it is full; ``None`` before the prefill set the budget)."""
+        if self.limit is None:
+            return None
+        return max(self.limit - layer.seq_length, 0)
 
     def at_step(self, layer: LayerCache) -> torch.Tensor | None:
         n = self.over_budget(layer)
@@ -320,9 +334,6 @@ class EvictionMethod(Method, abc.ABC):
     refused (``capabilities.padding`` False)."""
 
     Config: ClassVar[type[MethodConfig]] = EvictionConfig
-    #: the evictor scores by the attention decode steps read: a transformers cache routes
-    #: decode attention through ``LayerCache.attend`` (which hands it the probabilities)
-    observes_attention: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig | None = None, **overrides: object) -> None:
         super().__init__(config, **overrides)

@@ -210,6 +210,12 @@ class Evictor(Protocol):
         """A decode step's drop decision, once its tokens are held (``end_step``)."""
         ...
 
+    def decode_room(self, layer: LayerCache) -> int | None:
+        """Tokens ``layer`` can still take (appended, then :meth:`at_step`) before a decode
+        step drops one: an int >= 0, or ``None`` when :meth:`at_step` drops none (no decode
+        budget, or none set yet)."""
+        ...
+
     def observe(self, layer: LayerCache, probs: torch.Tensor, lengths: torch.Tensor | None) -> None:
         """A decode step's float32 softmax ``[B, H_q, n_q, T]`` over the held tokens (only
         called when :attr:`observes_attention`)."""
@@ -675,8 +681,9 @@ class LayerCache:
         R - 1 after a flush; a sliding window of R > 0 values: 0, every step quantizes an older
         token), which assumes :attr:`steady_updates`: a class that clears it gets 0 (one token
         per call: exact, slower), as does a cache that :attr:`observes_attention` or still
-        awaits its prefill queries, or holds an :attr:`evictor` that drops tokens while decoding.
-        A padded batch: the minimum over its rows."""
+        awaits its prefill queries.  An :attr:`evictor` with a decode budget caps it at
+        :meth:`eviction_appends` (no step of the call but its first may drop a token: once the
+        budget is full, one token per call).  A padded batch: the minimum over its rows."""
         if self._rows is not None:
             return min(row.steady_appends(limit) for row in self._rows)
         if (
@@ -684,13 +691,32 @@ class LayerCache:
             or not self.steady_updates
             or self.observes_attention
             or self._awaiting_queries
-            or (self.evictor is not None and self.evictor.evicts_at_decode)
         ):
             return 0
+        limit = self.eviction_appends(limit)
         views = self.viewable()
         for side in (self.k, self.v):  # each side looks no further than the other allows
             limit = _side_steady_appends(side, self.num_sink_tokens, limit, views)
         return limit
+
+    def eviction_appends(self, limit: int) -> int:
+        """How many further tokens can follow the next one in the same decode call before the
+        layer's :attr:`evictor` drops a token (docs/design.md#eviction): an integer in
+        ``[0, limit]`` (tokens); ``limit`` without a decode budget.
+
+        A decode budget applies after every token, as one-token decode applies it, so query
+        ``t`` of a call reads what the layer held after step ``t``.  A call that stays within
+        the budget's room (:meth:`Evictor.decode_room`) drops nothing, and its queries read
+        exactly that; once the budget is full every step drops a token, so calls take one
+        token each (a longer one would drop tokens before its earlier queries attend, leaving
+        them fewer than one-token decode shows them, or none).  Callers cut decode calls here
+        under every protocol.  A padded batch: the minimum over its rows."""
+        if self._rows is not None:
+            return min(row.eviction_appends(limit) for row in self._rows)
+        room = None if self.evictor is None else self.evictor.decode_room(self)
+        if room is None or limit <= 0:
+            return max(limit, 0)
+        return max(min(limit, room - 1), 0)
 
     @classmethod
     def base_updates(cls) -> bool:

@@ -314,6 +314,10 @@ class Method:
     #: that sets ``storage_dtype`` is refused with this reason (so is any for a method without
     #: a layer cache, ``capabilities.layer_cache=False``)
     storage_dtype_refusal: ClassVar[str | None] = None
+    #: the method scores tokens by the attention decode steps read (an eviction method's
+    #: evictor, docs/design.md#eviction): a transformers cache routes its decode attention
+    #: through ``LayerCache.attend``, which hands the probabilities over
+    observes_attention: ClassVar[bool] = False
     name: str = ""
 
     def __init_subclass__(cls, **kwargs: object) -> None:

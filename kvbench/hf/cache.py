@@ -188,6 +188,7 @@ class KVBenchLayer(CacheLayerMixin):
         mask = padding.current(b, lc.seen_tokens + n)
         views = None  # what the call's queries read otherwise than stored (append_viewed)
         if prefill:
+            owner.check_attention()  # before the prompt is stored
             lengths = None
             if mask is not None:
                 lengths = padding.prefill_lengths(mask)
@@ -215,6 +216,8 @@ class KVBenchLayer(CacheLayerMixin):
                     f"with attn_implementation={ATTN_IMPLEMENTATION!r} "
                     f"(kvbench.hf.attention.use_kvbench_attention(model))"
                 )
+            if n > 1 and lc.eviction_appends(n - 1) < n - 1:
+                owner.refuse_evicting_call(n, lc.eviction_appends(n - 1) + 1)
             if attend and n > 1 and lc.viewable():  # exact-chunked: stored, with views
                 views = lc.append_viewed(key_states, value_states)
             else:
@@ -402,8 +405,12 @@ class QuantizedKVCache(Cache):
             )
         self.method = method
         self.method_name = method.name or type(method).__name__
+        #: the decoder config of the model this cache was bound to (``None`` when bound to a
+        #: config): its ``_attn_implementation`` follows the model's switches
+        #: (``set_attn_implementation``), which :meth:`check_attention` reads at the prefill
+        self.model_config = config if hasattr(config_or_model, "config") else None
         # an evictor that scores by observed attention reads it on the attend path only
-        observes = getattr(method, "observes_attention", False)
+        observes = method.observes_attention
         self.attend = bool(attend) or not method.capabilities.keys_values or observes
         if self.attend and "sliding_attention" in types:
             raise ValueError(
@@ -460,6 +467,48 @@ class QuantizedKVCache(Cache):
                 stacklevel=3,
             )
 
+    def check_attention(self) -> None:
+        """Refuse, before a prefill stores anything, a method that needs what only kvbench's
+        attention function hands the cache (the prompt's post-RoPE queries:
+        ``method.needs_queries``; each decode step's attention: ``observes_attention``) when the
+        model this cache was bound to runs another ``attn_implementation`` (a cache bound to a
+        config is refused at its first decode step instead).
+
+        Raises ``ValueError`` naming ``attn_implementation``, the value it needs and how to set
+        it."""
+        impl = getattr(self.model_config, "_attn_implementation", None)
+        if not isinstance(impl, str) or impl == ATTN_IMPLEMENTATION:
+            return
+        needs = []
+        if self.method.needs_queries:
+            needs.append("the prompt's post-RoPE queries (capabilities.needs_queries)")
+        if self.method.observes_attention:
+            needs.append("the attention of each decode step (observes_attention)")
+        if needs:
+            raise ValueError(
+                f"method {self.method_name!r} needs {' and '.join(needs)}, which only "
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} hands the cache; the model runs "
+                f"attn_implementation={impl!r}: load or switch it with attn_implementation="
+                f"{ATTN_IMPLEMENTATION!r} (kvbench.hf.attention.use_kvbench_attention(model), "
+                "or run it inside kvbench.hf.attention.kvbench_attention(model)); nothing was "
+                "stored"
+            )
+
+    def refuse_evicting_call(self, tokens: int, room: int) -> None:
+        """Raise ``ValueError`` for a decode call of ``tokens`` tokens of which only the first
+        ``room`` fit before the method's decode budget drops a token
+        (:meth:`eviction_appends`); called before the call stores anything."""
+        raise ValueError(
+            f"method {self.method_name!r} keeps a decode budget (budget_tokens / keep_ratio) "
+            f"that would drop tokens inside this decode call of {tokens} tokens (at most "
+            f"{room} fit in one call now): a budget applies after every decode token "
+            "(docs/design.md#eviction), so a call "
+            "that evicts inside it would leave its earlier queries fewer tokens than one-token "
+            "decode shows them, or none; cut decode calls where "
+            "QuantizedKVCache.eviction_appends() says (kvbench's workloads do, under every "
+            "protocol) or feed one token per call; nothing was stored"
+        )
+
     def _attended(self, path: str, reason: str) -> None:
         self.decode_paths[path] = self.decode_paths.get(path, 0) + 1
         if reason:
@@ -488,6 +537,17 @@ class QuantizedKVCache(Cache):
         for lc in self.layer_caches():  # each layer looks no further than the others allow
             if lc is not None and limit > 0:
                 limit = lc.steady_appends(limit)
+        return limit
+
+    def eviction_appends(self, limit: int) -> int:
+        """Tokens that can follow the next one in the same decode call before a layer's decode
+        budget drops a token (:meth:`kvbench.cache.layer.LayerCache.eviction_appends`, the
+        minimum over the layers), in ``[0, limit]`` (tokens): ``limit`` for a method without
+        a decode budget.  Callers cut decode calls here under every protocol;
+        :meth:`steady_appends` is never above it.  A longer call is refused by ``update``."""
+        for lc in self.layer_caches():
+            if lc is not None and limit > 0:
+                limit = lc.eviction_appends(limit)
         return limit
 
     # ------------------------------------------------------------------ kvbench views

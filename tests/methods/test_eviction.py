@@ -327,8 +327,14 @@ def test_snapkv_without_kvbench_attention_is_refused_naming_it() -> None:
 
     plain = toy_llama()
     plain.set_attn_implementation("sdpa")
-    cache = QuantizedKVCache(SnapKV(keep_ratio=0.5, window_size=4), plain)
     ids = torch.arange(12)[None]
+    # bound to the model: refused at the prefill, before anything is stored
+    cache = QuantizedKVCache(SnapKV(keep_ratio=0.5, window_size=4), plain)
+    with torch.no_grad(), pytest.raises(ValueError, match="attn_implementation='kvbench'"):
+        plain(ids, **cache_kwarg(cache, plain), use_cache=True)
+    assert cache.get_seq_length() == 0
+    # bound to a config only: the prefill waits for queries, the first decode step is refused
+    cache = QuantizedKVCache(SnapKV(keep_ratio=0.5, window_size=4), plain.config)
     with torch.no_grad(), pytest.warns(UserWarning):
         out = plain(ids, **cache_kwarg(cache, plain), use_cache=True)
         with pytest.raises(ValueError, match="attn_implementation='kvbench'"):

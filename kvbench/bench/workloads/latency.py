@@ -219,7 +219,7 @@ def stored_prompt(cache: QuantizedKVCache, run: Callable[[], object]) -> None:
     if not cache.attend or not method.capabilities.keys_values:
         run()
         return
-    if getattr(method, "observes_attention", False):
+    if method.observes_attention:
         run()
         return
     cache.attend = False

@@ -202,7 +202,10 @@ def chunked_logits(
     ``protocol``: :data:`kvbench.hf.cache.PROTOCOLS` (module docstring); under
     ``exact-chunked`` a kvbench cache's chunk runs as calls cut at
     :meth:`~kvbench.hf.cache.QuantizedKVCache.steady_appends` (one :class:`ScoredState` per
-    chunk, after its last call), a peer's chunk as one call (recorded ``transformers-update``).
+    chunk, after its last call), a peer's chunk as one call (recorded ``transformers-update``);
+    under any protocol a kvbench cache's chunk is also cut where a decode budget drops a token
+    (:meth:`~kvbench.hf.cache.QuantizedKVCache.eviction_appends`: one token per call once an
+    evictor's budget is full; every other method's chunk is one call).
     ``prompt``: the window's :class:`kvbench.hf.capture.PromptState` of ``ids[:, :P]``; a
     kvbench cache of a method with ``prefill_attention: full`` is then prefilled from it instead
     of running the prompt through the model (same state, same logits); one with ``stored`` runs
@@ -236,13 +239,17 @@ def chunked_logits(
             out = model(input_ids=ids[:, :prefill], use_cache=True, **kw)
             logits = [out.logits[:, -1:].float()]
         stored(1)
-        # exact-chunked: each chunk cut where the cache announces a change of what it holds
-        cut = protocol == EXACT_CHUNKED and isinstance(cache, QuantizedKVCache)
+        # exact-chunked: each chunk cut where the cache announces a change of what it holds;
+        # any protocol: where a decode budget drops a token (docs/design.md#eviction)
+        ours = isinstance(cache, QuantizedKVCache)
+        cut = cache.steady_appends if protocol == EXACT_CHUNKED and ours else None
+        if cut is None and ours:
+            cut = cache.eviction_appends
         for s in range(prefill, t - 1, chunk):
             e = min(s + chunk, t - 1)
             part = []
             while s < e:
-                m = e if not cut else s + 1 + cache.steady_appends(e - s - 1)
+                m = e if cut is None else s + 1 + cut(e - s - 1)
                 part.append(model(input_ids=ids[:, s:m], use_cache=True, **kw).logits.float())
                 s = m
             logits.append(torch.cat(part, dim=1))

@@ -14,7 +14,8 @@ are ``HFLM``'s; kvbench overrides the three points where the KV cache is read:
   one forward pass over context + continuation reads no cache, so quantization would change
   nothing.  Instead, per request, the context *without its last token* is prefilled into a fresh
   cache, then the last context token and the continuation tokens but the last are fed ``chunk``
-  tokens at a time (default 1: exact decode), each step attending to the cache's quantized past
+  tokens at a time (default 1: exact decode; a chunk is cut where an evictor's decode budget
+  drops a token, docs/design.md#eviction), each step attending to the cache's quantized past
   under ``protocol`` (as the ``perplexity`` workload does: with ``write-then-attend`` a chunk
   reads its own tokens as stored, so every ``chunk`` gives exact decode's numbers for a method
   whose stored form of a token does not depend on later tokens).  Every scored position
@@ -469,12 +470,15 @@ class KVBenchLM(HFLM):
         reads: list[tuple[float | None, int]] = [
             (0.0 if quantized_read(cache) is not None else None, p - 1)
         ]
+        ours = isinstance(cache, QuantizedKVCache)
         for s in range(p, total, self.chunk):
             e = min(s + self.chunk, total)
             q = quantized_read(cache)
-            out = self.model(input_ids=inp[:, s:e], use_cache=True, **kw)
-            logits.append(out.logits)
             reads.extend((q, s + j) for j in range(e - s))
+            while s < e:  # one call, cut where a decode budget drops a token (eviction)
+                m = s + 1 + cache.eviction_appends(e - s - 1) if ours else e
+                logits.append(self.model(input_ids=inp[:, s:m], use_cache=True, **kw).logits)
+                s = m
         lp = F.log_softmax(torch.cat(logits, dim=1)[0, -n:], dim=-1, dtype=torch.float32)
         return lp, reads[-n:]
 
