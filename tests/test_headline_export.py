@@ -547,23 +547,3 @@ def test_committed_quanto_rows_say_what_differs():
             f"({pw['protocol']}); same configuration, {mw['context']} tokens, float32 storage"
         )
         assert line in table.splitlines(), label
-
-
-def test_default_suite_memory_fills_its_cache_as_perplexity_does():
-    """One cache per row: the default suite's memory workload holds the perplexity workload's
-    cache, the same tokens (``tokens - 1``: the last is only predicted) filled by the same
-    prefill, then one token at a time (perplexity's exact-chunked chunks run as one-token
-    decode for kvbench's caches; a transformers peer's chunks of 16 flush quanto's 128-token
-    residual at the same tokens).  A 1019-token prefill + 4 steps left quanto 4 residual
-    tokens where perplexity's cache held 127."""
-    import yaml
-
-    suite = yaml.safe_load((ROOT / "suites" / "default.yaml").read_text())
-    (p,) = [w for w in suite["workloads"] if w["type"] == "perplexity"]
-    (m,) = [w for w in suite["workloads"] if w["type"] == "memory"]
-    assert m["context"] == p["tokens"] - 1
-    assert m["context"] - m["appends"] == p["prefill"]
-    quanto = [e for e in suite["methods"] if isinstance(e, dict) and e["name"] == "hf-quanto"]
-    assert quanto and all(
-        e.get("config", {}).get("residual_length", 128) % p["chunk"] == 0 for e in quanto
-    )

@@ -330,7 +330,6 @@ def test_step_ratio_vs_context_with_intervals() -> None:
     title = fig._suptitle.get_text()
     assert "model m" in title and "threads 1" in title
     assert "context 1024, 2048, 4096, 8192, 16384 tokens" in title.replace("\n", " ")
-    plots._plt().close(fig)
 
 
 def test_write_plots_and_reasons(tmp_path: Path) -> None:
@@ -384,3 +383,22 @@ def test_each_metric_from_the_workload_most_labels_have() -> None:
     extra.metrics[plots.DECODE] = 1.0
     got = plots._group(lat + [extra], plots.DECODE)
     assert {r.workload["context"] for r in got} == {1024} and len(got) == 7
+
+
+def test_no_figure_is_left_open(tmp_path: Path) -> None:
+    """Figures are not held by pyplot (which keeps each of its figures until ``plt.close``, and
+    warns past 20): a caller that drops a figure, or only reads the reasons of
+    :func:`plots.figures`, leaves none open, whatever it draws."""
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    reasons = [f for _, f in plots.figures(RECORDS) if isinstance(f, str)]
+    drawn = [
+        plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl"),
+        plots.combined_figure(RECORDS, "a"),
+        plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl"),
+        plots.sweep_figure(RECORDS, "latency", plots.DECODE),
+    ]
+    plots.write_plots(RECORDS, tmp_path)
+    assert reasons and all(not isinstance(f, str) for f in drawn)
+    assert plt.get_fignums() == before

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,13 @@ def records() -> list[Record]:
 
 
 @pytest.fixture(scope="module")
-def figs(records: list[Record]) -> Iterator[dict[str, object]]:
+def figs(records: list[Record]) -> dict[str, object]:
+    """Every figure at once (none held by pyplot: :func:`kvbench.report.plots.new_figure`)."""
     out = dict(plots.figures(records))
     for fig in out.values():
         if not isinstance(fig, str):
             fig.canvas.draw()
-    yield out
-    plt = plots._plt()
-    for fig in out.values():
-        if not isinstance(fig, str):
-            plt.close(fig)
+    return out
 
 
 def _drawn(figs: dict[str, object]) -> dict[str, object]:

@@ -125,13 +125,18 @@ class Style(TypedDict):
     number: int
 
 
-def _plt():
-    import matplotlib
+def new_figure(**kwargs: object) -> Figure:
+    """A matplotlib :class:`~matplotlib.figure.Figure` (``kwargs``: its constructor's, e.g.
+    ``figsize`` in inches, ``layout``) on the Agg canvas, never registered with pyplot: nothing
+    but its caller holds it, so it is freed with the caller's last reference and no figure is
+    ever left open (pyplot keeps each figure it creates until ``plt.close``).  Every figure of
+    this module is made here (:func:`kvbench.report.equal_bytes.figure` makes its own alike)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(**kwargs)  # type: ignore[arg-type]
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def style_table(records: list[Record]) -> dict[str, Style]:
@@ -670,7 +675,7 @@ def _figure(
     panels = [(sub, merge_points(ps, styles)) for sub, ps in panels]
     pts = [p for _, ps in panels for p in ps]
     n = len({p.label for p in pts})
-    fig = _plt().figure(
+    fig = new_figure(
         figsize=(6.5 * len(panels) + 4.2, max(6.5, 2.4 + 0.16 * n)), layout="constrained"
     )
     drawn = []
@@ -972,7 +977,7 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
             bars.setdefault(r.label, []).append((x, v, lo * scale, hi * scale))
     styles, peers = style_table(records), peer_labels(records)
     n = len(series)
-    fig = _plt().figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
+    fig = new_figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
     ax = fig.subplots()
     for label in sorted(series, key=lambda lb: styles[lb]["number"]):
         st = styles[label]
@@ -1022,7 +1027,7 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
     """``(name, figure or the reason it is not drawn)`` for every figure: per headline section
     the three Pareto pairs and the combined figure, quality (and directed lm-eval task metrics
     present) against nominal key bits, and latency / memory sweeps over context, one at a time
-    (a caller closes each figure)."""
+    (:func:`new_figure`: held by no one but the caller, nothing to close)."""
     pairs = {
         "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
         "kl_vs_decode": (DECODE, "next_token_kl"),
@@ -1051,7 +1056,6 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
 
 def _save(fig: Figure, path: Path, dpi: int = 130) -> Path:
     fig.savefig(path, dpi=dpi)
-    _plt().close(fig)
     return path
 
 
