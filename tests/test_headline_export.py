@@ -22,6 +22,7 @@ from kvbench.report.headline import (
     PEER_PROTOCOL,
     bytes16,
     bytes_vs_16bit,
+    cache_differences,
     headline_table,
     kv_elements,
     peak_below_rest,
@@ -568,3 +569,70 @@ def test_peak_below_bytes_at_rest_is_flagged():
     # the committed-style mismatch: full at 2.000 bytes (float32) against a float16 memory run
     old = {r["label"]: r for r in rows(records())}
     assert peak_below_rest(old["full"]) == pytest.approx((484 / 384, 2.0))
+
+
+def test_flagged_peak_says_what_differs_between_the_two_caches():
+    """A cache whose flushes depend on its fill (transformers' quanto) measured by perplexity
+    (10 tokens: prefill 5 + chunks of 3) and by memory (10 tokens: prefill 8 + 2 one-token
+    steps) in the same configuration and dtype: 96 bytes (96 / 320 = 0.300 of a 16-bit cache)
+    against 40 (40 / 320 = 0.125) at rest, so the peak (40 + 0) / 320 is below the bytes at
+    rest and flagged.  The note says, from the records, what differs (bytes at rest, the fill)
+    and what agrees (configuration, tokens, storage dtype)."""
+    mem10 = {"context": 10, "appends": 2, "dtype": "float32", "source": "model"}
+    ppl_w = {**PPL, "protocol": "exact-chunked"}
+    cfg = {"nbits": 2, "residual_length": 4}
+    stored = {"storage": {"full_precision_dtype": "float32"}}
+    recs = [
+        rec("full", "full", "perplexity", {"bytes_total": 640, "next_token_kl": 0.0}, None,
+            stored, **ppl_w),
+        rec("full", "full", "memory", {"bytes_total": 640, "peak_step_bytes": 0}, **mem10),
+        rec("Q", "hf-quanto", "perplexity", {"bytes_total": 96, "next_token_kl": 0.1}, cfg,
+            stored, **ppl_w),
+        rec("Q", "hf-quanto", "memory", {"bytes_total": 40, "peak_step_bytes": 0}, cfg, **mem10),
+    ]  # fmt: skip
+    q = {r["label"]: r for r in rows(recs)}["Q"]
+    assert peak_below_rest(q) == pytest.approx((40 / 320, 96 / 320))
+    assert cache_differences(q) == (
+        [
+            "bytes at rest 0.125 (memory) vs 0.300 (perplexity)",
+            "fill prefill 8 + 2 one-token steps vs prefill 5 + chunks of 3 (exact-chunked)",
+        ],
+        ["configuration", "10 tokens", "float32 storage"],
+    )
+    note = headline_table(recs)
+    assert (
+        f"> {PEAK_FLAG} Q: bytes at rest 0.125 (memory) vs 0.300 (perplexity), fill prefill 8 + "
+        "2 one-token steps vs prefill 5 + chunks of 3 (exact-chunked); same configuration, 10 "
+        "tokens, float32 storage\n"
+    ) in note
+    # another configuration, tokens and dtype are named too (memory's value first)
+    recs[3] = rec("Q", "hf-quanto", "memory", {"bytes_total": 40, "peak_step_bytes": 0},
+                  {**cfg, "nbits": 4}, **{**mem10, "context": 12, "dtype": "float16"})  # fmt: skip
+    differs, same = cache_differences({r["label"]: r for r in rows(recs)}["Q"])
+    assert "nbits 4 vs 2" in differs and "tokens 12 vs 10" in differs
+    assert "storage float16 vs float32" in differs and same == []
+
+
+def test_committed_quanto_rows_say_what_differs():
+    """The committed run's hf-quanto rows: perplexity's cache (prefill 512 + chunks of 16)
+    holds 127 residual tokens in float32, memory's (prefill 1019 + 4 steps) 4, same
+    configuration, tokens and dtype; the note gives both bytes at rest and both fills, worked
+    here from the two records' own fields."""
+    if not (ROOT / COMMITTED).is_file():
+        pytest.skip(f"no {COMMITTED}")
+    recs = [Record.from_json(r) for r in ex.load_export(ROOT / COMMITTED)["records"]]
+    table = headline_table(recs)
+    for label in ("hf-quanto K2V2", "hf-quanto K4V4"):
+        (p,) = [r for r in recs if r.label == label and r.workload_type == "perplexity"]
+        (m,) = [r for r in recs if r.label == label and r.workload_type == "memory"]
+        pw, mw = p.workload, m.workload
+        assert p.config == m.config and pw["tokens"] - 1 == mw["context"]
+        assert p.manifest["storage"]["full_precision_dtype"] == mw["dtype"] == "float32"
+        b = [r.metrics["bytes_total"] / bytes16(r) for r in (m, p)]
+        line = (
+            f"> {PEAK_FLAG} {label}: bytes at rest {b[0]:.3f} (memory) vs {b[1]:.3f} "
+            f"(perplexity), fill prefill {mw['context'] - mw['appends']} + {mw['appends']} "
+            f"one-token steps vs prefill {pw['prefill']} + chunks of {pw['chunk']} "
+            f"({pw['protocol']}); same configuration, {mw['context']} tokens, float32 storage"
+        )
+        assert line in table.splitlines(), label

@@ -74,7 +74,8 @@ def _records(latency: bool = True) -> list[Record]:
 
 RECORDS = _records()
 #: the headline table's noise floor: the largest |KL| of unquantized rows (hf-dynamic's
-#: |-8.8e-10|), at least KL_FLOOR = 1e-6; full and hf-dynamic are drawn on it
+#: |-8.8e-10|), at least KL_FLOOR = 1e-6; full and hf-dynamic are at or below it: drawn in the
+#: band below the floor line (:func:`_banded`)
 FLOOR = 1e-6
 SECTION_A = {
     "full": (1.0, FLOOR),
@@ -83,6 +84,8 @@ SECTION_A = {
     "pn-mix V2": (0.21, 0.03),
     "kitty V2": (0.22, 0.1),
 }
+#: the labels of CONFIGS whose KL is at or below FLOOR
+AT_FLOOR = {"full", "hf-dynamic"}
 
 
 def _points(fig) -> dict[str, tuple[float, float]]:
@@ -96,9 +99,39 @@ def _points(fig) -> dict[str, tuple[float, float]]:
 
 
 def _same(got: dict, want: dict) -> None:
+    """``got`` at ``want``'s positions; a point of :data:`AT_FLOOR` at its x, below the floor
+    (in the band, :func:`_banded`)."""
     assert sorted(got) == sorted(want)
     for k, xy in want.items():
-        assert got[k] == pytest.approx(xy, rel=1e-9), k
+        if k in AT_FLOOR:
+            assert got[k][0] == pytest.approx(xy[0], rel=1e-9) and got[k][1] < FLOOR, k
+        else:
+            assert got[k] == pytest.approx(xy, rel=1e-9), k
+
+
+def _banded(fig, ax, labels: set[str]) -> dict[str, tuple[float, float]]:
+    """The pixel centres of the markers of ``labels`` (values at or below the floor), after
+    checking them drawn in the band below the floor line (gid ``floor-band``, from the axes'
+    bottom to the floor), inside the axes, their boxes ((size + edge) / 2 points about the
+    centre) apart from every other marker's."""
+    fig.canvas.draw()
+    (band,) = [p for p in ax.patches if p.get_gid() == "floor-band"]
+    fy = ax.transData.transform((0, FLOOR))[1]
+    frame = ax.get_window_extent()
+    boxes, centres = {}, {}
+    for ln in ax.lines:
+        if ln.get_gid() in {c[0] for c in CONFIGS}:
+            cx, cy = ax.transData.transform((ln.get_xdata()[0], ln.get_ydata()[0]))
+            r = (ln.get_markersize() + ln.get_markeredgewidth()) / 2 * fig.dpi / 72
+            boxes[ln.get_gid()] = (cx - r, cy - r, cx + r, cy + r)
+            centres[ln.get_gid()] = (cx, cy)
+    for lb in labels:
+        x0, y0, x1, y1 = boxes[lb]
+        assert y1 <= fy and y0 >= frame.y0, lb
+        for other, b in boxes.items():
+            if other != lb:
+                assert x1 <= b[0] or b[2] <= x0 or y1 <= b[1] or b[3] <= y0, (lb, other)
+    return {lb: centres[lb] for lb in labels}
 
 
 def _line(fig, gid):
@@ -134,12 +167,19 @@ def test_section_a_quality_vs_bytes() -> None:
     # KL); full and hf-dynamic share a place on the floor and dominate neither each other
     filled = {g for g in SECTION_A if _line(fig, g).get_markerfacecolor() != "none"}
     assert filled == {"full", "hf-dynamic", "kivi K2V2", "pn-mix V2"}
+    # full and hf-dynamic, both at x = 1.0 and at or below the floor: one above the other in
+    # the band (full, the first, nearer the floor line), the frontier through both
+    centres = _banded(fig, ax, AT_FLOOR)
+    assert centres["full"][0] == pytest.approx(centres["hf-dynamic"][0])
+    assert centres["full"][1] > centres["hf-dynamic"][1]
+    ys = {g: float(_line(fig, g).get_ydata()[0]) for g in AT_FLOOR}
     front = _line(fig, "frontier")
-    assert list(front.get_xdata()) == pytest.approx([0.2, 0.21, 1.0])
-    assert list(front.get_ydata()) == pytest.approx([0.3, 0.03, FLOOR])
+    assert list(front.get_xdata()) == pytest.approx([0.2, 0.21, 1.0, 1.0])
+    assert list(front.get_ydata()) == pytest.approx([0.3, 0.03, ys["hf-dynamic"], ys["full"]])
     assert list(_line(fig, "floor").get_ydata()) == [FLOOR] * 2
     key = " ".join(t.get_text() for t in ax.get_legend().get_texts())
     assert "noise floor (1e-06" in key and " 3 kitty V2" in key
+    assert "drawn in the shaded band below it" in " ".join(key.split())
     # five points: named beside their markers
     assert {t.get_text() for t in ax.texts} == set(SECTION_A)
     assert ax.get_yscale() == "log" and ax.get_xscale() == "linear"  # 0.2..1: 5x, linear
@@ -230,7 +270,9 @@ def test_pareto_against_nominal_bits_one_point_per_label() -> None:
     assert sorted(a) == sorted(SECTION_A)
     assert sorted(b) == ["full", "kivi K2 V16", "pn-mix V16"]
     assert (b["kivi K2 V16"].get_xdata()[0], b["kivi K2 V16"].get_ydata()[0]) == (2.5, 0.28)
-    assert (a["hf-dynamic"].get_xdata()[0], a["hf-dynamic"].get_ydata()[0]) == (16, FLOOR)
+    # full and hf-dynamic share x = 16 at or below the floor: both in the band, apart
+    assert a["hf-dynamic"].get_xdata()[0] == 16 and a["hf-dynamic"].get_ydata()[0] < FLOOR
+    _banded(fig, fig.axes[0], AT_FLOOR)
     _check_labels_apart(fig)
 
 
@@ -288,7 +330,6 @@ def test_step_ratio_vs_context_with_intervals() -> None:
     title = fig._suptitle.get_text()
     assert "model m" in title and "threads 1" in title
     assert "context 1024, 2048, 4096, 8192, 16384 tokens" in title.replace("\n", " ")
-    plots._plt().close(fig)
 
 
 def test_write_plots_and_reasons(tmp_path: Path) -> None:
@@ -342,3 +383,22 @@ def test_each_metric_from_the_workload_most_labels_have() -> None:
     extra.metrics[plots.DECODE] = 1.0
     got = plots._group(lat + [extra], plots.DECODE)
     assert {r.workload["context"] for r in got} == {1024} and len(got) == 7
+
+
+def test_no_figure_is_left_open(tmp_path: Path) -> None:
+    """Figures are not held by pyplot (which keeps each of its figures until ``plt.close``, and
+    warns past 20): a caller that drops a figure, or only reads the reasons of
+    :func:`plots.figures`, leaves none open, whatever it draws."""
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    reasons = [f for _, f in plots.figures(RECORDS) if isinstance(f, str)]
+    drawn = [
+        plots.section_figure(RECORDS, "a", "bytes_ratio", "next_token_kl"),
+        plots.combined_figure(RECORDS, "a"),
+        plots.pareto_figure(RECORDS, "nominal_key_bits", "next_token_kl"),
+        plots.sweep_figure(RECORDS, "latency", plots.DECODE),
+    ]
+    plots.write_plots(RECORDS, tmp_path)
+    assert reasons and all(not isinstance(f, str) for f in drawn)
+    assert plt.get_fignums() == before

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.path import Path as MplPath  # noqa: E402
 from matplotlib.text import Annotation  # noqa: E402
 
 from kvbench.bench.records import Record  # noqa: E402
@@ -42,16 +42,13 @@ def records() -> list[Record]:
 
 
 @pytest.fixture(scope="module")
-def figs(records: list[Record]) -> Iterator[dict[str, object]]:
+def figs(records: list[Record]) -> dict[str, object]:
+    """Every figure at once (none held by pyplot: :func:`kvbench.report.plots.new_figure`)."""
     out = dict(plots.figures(records))
     for fig in out.values():
         if not isinstance(fig, str):
             fig.canvas.draw()
-    yield out
-    plt = plots._plt()
-    for fig in out.values():
-        if not isinstance(fig, str):
-            plt.close(fig)
+    return out
 
 
 def _drawn(figs: dict[str, object]) -> dict[str, object]:
@@ -91,6 +88,30 @@ def _non_dominated(pts: list[tuple[float, float]], higher: bool) -> set[tuple[fl
         return a[0] <= b[0] and ya >= yb and (a[0] < b[0] or ya > yb)
 
     return {p for p in pts if not any(beats(q, p) for q in pts)}
+
+
+def _floor_of(ax) -> float | None:
+    """The y of the axes' noise-floor line (gid ``floor``), None without one."""
+    line = _line(ax, "floor")
+    return None if line is None else float(line.get_ydata()[0])
+
+
+def _value_y(ax, y: float) -> float:
+    """The value a marker drawn at ``y`` stands for in the ranking: a marker in the band below
+    the floor line stands for a value at or below the floor, ranked as the floor."""
+    floor = _floor_of(ax)
+    return y if floor is None else max(y, floor)
+
+
+def _marker_boxes(fig, ax) -> dict[str, tuple[float, float, float, float]]:
+    """gid -> the pixel box (x0, y0, x1, y1) of each configuration's marker: its centre from the
+    line's data, its half-width (marker size + edge width) / 2 points."""
+    out = {}
+    for ln in _points(ax):
+        cx, cy = ax.transData.transform((ln.get_xdata()[0], ln.get_ydata()[0]))
+        r = (ln.get_markersize() + ln.get_markeredgewidth()) / 2 * fig.dpi / 72
+        out[ln.get_gid()] = (cx - r, cy - r, cx + r, cy + r)
+    return out
 
 
 def _legend(fig):
@@ -212,6 +233,12 @@ def test_labels_apart_and_inside(figs) -> None:
                         notes[i].get_text(),
                         notes[j].get_text(),
                     )
+            # no label box is crossed by the frontier line (pixels, segment by segment)
+            front = _line(ax, "frontier")
+            if front is not None:
+                path = MplPath(ax.transData.transform(front.get_xydata()))
+                for t, b in zip(notes, boxes):
+                    assert not path.intersects_bbox(b, filled=False), (name, t.get_text())
             # every point is named beside its marker: its name (its label first), or its
             # number in the key (where its name finds no room)
             texts = sorted(t.get_text() for t in notes)
@@ -238,16 +265,60 @@ def test_frontier_is_exactly_the_non_dominated_points(records, figs) -> None:
                 ln.get_gid(): (float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
                 for ln in _points(ax)
             }
-            ranked = [xy for gid, xy in pts.items() if gid not in peers]
-            want = _non_dominated(ranked, higher)
+            # ranked by value: a marker in the floor band stands for the floor
+            vals = {gid: (x, _value_y(ax, y)) for gid, (x, y) in pts.items()}
+            want = _non_dominated([v for gid, v in vals.items() if gid not in peers], higher)
+            on = {gid for gid, v in vals.items() if v in want and gid not in peers}
             front = _line(ax, "frontier")
             got = list(zip(map(float, front.get_xdata()), map(float, front.get_ydata())))
-            assert set(got) == want and len(got) == len(want), name
+            # the line runs through exactly the markers of the non-dominated configurations
+            assert sorted(got) == sorted({pts[gid] for gid in on}), name
             assert [x for x, _ in got] == sorted(x for x, _ in got), name
             for ln in _points(ax):  # filled on the frontier, hollow where dominated or a peer
                 filled = ln.get_markerfacecolor() != "none"
-                on = pts[ln.get_gid()] in want and ln.get_gid() not in peers
-                assert filled == on, (name, ln.get_gid())
+                assert filled == (ln.get_gid() in on), (name, ln.get_gid())
+
+
+def test_markers_at_the_floor_apart_in_its_band(figs) -> None:
+    """No marker hides another at the noise floor: values at or below it (the committed run's
+    full and hf-dynamic at 16 nominal key bits, the two pm-kvq rows at one step ratio in (a)'s
+    KL vs decode) are drawn in the shaded band (gid ``floor-band``) below the floor line,
+    inside the axes, and the pixel box of such a marker overlaps no other marker's; a value
+    above the floor stays above the line.  (Markers of distinct values above the floor are
+    drawn where their values are: close values may touch.)"""
+    banded = set()
+    for name, fig in _drawn(figs).items():
+        if _axes_metrics(name) is None:
+            continue
+        for ax in fig.axes:
+            boxes = _marker_boxes(fig, ax)
+            floor_y = _floor_of(ax)
+            band = [pt for pt in ax.patches if pt.get_gid() == "floor-band"]
+            below = {
+                g for g in boxes if floor_y is not None and _line(ax, g).get_ydata()[0] < floor_y
+            }
+            if not below:
+                assert not band, name
+                continue
+            banded |= {(name, g) for g in below}
+            assert len(band) == 1, name
+            frame = ax.get_window_extent()
+            fy = ax.transData.transform((0, floor_y))[1]
+            for a in sorted(below):
+                p = boxes[a]
+                assert p[3] <= fy and p[1] >= frame.y0 - 0.5, (name, a)  # in the band
+                for b, q in boxes.items():
+                    apart = p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1]
+                    assert b == a or apart, (name, ax.get_title(), a, b)
+            for g, (_, y0, _, y1) in boxes.items():
+                if g not in below:  # a value above the floor: above the line
+                    assert (y0 + y1) / 2 >= fy - 1e-6, (name, g)
+    assert {
+        ("headline_a_kl_vs_decode", "pm-kvq K2V2 (budget 2 bits)"),
+        ("headline_a_kl_vs_decode", "pm-kvq K4V4 (budget 4 bits)"),
+        ("pareto_key_mse_vs_nominal_key_bits", "full"),
+        ("pareto_key_mse_vs_nominal_key_bits", "hf-dynamic"),
+    } <= banded
 
 
 def test_points_at_their_records_values_and_the_tables_floor(records, figs) -> None:
@@ -271,18 +342,24 @@ def test_points_at_their_records_values_and_the_tables_floor(records, figs) -> N
         for ax in fig.axes:
             for ln in _points(ax):
                 gid, px, py = ln.get_gid(), float(ln.get_xdata()[0]), float(ln.get_ydata()[0])
+                bottom = ax.get_ylim()[0]
                 if name.startswith("headline_"):
                     row = rows[gid]
                     want_y = row[y] if y != plots.DECODE else None
-                    if y == "next_token_kl":
-                        want_y = max(row[y], floor)
-                    if want_y is not None:
+                    if y == "next_token_kl" and row[y] <= floor:
+                        # at or below the floor: in the band between the axes' bottom and it
+                        assert bottom <= py < floor, (name, gid, py)
+                    elif want_y is not None:
                         assert py == pytest.approx(want_y, rel=1e-12), (name, gid)
                     if x == "bytes_ratio":
                         assert px == pytest.approx(row["bytes_ratio"], rel=1e-12), (name, gid)
                 else:
                     vals = [r.metrics[y] for r in by_label[gid] if y in r.metrics]
-                    assert any(py == pytest.approx(max([v, *floors])) for v in vals), (name, gid)
+                    band = [v for v in vals if floors and v <= min(floors)]
+                    if band:
+                        assert bottom <= py < min(floors), (name, gid, py)
+                    else:
+                        assert any(py == pytest.approx(v) for v in vals), (name, gid)
                     assert any(r.metrics.get(x) == px for r in by_label[gid]), (name, gid)
         if y == "next_token_kl":
             # the figure's floor is the headline table's, worded as its note words it
@@ -332,8 +409,11 @@ def test_error_bars_where_records_carry_intervals(records, figs) -> None:
                     n += 1
                     assert bar is not None, (name, gid, axis)
                     data = bar.get_ydata() if axis == "y" else bar.get_xdata()
-                    clamp = floor if metric == "next_token_kl" else None
-                    want = [v if clamp is None else max(v, clamp) for v in (lo, hi)]
+                    # a bound at or below the floor sits on it, or at its marker where the
+                    # marker is in the band below the floor
+                    mark = float(ln.get_ydata()[0])
+                    low = metric == "next_token_kl"
+                    want = [min(mark, floor) if low and v <= floor else v for v in (lo, hi)]
                     assert list(map(float, data)) == pytest.approx(want, rel=1e-12), (name, gid)
         if y in ("next_token_kl", "top1_agreement") or x == plots.DECODE:
             assert n >= 5, name  # the perplexity and latency records carry intervals

@@ -374,12 +374,13 @@ def figure(records: list[Record]) -> Figure | str:
     rows = family_rows(records)
     panels = [(p, f"task score ({p})", True) for p in protocols(rows)]
     panels.append(("kl", "next-token KL (nats)", False))
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    # not through pyplot, which would hold the figure until closed (as plots.new_figure)
+    fig = Figure(figsize=(5.2 * len(panels), 4.2))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (y, title, higher) in zip(axes[0], panels):
         for fam in FAMILIES:
             color, marker = STYLE[fam]

@@ -47,7 +47,9 @@ the same figure (``bytes_vs_16bit``, :func:`bytes_vs_16bit`).  The note names th
 stored their full-precision parts in, and the KL reference (``full`` in the model's dtype).
 A ``peak vs full`` cell is marked ``⚠`` (:func:`peak_below_rest`) where the memory record's
 bytes at rest plus step peak, per 16-bit cache, fall below the row's ``bytes vs 16-bit``: the
-two workloads then measured different caches.
+two workloads then measured different caches, and the note says what differs, computed from the
+two records (:func:`cache_differences`: bytes at rest, configuration, tokens, storage dtype,
+fill).
 
 Sections:
 
@@ -661,6 +663,81 @@ def peak_below_rest(row: HeadlineRow) -> tuple[float, float] | None:
     return (peak, rest) if peak < rest - 1e-9 else None
 
 
+def fill_schedule(rec: Record) -> str | None:
+    """How the record's workload filled the cache it measured, from its parameters: a
+    ``memory`` record ``"prefill P + A one-token steps"`` (P = ``context - appends``), a
+    ``perplexity`` record ``"prefill P + chunks of C (protocol)"``; ``None`` when the record
+    does not say.  A cache whose flushes depend on its history (transformers' quanto cache
+    quantizes the whole prompt, then its residual each time it reaches ``residual_length``)
+    holds different tokens in full precision after different fills of the same length."""
+    w = rec.workload
+    if rec.workload_type == "memory" and "context" in w and "appends" in w:
+        n = int(w["appends"])
+        return f"prefill {int(w['context']) - n} + {n} one-token steps"
+    if rec.workload_type == QUALITY and "prefill" in w and "chunk" in w:
+        proto = f" ({w['protocol']})" if w.get("protocol") else ""
+        return f"prefill {w['prefill']} + chunks of {w['chunk']}{proto}"
+    return None
+
+
+def stored_dtype(rec: Record) -> str | None:
+    """The dtype the record's cache stored its full-precision parts in: the perplexity
+    workload's :func:`measured_dtype`, else the configuration's ``storage_dtype``, else the dtype
+    the K/V were handed in (a ``memory`` record's workload ``dtype``, else the model's);
+    ``None`` when the record says none of these."""
+    if rec.workload_type == QUALITY and measured_dtype(rec):
+        return measured_dtype(rec)
+    got = rec.config.get("storage_dtype") or rec.workload.get("dtype") or _model(rec).get("dtype")
+    return str(got) if got else None
+
+
+def cache_differences(row: HeadlineRow) -> tuple[list[str], list[str]] | None:
+    """What differs and what agrees between the cache of the row's ``memory`` record and that
+    of its perplexity record, each part computed from the two records: bytes at rest per 16-bit
+    cache (:func:`bytes_vs_16bit`), configuration, tokens held (:func:`cache_tokens`),
+    full-precision storage dtype (:func:`stored_dtype`) and fill (:func:`fill_schedule`).
+    Returns ``(differs, same)``, e.g. ``(["bytes at rest 0.195 (memory) vs 0.413
+    (perplexity)", "fill prefill 1019 + 4 one-token steps vs prefill 512 + chunks of 16
+    (exact-chunked)"], ["configuration", "1023 tokens", "float32 storage"])`` (bytes as the
+    table prints them, three decimals); ``None`` without a memory record."""
+    mem, q = row["sources"].get("memory"), row["sources"][QUALITY]
+    if mem is None:
+        return None
+    differs, same = [], []
+    rest = _f(bytes_vs_16bit(mem)), _f(row["bytes_ratio"])  # as the table prints bytes
+    if rest[0] != rest[1]:
+        differs.append(f"bytes at rest {rest[0]} (memory) vs {rest[1]} ({QUALITY})")
+    if mem.config == q.config:
+        same.append("configuration")
+    else:
+        keys = sorted(k for k in {*mem.config, *q.config} if mem.config.get(k) != q.config.get(k))
+        differs += [f"{k} {mem.config.get(k, '–')} vs {q.config.get(k, '–')}" for k in keys]
+    parts = (
+        ("tokens", cache_tokens(mem), cache_tokens(q), "{} tokens"),
+        ("storage", stored_dtype(mem), stored_dtype(q), "{} storage"),
+        ("fill", fill_schedule(mem), fill_schedule(q), "fill {}"),
+    )
+    for what, a, b, fmt in parts:
+        if a is None or b is None:
+            continue
+        if a == b:
+            same.append(fmt.format(a))
+        else:
+            differs.append(f"{what} {a} vs {b}")
+    return differs, same
+
+
+def difference_text(row: HeadlineRow) -> str:
+    """:func:`cache_differences` as one line of the note: ``"<label>: <what differs, memory vs
+    perplexity, comma-separated>; same <what agrees>"``."""
+    got = cache_differences(row)
+    if got is None:
+        return f"{row['label']}: no memory record"
+    differs, same = got
+    text = f"{row['label']}: " + (", ".join(differs) or "no recorded difference")
+    return text + (f"; same {', '.join(same)}" if same else "")
+
+
 #: marks a ``peak vs full`` cell of :func:`peak_below_rest`
 PEAK_FLAG = "⚠"
 
@@ -817,15 +894,17 @@ def note(allrows: list[HeadlineRow], floor: float, merged: list[str] | None = No
             f"`storage_dtype` where set, else in that dtype"
         )
     flagged = sorted(
-        r["label"] for r in allrows if r["peak_ratio"] is not None and peak_below_rest(r)
+        (r for r in allrows if r["peak_ratio"] is not None and peak_below_rest(r)),
+        key=lambda r: r["label"],
     )
     if flagged:
         parts.append(
             f"{PEAK_FLAG} (peak vs full): the memory record's bytes at rest + step peak, per "
             "16-bit cache, are below the row's bytes vs 16-bit: the two workloads measured "
-            "different caches (storage dtype or context), so the peak is not that row's cache: "
-            + ", ".join(flagged)
+            "different caches, so the peak is not that row's cache; what differs, from the "
+            "records (memory vs perplexity), one flagged row a line:"
         )
+        parts += [f"{PEAK_FLAG} {difference_text(r)}" for r in flagged]
     parts.append(
         "nominal bits (K / V): the method's own nominal key and value bits per element as its "
         "records carry them (`nominal_key_bits` / `nominal_value_bits` of the quality record, "

@@ -16,8 +16,10 @@ The rules every figure follows:
   filled markers on the frontier, hollow ones dominated (and every peer), a line (gid
   ``frontier``) through exactly the frontier's points sorted by x.
 - **Noise floor** (metrics that cannot be negative, :data:`NONNEG`): one per figure,
-  :func:`noise_floor`, the headline table's rule and wording; values at or below it are drawn on
-  it (a dotted line, gid ``floor``).
+  :func:`noise_floor`, the headline table's rule and wording (a dotted line, gid ``floor``);
+  values at or below it are drawn in a shaded band below that line (gid ``floor-band``), spread
+  over lanes so that no marker hides another (:func:`spread_floor`); they rank as equal (the
+  floor) in the frontier.
 - **95% intervals**: an error bar (gid ``ci-y:<label>`` / ``ci-x:<label>``) wherever the record
   carries ``<metric>_ci_low`` / ``_ci_high``.
 - **Titles** name the model, text, context and decode protocol of the records drawn.
@@ -27,8 +29,9 @@ The rules every figure follows:
 - **Sections**: the headline figures draw section (a) or (b) with ``full``; the peers' own
   section of the table is not drawn there (its rows are in the nominal-bits figures).
 - **Labels**: each point's name (at most :data:`MAX_NAMED` points per axes) or number, placed
-  by :func:`place_labels` where it overlaps no marker and no other label (a leader line counted
-  as part of its label) and stays inside the axes; its number where its name finds no room.
+  by :func:`place_labels` where it overlaps no marker, no other label (a leader line counted
+  as part of its label) and no segment of the frontier line, and stays inside the axes; its
+  number where its name finds no room.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     from kvbench.jsontypes import JSONValue
 
@@ -121,13 +125,18 @@ class Style(TypedDict):
     number: int
 
 
-def _plt():
-    import matplotlib
+def new_figure(**kwargs: object) -> Figure:
+    """A matplotlib :class:`~matplotlib.figure.Figure` (``kwargs``: its constructor's, e.g.
+    ``figsize`` in inches, ``layout``) on the Agg canvas, never registered with pyplot: nothing
+    but its caller holds it, so it is freed with the caller's last reference and no figure is
+    ever left open (pyplot keeps each figure it creates until ``plt.close``).  Every figure of
+    this module is made here (:func:`kvbench.report.equal_bytes.figure` makes its own alike)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(**kwargs)  # type: ignore[arg-type]
+    FigureCanvasAgg(fig)
+    return fig
 
 
 def style_table(records: list[Record]) -> dict[str, Style]:
@@ -267,7 +276,8 @@ def floor_text(metric: str, floor: float) -> str:
     what = "KL" if metric == "next_token_kl" else _short(metric)
     return (
         f"at or below full's noise floor ({floor:.0e}: the largest |{what}| of unquantized "
-        f"rows, at least {KL_FLOOR:.0e}): drawn on it"
+        f"rows, at least {KL_FLOOR:.0e}): drawn in the shaded band below it, spread so that "
+        "none hides another"
     )
 
 
@@ -354,9 +364,11 @@ def _log_axis(ax: Axes, axis: str, values: list[float]) -> None:
 
 def _panel(
     ax: Axes, points: list[Point], y: str, floor: float | None, styles: dict[str, Style]
-) -> list[tuple[Point, float]]:
+) -> list[tuple[Point, float, bool]]:
     """Draw ``points`` on ``ax``: intervals, markers (hollow when dominated), the frontier
-    line, the floor; returns each point with its drawn y."""
+    line, the floor; returns each point with its drawn y (values at or below ``floor`` on it,
+    until :func:`spread_floor` moves them into the band below it) and whether it is on the
+    frontier."""
     higher = direction(y) == HIGHER
 
     def clamp(v: float) -> float:
@@ -401,7 +413,7 @@ def _panel(
     _log_axis(ax, "y", drawn + [clamp(v) for p in points if p.y_ci for v in p.y_ci])
     ax.grid(alpha=0.3, which="major")
     ax.margins(0.06)
-    return list(zip(points, drawn))
+    return list(zip(points, drawn, mask))
 
 
 def _key(
@@ -438,6 +450,121 @@ def _key(
     return out + extra
 
 
+#: points between two markers in the floor band, and between the band and the floor line
+BAND_GAP = 2.0
+
+
+def marker_radius(fig: Figure, line: Line2D) -> float:
+    """Half the drawn width (pixels) of the marker of the one-point line ``line``, its edge
+    included: (marker size + edge width) / 2 points."""
+    return (line.get_markersize() + line.get_markeredgewidth()) / 2 * fig.dpi / 72
+
+
+def spread_floor(
+    fig: Figure, ax: Axes, drawn: list[tuple[Point, float, bool]], floor: float | None
+) -> list[tuple[Point, float, bool]]:
+    """Move the markers of values at or below ``floor`` (drawn on the floor line by
+    :func:`_panel`, where several would hide one another) into a shaded band (gid
+    ``floor-band``) below the line, which holds exactly those values: lanes :data:`BAND_GAP`
+    points apart, the first one marker's width below the line (no marker above the line
+    touches it), each marker in the first lane (from the top) where it overlaps no other,
+    left to right; the axes extend down to hold the lanes.  Intervals and the frontier line
+    follow their markers (an interval bound at or below the floor sits at its marker).  Call
+    after the layout is final (pixel positions); returns ``drawn`` with the new y."""
+    low = [i for i, (p, _, _) in enumerate(drawn) if floor is not None and p.y <= floor]
+    if floor is None or not low:
+        return drawn
+    lines = {ln.get_gid(): ln for ln in ax.lines}
+    marks = {p.label: lines[p.label] for p, _, _ in drawn}
+    rad = {p.label: marker_radius(fig, marks[p.label]) for p, _, _ in drawn}
+    gap = BAND_GAP * fig.dpi / 72
+    band = max(rad[drawn[i][0].label] for i in low)
+    slot = 2 * band + gap
+    xpx = {i: ax.transData.transform((drawn[i][0].x, floor))[0] for i in low}
+    lanes: list[list[int]] = []
+    lane_of: dict[int, int] = {}
+    for i in sorted(low, key=lambda i: (xpx[i], i)):
+        r = rad[drawn[i][0].label]
+        for n, lane in enumerate(lanes + [[]]):
+            if all(abs(xpx[i] - xpx[j]) >= r + rad[drawn[j][0].label] + gap for j in lane):
+                if n == len(lanes):
+                    lanes.append([])
+                lanes[n].append(i)
+                lane_of[i] = n
+                break
+    top = max(rad.values()) + band + gap  # pixels from the floor line to the first lane
+    _room_below(ax, floor, top + slot * (len(lanes) - 1) + band + gap)
+    lo = ax.get_ylim()[0]
+    ax.axhspan(lo, floor, color="0.93", lw=0, zorder=0, gid="floor-band")
+    fy = ax.transData.transform((0, floor))[1]
+    inv = ax.transData.inverted()
+    out = list(drawn)
+    for i in low:
+        p, _, on = drawn[i]
+        px = ax.transData.transform((p.x, floor))[0]
+        y = float(inv.transform((px, fy - top - slot * lane_of[i]))[1])
+        out[i] = (p, y, on)
+        marks[p.label].set_ydata([y])
+        for gid, ys in ((f"ci-y:{p.label}", p.y_ci), (f"ci-x:{p.label}", None)):
+            bar = lines.get(gid)
+            if bar is not None:
+                bar.set_ydata([y if v <= floor else v for v in ys] if ys else [y, y])
+    front = lines.get("frontier")
+    if front is not None:
+        front.set_data(*zip(*sorted({(p.x, y) for p, y, on in out if on})))
+    return out
+
+
+def _room_below(ax: Axes, floor: float, depth: float) -> None:
+    """Lower the y limit of ``ax`` (linear or log) until ``depth`` pixels lie between it and
+    ``floor``; the top limit and the axes' place stay."""
+    import math
+
+    lo, hi = ax.get_ylim()
+    height = ax.get_window_extent().height
+    if ax.get_yscale() == "log":
+        f, inv = math.log10, (lambda v: 10.0**v)
+    else:
+        f, inv = (lambda v: v), (lambda v: v)
+    depth = min(depth, 0.5 * height)  # never more than half the axes
+    need = depth * (f(hi) - f(floor)) / (height - depth)
+    if f(floor) - f(lo) < need:
+        ax.set_ylim(inv(f(floor) - need), hi)
+
+
+def frontier_segments(ax: Axes) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """The segments (pixels) of the frontier line (gid ``frontier``) of ``ax``."""
+    out = []
+    for ln in ax.lines:
+        if ln.get_gid() == "frontier":
+            pts = [tuple(map(float, v)) for v in ax.transData.transform(ln.get_xydata())]
+            out += list(zip(pts[:-1], pts[1:]))
+    return out
+
+
+def crosses(
+    seg: tuple[tuple[float, float], tuple[float, float]], box: tuple[float, float, float, float]
+) -> bool:
+    """Whether the segment ``seg`` = ((x0, y0), (x1, y1)) meets the box (x0, y0, x1, y1), its
+    inside included (Liang-Barsky clipping)."""
+    (ax_, ay), (bx, by) = seg
+    dx, dy = bx - ax_, by - ay
+    t0, t1 = 0.0, 1.0
+    for p, q in ((-dx, ax_ - box[0]), (dx, box[2] - ax_), (-dy, ay - box[1]), (dy, box[3] - ay)):
+        if p == 0:
+            if q < 0:
+                return False
+            continue
+        t = q / p
+        if p < 0:
+            t0 = max(t0, t)
+        else:
+            t1 = min(t1, t)
+        if t0 > t1:
+            return False
+    return True
+
+
 #: inches of a figure's key (7-point text): per entry, per wrapped line within an entry, and
 #: the title and axis text above and below it
 KEY_ENTRY, KEY_WRAP, KEY_TOP = 0.17, 0.12, 1.6
@@ -447,15 +574,17 @@ LEADER_STEP = 2
 
 def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str]]) -> int:
     """Write ``text`` beside each ``(point, drawn y, text, short)`` on ``ax`` at the first of
-    increasingly far offsets (8 directions) where its text overlaps no marker, it stays inside
-    the axes, and its extent (text, with the leader line drawn to a far one: the box from the
-    marker to the text) overlaps the extent of no label placed before; ``short`` (its number in
-    the key) where ``text`` has no such place, and nothing where neither has.  Call after the
-    layout is final.  Returns how many were not written."""
+    increasingly far offsets (8 directions) where its text overlaps no marker and no segment of
+    the frontier line (:func:`frontier_segments`), it stays inside the axes, and its extent
+    (text, with the leader line drawn to a far one: the box from the marker to the text)
+    overlaps the extent of no label placed before; ``short`` (its number in the key) where
+    ``text`` has no such place, and nothing where neither has.  Call after the layout is final
+    (and after :func:`spread_floor`).  Returns how many were not written."""
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
     px = [ax.transData.transform((p.x, y)) for p, y, _, _ in items]
     marks = [(x, y, p.size * fig.dpi / 72 * 0.6 + 1) for (p, _, _, _), (x, y) in zip(items, px)]
+    segments = frontier_segments(ax)
     boxes: list[tuple[float, float, float, float]] = []
     missed = 0
 
@@ -467,6 +596,8 @@ def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str
         if x0 < frame.x0 + 2 or y0 < frame.y0 + 2 or x1 > frame.x1 - 2 or y1 > frame.y1 - 2:
             return False
         if not all(apart(extent, c) for c in boxes):  # type: ignore[arg-type]
+            return False
+        if any(crosses(seg, b) for seg in segments):
             return False
         return not any(
             x0 < mx + r and mx - r < x1 and y0 < my + r and my - r < y1 for mx, my, r in marks
@@ -544,7 +675,7 @@ def _figure(
     panels = [(sub, merge_points(ps, styles)) for sub, ps in panels]
     pts = [p for _, ps in panels for p in ps]
     n = len({p.label for p in pts})
-    fig = _plt().figure(
+    fig = new_figure(
         figsize=(6.5 * len(panels) + 4.2, max(6.5, 2.4 + 0.16 * n)), layout="constrained"
     )
     drawn = []
@@ -553,8 +684,7 @@ def _figure(
         ax.set_xlabel(labels[0], fontsize=8)
         ax.set_ylabel(labels[1], fontsize=8)
         ax.set_title(sub, fontsize=9)
-    higher = direction(axes[1]) == HIGHER
-    fronts = [sum(frontier([(p.x, y) for p, y in d if p.ranked], higher)) for _, d in drawn]
+    fronts = [sum(on for _, _, on in d) for _, d in drawn]
     note = "Pareto frontier (line through the filled markers)"
     if max(fronts) == 1:
         note = "Pareto frontier: one point, it dominates every other (no line)"
@@ -578,7 +708,7 @@ def _figure(
         ncols=ncols,
         handlelength=1.6,
     )
-    better = f"{'upper' if higher else 'lower'}-left is better"
+    better = f"{'upper' if direction(axes[1]) == HIGHER else 'lower'}-left is better"
     lines = [*title[:1], f"filled: Pareto frontier, hollow: dominated; {better}", *title[1:]]
     fig.suptitle(
         "\n".join(textwrap.fill(t, 150, break_on_hyphens=False) for t in lines), fontsize=9
@@ -586,6 +716,7 @@ def _figure(
     fig.canvas.draw()  # the layout, then freeze it: labels go where the axes now are
     fig.set_layout_engine("none")
     for ax, d in drawn:
+        d = spread_floor(fig, ax, d, floor)
         named = len(d) <= MAX_NAMED
         items = [
             (
@@ -594,7 +725,7 @@ def _figure(
                 p.shown if named else str(styles[p.label]["number"]),
                 str(styles[p.label]["number"]),
             )
-            for p, y in d
+            for p, y, _ in d
         ]
         order = sorted(range(len(items)), key=lambda i: (items[i][0].label != d[0][0].label, i))
         missed = place_labels(fig, ax, [items[i] for i in order])
@@ -846,7 +977,7 @@ def sweep_figure(records: list[Record], wtype: str, y: str) -> Figure | str:
             bars.setdefault(r.label, []).append((x, v, lo * scale, hi * scale))
     styles, peers = style_table(records), peer_labels(records)
     n = len(series)
-    fig = _plt().figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
+    fig = new_figure(figsize=(10.5, max(5.5, 2.4 + 0.16 * n)), layout="constrained")
     ax = fig.subplots()
     for label in sorted(series, key=lambda lb: styles[lb]["number"]):
         st = styles[label]
@@ -896,7 +1027,7 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
     """``(name, figure or the reason it is not drawn)`` for every figure: per headline section
     the three Pareto pairs and the combined figure, quality (and directed lm-eval task metrics
     present) against nominal key bits, and latency / memory sweeps over context, one at a time
-    (a caller closes each figure)."""
+    (:func:`new_figure`: held by no one but the caller, nothing to close)."""
     pairs = {
         "kl_vs_bytes": ("bytes_ratio", "next_token_kl"),
         "kl_vs_decode": (DECODE, "next_token_kl"),
@@ -925,7 +1056,6 @@ def figures(records: list[Record]) -> Iterator[tuple[str, Figure | str]]:
 
 def _save(fig: Figure, path: Path, dpi: int = 130) -> Path:
     fig.savefig(path, dpi=dpi)
-    _plt().close(fig)
     return path
 
 
