@@ -53,6 +53,17 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
 4. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
    steps); steady-state and flush steps are reported separately.
+5. Groups (``group`` g > 1, :meth:`Latency.plan`): the runs the runner has still to compute in
+   this workload are timed g at a time in one interleaved run with ONE cache of the chosen
+   baseline (every round steps the baseline once and each configuration of the group once, the
+   order rotated per round: g + 1 forwards a round instead of 2g); each record pairs its own
+   steps with the same rounds' baseline steps (ratio, interval, flush split as in steps 3 and 4)
+   and names the others (``info.group_size``, ``info.timed_with``).  The g caches and the
+   baseline's are held at once; the group's timing counts in the wall time of the run that
+   started it.  A configuration whose cache cannot be built or prefilled
+   leaves the group and its own run times it alone (raising its own error); a run the plan
+   does not hold (another executor, a rerun of one record) is timed alone.  ``group: 1``
+   (default): each configuration alone, no group fields.
 
 Metrics: ``prefill_ms``; ``decode_ms_p50``/``_p90``/``_p99``/``_mean`` over the steady-state
 steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_steps`` (count in
@@ -89,7 +100,10 @@ Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_rep
 ``prefill`` (``timed`` | ``shared``), ``threads`` (1), ``baseline`` (a method name, ``full``),
 ``baseline_storage_dtypes`` (``model`` | ``float16`` | ``bfloat16``, a list, default
 ``["model", "float16"]``), ``path`` (``auto`` | ``reference`` | ``attend``), ``text``
-(``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
+(``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``),
+``group`` (1: configurations timed together against one baseline, an integer >= 1; memory:
+g + 1 caches held at once, e.g. a ``full`` float16 cache of the default model is ~190 MB at
+8192 tokens).
 """
 
 from __future__ import annotations
