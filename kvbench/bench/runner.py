@@ -289,11 +289,10 @@ def execute_run(
 ) -> tuple[dict[str, float], Info, Result, Method]:
     """Run one method configuration in a prepared workload: build the method, fill its model-
     dependent fields, calibrate it if it needs it (``built``: the run's :class:`BuiltMethod`
-    when the workload was given it by :meth:`~kvbench.bench.workloads.Workload.plan`), run the
-    workload, check that it declares
-    every metric it reported (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``)
-    and add ``*_ratio`` metrics against ``baseline``.  Returns (metrics, manifest extras,
-    result, method)."""
+    when the workload was given it by :meth:`~kvbench.bench.workloads.Workload.plan`; else
+    built here), run the workload, check that it declares every metric it reported
+    (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``) and add ``*_ratio``
+    metrics against ``baseline``.  Returns (metrics, manifest extras, result, method)."""
     built = built or BuiltMethod(ctx, workload, run, calibration)
     method, calib_info = built.get()
     per_run = memstat.reset_peak()
@@ -329,12 +328,16 @@ def plan_workload(
     """Give ``workload`` (:meth:`~kvbench.bench.workloads.Workload.plan`) the runs of ``group``
     (its planned runs, in order) still to compute: no record (or ``force``) and not skipped
     (:func:`skip_reason`).  Returns their :class:`BuiltMethod` by index in ``group``, for
-    :func:`compute_record`.  Builds nothing (each method is built when first needed)."""
+    :func:`compute_record`.  Builds no method yet (each is built when first needed)."""
     built: dict[int, BuiltMethod] = {}
     for i, run in enumerate(group):
         if finished_record_exists(run, force):
             continue
-        if skip_reason(get_method(run.method.name, **run.method.config), workload):
+        try:
+            skipped = skip_reason(get_method(run.method.name, **run.method.config), workload)
+        except ValueError:  # a bad configuration: its own run raises it, as before any plan
+            skipped = None
+        if skipped:
             continue
         built[i] = BuiltMethod(ctx, workload, run, suite.calibration)
     workload.plan([PendingRun(group[i].method.label, b) for i, b in built.items()])
@@ -492,6 +495,7 @@ def run_suite(
     """Run every (model, workload, method) of ``suite``; returns the records (new and resumed).
 
     The steps: :func:`plan_runs` (ids and paths, no model), then per model and workload:
+    :func:`plan_workload` (the workload learns the runs it will compute),
     :func:`finished_record` (resume), :func:`ensure_model`, ``workload.prepare`` once,
     :func:`compute_record` and :func:`write_run`.
 
