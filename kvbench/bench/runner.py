@@ -35,6 +35,7 @@ from kvbench.bench.records import (
 from kvbench.bench.suite import MethodSpec, Suite
 from kvbench.bench.workloads import (
     WORKLOADS,
+    PendingRun,
     Result,
     Workload,
     check_metrics,
@@ -219,9 +220,14 @@ def plan_runs(suite: Suite, out_dir: str | Path, limit: int | None = None) -> li
     return runs
 
 
+def finished_record_exists(run: PlannedRun, force: bool = False) -> bool:
+    """Whether :func:`finished_record` would return a record (without reading it)."""
+    return not force and run.path.exists()
+
+
 def finished_record(run: PlannedRun, force: bool = False) -> Record | None:
     """The record a previous sweep wrote for ``run`` (resume), or ``None`` to compute it."""
-    if force or not run.path.exists():
+    if not finished_record_exists(run, force):
         return None
     return load_record(run.path)
 
@@ -235,26 +241,60 @@ def ensure_model(ctx: RunContext, materialize: bool = True) -> None:
         )
 
 
+class BuiltMethod:
+    """The method of one planned run as :func:`execute_run` hands it to the workload: built,
+    fitted to the model (``for_model``), calibrated if it needs it (with its manifest
+    provenance).  Built on the first :meth:`get` (the model must be loaded) and kept, so the
+    workload's :class:`~kvbench.bench.workloads.PendingRun` and the run itself get the same
+    object; a build that raises is not kept (the next call raises again)."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        workload: Workload,
+        run: PlannedRun,
+        calibration: dict[str, JSONValue],
+    ) -> None:
+        self.ctx, self.workload, self.run, self.calibration = ctx, workload, run, calibration
+        self._built: tuple[Method, Info] | None = None
+
+    def get(self) -> tuple[Method, Info]:
+        """(method, calibration provenance for the manifest; ``{}`` without calibration)."""
+        if self._built is None:
+            ctx, run = self.ctx, self.run
+            method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
+            calib_info: Info = {}
+            if method.needs_calibration and self.workload.builds_caches:
+                if ctx.model is None:
+                    calib_info = calibrate_model_free(
+                        ctx, self.workload, method, self.calibration, run
+                    )
+                else:
+                    method, calib_info = calibrated(ctx, method, run, self.calibration)
+                    torch.manual_seed(ctx.seed)  # the run starts from the same RNG state
+            self._built = (method, calib_info)
+        return self._built
+
+    def __call__(self) -> Method:
+        return self.get()[0]
+
+
 def execute_run(
     ctx: RunContext,
     workload: Workload,
     run: PlannedRun,
     calibration: dict[str, JSONValue],
     baseline: dict[str, float] | None,
+    built: BuiltMethod | None = None,
 ) -> tuple[dict[str, float], Info, Result, Method]:
     """Run one method configuration in a prepared workload: build the method, fill its model-
-    dependent fields, calibrate it if it needs it, run the workload, check that it declares
-    every metric it reported (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``)
-    and add ``*_ratio`` metrics against ``baseline``.  Returns (metrics, manifest extras,
-    result, method)."""
-    method = get_method(run.method.name, **run.method.config).for_model(ctx.model_info)
-    calib_info: Info = {}
-    if method.needs_calibration and workload.builds_caches:
-        if ctx.model is None:
-            calib_info = calibrate_model_free(ctx, workload, method, calibration, run)
-        else:
-            method, calib_info = calibrated(ctx, method, run, calibration)
-            torch.manual_seed(ctx.seed)  # the run starts from the same RNG state, cached or not
+    dependent fields, calibrate it if it needs it (``built``: the run's :class:`BuiltMethod`
+    when the workload was given it by :meth:`~kvbench.bench.workloads.Workload.plan`; else
+    built here), run the workload, check that it declares every metric it reported
+    (:func:`~kvbench.bench.workloads.check_metrics`, ``ValueError``) and add ``*_ratio``
+    metrics against ``baseline``.  Returns (metrics, manifest extras, result, method)."""
+    built = built or BuiltMethod(ctx, workload, run, calibration)
+    method, calib_info = built.get()
     per_run = memstat.reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
     result = workload.run(ctx, method)
@@ -282,6 +322,28 @@ def group_by_model(runs: list[PlannedRun]) -> list[list[PlannedRun]]:
     return [list(g) for _, g in itertools.groupby(runs, key=lambda r: r.model_index)]
 
 
+def plan_workload(
+    ctx: RunContext, suite: Suite, workload: Workload, group: list[PlannedRun], force: bool
+) -> dict[int, BuiltMethod]:
+    """Give ``workload`` (:meth:`~kvbench.bench.workloads.Workload.plan`) the runs of ``group``
+    (its planned runs, in order) still to compute: no record (or ``force``) and not skipped
+    (:func:`skip_reason`).  Returns their :class:`BuiltMethod` by index in ``group``, for
+    :func:`compute_record`.  Builds no method yet (each is built when first needed)."""
+    built: dict[int, BuiltMethod] = {}
+    for i, run in enumerate(group):
+        if finished_record_exists(run, force):
+            continue
+        try:
+            skipped = skip_reason(get_method(run.method.name, **run.method.config), workload)
+        except ValueError:  # a bad configuration: its own run raises it, as before any plan
+            skipped = None
+        if skipped:
+            continue
+        built[i] = BuiltMethod(ctx, workload, run, suite.calibration)
+    workload.plan([PendingRun(group[i].method.label, b) for i, b in built.items()])
+    return built
+
+
 def prepare_workload(ctx: RunContext, workload: Workload, seed: int) -> None:
     """``workload.prepare(ctx)`` from a fresh ``torch.manual_seed(seed)``, so what it prepares
     does not depend on which runs came before it (the same on every executor)."""
@@ -296,6 +358,7 @@ def compute_record(
     run: PlannedRun,
     baseline: dict[str, float] | None,
     threads: int | None = None,
+    built: BuiltMethod | None = None,
 ) -> Record:
     """One run in a prepared workload, from a fresh ``torch.manual_seed(suite.seed)``:
     :func:`execute_run`, then its JSON record (config, metrics, manifest, per-layer data).  The
@@ -309,7 +372,7 @@ def compute_record(
     load_start = loadavg()
     try:
         metrics, extras, result, method = execute_run(
-            ctx, workload, run, suite.calibration, baseline
+            ctx, workload, run, suite.calibration, baseline, built
         )
     except ValueError as exc:  # name the entry and workload that failed
         raise ValueError(
@@ -432,6 +495,7 @@ def run_suite(
     """Run every (model, workload, method) of ``suite``; returns the records (new and resumed).
 
     The steps: :func:`plan_runs` (ids and paths, no model), then per model and workload:
+    :func:`plan_workload` (the workload learns the runs it will compute),
     :func:`finished_record` (resume), :func:`ensure_model`, ``workload.prepare`` once,
     :func:`compute_record` and :func:`write_run`.
 
@@ -478,6 +542,7 @@ def run_suite(
                 )
                 baseline: dict[str, float] | None = None
                 prepared = False
+                built = plan_workload(ctx, suite, workload, group, force)
                 for i, run in enumerate(group):
                     bar.set_postfix_str(f"{eta.text()}{run.title}")
                     rec = finished_record(run, force)
@@ -509,7 +574,9 @@ def run_suite(
                                 break
                             prepared = True
                         t0 = time.perf_counter()
-                        rec = compute_record(suite, ctx, workload, run, baseline, threads)
+                        rec = compute_record(
+                            suite, ctx, workload, run, baseline, threads, built.get(i)
+                        )
                         for flag in rec.flags:
                             note(f"warning: {run.title}: {flag}")
                         write_run(run.path, rec)

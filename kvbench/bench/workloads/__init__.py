@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import fnmatch
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import EllipsisType
 from typing import TYPE_CHECKING, ClassVar, NoReturn
@@ -174,6 +174,19 @@ class Result:
     info: dict[str, JSONValue] = field(default_factory=dict)  # goes to the manifest
     #: files written beside the record as ``<run_id>.<name>`` (JSON Lines: name -> rows)
     files: dict[str, list[dict[str, JSONValue]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PendingRun:
+    """A run the runner will compute in a workload (:meth:`Workload.plan`): no record yet, not
+    skipped.  ``label`` is its suite label; ``method()`` returns the method exactly as
+    ``run(ctx, method)`` will receive it (fitted to the model, calibrated if it needs it), built
+    on the first call and then the same object on every call (so a workload tells its runs
+    apart by identity); it raises what building the method raises (``ValueError``, ...).  Call
+    it only inside ``run`` (the model is loaded by then)."""
+
+    label: str
+    method: Callable[[], Method]
 
 
 #: :attr:`Workload.SOURCE_PARAMS` of the workloads that capture K/V from a model's forward over
@@ -339,6 +352,15 @@ class Workload(abc.ABC):
     def prepare(self, ctx: RunContext) -> None:
         """Work shared by every method on one model (called once before the runs); what other
         workloads on the model may reuse goes to ``ctx.shared``.  Default: nothing shared."""
+        return None
+
+    def plan(self, pending: list[PendingRun]) -> None:
+        """The runs the runner is about to compute in this workload, in the order it will call
+        ``run``: called once before the first ``run`` (possibly before ``prepare`` and before
+        the model loads); runs with a record and skipped ones are left out.  A workload may
+        then measure several together (the latency workload's ``group``); ``run`` must still
+        accept any method alone (an executor that never calls ``plan``, a rerun of one record).
+        Default: nothing."""
         return None
 
     def calibration_kv(self, seed: int, tokens: int) -> tuple[LayerKV, LayerKV, Info] | None:

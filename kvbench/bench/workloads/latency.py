@@ -62,6 +62,17 @@ the model's dtype, float32 on the default CPU model, or in float16; ``model`` pa
 4. Flushes (:mod:`kvbench.measure.window`): a step after which the cache holds fewer bytes
    than before is a flush step (a bulk quantization of the residual, e.g. KIVI's keys every R
    steps); steady-state and flush steps are reported separately.
+5. Groups (``group`` g > 1, :meth:`Latency.plan`): the runs the runner has still to compute in
+   this workload are timed g at a time in one interleaved run with ONE cache of the chosen
+   baseline (every round steps the baseline once and each configuration of the group once, the
+   order rotated per round: g + 1 forwards a round instead of 2g); each record pairs its own
+   steps with the same rounds' baseline steps (ratio, interval, flush split as in steps 3 and 4)
+   and names the others (``info.group_size``, ``info.timed_with``).  The g caches and the
+   baseline's are held at once; the group's timing counts in the wall time of the run that
+   started it.  A configuration whose cache cannot be built or prefilled
+   leaves the group and its own run times it alone (raising its own error); a run the plan
+   does not hold (another executor, a rerun of one record) is timed alone.  ``group: 1``
+   (default): each configuration alone, no group fields.
 
 Metrics: ``prefill_ms``; ``decode_ms_p50``/``_p90``/``_p99``/``_mean`` over the steady-state
 steps (percentiles by :data:`kvbench.measure.timer.PERCENTILE_RULE`); ``flush_steps`` (count in
@@ -98,14 +109,17 @@ Parameters: ``context`` (d, 2048), ``steps`` (20), ``warmup`` (3), ``prefill_rep
 ``prefill`` (``timed`` | ``shared``), ``threads`` (1), ``baseline`` (a method name, ``full``),
 ``baseline_storage_dtypes`` (``model`` | ``float16`` | ``bfloat16``, a list, default
 ``["model", "float16"]``), ``path`` (``auto`` | ``reference`` | ``attend``), ``text``
-(``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``).
+(``essays``), ``window`` (0), ``batch_size`` (1), ``padding`` (``none`` | ``left``),
+``group`` (1: configurations timed together against one baseline, an integer >= 1; memory:
+g + 1 caches held at once, e.g. a ``full`` float16 cache of the default model is ~190 MB at
+8192 tokens).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -131,7 +145,7 @@ from kvbench.measure.timer import (
 )
 from kvbench.measure.window import FlushSplit, flush_steps, split_steps
 
-from . import Result, Workload, reject
+from . import PendingRun, Result, Workload, reject
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
@@ -316,6 +330,51 @@ def attention_path(method: Method, attend: bool) -> str:
     return "kvbench attention fn -> sdpa over dequantized keys_values() (reference path)"
 
 
+def built_method(pending: PendingRun) -> Method | None:
+    """``pending.method()``, or ``None`` when building it raises (its own run raises it)."""
+    try:
+        return pending.method()
+    except Exception:  # the run of that configuration reports it (runner.execute_run)
+        return None
+
+
+def group_methods(grp: LatencyGroup) -> list[Method | None]:
+    """The methods of ``grp``'s pending configurations (:func:`built_method`), built once."""
+    if grp.methods is None:
+        grp.methods = [built_method(pr) for pr in grp.pending]
+    return grp.methods
+
+
+def interleaving(order: list[str]) -> str:
+    """The manifest's ``interleaving``: configurations in ``order`` (the baseline last)."""
+    text = (
+        f"round i starts at configuration i mod {len(order)} ({', '.join(order)} rotated left by i)"
+    )
+    if len(order) <= 2:
+        return text
+    return (
+        f"{text}; one run for the group: each round steps the baseline once and each of the "
+        f"{len(order) - 1} configurations once, each ratio pairing a configuration's steps "
+        "with the same rounds' baseline steps"
+    )
+
+
+@dataclass
+class LatencyGroup:
+    """Configurations timed in one interleaved run against one baseline (``group`` > 1,
+    :meth:`Latency.plan`).  ``tried``: the timing ran (or was given up); ``timed``: its result
+    while some member has not collected it; ``members``: key in ``timed`` -> method of the
+    members timed and not yet collected; ``labels``: key -> label of every member timed."""
+
+    pending: list[PendingRun]
+    #: each pending configuration's method (``None``: building it raised), built on first need
+    methods: list[Method | None] | None = None
+    tried: bool = False
+    timed: Timed | None = None
+    members: dict[str, Method] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
 class Latency(Workload):
     type = "latency"
     METRICS = {
@@ -344,6 +403,7 @@ class Latency(Workload):
         "threads": 1,
         "prefill": "timed",
         "baseline_storage_dtypes": ["model", "float16"],
+        "group": 1,
     }
     LIST_PARAMS = frozenset({"baseline_storage_dtypes"})
     FIELDS = {
@@ -358,6 +418,7 @@ class Latency(Workload):
         "threads": Field(int, low=1),
         "prefill": Field(str, choices=PREFILLS),
         "baseline_storage_dtypes": Field(str, shape="list", choices=BASELINE_STORAGE),
+        "group": Field(int, low=1),
     }
 
     @classmethod
@@ -510,9 +571,16 @@ class Latency(Workload):
             )
         return ctx.shared.latency_baselines[key]
 
-    def _time(self, ctx: RunContext, methods: dict[str, Method]) -> Timed:
+    def _time(
+        self,
+        ctx: RunContext,
+        methods: dict[str, Method],
+        dropped: dict[str, Exception] | None = None,
+    ) -> Timed:
         """Prefill fresh caches of ``methods`` (name -> method) and time their decode steps
-        interleaved (protocol steps 1, 2 and 4 of the module docstring)."""
+        interleaved (protocol steps 1, 2 and 4 of the module docstring).  ``dropped`` (a
+        group, :meth:`_time_group`): a name whose cache cannot be built or prefilled is left out
+        of the timing and its exception kept there, not raised; ``None``: it raises."""
         from kvbench.hf.cache import cache_kwarg
 
         s = self.spec
@@ -556,29 +624,52 @@ class Latency(Workload):
 
         prefill: dict[str, list[float]] = {k: [] for k in names}
         shared_prefill: dict[str, bool] = {}
+
+        def timed_prefill(name: str) -> None:  # one round of `prefill: timed`, a fresh cache
+            fresh(name)
+            prefill[name].append(timer(lambda: call(name, slice(0, p))))
+
+        def untimed_prefill(name: str) -> None:  # from the shared capture, else the model
+            fresh(name)
+            c = caches[name]
+            shared_prefill[name] = (
+                isinstance(c, QuantizedKVCache) and prefill_attention(methods[name]) == "full"
+            )
+            if shared_prefill[name]:
+                c.prefill_from(self.prompt.captured)
+            elif not isinstance(c, QuantizedKVCache):  # a peer: replay, else the model
+                shared_prefill[name] = replay_prefill(c, self.prompt.captured)
+                if not shared_prefill[name]:
+                    fresh(name)
+                    call(name, slice(0, p))
+            else:  # prefill_attention: stored
+                stored_prompt(c, lambda: call(name, slice(0, p)))
+
+        def attempt(fn: Callable[[str], None], name: str) -> None:
+            if dropped is None:
+                fn(name)
+                return
+            if name in dropped:
+                return
+            try:
+                fn(name)
+            except Exception as exc:  # a group member: left out; its own run raises it alone
+                dropped[name] = exc
+                caches.pop(name, None)
+
         if self.prompt is None:
             # `prefill_repeats` timed rounds, each on fresh caches, rotating which goes first;
             # the last round's caches decode
             for r in range(reps):
                 for name in rotation(names, r):
-                    fresh(name)
-                    prefill[name].append(timer(lambda name=name: call(name, slice(0, p))))
-        else:  # untimed: from the shared capture where the cache can take it, else the model
+                    attempt(timed_prefill, name)
+        else:
             for name in names:
-                fresh(name)
-                c = caches[name]
-                shared_prefill[name] = (
-                    isinstance(c, QuantizedKVCache) and prefill_attention(methods[name]) == "full"
-                )
-                if shared_prefill[name]:
-                    c.prefill_from(self.prompt.captured)
-                elif not isinstance(c, QuantizedKVCache):  # a peer: replay, else the model
-                    shared_prefill[name] = replay_prefill(c, self.prompt.captured)
-                    if not shared_prefill[name]:
-                        fresh(name)
-                        call(name, slice(0, p))
-                else:  # prefill_attention: stored
-                    stored_prompt(c, lambda name=name: call(name, slice(0, p)))
+                attempt(untimed_prefill, name)
+        if dropped:
+            names = [k for k in names if k not in dropped]
+            prefill = {k: prefill[k] for k in names}
+            attend = {k: attend[k] for k in names}
 
         held: dict[str, list[int | None]] = {k: [] for k in names}
         quant: dict[str, list[tuple[int, int] | None]] = {k: [] for k in names}
@@ -624,6 +715,78 @@ class Latency(Workload):
             timer.how,
         )
 
+    def __init__(self, spec: dict[str, JSONValue]) -> None:
+        super().__init__(spec)
+        #: groups of pending configurations timed together (:meth:`plan`; none: each alone)
+        self.groups: list[LatencyGroup] = []
+
+    def plan(self, pending: list[PendingRun]) -> None:
+        """Split the pending configurations, in order, into groups of ``group`` (the last may
+        be smaller); each group of two or more is timed together against one baseline on the
+        first ``run`` of one of its members (:meth:`_time_group`).  ``group: 1`` groups none."""
+        g = self.spec["group"]
+        chunks = [pending[i : i + g] for i in range(0, len(pending), g)] if g > 1 else []
+        self.groups = [LatencyGroup(c) for c in chunks if len(c) > 1]
+
+    def _time_group(self, ctx: RunContext, grp: LatencyGroup, base: Method) -> None:
+        """Time the configurations of ``grp`` and ``base`` (the chosen baseline) interleaved
+        in one run (:meth:`_time`: every round steps each cache once, the order rotated per
+        round) and keep the result in ``grp`` until each member's ``run`` collects it.  A
+        member whose method cannot be built, refuses the padding, or whose cache cannot be
+        built or prefilled is left out (its own ``run`` then times it alone and raises its own
+        error); if the timing itself fails, or fewer than two members are left, none is kept
+        and each ``run`` times its configuration alone."""
+        grp.tried = True
+        methods: dict[str, Method] = {}
+        labels: dict[str, str] = {}
+        for j, (pr, m) in enumerate(zip(grp.pending, group_methods(grp))):
+            if m is None:
+                continue
+            if self.spec["padding"] == "left":
+                try:
+                    require_padding(m)
+                except ValueError:
+                    continue
+            methods[f"m{j}"], labels[f"m{j}"] = m, pr.label
+        if len(methods) < 2:
+            return
+        dropped: dict[str, Exception] = {}
+        try:
+            timed = self._time(ctx, {**methods, "baseline": base}, dropped)
+        except Exception:  # each member times alone; the failing one raises its own error
+            return
+        kept = [k for k in methods if k not in dropped]
+        if "baseline" in dropped or len(kept) < 2:
+            return
+        grp.timed = timed
+        grp.members = {k: methods[k] for k in kept}
+        grp.labels = {k: labels[k] for k in kept}
+
+    def _grouped(
+        self, ctx: RunContext, method: Method, base: Method
+    ) -> tuple[Timed, str, list[str], list[str]] | None:
+        """``method``'s share of its group's timing (:meth:`plan`, :meth:`_time_group`, timed
+        on the first call for one of its members): the group's :class:`Timed`, ``method``'s
+        key in it, the labels of the others timed with it, and the labels in interleaving order
+        (``baseline`` last); ``None`` when ``method`` is in no group or was left out of its
+        group's timing (then it is timed alone)."""
+        for grp in self.groups:
+            if not any(m is method for m in group_methods(grp)):
+                continue
+            if not grp.tried:
+                self._time_group(ctx, grp, base)
+            key = next((k for k, m in grp.members.items() if m is method), None)
+            if key is None or grp.timed is None:
+                return None
+            timed = grp.timed
+            order = [grp.labels[k] for k in timed.times if k != "baseline"] + ["baseline"]
+            others = [grp.labels[k] for k in timed.times if k not in (key, "baseline")]
+            del grp.members[key]  # collected: the group lets go of it after this run
+            if not grp.members:
+                grp.timed = None
+            return timed, key, others, order
+        return None
+
     @torch.no_grad()
     def run(self, ctx: RunContext, method: Method) -> Result:
         s = self.spec
@@ -636,15 +799,21 @@ class Latency(Workload):
         choice = self.choose_baseline(ctx)  # the pre-pass (once per key; None: one candidate)
         chosen = next(iter(candidates)) if choice is None else choice.storage_dtype
         base = candidates[chosen]
-        # two caches, the method's and the chosen baseline's, interleaved round by round
-        names = ["method", "baseline"]
-        timed = self._time(ctx, {"method": method, "baseline": base})
+        grouped = self._grouped(ctx, method, base)
+        if grouped is None:
+            # two caches, the method's and the chosen baseline's, interleaved round by round
+            key, others = "method", []
+            names = order = ["method", "baseline"]
+            timed = self._time(ctx, {"method": method, "baseline": base})
+        else:  # timed in one run with the other configurations of its group
+            timed, key, others, order = grouped
+            names = [key, "baseline"]
         caches, attend, split, times = timed.caches, timed.attend, timed.split, timed.times
         prefill, lens = timed.prefill, timed.lens
-        mine, ref = split["method"].metrics(), split["baseline"].metrics()
+        mine, ref = split[key].metrics(), split["baseline"].metrics()
         metrics: dict[str, float] = {}
         if self.prompt is None:
-            pm, pb = summarize(prefill["method"]), summarize(prefill["baseline"])
+            pm, pb = summarize(prefill[key]), summarize(prefill["baseline"])
             metrics["prefill_ms"] = pm.median
         metrics.update(mine)
         metrics["tokens_per_s"] = bs * 1000.0 / mine["decode_ms_amortized"]
@@ -656,19 +825,19 @@ class Latency(Workload):
         metrics["decode_ms_amortized_ratio"] = am / ab if ab else float("nan")
         metrics["tokens_per_s_ratio"] = ab / am if am else float("nan")
         ci = paired_ratio_ci(
-            times["method"],
+            times[key],
             times["baseline"],
-            split["method"].flush_index,
+            split[key].flush_index,
             split["baseline"].flush_index,
             seed=ctx.seed,
         )
         if ci is not None:
             metrics["decode_ms_p50_ratio_ci_low"], metrics["decode_ms_p50_ratio_ci_high"] = ci
-        mc = caches["method"]
+        mc = caches[key]
         lcs = mc.layer_caches() if isinstance(mc, QuantizedKVCache) else []
         # a LayerCache gets ``attend_path`` from its first decode attention (none before)
         ran = sorted({str(getattr(lc, "attend_path", None)) for lc in lcs if lc is not None})
-        nb = cache_nbytes(caches["method"])
+        nb = cache_nbytes(caches[key])
         if nb:
             metrics["bytes_total"] = nb["total"]
         batch = {
@@ -676,7 +845,7 @@ class Latency(Workload):
             "padding": padding,
             "row_prompt_tokens": lens,
             "pad_tokens": sum(p - k for k in lens),
-            "pad_tokens_stored": stored_pad_tokens(caches["method"], lens, p),
+            "pad_tokens_stored": stored_pad_tokens(caches[key], lens, p),
             "row_context_tokens": [d - (p - k) for k in lens],
         }
         self_iv = None if choice is None else choice.self_interval
@@ -696,12 +865,12 @@ class Latency(Workload):
             "prefill_threads": timed.prefill_threads,
             "timing": timed.timing,
             "percentiles": PERCENTILE_RULE,
-            "attention_path": attention_path(method, attend["method"]),
+            "attention_path": attention_path(method, attend[key]),
             # the decode protocol (docs/design.md#protocols): the same work either way, a flush
             # before or after the step's attention; a peer runs its own update
-            "protocol": cache_protocol(caches["method"]),
+            "protocol": cache_protocol(caches[key]),
             "baseline_protocol": cache_protocol(caches["baseline"]),
-            "attend_path_ran": ran if attend["method"] else None,
+            "attend_path_ran": ran if attend[key] else None,
             "baseline": s["baseline"],
             "baseline_storage_dtype": chosen,
             "baseline_candidates": None if choice is None else dict(choice.medians),
@@ -711,36 +880,42 @@ class Latency(Workload):
             "baseline_self_interval": None if self_iv is None else list(self_iv),
             "baseline_self_rounds": None if choice is None else choice.self_rounds,
             "baseline_attention_path": attention_path(base, attend["baseline"]),
-            "interleaving": f"round i starts at configuration i mod {len(names)} "
-            f"({', '.join(names)} rotated left by i)",
+            "interleaving": interleaving(order),
             "ratio_baseline": f"{s['baseline']} interleaved in this run, {how}",
             "ratio_interval": RATIO_INTERVAL,
             "prefill": PREFILL_NOTE[s["prefill"]],
             "prefill_tokens": p,
             "prefill_repeats": reps if self.prompt is None else 0,
             "window": STEADY_NOTE,
-            "flush_index": list(split["method"].flush_index),
-            "flush_period": timed.period["method"],
-            "flush_period_source": timed.source["method"],
+            "flush_index": list(split[key].flush_index),
+            "flush_period": timed.period[key],
+            "flush_period_source": timed.source[key],
             "baseline_flush_index": list(split["baseline"].flush_index),
             "cuda_graphs": False,
             "model_dtype": str(model_dtype).removeprefix("torch."),
             **{f"baseline_{k}": v for k, v in ref.items()},
         }
+        if others:  # timed in one run with its group (docs/design.md#latency)
+            info["group_size"] = len(others) + 1
+            info["timed_with"] = others
         if self.prompt is None:
             info["baseline_prefill_ms"] = pb.median
         else:
-            info["prefill_from_capture"] = {k: timed.shared_prefill[k] for k in names}
+            info["prefill_from_capture"] = {
+                k: timed.shared_prefill[name] for k, name in zip(("method", "baseline"), names)
+            }
         if dev.type != "cuda":
             info["timing_note"] = CPU_NOTE
         per: dict[str, list[float]] = {
-            "decode_ms": times["method"],
+            "decode_ms": times[key],
             "baseline_decode_ms": times["baseline"],
         }
         if choice is not None:  # the pre-pass's steps, shared by every record of its key
             per.update({f"prepass_decode_ms_{dt}": v for dt, v in choice.steps_ms.items()})
             per.update({f"prepass_decode_ms_{dt}_b": v for dt, v in choice.steps_ms_b.items()})
         if self.prompt is None:
-            per["prefill_ms"] = prefill["method"]
+            per["prefill_ms"] = prefill[key]
             per["baseline_prefill_ms"] = prefill["baseline"]
+        if grouped is not None:  # the group lets go of this configuration's cache
+            del timed.caches[key]
         return Result(metrics, per, info)
