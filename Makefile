@@ -56,10 +56,13 @@ baseline: $(STAMP)
 # an AVX-512 machine); the suite's own configuration becomes tests/baseline_model/, the measured
 # spread and the tolerances derived from it tests/baseline_model_tolerance.json
 # (docs/mutation.md#model-quality-gate).  Offline: everything comes from pip packages.
-# MODEL_GATE_WORK=<folder> keeps the runs so that a rerun resumes.
+# MODEL_GATE_WORK=<folder> keeps the runs so that a rerun resumes; METHODS='<label> ...' runs only
+# these suite entries and adds them to the committed baseline (tests/model_gate_baseline.py).
 MODEL_GATE_WORK ?=
+METHODS ?=
 baseline-model: $(STAMP)
-	$(BIN)/python tests/model_gate_baseline.py $(if $(MODEL_GATE_WORK),--work $(MODEL_GATE_WORK))
+	$(BIN)/python tests/model_gate_baseline.py $(if $(MODEL_GATE_WORK),--work $(MODEL_GATE_WORK)) \
+		$(if $(METHODS),--methods $(METHODS))
 
 # The known values of tests/test_real_model.py (tests/real_model_values.json) by the same rule;
 # needs WikiText-2 (hub or KVBENCH_DATA_DIR); no method list of its own, so adding a method does
