@@ -20,9 +20,9 @@ RUN_AS = KVBENCH_COMMAND='$(subst ','\'',make $@$(if $(MAKEOVERRIDES), $(MAKEOVE
 
 env: $(STAMP)
 
-# setup.py compiles the native C kernels during the editable install (~186 CPU-s in translation
-# units compiled concurrently, KVBENCH_NATIVE_JOBS at a time, default the CPUs: ~95 s on 2 idle
-# cores): an edit of a C source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler
+# setup.py compiles the native C kernels during the editable install (~145 CPU-s in translation
+# units compiled concurrently, KVBENCH_NATIVE_JOBS at a time, default the CPUs: ~1:30 on 2 cores,
+# 2:35 one compiler at a time): an edit of a C source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler
 # flags (docs/design.md).
 $(STAMP): pyproject.toml setup.py kernels/cpu/csrc/codes.c kvbench/cache/csrc/affine.c \
 		requirements-assets.txt examples/kvbench-example-plugin/pyproject.toml
