@@ -20,8 +20,10 @@ RUN_AS = KVBENCH_COMMAND='$(subst ','\'',make $@$(if $(MAKEOVERRIDES), $(MAKEOVE
 
 env: $(STAMP)
 
-# setup.py compiles the native C kernels during the editable install (~175 CPU-s, one compiler at a time): an edit of a C
-# source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler flags (docs/design.md).
+# setup.py compiles the native C kernels during the editable install (~145 CPU-s in translation
+# units compiled concurrently, KVBENCH_NATIVE_JOBS at a time, default the CPUs: ~1:30 on 2 cores,
+# 2:35 one compiler at a time): an edit of a C source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler
+# flags (docs/design.md).
 $(STAMP): pyproject.toml setup.py kernels/cpu/csrc/codes.c kvbench/cache/csrc/affine.c \
 		requirements-assets.txt examples/kvbench-example-plugin/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,10 +58,13 @@ baseline: $(STAMP)
 # an AVX-512 machine); the suite's own configuration becomes tests/baseline_model/, the measured
 # spread and the tolerances derived from it tests/baseline_model_tolerance.json
 # (docs/mutation.md#model-quality-gate).  Offline: everything comes from pip packages.
-# MODEL_GATE_WORK=<folder> keeps the runs so that a rerun resumes.
+# MODEL_GATE_WORK=<folder> keeps the runs so that a rerun resumes; METHODS='<label> ...' runs only
+# these suite entries and adds them to the committed baseline (tests/model_gate_baseline.py).
 MODEL_GATE_WORK ?=
+METHODS ?=
 baseline-model: $(STAMP)
-	$(BIN)/python tests/model_gate_baseline.py $(if $(MODEL_GATE_WORK),--work $(MODEL_GATE_WORK))
+	$(BIN)/python tests/model_gate_baseline.py $(if $(MODEL_GATE_WORK),--work $(MODEL_GATE_WORK)) \
+		$(if $(METHODS),--methods $(METHODS))
 
 # The known values of tests/test_real_model.py (tests/real_model_values.json) by the same rule;
 # needs WikiText-2 (hub or KVBENCH_DATA_DIR); no method list of its own, so adding a method does

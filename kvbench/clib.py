@@ -5,10 +5,13 @@ Used by the native quantizer (:mod:`kvbench.cache.native_quant`) and the native 
 next to the module that loads it (``kernels/cpu/_codes.so``, ``kvbench/cache/_affine.so``),
 at ``pip install .`` and in place at ``pip install -e .``; nothing is compiled at run time.
 Each build carries its source's SHA-256 (the symbol :data:`SOURCE_SYMBOL`) and an ABI version,
-both checked at load, so a build of an edited source is never used.  ``KVBENCH_NATIVE=0``
-disables every native library; a library not built (no C compiler at install, a source checkout
-never built), stale or of another ABI is unavailable with the reason, and the callers use their
-torch paths.
+both checked at load, so a build of an edited source is never used.  A library has one C source
+file: ``setup.py`` may compile it as several translation units in parallel (the same file, once
+per ``-DKV_UNIT=<unit>``) linked into the one library, so that file's digest covers every line
+compiled into it (a library made of several files would need one digest over all of them).
+``KVBENCH_NATIVE=0`` disables every native library; a library not built (no C compiler at
+install, a source checkout never built), stale or of another ABI is unavailable with the
+reason, and the callers use their torch paths.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 ENV_DISABLE = "KVBENCH_NATIVE"
 #: what builds the libraries of a source checkout (``python setup.py build_ext --inplace`` too)
 BUILD_COMMAND = "pip install -e ."
-#: the ``const char[65]`` in every built library: the hex SHA-256 of the C source it was built from
+#: the ``const char[65]`` in every built library: the hex SHA-256 of the C source it was built
+#: from (its one source file, whatever the translation units ``setup.py`` compiled it as)
 SOURCE_SYMBOL = "kvbench_source_sha256"
 
 

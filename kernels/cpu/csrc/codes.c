@@ -38,6 +38,27 @@
 #define MODE_STREAM 4
 #define MAXD 1024
 
+/* Translation units: setup.py compiles this one file once per unit, in parallel, with
+ * -DKV_UNIT=<unit> (units may be or-ed: -DKV_UNIT=KV_UNIT_KEYS|KV_UNIT_VALUES), and links the
+ * objects into the one library.  A unit holds the functions that emit code under
+ * #if KV_IN(<its bit>); the types, macros and static inline helpers are in every unit, compiled
+ * where used, so each function's code is what the whole file gives it.  Without -DKV_UNIT the
+ * file is the whole library in one unit (KV_UNIT_ALL).  The fused kernel's per-instruction-set
+ * copies, called from another unit, are hidden: the library exports the same kv_* symbols
+ * either way. */
+#define KV_UNIT_KEYS 1          /* kv_keys, kv_abi_version */
+#define KV_UNIT_VALUES 2        /* kv_values */
+#define KV_UNIT_TABLES 4        /* kv_keys_lut_outliers, kv_keys_polar */
+#define KV_UNIT_FUSED 8         /* kv_attend_fused (the build's own target), kv_fused_* */
+#define KV_UNIT_FUSED_AVX2 16   /* kv_attend_fused's AVX2 copy */
+#define KV_UNIT_FUSED_AVX512 32 /* kv_attend_fused's AVX-512 copy */
+#define KV_UNIT_ALL 63
+#ifndef KV_UNIT
+#define KV_UNIT KV_UNIT_ALL
+#endif
+#define KV_IN(U) (((KV_UNIT) & (U)) != 0)
+#define KV_HIDDEN __attribute__((visibility("hidden")))
+
 typedef struct {
     const uint8_t *codes; /* token t of (b, h): codes + b*cs_b + h*cs_h + t*cs_t (bytes) */
     int64_t cs_b, cs_h, cs_t;
@@ -826,6 +847,7 @@ static inline __attribute__((always_inline)) void values_vec_block(
         for (int j = 0; j < vc; j++) memcpy(o + (m0 + m) * D + (v0 + j) * 8, &acc[m][j], 32);
 }
 
+#if KV_IN(KV_UNIT_VALUES)
 static void values_groups_vec(const kv_args *a, int bits) {
     const int is_lut = a->mode == MODE_LUT; /* a table: no group terms */
     const int64_t W = a->W, D = W * (8 / bits), M = a->M, T = a->T, WG = is_lut ? W : a->WG;
@@ -906,10 +928,21 @@ static inline __attribute__((always_inline)) int values_impl(const kv_args *a, i
     if (a->natural && a->mode != MODE_STREAM && cpw_of(bits) > 1) values_to_natural(a, bits);
     return 0;
 }
+#endif /* KV_IN(KV_UNIT_VALUES) */
 
-#define SPECIALISE(BITS)                                                                      \
-    static int keys_b##BITS(const kv_args *a) { return keys_impl(a, BITS); }                  \
+#if KV_IN(KV_UNIT_KEYS)
+#define SPECIALISE_KEYS(BITS) \
+    static int keys_b##BITS(const kv_args *a) { return keys_impl(a, BITS); }
+#else
+#define SPECIALISE_KEYS(BITS)
+#endif
+#if KV_IN(KV_UNIT_VALUES)
+#define SPECIALISE_VALUES(BITS) \
     static int values_b##BITS(const kv_args *a) { return values_impl(a, BITS); }
+#else
+#define SPECIALISE_VALUES(BITS)
+#endif
+#define SPECIALISE(BITS) SPECIALISE_KEYS(BITS) SPECIALISE_VALUES(BITS)
 SPECIALISE(0)
 SPECIALISE(1)
 SPECIALISE(2)
@@ -930,12 +963,14 @@ SPECIALISE(16)
  * Natural channel order (queries and outputs), channel groups of a multiple of 8 channels,
  * up_bits 1..4 (8 codes = up_bits bytes); a token's row r = up_row[(b * H + h) * T + t] of
  * `up` when r >= 0. */
+#if KV_IN(KV_UNIT_KEYS | KV_UNIT_VALUES)
 static int upper_ok(const kv_args *a, int bits) {
     const int64_t cg = a->WG * cpw_of(bits), D = a->W * cpw_of(bits);
     return a->mode == MODE_AFFINE_GROUPS && a->natural && a->up_bits >= 1 && a->up_bits <= 4 &&
            a->up_shift >= 0 && a->up_shift <= 23 &&
            cg % 8 == 0 && D % 8 == 0 && D <= MAXD && a->up_nb * 8 >= D * a->up_bits;
 }
+#endif
 
 /* query rows m0 .. m0 + MC - 1, output vectors j0 .. j0 + VC - 1 of (b, h): accumulators in
  * registers over the high tokens */
@@ -999,6 +1034,7 @@ static inline __attribute__((always_inline)) void values_upper_ub(const kv_args 
         }
 }
 
+#if KV_IN(KV_UNIT_VALUES)
 static void values_upper(const kv_args *a, int bits) {
     switch (a->up_bits) {
     case 1: values_upper_ub(a, bits, 1); break;
@@ -1007,10 +1043,12 @@ static void values_upper(const kv_args *a, int bits) {
     default: values_upper_ub(a, bits, 4); break;
     }
 }
+#endif
 
 /* bits 1..8, 16 (signed int16 codes, affine modes), or 0 for MODE_STREAM.  Returns 0, or -1
  * for an unsupported width or size (D above MAXD), -4 for an upper plane (a->up) the
  * post-pass does not take (upper_ok) */
+#if KV_IN(KV_UNIT_KEYS)
 int kv_keys(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {keys_b0, keys_b1, keys_b2, keys_b3, keys_b4,
                                                    keys_b5, keys_b6, keys_b7, keys_b8};
@@ -1019,7 +1057,9 @@ int kv_keys(const kv_args *a, int bits) {
     if (bits < 0 || bits > 8) return -1;
     return fn[bits](a); /* the upper plane: read in keys_vec_rows */
 }
+#endif
 
+#if KV_IN(KV_UNIT_VALUES)
 int kv_values(const kv_args *a, int bits) {
     static int (*const fn[9])(const kv_args *) = {values_b0, values_b1, values_b2, values_b3,
                                                    values_b4, values_b5, values_b6, values_b7,
@@ -1031,6 +1071,7 @@ int kv_values(const kv_args *a, int bits) {
     if (rc == 0 && a->up) values_upper(a, bits);
     return rc;
 }
+#endif
 
 /* code `d` of a row in kvbench.cache.quant.pack_bits order (bits d*bits .. d*bits + bits - 1) */
 static inline __attribute__((always_inline)) uint32_t code_at(const uint8_t *row, int64_t d,
@@ -1117,6 +1158,7 @@ static inline __attribute__((always_inline)) v8f loadv(const float *p) {
  * pair (i, j) turned by (C, S), q_i C + q_j S for d = i and q_j C - q_i S for d = j (q in
  * pair order).  One pass over the outliers, no per-token branch in the dense loop (about half
  * the token rows of a real model's keys hold an outlier at 1%). */
+#if KV_IN(KV_UNIT_TABLES)
 static void lut_outlier_terms(const kv_lut_args *a, const int bits) {
     const int64_t D = a->D, P = D / 2, M = a->M, T = a->T, BHD = a->B * a->H * D;
     const uint32_t mask = (1u << bits) - 1u;
@@ -1412,6 +1454,7 @@ int kv_keys_polar(const kv_polar_args *a, int rbits, int abits) {
     }
     }
 }
+#endif /* KV_IN(KV_UNIT_TABLES) */
 
 /* ================================================ fused decode attention (one call a layer)
  * kv_attend_fused: the whole attention of a layer's decode step over a cache read as up to
@@ -1840,19 +1883,28 @@ static inline __attribute__((always_inline)) void fused_impl(const kv_fused_args
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2"))) static void
-fused_avx512(const kv_fused_args *a) {
-    fused_impl(a);
-}
+/* the per-instruction-set copies: each in its own unit (KV_UNIT_FUSED_*), called by
+ * kv_attend_fused in KV_UNIT_FUSED (hidden: not exported) */
+#define FZ_AVX512 target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2")
+#define FZ_AVX2 target("avx2,fma,f16c,bmi2")
+__attribute__((FZ_AVX512)) KV_HIDDEN void fused_avx512(const kv_fused_args *a);
+__attribute__((FZ_AVX2)) KV_HIDDEN void fused_avx2(const kv_fused_args *a);
 
-__attribute__((target("avx2,fma,f16c,bmi2"))) static void fused_avx2(const kv_fused_args *a) {
-    fused_impl(a);
-}
+#if KV_IN(KV_UNIT_FUSED_AVX512)
+__attribute__((FZ_AVX512)) KV_HIDDEN void fused_avx512(const kv_fused_args *a) { fused_impl(a); }
+#endif
 
+#if KV_IN(KV_UNIT_FUSED_AVX2)
+__attribute__((FZ_AVX2)) KV_HIDDEN void fused_avx2(const kv_fused_args *a) { fused_impl(a); }
+#endif
+
+#if KV_IN(KV_UNIT_FUSED)
 static void fused_base(const kv_fused_args *a) { fused_impl(a); }
+#endif
 
 #pragma GCC diagnostic pop
 
+#if KV_IN(KV_UNIT_FUSED)
 /* the instruction set kv_attend_fused uses for `isa` (0: the widest the CPU has; 1: the
  * build's own target; 2: AVX2; 3: AVX-512), or -1 when the CPU lacks the one asked for */
 int kv_fused_isa(int isa) {
@@ -1905,5 +1957,8 @@ int kv_attend_fused(const kv_fused_args *a, int isa) {
     default: return -2;
     }
 }
+#endif /* KV_IN(KV_UNIT_FUSED) */
 
+#if KV_IN(KV_UNIT_KEYS)
 int kv_abi_version(void) { return 12; }
+#endif
