@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_latency_workload import tiny_model
 
 import kvbench
 import kvbench.bench.workloads.latency as lat
@@ -24,7 +24,6 @@ from kvbench.bench.suite import parse_suite
 from kvbench.bench.workloads import PendingRun
 from kvbench.bench.workloads.latency import Latency
 from kvbench.cache.method import Method
-from kvbench.hf.attention import use_kvbench_attention
 from kvbench.measure.timer import rotation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,21 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KIVI8 = dict(bits=2, value_bits=2, group_size=8, residual_length=8)
 ONE = ["model"]  # one baseline candidate: no pre-pass
 W, N = 2, 4  # warm-up and timed rounds of every test here
-
-
-def _tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    return use_kvbench_attention(LlamaForCausalLM(cfg).eval())
 
 
 def _prepared(model, **params) -> tuple[Latency, RunContext]:
@@ -95,7 +79,7 @@ def test_a_group_steps_the_baseline_once_per_round() -> None:
     """group 3 over 3 methods: one run of 4 caches (3 methods + the baseline), each stepped
     once a round for ``W + N`` rounds (no second baseline, no re-timing per record); every
     record pairs its steps with the same baseline steps and names the two it was timed with."""
-    model = _tiny_model()
+    model = tiny_model()
     steps = _count_steps(model)
     w, ctx = _prepared(model, group=3)
     methods = _methods()
@@ -122,7 +106,7 @@ def test_a_group_steps_the_baseline_once_per_round() -> None:
 def test_group_1_times_each_configuration_alone_with_todays_fields() -> None:
     """``group: 1`` (the default): each run interleaves its own cache with a baseline of its
     own, 2 x (W + N) steps a record, and the record has no group fields."""
-    model = _tiny_model()
+    model = tiny_model()
     steps = _count_steps(model)
     w, ctx = _prepared(model)
     assert w.spec["group"] == 1
@@ -140,7 +124,7 @@ def test_group_1_times_each_configuration_alone_with_todays_fields() -> None:
 def test_a_method_outside_the_plan_is_timed_alone() -> None:
     """A run of a configuration the plan does not hold (another executor, a rerun) times it
     with its own baseline, as ``group: 1``."""
-    model = _tiny_model()
+    model = tiny_model()
     steps = _count_steps(model)
     w, ctx = _prepared(model, group=3)
     w.plan(_pending(_methods()))
@@ -181,7 +165,7 @@ def test_each_ratio_pairs_its_own_steps_with_the_same_rounds_baseline(
         seq += [ms(name, r - W) for name in rotation(names, r)]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _prepared(_tiny_model(), group=3)
+    w, ctx = _prepared(tiny_model(), group=3)
     methods = _methods()
     w.plan(_pending(methods))
     res = [w.run(ctx, m) for m in methods.values()]
@@ -212,7 +196,7 @@ def test_a_failing_method_does_not_stop_its_group(monkeypatch: pytest.MonkeyPatc
         return real(method, model, **kw)
 
     monkeypatch.setattr(lat, "make_hf_cache", refusing)
-    model = _tiny_model()
+    model = tiny_model()
     steps = _count_steps(model)
     w, ctx = _prepared(model, group=3)
     w.plan(_pending(methods))
@@ -229,7 +213,7 @@ def test_a_failing_method_does_not_stop_its_group(monkeypatch: pytest.MonkeyPatc
 
 def test_a_method_that_cannot_be_built_does_not_stop_its_group() -> None:
     """``PendingRun.method()`` raising (a calibration or config error): left out of the group."""
-    model = _tiny_model()
+    model = tiny_model()
     w, ctx = _prepared(model, group=3)
     methods = _methods()
 

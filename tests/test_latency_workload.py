@@ -25,7 +25,7 @@ from kvbench.hf.attention import use_kvbench_attention
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _tiny_model() -> LlamaForCausalLM:
+def tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         num_hidden_layers=2,
@@ -75,7 +75,7 @@ ONE = ["model"]
 
 
 def test_protocol_repeated_prefill_then_alternating_rounds() -> None:
-    model = Recorder(_tiny_model())
+    model = Recorder(tiny_model())
     w, ctx = _workload(
         model,
         context=40,
@@ -105,13 +105,13 @@ def test_flush_steps_land_where_the_schedule_puts_them() -> None:
     the residual; decode step j (0-based, warm-up included) leaves 3 + j, and the residual is
     flushed when it reaches 8, i.e. after j = 5 and j = 13: timed steps 3 and 11 (2 warm-up
     steps), a period of 8 steps.  Values slide one token per step: not a flush."""
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    w, ctx = _workload(tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
     assert res.info["flush_index"] == [3, 11] and res.metrics["flush_steps"] == 2
     assert res.info["flush_period"] == 8 and "quantized_tokens" in res.info["flush_period_source"]
     assert res.info["baseline_flush_index"] == []  # the full cache never shrinks
     # a shorter window that ends before the first flush holds none
-    w, ctx = _workload(_tiny_model(), context=40, steps=3, warmup=2, prefill_repeats=1)
+    w, ctx = _workload(tiny_model(), context=40, steps=3, warmup=2, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))  # P = 35: 32 + 3, flush after j = 4
     assert res.info["flush_index"] == [2]
 
@@ -143,7 +143,7 @@ def test_metrics_from_injected_timings(monkeypatch: pytest.MonkeyPatch) -> None:
         seq += [meth[i], base[i]] if i % 2 == 0 else [base[i], meth[i]]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
+    w, ctx = _workload(tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     m = w.run(ctx, kvbench.get_method("kivi", **KIVI8)).metrics
     assert ScriptedTimer.samples == []
     assert m["prefill_ms"] == 20.0 and m["prefill_ms_ratio"] == 2.0
@@ -177,7 +177,7 @@ def test_step_ratio_interval_is_paired_over_rounds(monkeypatch: pytest.MonkeyPat
         seq += pair if i % 2 == 0 else pair[::-1]
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
+    w, ctx = _workload(tiny_model(), context=40, steps=12, warmup=2, baseline_storage_dtypes=ONE)
     res = w.run(ctx, kvbench.get_method("full"))
     m = res.metrics
     assert ScriptedTimer.samples == []
@@ -239,7 +239,7 @@ def test_the_faster_baseline_is_picked(monkeypatch: pytest.MonkeyPatch, faster: 
     samples = _prepass(b32, b16) + _two_way(meth, base)  # pre-pass (4 caches), then the run
     ScriptedTimer.samples, ThreadTimer.threads = samples, []
     monkeypatch.setattr(lat, "Timer", ThreadTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    w, ctx = _workload(tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
     m, info = res.metrics, res.info
     assert ScriptedTimer.samples == []
@@ -276,7 +276,7 @@ def test_full_against_itself_when_its_dtype_is_chosen(monkeypatch: pytest.Monkey
     b32, b16 = [10.0 * x for x in drift], [9.0 * x for x in drift]
     ScriptedTimer.samples = _prepass(b32, b16) + _two_way(b16, b16) + _two_way(b32, b16)
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
+    w, ctx = _workload(tiny_model(), context=40, steps=10, warmup=2, prefill_repeats=1)
     same = w.run(ctx, kvbench.get_method("full", storage_dtype="float16"))
     other = w.run(ctx, kvbench.get_method("full"))
     assert ScriptedTimer.samples == []
@@ -301,7 +301,7 @@ def test_prepass_times_four_distinct_caches() -> None:
     a round in the order ``float32 A, float32 B, float16 A, float16 B`` rotated left by the
     round (2 warm-up + 4 timed rounds): no cache is stepped twice in a round or stands in for
     another."""
-    model = Recorder(_tiny_model())
+    model = Recorder(tiny_model())
     w, ctx = _workload(model, context=40, steps=4, warmup=2, prefill_repeats=1)
     choice = w.choose_baseline(ctx)
     calls = model.calls
@@ -337,7 +337,7 @@ def test_self_ratio_pairs_the_chosen_copies(monkeypatch: pytest.MonkeyPatch, fas
     b32, b16 = (slow, fast) if faster == "float16" else (fast, slow)
     ScriptedTimer.samples = _rounds([*b32, *b16]) + _two_way([3.0] * 12, [2.0] * 12)
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
-    w, ctx = _workload(_tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
+    w, ctx = _workload(tiny_model(), context=40, steps=12, warmup=2, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("full"))
     info = res.info
     assert ScriptedTimer.samples == []
@@ -384,7 +384,7 @@ def test_full_against_itself_times_two_distinct_caches_of_one_state() -> None:
     """The ``full`` row's pair: two cache objects, prefilled from one shared capture, hold equal
     K/V in allocations of their own after the warm-up and timed steps (an append writes
     neither into the capture nor into the other cache)."""
-    model = _tiny_model()
+    model = tiny_model()
     w, ctx, ids = _prepared_shared(model, warmup=2, baseline_storage_dtypes=ONE)
     captured = [k.clone() for k in w.prompt.captured.keys]
     full = kvbench.get_method("full")
@@ -414,7 +414,7 @@ def test_prepass_runs_once_per_context_and_threads(monkeypatch: pytest.MonkeyPat
         return real(self, ctx, methods)
 
     monkeypatch.setattr(Latency, "_time", spy)
-    model = _tiny_model()
+    model = tiny_model()
     ctx = RunContext(model=model, model_info={"max_position_embeddings": 256}, seed=0)
     runs = [(40, 1, "full"), (40, 1, "kivi"), (40, 1, "hf-dynamic"), (48, 1, "full")]
     runs += [(48, 1, "kivi"), (40, 2, "full")]
@@ -454,9 +454,7 @@ def test_steps_run_at_the_workload_threads_prefill_at_the_suites(
         for threads in (1, 2):
             ScriptedTimer.samples, ThreadTimer.threads = [1.0] * (2 + 2 * 3), []
             params = dict(context=40, steps=3, warmup=1, prefill_repeats=1)
-            w, ctx = _workload(
-                _tiny_model(), baseline_storage_dtypes=ONE, threads=threads, **params
-            )
+            w, ctx = _workload(tiny_model(), baseline_storage_dtypes=ONE, threads=threads, **params)
             info = w.run(ctx, kvbench.get_method("full")).info
             assert ThreadTimer.threads == [2, 2] + [threads] * 6
             assert info["step_threads"] == threads and info["prefill_threads"] == 2
@@ -472,7 +470,7 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
     is not a replay (``replay_prefill`` answering False) by the model; every cache then holds P
     tokens and decodes the same 5 steps; no prefill is timed.  The shared prefill leaves the cache the
     model's own prefill leaves (same stored K/V)."""
-    model = _tiny_model()
+    model = tiny_model()
     lengths: list[int] = []
     model.register_forward_pre_hook(
         lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
@@ -518,7 +516,7 @@ def test_shared_prefill_captures_once_and_prefills_every_cache() -> None:
 
 
 def test_end_to_end_records() -> None:
-    model = _tiny_model()
+    model = tiny_model()
     w, ctx = _workload(model, context=48, steps=5, warmup=1, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("kivi", **KIVI8))
     m, info = res.metrics, res.info
@@ -632,7 +630,7 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
     """B = 3, d = 40, 3 timed + 1 warm-up steps: P = 36, rows keep 36 - (b * 18) // 2 = 36, 27,
     18 prompt tokens; the prefill masks the pads, positions restart at each row's first real
     token, every decode step feeds position lengths[b] + j and a mask one wider."""
-    model = MaskRecorder(_tiny_model())
+    model = MaskRecorder(tiny_model())
     w, ctx = _batched(model, 3, context=40, steps=3, warmup=1, prefill_repeats=1, padding="left")
     res = w.run(ctx, kvbench.get_method("full"))
     lens = [36, 27, 18]
@@ -658,7 +656,7 @@ def test_padded_batch_feeds_each_row_its_mask_and_positions() -> None:
     # (2 layers x K and V x 2 heads x 16 x 4 bytes): nothing is stored for pads
     assert res.metrics["bytes_total"] == (40 + 31 + 22) * 512
     # an unpadded batch: no mask, one batched cache of 3 x 40 tokens
-    model = MaskRecorder(_tiny_model())
+    model = MaskRecorder(tiny_model())
     w, ctx = _batched(model, 3, context=40, steps=3, warmup=1, prefill_repeats=1)
     res = w.run(ctx, kvbench.get_method("full"))
     assert all(m is None and p is None for _, m, p in model.calls)
@@ -678,7 +676,7 @@ def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatc
     ScriptedTimer.samples = seq
     monkeypatch.setattr(lat, "Timer", ScriptedTimer)
     w, ctx = _batched(
-        _tiny_model(),
+        tiny_model(),
         4,
         context=40,
         steps=4,
@@ -693,10 +691,10 @@ def test_batch_tokens_per_s_from_injected_timings(monkeypatch: pytest.MonkeyPatc
 
 
 def test_padded_batch_refuses_a_method_without_padding() -> None:
-    w, ctx = _batched(_tiny_model(), 2, context=40, steps=3, warmup=1, padding="left")
+    w, ctx = _batched(tiny_model(), 2, context=40, steps=3, warmup=1, padding="left")
     with pytest.raises(ValueError, match="'hf-dynamic' does not support padded batches"):
         w.run(ctx, kvbench.get_method("hf-dynamic"))
-    w, ctx = _batched(_tiny_model(), 2, context=40, steps=3, warmup=1, prefill_repeats=1)
+    w, ctx = _batched(tiny_model(), 2, context=40, steps=3, warmup=1, prefill_repeats=1)
     assert w.run(ctx, kvbench.get_method("hf-dynamic")).metrics["bytes_total"] > 0  # unpadded
 
 
@@ -726,7 +724,7 @@ def test_replayed_peer_prefill_is_the_models_own(name: str) -> None:
     method = kvbench.get_method(name)
     if method.unavailable_reason():
         pytest.skip(method.unavailable_reason())
-    model = _tiny_model()
+    model = tiny_model()
     ids = torch.randint(0, 128, (1, 41), generator=torch.Generator().manual_seed(2))
     prompt = capture_prompt(model, ids[:, :40])
     a, b = (method.transformers_cache(model) for _ in range(2))
@@ -756,7 +754,7 @@ def test_a_peer_whose_prefill_is_no_replay_is_refused() -> None:
         def update(self, k, v, layer):
             return k.half().float(), v
 
-    model = _tiny_model()
+    model = tiny_model()
     prompt = capture_prompt(model, torch.randint(0, 128, (1, 12)))
     assert not replay_prefill(StoresFirst(), prompt.captured)
 
@@ -770,7 +768,7 @@ def test_stored_prompt_attends_on_the_reference_route() -> None:
     from kvbench.cache.layer import LayerCache
     from kvbench.hf.cache import cache_kwarg, make_hf_cache
 
-    model = _tiny_model()
+    model = tiny_model()
     method = kvbench.get_method("int4-block", block_size=16, prefill_attention="stored")
     w, ctx, ids = _prepared_shared(model, warmup=1)
     attends: list[int] = []
