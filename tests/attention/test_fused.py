@@ -103,6 +103,18 @@ KIVI_LAYOUTS = [
 ]
 
 
+def fused_matches_on_every_isa(lc, q: torch.Tensor) -> None:
+    """``lc.attend(q)`` runs the fused kernel and matches the float64 reference on every
+    instruction set this CPU has."""
+    ref = ref64(lc, q)
+    for isa in isas():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(native.ENV_ISA, isa)
+            out = lc.attend(q)
+        assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
+        close_rows(out, ref)
+
+
 @pytest.mark.parametrize("name,cfg", KIVI_LAYOUTS, ids=lambda x: str(x)[:60])
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("tokens", [41, 58, 100])  # not multiples of G; values cut key groups
@@ -113,14 +125,7 @@ def test_fused_kivi_matches_float64(name, cfg, d, tokens, b, hq, hkv):
     assert not isinstance(parts, str), parts
     assert any(p.k.kind == "channel" for p in parts)
     for nq in (1, 3):
-        q = torch.randn(b, hq, nq, d, generator=g) * 2
-        ref = ref64(lc, q)
-        for isa in isas():
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv(native.ENV_ISA, isa)
-                out = lc.attend(q)
-            assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
-            close_rows(out, ref)
+        fused_matches_on_every_isa(lc, torch.randn(b, hq, nq, d, generator=g) * 2)
 
 
 def test_kivi_parts_split_where_either_side_changes():
@@ -155,14 +160,7 @@ def test_kivi_equals_the_unfused_kernels_to_round_off():
 def test_fused_matches_float64(name, cfg, d, tokens, b, hq, hkv):
     lc, g = build(name, cfg, b, hkv, d, tokens)
     for nq in (1, 3):  # one query, and a chunk of queries (causal among them)
-        q = torch.randn(b, hq, nq, d, generator=g)
-        ref = ref64(lc, q)
-        for isa in isas():
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv(native.ENV_ISA, isa)
-                out = lc.attend(q)
-            assert lc.attend_path == cpu.FUSED_PATH, lc.attend_path_reason
-            close_rows(out, ref)
+        fused_matches_on_every_isa(lc, torch.randn(b, hq, nq, d, generator=g))
 
 
 PADDED = [
