@@ -838,14 +838,7 @@ class LayerCache:
         Raises ``ValueError`` for ``lengths`` outside ``[n_q, T]``."""
         if self._rows is not None:
             return ragged.attend(self, query, scaling, lengths)
-        if self.rotation is None:
-            return dispatch.attend(self, query, scaling, lengths)
-        self._attending = True
-        try:
-            out = dispatch.attend(self, self._rot(query, "keys"), scaling, lengths)
-        finally:
-            self._attending = False
-        return self._rot(out, "values", back=True)
+        return self._in_stored_space(query, lambda q: dispatch.attend(self, q, scaling, lengths))
 
     def attend_views(
         self, query: torch.Tensor, scaling: float | None, views: dispatch.StepViews
@@ -857,9 +850,21 @@ class LayerCache:
         :func:`kvbench.attention.dispatch.attend_views` (dequantized keys and values,
         float32 or the query's wider dtype; recorded as ``attend_path`` ``"reference-views"``).
         With a ``rotation`` the query is rotated in and the output back, as :meth:`attend`."""
+        return self._in_stored_space(
+            query, lambda q: dispatch.attend_views(self, q, scaling, views)
+        )
+
+    def _in_stored_space(
+        self, query: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``attend`` of ``query`` rotated into the stored space, its output rotated back
+        (:meth:`keys_values` inside reads the stored space); without a ``rotation``,
+        ``attend(query)``."""
+        if self.rotation is None:
+            return attend(query)
         self._attending = True
         try:
-            out = dispatch.attend_views(self, self._rot(query, "keys"), scaling, views)
+            out = attend(self._rot(query, "keys"))
         finally:
             self._attending = False
         return self._rot(out, "values", back=True)
