@@ -22,8 +22,8 @@ env: $(STAMP)
 
 # setup.py compiles the native C kernels during the editable install (~145 CPU-s in translation
 # units compiled concurrently, KVBENCH_NATIVE_JOBS at a time, default the CPUs: ~1:30 on 2 cores,
-# 2:35 one compiler at a time): an edit of a C source or of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler
-# flags (docs/design.md).
+# 2:35 one compiler at a time, both on a busy machine; docs/design.md): an edit of a C source or
+# of setup.py reinstalls.  KVBENCH_NATIVE_CFLAGS adds compiler flags (docs/design.md).
 $(STAMP): pyproject.toml setup.py kernels/cpu/csrc/codes.c kvbench/cache/csrc/affine.c \
 		requirements-assets.txt examples/kvbench-example-plugin/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
