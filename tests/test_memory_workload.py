@@ -395,35 +395,33 @@ def faults_of_alloc():
     del t
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
-faults_of_alloc()
-out = [faults_of_alloc()]
+outside = [faults_of_alloc() for _ in range(8)]
 with heap_reuse() as applied:
-    for _ in range(3):  # the heap grows to hold the block (once or twice: see the test)
-        faults_of_alloc()
-    out.append(sorted(faults_of_alloc() for _ in range(5))[2])  # median of five
-print(applied, *out)
+    inside = [faults_of_alloc() for _ in range(24)]
+print(applied, " ".join(map(str, outside)), " ".join(map(str, inside)), sep=";")
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_heap_reuse_serves_a_freed_large_block_without_new_page_faults() -> None:
     """Outside ``heap_reuse`` a 64 MiB tensor is a fresh mmap each time (~16K page faults on
-    first touch); inside, once the heap has grown to hold it, every later one reuses the freed
-    heap pages (almost no faults).  The growth takes one allocation, in about a third of fresh
-    processes two (a small allocation between free and malloc takes the freed block's start, so
-    the next block extends the heap once more); so the allocations measured follow three warm-up
-    ones, and the median of five is asserted (a full make test once saw one of them grow the heap
-    again, 16384 faults, which a single outlier may do; without reuse every one faults).  In a
-    fresh process: a long-lived one's heap may hold trimmed (unbacked) free chunks."""
+    first touch, every time); inside, once the heap has grown to hold it, later ones reuse the
+    freed heap pages (almost no faults).  How many allocations grow the heap first depends on the
+    process's earlier small allocations (its environment and path lengths: 1 to 5 of them seen in
+    fresh processes, and once in a long run a late one); so of 24 allocations inside, at most
+    half may fault, against all 8 outside.  In a fresh process: a long-lived one's heap may hold
+    trimmed (unbacked) free chunks."""
     import subprocess
 
     got = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
     assert got.returncode == 0, got.stderr
-    applied, outside, inside = got.stdout.split()
+    applied, outside, inside = got.stdout.strip().split(";")
     pages = (64 << 20) // resource.getpagesize()
+    faulted_outside = [int(f) > pages // 2 for f in outside.split()]
+    faulted_inside = [int(f) > pages // 10 for f in inside.split()]
     assert applied == "True"
-    assert int(outside) > pages // 2  # default: mapped and faulted in again
-    assert int(inside) < pages // 10  # the freed heap block is reused
+    assert all(faulted_outside), outside  # default: mapped and faulted in again
+    assert sum(faulted_inside) <= len(faulted_inside) // 2, inside  # the freed block is reused
 
 
 def test_heap_reuse_changes_no_metric(monkeypatch) -> None:
