@@ -286,3 +286,68 @@ def test_c_affine_terms_are_the_torch_helpers(bits, scale_dtype):
         assert nq._c_affine_terms(lib, big, big + 1, bits, scale_dtype) is None
         assert nq._c_affine_terms(lib, torch.zeros(1), big * qmax, bits, scale_dtype) is None
     assert nq._c_affine_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper
+
+
+def q4_torch(monkeypatch, x: torch.Tensor, block_size: int = 32):
+    """llama.cpp's q4_0 (``int4-block``'s codec) by its torch path: (codes, scales), or the
+    message of the ValueError it raises."""
+    import kvbench.methods.int_block as ib
+
+    with monkeypatch.context() as m:
+        m.setattr(ib, "q4_0", lambda *a: None)
+        return outcome(ib.LlamaCppQ4Codec(block_size)._encode_tokens, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [32, 16])
+def test_q4_0_bit_for_bit(monkeypatch, dtype, block_size):
+    """``kq_q4_0`` equals the torch path of llama.cpp's rule on random and adversarial blocks:
+    magnitude ties of either sign (the first wins), all-zero and signed-zero blocks (d = 0),
+    elements on the x / d + 8.5 integer boundaries, float16 extremes and subnormals, one token
+    (a decode step's flush) and many; the codec serves its tokens from it."""
+    import kvbench.methods.int_block as ib
+
+    g = torch.Generator().manual_seed(7)
+    adv = adversarial(dtype, d=64, t=32)
+    xs = [adv, adv[:, :, 5:6], adv[:, :, 7:12]]
+    tie = torch.randn(1, 2, 3, 64, generator=g)
+    tie[0, 0, :, 3], tie[0, 0, :, 9] = 7.0, -7.0  # equal magnitudes, the positive first
+    tie[0, 1, :, 40], tie[0, 1, :, 41] = -5.0, 5.0  # the negative first
+    tie[0, 1, 2, :32] = 0.0
+    tie[0, 1, 2, 7] = -0.0
+    xs.append(tie.to(dtype))
+    xs.append((torch.randint(-16, 17, (1, 2, 9, 64), generator=g) / 2).to(dtype))  # boundaries
+    for x in xs:
+        got, want = nq.q4_0(x, block_size), q4_torch(monkeypatch, x, block_size)
+        if isinstance(want, str):  # bfloat16's max / 4 overflows a float16 scale: not served
+            assert got is None and "overflows float16" in want and dtype == torch.bfloat16
+            continue
+        assert got is not None
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))
+        assert all(
+            bitwise_equal(u, v)
+            for u, v in zip(ib.LlamaCppQ4Codec(block_size)._encode_tokens(x), want)
+        )
+
+
+def test_q4_0_not_served_cases(monkeypatch):
+    """Non-finite input (the torch path's NaN policy), a subnormal scale (its reciprocal may
+    overflow), a float16-overflowing scale (the torch path raises), float64, an odd block:
+    ``None``, and the codec's result is the torch path's."""
+    import kvbench.methods.int_block as ib
+
+    x = torch.randn(1, 2, 3, 64)
+    nan = x.clone()
+    nan[0, 1, 2, 5] = float("nan")
+    sub = x * 1e-38
+    big = x.clone()
+    big[0, 0, 1, 3] = 1e7
+    for bad in (nan, sub, big):
+        assert nq.q4_0(bad, 32) is None
+    assert nq.q4_0(x.double(), 32) is None and nq.q4_0(x, 33) is None
+    codec = ib.LlamaCppQ4Codec(32)
+    for bad in (nan, sub):
+        got, want = codec._encode_tokens(bad), q4_torch(monkeypatch, bad)
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))
+    with pytest.raises(ValueError, match="overflows float16"):
+        codec._encode_tokens(big)
