@@ -94,6 +94,11 @@ def load(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.kq_affine_terms.restype = ctypes.c_int
+    lib.kq_symmetric_terms.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.kq_symmetric_terms.restype = ctypes.c_int
     lib.kq_q4_0.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
         ctypes.c_void_p,
@@ -134,8 +139,8 @@ def _run(fn: Callable[..., int], base: _In, parts: list[tuple[int, int]], *args:
         return list(pool.map(one, parts))
 
 
-#: up to this many groups, the asymmetric terms come from C (``kq_affine_terms``: the torch
-#: helper's dozen small operations cost more than a decode step's one-token flush itself)
+#: up to this many groups, the terms come from C (``kq_affine_terms``, ``kq_symmetric_terms``:
+#: the torch helper's dozen small operations cost more than a decode step's one-token flush)
 SMALL_TERMS = 4096
 _TERM_DTYPES = {torch.float16: (0, torch.int16), torch.float32: (2, torch.float32)}
 
@@ -154,6 +159,21 @@ def _c_affine_terms(lib, mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dt
     if lib.kq_affine_terms(mn.data_ptr(), mx.data_ptr(), mn.numel(), bits, sdt, *ptrs) != 0:
         return None
     return sc.view(scale_dtype), ze.view(scale_dtype), s, z
+
+
+def _c_symmetric_terms(lib, mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype):
+    """:func:`kvbench.cache.quant.symmetric_terms` of float32 ``mn``/``mx`` in C, bit for bit
+    (tested): ``(scale, scale_f32)``, or ``None`` where it does not serve (another scale dtype,
+    no float16 in the compiler, an overflow: the torch helper then raises its error)."""
+    if scale_dtype not in _TERM_DTYPES:
+        return None
+    sdt, store = _TERM_DTYPES[scale_dtype]
+    mn, mx = mn.contiguous(), mx.contiguous()
+    sc, s = torch.empty(mn.shape, dtype=store), torch.empty(mn.shape)
+    if lib.kq_symmetric_terms(mn.data_ptr(), mx.data_ptr(), mn.numel(), bits, sdt,
+                              sc.data_ptr(), s.data_ptr()) != 0:  # fmt: skip
+        return None
+    return sc.view(scale_dtype), s
 
 
 def quantize_pack(
@@ -216,7 +236,12 @@ def quantize_pack(
     if shared:
         mn, mx = mn.amin(dim=(0, 1), keepdim=True), mx.amax(dim=(0, 1), keepdim=True)
     if symmetric:
-        scale_st, s = symmetric_terms(mn, mx, bits, scale_dtype)
+        got = (
+            _c_symmetric_terms(lib, mn, mx, bits, scale_dtype)
+            if mn.numel() <= SMALL_TERMS
+            else None
+        )
+        scale_st, s = got or symmetric_terms(mn, mx, bits, scale_dtype)
         zero_st, z = None, s  # z unused by the kernel when symmetric
     else:
         got = _c_affine_terms(lib, mn, mx, bits, scale_dtype) if mn.numel() <= SMALL_TERMS else None

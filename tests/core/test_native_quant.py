@@ -288,6 +288,38 @@ def test_c_affine_terms_are_the_torch_helpers(bits, scale_dtype):
     assert nq._c_affine_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_c_symmetric_terms_are_the_torch_helper(bits, scale_dtype):
+    """``kq_symmetric_terms`` equals :func:`kvbench.cache.quant.symmetric_terms` bit for bit:
+    random groups over 12 decades of either sign, signed zeros, absmax halfway between two
+    float16 values times qmax, scales exactly a float16 or just above one; an overflowing scale
+    gives ``None`` (the torch helper then raises)."""
+    from kvbench.cache.quant import symmetric_terms
+
+    g = torch.Generator().manual_seed(bits)
+    n = 20000
+    a = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 5, (n,), generator=g)
+    b = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 5, (n,), generator=g)
+    mn, mx = torch.minimum(a, b), torch.maximum(a, b)
+    qmax = (1 << (bits - 1)) - 1
+    h = torch.tensor([1.0, 1.0009765625, 2.0, 1000.0]).half()
+    tie = (h.float() + torch.nextafter(h, torch.full_like(h, 60000)).float()) / 2 * qmax
+    exact = torch.tensor([0.5, 0.25, 3.0]) * qmax
+    mn = torch.cat(
+        [mn, -tie, torch.tensor([-0.0, 0.0, -0.0]), -exact, -torch.nextafter(exact, exact + 1)]
+    )
+    mx = torch.cat([mx, tie / 2, torch.tensor([-0.0, -0.0, 0.0]), exact / 3, torch.zeros(3)])
+    lib = nq._load()
+    got = nq._c_symmetric_terms(lib, mn, mx, bits, scale_dtype)
+    for r, o in zip(symmetric_terms(mn, mx, bits, scale_dtype), got, strict=True):
+        assert bitwise_equal(r, o)
+    if scale_dtype == torch.float16:
+        big = torch.tensor([70000.0 * qmax])
+        assert nq._c_symmetric_terms(lib, -big, big, bits, scale_dtype) is None
+    assert nq._c_symmetric_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper
+
+
 def q4_torch(monkeypatch, x: torch.Tensor, block_size: int = 32):
     """llama.cpp's q4_0 (``int4-block``'s codec) by its torch path: (codes, scales), or the
     message of the ValueError it raises."""

@@ -284,6 +284,52 @@ int kq_affine_terms(const float *mn, const float *mx, int64_t n, int bits, int s
 #endif
 }
 
+/* kq_symmetric_terms: the stored scale of n absmax groups from their float32 min and max, as
+ * kvbench.cache.quant.symmetric_terms computes them (for a decode step's one-token flush, where
+ * its torch operations cost more than the quantization):
+ *   scale = max(mx, -mn) in magnitude, / (2^(bits-1) - 1) in float32, cast to the scale dtype
+ *           rounding *up* (the next float16 when the nearest is below),
+ *   s     = its float32 value.
+ * sdt: 0 float16 (stored as its bits), 2 float32.  Returns 0; 1 when a scale is not finite (an
+ * overflow: the caller's torch path raises the reference's error); -1 without float16 support
+ * or for another dtype (the caller uses the torch helper). */
+int kq_symmetric_terms(const float *mn, const float *mx, int64_t n, int bits, int sdt, void *scale,
+                       float *s) {
+    const float qmax = (float)((1 << (bits - 1)) - 1);
+    int bad = 0;
+    if (sdt == DT_F32) {
+        float *sc = (float *)scale;
+        for (int64_t i = 0; i < n; i++) {
+            const float nm = -mn[i];
+            sc[i] = s[i] = fabsf(mx[i] >= nm ? mx[i] : nm) / qmax;
+            bad |= !isfinite(s[i]);
+        }
+        return bad;
+    }
+#if defined(KQ_FLOAT16)
+    if (sdt != DT_F16) return -1;
+    uint16_t *sc = (uint16_t *)scale;
+    for (int64_t i = 0; i < n; i++) {
+        const float nm = -mn[i];
+        const float want = fabsf(mx[i] >= nm ? mx[i] : nm) / qmax;
+        _Float16 sh = (_Float16)want;
+        uint16_t sb;
+        memcpy(&sb, &sh, 2);
+        if ((float)sh < want) { /* the next float16 up (want >= 0) */
+            sb = (uint16_t)(sb + 1);
+            memcpy(&sh, &sb, 2);
+        }
+        sc[i] = sb;
+        s[i] = (float)sh;
+        bad |= !isfinite(s[i]);
+    }
+    return bad;
+#else
+    (void)mn, (void)mx, (void)n, (void)scale, (void)s, (void)qmax, (void)bad;
+    return -1;
+#endif
+}
+
 /* kq_q4_0: llama.cpp's q4_0 rule (ggml-quants.c quantize_row_q4_0_ref) on n rows of D
  * contiguous float32 channels in blocks of bs channels, as the torch path of
  * kvbench/methods/int_block.py (LlamaCppQ4Codec) computes it, bit for bit (tested):
