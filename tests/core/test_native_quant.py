@@ -383,3 +383,31 @@ def test_q4_0_not_served_cases(monkeypatch):
         assert all(bitwise_equal(u, v) for u, v in zip(got, want))
     with pytest.raises(ValueError, match="overflows float16"):
         codec._encode_tokens(big)
+
+
+@pytest.mark.parametrize("name", ["int4-block", "int8-block", "per-token"])
+def test_decode_steps_store_and_attend_as_the_torch_path(monkeypatch, name):
+    """A prefill and one-token decode steps (the flush of each step through the C terms and
+    q4_0 codes) leave every stored tensor and every attention output bit for bit as the torch
+    path's (the native build hidden)."""
+    import kvbench
+
+    def run():
+        g = torch.Generator().manual_seed(11)
+        lc = kvbench.get_method(name).new_layer(0, 3, 64)
+        lc.prefill(torch.randn(1, 3, 40, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g))
+        outs = []
+        for _ in range(6):
+            k, v = torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)
+            lc.append(k, v)
+            lc.end_step()
+            outs.append(lc.attend(torch.randn(1, 9, 1, 64, generator=g), 0.125))
+        return [t for _, _, t in lc.tensors()], outs
+
+    fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(nq, "_load", lambda: None)
+        ref = run()
+    for got, want in zip(fast, ref, strict=True):
+        assert len(got) == len(want)
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))
