@@ -21,6 +21,11 @@ element anywhere in the input (the reference's NaN/Inf policy, :mod:`kvbench.cac
 applies), 16-bit codes, non-CPU tensors,
 float64, channels that are not contiguous, ``KVBENCH_NATIVE=0``, the library not built.
 
+:func:`q4_0` is llama.cpp's ``q4_0`` rule (``int4-block``'s default codec,
+:class:`kvbench.methods.int_block.LlamaCppQ4Codec`) in one C pass: its torch path is a score
+of small operations, most of a decode step's one-token flush; the same codes and scales, bit
+for bit (tested), under the same conditions (plus: finite input and no subnormal scale).
+
 Build and loading (docs/design.md#two-attention-paths): ``setup.py`` compiles :data:`SOURCE`
 with :data:`FLAGS` into :data:`LIBRARY`; :mod:`kvbench.clib` loads it and checks its ABI and
 source digest.  Rows (batch row, KV head) are split across ``torch.get_num_threads()`` Python
@@ -46,7 +51,7 @@ FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared",
     "-std=gnu11",
 )  # fmt: skip
-ABI_VERSION = 3
+ABI_VERSION = 4
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 #: inputs with fewer elements per thread than this run on one thread
 MIN_PER_THREAD = 1 << 20
@@ -89,6 +94,16 @@ def load(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.kq_affine_terms.restype = ctypes.c_int
+    lib.kq_symmetric_terms.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.kq_symmetric_terms.restype = ctypes.c_int
+    lib.kq_q4_0.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]  # fmt: skip
+    lib.kq_q4_0.restype = ctypes.c_int
     return lib
 
 
@@ -124,8 +139,8 @@ def _run(fn: Callable[..., int], base: _In, parts: list[tuple[int, int]], *args:
         return list(pool.map(one, parts))
 
 
-#: up to this many groups, the asymmetric terms come from C (``kq_affine_terms``: the torch
-#: helper's dozen small operations cost more than a decode step's one-token flush itself)
+#: up to this many groups, the terms come from C (``kq_affine_terms``, ``kq_symmetric_terms``:
+#: the torch helper's dozen small operations cost more than a decode step's one-token flush)
 SMALL_TERMS = 4096
 _TERM_DTYPES = {torch.float16: (0, torch.int16), torch.float32: (2, torch.float32)}
 
@@ -144,6 +159,21 @@ def _c_affine_terms(lib, mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dt
     if lib.kq_affine_terms(mn.data_ptr(), mx.data_ptr(), mn.numel(), bits, sdt, *ptrs) != 0:
         return None
     return sc.view(scale_dtype), ze.view(scale_dtype), s, z
+
+
+def _c_symmetric_terms(lib, mn: torch.Tensor, mx: torch.Tensor, bits: int, scale_dtype):
+    """:func:`kvbench.cache.quant.symmetric_terms` of float32 ``mn``/``mx`` in C, bit for bit
+    (tested): ``(scale, scale_f32)``, or ``None`` where it does not serve (another scale dtype,
+    no float16 in the compiler, an overflow: the torch helper then raises its error)."""
+    if scale_dtype not in _TERM_DTYPES:
+        return None
+    sdt, store = _TERM_DTYPES[scale_dtype]
+    mn, mx = mn.contiguous(), mx.contiguous()
+    sc, s = torch.empty(mn.shape, dtype=store), torch.empty(mn.shape)
+    if lib.kq_symmetric_terms(mn.data_ptr(), mx.data_ptr(), mn.numel(), bits, sdt,
+                              sc.data_ptr(), s.data_ptr()) != 0:  # fmt: skip
+        return None
+    return sc.view(scale_dtype), s
 
 
 def quantize_pack(
@@ -206,7 +236,12 @@ def quantize_pack(
     if shared:
         mn, mx = mn.amin(dim=(0, 1), keepdim=True), mx.amax(dim=(0, 1), keepdim=True)
     if symmetric:
-        scale_st, s = symmetric_terms(mn, mx, bits, scale_dtype)
+        got = (
+            _c_symmetric_terms(lib, mn, mx, bits, scale_dtype)
+            if mn.numel() <= SMALL_TERMS
+            else None
+        )
+        scale_st, s = got or symmetric_terms(mn, mx, bits, scale_dtype)
         zero_st, z = None, s  # z unused by the kernel when symmetric
     else:
         got = _c_affine_terms(lib, mn, mx, bits, scale_dtype) if mn.numel() <= SMALL_TERMS else None
@@ -220,3 +255,31 @@ def quantize_pack(
     if any(rc):
         raise MemoryError("native quantizer: out of memory for a row buffer")
     return codes, scale_st, zero_st
+
+
+def q4_0(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """llama.cpp's ``q4_0`` codes and scales of ``x [B, H_kv, n, D]`` (float16/bfloat16/float32,
+    CPU) in blocks of ``block_size`` channels (dividing D, even), as the torch path of
+    :class:`kvbench.methods.int_block.LlamaCppQ4Codec` computes them: packed uint8 codes
+    ``[B, H_kv, n, D / 2]`` and signed float16 scales ``[B, H_kv, n, D / block_size]``, or
+    ``None`` where not served (the caller runs the torch path, which also raises its errors):
+    a non-finite element, a subnormal or float16-overflowing scale, another device or dtype, an
+    odd ``block_size``, no float16 in the compiler, ``KVBENCH_NATIVE=0``, the library not built
+    (``kq_q4_0`` in ``csrc/affine.c``)."""
+    b, h, n, d = x.shape
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in DTYPES
+        or x.numel() == 0
+        or block_size % 2
+        or d % block_size
+    ):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    xf = x.float().contiguous()
+    codes = torch.empty(b, h, n, d // 2, dtype=torch.uint8)
+    scale = torch.empty(b, h, n, d // block_size, dtype=torch.float16)
+    rc = lib.kq_q4_0(xf.data_ptr(), b * h * n, d, block_size, codes.data_ptr(), scale.data_ptr())
+    return (codes, scale) if rc == 0 else None

@@ -286,3 +286,128 @@ def test_c_affine_terms_are_the_torch_helpers(bits, scale_dtype):
         assert nq._c_affine_terms(lib, big, big + 1, bits, scale_dtype) is None
         assert nq._c_affine_terms(lib, torch.zeros(1), big * qmax, bits, scale_dtype) is None
     assert nq._c_affine_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_c_symmetric_terms_are_the_torch_helper(bits, scale_dtype):
+    """``kq_symmetric_terms`` equals :func:`kvbench.cache.quant.symmetric_terms` bit for bit:
+    random groups over 12 decades of either sign, signed zeros, absmax halfway between two
+    float16 values times qmax, scales exactly a float16 or just above one; an overflowing scale
+    gives ``None`` (the torch helper then raises)."""
+    from kvbench.cache.quant import symmetric_terms
+
+    g = torch.Generator().manual_seed(bits)
+    n = 20000
+    a = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 5, (n,), generator=g)
+    b = torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 5, (n,), generator=g)
+    mn, mx = torch.minimum(a, b), torch.maximum(a, b)
+    qmax = (1 << (bits - 1)) - 1
+    h = torch.tensor([1.0, 1.0009765625, 2.0, 1000.0]).half()
+    tie = (h.float() + torch.nextafter(h, torch.full_like(h, 60000)).float()) / 2 * qmax
+    exact = torch.tensor([0.5, 0.25, 3.0]) * qmax
+    mn = torch.cat(
+        [mn, -tie, torch.tensor([-0.0, 0.0, -0.0]), -exact, -torch.nextafter(exact, exact + 1)]
+    )
+    mx = torch.cat([mx, tie / 2, torch.tensor([-0.0, -0.0, 0.0]), exact / 3, torch.zeros(3)])
+    lib = nq._load()
+    got = nq._c_symmetric_terms(lib, mn, mx, bits, scale_dtype)
+    for r, o in zip(symmetric_terms(mn, mx, bits, scale_dtype), got, strict=True):
+        assert bitwise_equal(r, o)
+    if scale_dtype == torch.float16:
+        big = torch.tensor([70000.0 * qmax])
+        assert nq._c_symmetric_terms(lib, -big, big, bits, scale_dtype) is None
+    assert nq._c_symmetric_terms(lib, mn, mx, bits, torch.bfloat16) is None  # the torch helper
+
+
+def q4_torch(monkeypatch, x: torch.Tensor, block_size: int = 32):
+    """llama.cpp's q4_0 (``int4-block``'s codec) by its torch path: (codes, scales), or the
+    message of the ValueError it raises."""
+    import kvbench.methods.int_block as ib
+
+    with monkeypatch.context() as m:
+        m.setattr(ib, "q4_0", lambda *a: None)
+        return outcome(ib.LlamaCppQ4Codec(block_size)._encode_tokens, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [32, 16])
+def test_q4_0_bit_for_bit(monkeypatch, dtype, block_size):
+    """``kq_q4_0`` equals the torch path of llama.cpp's rule on random and adversarial blocks:
+    magnitude ties of either sign (the first wins), all-zero and signed-zero blocks (d = 0),
+    elements on the x / d + 8.5 integer boundaries, float16 extremes and subnormals, one token
+    (a decode step's flush) and many; the codec serves its tokens from it."""
+    import kvbench.methods.int_block as ib
+
+    g = torch.Generator().manual_seed(7)
+    adv = adversarial(dtype, d=64, t=32)
+    xs = [adv, adv[:, :, 5:6], adv[:, :, 7:12]]
+    tie = torch.randn(1, 2, 3, 64, generator=g)
+    tie[0, 0, :, 3], tie[0, 0, :, 9] = 7.0, -7.0  # equal magnitudes, the positive first
+    tie[0, 1, :, 40], tie[0, 1, :, 41] = -5.0, 5.0  # the negative first
+    tie[0, 1, 2, :32] = 0.0
+    tie[0, 1, 2, 7] = -0.0
+    xs.append(tie.to(dtype))
+    xs.append((torch.randint(-16, 17, (1, 2, 9, 64), generator=g) / 2).to(dtype))  # boundaries
+    for x in xs:
+        got, want = nq.q4_0(x, block_size), q4_torch(monkeypatch, x, block_size)
+        if isinstance(want, str):  # bfloat16's max / 4 overflows a float16 scale: not served
+            assert got is None and "overflows float16" in want and dtype == torch.bfloat16
+            continue
+        assert got is not None
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))
+        assert all(
+            bitwise_equal(u, v)
+            for u, v in zip(ib.LlamaCppQ4Codec(block_size)._encode_tokens(x), want)
+        )
+
+
+def test_q4_0_not_served_cases(monkeypatch):
+    """Non-finite input (the torch path's NaN policy), a subnormal scale (its reciprocal may
+    overflow), a float16-overflowing scale (the torch path raises), float64, an odd block:
+    ``None``, and the codec's result is the torch path's."""
+    import kvbench.methods.int_block as ib
+
+    x = torch.randn(1, 2, 3, 64)
+    nan = x.clone()
+    nan[0, 1, 2, 5] = float("nan")
+    sub = x * 1e-38
+    big = x.clone()
+    big[0, 0, 1, 3] = 1e7
+    for bad in (nan, sub, big):
+        assert nq.q4_0(bad, 32) is None
+    assert nq.q4_0(x.double(), 32) is None and nq.q4_0(x, 33) is None
+    codec = ib.LlamaCppQ4Codec(32)
+    for bad in (nan, sub):
+        got, want = codec._encode_tokens(bad), q4_torch(monkeypatch, bad)
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))
+    with pytest.raises(ValueError, match="overflows float16"):
+        codec._encode_tokens(big)
+
+
+@pytest.mark.parametrize("name", ["int4-block", "int8-block", "per-token"])
+def test_decode_steps_store_and_attend_as_the_torch_path(monkeypatch, name):
+    """A prefill and one-token decode steps (the flush of each step through the C terms and
+    q4_0 codes) leave every stored tensor and every attention output bit for bit as the torch
+    path's (the native build hidden)."""
+    import kvbench
+
+    def run():
+        g = torch.Generator().manual_seed(11)
+        lc = kvbench.get_method(name).new_layer(0, 3, 64)
+        lc.prefill(torch.randn(1, 3, 40, 64, generator=g), torch.randn(1, 3, 40, 64, generator=g))
+        outs = []
+        for _ in range(6):
+            k, v = torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)
+            lc.append(k, v)
+            lc.end_step()
+            outs.append(lc.attend(torch.randn(1, 9, 1, 64, generator=g), 0.125))
+        return [t for _, _, t in lc.tensors()], outs
+
+    fast = run()
+    with monkeypatch.context() as m:
+        m.setattr(nq, "_load", lambda: None)
+        ref = run()
+    for got, want in zip(fast, ref, strict=True):
+        assert len(got) == len(want)
+        assert all(bitwise_equal(u, v) for u, v in zip(got, want))

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KQ_ABI_VERSION 3
+#define KQ_ABI_VERSION 4
 
 enum { DT_F16 = 0, DT_BF16 = 1, DT_F32 = 2 };
 
@@ -280,6 +280,105 @@ int kq_affine_terms(const float *mn, const float *mx, int64_t n, int bits, int s
     return bad;
 #else
     (void)mn, (void)mx, (void)n, (void)scale, (void)zero, (void)s, (void)z, (void)qmax, (void)bad;
+    return -1;
+#endif
+}
+
+/* kq_symmetric_terms: the stored scale of n absmax groups from their float32 min and max, as
+ * kvbench.cache.quant.symmetric_terms computes them (for a decode step's one-token flush, where
+ * its torch operations cost more than the quantization):
+ *   scale = max(mx, -mn) in magnitude, / (2^(bits-1) - 1) in float32, cast to the scale dtype
+ *           rounding *up* (the next float16 when the nearest is below),
+ *   s     = its float32 value.
+ * sdt: 0 float16 (stored as its bits), 2 float32.  Returns 0; 1 when a scale is not finite (an
+ * overflow: the caller's torch path raises the reference's error); -1 without float16 support
+ * or for another dtype (the caller uses the torch helper). */
+int kq_symmetric_terms(const float *mn, const float *mx, int64_t n, int bits, int sdt, void *scale,
+                       float *s) {
+    const float qmax = (float)((1 << (bits - 1)) - 1);
+    int bad = 0;
+    if (sdt == DT_F32) {
+        float *sc = (float *)scale;
+        for (int64_t i = 0; i < n; i++) {
+            const float nm = -mn[i];
+            sc[i] = s[i] = fabsf(mx[i] >= nm ? mx[i] : nm) / qmax;
+            bad |= !isfinite(s[i]);
+        }
+        return bad;
+    }
+#if defined(KQ_FLOAT16)
+    if (sdt != DT_F16) return -1;
+    uint16_t *sc = (uint16_t *)scale;
+    for (int64_t i = 0; i < n; i++) {
+        const float nm = -mn[i];
+        const float want = fabsf(mx[i] >= nm ? mx[i] : nm) / qmax;
+        _Float16 sh = (_Float16)want;
+        uint16_t sb;
+        memcpy(&sb, &sh, 2);
+        if ((float)sh < want) { /* the next float16 up (want >= 0) */
+            sb = (uint16_t)(sb + 1);
+            memcpy(&sh, &sb, 2);
+        }
+        sc[i] = sb;
+        s[i] = (float)sh;
+        bad |= !isfinite(s[i]);
+    }
+    return bad;
+#else
+    (void)mn, (void)mx, (void)n, (void)scale, (void)s, (void)qmax, (void)bad;
+    return -1;
+#endif
+}
+
+/* kq_q4_0: llama.cpp's q4_0 rule (ggml-quants.c quantize_row_q4_0_ref) on n rows of D
+ * contiguous float32 channels in blocks of bs channels, as the torch path of
+ * kvbench/methods/int_block.py (LlamaCppQ4Codec) computes it, bit for bit (tested):
+ *   m  = the block's element of largest magnitude (the first on ties), d = m / -8,
+ *   id = 1 / d (0 when d == 0), q = floor(x * id + 8.5) (the product and the sum rounded
+ *        apart, as torch's mul then add_) clamped to [0, 15],
+ * codes packed two a byte LSB first (code 2j in the low nibble: pack_bits' order) into
+ * codes [n, D / 2], d cast to float16 (round to nearest even) into d16 [n, D / bs] (bits).
+ * Returns 0; 1 when the torch path must run instead (an element that is not finite: its NaN
+ * policy is not implemented here; a subnormal d, whose reciprocal may overflow); 2 when a d
+ * overflows float16 (the caller raises the torch path's error); -1 without float16 support.
+ * Outputs are unspecified unless it returns 0. */
+int kq_q4_0(const float *x, int64_t n, int64_t D, int64_t bs, uint8_t *codes, uint16_t *d16) {
+#if defined(KQ_FLOAT16)
+    const int64_t nb = D / bs;
+    int over = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + r * D;
+        for (int64_t c = 0; c < D; c++)
+            if (!isfinite(row[c])) return 1;
+        uint8_t *o = codes + r * (D / 2);
+        memset(o, 0, (size_t)(D / 2));
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = row + b * bs;
+            int64_t at = 0;
+            float best = fabsf(v[0]);
+            for (int64_t j = 1; j < bs; j++) {
+                const float a = fabsf(v[j]);
+                if (a > best) best = a, at = j;
+            }
+            const float d = v[at] / -8.0f;
+            if (d != 0.f && fabsf(d) < 1.17549435e-38f) return 1; /* subnormal d */
+            const float id = d != 0.f ? 1.0f / d : 0.f;
+            for (int64_t j = 0; j < bs; j++) {
+                float q = v[j] * id;
+                q = q + 8.5f;
+                q = floorf(q);
+                q = q < 0.f ? 0.f : (q > 15.f ? 15.f : q);
+                const int64_t c = b * bs + j;
+                o[c >> 1] |= (uint8_t)((uint8_t)q << ((c & 1) * 4));
+            }
+            const _Float16 dh = (_Float16)d;
+            memcpy(&d16[r * nb + b], &dh, 2);
+            over |= !isfinite((float)dh);
+        }
+    }
+    return over ? 2 : 0;
+#else
+    (void)x, (void)n, (void)D, (void)bs, (void)codes, (void)d16;
     return -1;
 #endif
 }
