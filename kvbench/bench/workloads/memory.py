@@ -52,10 +52,13 @@ chunk as one ``update``, as the perplexity workload's peer call does, and its la
 measured step (its ``peak_step_bytes`` covers that call, ``peak_step_tokens`` in the manifest).  A
 kvbench cache takes each chunk in calls cut where :meth:`~kvbench.cache.layer.LayerCache.steady_appends`
 allows (the perplexity workload's ``exact-chunked`` protocol: each call leaves what one-token steps
-leave), without reads, except that a method that observes attention or evicts reads at every
-token (one token per call, as one-token decode feeds it); its last two tokens are the two
-reading steps above, the last one measured (one token, as under ``steps``).  ``appends`` does not
-apply (left out of the spec).
+leave), without reads, except that an evicting method reads at every token (one token per
+call, as under ``steps``); its last two tokens are the two reading steps above, the last one
+measured (one token, as under ``steps``).  A method that observes attention (SemKV) is not read
+before those two, as under ``steps``: its stored sizes depend on the K/V values, and the
+perplexity workload's decode K/V come from a model attending to the quantized cache, not from
+this capture, so no replay holds its exact cache (reading every token would cost about 20x
+the rest of its replay).  ``appends`` does not apply (left out of the spec).
 
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
@@ -526,7 +529,7 @@ class Memory(Workload):
         # sliding window's call keeps its chunk (nothing here reads the views; the state the
         # call leaves is that of one-token steps)
         layer.step_views = method.capabilities.keys_values
-        reads = method.capabilities.evicts or layer.observes_attention
+        reads = method.capabilities.evicts
         for s, e in spans:
             e = min(e, d - 2)  # the last two tokens: the reading steps below
             while s < e:
