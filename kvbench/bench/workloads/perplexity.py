@@ -182,7 +182,6 @@ def _elements(model: PreTrainedModel, cache: Cache, batch: int) -> int:
     return per_token * batch * cache.get_seq_length()
 
 
-@torch.no_grad()
 def chunk_spans(prefill: int, end: int, chunk: int) -> list[tuple[int, int]]:
     """The decode chunks of the fill after a prefill of ``prefill`` tokens that leaves the cache
     holding ``end`` tokens: ``[(s, e), ...]`` (token positions, ``e`` exclusive), ``chunk``
@@ -192,6 +191,7 @@ def chunk_spans(prefill: int, end: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, end)) for s in range(prefill, end, chunk)]
 
 
+@torch.no_grad()
 def chunked_logits(
     model: PreTrainedModel,
     ids: torch.Tensor,
