@@ -206,50 +206,49 @@ def flat(points) -> list[float]:
 def test_figure_lines_run_through_non_dominated_points_only() -> None:
     import matplotlib.pyplot as plt
 
+    held = plt.get_fignums()
     fig = eb.figure(records())
-    try:
-        lines = {k: flat(v) for k, v in _frontier_lines(fig).items()}
-        assert set(lines) == {(i, f) for i in (0, 1) for f in eb.FAMILIES}
-        # panel 0: task score (question-agnostic, cwe left out), higher better; knorm 0.5
-        # (0.55, 0.5) is beaten by snap 0.5 (0.5, 0.75), int8 (0.53, 1.0) by kivi4 (0.36, 1.0)
-        assert lines[0, "eviction"] == pytest.approx(
-            flat([(0.125, 0.25), (0.26, 0.5), (0.5, 0.75), (0.7, 1.0)])
-        )
-        assert lines[0, "quantization"] == pytest.approx(
-            flat([(0.14, 0.25), (0.24, 0.5), (0.28, 0.75), (0.36, 1.0)])
-        )
-        assert lines[0, "combined"] == pytest.approx([0.13, 0.75])
-        # panel 1: KL, lower better: every eviction row is lower than those with fewer bytes;
-        # int8 (0.53, 0.05) is beaten by kivi4 (0.36, 0.03)
-        assert lines[1, "eviction"] == pytest.approx(
-            flat([(0.125, 0.5), (0.26, 0.3), (0.5, 0.2), (0.55, 0.1), (0.7, 0.01)])
-        )
-        assert lines[1, "quantization"] == pytest.approx(
-            flat([(0.14, 0.4), (0.24, 0.08), (0.28, 0.06), (0.36, 0.03)])
-        )
-        # a dominated point is drawn, not joined
-        scattered = [tuple(map(float, p)) for c in fig.axes[1].collections for p in c.get_offsets()]
-        assert any(p == pytest.approx((0.53, 0.05)) for p in scattered)
-    finally:
-        plt.close(fig)
+    assert not isinstance(fig, str), fig
+    assert plt.get_fignums() == held  # built outside pyplot (plots.new_figure): nothing to close
+    lines = {k: flat(v) for k, v in _frontier_lines(fig).items()}
+    assert set(lines) == {(i, f) for i in (0, 1) for f in eb.FAMILIES}
+    # panel 0: task score (question-agnostic, cwe left out), higher better; knorm 0.5
+    # (0.55, 0.5) is beaten by snap 0.5 (0.5, 0.75), int8 (0.53, 1.0) by kivi4 (0.36, 1.0)
+    assert lines[0, "eviction"] == pytest.approx(
+        flat([(0.125, 0.25), (0.26, 0.5), (0.5, 0.75), (0.7, 1.0)])
+    )
+    assert lines[0, "quantization"] == pytest.approx(
+        flat([(0.14, 0.25), (0.24, 0.5), (0.28, 0.75), (0.36, 1.0)])
+    )
+    assert lines[0, "combined"] == pytest.approx([0.13, 0.75])
+    # panel 1: KL, lower better: every eviction row is lower than those with fewer bytes;
+    # int8 (0.53, 0.05) is beaten by kivi4 (0.36, 0.03)
+    assert lines[1, "eviction"] == pytest.approx(
+        flat([(0.125, 0.5), (0.26, 0.3), (0.5, 0.2), (0.55, 0.1), (0.7, 0.01)])
+    )
+    assert lines[1, "quantization"] == pytest.approx(
+        flat([(0.14, 0.4), (0.24, 0.08), (0.28, 0.06), (0.36, 0.03)])
+    )
+    # a dominated point is drawn, not joined
+    scattered = [tuple(map(float, p)) for c in fig.axes[1].collections for p in c.get_offsets()]
+    assert any(p == pytest.approx((0.53, 0.05)) for p in scattered)
 
 
 def test_figure_leaves_dominated_points_off_the_line() -> None:
-    import matplotlib.pyplot as plt
-
     ev = {"keep_ratio": 0.5, "quantizer": FULL_KV}
     recs = row("full", "full", {}, 1.0, 0.0, 1.0, 1.0)
     recs += row("good", "knorm", ev, 0.25, 0.1, 1.0, 1.0)
     recs += row("bad", "knorm", ev, 0.5, 0.3, 0.5, 0.5)  # more bytes, worse: dominated
     fig = eb.figure(recs)
-    try:
-        lines = {k: flat(v) for k, v in _frontier_lines(fig).items()}
-        assert lines[0, "eviction"] == pytest.approx([0.25, 1.0])
-        assert lines[1, "eviction"] == pytest.approx([0.25, 0.1])
-        colours = {c.get_label(): c for c in fig.axes[0].collections}
-        assert set(colours) == {"eviction", "full"}
-    finally:
-        plt.close(fig)
+    assert not isinstance(fig, str), fig
+    lines = {k: flat(v) for k, v in _frontier_lines(fig).items()}
+    assert lines[0, "eviction"] == pytest.approx([0.25, 1.0])
+    assert lines[1, "eviction"] == pytest.approx([0.25, 0.1])
+    colours = {c.get_label(): c for c in fig.axes[0].collections}
+    assert set(colours) == {"eviction", "full"}
+    # the dominated row is drawn (0.5 bytes, KL 0.3), not joined
+    scattered = [tuple(map(float, p)) for c in fig.axes[1].collections for p in c.get_offsets()]
+    assert any(p == pytest.approx((0.5, 0.3)) for p in scattered)
 
 
 def test_no_eviction_rows_no_figure() -> None:

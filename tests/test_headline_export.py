@@ -23,6 +23,7 @@ from kvbench.report.headline import (
     bytes16,
     bytes_vs_16bit,
     cache_differences,
+    fill_schedule,
     headline_table,
     kv_elements,
     peak_below_rest,
@@ -613,11 +614,50 @@ def test_flagged_peak_says_what_differs_between_the_two_caches():
     assert "storage float16 vs float32" in differs and same == []
 
 
+def test_memory_fill_of_chunks_is_the_perplexity_fill():
+    """A memory record of ``fill: chunks`` (prefill 5 + chunks of 3, the perplexity record's
+    fill) holding the perplexity record's bytes: the note's parts agree on the fill and the
+    peak is not flagged; another chunk size is named as a different fill."""
+    mem10 = {"context": 10, "fill": "chunks", "prefill": 5, "chunk": 3, "dtype": "float32"}
+    ppl_w = {**PPL, "protocol": "exact-chunked"}
+    cfg = {"nbits": 2, "residual_length": 4}
+    stored = {"storage": {"full_precision_dtype": "float32"}}
+    recs = [
+        rec("full", "full", "perplexity", {"bytes_total": 640, "next_token_kl": 0.0}, None,
+            stored, **ppl_w),
+        rec("full", "full", "memory", {"bytes_total": 640, "peak_step_bytes": 0}, **mem10),
+        rec("Q", "hf-quanto", "perplexity", {"bytes_total": 96, "next_token_kl": 0.1}, cfg,
+            stored, **ppl_w),
+        rec("Q", "hf-quanto", "memory", {"bytes_total": 96, "peak_step_bytes": 8}, cfg, **mem10),
+    ]  # fmt: skip
+    q = {r["label"]: r for r in rows(recs)}["Q"]
+    assert fill_schedule(q["sources"]["memory"]) == "prefill 5 + chunks of 3 (exact-chunked)"
+    assert peak_below_rest(q) is None
+    assert cache_differences(q) == (
+        [],
+        [
+            "configuration",
+            "10 tokens",
+            "float32 storage",
+            "fill prefill 5 + chunks of 3 (exact-chunked)",
+        ],
+    )
+    assert PEAK_FLAG not in headline_table(recs)
+    recs[3] = rec("Q", "hf-quanto", "memory", {"bytes_total": 96, "peak_step_bytes": 8}, cfg,
+                  **{**mem10, "chunk": 2})  # fmt: skip
+    differs, _ = cache_differences({r["label"]: r for r in rows(recs)}["Q"])
+    assert differs == [
+        "fill prefill 5 + chunks of 2 (exact-chunked) vs prefill 5 + chunks of 3 (exact-chunked)"
+    ]
+
+
 def test_committed_quanto_rows_say_what_differs():
-    """The committed run's hf-quanto rows: perplexity's cache (prefill 512 + chunks of 16)
-    holds 127 residual tokens in float32, memory's (prefill 1019 + 4 steps) 4, same
-    configuration, tokens and dtype; the note gives both bytes at rest and both fills, worked
-    here from the two records' own fields."""
+    """The committed run's hf-quanto rows.  A run whose memory workload fills as perplexity
+    does (``fill: chunks``): one cache, the same bytes at rest and no flag.  An older run's
+    (prefill 1019 + 4 steps): perplexity's cache (prefill 512 + chunks of 16) holds more
+    residual tokens in float32 than memory's, same configuration, tokens and dtype, and the
+    note gives both bytes at rest and both fills, worked here from the two records' own
+    fields."""
     if not (ROOT / COMMITTED).is_file():
         pytest.skip(f"no {COMMITTED}")
     recs = [Record.from_json(r) for r in ex.load_export(ROOT / COMMITTED)["records"]]
@@ -629,6 +669,11 @@ def test_committed_quanto_rows_say_what_differs():
         assert p.config == m.config and pw["tokens"] - 1 == mw["context"]
         assert p.manifest["storage"]["full_precision_dtype"] == mw["dtype"] == "float32"
         b = [r.metrics["bytes_total"] / bytes16(r) for r in (m, p)]
+        if mw.get("fill") == "chunks":
+            assert (mw["prefill"], mw["chunk"]) == (pw["prefill"], pw["chunk"])
+            assert m.metrics["bytes_total"] == p.metrics["bytes_total"], label
+            assert not [ln for ln in table.splitlines() if ln.startswith(f"> {PEAK_FLAG} {label}")]
+            continue
         line = (
             f"> {PEAK_FLAG} {label}: bytes at rest {b[0]:.3f} (memory) vs {b[1]:.3f} "
             f"(perplexity), fill prefill {mw['context'] - mw['appends']} + {mw['appends']} "

@@ -342,6 +342,33 @@ def test_no_full_precision_copy(name: str) -> None:
         ),
         ({"source": "synthetic", "num_heads": 8, "num_kv_heads": 3}, "multiple"),
         ({"contex": 5}, "unknown parameter"),
+        (
+            {"fill": "chunked"},
+            r"field 'fill': 'chunked' is not allowed; allowed: \['steps', 'chunks'\]",
+        ),
+        (
+            {"fill": "chunks", "context": 10, "chunk": 4},
+            r"field 'prefill': None is not allowed; allowed: integers 1\.\.8 .*fill: chunks",
+        ),
+        (
+            {"fill": "chunks", "context": 10, "prefill": 9, "chunk": 1},
+            r"field 'prefill': 9 is not allowed; allowed: integers 1\.\.8",
+        ),
+        (
+            {"fill": "chunks", "context": 10, "prefill": 5},
+            r"field 'chunk': None is not allowed; allowed: integers 1\.\.5 ",
+        ),
+        (
+            {"fill": "chunks", "context": 10, "prefill": 5, "chunk": 6},
+            r"field 'chunk': 6 is not allowed; allowed: integers 1\.\.5 ",
+        ),
+        ({"fill": "chunks", "prefill": 5, "chunk": 0}, r"field 'chunk': 0 .*integers >= 1"),
+        (
+            {"fill": "chunks", "prefill": 5, "chunk": 4, "appends": 2},
+            r"field 'appends': 2 is not allowed; allowed: unset with fill: chunks",
+        ),
+        ({"prefill": 5}, r"field 'prefill': 5 is not allowed; allowed: unset with fill: steps"),
+        ({"chunk": 4}, r"field 'chunk': 4 is not allowed; allowed: unset with fill: steps"),
     ],
 )
 def test_bad_params(params: dict, match: str) -> None:
@@ -467,3 +494,78 @@ def test_kineto_level_set_only_when_unset_and_before_torch(env, first, want) -> 
     assert out.stdout.strip() == str(want)
     if want == "6":
         assert "USDT" not in out.stderr
+
+
+# ------------------------------------------------------------------ fill: chunks
+
+
+def test_fill_spec_keeps_run_ids() -> None:
+    """``fill: steps`` (the default) leaves the spec as before the option (run ids of earlier
+    records kept); ``fill: chunks`` carries prefill and chunk, not ``appends``."""
+    steps = Memory.validate({"type": "memory", "context": 64})
+    assert not {"fill", "prefill", "chunk"} & set(steps) and steps["appends"] == 4
+    assert Memory.validate({"type": "memory", "context": 64, "fill": "steps"}) == steps
+    chunks = Memory.validate(
+        {"type": "memory", "context": 64, "fill": "chunks", "prefill": 32, "chunk": 8}
+    )
+    assert (chunks["fill"], chunks["prefill"], chunks["chunk"]) == ("chunks", 32, 8)
+    assert "appends" not in chunks
+
+
+QUANTO = dict(nbits=2, q_group_size=16, residual_length=8)
+
+
+def _quanto_fills(prefill: int, chunk: int, tokens: int) -> tuple[int, int, int]:
+    """hf-quanto's bytes at rest after the perplexity workload's fill of a toy Llama (its own
+    cache: :func:`chunked_logits`, bytes by :func:`cache_nbytes`), after the memory workload's
+    ``fill: chunks`` of the same K/V (captured once from the same ids) and after its ``fill:
+    steps``: the two caches hold ``tokens - 1`` tokens."""
+    pytest.importorskip("optimum.quanto")
+    from kvbench.bench.workloads.perplexity import chunked_logits
+    from kvbench.hf.cache import EXACT_CHUNKED
+    from kvbench.hf.capture import capture_qkv
+    from tests.tiny_lm import toy_llama
+
+    model = toy_llama(max_positions=256)
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(5))
+    _, states = chunked_logits(
+        model, ids, kvbench.get_method("hf-quanto", **QUANTO), prefill, chunk,
+        path="reference", protocol=EXACT_CHUNKED,
+    )  # fmt: skip
+    captured = capture_qkv(model, ids[:, : tokens - 1])
+    geo = dict(source="synthetic", context=tokens - 1, num_layers=2, num_heads=4)
+    got = []
+    for fill in ({"fill": "chunks", "prefill": prefill, "chunk": chunk}, {"appends": 4}):
+        w = _workload(**geo, num_kv_heads=2, head_dim=16, dtype="float32", **fill)
+        w.qkv = list(zip(captured.queries, captured.keys, captured.values))
+        w.layer_ids = list(captured.layer_ids)
+        got.append(w.run(None, kvbench.get_method("hf-quanto", **QUANTO)).metrics)
+    assert got[0]["bytes_total"] == got[0]["bytes_key_total"] + got[0]["bytes_value_total"]
+    return states[-1].nbytes["total"], int(got[0]["bytes_total"]), int(got[1]["bytes_total"])
+
+
+@pytest.mark.parametrize("prefill, chunk, tokens", [(40, 6, 100), (33, 5, 71), (20, 1, 50)])
+def test_quanto_chunks_fill_holds_the_perplexity_cache(prefill: int, chunk: int, tokens: int):
+    """transformers' quanto cache re-quantizes everything when its residual reaches
+    ``residual_length``, so what it holds depends on how the tokens arrived: the memory
+    workload's ``fill: chunks`` measures the bytes that the perplexity workload's cache held
+    after the same fill, counted apart (the transformers cache of a model run vs the replay
+    of captured K/V).  ``fill: steps`` (prefill d - 4, then 4 steps) holds another residual
+    where the chunks leave one that ``residual_length`` does not divide."""
+    ppl, chunks, steps = _quanto_fills(prefill, chunk, tokens)
+    assert chunks == ppl
+    if chunk > 1:
+        assert steps != ppl
+
+
+def test_chunks_fill_of_a_sliding_window_equals_one_token_steps() -> None:
+    """A kvbench cache takes each chunk in exact-chunked calls (a sliding value window keeps
+    its chunk, with views): the bytes and errors equal those of one token per call."""
+    geo = dict(context=300, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64)
+    one = _workload(**geo, fill="chunks", prefill=100, chunk=1)
+    many = _workload(**geo, fill="chunks", prefill=100, chunk=16)
+    for name, cfg in (("kivi", dict(bits=2, value_bits=2)), ("per-head", dict(bits=4))):
+        a, b = (w.run(None, kvbench.get_method(name, **cfg)) for w in (one, many))
+        assert a.metrics == b.metrics, name
+        assert b.info["fill"].startswith("the perplexity workload's fill")
+        assert b.info["peak_step_tokens"] == 1 and b.info["prefill_tokens"] == 100

@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib")
 
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.path import Path as MplPath  # noqa: E402
-from matplotlib.text import Annotation  # noqa: E402
+from matplotlib.text import Annotation, Text  # noqa: E402
 
 from kvbench.bench.records import Record  # noqa: E402
 from kvbench.report import headline, plots  # noqa: E402
@@ -105,10 +105,11 @@ def _value_y(ax, y: float) -> float:
 
 def _marker_boxes(fig, ax) -> dict[str, tuple[float, float, float, float]]:
     """gid -> the pixel box (x0, y0, x1, y1) of each configuration's marker: its centre from the
-    line's data, its half-width (marker size + edge width) / 2 points."""
+    line's data through the line's own transform (a marker drawn aside of close values: its
+    offset), its half-width (marker size + edge width) / 2 points."""
     out = {}
     for ln in _points(ax):
-        cx, cy = ax.transData.transform((ln.get_xdata()[0], ln.get_ydata()[0]))
+        cx, cy = ln.get_transform().transform((ln.get_xdata()[0], ln.get_ydata()[0]))
         r = (ln.get_markersize() + ln.get_markeredgewidth()) / 2 * fig.dpi / 72
         out[ln.get_gid()] = (cx - r, cy - r, cx + r, cy + r)
     return out
@@ -239,6 +240,15 @@ def test_labels_apart_and_inside(figs) -> None:
                 path = MplPath(ax.transData.transform(front.get_xydata()))
                 for t, b in zip(notes, boxes):
                     assert not path.intersects_bbox(b, filled=False), (name, t.get_text())
+            # nor does any label's text sit on an interval bar (its segment and end caps: the
+            # line's extent), its own or another's (a leader line ends at its marker, on the
+            # marker's own bar: the text's extent, without the leader)
+            bars = [ln for ln in ax.lines if (ln.get_gid() or "").startswith("ci-")]
+            texts = [Text.get_window_extent(t, renderer) for t in notes]
+            for ln in bars:
+                e = ln.get_window_extent(renderer)
+                for t, b in zip(notes, texts):
+                    assert not b.overlaps(e), (name, t.get_text(), ln.get_gid())
             # every point is named beside its marker: its name (its label first), or its
             # number in the key (where its name finds no room)
             texts = sorted(t.get_text() for t in notes)
@@ -284,8 +294,8 @@ def test_markers_at_the_floor_apart_in_its_band(figs) -> None:
     full and hf-dynamic at 16 nominal key bits, the two pm-kvq rows at one step ratio in (a)'s
     KL vs decode) are drawn in the shaded band (gid ``floor-band``) below the floor line,
     inside the axes, and the pixel box of such a marker overlaps no other marker's; a value
-    above the floor stays above the line.  (Markers of distinct values above the floor are
-    drawn where their values are: close values may touch.)"""
+    above the floor stays above the line (markers above it apart:
+    :func:`test_no_marker_overlaps_another`)."""
     banded = set()
     for name, fig in _drawn(figs).items():
         if _axes_metrics(name) is None:
@@ -538,3 +548,52 @@ def test_names_as_the_table_peers_and_merged_rows(records, figs) -> None:
                 assert label in text, (name, label)
     nominal = _key(figs["pareto_key_mse_vs_nominal_key_bits"])
     assert any(e.split(" ", 1)[1].startswith(merged[0]) for e in nominal), nominal
+
+
+def test_no_marker_overlaps_another(figs) -> None:
+    """Close values above the floor too (the committed run's per-channel and per-token K2V2,
+    a few hundredths apart in bytes and KL): the pixel boxes of the markers of a Pareto panel
+    (where each is drawn: a marker set aside carries its offset in its transform) overlap
+    pairwise nowhere, and a marker set aside keeps its value in its data (checked against the
+    records by :func:`test_points_at_their_records_values_and_the_tables_floor`) and its
+    interval bars move with it."""
+    moved = 0
+    for name, fig in _drawn(figs).items():
+        if _axes_metrics(name) is None:
+            continue
+        for ax in fig.axes:
+            boxes = sorted(_marker_boxes(fig, ax).items())
+            for i, (a, p) in enumerate(boxes):
+                for b, q in boxes[i + 1 :]:
+                    apart = p[2] <= q[0] or q[2] <= p[0] or p[3] <= q[1] or q[3] <= p[1]
+                    assert apart, (name, ax.get_title(), a, b)
+            for ln in _points(ax):
+                shift = ln.get_transform().transform((0, 0)) - ax.transData.transform((0, 0))
+                if abs(shift[0]) > 1e-9:
+                    moved += 1
+                    assert abs(shift[1]) < 1e-9, (name, ln.get_gid())  # sideways only
+                for axis in ("x", "y"):
+                    bar = _line(ax, f"ci-{axis}:{ln.get_gid()}")
+                    if bar is not None:
+                        got = bar.get_transform().transform((0, 0)) - ax.transData.transform((0, 0))
+                        assert got == pytest.approx(shift), (name, bar.get_gid())
+    assert moved  # the committed run has close values
+
+
+def test_no_tick_label_inside_the_floor_band(figs) -> None:
+    """The band below the floor line draws values at or below the floor in lanes, not at their
+    values: no y tick label there (a tick at the floor keeps its label)."""
+    seen = 0
+    for name, fig in _drawn(figs).items():
+        for ax in fig.axes:
+            floor = _floor_of(ax)
+            if floor is None or not [p for p in ax.patches if p.get_gid() == "floor-band"]:
+                continue
+            lo, hi = ax.get_ylim()
+            for tick in ax.yaxis.get_major_ticks() + ax.yaxis.get_minor_ticks():
+                v, label = tick.get_loc(), tick.label1
+                if not (lo <= v <= hi) or not label.get_visible() or not label.get_text():
+                    continue
+                seen += 1
+                assert v >= floor * (1 - 1e-9), (name, label.get_text(), v, floor)
+    assert seen

@@ -665,12 +665,17 @@ def peak_below_rest(row: HeadlineRow) -> tuple[float, float] | None:
 
 def fill_schedule(rec: Record) -> str | None:
     """How the record's workload filled the cache it measured, from its parameters: a
-    ``memory`` record ``"prefill P + A one-token steps"`` (P = ``context - appends``), a
-    ``perplexity`` record ``"prefill P + chunks of C (protocol)"``; ``None`` when the record
-    does not say.  A cache whose flushes depend on its history (transformers' quanto cache
-    quantizes the whole prompt, then its residual each time it reaches ``residual_length``)
-    holds different tokens in full precision after different fills of the same length."""
+    ``memory`` record ``"prefill P + A one-token steps"`` (P = ``context - appends``) or, under
+    ``fill: chunks``, ``"prefill P + chunks of C (exact-chunked)"`` (the perplexity workload's
+    fill, which that option replays), a ``perplexity`` record ``"prefill P + chunks of C
+    (protocol)"``; ``None`` when the record does not say.  A cache whose flushes depend on its
+    history (transformers' quanto cache quantizes the whole prompt, then its residual each time
+    it reaches ``residual_length``) holds different tokens in full precision after different
+    fills of the same length."""
     w = rec.workload
+    if rec.workload_type == "memory" and w.get("fill") == "chunks":
+        # the memory workload cuts a chunk as the exact-chunked protocol does
+        return f"prefill {w['prefill']} + chunks of {w['chunk']} (exact-chunked)"
     if rec.workload_type == "memory" and "context" in w and "appends" in w:
         n = int(w["appends"])
         return f"prefill {int(w['context']) - n} + {n} one-token steps"

@@ -30,8 +30,12 @@ The rules every figure follows:
   section of the table is not drawn there (its rows are in the nominal-bits figures).
 - **Labels**: each point's name (at most :data:`MAX_NAMED` points per axes) or number, placed
   by :func:`place_labels` where it overlaps no marker, no other label (a leader line counted
-  as part of its label) and no segment of the frontier line, and stays inside the axes; its
-  number where its name finds no room.
+  as part of its label), no segment of the frontier line and no interval bar, and stays inside
+  the axes; its number where its name finds no room.
+- **Close values**: a marker whose box would overlap another's is drawn a few pixels aside
+  with its intervals (:func:`nudge_markers`; frontier and floor-band markers stay), its data
+  still its value.  In the floor band no y tick is labelled (its markers sit in lanes, not at
+  their values).
 """
 
 from __future__ import annotations
@@ -512,7 +516,22 @@ def spread_floor(
     front = lines.get("frontier")
     if front is not None:
         front.set_data(*zip(*sorted({(p.x, y) for p, y, on in out if on})))
+    _no_ticks_below(ax, floor)
     return out
+
+
+def _no_ticks_below(ax: Axes, floor: float) -> None:
+    """Fix the y ticks of ``ax`` (its limits are final) and blank the label of each tick below
+    ``floor``: the band below the floor line holds values at or below the floor, drawn in
+    lanes, not at their values, so a scale there would misread them (a tick at the floor keeps
+    its label)."""
+    lo, hi = ax.get_ylim()
+    ticks = [float(t) for t in ax.get_yticks() if lo <= t <= hi]
+    fmt = ax.yaxis.get_major_formatter()
+    texts = fmt.format_ticks(ticks)
+    below = floor - abs(floor) * 1e-9
+    ax.set_yticks(ticks, [t if v >= below else "" for v, t in zip(ticks, texts)])
+    ax.set_ylim(lo, hi)
 
 
 def _room_below(ax: Axes, floor: float, depth: float) -> None:
@@ -530,6 +549,67 @@ def _room_below(ax: Axes, floor: float, depth: float) -> None:
     need = depth * (f(hi) - f(floor)) / (height - depth)
     if f(floor) - f(lo) < need:
         ax.set_ylim(inv(f(floor) - need), hi)
+
+
+#: points between two markers that :func:`nudge_markers` moves apart
+NUDGE_GAP = 0.5
+
+
+def nudge_markers(
+    fig: Figure, ax: Axes, drawn: list[tuple[Point, float, bool]], floor: float | None
+) -> int:
+    """Draw each marker of ``ax`` whose box would overlap the box of another (close values:
+    e.g. two configurations a few thousandths apart in both metrics) a few pixels to the side,
+    with its intervals.  Markers on the frontier (its line runs through them) and in the floor
+    band (apart already) stay; the others, left to right, go to the smallest horizontal
+    offset, alternately right and left in steps of half a pixel, where their box (marker size
+    + edge) is :data:`NUDGE_GAP` points clear of every box placed before (two frontier markers
+    that overlap stay so: their values are the frontier's).  The offset is a transform of
+    the marker's line (:class:`matplotlib.transforms.ScaledTranslation`): its data stays the
+    value.  Call after :func:`spread_floor`; returns how many markers moved."""
+    from matplotlib.transforms import ScaledTranslation
+
+    lines = {ln.get_gid(): ln for ln in ax.lines}
+    gap = NUDGE_GAP * fig.dpi / 72
+    todo = []  # (x, y, half-width in pixels, label)
+    for p, y, _ in drawn:
+        (cx, cy), r = ax.transData.transform((p.x, y)), marker_radius(fig, lines[p.label])
+        todo.append((float(cx), float(cy), r, p.label))
+    # markers in the band (apart already) and on the frontier (its line runs through them) stay
+    fixed = {p.label for p, _, on in drawn if on or (floor is not None and p.y <= floor)}
+    placed = [(cx, cy, r) for cx, cy, r, lb in todo if lb in fixed]
+
+    def clear(cx: float, cy: float, r: float) -> bool:
+        return all(abs(cx - x) >= r + q + gap or abs(cy - y) >= r + q + gap for x, y, q in placed)
+
+    moved = 0
+    for cx, cy, r, label in sorted(todo):
+        if label in fixed:
+            continue
+        dx = 0.0
+        step = 0
+        while not clear(cx + dx, cy, r):
+            step += 1
+            dx = (step + 1) // 2 * (1 if step % 2 else -1) * 0.5
+        placed.append((cx + dx, cy, r))
+        if dx:
+            moved += 1
+            shift = ScaledTranslation(dx / fig.dpi, 0, fig.dpi_scale_trans)
+            for gid in (label, f"ci-y:{label}", f"ci-x:{label}"):
+                if gid in lines:
+                    lines[gid].set_transform(ax.transData + shift)
+    return moved
+
+
+def bar_boxes(ax: Axes, renderer: object) -> list[tuple[float, float, float, float]]:
+    """The pixel extents (x0, y0, x1, y1) of the interval bars of ``ax`` (gid ``ci-x:`` /
+    ``ci-y:``: the segment and its end caps)."""
+    out = []
+    for ln in ax.lines:
+        if str(ln.get_gid() or "").startswith("ci-"):
+            b = ln.get_window_extent(renderer)
+            out.append((b.x0, b.y0, b.x1, b.y1))
+    return out
 
 
 def frontier_segments(ax: Axes) -> list[tuple[tuple[float, float], tuple[float, float]]]:
@@ -574,19 +654,23 @@ LEADER_STEP = 2
 
 def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str]]) -> int:
     """Write ``text`` beside each ``(point, drawn y, text, short)`` on ``ax`` at the first of
-    increasingly far offsets (8 directions) where its text overlaps no marker and no segment of
-    the frontier line (:func:`frontier_segments`), it stays inside the axes, and its extent
-    (text, with the leader line drawn to a far one: the box from the marker to the text)
-    overlaps the extent of no label placed before; ``short`` (its number in the key) where
-    ``text`` has no such place, and nothing where neither has.  Call after the layout is final
-    (and after :func:`spread_floor`).  Returns how many were not written."""
+    increasingly far offsets (8 directions) where its text overlaps no marker (where it is
+    drawn: :func:`nudge_markers`), no segment of the frontier line (:func:`frontier_segments`)
+    and no interval bar (:func:`bar_boxes`), it stays inside the axes, and its extent (text,
+    with the leader line drawn to a far one: the box from the marker to the text) overlaps the
+    extent of no label placed before; ``short`` (its number in the key) where ``text`` has no
+    such place, and nothing where neither has.  When some find no place, a second try places
+    those first and is kept if it misses fewer.  Call after the layout is final (and after
+    :func:`spread_floor` and :func:`nudge_markers`).  Returns how many were not written."""
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
-    px = [ax.transData.transform((p.x, y)) for p, y, _, _ in items]
+    lines = {ln.get_gid(): ln for ln in ax.lines}
+    # each marker where it is drawn (its line's transform: nudged ones aside)
+    px = [lines[p.label].get_transform().transform((p.x, y)) for p, y, _, _ in items]
     marks = [(x, y, p.size * fig.dpi / 72 * 0.6 + 1) for (p, _, _, _), (x, y) in zip(items, px)]
     segments = frontier_segments(ax)
+    bars = bar_boxes(ax, renderer)
     boxes: list[tuple[float, float, float, float]] = []
-    missed = 0
 
     def apart(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
         return a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]
@@ -599,26 +683,47 @@ def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str
             return False
         if any(crosses(seg, b) for seg in segments):
             return False
+        if not all(apart(b, c) for c in bars):
+            return False
         return not any(
             x0 < mx + r and mx - r < x1 and y0 < my + r and my - r < y1 for mx, my, r in marks
         )
 
-    for (p, y, *texts), (cx, cy), (_, _, r) in zip(items, px, marks):
-        found = None
-        for text in dict.fromkeys(texts):
-            found = _spot(ax, renderer, text, (cx, cy, r), free)
-            if found is not None:
-                break
-        if found is None:
-            missed += 1
-            continue
-        sx, sy, extent, step = found
-        boxes.append(extent)
-        k = 72 / fig.dpi  # pixels to points: the same place at any saved dpi
+    def assign(order: list[int]) -> tuple[dict[int, tuple], list[int]]:
+        """Place the labels in ``order``: index -> (text, x, y, step), and the indices missed."""
+        boxes.clear()
+        got: dict[int, tuple] = {}
+        miss = []
+        for i in order:
+            (_, _, *texts), (cx, cy), (_, _, r) = items[i], px[i], marks[i]
+            found = None
+            for text in dict.fromkeys(texts):
+                found = _spot(ax, renderer, text, (cx, cy, r), free)
+                if found is not None:
+                    break
+            if found is None:
+                miss.append(i)
+                continue
+            sx, sy, extent, step = found
+            boxes.append(extent)
+            got[i] = (text, sx, sy, step)
+        return got, miss
+
+    # a label that found no room goes first in a second try (an earlier label's leader may
+    # have taken its only place); the try that misses fewer is drawn
+    placed, miss = assign(list(range(len(items))))
+    if miss:
+        retry = assign(miss + [i for i in range(len(items)) if i not in miss])
+        if len(retry[1]) < len(miss):
+            placed, miss = retry
+    k = 72 / fig.dpi  # pixels to points: the same place at any saved dpi
+    for i, (text, sx, sy, step) in sorted(placed.items()):
+        (p, y, *_), (cx, cy) = items[i], px[i]
         line = {"arrowstyle": "-", "color": "0.55", "lw": 0.5} if step > LEADER_STEP else None
         ax.annotate(
             text,
             (p.x, y),
+            xycoords=lines[p.label].get_transform(),  # at the marker, nudged or not
             xytext=((sx - cx) * k, (sy - cy) * k),
             textcoords="offset points",
             ha="center",
@@ -628,7 +733,7 @@ def place_labels(fig: Figure, ax: Axes, items: list[tuple[Point, float, str, str
             arrowprops=line,
             annotation_clip=False,
         )
-    return missed
+    return len(miss)
 
 
 def _spot(
@@ -717,6 +822,7 @@ def _figure(
     fig.set_layout_engine("none")
     for ax, d in drawn:
         d = spread_floor(fig, ax, d, floor)
+        nudge_markers(fig, ax, d, floor)
         named = len(d) <= MAX_NAMED
         items = [
             (

@@ -41,6 +41,25 @@ transient peak is :func:`kvbench.measure.peak.transient_peak`.  All configuratio
 process.  A run whose tensors would not fit the device's available memory is refused before
 allocating.
 
+Fill (``fill``): ``steps`` (default) is the protocol above.  ``chunks`` replays the perplexity
+workload's fill instead, so that a cache whose stored state depends on how its tokens arrive
+(transformers' quanto and HQQ caches quantize the whole prompt, then re-quantize everything each
+time their residual reaches ``residual_length``) holds here what it held when the perplexity
+workload scored it (docs/design.md#memory): prefill ``prefill`` (P) tokens, then the tokens
+P..d-1 in the chunks of ``chunk`` (C) tokens that the perplexity workload feeds
+(:func:`~kvbench.bench.workloads.perplexity.chunk_spans`; its T = d + 1).  A peer takes each
+chunk as one ``update``, as the perplexity workload's peer call does, and its last chunk is the
+measured step (its ``peak_step_bytes`` covers that call, ``peak_step_tokens`` in the manifest).  A
+kvbench cache takes each chunk in calls cut where :meth:`~kvbench.cache.layer.LayerCache.steady_appends`
+allows (the perplexity workload's ``exact-chunked`` protocol: each call leaves what one-token steps
+leave), without reads, except that an evicting method reads at every token (one token per
+call, as under ``steps``); its last two tokens are the two reading steps above, the last one
+measured (one token, as under ``steps``).  A method that observes attention (SemKV) is not read
+before those two, as under ``steps``: its stored sizes depend on the K/V values, and the
+perplexity workload's decode K/V come from a model attending to the quantized cache, not from
+this capture, so no replay holds its exact cache (reading every token would cost about 20x
+the rest of its replay).  ``appends`` does not apply (left out of the spec).
+
 Parameters: ``context`` (d, default 2048), ``appends`` (decode steps after prefill, default 4),
 ``source`` (``model`` | ``synthetic``), ``text`` and ``window`` (captured text, default
 ``essays``, 0), ``dtype`` (``float16`` | ``bfloat16`` | ``float32``), ``layers`` (``all`` or a
@@ -48,7 +67,9 @@ list of indices), ``path`` (``attend`` | ``reference``, the decode step ``peak_s
 measures), ``batch`` (rows, default 1; above 1 only with a shape model), and for
 ``synthetic`` the geometry ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``
 (default 4 x 9/3 x 64, the default model's heads); each source keeps only its own parameters
-(``Workload.SOURCE_PARAMS``, docs/design.md#suites-and-workloads).
+(``Workload.SOURCE_PARAMS``, docs/design.md#suites-and-workloads); ``fill`` (``steps`` |
+``chunks``, :data:`FILLS`) with, for ``chunks`` only and then required, ``prefill`` (P, 1..d-2)
+and ``chunk`` (C, 1..d-P).  ``fill: steps`` stays out of the spec (run ids of earlier records).
 """
 
 from __future__ import annotations
@@ -67,11 +88,17 @@ from kvbench.hf.peers import hf_layer_keys_values, hf_layer_tensors
 from kvbench.measure.peak import transient_peak
 
 from . import KV_SOURCE_PARAMS, LAYERS, SOURCES, Result, Workload, check_kv_heads, reject
+from .perplexity import chunk_spans
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: batch rows whose K/V errors a shape model's run reads back at batch > 1 (``Memory.error_rows``)
 ERROR_ROWS = 1
 BYTE_CATEGORIES = ("codes", "scales", "metadata", "residual", "sinks")
+#: how the replay fills the cache before the measured step (module docstring, "Fill")
+FILLS = {
+    "steps": "prefill context - appends tokens, then appends one-token steps",
+    "chunks": "the perplexity workload's fill: prefill P, then chunks of C (exact-chunked)",
+}
 
 
 def chunked_mse(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -236,6 +263,9 @@ class Memory(Workload):
         "head_dim": 64,
         "path": "attend",
         "batch": 1,
+        "fill": "steps",
+        "prefill": None,
+        "chunk": None,
     }
     FIELDS = {
         "context": Field(int, low=2),
@@ -243,6 +273,9 @@ class Memory(Workload):
         "source": SOURCES,
         "path": Field(str, choices=tuple(sorted(STEP_PATHS))),
         "dtype": Field(str, choices=tuple(sorted(DTYPES))),
+        "fill": Field(str, choices=tuple(FILLS)),
+        "prefill": Field(int, low=1, optional=True),
+        "chunk": Field(int, low=1, optional=True),
         "layers": LAYERS,
         **{
             k: Field(int, low=1)
@@ -253,11 +286,36 @@ class Memory(Workload):
     @classmethod
     def check(cls, spec: dict[str, Any], pre: str) -> None:
         d, a = spec["context"], spec["appends"]
-        if a >= d:
-            reject(pre, "appends", a, f"integers 1..{d - 1} (< context={d})")
+        if spec["fill"] == "chunks":
+            p, c = spec["prefill"], spec["chunk"]
+            if p is None or not 1 <= p <= d - 2:
+                reject(pre, "prefill", p, f"integers 1..{d - 2} (< context - 1) with fill: chunks")
+            if c is None or not 1 <= c <= d - p:
+                reject(
+                    pre, "chunk", c, f"integers 1..{d - p} (<= context - prefill) with fill: chunks"
+                )
+            if a != cls.PARAMS["appends"]:
+                reject(pre, "appends", a, "unset with fill: chunks (the chunks set the steps)")
+            del spec["appends"]
+        else:
+            for k in ("prefill", "chunk"):
+                if spec[k] is not None:
+                    reject(pre, k, spec[k], "unset with fill: steps (set fill: chunks)")
+            if a >= d:
+                reject(pre, "appends", a, f"integers 1..{d - 1} (< context={d})")
+            # the default stays out of the spec: run ids of records kept
+            for k in ("fill", "prefill", "chunk"):
+                del spec[k]
         if spec["batch"] == 1:  # the default stays out of the spec: run ids of records kept
             del spec["batch"]
         check_kv_heads(spec, pre)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens the replay prefills (P): ``prefill`` under ``fill: chunks``, else
+        ``context - appends``."""
+        s = self.spec
+        return s["prefill"] if s.get("fill") == "chunks" else s["context"] - s["appends"]
 
     # ------------------------------------------------------------------ inputs
     def calibration_kv(
@@ -289,7 +347,7 @@ class Memory(Workload):
             self.device = ctx.device
             self.qkv, self.layer_ids, self.info = shape_inputs(
                 ctx.model.config, ctx.model_info, d, s.get("batch", 1), s["layers"],
-                DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=s["appends"],
+                DTYPES[s["dtype"]], self.device, ctx.seed, query_tokens=d - self.prefill_tokens,
             )  # fmt: skip
             self.config, self.seed = ctx.model.config, ctx.seed
             self.num_layers = self.info["num_hidden_layers"]
@@ -361,8 +419,8 @@ class Memory(Workload):
 
     def _run(self, ctx: RunContext, method: Method) -> Result:
         s = self.spec
-        d, n_app = s["context"], s["appends"]
-        p = d - n_app
+        d, p = s["context"], self.prefill_tokens
+        chunks = s.get("fill") == "chunks"
         dtype, dev = DTYPES[s["dtype"]], self.device
         inputs = [tuple(x.to(dev, dtype) for x in qkv) for qkv in self.qkv]
         cuda = dev.type == "cuda"
@@ -371,19 +429,24 @@ class Memory(Workload):
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         caches, peaks, peak_how, cuda_peak = [], [], "", 0
+        last = 1  # tokens of the measured step
         for idx, (q, k, v) in zip(self.layer_ids, inputs):
             r = Replay(method, idx, k.shape[1], k.shape[3], dtype, dev, path=s["path"])
             q0 = d - q.shape[2]  # a shape model's queries start at the decode steps
             r.prefill(k[:, :, :p], v[:, :, :p], self._prefill_queries(method, idx, q, p, r))
-            for t in range(p, d - 1):
-                kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
-                # the step before the measured one reads too (warms kernels); an evicting
-                # method's every step reads (its decode evictions may score by that attention)
-                if t == d - 2 or method.capabilities.evicts:
-                    r.step(kt, vt, q[:, :, t - q0 : t - q0 + 1])
-                else:  # earlier steps: store and flush, no read (nothing at rest changes)
-                    r.store(kt, vt)
-            t = d - 1
+            if chunks:
+                t = self._fill_chunks(method, r, q, k, v, q0)
+            else:
+                for t in range(p, d - 1):
+                    kt, vt = k[:, :, t : t + 1], v[:, :, t : t + 1]
+                    # the step before the measured one reads too (warms kernels); an evicting
+                    # method's every step reads (its decode evictions may score by that attention)
+                    if t == d - 2 or method.capabilities.evicts:
+                        r.step(kt, vt, q[:, :, t - q0 : t - q0 + 1])
+                    else:  # earlier steps: store and flush, no read (nothing at rest changes)
+                        r.store(kt, vt)
+                t = d - 1
+            last = d - t
             kt, vt, qt = k[:, :, t:].clone(), v[:, :, t:].clone(), q[:, :, t - q0 :].clone()
             if cuda:  # the allocator's peak so far, before transient_peak resets it
                 cuda_peak = max(cuda_peak, torch.cuda.max_memory_allocated(dev) - base)
@@ -413,7 +476,11 @@ class Memory(Workload):
             "kv_dtype": s["dtype"],
             "context": d,
             "prefill_tokens": p,
-            "decode_appends": n_app,
+            **(
+                {"fill": FILLS["chunks"], "chunk": s["chunk"], "peak_step_tokens": last}
+                if chunks
+                else {"decode_appends": s["appends"]}
+            ),
             "cache_kind": "transformers layer (peer)" if caches[0].peer else "kvbench LayerCache",
             "peak_step_bytes_measured_by": peak_how,
             "peak_step_path": sorted({c.path for c in caches}),
@@ -437,6 +504,45 @@ class Memory(Workload):
             "shape)"
         )
         return Result(metrics, per_layer, info)
+
+    def _fill_chunks(
+        self,
+        method: Method,
+        r: Replay,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q0: int,
+    ) -> int:
+        """``fill: chunks`` after the prefill (module docstring, "Fill"): feed the perplexity
+        workload's chunks up to the measured step of ``r`` and return the position where that
+        step starts (its tokens ``t..d-1``: a peer's last chunk, a kvbench cache's last token).
+        ``q``/``k``/``v`` ``[B, H, T, D]``: the layer's inputs, ``q`` from position ``q0``."""
+        d, c = self.spec["context"], self.spec["chunk"]
+        spans = chunk_spans(self.prefill_tokens, d, c)
+        if r.peer:  # each chunk one update, as the perplexity workload's peer call
+            for s, e in spans[:-1]:
+                r.store(k[:, :, s:e], v[:, :, s:e])
+            return spans[-1][0]
+        layer = r.layer
+        # exact-chunked with per-query views, as the perplexity workload's attend route: a
+        # sliding window's call keeps its chunk (nothing here reads the views; the state the
+        # call leaves is that of one-token steps)
+        layer.step_views = method.capabilities.keys_values
+        reads = method.capabilities.evicts
+        for s, e in spans:
+            e = min(e, d - 2)  # the last two tokens: the reading steps below
+            while s < e:
+                if reads:  # one token per call, read as one-token decode reads it
+                    r.step(k[:, :, s : s + 1], v[:, :, s : s + 1], q[:, :, s - q0 : s - q0 + 1])
+                    s += 1
+                    continue
+                m = s + 1 + layer.steady_appends(e - s - 1)  # exact-chunked cut
+                r.store(k[:, :, s:m], v[:, :, s:m])
+                s = m
+        t = d - 2  # the step before the measured one reads (warms kernels), as under steps
+        r.step(k[:, :, t : t + 1], v[:, :, t : t + 1], q[:, :, t - q0 : t - q0 + 1])
+        return d - 1
 
     def _prefill_queries(
         self, method: Method, idx: int, q: torch.Tensor, p: int, r: Replay

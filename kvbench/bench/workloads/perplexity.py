@@ -182,6 +182,15 @@ def _elements(model: PreTrainedModel, cache: Cache, batch: int) -> int:
     return per_token * batch * cache.get_seq_length()
 
 
+def chunk_spans(prefill: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """The decode chunks of the fill after a prefill of ``prefill`` tokens that leaves the cache
+    holding ``end`` tokens: ``[(s, e), ...]`` (token positions, ``e`` exclusive), ``chunk``
+    tokens each from ``prefill`` on, the last one shorter when ``end - prefill`` is not a
+    multiple of ``chunk``.  The perplexity workload feeds these (``end`` = T - 1: token T - 1 is
+    only predicted); the memory workload's ``fill: chunks`` replays the same ones."""
+    return [(s, min(s + chunk, end)) for s in range(prefill, end, chunk)]
+
+
 @torch.no_grad()
 def chunked_logits(
     model: PreTrainedModel,
@@ -245,8 +254,7 @@ def chunked_logits(
         cut = cache.steady_appends if protocol == EXACT_CHUNKED and ours else None
         if cut is None and ours:
             cut = cache.eviction_appends
-        for s in range(prefill, t - 1, chunk):
-            e = min(s + chunk, t - 1)
+        for s, e in chunk_spans(prefill, t - 1, chunk):
             part = []
             while s < e:
                 m = e if cut is None else s + 1 + cut(e - s - 1)
