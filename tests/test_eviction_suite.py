@@ -149,3 +149,26 @@ def test_methods_that_are_not_evictors_raise_no_evictor_problem() -> None:
           "path": "reference"}],
     )  # fmt: skip
     assert evictor_problems(parse_suite(data, "s.yaml")) == []
+
+
+CPU_SUITE = SUITE.with_name("eviction-cpu.yaml")
+
+
+def test_the_cpu_suite_has_every_row_of_the_gpu_suite_and_no_latency() -> None:
+    """suites/eviction-cpu.yaml copies eviction.yaml's rows (the suite format has no include):
+    the same labels and configurations in the same order, the same model, seed and
+    calibration; its workloads are the GPU suite's ruler11 (both protocols) and perplexity, at
+    CPU sizes (no output_length, no latency)."""
+    gpu, cpu = load_suite(SUITE, checks=CHECKS), load_suite(CPU_SUITE, checks=CHECKS)
+    assert [(m.label, m.name, m.config) for m in cpu.methods] == [
+        (m.label, m.name, m.config) for m in gpu.methods
+    ]
+    for key in ("seed", "models", "calibration"):
+        assert getattr(cpu, key) == getattr(gpu, key), key
+    assert [w["type"] for w in cpu.workloads] == ["ruler11", "ruler11", "perplexity"]
+    ruler = [w for w in cpu.workloads if w["type"] == "ruler11"]
+    assert [w["protocol"] for w in ruler] == ["question-agnostic", "question-aware"]
+    (ppl,) = [w for w in cpu.workloads if w["type"] == "perplexity"]
+    scored = (ppl["tokens"] - ppl["prefill"]) * ppl["windows"]
+    assert scored >= 2 * 32, "two blocks of 32 scored tokens or more: the KL has an interval"
+    assert ppl["tokens"] * min(BUDGETS) >= 64, "keep 0.125 keeps a meaningful share"
