@@ -25,9 +25,11 @@ and the output back, and :meth:`LayerCache.keys_values` returns the stored (rota
 :meth:`LayerCache.attend` runs, else keys and values rotated back.
 
 Growth: a full-precision residual of :data:`GROW_TOKENS` tokens or more (``full``'s whole cache)
-grows in place into an allocation with room (:meth:`Side.add_residual`, as a deployed engine
-preallocates), so a decode step copies its new tokens only, not the whole cache; ``nbytes()``
-counts the tokens held, :meth:`LayerCache.spare_bytes` the room (docs/design.md#memory).
+and a quantized :class:`~kvbench.cache.blocks.AffineBlock` as long grow in place into
+allocations with room (:meth:`Side.add_residual`, :meth:`Side.add_block`; one rule,
+:func:`grown_capacity`; as a deployed engine preallocates), so a decode step copies its new
+tokens only, not the whole cache; ``nbytes()`` counts the tokens held,
+:meth:`LayerCache.spare_bytes` the room (docs/design.md#memory).
 
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
@@ -1194,8 +1196,9 @@ class LayerCache:
         return out
 
     def spare_bytes(self) -> int:
-        """Bytes allocated behind the full-precision residuals for tokens not yet appended (the
-        room :meth:`Side.add_residual` grows into; docs/design.md#memory): not held, so not in
+        """Bytes allocated behind the full-precision residuals and quantized blocks for tokens
+        not yet appended or flushed (the room :meth:`Side.add_residual` and
+        :meth:`Side.add_block` grow into; docs/design.md#memory): not held, so not in
         :meth:`nbytes`; what the process allocates for this layer is ``nbytes()["total"] +
         spare_bytes()``.  A padded batch: the sum over its rows."""
         if self._rows is not None:
