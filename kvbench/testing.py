@@ -286,7 +286,7 @@ def _check_round_trip(
 def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
     nb = lc.nbytes()
     want = dict.fromkeys(BYTE_KEYS, 0) | {"key_total": 0, "value_total": 0}
-    room = 0  # bytes allocated behind grown residuals (LayerCache.spare_bytes)
+    room = 0  # bytes allocated behind grown residuals and blocks (LayerCache.spare_bytes)
     for side, cat, t in lc.tensors():
         chk.require(
             cat in BYTE_KEYS,
@@ -295,7 +295,7 @@ def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
         )
         extra = t.untyped_storage().nbytes() - t.numel() * t.element_size()
         chk.require(
-            extra == 0 or (cat == "residual" and t.storage_offset() == 0),
+            extra == 0 or t.storage_offset() == 0,
             "bytes",
             f"a stored {side} {cat} tensor {tuple(t.shape)} is a view of a larger allocation "
             f"({t.untyped_storage().nbytes()} bytes held, {t.numel() * t.element_size()} "
@@ -307,9 +307,9 @@ def _check_bytes(chk: _Checker, lc: LayerCache, itemsize: int) -> None:
     chk.require(
         room == lc.spare_bytes(),
         "bytes",
-        f"the stored residuals are views of allocations {room} bytes larger than their tokens, "
-        f"but spare_bytes() reports {lc.spare_bytes()} bytes of room (only a residual grown by "
-        "LayerCache.append may have room after its tokens; else store a compact copy, "
+        f"the stored tensors are views of allocations {room} bytes larger than their tokens, "
+        f"but spare_bytes() reports {lc.spare_bytes()} bytes of room (only a residual or block "
+        "grown by the layer cache may have room after its tokens; else store a compact copy, "
         "kvbench.cache.blocks.own_storage)",
     )
     want["total"] = want["key_total"] + want["value_total"]

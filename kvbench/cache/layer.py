@@ -25,9 +25,11 @@ and the output back, and :meth:`LayerCache.keys_values` returns the stored (rota
 :meth:`LayerCache.attend` runs, else keys and values rotated back.
 
 Growth: a full-precision residual of :data:`GROW_TOKENS` tokens or more (``full``'s whole cache)
-grows in place into an allocation with room (:meth:`Side.add_residual`, as a deployed engine
-preallocates), so a decode step copies its new tokens only, not the whole cache; ``nbytes()``
-counts the tokens held, :meth:`LayerCache.spare_bytes` the room (docs/design.md#memory).
+and a quantized :class:`~kvbench.cache.blocks.AffineBlock` as long grow in place into
+allocations with room (:meth:`Side.add_residual`, :meth:`Side.add_block`; one rule,
+:func:`grown_capacity`; as a deployed engine preallocates), so a decode step copies its new
+tokens only, not the whole cache; ``nbytes()`` counts the tokens held,
+:meth:`LayerCache.spare_bytes` the room (docs/design.md#memory).
 
 Padded batches: ``prefill(..., lengths=...)`` (left padding) turns the layer into a container of
 one single-row cache per sequence (:mod:`kvbench.cache.ragged`, docs/design.md#padding).  Every
@@ -41,14 +43,14 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
 import torch
 
 from kvbench.attention import dispatch
 from kvbench.cache import finite, ragged
-from kvbench.cache.blocks import Block, Codec, cat_blocks, own_storage, tensor_bytes
+from kvbench.cache.blocks import AffineBlock, Block, Codec, cat_blocks, own_storage, tensor_bytes
 from kvbench.cache.rotation import ChannelRotation
 from kvbench.cache.schedule import NeverSchedule
 
@@ -80,10 +82,44 @@ GROW_DIVISOR = 4
 
 
 def grown_capacity(tokens: int) -> int:
-    """Tokens a residual regrown to hold ``tokens`` tokens is allocated for: ``tokens + tokens //
-    GROW_DIVISOR`` rounded up to a multiple of :data:`GROW_TOKENS` (int, >= ``tokens``)."""
+    """Tokens a residual (or a quantized block, :meth:`Side.add_block`) regrown to hold
+    ``tokens`` tokens is allocated for: ``tokens + tokens // GROW_DIVISOR`` rounded up to a
+    multiple of :data:`GROW_TOKENS` (int, >= ``tokens``)."""
     want = tokens + tokens // GROW_DIVISOR
     return -(-want // GROW_TOKENS) * GROW_TOKENS
+
+
+def _grow_parts(
+    old: Block | None, new: Block, token_group: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The ``(held, new)`` tensor pairs :meth:`Side.add_block` writes into rooms when ``new``
+    joins ``old`` -- codes ``[B, H_kv, n, nbytes]``, then scale (and zero) ``[B|1, H_kv|1, NG,
+    Dg]``, each growing along dim 2 -- or ``None`` where it concatenates as before: either is
+    not exactly an :class:`AffineBlock`, the codec's token groups are not ``token_group >= 1``
+    tokens each in both, or the two differ in anything but their tokens (settings, dtypes,
+    devices, the other dims)."""
+    if type(old) is not AffineBlock or type(new) is not AffineBlock or token_group < 1:
+        return None
+    if (old.bits, old.head_dim, old.symmetric, old.midpoint, old.batch_shared) != (
+        new.bits, new.head_dim, new.symmetric, new.midpoint, new.batch_shared
+    ) or (old.zero is None) != (new.zero is None):  # fmt: skip
+        return None
+    pairs = [(old.codes, new.codes), (old.scale, new.scale)]
+    if old.zero is not None:
+        pairs.append((old.zero, new.zero))
+    for a, b in pairs:
+        if (
+            a.dim() != 4
+            or b.dim() != 4
+            or (a.dtype, a.device, a.shape[:2], a.shape[3])
+            != (b.dtype, b.device, b.shape[:2], b.shape[3])
+            or a.requires_grad
+            or b.requires_grad
+        ):
+            return None
+    if any(g != token_group for g in new.group_len):
+        return None
+    return pairs
 
 
 @dataclass
@@ -244,6 +280,11 @@ class Side:
     compute_dtype: torch.dtype | None = None
     #: the allocation the residual was last grown into (:meth:`add_residual`), or ``None``
     room: Room | None = field(default=None, init=False, repr=False, compare=False)
+    #: the allocations the quantized block's codes, scale (and zero) were last grown into
+    #: (:meth:`add_block`), or ``None``
+    block_rooms: tuple[Room, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __len__(self) -> int:
         return _len(self.sinks) + _len(self.block) + _len(self.residual)
@@ -295,6 +336,80 @@ class Side:
             return 0
         return room.capacity - room.filled
 
+    def add_block(self, new: Block) -> None:
+        """Append the quantized tokens ``new`` (the codec's block of the oldest residual
+        tokens) after :attr:`block`.
+
+        An :class:`AffineBlock` whose token groups are the codec's ``token_group`` (>= 1) tokens
+        each and that holds at least :data:`GROW_TOKENS` tokens afterwards grows in place, by
+        the residual's rule (:meth:`add_residual`): its codes, scale and zero are views of the
+        first tokens (token groups) of allocations with room, the new ones are copied into the
+        room, and when the room is used up all are regrown to :func:`grown_capacity` of the
+        tokens held, rounded up to whole token groups (the codes hold ``token_group`` tokens
+        per scale row).  Any other block is concatenated (``cat``) as before.  The values are
+        those of ``cat`` either way; :meth:`tensors` (and so ``nbytes()``) count the tokens
+        held, :meth:`spare_block_bytes` the room (docs/design.md#memory)."""
+        old, rooms = self.block, self.block_rooms
+        tg = 0 if self.codec is None else self.codec.token_group
+        pairs = None if old is None or not new.ntokens else _grow_parts(old, new, tg)
+        if pairs is None:
+            self.block, self.block_rooms = cat_blocks(old, new), None
+            return
+        n, k = old.ntokens, new.ntokens
+        if (
+            rooms is not None
+            and len(rooms) == len(pairs)
+            and all(
+                r.holds(a) and a.shape[2] + b.shape[2] <= r.capacity
+                for r, (a, b) in zip(rooms, pairs, strict=True)
+            )
+        ):
+            grown = []
+            for r, (a, b) in zip(rooms, pairs, strict=True):
+                m = a.shape[2]
+                t = a.as_strided((*a.shape[:2], m + b.shape[2], a.shape[3]), a.stride(), 0)
+                t[:, :, m:].copy_(b)
+                r.filled = m + b.shape[2]
+                grown.append(t)
+        elif n + k >= GROW_TOKENS and all(g == tg for g in old.group_len):
+            groups = -(-grown_capacity(n + k) // tg)  # token groups of room, rounded up
+            grown, made = [], []
+            for i, (a, b) in enumerate(pairs):
+                cap = groups * tg if i == 0 else groups  # codes in tokens, terms in groups
+                m, j = a.shape[2], b.shape[2]
+                buf = a.new_empty(a.shape[0], a.shape[1], cap, a.shape[3])
+                buf[:, :, :m].copy_(a)
+                buf[:, :, m : m + j].copy_(b)
+                grown.append(buf[:, :, : m + j])
+                made.append(Room(buf.untyped_storage().data_ptr(), m + j, cap))
+            rooms = tuple(made)
+        else:
+            self.block, self.block_rooms = cat_blocks(old, new), None
+            return
+        self.block = replace(
+            old,
+            codes=grown[0],
+            scale=grown[1],
+            zero=grown[2] if len(grown) > 2 else None,
+            group_len=[*old.group_len, *new.group_len],
+        )
+        self.block_rooms = rooms
+
+    def spare_block_bytes(self) -> int:
+        """Bytes allocated behind the quantized block's codes, scale and zero for tokens not yet
+        flushed (the room :meth:`add_block` grows into; 0 when they own exactly what they
+        hold)."""
+        blk, rooms = self.block, self.block_rooms
+        if type(blk) is not AffineBlock or rooms is None:
+            return 0
+        parts = [blk.codes, blk.scale] + ([] if blk.zero is None else [blk.zero])
+        out = 0
+        for r, t in zip(rooms, parts, strict=False):
+            if r.holds(t):
+                b, h, _, d = t.shape
+                out += (r.capacity - r.filled) * b * h * d * t.element_size()
+        return out
+
     def flush(self, n: int) -> None:
         """Quantize the oldest ``n`` residual tokens into the side's blocks."""
         if n <= 0 or self.codec is None:
@@ -305,7 +420,7 @@ class Side:
         head, self.residual = self.residual[:, :, :n], own_storage(self.residual[:, :, n:])
         if self.compute_dtype is not None:  # a float16-stored residual is encoded as computed
             head = head.to(self.compute_dtype)
-        self.block = cat_blocks(self.block, self.codec.encode(head))
+        self.add_block(self.codec.encode(head))
         if self.residual.shape[2] == 0:
             self.residual = None
 
@@ -1050,7 +1165,7 @@ class LayerCache:
         self._rows, self._pads = None, []
         for side in (self.k, self.v):
             side.sinks = side.block = side.residual = None
-            side.room = None
+            side.room = side.block_rooms = None
         self._pending = self._awaiting_queries = False
         self._bhd = None
         self._evicted = 0
@@ -1081,14 +1196,16 @@ class LayerCache:
         return out
 
     def spare_bytes(self) -> int:
-        """Bytes allocated behind the full-precision residuals for tokens not yet appended (the
-        room :meth:`Side.add_residual` grows into; docs/design.md#memory): not held, so not in
+        """Bytes allocated behind the full-precision residuals and quantized blocks for tokens
+        not yet appended or flushed (the room :meth:`Side.add_residual` and
+        :meth:`Side.add_block` grow into; docs/design.md#memory): not held, so not in
         :meth:`nbytes`; what the process allocates for this layer is ``nbytes()["total"] +
         spare_bytes()``.  A padded batch: the sum over its rows."""
         if self._rows is not None:
             return sum(r.spare_bytes() for r in self._rows)
         out = 0
         for side in (self.k, self.v):
+            out += side.spare_block_bytes()
             if side.spare_tokens():
                 b, h, _, d = side.residual.shape
                 out += side.spare_tokens() * b * h * d * side.residual.element_size()
