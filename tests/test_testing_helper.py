@@ -228,7 +228,7 @@ class LaxConfig(CacheConfig):
     ("method", "check", "says"),
     [
         (lambda: broken("lying", LyingBytes), "bytes", "nbytes()['codes'] = "),
-        (lambda: broken("view", ViewSinks), "bytes", "is a view of a larger allocation"),
+        (lambda: broken("view", ViewSinks), "bytes", "are views of allocations"),
         (lambda: broken("off-attend", OffAttend), "attend", "differs from attention over"),
         (lambda: broken("pad-blind", PadBlind), "padding", "did not cache each row apart"),
         (
