@@ -230,6 +230,22 @@ done:
     return rc;
 }
 
+#if defined(KQ_FLOAT16)
+/* want (>= 0) cast to float16 rounding *up*: the nearest float16, or the next one up when the
+ * nearest is below; its bits in *bits, its float32 value returned. */
+static float f16_round_up(float want, uint16_t *bits) {
+    _Float16 sh = (_Float16)want;
+    uint16_t sb;
+    memcpy(&sb, &sh, 2);
+    if ((float)sh < want) {
+        sb = (uint16_t)(sb + 1);
+        memcpy(&sh, &sb, 2);
+    }
+    *bits = sb;
+    return (float)sh;
+}
+#endif
+
 /* kq_affine_terms: the stored terms of n asymmetric min-max groups from their float32 min
  * and max, as kvbench.cache.quant.affine_terms computes them (for inputs small enough that its
  * dozen torch operations cost more than the quantization: a decode step's one-token flush):
@@ -263,18 +279,9 @@ int kq_affine_terms(const float *mn, const float *mx, int64_t n, int bits, int s
         const float zf = (float)zh;
         float r = mx[i] - zf;
         r = r < 0.f ? 0.f : r;
-        const float want = r / qmax;
-        _Float16 sh = (_Float16)want;
-        uint16_t sb;
-        memcpy(&sb, &sh, 2);
-        if ((float)sh < want) { /* the next float16 up (want >= 0) */
-            sb = (uint16_t)(sb + 1);
-            memcpy(&sh, &sb, 2);
-        }
         memcpy(&ze[i], &zh, 2);
-        sc[i] = sb;
+        s[i] = f16_round_up(r / qmax, &sc[i]);
         z[i] = zf;
-        s[i] = (float)sh;
         bad |= !isfinite(zf) || !isfinite(s[i]);
     }
     return bad;
@@ -311,16 +318,7 @@ int kq_symmetric_terms(const float *mn, const float *mx, int64_t n, int bits, in
     uint16_t *sc = (uint16_t *)scale;
     for (int64_t i = 0; i < n; i++) {
         const float nm = -mn[i];
-        const float want = fabsf(mx[i] >= nm ? mx[i] : nm) / qmax;
-        _Float16 sh = (_Float16)want;
-        uint16_t sb;
-        memcpy(&sb, &sh, 2);
-        if ((float)sh < want) { /* the next float16 up (want >= 0) */
-            sb = (uint16_t)(sb + 1);
-            memcpy(&sh, &sb, 2);
-        }
-        sc[i] = sb;
-        s[i] = (float)sh;
+        s[i] = f16_round_up(fabsf(mx[i] >= nm ? mx[i] : nm) / qmax, &sc[i]);
         bad |= !isfinite(s[i]);
     }
     return bad;
