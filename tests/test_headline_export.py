@@ -572,6 +572,25 @@ def test_peak_below_bytes_at_rest_is_flagged():
     assert peak_below_rest(old["full"]) == pytest.approx((484 / 384, 2.0))
 
 
+_QUANTO_CFG = {"nbits": 2, "residual_length": 4}
+
+
+def _quanto_pair(mem: dict, mem_metrics: dict) -> list[dict]:
+    """``full`` and a quanto row ``Q`` (:data:`_QUANTO_CFG`), each with a perplexity record
+    (10 tokens, exact-chunked, float32 storage; Q holds 96 bytes) and a memory record of the
+    workload params ``mem``; Q's memory metrics are ``mem_metrics``."""
+    ppl_w = {**PPL, "protocol": "exact-chunked"}
+    stored = {"storage": {"full_precision_dtype": "float32"}}
+    return [
+        rec("full", "full", "perplexity", {"bytes_total": 640, "next_token_kl": 0.0}, None,
+            stored, **ppl_w),
+        rec("full", "full", "memory", {"bytes_total": 640, "peak_step_bytes": 0}, **mem),
+        rec("Q", "hf-quanto", "perplexity", {"bytes_total": 96, "next_token_kl": 0.1},
+            _QUANTO_CFG, stored, **ppl_w),
+        rec("Q", "hf-quanto", "memory", mem_metrics, _QUANTO_CFG, **mem),
+    ]  # fmt: skip
+
+
 def test_flagged_peak_says_what_differs_between_the_two_caches():
     """A cache whose flushes depend on its fill (transformers' quanto) measured by perplexity
     (10 tokens: prefill 5 + chunks of 3) and by memory (10 tokens: prefill 8 + 2 one-token
@@ -580,17 +599,8 @@ def test_flagged_peak_says_what_differs_between_the_two_caches():
     rest and flagged.  The note says, from the records, what differs (bytes at rest, the fill)
     and what agrees (configuration, tokens, storage dtype)."""
     mem10 = {"context": 10, "appends": 2, "dtype": "float32", "source": "model"}
-    ppl_w = {**PPL, "protocol": "exact-chunked"}
-    cfg = {"nbits": 2, "residual_length": 4}
-    stored = {"storage": {"full_precision_dtype": "float32"}}
-    recs = [
-        rec("full", "full", "perplexity", {"bytes_total": 640, "next_token_kl": 0.0}, None,
-            stored, **ppl_w),
-        rec("full", "full", "memory", {"bytes_total": 640, "peak_step_bytes": 0}, **mem10),
-        rec("Q", "hf-quanto", "perplexity", {"bytes_total": 96, "next_token_kl": 0.1}, cfg,
-            stored, **ppl_w),
-        rec("Q", "hf-quanto", "memory", {"bytes_total": 40, "peak_step_bytes": 0}, cfg, **mem10),
-    ]  # fmt: skip
+    cfg = _QUANTO_CFG
+    recs = _quanto_pair(mem10, {"bytes_total": 40, "peak_step_bytes": 0})
     q = {r["label"]: r for r in rows(recs)}["Q"]
     assert peak_below_rest(q) == pytest.approx((40 / 320, 96 / 320))
     assert cache_differences(q) == (
@@ -619,17 +629,7 @@ def test_memory_fill_of_chunks_is_the_perplexity_fill():
     fill) holding the perplexity record's bytes: the note's parts agree on the fill and the
     peak is not flagged; another chunk size is named as a different fill."""
     mem10 = {"context": 10, "fill": "chunks", "prefill": 5, "chunk": 3, "dtype": "float32"}
-    ppl_w = {**PPL, "protocol": "exact-chunked"}
-    cfg = {"nbits": 2, "residual_length": 4}
-    stored = {"storage": {"full_precision_dtype": "float32"}}
-    recs = [
-        rec("full", "full", "perplexity", {"bytes_total": 640, "next_token_kl": 0.0}, None,
-            stored, **ppl_w),
-        rec("full", "full", "memory", {"bytes_total": 640, "peak_step_bytes": 0}, **mem10),
-        rec("Q", "hf-quanto", "perplexity", {"bytes_total": 96, "next_token_kl": 0.1}, cfg,
-            stored, **ppl_w),
-        rec("Q", "hf-quanto", "memory", {"bytes_total": 96, "peak_step_bytes": 8}, cfg, **mem10),
-    ]  # fmt: skip
+    recs = _quanto_pair(mem10, {"bytes_total": 96, "peak_step_bytes": 8})
     q = {r["label"]: r for r in rows(recs)}["Q"]
     assert fill_schedule(q["sources"]["memory"]) == "prefill 5 + chunks of 3 (exact-chunked)"
     assert peak_below_rest(q) is None
@@ -643,7 +643,7 @@ def test_memory_fill_of_chunks_is_the_perplexity_fill():
         ],
     )
     assert PEAK_FLAG not in headline_table(recs)
-    recs[3] = rec("Q", "hf-quanto", "memory", {"bytes_total": 96, "peak_step_bytes": 8}, cfg,
+    recs[3] = rec("Q", "hf-quanto", "memory", {"bytes_total": 96, "peak_step_bytes": 8}, _QUANTO_CFG,
                   **{**mem10, "chunk": 2})  # fmt: skip
     differs, _ = cache_differences({r["label"]: r for r in rows(recs)}["Q"])
     assert differs == [
